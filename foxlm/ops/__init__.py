@@ -1,0 +1,13 @@
+"""Forgetting Attention kernels, each beside its PyTorch reference."""
+
+from .acp import data_logit_bound, prune_threshold
+from .forgetting_attention import forgetting_attention
+from .reference import forgetting_attention_reference, gate_cumsum
+
+__all__ = [
+    "forgetting_attention",
+    "forgetting_attention_reference",
+    "gate_cumsum",
+    "data_logit_bound",
+    "prune_threshold",
+]

@@ -1,0 +1,140 @@
+"""``forgetting_attention``: the one entry point of Forgetting Attention, on every device."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from .acp import data_logit_bound, prune_threshold
+from .chunked import chunked_forgetting_attention
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+MAX_HEAD_DIM = 256
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """Triton kernels on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter)."""
+    if x.dtype == torch.float64:
+        return False
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def _checking_values() -> bool:
+    """Value checks (gate sign, cu_seqlens order) need a host sync: skip them while compiling or capturing."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, tolerance, logit_bound) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name}: expected a 4-D tensor [B, T, H, D], got {getattr(t, 'shape', type(t))}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
+    for name, t in (("k", k), ("v", v), ("log_fgate", log_fgate)):
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}; all inputs must share a device")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+    B, Tq, Hq, D = q.shape
+    if k.shape[0] != B or k.shape[-1] != D:
+        raise ValueError(f"k: expected [B={B}, Tk, Hk, D={D}], got {tuple(k.shape)}")
+    if v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"v: expected [B, Tk, Hk] = {tuple(k.shape[:3])} leading dims, got {tuple(v.shape)}")
+    Tk, Hk = k.shape[1], k.shape[2]
+    if Hq % Hk:
+        raise ValueError(f"q: its {Hq} heads must be a multiple of k's {Hk} heads (GQA)")
+    if Tq > Tk:
+        raise ValueError(f"q: {Tq} queries but only {Tk} keys; queries are the last Tq <= Tk positions")
+    if D > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
+        raise ValueError(f"q, v: head dims up to {MAX_HEAD_DIM} are supported, got {D} and {v.shape[-1]}")
+    if not isinstance(log_fgate, torch.Tensor) or tuple(log_fgate.shape) != (B, Tk, Hq):
+        raise ValueError(f"log_fgate: expected shape [B, Tk, Hq] = {(B, Tk, Hq)}, got {getattr(log_fgate, 'shape', None)}")
+    if log_fgate.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"log_fgate: expected float32 (gate math is fp32), got {log_fgate.dtype}")
+    if not 0.0 < tolerance < 1.0:
+        raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
+    if isinstance(logit_bound, torch.Tensor) and logit_bound.device != q.device:
+        raise ValueError(f"logit_bound: on {logit_bound.device}, but q is on {q.device}")
+    check_values = _checking_values()
+    if check_values and bool((~(log_fgate <= 0) | log_fgate.isinf()).any()):
+        raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
+    if cu_seqlens is None:
+        if max_seqlen is not None:
+            raise ValueError("max_seqlen: only meaningful together with cu_seqlens")
+        return
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but q is on {q.device}")
+    if B != 1 or Tq != Tk:
+        raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
+    if check_values:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != Tk or bool((lengths < 0).any()):
+            raise ValueError(f"cu_seqlens: expected sorted offsets from 0 to T={Tk}, got {cu_seqlens.tolist()}")
+        if max_seqlen is not None and int(lengths.max()) > max_seqlen:
+            raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence, {int(lengths.max())}")
+
+
+def forgetting_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    prune: bool = False,
+    tolerance: float = math.exp(-10),
+    logit_bound: float | torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal softmax attention with a forget gate: logits ``scale * q_i . k_j + c_i - c_j``.
+
+    Args:
+        q: [B, Tq, Hq, D] queries, the last Tq positions of the sequence (Tq < Tk: chunked prefill).
+        k: [B, Tk, Hk, D] keys; Hq must be a multiple of Hk (GQA / MQA).
+        v: [B, Tk, Hk, Dv] values.
+        log_fgate: [B, Tk, Hq] fp32 log forget gates (<= 0); c is their cumsum, in fp64.
+        scale: logit scale, default 1/sqrt(D).
+        cu_seqlens: [N+1] int32 sequence offsets of packed input (B == 1): sequences never see each
+            other and the gate cumsum restarts at every sequence.
+        max_seqlen: longest sequence in ``cu_seqlens`` (saves a host sync on GPU).
+        prune: Adaptive Computation Pruning: skip the attention whose decay c_i - c_j is below
+            delta = -(2U + log N) + log(tolerance), which carries less than ``tolerance`` of any row's mass.
+        tolerance: the largest attention mass ACP may drop from a row.
+        logit_bound: U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq],
+            e.g. from QK-norm weights); by default scale * max||q|| * max||k|| per (sequence, head).
+        return_lse: also return the row log-sum-exp [B, Hq, Tq] (fp32).
+
+    Returns:
+        o: [B, Tq, Hq, Dv] in q's dtype, and lse when ``return_lse``.
+
+    CUDA tensors go through the fused Triton kernels, CPU tensors through a memory-bounded PyTorch
+    path (or through the Triton kernels under ``TRITON_INTERPRET=1``); float64 always takes the PyTorch path.
+    """
+    _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, tolerance, logit_bound)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    threshold = None
+    if prune:
+        if logit_bound is None:
+            bound = data_logit_bound(q.detach(), k.detach(), scale, cu_seqlens)
+        else:
+            rows = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+            bound = torch.as_tensor(logit_bound, dtype=torch.float32, device=q.device).expand(rows, q.shape[2])
+        n = k.shape[1] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1])
+        threshold = prune_threshold(bound, n, tolerance)
+    if _use_triton(q):
+        from .triton_attention import triton_forgetting_attention
+
+        o, lse = triton_forgetting_attention(
+            q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, threshold=threshold
+        )
+    else:
+        o, lse = chunked_forgetting_attention(q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, threshold=threshold)
+    return (o, lse) if return_lse else o
