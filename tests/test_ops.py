@@ -1,0 +1,174 @@
+"""The public op on the CPU path (chunked PyTorch), its validation, ACP threshold and gate precision."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import foxlm.ops.chunked as chunked
+from foxlm.ops import forgetting_attention, forgetting_attention_reference, gate_cumsum
+from foxlm.ops.acp import data_logit_bound
+
+
+def _inputs(B, Tq, Tk, Hq, Hk, D, Dv=None, dtype=torch.float64, gate_scale=2.0, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Tq, Hq, D, generator=g, dtype=dtype)
+    k = torch.randn(B, Tk, Hk, D, generator=g, dtype=dtype)
+    v = torch.randn(B, Tk, Hk, Dv or D, generator=g, dtype=dtype)
+    log_f = F.logsigmoid(gate_scale * torch.randn(B, Tk, Hq, generator=g, dtype=torch.float64) + 2.0)
+    return q, k, v, log_f
+
+
+def _grads(o, lse, inputs, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    do = torch.randn(o.shape, generator=g, dtype=o.dtype)
+    dl = torch.randn(lse.shape, generator=g, dtype=lse.dtype)
+    return torch.autograd.grad((o * do).sum() + (lse * dl).sum(), inputs)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Force many query chunks so the chunk loop, not one big matrix, is what gets tested."""
+    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 16 * 8 * 64)
+
+
+@pytest.mark.parametrize("Hq,Hk", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("Tq,Tk,D,Dv", [(77, 77, 16, 16), (23, 77, 32, 24)])
+def test_chunked_matches_reference(small_chunks, Hq, Hk, Tq, Tk, D, Dv):
+    q, k, v, log_f = _inputs(2, Tq, Tk, Hq, Hk, D, Dv)
+    inputs = [t.requires_grad_() for t in (q, k, v, log_f)]
+    o, lse = forgetting_attention(q, k, v, log_f, return_lse=True)
+    ro, rlse = forgetting_attention_reference(q, k, v, log_f, return_lse=True)
+    torch.testing.assert_close(o, ro, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), rlse, rtol=1e-6, atol=1e-6)  # lse is returned in fp32
+    for got, want in zip(_grads(o, lse.double(), inputs), _grads(ro, rlse, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_chunked_varlen_matches_reference(small_chunks):
+    cu = torch.tensor([0, 1, 30, 31, 31, 90], dtype=torch.int32)
+    q, k, v, log_f = _inputs(1, 90, 90, 4, 2, 16)
+    inputs = [t.requires_grad_() for t in (q, k, v, log_f)]
+    o = forgetting_attention(q, k, v, log_f, cu_seqlens=cu)
+    ro = forgetting_attention_reference(q, k, v, log_f, cu_seqlens=cu)
+    torch.testing.assert_close(o, ro, rtol=1e-10, atol=1e-10)
+    g = torch.randn_like(o)
+    for got, want in zip(torch.autograd.grad((o * g).sum(), inputs), torch.autograd.grad((ro * g).sum(), inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-8)
+    # Each packed sequence equals the sequence run alone.
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b > a:
+            alone = forgetting_attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], log_f[:, a:b])
+            torch.testing.assert_close(o[:, a:b], alone, rtol=1e-10, atol=1e-10)
+
+
+def test_bf16_inputs_compute_in_fp32():
+    q, k, v, log_f = _inputs(1, 40, 40, 2, 2, 32, dtype=torch.bfloat16)
+    o = forgetting_attention(q, k, v, log_f.float())
+    assert o.dtype == torch.bfloat16
+    ro = forgetting_attention_reference(q.double(), k.double(), v.double(), log_f)
+    assert (o.double() - ro).norm() / ro.norm() < 1e-2
+
+
+def test_gate_one_is_plain_causal_attention():
+    q, k, v, _ = _inputs(2, 50, 50, 3, 3, 16)
+    zero_log_f = torch.zeros(2, 50, 3, dtype=torch.float64)  # f = 1: no forgetting
+    o = forgetting_attention(q, k, v, zero_log_f)
+    sdpa = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+    torch.testing.assert_close(o, sdpa.transpose(1, 2), rtol=1e-10, atol=1e-10)
+
+
+def test_gate_near_zero_sees_only_itself():
+    q, k, v, _ = _inputs(1, 30, 30, 2, 2, 16)
+    log_f = torch.full((1, 30, 2), -30.0, dtype=torch.float64)
+    o = forgetting_attention(q, k, v, log_f)
+    torch.testing.assert_close(o, v, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_acp_pruned_mass_below_tolerance(small_chunks, varlen):
+    """Pruning drops < tolerance of each row's mass, so outputs move by < 2 * tolerance * max|v|."""
+    tol = 1e-4
+    q, k, v, log_f = _inputs(1, 200, 200, 4, 2, 16, gate_scale=3.0)
+    log_f = log_f - 0.3  # fast forgetting: most of the matrix is prunable
+    cu = torch.tensor([0, 37, 38, 200], dtype=torch.int32) if varlen else None
+    o = forgetting_attention(q, k, v, log_f, cu_seqlens=cu, prune=True, tolerance=tol)
+    ro = forgetting_attention_reference(q, k, v, log_f, cu_seqlens=cu)
+    assert (o - ro).abs().max() < 2 * tol * v.abs().max()
+    # The pruning really happened: the first kept key of late rows is well past their sequence start.
+    bound = data_logit_bound(q, k, 0.25, cu)
+    n = 200 if cu is None else cu[1:] - cu[:-1]
+    from foxlm.ops.acp import prune_threshold
+
+    starts = chunked.row_starts(torch.cumsum(log_f, 1), 200, cu, prune_threshold(bound, n, tol))
+    assert (starts[..., -1] > 100).all()
+
+
+def test_acp_with_caller_bound_is_safe_and_tighter_bound_prunes_more():
+    q, k, v, log_f = _inputs(2, 120, 120, 2, 2, 16)
+    q = F.normalize(q, dim=-1)
+    k = F.normalize(k, dim=-1)
+    scale = 0.25
+    o = forgetting_attention(q, k, v, log_f - 0.5, scale=scale, prune=True, logit_bound=scale, tolerance=1e-5)
+    ro = forgetting_attention_reference(q, k, v, log_f - 0.5, scale=scale)
+    assert (o - ro).abs().max() < 2e-5 * v.abs().max()
+
+
+def test_gate_cumsum_precise_over_a_million_tokens():
+    """fp32 cumsum loses c_i - c_j at 1M tokens; the fp64 cumsum the op uses keeps it to ~1e-9."""
+    T = 1 << 20
+    g = torch.Generator().manual_seed(3)
+    log_f = F.logsigmoid(torch.randn(1, T, 1, generator=g) + 4.0)  # mean decay ~0.02/token: |c| ~ 2e4 at the end
+    c = gate_cumsum(log_f)[0, :, 0]
+    c32 = torch.cumsum(log_f, dim=1)[0, :, 0]
+    i = torch.arange(T - 4096, T)
+    j = i - torch.randint(1, 64, (4096,), generator=g)
+    exact = torch.tensor([math.fsum(log_f[0, jj + 1:ii + 1, 0].double().tolist()) for ii, jj in zip(i.tolist(), j.tolist())], dtype=torch.float64)
+    err64 = ((c[i] - c[j]) - exact).abs().max().item()
+    err32 = ((c32[i] - c32[j]).double() - exact).abs().max().item()
+    print(f"max |error of c_i - c_j| at 1M tokens: fp64 cumsum {err64:.2e}, fp32 cumsum {err32:.2e}")
+    assert err64 < 1e-9
+    assert err32 > 1e-4  # the failure the fp64 sum exists to prevent
+
+
+def test_lse_gradient_flows():
+    q, k, v, log_f = _inputs(1, 20, 20, 2, 2, 8)
+    log_f.requires_grad_()
+    _, lse = forgetting_attention(q, k, v, log_f, return_lse=True)
+    (g,) = torch.autograd.grad(lse.sum(), log_f)
+    assert g.abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda a: a.update(q=a["q"][0]), "q"),
+        (lambda a: a.update(k=torch.randn(1, 16, 3, 8, dtype=torch.float64), v=torch.randn(1, 16, 3, 8, dtype=torch.float64)), "multiple"),
+        (lambda a: a.update(log_fgate=a["log_fgate"].bfloat16()), "log_fgate"),
+        (lambda a: a.update(log_fgate=-a["log_fgate"] + 0.1), "log_fgate"),
+        (lambda a: a.update(log_fgate=a["log_fgate"].masked_fill(torch.rand(1, 16, 4) < 0.1, float("nan"))), "log_fgate"),
+        (lambda a: a.update(log_fgate=a["log_fgate"][:, :8]), "log_fgate"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32)), "cu_seqlens"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 16], dtype=torch.int64)), "cu_seqlens"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 15], dtype=torch.int32)), "cu_seqlens"),
+        (lambda a: a.update(v=a["v"].float()), "dtype"),
+        (lambda a: a.update(q=a["q"][:, :, :, :4]), "k"),
+        (lambda a: a.update(tolerance=2.0), "tolerance"),
+        (lambda a: a.update(q=torch.randn(1, 17, 4, 8, dtype=torch.float64)), "q"),
+        (lambda a: a.update(max_seqlen=16), "max_seqlen"),
+    ],
+)
+def test_bad_input_raises_value_error_naming_the_argument(change, match):
+    q, k, v, log_f = _inputs(1, 16, 16, 4, 2, 8)
+    args = dict(q=q, k=k, v=v, log_fgate=log_f)
+    change(args)
+    with pytest.raises(ValueError, match=match):
+        forgetting_attention(**args)
+
+
+def test_differing_devices_raise():
+    meta_k = torch.empty(1, 16, 2, 8, dtype=torch.float64, device="meta")
+    q, _, v, log_f = _inputs(1, 16, 16, 2, 2, 8)
+    with pytest.raises(ValueError, match="device"):
+        forgetting_attention(q, meta_k, v, log_f)
