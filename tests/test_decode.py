@@ -1,0 +1,188 @@
+"""The decode kernel (Triton, under TRITON_INTERPRET=1 on the CPU) and its PyTorch path against the fp64 oracle."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+# Triton builds its language functions for the interpreter only if TRITON_INTERPRET is set when it is
+# first imported; the kernels themselves are dispatched per call (the ``interpret`` fixture).
+_saved = os.environ.get("TRITON_INTERPRET")
+os.environ["TRITON_INTERPRET"] = "1"
+import triton  # noqa: E402,F401
+
+if _saved is None:
+    del os.environ["TRITON_INTERPRET"]
+
+from foxlm.ops import forgetting_attention_reference, gate_cumsum
+from foxlm.ops.decode import decode_attention_torch, evictable_pages, forgetting_attention_decode
+
+
+@pytest.fixture
+def interpret(monkeypatch):
+    """Run the Triton kernels in Triton's interpreter on the CPU."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    # Triton 3.6's interpreter turns 1-element arrays into loop bounds with int(), which NumPy >= 2.4
+    # refuses (triton-lang/triton#9171, fixed upstream by #9172): convert them with .item().
+    import triton.runtime.interpreter as interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", _patch_lang_tensor)
+
+
+def _paged(k, v, c, lengths, page_size, extra_pages=3, gen=None):
+    """Scatter contiguous k [B, T, Hk, D], v, c [B, T, Hq] into shuffled pages; unused slots hold NaN."""
+    B, T, Hk, D = k.shape
+    G = c.shape[-1] // Hk
+    max_pages = math.ceil(T / page_size)
+    num_pages = B * Hk * max_pages + extra_pages
+    perm = torch.randperm(num_pages, generator=gen)
+    page_table = torch.zeros(B, Hk, max_pages, dtype=torch.int32)
+    k_cache = torch.full((num_pages, page_size, D), float("nan"), dtype=k.dtype)
+    v_cache = torch.full((num_pages, page_size, v.shape[-1]), float("nan"), dtype=v.dtype)
+    c_cache = torch.full((num_pages, page_size, G), float("nan"), dtype=torch.float64)
+    i = 0
+    for b in range(B):
+        for h in range(Hk):
+            for p in range(math.ceil(int(lengths[b]) / page_size)):
+                page = int(perm[i]); i += 1
+                page_table[b, h, p] = page
+                a, e = p * page_size, min((p + 1) * page_size, int(lengths[b]))
+                k_cache[page, : e - a] = k[b, a:e, h]
+                v_cache[page, : e - a] = v[b, a:e, h]
+                c_cache[page, : e - a] = c[b, a:e, h * G:(h + 1) * G]
+    return k_cache, v_cache, c_cache, page_table
+
+
+def _problem(B, T, Hq, Hk, D, Dv, dtype, gen, gate_scale=1.0):
+    q = torch.randn(B, 4, Hq, D, generator=gen).to(dtype)
+    k = torch.randn(B, T, Hk, D, generator=gen).to(dtype)
+    v = torch.randn(B, T, Hk, Dv, generator=gen).to(dtype)
+    log_fgate = F.logsigmoid(3.0 + gate_scale * torch.randn(B, T, Hq, generator=gen))
+    return q, k, v, log_fgate
+
+
+def _oracle(q, k, v, log_fgate, lengths, first_key, scale):
+    """Per sequence: the fp64 reference on keys [first_key, length) (evicted prefix dropped)."""
+    out = []
+    for b in range(q.shape[0]):
+        L = int(lengths[b])
+        f = int(first_key[b])
+        out.append(forgetting_attention_reference(
+            q[b:b + 1].double(), k[b:b + 1, f:L].double(), v[b:b + 1, f:L].double(),
+            log_fgate[b:b + 1, f:L].double(), scale=scale,
+        ))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("tq, group, dtype", [(1, 1, torch.float32), (3, 2, torch.float32), (2, 3, torch.bfloat16)])
+def test_decode_matches_reference(interpret, tq, group, dtype):
+    gen = torch.Generator().manual_seed(100 + tq + group)
+    B, T, Hk, D, Dv, page = 3, 150, 2, 24, 40, 16
+    q, k, v, log_fgate = _problem(B, T, Hk * group, Hk, D, Dv, dtype, gen)
+    q = q[:, :tq]
+    lengths = torch.tensor([150, 37, 97], dtype=torch.int32)
+    c = gate_cumsum(log_fgate) - 1e4  # a large offset: only differences matter, and fp64 keeps them
+    kc, vc, cc, pt = _paged(k, v, c, lengths, page, gen=gen)
+    start = torch.zeros(B, Hk, dtype=torch.int32)
+    ref = _oracle(q, k, v, log_fgate, lengths, [0] * B, D ** -0.5)  # fp64
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for splits in (1, 4):
+        o, lse = forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, num_splits=splits, return_lse=True)
+        assert o.dtype == dtype and not o.isnan().any()
+        err = (o.double() - ref).norm() / ref.norm()
+        assert err < tol, (splits, err)
+    o2 = forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, num_splits=4)
+    assert torch.equal(o, o2)  # deterministic combine
+    # The PyTorch path in fp64 is exact.
+    o64, lse64 = decode_attention_torch(q.double(), kc.double(), vc.double(), cc, pt, start, lengths, D ** -0.5)
+    assert (o64 - ref).abs().max() < 1e-10
+    assert (lse.double() - lse64.double()).abs().max() < 1e-2
+
+
+def test_decode_skips_evicted_pages(interpret):
+    """Keys before cache_start are never read (their pages may be reused): NaN there must not leak."""
+    gen = torch.Generator().manual_seed(7)
+    B, T, Hk, G, D, page = 2, 120, 2, 2, 16, 8
+    q, k, v, log_fgate = _problem(B, T, Hk * G, Hk, D, D, torch.float32, gen)
+    q = q[:, :2]
+    lengths = torch.tensor([120, 70], dtype=torch.int32)
+    kc, vc, cc, pt = _paged(k, v, gate_cumsum(log_fgate), lengths, page, gen=gen)
+    start = torch.tensor([[3, 5], [0, 2]], dtype=torch.int32)
+    for b in range(B):
+        for h in range(Hk):
+            kc[pt[b, h, : start[b, h]].long()] = float("nan")
+            vc[pt[b, h, : start[b, h]].long()] = float("nan")
+    for fn in (forgetting_attention_decode, lambda *a: decode_attention_torch(*a, D ** -0.5)[0]):
+        o = fn(q, kc, vc, cc, pt, start, lengths)
+        for b in range(B):
+            for h in range(Hk):
+                heads = slice(h * G, (h + 1) * G)
+                ref = _oracle(q[b:b + 1, :, heads], k[b:b + 1, :, h:h + 1], v[b:b + 1, :, h:h + 1],
+                              log_fgate[b:b + 1, :, heads], lengths[b:b + 1], [int(start[b, h]) * page], D ** -0.5)
+                assert (o[b:b + 1, :, heads].double() - ref).abs().max() < 1e-4
+
+
+def test_eviction_within_tolerance(interpret):
+    """QK-norm bound U: evicted keys change the output by at most the tolerance (times 2 max|v|)."""
+    gen = torch.Generator().manual_seed(11)
+    B, T, Hk, G, D, page, tol = 2, 256, 2, 2, 16, 8, math.exp(-3)
+    Hq = Hk * G
+    w_q, w_k = 0.5 + torch.rand(Hq, D, generator=gen), 0.5 + torch.rand(Hk, D, generator=gen)
+    q = F.rms_norm(torch.randn(B, 1, Hq, D, generator=gen), (D,)) * w_q
+    k = F.rms_norm(torch.randn(B, T, Hk, D, generator=gen), (D,)) * w_k
+    v = torch.randn(B, T, Hk, D, generator=gen)
+    # Heads of very different decay speed: the fast ones lose most of their cache.
+    rate = torch.tensor([0.8, 0.3, 0.1, 0.01])
+    log_fgate = -rate * torch.rand(B, T, Hq, generator=gen) * 2
+    scale = D ** -0.5
+    U = w_q.amax(-1) * w_k.amax(-1).repeat_interleave(G) * D * scale  # [Hq]
+    lengths = torch.tensor([256, 200], dtype=torch.int32)
+    kc, vc, cc, pt = _paged(k, v, gate_cumsum(log_fgate), lengths, page, gen=gen)
+    start0 = torch.zeros(B, Hk, dtype=torch.int32)
+    start = evictable_pages(cc, pt, start0, lengths, U, max_length=T, tolerance=tol)
+    assert (start[:, 0] > 0).all() and (start[:, 1] < start[:, 0]).all()  # kv head 0 forgets faster
+    # Every evicted key is past delta for all its query heads; the first kept page is not.
+    delta = -(2 * U + math.log(T)) + math.log(tol)
+    c = gate_cumsum(log_fgate)
+    for b in range(B):
+        t = int(lengths[b]) - 1
+        for h in range(Hk):
+            decay = c[b, t, h * G:(h + 1) * G] - c[b, : int(start[b, h]) * page, h * G:(h + 1) * G]
+            assert (decay < delta[h * G:(h + 1) * G]).all()
+            first_kept = c[b, t, h * G:(h + 1) * G] - c[b, int(start[b, h]) * page + page - 1, h * G:(h + 1) * G]
+            assert not (first_kept < delta[h * G:(h + 1) * G]).all()
+    full = forgetting_attention_decode(q, kc, vc, cc, pt, start0, lengths)
+    kept = forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths)
+    diff = (full - kept).abs().amax()
+    assert 0 < diff <= 2 * tol * v.abs().max()
+    # Re-running eviction from the new start changes nothing (idempotent).
+    assert torch.equal(evictable_pages(cc, pt, start, lengths, U, max_length=T, tolerance=tol), start)
+
+
+def test_decode_bad_input():
+    q = torch.randn(1, 1, 4, 8)
+    kc, vc = torch.randn(5, 4, 8), torch.randn(5, 4, 8)
+    cc = torch.zeros(5, 4, 2, dtype=torch.float64)
+    pt = torch.zeros(1, 2, 3, dtype=torch.int32)
+    start, lengths = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths)
+    with pytest.raises(ValueError, match="c_cache"):
+        forgetting_attention_decode(q, kc, vc, cc.float(), pt, start, lengths)
+    with pytest.raises(ValueError, match="page_table"):
+        forgetting_attention_decode(q, kc, vc, cc, pt.long(), start, lengths)
+    with pytest.raises(ValueError, match="k_cache"):
+        forgetting_attention_decode(q, kc[..., :4], vc, cc, pt, start, lengths)
+    with pytest.raises(ValueError, match="heads"):
+        forgetting_attention_decode(q[:, :, :3], kc, vc, cc, pt, start, lengths)
+    with pytest.raises(ValueError, match="lengths"):
+        forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths.long())
