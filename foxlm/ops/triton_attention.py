@@ -1,0 +1,580 @@
+"""Fused Triton kernels of Forgetting Attention: forward and a deterministic backward.
+
+Logits are ``scale * q_i . k_j + c_i - c_j`` with ``c`` the gate cumsum, computed in base 2 (exp2 with
+log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial (FlashAttention-2):
+
+* forward: one program per (query block, head); key tiles left of the diagonal run without masks, the
+  tiles that cross the diagonal (or the end of the sequence) with them;
+* backward: one program per (block, key head) computes dK/dV for its key block, looping over the query
+  heads of its GQA group in a fixed order (deterministic GQA reduction), and dQ for the query block of
+  the same index (balanced work under the causal mask). No atomics: the gate gradient is collected as
+  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64.
+* gate precision: c is an fp64 cumsum; every program subtracts an fp64 reference (c at its first query
+  or key) from the BLOCK-long c vectors before converting them to fp32, so c_i - c_j keeps its precision
+  even when |c| reaches 1e6 (a million tokens).
+* ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
+  the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
+  blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
+* varlen: with ``cu_seqlens`` the grid runs over (sequence, block); no program crosses a sequence.
+
+Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels run on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from .reference import gate_cumsum, segment_ids
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _search(c_base, lo, hi, target, STRICT: tl.constexpr):
+    """First j in [lo, hi) with c[j] < target (STRICT) or c[j] <= target, else hi; c is non-increasing."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        cm = tl.load(c_base + mid)
+        if STRICT:
+            right = cm >= target
+        else:
+            right = cm > target
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
+
+
+@triton.jit
+def _load_rows(ptrs, rmask, cmask, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Load a [rows, cols] tile, masking rows and/or columns only where needed."""
+    if ROWS and COLS:
+        x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
+    elif ROWS:
+        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
+    elif COLS:
+        x = tl.load(ptrs, mask=cmask[None, :], other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _seq_bounds(CU, b, Tq, Tk, VARLEN: tl.constexpr):
+    """(first token, query length, key length, query offset in key positions) of sequence/batch b."""
+    if VARLEN:
+        tok0 = tl.load(CU + b)
+        len_q = tl.load(CU + b + 1) - tok0
+        len_k = len_q
+        off = len_q * 0
+    else:
+        tok0 = b * 0
+        len_q = tok0 + Tq
+        len_k = tok0 + Tk
+        off = len_k - len_q
+    return tok0, len_q, len_k, off
+
+
+@triton.jit
+def _tensor_batch(b, VARLEN: tl.constexpr):
+    """Batch index into the tensors (int64): packed varlen input is one batch row [1, total, ...]."""
+    if VARLEN:
+        bt = b.to(tl.int64) * 0
+    else:
+        bt = b.to(tl.int64)
+    return bt
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, start_n, len_k,
+              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kn = start_n + tl.arange(0, BLOCK_N)
+    kvalid = kn < len_k
+    k = _load_rows(k_base + kn.to(tl.int64)[:, None] * skt + offs_d[None, :], kvalid, offs_d < D,
+                   MASK, BLOCK_D != D)
+    if MASK:
+        ck = tl.load(c_base + kn, mask=kvalid, other=0.0)
+    else:
+        ck = tl.load(c_base + kn)
+    ck = (ck - c_ref).to(tl.float32) * LOG2E
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale + (cq[:, None] - ck[None, :])
+    if MASK:
+        s = tl.where((pos_m[:, None] >= kn[None, :]) & kvalid[None, :], s, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(v_base + kn.to(tl.int64)[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV,
+                   MASK, BLOCK_DV != DV)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, lo, hi, len_k,
+               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    if INTERPRET:  # Triton 3.6's interpreter cannot run range() over tensor bounds with NumPy >= 2.4
+        start_n = lo
+        while start_n < hi:
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
+                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
+                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
+                Tq, Tk, Hq, G: tl.constexpr, qk_scale,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                VARLEN: tl.constexpr, PRUNE: tl.constexpr, PRECISION: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    pid_m = tl.program_id(0)
+    hq = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = hq // G
+    tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
+    bt = _tensor_batch(b, VARLEN)
+    i0 = pid_m * BLOCK_M
+    if i0 >= len_q:
+        return
+    offs_m = i0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mvalid = offs_m < len_q
+    rows = (tok0 + offs_m).to(tl.int64)
+    q = _load_rows(Q + bt * sqb + hq * sqh + rows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D,
+                   True, BLOCK_D != D)
+    c_base = C + bt * scb + hq * sch + tok0
+    k_base = K + bt * skb + hk * skh + tok0.to(tl.int64) * skt
+    v_base = V + bt * svb + hk * svh + tok0.to(tl.int64) * svt
+    p0 = off + i0
+    c_ref = tl.load(c_base + p0)
+    cq = (tl.load(c_base + off + offs_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
+    pos_m = off + offs_m
+    p_last = off + tl.minimum(i0 + BLOCK_M, len_q) - 1
+    mask_lo = (p0 // BLOCK_N) * BLOCK_N
+    lo = p0 * 0
+    if PRUNE:
+        thr = tl.load(THR + b * Hq + hq).to(tl.float64)
+        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N) * BLOCK_N, mask_lo)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                               lo, mask_lo, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PRECISION, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                               mask_lo, p_last + 1, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PRECISION, INTERPRET)
+    acc = acc / l_i[:, None]
+    o_ptrs = O + bt * sob + hq * soh + rows[:, None] * sot + offs_dv[None, :]
+    if BLOCK_DV != DV:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None] & (offs_dv < DV)[None, :])
+    else:
+        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None])
+    lse = (m_i + tl.math.log2(l_i)) * LN2
+    tl.store(LSE + bt * slb + hq * slh + tok0 + offs_m, lse, mask=mvalid)
+
+
+@triton.jit
+def _bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
+                    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+    """delta_i = sum_d o_i * do_i - dlse_i: [B, H, T] fp32."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (offs_m < T)[:, None] & (offs_dv < DV)[None, :]
+    ptrs = b * sob + h * soh + offs_m.to(tl.int64)[:, None] * sot + offs_dv[None, :]
+    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, 1)
+    lptrs = b * slb + h * slh + offs_m
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + lptrs, mask=offs_m < T, other=0.0)
+    tl.store(DELTA + lptrs, delta, mask=offs_m < T)
+
+
+@triton.jit
+def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base, sqt, sot, c_ref,
+                   qk_scale, start_m, len_q, off,
+                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                   BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    mvalid = offs_m < len_q
+    rows = offs_m.to(tl.int64)
+    q = _load_rows(q_base + rows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D, MASK, BLOCK_D != D)
+    do = _load_rows(do_base + rows[:, None] * sot + offs_dv[None, :], mvalid, offs_dv < DV, MASK, BLOCK_DV != DV)
+    if MASK:
+        lse = tl.load(l_base + offs_m, mask=mvalid, other=0.0)
+        delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
+        cq = tl.load(c_base + off + offs_m, mask=mvalid, other=0.0)
+    else:
+        lse = tl.load(l_base + offs_m)
+        delta = tl.load(d_base + offs_m)
+        cq = tl.load(c_base + off + offs_m)
+    cq = (cq - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
+    st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale + (cq[None, :] - ck[:, None])
+    pt = tl.math.exp2(st)
+    if MASK:
+        pt = tl.where(((off + offs_m)[None, :] >= kn[:, None]) & mvalid[None, :] & kvalid[:, None], pt, 0.0)
+    dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    dst = pt * (dpt - delta[None, :])
+    dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+    dck += tl.sum(dst, 1)
+    return dk, dv, dck
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base, sqt, sot, c_ref,
+                    qk_scale, lo, hi, len_q, off,
+                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        start_m = lo
+        while start_m < hi:
+            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base,
+                                         sqt, sot, c_ref, qk_scale, start_m, len_q, off,
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION)
+            start_m += BLOCK_M
+    else:
+        for start_m in range(lo, hi, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base,
+                                         sqt, sot, c_ref, qk_scale, start_m, len_q, off,
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION)
+    return dk, dv, dck
+
+
+@triton.jit
+def _bwd_dq_tile(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                 start_n, len_k,
+                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kn = start_n + tl.arange(0, BLOCK_N)
+    kvalid = kn < len_k
+    rows = kn.to(tl.int64)
+    k = _load_rows(k_base + rows[:, None] * skt + offs_d[None, :], kvalid, offs_d < D, MASK, BLOCK_D != D)
+    v = _load_rows(v_base + rows[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV, MASK, BLOCK_DV != DV)
+    if MASK:
+        ck = tl.load(c_base + kn, mask=kvalid, other=0.0)
+    else:
+        ck = tl.load(c_base + kn)
+    ck = (ck - c_ref).to(tl.float32) * LOG2E
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale + (cq[:, None] - ck[None, :])
+    p = tl.math.exp2(s)
+    if MASK:
+        p = tl.where((pos_m[:, None] >= kn[None, :]) & mvalid[:, None] & kvalid[None, :], p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    dcq += tl.sum(ds, 1)
+    return dq, dcq
+
+
+@triton.jit
+def _bwd_dq_inner(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                  lo, hi, len_k,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    if INTERPRET:
+        start_n = lo
+        while start_n < hi:
+            dq, dcq = _bwd_dq_tile(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
+                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+            start_n += BLOCK_N
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            dq, dcq = _bwd_dq_tile(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
+                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+    return dq, dcq
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCQ, DCK, CU,
+                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
+                Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale,
+                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                VARLEN: tl.constexpr, PRUNE: tl.constexpr, PRECISION: tl.constexpr,
+                INTERPRET: tl.constexpr):
+    """dK, dV for key block ``pid`` (summed over the query heads of the GQA group) and dQ for query block
+    ``pid`` of each of those heads; the gate gradient's row and column sums go to DCQ and DCK."""
+    pid = tl.program_id(0)
+    hk = tl.program_id(1)
+    b = tl.program_id(2)
+    tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
+    bt = _tensor_batch(b, VARLEN)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # This program's key block (dK, dV) ...
+    start_n = pid * BLOCK_N1
+    do_kv = start_n < len_k
+    kn = start_n + tl.arange(0, BLOCK_N1)
+    kvalid = kn < len_k
+    krows = (tok0 + kn).to(tl.int64)
+    k = _load_rows(K + bt * skb + hk * skh + krows[:, None] * skt + offs_d[None, :], kvalid, offs_d < D,
+                   True, BLOCK_D != D)
+    v = _load_rows(V + bt * svb + hk * svh + krows[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV,
+                   True, BLOCK_DV != DV)
+    dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N1, BLOCK_DV], dtype=tl.float32)
+    # ... and its query block (dQ): the causal work of the two halves adds up to the same for every pid.
+    start_m = pid * BLOCK_M2
+    do_q = start_m < len_q
+    offs_m = start_m + tl.arange(0, BLOCK_M2)
+    mvalid = offs_m < len_q
+    mrows = (tok0 + offs_m).to(tl.int64)
+    pos_m = off + offs_m
+    k_base = K + bt * skb + hk * skh + tok0.to(tl.int64) * skt
+    v_base = V + bt * svb + hk * svh + tok0.to(tl.int64) * svt
+    for g in range(G):
+        hq = hk * G + g
+        c_base = C + bt * scb + hq * sch + tok0
+        l_base = LSE + bt * slb + hq * slh + tok0
+        d_base = DELTA + bt * slb + hq * slh + tok0
+        q_base = Q + bt * sqb + hq * sqh + tok0.to(tl.int64) * sqt
+        do_base = DO + bt * sob + hq * soh + tok0.to(tl.int64) * sot
+        if PRUNE:
+            thr = tl.load(THR + b * Hq + hq).to(tl.float64)
+        if do_kv:
+            c_ref = tl.load(c_base + start_n)
+            ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
+            # Query blocks that see this key block: from the one holding position start_n; those whose
+            # rows all lie at or past the block's last key need no mask; a partial last block does.
+            k_last = tl.minimum(start_n + BLOCK_N1, len_k) - 1
+            lo = (tl.maximum(start_n - off, 0) // BLOCK_M1) * BLOCK_M1
+            hi = len_q
+            if PRUNE:
+                r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
+                hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
+            unmasked_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N1 - 1 - off, BLOCK_M1) * BLOCK_M1, lo)
+            unmasked_hi = tl.maximum((len_q // BLOCK_M1) * BLOCK_M1, unmasked_lo)
+            dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
+            dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
+                                          d_base, sqt, sot, c_ref, qk_scale, lo, tl.minimum(unmasked_lo, hi),
+                                          len_q, off, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
+            dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
+                                          d_base, sqt, sot, c_ref, qk_scale, unmasked_lo,
+                                          tl.minimum(unmasked_hi, hi), len_q, off,
+                                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, False, PRECISION, INTERPRET)
+            dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
+                                          d_base, sqt, sot, c_ref, qk_scale, unmasked_hi, hi, len_q, off,
+                                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
+            tl.store(DCK + bt * scb + hq * sch + tok0 + kn, -dck, mask=kvalid)
+        if do_q:
+            q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D,
+                           True, BLOCK_D != D)
+            do = _load_rows(do_base + offs_m.to(tl.int64)[:, None] * sot + offs_dv[None, :], mvalid,
+                            offs_dv < DV, True, BLOCK_DV != DV)
+            p0 = off + start_m
+            c_ref = tl.load(c_base + p0)
+            lse = tl.load(l_base + offs_m, mask=mvalid, other=float("inf"))
+            delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
+            cq = (tl.load(c_base + pos_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
+            p_last = off + tl.minimum(start_m + BLOCK_M2, len_q) - 1
+            mask_lo = (p0 // BLOCK_N2) * BLOCK_N2
+            lo = p0 * 0
+            if PRUNE:
+                lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N2) * BLOCK_N2, mask_lo)
+            dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
+            dcq = tl.zeros([BLOCK_M2], dtype=tl.float32)
+            dq, dcq = _bwd_dq_inner(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
+                                    c_ref, qk_scale, lo, mask_lo, len_k,
+                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, False, PRECISION, INTERPRET)
+            dq, dcq = _bwd_dq_inner(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
+                                    c_ref, qk_scale, mask_lo, p_last + 1, len_k,
+                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, PRECISION, INTERPRET)
+            dq_ptrs = DQ + bt * sqb + hq * sqh + mrows[:, None] * sqt + offs_d[None, :]
+            tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=mvalid[:, None] & (offs_d < D)[None, :])
+            tl.store(DCQ + bt * slb + hq * slh + tok0 + offs_m, dcq, mask=mvalid)
+    if do_kv:
+        dk_ptrs = DK + bt * skb + hk * skh + krows[:, None] * skt + offs_d[None, :]
+        tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kvalid[:, None] & (offs_d < D)[None, :])
+        dv_ptrs = DV_ + bt * svb + hk * svh + krows[:, None] * svt + offs_dv[None, :]
+        tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty), mask=kvalid[:, None] & (offs_dv < DV)[None, :])
+
+
+def _config(num_warps: int, num_stages: int, **blocks: int) -> triton.Config:
+    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
+
+
+# Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries.
+_INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16}
+_INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16}
+
+
+def _fwd_configs():
+    return [
+        _config(4, 3, BLOCK_M=128, BLOCK_N=64),
+        _config(8, 3, BLOCK_M=128, BLOCK_N=64),
+        _config(8, 3, BLOCK_M=128, BLOCK_N=128),
+        _config(4, 4, BLOCK_M=64, BLOCK_N=64),
+        _config(4, 2, BLOCK_M=64, BLOCK_N=32),
+    ]
+
+
+def _bwd_configs():
+    return [
+        _config(4, 3, BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32),
+        _config(8, 3, BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32),
+        _config(8, 2, BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64),
+        _config(4, 3, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32),
+        _config(4, 2, BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16),
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Drop tiles that cannot fit a head dim (shared memory / registers); keep at least one."""
+    d = max(named_args["BLOCK_D"], named_args["BLOCK_DV"])
+    limit = 128 * 128 if d <= 64 else (128 * 64 if d <= 128 else 64 * 32)
+    kept = [c for c in configs if _tile_area(c) <= limit]
+    return kept or configs[-1:]
+
+
+def _tile_area(config: triton.Config) -> int:
+    kw = config.kwargs
+    if "BLOCK_M" in kw:
+        return kw["BLOCK_M"] * kw["BLOCK_N"]
+    return max(kw["BLOCK_M1"] * kw["BLOCK_N1"], kw["BLOCK_M2"] * kw["BLOCK_N2"])
+
+
+# Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
+_INTERPRETED = isinstance(_fwd_kernel, InterpretedFunction)
+_TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE"]
+_fwd = triton.autotune(_fwd_configs(), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs})(
+    _fwd_kernel
+)
+_bwd = triton.autotune(_bwd_configs(), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs})(
+    _bwd_kernel
+)
+
+
+def _launch(kernel, grid, interpret_meta: dict, *args, **kwargs) -> None:
+    """Autotuned launch on the GPU; fixed small tiles under the interpreter (no timing there)."""
+    kwargs.pop("LEN_BUCKET")
+    if _INTERPRETED:
+        kernel.fn[grid](*args, **kwargs, **interpret_meta)
+    else:
+        kernel[grid](*args, **kwargs)
+
+
+def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """sum_{t' >= t} dc_t' along the last dim, within each sequence: [B, H, T] -> [B, H, T] fp64."""
+    rc = dc.double().flip(-1).cumsum(-1).flip(-1)
+    if cu_seqlens is None:
+        return rc
+    total = dc.shape[-1]
+    ends = cu_seqlens[1:].long()[segment_ids(cu_seqlens, total)]  # first position past each sequence
+    return rc - torch.nn.functional.pad(rc, (0, 1))[..., ends]
+
+
+def _len_bucket(n: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), 1 << 15)
+
+
+class _ForgettingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, threshold):
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        B, Tq, Hq, D = q.shape
+        Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        c = gate_cumsum(log_fgate, cu_seqlens).transpose(1, 2).contiguous()  # [B, Hq, Tk] fp64
+        if cu_seqlens is not None:
+            n_seq = cu_seqlens.numel() - 1
+            if max_seqlen is None:
+                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            len_q = len_k = max_seqlen
+        else:
+            n_seq, len_q, len_k = B, Tq, Tk
+        o = q.new_empty(B, Tq, Hq, Dv)
+        lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+        thr = threshold.float().contiguous() if threshold is not None else lse  # lse: unused placeholder
+        cu = cu_seqlens if cu_seqlens is not None else lse
+        meta = dict(
+            D=D, DV=Dv, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+            VARLEN=cu_seqlens is not None, PRUNE=threshold is not None,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
+        )
+        bucket = _len_bucket(len_k)
+
+        def grid(m):
+            return (triton.cdiv(len_q, m["BLOCK_M"]), Hq, n_seq)
+
+        _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, thr, o, lse, cu,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
+                *lse.stride()[:2], Tq, Tk, Hq, Hq // Hk, scale * LOG2E.value, LEN_BUCKET=bucket, **meta)
+        ctx.save_for_backward(q, k, v, o, lse, c, cu, thr)
+        ctx.scale, ctx.meta, ctx.dims = scale, meta, (n_seq, len_q, len_k, bucket)
+        ctx.varlen = cu_seqlens is not None
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, c, cu, thr = ctx.saved_tensors
+        n_seq, len_q, len_k, bucket = ctx.dims
+        B, Tq, Hq, D = q.shape
+        Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        do = do.contiguous() if do.stride() != o.stride() else do
+        delta = torch.empty_like(lse)
+        meta = ctx.meta
+        pre_block = 64
+        pre = _bwd_preprocess[(triton.cdiv(Tq, pre_block), Hq, B)]
+        pre(o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *lse.stride()[:2], Tq, Hq,
+            DV=Dv, BLOCK_M=pre_block, BLOCK_DV=meta["BLOCK_DV"], HAS_DLSE=dlse is not None)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        dcq = torch.empty_like(lse)
+        dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+
+        def grid(m):
+            return (max(triton.cdiv(len_k, m["BLOCK_N1"]), triton.cdiv(len_q, m["BLOCK_M2"])), Hk, n_seq)
+
+        _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dcq, dck, cu,
+                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
+                *lse.stride()[:2], Tq, Tk, Hq, Hk, Hq // Hk, ctx.scale * LOG2E.value, ctx.scale,
+                LEN_BUCKET=bucket, **meta)
+        dc = dck.double()
+        dc[..., Tk - Tq:] += dcq
+        dlog_fgate = _reverse_cumsum(dc, cu if ctx.varlen else None).transpose(1, 2).float()
+        return dq, dk, dv, dlog_fgate, None, None, None, None
+
+
+def triton_forgetting_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor,
+    *,
+    scale: float,
+    cu_seqlens: torch.Tensor | None,
+    max_seqlen: int | None,
+    threshold: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused Forgetting Attention (inputs validated by ``forgetting_attention``), differentiable in all four.
+
+    q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], log_fgate: [B, Tk, Hq] fp32.
+    cu_seqlens: [N+1] int32 (B == 1) or None; threshold: ACP delta [B or N, Hq] fp32, or None.
+    Returns o: [B, Tq, Hq, Dv] in q's dtype and lse: [B, Hq, Tq] fp32.
+    """
+    if q.device.type == "cpu" and not _INTERPRETED:
+        raise ValueError("q: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.triton_attention is imported")
+    return _ForgettingAttention.apply(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, threshold)
