@@ -1,1 +1,31 @@
-"""foxlm.models"""
+"""foxlm.models: FoxConfig, FoxModel, FoxForCausalLM and the KV cache, registered with the HF Auto classes."""
+
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+from .cache import PAD_DECAY, FoxCache
+from .configuration_fox import ARCHS, SIZES, FoxConfig
+from .modeling_fox import FoxCausalLMOutput, FoxForCausalLM, FoxModel, FoxModelOutput, FoxPreTrainedModel
+
+
+def register_auto_classes() -> None:
+    """Make ``AutoConfig`` / ``AutoModel`` / ``AutoModelForCausalLM`` know model_type "fox" (idempotent)."""
+    AutoConfig.register("fox", FoxConfig, exist_ok=True)
+    AutoModel.register(FoxConfig, FoxModel, exist_ok=True)
+    AutoModelForCausalLM.register(FoxConfig, FoxForCausalLM, exist_ok=True)
+
+
+register_auto_classes()
+
+__all__ = [
+    "ARCHS",
+    "PAD_DECAY",
+    "SIZES",
+    "FoxCache",
+    "FoxCausalLMOutput",
+    "FoxConfig",
+    "FoxForCausalLM",
+    "FoxModel",
+    "FoxModelOutput",
+    "FoxPreTrainedModel",
+    "register_auto_classes",
+]

@@ -1,0 +1,287 @@
+"""The Forgetting Attention layer, with every switch the FoX papers ablate.
+
+Data flows: x -> q, k~, v~ projections -> token shift (k, v) -> QK-norm -> RoPE -> attention with the
+forget gate -> output norm -> output gate -> o_proj. Attention of a whole sequence goes through
+``foxlm.ops.forgetting_attention`` (or SDPA without a gate); a KV cache (``foxlm.models.cache``) is
+talked to only through ``cache.attend`` and the token-shift state methods.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import forgetting_attention, gate_cumsum
+from .norm import RMSNorm
+from .rope import RotaryEmbedding
+from .segments import Segments
+from .token_shift import TokenShift
+
+GATES = ("data", "bias", "alibi", "none")
+# Upper bound on the elements of one query chunk's [B, H, rows, keys] score matrix in the dense path.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def alibi_slopes(num_heads: int) -> torch.Tensor:
+    """ALiBi slopes m_h = 2^(-8h/H), h = 1..H (fp32 [H]); log f_h = -m_h is the matching fixed gate."""
+    return torch.exp2(-8.0 * torch.arange(1, num_heads + 1, dtype=torch.float32) / num_heads)
+
+
+def dense_forgetting_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c_q: torch.Tensor | None,
+    c_k: torch.Tensor | None,
+    *,
+    scale: float,
+    window: int | None = None,
+    seg_q: torch.Tensor | None = None,
+    seg_k: torch.Tensor | None = None,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention with logits ``scale * q_i . k_j + c_i - c_j`` from a given gate cumsum, by query chunks.
+
+    For what the fused op does not cover: sliding windows, attention probabilities for inspection and
+    attention of new queries against a KV cache that holds c rather than log gates. Plain autograd.
+
+    q: [B, Tq, Hq, D] (the last Tq positions), k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv],
+    c_q: [B, Tq, Hq], c_k: [B, Tk, Hq] gate cumsums (fp64 or fp32; None: no gate),
+    window: query i sees keys j with i - window < j <= i; seg_q: [B, Tq], seg_k: [B, Tk] segment ids
+    (keys of another segment are masked). Returns o: [B, Tq, Hq, Dv] and, with ``return_probs``,
+    the attention probabilities [B, Hq, Tq, Tk] (fp32).
+    """
+    B, Tq, Hq, _ = q.shape
+    Tk, Hk = k.shape[1], k.shape[2]
+    group = Hq // Hk
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    probs = q.new_zeros(B, Hq, Tq, Tk, dtype=torch.float32) if return_probs else None
+    span = Tk if window is None else min(Tk, window)
+    rows = max(1, min(Tq, _CHUNK_ELEMENTS // max(1, B * Hq * span)))
+    chunks = []
+    for a in range(0, Tq, rows):
+        b = min(Tq, a + rows)
+        qa, qb = Tk - Tq + a, Tk - Tq + b  # absolute positions of the chunk's queries
+        ks = 0 if window is None else max(0, qa - window + 1)
+        kk = k[:, ks:qb].repeat_interleave(group, dim=2) if group > 1 else k[:, ks:qb]
+        vv = v[:, ks:qb].repeat_interleave(group, dim=2) if group > 1 else v[:, ks:qb]
+        s = scale * torch.einsum("bqhd,bkhd->bhqk", q[:, a:b].to(cdt), kk.to(cdt))
+        if c_q is not None:
+            s = s + (c_q[:, a:b, None, :] - c_k[:, None, ks:qb, :]).permute(0, 3, 1, 2).to(cdt)
+        qpos = torch.arange(qa, qb, device=q.device)[:, None]
+        kpos = torch.arange(ks, qb, device=q.device)[None, :]
+        allowed = kpos <= qpos
+        if window is not None:
+            allowed = allowed & (kpos > qpos - window)
+        allowed = allowed.expand(B, 1, b - a, qb - ks)
+        if seg_q is not None:
+            allowed = allowed & (seg_q[:, None, a:b, None] == seg_k[:, None, None, ks:qb])
+        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
+        chunks.append(torch.einsum("bhqk,bkhd->bqhd", p, vv.to(cdt)).to(q.dtype))
+        if probs is not None:
+            probs[:, :, a:b, ks:qb] = p.detach().float()
+    return torch.cat(chunks, dim=1), probs
+
+
+def attend_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor | None,
+    *,
+    scale: float,
+    segments: Segments | None = None,
+    window: int | None = None,
+    prune: bool = False,
+    logit_bound: torch.Tensor | float | None = None,
+    tolerance: float = math.exp(-10),
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of whole sequences, choosing the path: the fused op, SDPA, or the dense path.
+
+    q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 (None: no gate,
+    plain softmax attention). ``segments`` (packed documents, padding) keeps every segment to itself.
+    Returns o: [B, T, Hq, Dv] and the probabilities [B, Hq, T, T] when ``return_probs``.
+    """
+    B, T, Hq, _ = q.shape
+    if return_probs or window is not None:
+        c = None if log_fgate is None else gate_cumsum(log_fgate)
+        seg = None if segments is None else segments.ids
+        return dense_forgetting_attention(
+            q, k, v, c, c, scale=scale, window=window, seg_q=seg, seg_k=seg, return_probs=return_probs
+        )
+    if log_fgate is None and segments is None:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=k.shape[2] != Hq,
+        )
+        return o.transpose(1, 2), None
+    if log_fgate is None:
+        log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
+    kwargs = dict(scale=scale, prune=prune, logit_bound=logit_bound, tolerance=tolerance)
+    if segments is None:
+        return forgetting_attention(q, k, v, log_fgate, **kwargs), None
+    flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # noqa: E731 - the segments index the flattened batch
+    o = forgetting_attention(
+        flat(q), flat(k), flat(v), flat(log_fgate), cu_seqlens=segments.cu_seqlens, max_seqlen=segments.max_seqlen,
+        **kwargs,
+    )
+    return o.reshape(B, T, *o.shape[2:]), None
+
+
+class ForgettingAttention(nn.Module):
+    """Multi-head softmax attention with a forget gate (FoX), and the Pro / baseline switches.
+
+    Args:
+        hidden_size: C, the model width.
+        num_heads: query heads H; num_kv_heads: key/value heads (GQA, default H); head_dim: D (default C / H).
+        gate: "data" (f_t = sigmoid(w . x_t + b) per head, FoX), "bias" (a learned per-head constant,
+            initialised at the ALiBi slopes), "alibi" (fixed ALiBi slopes) or "none" (plain softmax attention).
+        qk_norm: per-head RMSNorm of q and k (one weight vector per head).
+        output_norm: per-head RMSNorm of the attention output; output_gate: multiply it by sigmoid(W_g x).
+        k_shift, v_shift: data-dependent token shift of the key / value projections (before QK-norm).
+        rope: rotary position embedding (the Transformer baselines); rope_theta: its base.
+        window: sliding-window attention over the last ``window`` tokens (None: full causal).
+        acp: Adaptive Computation Pruning in the forward pass; the logit bound comes from the QK-norm
+            weights when ``qk_norm`` is on, from the data otherwise; acp_tolerance: its epsilon.
+        layer_idx: the index under which the layer talks to a KV cache.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        *,
+        gate: str = "data",
+        qk_norm: bool = False,
+        output_gate: bool = False,
+        output_norm: bool = False,
+        k_shift: bool = False,
+        v_shift: bool = False,
+        rope: bool = False,
+        rope_theta: float = 10000.0,
+        window: int | None = None,
+        acp: bool = False,
+        acp_tolerance: float = math.exp(-10),
+        norm_eps: float = 1e-6,
+        layer_idx: int = 0,
+    ):
+        super().__init__()
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        head_dim = hidden_size // num_heads if head_dim is None else head_dim
+        if gate not in GATES:
+            raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
+        if window is not None and window < 1:
+            raise ValueError(f"window: expected a positive number of tokens or None, got {window}")
+        if acp and gate == "none":
+            raise ValueError("acp: pruning needs a forget gate, but gate='none'")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.gate, self.window, self.layer_idx = gate, window, layer_idx
+        self.acp, self.acp_tolerance = acp, acp_tolerance
+        self.scale = head_dim**-0.5
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        self.fgate_proj = nn.Linear(hidden_size, num_heads, bias=True) if gate == "data" else None
+        self.fgate_bias = nn.Parameter(self.bias_gate_init(num_heads)) if gate == "bias" else None
+        self.q_norm = RMSNorm((num_heads, head_dim), norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm((num_kv_heads, head_dim), norm_eps) if qk_norm else None
+        self.k_shift = TokenShift(hidden_size, num_kv_heads) if k_shift else None
+        self.v_shift = TokenShift(hidden_size, num_kv_heads) if v_shift else None
+        self.rope = RotaryEmbedding(head_dim, rope_theta) if rope else None
+        self.o_norm = RMSNorm((num_heads, head_dim), norm_eps) if output_norm else None
+        self.g_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False) if output_gate else None
+
+    @staticmethod
+    def bias_gate_init(num_heads: int) -> torch.Tensor:
+        """Initial logits b_h of the "bias" gate: logsigmoid(b_h) = -m_h, the ALiBi slopes."""
+        return -torch.log(torch.expm1(alibi_slopes(num_heads)))
+
+    def log_fgate(self, x: torch.Tensor) -> torch.Tensor | None:
+        """log f_t: [B, T, H] fp32 (fp64 for fp64 inputs) from x: [B, T, C]; None when gate == "none"."""
+        dt = torch.promote_types(x.dtype, torch.float32)
+        B, T = x.shape[:2]
+        if self.gate == "data":
+            return F.logsigmoid(self.fgate_proj(x).to(dt))
+        if self.gate == "bias":
+            return F.logsigmoid(self.fgate_bias.to(dt)).expand(B, T, -1)
+        if self.gate == "alibi":
+            return -alibi_slopes(self.num_heads).to(device=x.device, dtype=dt).expand(B, T, -1)
+        return None
+
+    def logit_bound(self) -> torch.Tensor | None:
+        """U_h = max|w_q,h| * max|w_k,h| * D * scale per query head ([H] fp32) under QK-norm, else None.
+
+        RMS-normalised vectors have norm sqrt(D), so |scale * q_i . k_j| <= U_h for every token, now and in
+        the future (RoPE rotations keep norms): the bound ACP and cache eviction rely on.
+        """
+        if self.q_norm is None:
+            return None
+        wq = self.q_norm.weight.detach().abs().amax(-1).float()
+        wk = self.k_norm.weight.detach().abs().amax(-1).float()
+        return wq * wk.repeat_interleave(self.num_heads // self.num_kv_heads) * self.head_dim * self.scale
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        segments: Segments | None = None,
+        positions: torch.Tensor | None = None,
+        reset: torch.Tensor | None = None,
+        cache=None,
+        valid: torch.Tensor | None = None,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x: [B, T, C] -> (y [B, T, C], log_fgate [B, T, H] fp32 or None, probs [B, H, T, T] or None).
+
+        segments: packed documents / padding of a cache-less forward. positions: [B, T] RoPE positions.
+        reset: [B, T] bool, where the token shift must not look back (segment starts, after padding).
+        cache: a KV cache (see ``foxlm.models.cache``): the new tokens attend to everything cached.
+        valid: [B, T] bool, False at left padding (with a cache only).
+        """
+        B, T, _ = x.shape
+        H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).view(B, T, H, D)
+        k = self.k_proj(x).view(B, T, Hk, D)
+        v = self.v_proj(x).view(B, T, Hk, D)
+        if self.k_shift is not None:
+            k = self._shift(self.k_shift, "k", k, x, reset, cache, valid)
+        if self.v_shift is not None:
+            v = self._shift(self.v_shift, "v", v, x, reset, cache, valid)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope is not None:
+            q, k = self.rope(q, k, positions)
+        log_fgate = self.log_fgate(x)
+        acp = dict(prune=self.acp, logit_bound=self.logit_bound() if self.acp else None, tolerance=self.acp_tolerance)
+        probs = None
+        if cache is None:
+            o, probs = attend_sequence(
+                q, k, v, log_fgate, scale=self.scale, segments=segments, window=self.window,
+                return_probs=output_attentions, **acp,
+            )
+        else:
+            o = cache.attend(self.layer_idx, q, k, v, log_fgate, scale=self.scale, valid=valid, window=self.window, **acp)
+        if self.o_norm is not None:
+            o = self.o_norm(o)
+        o = o.reshape(B, T, H * D)
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o), log_fgate, probs
+
+    def _shift(self, shift: TokenShift, name: str, x, h, reset, cache, valid) -> torch.Tensor:
+        """Token shift of x: [B, T, Hk, D], continuing from (and updating) the cache's state."""
+        prev = None
+        if cache is not None:
+            prev = cache.get_shift_state(self.layer_idx, name)
+            last = x[:, -1] if valid is None else x[:, -1] * valid[:, -1, None, None].to(x.dtype)
+            cache.set_shift_state(self.layer_idx, name, last)
+        return shift(x, h, prev, reset)

@@ -1,0 +1,61 @@
+"""Where the sequences of a batch start: packed documents (``cu_seqlens``) and padding (``attention_mask``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Segments:
+    """Segments of a [B, T] batch; no token attends to, or token-shifts from, another segment.
+
+    starts: [B, T] bool, True at the first token of every segment (always at t = 0).
+    ids: [B, T] int64 segment index within its row.
+    positions: [B, T] int64 position of every token within its segment (RoPE positions).
+    cu_seqlens: [N+1] int32 offsets of all segments in the flattened B*T tokens (the op's varlen input).
+    max_seqlen: length of the longest segment.
+    """
+
+    starts: torch.Tensor
+    ids: torch.Tensor
+    positions: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+
+    @classmethod
+    def from_starts(cls, starts: torch.Tensor) -> "Segments":
+        """starts: [B, T] bool (column 0 is treated as True)."""
+        starts = starts.clone()
+        starts[:, 0] = True
+        B, T = starts.shape
+        t = torch.arange(T, device=starts.device).expand(B, T)
+        ids = starts.long().cumsum(1) - 1
+        positions = t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
+        offsets = torch.nonzero(starts.flatten()).flatten()
+        cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return cls(starts, ids, positions, cu_seqlens, max_seqlen)
+
+    @classmethod
+    def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total: int) -> "Segments":
+        """cu_seqlens: [N+1] int32 document offsets of a packed row of ``total`` tokens (B == 1)."""
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+            raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor [N+1], got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        if cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total or bool((lengths < 0).any()):
+            raise ValueError(f"cu_seqlens: expected sorted offsets from 0 to T={total}, got {cu_seqlens.tolist()}")
+        starts = torch.zeros(1, total, dtype=torch.bool, device=cu_seqlens.device)
+        starts[0, cu_seqlens[:-1][lengths > 0].long()] = True
+        return cls.from_starts(starts)
+
+    @classmethod
+    def from_mask(cls, attention_mask: torch.Tensor) -> "Segments":
+        """attention_mask: [B, T], 1 for real tokens, 0 for padding; the ones of a row must be contiguous
+        (left or right padding). Padding becomes segments of its own."""
+        real = attention_mask.bool()
+        before = torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
+        if bool(((real & ~before).sum(1) > 1).any()):
+            raise ValueError("attention_mask: the ones of every row must be contiguous (left or right padding)")
+        return cls.from_starts(real != torch.cat([real[:, :1], real[:, :-1]], dim=1))

@@ -1,0 +1,39 @@
+"""Data-dependent token shift (FoX Pro "KV-shift")."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TokenShift(nn.Module):
+    """y_t = alpha_t * x_{t-1} + (1 - alpha_t) * x_t per head, alpha_t = sigmoid(w_h . h_t).
+
+    Applied to the key (or value) projections before QK-norm. ``x_{t-1}`` is zero at the start of a
+    sequence and wherever ``reset`` is set (document starts of packed input, the first real token
+    after left padding), so nothing leaks across a boundary.
+    """
+
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.proj = nn.Linear(hidden_size, num_heads, bias=False)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        h: torch.Tensor,
+        prev: torch.Tensor | None = None,
+        reset: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """x: [B, T, H, D] projections to shift, h: [B, T, C] layer input (gives alpha),
+        prev: [B, H, D] the x of the token before x[:, 0] (decoding with a cache; None = zeros),
+        reset: [B, T] bool, True where token t must not see token t-1. Returns [B, T, H, D]."""
+        alpha = torch.sigmoid(self.proj(h)).to(x.dtype)[..., None]  # [B, T, H, 1]
+        if prev is None:
+            prev = x.new_zeros(x.shape[0], 1, *x.shape[2:])
+        else:
+            prev = prev[:, None].to(x.dtype)
+        x_prev = torch.cat([prev, x[:, :-1]], dim=1)
+        if reset is not None:
+            x_prev = x_prev.masked_fill(reset[..., None, None], 0.0)
+        return alpha * x_prev + (1 - alpha) * x

@@ -1,0 +1,215 @@
+"""KV cache for decoding FoX models, and the protocol every cache implementation follows.
+
+The cache protocol
+------------------
+``ForgettingAttention`` never touches cache tensors; it talks to a cache only through these methods, so a
+different implementation (e.g. ``foxlm.generate``'s paged cache with forget-gate eviction and a Triton
+decode kernel) plugs in without changing the layer or the model:
+
+``attend(layer_idx, q, k, v, log_fgate, *, scale, valid=None, window=None, prune=False, logit_bound=None,
+tolerance=e^-10) -> o``
+    q: [B, T, Hq, D] queries of T new tokens; k: [B, T, Hk, D], v: [B, T, Hk, Dv] their keys and values,
+    already token-shifted, QK-normed and rotated (exactly what is to be cached); log_fgate: [B, T, Hq]
+    fp32 log forget gates, or None for a model without a gate (gate="none": attention without decay).
+    The cache appends k, v and the gate cumsum c of the new tokens, c_t = c_{t-1} + log f_t, carried as a
+    running fp64 sum per (row, head): one add per token, never re-summed over the cache. It returns
+    o: [B, T, Hq, Dv], the attention of every new query i over all cached keys j <= i with logits
+    ``scale * q_i . k_j + c_i - c_j`` (T > 1 with a non-empty cache is chunked prefill: Tq < Tk).
+    valid: [B, T] bool, False at padding. Padding only ever precedes a row's real tokens (left padding),
+    and a padded key must never be seen by a real query; FoxCache stores c = +PAD_DECAY for padding, so
+    c_i - c_j = -1e30 cuts it out exactly. Outputs at padded queries are finite but meaningless.
+    window: sliding-window attention (keys j > i - window). prune / logit_bound / tolerance: the layer's
+    ACP setting. ``logit_bound`` ([Hq] fp32, from the QK-norm weights; None without QK-norm) bounds
+    |scale * q . k| for every token now and later, which is what makes evicting a key safe once
+    c_t - c_j < delta = -(2U + log N) + log(tolerance) (``foxlm.ops.prune_threshold``): decay only grows.
+    FoxCache uses it only for ACP in the first prefill and never evicts.
+
+``get_shift_state(layer_idx, name) -> Tensor | None`` and ``set_shift_state(layer_idx, name, x)``
+    The token-shift state of stream ``name`` ("k" or "v"): the pre-shift projection [B, Hk, D] of the
+    last token seen (zeros after padding), or None before the first token. The layer reads it before
+    shifting the new tokens and stores the new last one.
+
+``get_seq_length(layer_idx=0) -> int``
+    Tokens cached so far (padding included), as HF ``generate`` expects.
+
+Plus, for HF ``generate`` with beams or several sequences per prompt: ``reorder_cache(beam_idx)``,
+``batch_select_indices(indices)``, ``batch_repeat_interleave(repeats)``; ``reset()``.
+
+FoxCache, the default implementation, is a contiguous per-layer cache: the first call per layer runs the
+whole prompt through ``foxlm.layers.attend_sequence`` (the fused op on GPU, with ACP if asked), later calls
+attend from the cached c with ``dense_forgetting_attention`` in PyTorch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..layers import Segments, attend_sequence, dense_forgetting_attention
+
+# Gate cumsum stored for padded keys: every real query has c_i - c_j <= -1e30 against them.
+PAD_DECAY = 1e30
+
+
+class _LayerCache:
+    """Keys, values and gate cumsum of one layer, in buffers that double when full."""
+
+    def __init__(self):
+        self.length = 0
+        self.k = self.v = self.c = self.c_last = None
+        self.shift: dict[str, torch.Tensor] = {}
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor) -> None:
+        n = self.length + k.shape[1]
+        if self.k is None or n > self.k.shape[1]:
+            cap = max(n, 2 * (0 if self.k is None else self.k.shape[1]), 64)
+            self.k, self.v, self.c = (self._grow(old, new, cap) for old, new in ((self.k, k), (self.v, v), (self.c, c)))
+        self.k[:, self.length:n] = k
+        self.v[:, self.length:n] = v
+        self.c[:, self.length:n] = c
+        self.length = n
+
+    def _grow(self, old: torch.Tensor | None, new: torch.Tensor, cap: int) -> torch.Tensor:
+        buf = new.new_empty(new.shape[0], cap, *new.shape[2:])
+        if old is not None:
+            buf[:, : self.length] = old[:, : self.length]
+        return buf
+
+    def apply(self, fn) -> None:
+        """Apply ``fn`` to every batch-major tensor (beam reordering and friends)."""
+        for name in ("k", "v", "c", "c_last"):
+            if getattr(self, name) is not None:
+                setattr(self, name, fn(getattr(self, name)))
+        self.shift = {key: fn(x) for key, x in self.shift.items()}
+
+
+class FoxCache(Cache):
+    """The default, contiguous KV cache of FoX models (see the module docstring for the protocol).
+
+    Created by ``FoxForCausalLM`` when ``use_cache=True`` (HF ``generate`` does this), or by hand:
+    ``cache = FoxCache(); out = model(ids, cache=cache, use_cache=True)``.
+    """
+
+    def __init__(self, num_layers: int | None = None):
+        super().__init__(layers=[])
+        self._layers: list[_LayerCache] = [_LayerCache() for _ in range(num_layers or 0)]
+
+    def _layer(self, layer_idx: int) -> _LayerCache:
+        while len(self._layers) <= layer_idx:
+            self._layers.append(_LayerCache())
+        return self._layers[layer_idx]
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        log_fgate: torch.Tensor | None,
+        *,
+        scale: float,
+        valid: torch.Tensor | None = None,
+        window: int | None = None,
+        prune: bool = False,
+        logit_bound: torch.Tensor | float | None = None,
+        tolerance: float = math.exp(-10),
+    ) -> torch.Tensor:
+        """Cache k, v and the gate cumsum of T new tokens; return their attention over the cache.
+
+        q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None,
+        valid: [B, T] bool (False at left padding). Returns o: [B, T, Hq, Dv].
+        """
+        layer = self._layer(layer_idx)
+        B, T, Hq, _ = q.shape
+        log_f = q.new_zeros(B, T, Hq, dtype=torch.float64) if log_fgate is None else log_fgate.to(torch.float64)
+        if valid is not None:
+            log_f = log_f.masked_fill(~valid[..., None], 0.0)
+        if layer.c_last is None:
+            layer.c_last = log_f.new_zeros(B, Hq)
+        c = layer.c_last[:, None] + log_f.cumsum(1)  # the running sum: the cache is never re-summed
+        layer.c_last = c[:, -1]
+        if valid is not None:
+            c = c.masked_fill(~valid[..., None], PAD_DECAY)
+        first = layer.length == 0
+        layer.append(k, v, c)
+        if first:
+            segments = None if valid is None or bool(valid.all()) else Segments.from_mask(valid)
+            o, _ = attend_sequence(
+                q, k, v, log_fgate, scale=scale, segments=segments, window=window,
+                prune=prune, logit_bound=logit_bound, tolerance=tolerance,
+            )
+            return o
+        n = layer.length
+        ck = layer.c[:, :n]
+        o, _ = dense_forgetting_attention(
+            q, layer.k[:, :n], layer.v[:, :n], ck[:, n - T:], ck, scale=scale, window=window
+        )
+        return o
+
+    def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        """The pre-shift projection [B, Hk, D] of stream ``name`` at the last cached token, or None."""
+        return self._layer(layer_idx).shift.get(name)
+
+    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
+        """Store the pre-shift projection x: [B, Hk, D] of the newest token for stream ``name``."""
+        self._layer(layer_idx).shift[name] = x.detach()
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self._layers[layer_idx].length if layer_idx < len(self._layers) else 0
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1  # grows without bound
+
+    def reset(self) -> None:
+        self._layers = [_LayerCache() for _ in self._layers]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self._layers:
+            layer.apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for layer in self._layers:
+            layer.apply(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def crop(self, max_length: int) -> None:
+        raise NotImplementedError("FoxCache: cropping (assisted decoding) would need the token-shift state of "
+                                  "earlier tokens, which is not kept")
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __repr__(self) -> str:
+        return f"FoxCache(layers={len(self._layers)}, length={self.get_seq_length()})"
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return any(layer.length for layer in self._layers)
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self._layers)
+
+    @property
+    def is_linear(self) -> list[bool]:
+        return [False] * len(self._layers)
+
+    @property
+    def is_dummy(self) -> list[bool]:
+        return [False] * len(self._layers)
+
+    @property
+    def batch_size(self) -> int:
+        return next((layer.k.shape[0] for layer in self._layers if layer.k is not None), -1)

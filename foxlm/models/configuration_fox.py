@@ -1,0 +1,148 @@
+"""``FoxConfig``: the FoX model family (FoX and Transformer baselines, LLaMA and Pro blocks) as one HF config."""
+
+from __future__ import annotations
+
+import math
+
+from transformers import PretrainedConfig
+
+from ..layers import GATES
+
+ARCHS: dict[str, dict] = {
+    "fox-llama": dict(gate="data"),
+    "fox-pro": dict(gate="data", qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True),
+    "transformer-llama": dict(gate="none", rope=True),
+    "transformer-pro": dict(
+        gate="none", rope=True, qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True
+    ),
+}
+# layers / d_model / heads (head dim 64) from the FoX papers; "tiny" trains on a CPU in minutes.
+SIZES: dict[str, dict] = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=384),
+    "125m": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12),
+    "360m": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16),
+    "760m": dict(num_hidden_layers=24, hidden_size=1536, num_attention_heads=24),
+}
+
+
+class FoxConfig(PretrainedConfig):
+    """Configuration of ``FoxModel`` / ``FoxForCausalLM``; ``FoxConfig.preset(arch, size)`` gives the paper models.
+
+    Args:
+        vocab_size: 50304 = GPT-2 BPE's 50257 padded to a multiple of 64.
+        hidden_size, num_hidden_layers, num_attention_heads: width, depth, query heads.
+        num_key_value_heads: key/value heads (GQA); default num_attention_heads.
+        head_dim: default hidden_size // num_attention_heads.
+        intermediate_size: SwiGLU width; default 8/3 * hidden_size rounded up to a multiple of 256.
+        rms_norm_eps, initializer_range: RMSNorm epsilon, std of the normal init (LM head untied).
+        gate: "data" (FoX), "bias" (data-independent learned per head), "alibi" (fixed), "none" (Transformer).
+        qk_norm, output_gate, output_norm, k_shift, v_shift: the Pro block parts.
+        rope, rope_theta: rotary embedding (Transformer baselines).
+        window: sliding-window attention length (None: full causal).
+        acp, acp_tolerance: Adaptive Computation Pruning in training/eval forwards, and its epsilon.
+    """
+
+    model_type = "fox"
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
+
+    def __init__(
+        self,
+        vocab_size: int = 50304,
+        hidden_size: int = 768,
+        num_hidden_layers: int = 12,
+        num_attention_heads: int = 12,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        gate: str = "data",
+        qk_norm: bool = False,
+        output_gate: bool = False,
+        output_norm: bool = False,
+        k_shift: bool = False,
+        v_shift: bool = False,
+        rope: bool = False,
+        rope_theta: float = 10000.0,
+        window: int | None = None,
+        acp: bool = False,
+        acp_tolerance: float = math.exp(-10),
+        use_cache: bool = True,
+        bos_token_id: int | None = 50256,
+        eos_token_id: int | None = 50256,
+        tie_word_embeddings: bool = False,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        self.head_dim = head_dim
+        if head_dim is None and isinstance(num_attention_heads, int) and num_attention_heads > 0:
+            self.head_dim = hidden_size // num_attention_heads
+        self.intermediate_size = intermediate_size
+        if intermediate_size is None and isinstance(hidden_size, int):
+            self.intermediate_size = 256 * math.ceil(8 * hidden_size / 3 / 256)
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        self.gate = gate
+        self.qk_norm = qk_norm
+        self.output_gate = output_gate
+        self.output_norm = output_norm
+        self.k_shift = k_shift
+        self.v_shift = v_shift
+        self.rope = rope
+        self.rope_theta = rope_theta
+        self.window = window
+        self.acp = acp
+        self.acp_tolerance = acp_tolerance
+        self.use_cache = use_cache
+        self._check()
+        super().__init__(
+            bos_token_id=bos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs
+        )
+        if self.tie_word_embeddings:
+            raise ValueError("tie_word_embeddings: FoX models have an untied LM head")
+
+    @classmethod
+    def preset(cls, arch: str, size: str, **overrides) -> "FoxConfig":
+        """The paper models: arch in ``ARCHS`` (fox-llama, fox-pro, transformer-llama, transformer-pro),
+        size in ``SIZES`` (tiny, 125m, 360m, 760m); ``overrides`` replace any field."""
+        if arch not in ARCHS:
+            raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
+        if size not in SIZES:
+            raise ValueError(f"size: expected one of {sorted(SIZES)}, got {size!r}")
+        return cls(**{**SIZES[size], **ARCHS[arch], **overrides})
+
+    def _check(self) -> None:
+        def positive_int(name: str, value) -> None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                     "head_dim", "intermediate_size"):
+            positive_int(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: must divide num_attention_heads={self.num_attention_heads}, "
+                f"got {self.num_key_value_heads}"
+            )
+        if self.gate not in GATES:
+            raise ValueError(f"gate: expected one of {GATES}, got {self.gate!r}")
+        for name in ("qk_norm", "output_gate", "output_norm", "k_shift", "v_shift", "rope", "acp"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.rope and self.head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even head dim, got {self.head_dim}")
+        if self.window is not None:
+            positive_int("window", self.window)
+        if self.acp and self.gate == "none":
+            raise ValueError("acp: pruning needs a forget gate, but gate='none'")
+        if not 0.0 < self.acp_tolerance < 1.0:
+            raise ValueError(f"acp_tolerance: expected a value in (0, 1), got {self.acp_tolerance}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
+        if not self.initializer_range >= 0:
+            raise ValueError(f"initializer_range: expected a non-negative std, got {self.initializer_range!r}")

@@ -1,0 +1,311 @@
+"""FoX models in the HF ecosystem: ``FoxModel`` (the decoder) and ``FoxForCausalLM`` (+ untied LM head).
+
+Pre-norm blocks ``x + attn(norm(x))``, ``x + mlp(norm(x))``, a final RMSNorm, no positional embedding
+(RoPE inside attention for the Transformer baselines). Packed documents (``cu_seqlens``) and padded
+batches (``attention_mask``) are handled as segments that never see each other, in attention and in
+the token shift; decoding goes through a KV cache that follows the protocol of ``foxlm.models.cache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..layers import ForgettingAttention, RMSNorm, Segments, SwiGLU, TokenShift
+from .cache import FoxCache
+from .configuration_fox import FoxConfig
+
+
+# transformers 5.24 renamed the outputs' ``past_key_values`` to ``cache`` (and reads that name in generate).
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+@dataclass
+class FoxModelOutput(BaseModelOutputWithPast):
+    """BaseModelOutputWithPast plus log_fgates: per layer [B, T, H] fp32 (zeros for gate="none")."""
+
+    log_fgates: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class FoxCausalLMOutput(CausalLMOutputWithPast):
+    """CausalLMOutputWithPast plus per_token_loss: [B, T-1] (position i: loss of predicting token i+1,
+    0 where the label is -100) and log_fgates: per layer [B, T, H] fp32 (zeros for gate="none")."""
+
+    per_token_loss: torch.Tensor | None = None
+    log_fgates: tuple[torch.Tensor, ...] | None = None
+
+
+class FoxBlock(nn.Module):
+    """Pre-norm transformer block: Forgetting Attention then SwiGLU."""
+
+    def __init__(self, config: FoxConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = ForgettingAttention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            gate=config.gate,
+            qk_norm=config.qk_norm,
+            output_gate=config.output_gate,
+            output_norm=config.output_norm,
+            k_shift=config.k_shift,
+            v_shift=config.v_shift,
+            rope=config.rope,
+            rope_theta=config.rope_theta,
+            window=config.window,
+            acp=config.acp,
+            acp_tolerance=config.acp_tolerance,
+            norm_eps=config.rms_norm_eps,
+            layer_idx=layer_idx,
+        )
+        self.mlp_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, **attn_kwargs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """x: [B, T, C] -> (x [B, T, C], log_fgate, attention probs); attn_kwargs go to ForgettingAttention."""
+        a, log_fgate, probs = self.attn(self.attn_norm(x), **attn_kwargs)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), log_fgate, probs
+
+
+class FoxPreTrainedModel(PreTrainedModel):
+    config_class = FoxConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["FoxBlock"]
+    _supports_sdpa = True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Normal(0, initializer_range) for linear and embedding weights, zero biases (the forget-gate bias
+        too), ones for norms; the "bias" gate starts at the ALiBi slopes."""
+        std = self.config.initializer_range
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, ForgettingAttention) and module.fgate_bias is not None:
+            if not getattr(module.fgate_bias, "_is_hf_initialized", False):
+                module.fgate_bias.copy_(module.bias_gate_init(module.num_heads))
+        elif isinstance(module, TokenShift):
+            nn.init.normal_(module.proj.weight, mean=0.0, std=std)
+
+
+class FoxModel(FoxPreTrainedModel):
+    """The FoX decoder: embeddings, ``num_hidden_layers`` FoxBlocks, final RMSNorm."""
+
+    def __init__(self, config: FoxConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(FoxBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        past_key_values: FoxCache | None = None,
+        cache: FoxCache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_log_fgates: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> FoxModelOutput:
+        """input_ids: [B, T] (or inputs_embeds: [B, T, C]).
+
+        attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens; rows must be one run of
+            ones (left or right padding; left only with a cache). Padding is kept apart from real tokens.
+        position_ids: [B, T] RoPE positions (default: from the mask / document starts / cache length).
+        cu_seqlens: [N+1] int32 offsets of documents packed into one row (B == 1): documents never see
+            each other, the gate cumsum and the token shift restart, RoPE positions restart.
+        past_key_values / cache: a KV cache (``FoxCache`` or any cache with its protocol); the new tokens
+            are appended. use_cache: create a FoxCache when none is given (default: only if one is given).
+        """
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("input_ids: pass exactly one of input_ids and inputs_embeds")
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        B, T = x.shape[:2]
+        cache = _as_fox_cache(cache if cache is not None else past_key_values, use_cache, self.config.num_hidden_layers)
+        segments = reset = valid = None
+        if cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"cu_seqlens: packed input needs a batch of one row, got B={B}")
+            if cache is not None or attention_mask is not None:
+                raise ValueError("cu_seqlens: cannot be combined with a KV cache or an attention_mask")
+            segments = Segments.from_cu_seqlens(cu_seqlens, T)
+        elif cache is not None:
+            past = cache.get_seq_length()
+            if attention_mask is not None:
+                mask = _check_mask(attention_mask, B, past + T).bool()
+                if bool((mask[:, 1:] < mask[:, :-1]).any()):
+                    raise ValueError("attention_mask: decoding with a cache supports left padding only")
+                if not bool(mask[:, -T:].all()):
+                    valid = mask[:, -T:]
+                    reset = torch.cat([torch.zeros_like(valid[:, :1]), ~valid[:, :-1]], dim=1)
+                if position_ids is None:
+                    position_ids = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -T:]
+            if position_ids is None:
+                position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
+        elif attention_mask is not None and not bool(_check_mask(attention_mask, B, T).all()):
+            segments = Segments.from_mask(attention_mask)
+        if segments is not None:
+            reset = segments.starts
+            if position_ids is None:
+                position_ids = segments.positions
+        if position_ids is None:
+            position_ids = torch.arange(T, device=x.device).expand(B, T)
+        if output_attentions and cache is not None:
+            raise ValueError("output_attentions: not available while decoding with a KV cache")
+
+        attn_kwargs = dict(
+            segments=segments, positions=position_ids, reset=reset, cache=cache, valid=valid,
+            output_attentions=output_attentions,
+        )
+        hidden_states, attentions, log_fgates = [], [], []
+        for block in self.layers:
+            if output_hidden_states:
+                hidden_states.append(x)
+            if self.gradient_checkpointing and self.training:
+                x, log_fgate, probs = checkpoint(block, x, use_reentrant=False, **attn_kwargs)
+            else:
+                x, log_fgate, probs = block(x, **attn_kwargs)
+            attentions.append(probs)
+            if output_log_fgates:
+                log_fgates.append(log_fgate if log_fgate is not None else x.new_zeros(B, T, block.attn.num_heads,
+                                                                                        dtype=torch.float32))
+        x = self.norm(x)
+        if output_hidden_states:
+            hidden_states.append(x)
+        return FoxModelOutput(
+            last_hidden_state=x,
+            hidden_states=tuple(hidden_states) if output_hidden_states else None,
+            attentions=tuple(attentions) if output_attentions else None,
+            log_fgates=tuple(log_fgates) if output_log_fgates else None,
+            **{_CACHE_FIELD: cache},
+        )
+
+
+class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
+    """FoxModel + untied LM head; HF ``generate`` decodes through a FoxCache."""
+
+    def __init__(self, config: FoxConfig):
+        super().__init__(config)
+        self.model = FoxModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        past_key_values: FoxCache | None = None,
+        cache: FoxCache | None = None,
+        use_cache: bool | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool = False,
+        output_log_fgates: bool = False,
+        output_hidden_states: bool = False,
+        return_per_token_loss: bool = False,
+        logits_to_keep: int = 0,
+        return_dict: bool | None = None,
+        **kwargs,
+    ) -> FoxCausalLMOutput:
+        """input_ids: [B, T]; labels: [B, T] (shifted inside: position i predicts labels[i+1]; -100 is
+        ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
+        logits_to_keep: compute logits for the last n positions only (0: all). Other arguments as in
+        ``FoxModel.forward``; .logits: [B, T, V]."""
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cu_seqlens=cu_seqlens,
+            past_key_values=past_key_values,
+            cache=cache,
+            use_cache=use_cache,
+            inputs_embeds=inputs_embeds,
+            output_attentions=output_attentions,
+            output_log_fgates=output_log_fgates,
+            output_hidden_states=output_hidden_states,
+        )
+        h = out.last_hidden_state
+        if logits_to_keep and labels is None:
+            h = h[:, -logits_to_keep:]
+        logits = self.lm_head(h)
+        loss = per_token = None
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels: expected shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
+            targets = labels[:, 1:]
+            per_token = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
+            ).view(targets.shape)
+            loss = per_token.sum() / (targets != -100).sum().clamp_min(1)
+        return FoxCausalLMOutput(
+            loss=loss,
+            logits=logits,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            per_token_loss=per_token if return_per_token_loss else None,
+            log_fgates=out.log_fgates,
+            **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
+        )
+
+
+def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
+    """The cache to decode with: a given cache that speaks the protocol, a new FoxCache in place of an empty
+    generic HF cache (what ``generate`` creates), a new FoxCache when use_cache is set; None when
+    use_cache is False or neither is given."""
+    if use_cache is False or (cache is None and not use_cache):
+        return None
+    if cache is None:
+        return FoxCache(num_layers)
+    if hasattr(cache, "attend"):
+        return cache
+    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
+        return FoxCache(num_layers)
+    raise ValueError(f"past_key_values: expected a FoxCache (or a cache with its protocol), got {type(cache).__name__}")
+
+
+def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
+        raise ValueError(f"attention_mask: expected a 2-D [B, T] = {(batch, length)} mask, got {tuple(attention_mask.shape)}")
+    return attention_mask
