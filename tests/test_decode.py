@@ -109,12 +109,13 @@ def test_decode_matches_reference(interpret, tq, group, dtype):
     assert (lse.double() - lse64.double()).abs().max() < 1e-2
 
 
-def test_decode_skips_evicted_pages(interpret):
-    """Keys before cache_start are never read (their pages may be reused): NaN there must not leak."""
+@pytest.mark.parametrize("tq, window", [(2, None), (1, 30)])
+def test_decode_skips_evicted_pages(interpret, tq, window):
+    """Keys before cache_start (and outside the window) are never read: NaN there must not leak."""
     gen = torch.Generator().manual_seed(7)
     B, T, Hk, G, D, page = 2, 120, 2, 2, 16, 8
     q, k, v, log_fgate = _problem(B, T, Hk * G, Hk, D, D, torch.float32, gen)
-    q = q[:, :2]
+    q = q[:, :tq]
     lengths = torch.tensor([120, 70], dtype=torch.int32)
     kc, vc, cc, pt = _paged(k, v, gate_cumsum(log_fgate), lengths, page, gen=gen)
     start = torch.tensor([[3, 5], [0, 2]], dtype=torch.int32)
@@ -122,13 +123,16 @@ def test_decode_skips_evicted_pages(interpret):
         for h in range(Hk):
             kc[pt[b, h, : start[b, h]].long()] = float("nan")
             vc[pt[b, h, : start[b, h]].long()] = float("nan")
-    for fn in (forgetting_attention_decode, lambda *a: decode_attention_torch(*a, D ** -0.5)[0]):
-        o = fn(q, kc, vc, cc, pt, start, lengths)
+    for fn in (forgetting_attention_decode, lambda *a, **kw: decode_attention_torch(*a, D ** -0.5, **kw)[0]):
+        o = fn(q, kc, vc, cc, pt, start, lengths, window=window)
         for b in range(B):
             for h in range(Hk):
                 heads = slice(h * G, (h + 1) * G)
+                first = int(start[b, h]) * page
+                if window is not None:  # a single query: its window is a key range
+                    first = max(first, int(lengths[b]) - window)
                 ref = _oracle(q[b:b + 1, :, heads], k[b:b + 1, :, h:h + 1], v[b:b + 1, :, h:h + 1],
-                              log_fgate[b:b + 1, :, heads], lengths[b:b + 1], [int(start[b, h]) * page], D ** -0.5)
+                              log_fgate[b:b + 1, :, heads], lengths[b:b + 1], [first], D ** -0.5)
                 assert (o[b:b + 1, :, heads].double() - ref).abs().max() < 1e-4
 
 

@@ -34,6 +34,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from .acp import prune_threshold
 
 _LOG2E = 1.4426950408889634
+_NO_WINDOW = 1 << 30
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -59,7 +60,7 @@ def _decode_split_kernel(
     stride_vp, stride_vs,
     stride_cp, stride_cs,
     stride_ptb, stride_pth,
-    Hk, Tq, num_splits,
+    Hk, Tq, num_splits, window,
     G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -73,7 +74,7 @@ def _decode_split_kernel(
     b = pid_bh // Hk
     hk = pid_bh % Hk
     length = tl.load(LEN + b)
-    key_lo = tl.load(START + b * Hk + hk) * PAGE
+    key_lo = tl.maximum(tl.load(START + b * Hk + hk) * PAGE, length - Tq + 1 - window)
     per_split = tl.cdiv(tl.cdiv(length - key_lo, num_splits), BLOCK_N) * BLOCK_N
     lo = key_lo + split * per_split
     hi = tl.minimum(lo + per_split, length)
@@ -122,6 +123,7 @@ def _decode_split_kernel(
         s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2e
         s += ((c_q[:, None] - c_k) * 1.4426950408889634).to(tl.float32)
         ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
+        ok &= offs_n[None, :] > qpos[:, None] - window
         s = tl.where(ok, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
@@ -176,7 +178,7 @@ def default_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.de
     return max(1, min(triton.cdiv(4 * sms, batch * kv_heads), triton.cdiv(max_len, 256)))
 
 
-def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, num_splits):
+def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window, num_splits):
     B, Tq, Hq, D = q.shape
     Hk = page_table.shape[1]
     G = Hq // Hk
@@ -196,7 +198,7 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
         v_cache.stride(0), v_cache.stride(1),
         c_cache.stride(0), c_cache.stride(1),
         page_table.stride(0), page_table.stride(1),
-        Hk, Tq, num_splits,
+        Hk, Tq, num_splits, window or _NO_WINDOW,
         G=G, PAGE=page_size, D=D, DV=DV,
         BLOCK_M=max(16, triton.next_power_of_2(G * Tq)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
@@ -220,6 +222,7 @@ def decode_attention_torch(
     cache_start: torch.Tensor,
     lengths: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch path of ``forgetting_attention_decode``: gathers the live pages and attends in one matmul.
 
@@ -250,6 +253,8 @@ def decode_attention_torch(
     s = scale * qh @ kh.transpose(-1, -2) + (c_q[..., None] - c[:, :, None, :]).to(cdt)
     live = pos >= (cache_start.long() * page_size).repeat_interleave(G, dim=1)[..., None]  # [B, Hq, keys]
     ok = live[:, :, None, :] & (pos <= qpos[:, None, :, None])  # [B, Hq, Tq, keys]
+    if window is not None:
+        ok &= pos > qpos[:, None, :, None] - window
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.softmax(s, dim=-1) @ vh
@@ -296,6 +301,7 @@ def forgetting_attention_decode(
     lengths: torch.Tensor,
     *,
     scale: float | None = None,
+    window: int | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -307,6 +313,7 @@ def forgetting_attention_decode(
             page_size, Hq // Hk] float64 gate cumsums; all three already hold the new tokens.
         page_table: [B, Hk, max_pages] int32; cache_start: [B, Hk] int32 first live page; lengths: [B] int32.
         scale: logit scale, default 1/sqrt(D).
+        window: sliding window: query i sees keys j with i - window < j <= i (None: all).
         num_splits: key splits per (sequence, kv head) on the Triton path; default fills the GPU. Fix it
             (with the shapes) to reuse a captured CUDA graph as the lengths grow.
         return_lse: also return the natural-log row log-sum-exp [B, Hq, Tq] fp32.
@@ -315,11 +322,14 @@ def forgetting_attention_decode(
         o: [B, Tq, Hq, Dv] in q's dtype (and lse).
     """
     _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths)
+    if window is not None and window < 1:
+        raise ValueError(f"window: expected a positive number of tokens or None, got {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    args = (q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
     if _use_triton(q):
-        o, lse = _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, num_splits)
+        o, lse = _triton_decode(*args, num_splits)
     else:
-        o, lse = decode_attention_torch(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale)
+        o, lse = decode_attention_torch(*args)
     return (o, lse) if return_lse else o
 
 
