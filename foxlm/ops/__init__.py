@@ -1,6 +1,6 @@
 """Forgetting Attention kernels, each beside its PyTorch reference."""
 
-from .acp import data_logit_bound, prune_threshold
+from .acp import acp_stats, acp_threshold, data_logit_bound, prune_threshold
 from .forgetting_attention import forgetting_attention
 from .reference import forgetting_attention_reference, gate_cumsum
 
@@ -10,4 +10,6 @@ __all__ = [
     "gate_cumsum",
     "data_logit_bound",
     "prune_threshold",
+    "acp_threshold",
+    "acp_stats",
 ]

@@ -46,3 +46,63 @@ def prune_threshold(
     if n.dim() == 1:
         n = n[:, None]
     return -(2.0 * logit_bound.float() + torch.log(n)) + math.log(tolerance)
+
+
+def acp_threshold(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    tolerance: float = math.exp(-10),
+    logit_bound: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """ACP's delta per (sequence, query head): [B or N, Hq] fp32, from the data's norms or ``logit_bound``."""
+    if logit_bound is None:
+        bound = data_logit_bound(q.detach(), k.detach(), scale, cu_seqlens)
+    else:
+        rows = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+        bound = torch.as_tensor(logit_bound, dtype=torch.float32, device=q.device).expand(rows, q.shape[2])
+    n = k.shape[1] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1])
+    return prune_threshold(bound, n, tolerance)
+
+
+def acp_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    log_fgate: torch.Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    tolerance: float = math.exp(-10),
+    logit_bound: float | torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fraction of the causal attention tiles (so of the FLOPs) that ACP skips, without a host sync.
+
+    Same arguments as ``forgetting_attention`` (q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], log_fgate: [B, Tk, Hq]);
+    tiles are the forward kernel's, ``block_m`` queries x ``block_n`` keys, and a query block skips the
+    key blocks whose largest decay is below delta (a prefix, never the diagonal).
+    Returns (per_head: [Hq], overall: scalar), fp32 tensors on q's device.
+    """
+    from .chunked import row_starts  # the prefix each query row skips, shared with the CPU path
+
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    threshold = acp_threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound)
+    tq, tk = q.shape[1], k.shape[1]
+    first_kept = row_starts(torch.cumsum(log_fgate.detach().double(), dim=1), tq, cu_seqlens, threshold)
+    pos = torch.arange(tk - tq, tk, device=q.device)  # key-coordinate position of every query row
+    if cu_seqlens is None:
+        start, end, row = torch.zeros_like(pos), torch.full_like(pos, tk), pos - (tk - tq)
+    else:
+        seg = segment_ids(cu_seqlens, tk)
+        start, end = cu_seqlens.long()[seg], cu_seqlens.long()[seg + 1]
+        row = pos - start
+    block_start = (row % block_m == 0).double()  # rows that open a query block of the kernel
+    last = torch.minimum(pos + block_m, end) - 1 - start  # last query position of the block, in its sequence
+    total = (last // block_n + 1).double()
+    skipped = torch.minimum((first_kept - start) // block_n, (pos - start) // block_n).double()
+    skipped_per_head = (skipped * block_start).sum(dim=(0, 2))
+    total_per_head = (total * block_start).sum(dim=0).expand_as(skipped_per_head) * q.shape[0]
+    return (skipped_per_head / total_per_head).float(), (skipped_per_head.sum() / total_per_head.sum()).float()
