@@ -1,0 +1,212 @@
+"""``foxlm eval {loss,niah,gates,harness}``: evaluations of foxlm checkpoints, writing CSVs and PNGs under ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], got {text!r}") from None
+    if not vals or any(not 0 <= v <= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], got {text!r}")
+    return vals
+
+
+def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
+    p.add_argument("checkpoints" if many else "checkpoint", nargs="+" if many else None, metavar="CHECKPOINT",
+                   help="run dir, checkpoint dir or save_pretrained dir" + (" (several are overlaid)" if many else ""))
+    p.add_argument("--data", default=None,
+                   help="prepared token folder (`foxlm data prepare`); default: the embedded Shakespeare corpus")
+    p.add_argument("--split", default="val", help="held-out split to read (default: val)")
+    p.add_argument("--out", required=True, help="output folder for CSV, PNG and JSON files")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per forward pass")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bars")
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("eval", help="evaluate checkpoints: per-token loss, needle in a haystack, gates, lm-eval")
+    sub = p.add_subparsers(dest="eval_command", metavar="EVAL")
+
+    loss = sub.add_parser("loss", help="per-token loss L(l) and perplexity P(l) over held-out documents",
+                          description="Per-token loss L(l) and P(l) = exp(mean L(1..l)) at an evaluation length "
+                                      "(default 4x the training length), several checkpoints overlaid.")
+    _common(loss, many=True)
+    loss.add_argument("--train-length", type=int, default=None,
+                      help="training context length (default: read from the checkpoint's run)")
+    loss.add_argument("--eval-length", type=int, default=None, help="tokens per sequence (default: 4x training)")
+    loss.add_argument("--labels", default=None, help="comma-separated legend labels, one per checkpoint")
+    loss.add_argument("--max-docs", type=int, default=None, help="at most this many documents")
+    loss.add_argument("--windows", choices=("first", "all"), default="first",
+                      help="first: each long-enough document's first eval-length tokens (BOS-led); all: also its "
+                           "later non-overlapping windows (which start mid-document)")
+    loss.set_defaults(func=run_loss)
+
+    niah = sub.add_parser("niah", help="needle in a haystack over context lengths x needle depths",
+                          description="Needle in a haystack (easy and standard modes), greedy decoding, scored "
+                                      "offline: answer phrase found, and log p(answer | context).")
+    _common(niah)
+    niah.add_argument("--lengths", type=_ints, required=True, help="comma-separated context lengths in tokens")
+    niah.add_argument("--depths", type=_fractions, default=_fractions("0,0.25,0.5,0.75,1"),
+                      help="comma-separated needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
+    niah.add_argument("--modes", default="easy,standard", help="comma-separated: easy, standard")
+    niah.add_argument("--trials", type=int, default=1, help="haystacks per cell (different held-out text)")
+    niah.add_argument("--train-length", type=int, default=None, help="training length, shown on the plot")
+    niah.set_defaults(func=run_niah)
+
+    gates = sub.add_parser("gates", help="decay times, decay/attention maps and the ACP pruning report",
+                           description="Per layer and head: forget-gate decay times over held-out text, decay-matrix "
+                                       "and attention-map heatmaps of a sample, and the fraction of attention FLOPs "
+                                       "ACP skips.")
+    _common(gates)
+    gates.add_argument("--length", type=int, default=2048, help="tokens per sequence for decay times and ACP")
+    gates.add_argument("--num-sequences", type=int, default=4, help="held-out sequences for decay times and ACP")
+    gates.add_argument("--map-length", type=int, default=128, help="tokens of the sample drawn as heatmaps")
+    gates.add_argument("--tile", type=int, default=64, help="ACP tile size (query and key block), tokens")
+    gates.add_argument("--tolerance", type=float, default=math.exp(-10), help="ACP tolerance (default e^-10)")
+    gates.set_defaults(func=run_gates)
+
+    harness = sub.add_parser("harness", help="lm-evaluation-harness with foxlm registered (arguments are lm_eval's)",
+                             description="Runs lm_eval's command line with foxlm imported, so `--model foxlm` and "
+                                         "`--model hf` on foxlm checkpoints work. All arguments go to lm_eval.")
+    harness.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm_eval arguments, e.g. --model foxlm ...")
+    harness.set_defaults(func=run_harness)
+    p.set_defaults(func=lambda args: p.print_help() or 2)
+
+
+def _setup(args, checkpoints: list[str]):
+    """Device, loaded models, held-out dataset folder and its tokenizer."""
+    from foxlm.data import TokenDataset, ensure_default_corpus
+
+    from .utils import load_model, resolve_device
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
+    device = resolve_device(args.device)
+    data = Path(args.data) if args.data else ensure_default_corpus(progress=args.progress)
+    tok = TokenDataset(data, args.split).tokenizer()
+    models = [load_model(c, device) for c in checkpoints]
+    for c, m in zip(checkpoints, models):
+        if m.config.vocab_size < tok.vocab_size:
+            raise ValueError(f"--data: its tokenizer ({tok.name}, {tok.vocab_size} ids) does not fit {c}'s "
+                             f"vocabulary of {m.config.vocab_size}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    return device, models, data, tok, out
+
+
+def _train_length(args, checkpoint: str) -> int:
+    from foxlm.train import checkpoint_train_length
+
+    n = args.train_length or checkpoint_train_length(checkpoint)
+    if not n:
+        raise ValueError(f"--train-length: not recorded with {checkpoint}; pass it")
+    return n
+
+
+def _windows(docs: list[np.ndarray], length: int, every: bool) -> list[np.ndarray]:
+    if not every:
+        return [d[:length] for d in docs]
+    return [d[a:a + length] for d in docs for a in range(0, len(d) - length + 1, length)]
+
+
+def run_loss(args) -> int:
+    from . import loss
+    from .utils import heldout_documents
+
+    labels = args.labels.split(",") if args.labels else [Path(c).name for c in args.checkpoints]
+    if len(labels) != len(args.checkpoints):
+        raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
+    train_length = _train_length(args, args.checkpoints[0])
+    eval_length = args.eval_length or 4 * train_length
+    device, models, data, _, out = _setup(args, args.checkpoints)
+    seqs = _windows(heldout_documents(data, args.split, eval_length, args.max_docs), eval_length, args.windows == "all")
+    curves = [loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
+                                  show_progress=args.progress) for m, lab in zip(models, labels)]
+    loss.write_csv(curves, out / "per_token_loss.csv")
+    md = loss.write_summary(curves, train_length, out / "summary.csv", out / "summary.md")
+    loss.plot(curves, train_length, out / "per_token_loss.png")
+    _write_json(out / "loss.json", args, {"train_length": train_length, "eval_length": eval_length,
+                                          "sequences": len(seqs), "data": str(data)})
+    print(md, end="")
+    print(f"wrote {out}/per_token_loss.csv, summary.csv, summary.md, per_token_loss.png")
+    return 0
+
+
+def run_niah(args) -> int:
+    from . import niah
+    from .utils import heldout_documents
+
+    modes = tuple(m for m in args.modes.split(",") if m)
+    if not modes or any(m not in niah.MODES for m in modes):
+        raise ValueError(f"--modes: expected a comma-separated subset of {niah.MODES}, got {args.modes!r}")
+    device, (model,), data, tok, out = _setup(args, [args.checkpoint])
+    hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
+    results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
+                            batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
+    niah.write_csv(results, out / "niah.csv")
+    niah.plot(results, out / "niah.png", train_length=args.train_length)
+    _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay)})
+    for mode in modes:
+        lengths, depths, g = niah.grid(results, mode, "found")
+        print(f"{mode}: answer found in {np.nanmean(g):.0%} of {g.size} cells (lengths {lengths})")
+    print(f"wrote {out}/niah.csv, niah.png")
+    return 0
+
+
+def run_gates(args) -> int:
+    from . import gates
+    from .utils import heldout_documents
+
+    device, (model,), data, tok, out = _setup(args, [args.checkpoint])
+    docs = heldout_documents(data, args.split, args.length, None)
+    seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
+    decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)
+    for layer, a in enumerate(attn):
+        gates.plot_layer_maps(None if decay is None else decay[layer], a, layer, out / f"maps_layer{layer:02d}.png")
+    print(f"wrote {out}/maps_layer*.png")
+    if decay is None:
+        print("the model has no forget gates (gate='none'): no decay times and no ACP report")
+        return 0
+    log_fgates, report = gates.collect(model, seqs, tile=args.tile, tolerance=args.tolerance,
+                                       batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
+    gates.write_decay_csv(gates.decay_stats(log_fgates), out / "decay_times.csv")
+    gates.plot_decay_times(gates.decay_stats(log_fgates), out / "decay_times.png", context_length=args.length)
+    gates.write_acp(report, out)
+    _write_json(out / "gates.json", args, {"data": str(data), "sequences": len(seqs),
+                                           "acp_skipped_per_layer": report.per_layer.tolist(),
+                                           "acp_skipped_overall": report.overall})
+    print(f"ACP (tile {args.tile}, tolerance {args.tolerance:.3g}) skips {report.overall:.1%} of attention FLOPs; "
+          f"per layer: " + ", ".join(f"{x:.1%}" for x in report.per_layer))
+    print(f"wrote {out}/decay_times.csv, decay_times.png, acp.csv, acp.png, gates.json")
+    return 0
+
+
+def run_harness(args) -> int:
+    from .harness import main
+
+    return main(args.lm_eval_args)
+
+
+def _write_json(path: Path, args, extra: dict) -> None:
+    """The command's arguments and facts about its inputs, next to its outputs."""
+    meta = {k: v for k, v in vars(args).items() if k != "func"} | extra | {"argv": sys.argv}
+    path.write_text(json.dumps(meta, indent=2, default=str) + "\n")

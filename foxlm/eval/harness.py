@@ -1,0 +1,92 @@
+"""lm-evaluation-harness adapter: ``--model foxlm`` and ``--model hf`` for foxlm checkpoints.
+
+lm-eval's command line never imports foxlm, so neither the ``fox`` AutoModel registration nor this
+module's ``foxlm`` model would exist there. ``foxlm eval harness ARGS`` (or ``python -m foxlm.eval.harness
+ARGS``) is lm-eval's own command line with foxlm imported first; ARGS are lm-eval's::
+
+    foxlm eval harness --model foxlm --model_args pretrained=runs/x --tasks lambada_openai --device cuda
+    foxlm eval harness --model hf --model_args pretrained=runs/x/checkpoints/step_0001000/model --tasks ...
+
+``--model foxlm`` takes any checkpoint foxlm can load (run dir, checkpoint dir, ``save_pretrained`` dir)
+and builds the HF tokenizer from foxlm's offline GPT-2 files; ``--model hf`` needs a ``save_pretrained``
+dir that also holds tokenizer files (``save_hf_tokenizer``). From Python, ``import foxlm.eval.harness``
+then ``lm_eval.simple_evaluate(model="foxlm", ...)``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+import foxlm.models  # noqa: F401  (registers the "fox" model type with the HF Auto classes)
+
+
+def hf_tokenizer(name: str = "gpt2"):
+    """A ``transformers`` fast tokenizer equal to ``foxlm.data.get_tokenizer(name)`` (BPE only), offline.
+
+    ``<|endoftext|>`` is its BOS, EOS and padding token, as in foxlm's data.
+    """
+    from transformers import GPT2TokenizerFast
+
+    from foxlm.data import get_tokenizer
+    from foxlm.data.assets import gpt2_files
+
+    tok = get_tokenizer(name)
+    if tok.name == "byte":
+        raise ValueError("tokenizer: lm-eval needs a transformers tokenizer; the byte tokenizer has none, use a BPE one")
+    if tok.name == "gpt2":
+        encoder, merges = gpt2_files()
+    else:  # "bpe:<folder>"
+        folder = Path(tok.name[len("bpe:"):])
+        encoder, merges = folder / "encoder.json", folder / "vocab.bpe"
+    eot = "<|endoftext|>"
+    hf = GPT2TokenizerFast(vocab_file=str(encoder), merges_file=str(merges), bos_token=eot, eos_token=eot,
+                           unk_token=eot, pad_token=eot, add_prefix_space=False)
+    if hf.convert_tokens_to_ids(eot) != tok.eot_id:
+        raise ValueError(f"tokenizer: {eot} is id {hf.convert_tokens_to_ids(eot)} in transformers, {tok.eot_id} in foxlm")
+    return hf
+
+
+def save_hf_tokenizer(model_dir: str | os.PathLike, name: str = "gpt2") -> None:
+    """Write the tokenizer files into a ``save_pretrained`` dir, so ``--model hf`` (AutoTokenizer) loads it."""
+    hf_tokenizer(name).save_pretrained(model_dir)
+
+
+@register_model("foxlm")
+class FoxLM(HFLM):
+    """lm-eval's HF causal-LM wrapper around a foxlm checkpoint (run, checkpoint or ``save_pretrained`` dir).
+
+    model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...); ``device``
+    (default CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
+    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or BPE folder) defaults to GPT-2 BPE.
+    """
+
+    def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
+                 dtype: str | None = None, **kwargs):
+        from foxlm.train import load_checkpoint_model
+
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+        model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
+        tok = hf_tokenizer(tokenizer or "gpt2")
+        super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """lm-eval's command line, run with foxlm imported (``foxlm`` model and ``fox`` Auto classes registered)."""
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
+    cli_evaluate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

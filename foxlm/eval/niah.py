@@ -1,0 +1,211 @@
+"""Needle in a haystack (shared/ANCHORS.md section 3), scored offline with no external judge.
+
+A prompt of exactly ``context_length`` tokens is held-out text with the needle inserted at a sentence
+boundary near ``depth`` (0 = start, 1 = end), followed by the question; in ``easy`` mode the question
+also opens the prompt, so the model knows what to look for while reading. Each cell is scored by
+(1) whether the answer phrase appears in the greedy completion and (2) log p(answer | prompt).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from .utils import autocast, next_token_logprobs, progress, pyplot
+
+NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+QUESTION = "What is the best thing to do in San Francisco?"
+ANSWER_PREFIX = "Answer: The best thing to do in San Francisco is"
+ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day."
+MODES = ("easy", "standard")
+_SENTENCE_END = re.compile(r"[.!?]$")
+_BOUNDARY_LOOKBACK = 256  # tokens searched back from the requested depth for a sentence end
+
+
+@dataclass
+class NeedleResult:
+    mode: str
+    context_length: int
+    depth: float  # requested depth in [0, 1]
+    needle_position: int  # token index of the needle's first token in the prompt
+    trial: int
+    found: bool
+    answer_logprob: float  # log p(answer tokens | prompt), summed
+    answer_logprob_per_token: float
+    completion: str
+
+
+def normalize(text: str) -> str:
+    """Lower case, punctuation dropped, whitespace collapsed: what 'the answer appears' compares."""
+    return " ".join(re.sub(r"[^\w\s]", " ", text.lower()).split())
+
+
+def answer_found(completion: str) -> bool:
+    """Whether the whole answer phrase appears in ``completion`` (case, punctuation and spacing ignored)."""
+    return normalize(ANSWER) in normalize(completion)
+
+
+def haystack_tokens(tokenizer, documents: list[np.ndarray]) -> np.ndarray:
+    """Held-out documents joined into one stream of plain text: BOS/EOT tokens become blank lines, so the
+    haystack reads as one long text rather than as separate documents."""
+    sep = np.asarray(tokenizer.encode("\n\n"), dtype=np.int64)
+    parts = []
+    for doc in documents:
+        doc = np.asarray(doc, dtype=np.int64)
+        parts += [doc[doc != tokenizer.eot_id], sep]
+    return np.concatenate(parts)
+
+
+class PromptBuilder:
+    """Builds needle prompts of an exact token length from one tokenized haystack."""
+
+    def __init__(self, tokenizer, haystack: np.ndarray):
+        self.tok = tokenizer
+        self.haystack = haystack
+        self.needle = tokenizer.encode(" " + NEEDLE)
+        self.head = {"easy": tokenizer.encode(QUESTION + "\n\n"), "standard": []}
+        self.tail = tokenizer.encode("\n\n" + QUESTION + " " + ANSWER_PREFIX)
+        self.answer = tokenizer.encode(" " + ANSWER)
+
+    def haystack_length(self, context_length: int, mode: str) -> int:
+        """Haystack tokens in a prompt of ``context_length`` tokens."""
+        if mode not in MODES:
+            raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+        n = context_length - 1 - len(self.head[mode]) - len(self.needle) - len(self.tail)
+        if n < 0:
+            raise ValueError(f"context_length: {context_length} tokens cannot hold the needle and question "
+                             f"({context_length - n} tokens)")
+        return n
+
+    def _sentence_boundary(self, hay: list[int], cut: int) -> int:
+        """The nearest position at or before ``cut`` (within a lookback) just after a sentence end and before
+        whitespace, so that the needle reads as a sentence of its own; ``cut`` itself if there is none."""
+        for i in range(cut, max(0, cut - _BOUNDARY_LOOKBACK) - 1, -1):
+            if i == 0 or i == len(hay):
+                return i
+            if _SENTENCE_END.search(self.tok.decode(hay[i - 1:i])) and self.tok.decode(hay[i:i + 1])[:1].isspace():
+                return i
+        return cut
+
+    def build(self, context_length: int, depth: float, mode: str, offset: int) -> tuple[list[int], int]:
+        """Prompt ids (BOS first, exactly ``context_length`` of them) and the needle's token index."""
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"depth: expected a fraction in [0, 1], got {depth}")
+        n = self.haystack_length(context_length, mode)
+        if offset + n > len(self.haystack):
+            raise ValueError(f"haystack: {len(self.haystack)} held-out tokens, but a {context_length}-token prompt "
+                             f"at offset {offset} needs {offset + n}; use more documents or shorter contexts")
+        hay = self.haystack[offset:offset + n].tolist()
+        cut = self._sentence_boundary(hay, round(depth * n))
+        head = [self.tok.eot_id] + self.head[mode] + hay[:cut]
+        return head + self.needle + hay[cut:] + self.tail, len(head)
+
+
+@torch.no_grad()
+def greedy_complete(model, prompts: torch.Tensor, max_new_tokens: int, eot_id: int) -> list[list[int]]:
+    """Greedy continuation (HF ``generate``) of equally long prompts [B, T], each cut at its first EOT."""
+    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=max_new_tokens,
+                         do_sample=False, eos_token_id=eot_id, pad_token_id=eot_id)
+    new = out[:, prompts.shape[1]:].tolist()
+    return [ids[:ids.index(eot_id)] if eot_id in ids else ids for ids in new]
+
+
+@torch.no_grad()
+def run_niah(
+    model: torch.nn.Module,
+    tokenizer,
+    haystack: np.ndarray,
+    context_lengths: list[int],
+    depths: list[float],
+    *,
+    modes: tuple[str, ...] = MODES,
+    trials: int = 1,
+    batch_size: int = 1,
+    dtype: str = "auto",
+    show_progress: bool = True,
+) -> list[NeedleResult]:
+    """Score every (mode, context length, depth, trial); trials read different stretches of the haystack.
+
+    Prompts of one (mode, length) are batched ``batch_size`` at a time: they have equal lengths, so no padding.
+    """
+    if trials < 1 or batch_size < 1:
+        raise ValueError(f"trials, batch_size: expected >= 1, got {trials} and {batch_size}")
+    builder = PromptBuilder(tokenizer, haystack)
+    device = next(model.parameters()).device
+    answer = torch.tensor(builder.answer, device=device)
+    need = max(builder.haystack_length(n, m) for n in context_lengths for m in modes)
+    if need > len(haystack):
+        raise ValueError(f"context_lengths: the longest prompt needs {need} haystack tokens, only {len(haystack)} held out")
+    offsets = np.linspace(0, len(haystack) - need, trials).astype(int).tolist()
+    batches = []
+    for m in modes:
+        for n in context_lengths:
+            cells = [(d, t) for d in depths for t in range(trials)]
+            batches += [(m, n, cells[a:a + batch_size]) for a in range(0, len(cells), batch_size)]
+    results = []
+    for mode, n, cells in progress(batches, desc="needle", enabled=show_progress):
+        built = [builder.build(n, d, mode, offsets[t]) for d, t in cells]
+        ids = torch.tensor([p for p, _ in built], device=device)
+        with autocast(device, dtype):
+            new = greedy_complete(model, ids, len(builder.answer) + 4, tokenizer.eot_id)
+            full = torch.cat([ids, answer.expand(len(cells), -1)], 1)
+            logp = next_token_logprobs(model, full, start=n - 1).sum(1).tolist()
+        for (d, t), (_, pos), gen, lp in zip(cells, built, new, logp):
+            text = tokenizer.decode(gen)
+            results.append(NeedleResult(mode, n, d, pos, t, answer_found(text), lp, lp / len(builder.answer), text))
+    return results
+
+
+def write_csv(results: list[NeedleResult], path: str | os.PathLike) -> None:
+    fields = list(NeedleResult.__dataclass_fields__)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in results:
+            w.writerow(asdict(r))
+
+
+def grid(results: list[NeedleResult], mode: str, field: str) -> tuple[list[int], list[float], np.ndarray]:
+    """Mean of ``field`` over trials as [depth, context length], with the axes' values."""
+    rs = [r for r in results if r.mode == mode]
+    lengths = sorted({r.context_length for r in rs})
+    depths = sorted({r.depth for r in rs})
+    g = np.full((len(depths), len(lengths)), np.nan)
+    for i, d in enumerate(depths):
+        for j, n in enumerate(lengths):
+            vals = [float(getattr(r, field)) for r in rs if r.depth == d and r.context_length == n]
+            g[i, j] = np.mean(vals)
+    return lengths, depths, g
+
+
+def plot(results: list[NeedleResult], path: str | os.PathLike, train_length: int | None = None, title: str = "") -> None:
+    """Heatmaps per mode: answer found (fraction of trials) and log p(answer) per token."""
+    plt = pyplot()
+    modes = [m for m in MODES if any(r.mode == m for r in results)]
+    fig, axes = plt.subplots(len(modes), 2, figsize=(12, 4 * len(modes)), squeeze=False)
+    for row, mode in enumerate(modes):
+        for col, (field, name, cmap, lim) in enumerate((
+            ("found", "answer found (fraction of trials)", "RdYlGn", (0, 1)),
+            ("answer_logprob_per_token", "log p(answer | context) per token", "viridis", (None, None)),
+        )):
+            lengths, depths, g = grid(results, mode, field)
+            ax = axes[row, col]
+            im = ax.imshow(g, cmap=cmap, vmin=lim[0], vmax=lim[1], aspect="auto", origin="upper")
+            for i in range(g.shape[0]):
+                for j in range(g.shape[1]):
+                    ax.text(j, i, f"{g[i, j]:.2f}", ha="center", va="center", fontsize=7)
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+            ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths])
+            ax.set_xlabel("context length (tokens)" + (f"; training length {train_length}" if train_length else ""))
+            ax.set_ylabel("needle depth")
+            ax.set_title(f"{mode} mode: {name}")
+            fig.colorbar(im, ax=ax, label=name)
+    fig.suptitle(title or "Needle in a haystack (greedy decoding)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

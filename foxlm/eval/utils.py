@@ -1,0 +1,117 @@
+"""What every evaluation shares: loading a model, device and precision, log-probabilities that never
+materialise [B, T, V] logits, held-out documents, and matplotlib (Agg) figures."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+# Positions whose logits are computed at once (per batch): [chunk, V] fp32 stays a few hundred MB.
+_LOGIT_CHUNK_TOKENS = 2048
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """``None``/``"auto"`` -> CUDA when available, else CPU."""
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'auto', got {device!r}") from e
+
+
+def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractContextManager:
+    """Mixed precision as in training: fp32 weights, bf16 autocast on CUDA (``"auto"``), fp32 on the CPU."""
+    if dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ValueError(f"dtype: expected 'auto', 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=getattr(torch, dtype))
+
+
+def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module:
+    """A foxlm model from a run dir, a checkpoint dir or a ``save_pretrained`` dir, in eval mode on ``device``."""
+    from foxlm.train import load_checkpoint_model
+
+    if not Path(path).exists():
+        raise ValueError(f"checkpoint: {path} does not exist (expected a run, checkpoint or save_pretrained dir)")
+    return load_checkpoint_model(path).to(device).eval()
+
+
+def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Final (normed) hidden states of a causal LM without its head: [B, T] -> [B, T, d_model]."""
+    return model.get_decoder()(input_ids=input_ids, use_cache=False).last_hidden_state
+
+
+def head_logprobs(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log p(targets) under the LM head, chunked over positions: hidden [B, T, d], targets [B, T] -> [B, T] fp32."""
+    head = model.get_output_embeddings()
+    chunk = max(1, _LOGIT_CHUNK_TOKENS // hidden.shape[0])
+    out = torch.empty(targets.shape, dtype=torch.float32, device=hidden.device)
+    for a in range(0, hidden.shape[1], chunk):
+        logits = head(hidden[:, a:a + chunk]).float()
+        out[:, a:a + chunk] = -F.cross_entropy(logits.transpose(1, 2), targets[:, a:a + chunk], reduction="none")
+    return out
+
+
+@torch.no_grad()
+def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """log p(x_{t+1} | x_<=t) for t = start .. T-2: input_ids [B, T] -> [B, T-1-start] fp32.
+
+    Streams: the backbone runs once (Forgetting Attention never builds a T x T matrix) and the LM head
+    is applied a chunk of positions at a time, so [B, T, V] logits never exist.
+    """
+    if not 0 <= start < input_ids.shape[1] - 1:
+        raise ValueError(f"start: expected 0 <= start < T - 1 = {input_ids.shape[1] - 1}, got {start}")
+    hidden = hidden_states(model, input_ids)[:, start:-1]
+    return head_logprobs(model, hidden, input_ids[:, start + 1:])
+
+
+def heldout_documents(data: str | os.PathLike, split: str, min_length: int, max_docs: int | None) -> list[np.ndarray]:
+    """Documents of a prepared dataset (``foxlm data prepare``) with at least ``min_length`` tokens, in order.
+
+    Each document starts with the ``<|endoftext|>`` BOS, as in training. Raises ``ValueError`` when none is
+    long enough, naming the longest one.
+    """
+    from foxlm.data import TokenDataset
+
+    if min_length < 2:
+        raise ValueError(f"length: expected at least 2 tokens, got {min_length}")
+    docs, longest = [], 0
+    for doc in TokenDataset(data, split).documents():
+        longest = max(longest, len(doc))
+        if len(doc) >= min_length:
+            docs.append(np.asarray(doc))
+            if max_docs is not None and len(docs) == max_docs:
+                break
+    if not docs:
+        raise ValueError(
+            f"length: no {split!r} document of {data} has {min_length} tokens (the longest has {longest}); "
+            "evaluate at a shorter length or prepare a corpus with longer documents"
+        )
+    return docs
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def progress(iterable, total: int | None = None, desc: str = "", enabled: bool = True) -> Iterator:
+    """A tqdm progress bar on stderr (disabled with ``enabled=False``)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, disable=not enabled, dynamic_ncols=True)
