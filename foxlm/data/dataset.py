@@ -1,0 +1,116 @@
+"""``TokenDataset``: read-only view of one split of a folder written by ``foxlm data prepare``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .assets import sha256_file
+from .prepare import FORMAT
+from .tokenizer import Tokenizer, tokenizer_from_spec
+
+
+class ShardedTokens:
+    """The tokens of several shards as one 1-D sequence: ``len()``, integer and contiguous-slice indexing."""
+
+    def __init__(self, shards: list[np.ndarray]):
+        self.shards = shards
+        self.starts = np.cumsum([0] + [len(s) for s in shards])
+        self.dtype = shards[0].dtype
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key):
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + len(self) if key < 0 else int(key)
+            if not 0 <= i < len(self):
+                raise IndexError(f"token index {key} out of range for {len(self)} tokens")
+            s = int(np.searchsorted(self.starts, i, side="right")) - 1
+            return self.shards[s][i - self.starts[s]]
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("ShardedTokens: only contiguous slices are supported")
+        parts, pos = [], start
+        while pos < stop:
+            s = int(np.searchsorted(self.starts, pos, side="right")) - 1
+            end = min(stop, int(self.starts[s + 1]))
+            parts.append(self.shards[s][pos - self.starts[s]:end - self.starts[s]])
+            pos = end
+        return np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
+
+    def __array__(self, dtype=None, copy=None):
+        out = self[:]
+        return out.astype(dtype) if dtype is not None else out
+
+
+class TokenDataset:
+    """One split (``"train"`` or ``"val"``) of a prepared token folder.
+
+    - ``tokens``: 1-D array-like of ids (an ``np.memmap`` for one shard, a ``ShardedTokens`` view for several).
+    - ``doc_offsets``: int64 ``[num_docs + 1]``, document ``i`` is ``tokens[doc_offsets[i]:doc_offsets[i+1]]``
+      and starts with ``eot_id`` (like ``cu_seqlens``).
+    - ``meta``: the folder's ``meta.json``; ``tokenizer()`` rebuilds its tokenizer and checks it is the same.
+    """
+
+    def __init__(self, path: str | os.PathLike, split: str = "train"):
+        self.path = Path(path).expanduser()
+        meta_path = self.path / "meta.json"
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"path: {self.path} has no meta.json (prepare it with `foxlm data prepare`)")
+        self.meta = json.loads(meta_path.read_text())
+        if self.meta.get("format") != FORMAT:
+            raise ValueError(f"path: {meta_path} has format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        if split not in self.meta["splits"]:
+            raise ValueError(f"split: expected one of {sorted(self.meta['splits'])}, got {split!r}")
+        self.split = split
+        info = self.meta["splits"][split]
+        dtype = np.dtype(self.meta["dtype"])
+        arrays, offsets, base = [], [np.zeros(1, dtype=np.int64)], 0
+        for shard in info["shards"]:
+            file = self.path / shard["tokens"]
+            expected = shard["num_tokens"] * dtype.itemsize
+            if not file.is_file() or file.stat().st_size != expected:
+                raise ValueError(f"{file}: missing or truncated (expected {expected} bytes); re-run prepare")
+            arrays.append(np.memmap(file, dtype=dtype, mode="r"))
+            idx = np.fromfile(self.path / shard["offsets"], dtype=np.int64)
+            if len(idx) != shard["num_docs"] + 1 or idx[0] != 0 or idx[-1] != shard["num_tokens"]:
+                raise ValueError(f"{self.path / shard['offsets']}: document offsets do not match meta.json")
+            offsets.append(idx[1:] + base)
+            base += shard["num_tokens"]
+        self.doc_offsets = np.concatenate(offsets)
+        if not arrays:
+            self.tokens = np.zeros(0, dtype=dtype)
+        else:
+            self.tokens = arrays[0] if len(arrays) == 1 else ShardedTokens(arrays)
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.doc_offsets) - 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def document(self, i: int) -> np.ndarray:
+        """Tokens of document ``i`` (leading ``eot_id`` included)."""
+        return np.asarray(self.tokens[int(self.doc_offsets[i]):int(self.doc_offsets[i + 1])])
+
+    def documents(self) -> Iterator[np.ndarray]:
+        """Every document in order, as arrays of ids starting with ``eot_id``."""
+        for i in range(self.num_docs):
+            yield self.document(i)
+
+    def tokenizer(self) -> Tokenizer:
+        return tokenizer_from_spec(self.meta["tokenizer"])
+
+    def verify(self) -> None:
+        """Check every shard's sha256 against ``meta.json`` (reads all the data)."""
+        for shard in self.meta["splits"][self.split]["shards"]:
+            for key in ("tokens", "offsets"):
+                digest = sha256_file(self.path / shard[key])
+                if digest != shard["sha256"][key]:
+                    raise ValueError(f"{self.path / shard[key]}: sha256 {digest} does not match meta.json")

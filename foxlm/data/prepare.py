@@ -1,0 +1,267 @@
+"""``foxlm data prepare``: text → packed token shards with document boundaries and ``meta.json``.
+
+Output folder layout (``TokenDataset`` reads it)::
+
+    meta.json                      tokenizer spec, counts, sources (with sha256), skipped documents, shard hashes
+    train-00000.bin, ...           tokens, raw uint16 (uint32 if the vocabulary needs it), for np.memmap
+    train-00000.idx, ...           int64 document offsets into the shard: [0, start_1, ..., num_tokens]
+    val-00000.bin / .idx           the same for the validation split
+
+Every document is stored as ``[eot_id] + encode(text)``: ``<|endoftext|>`` opens each document (BOS) and so also
+separates them. The split is by whole documents: document ``i`` (in the sorted input order) goes to validation
+iff ``floor((i + 1) * val_fraction) > floor(i * val_fraction)``, an even, deterministic spread. Tokenization runs in
+a process pool over batches of pieces, with a bounded number of batches in flight, so memory stays flat. The
+folder is written under a temporary name and renamed when complete: an interrupted run leaves no ``meta.json``.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import multiprocessing as mp
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .assets import sha256_file
+from .sources import PIECE_CHARS, Source, find_sources, source_events, source_size
+from .tokenizer import Tokenizer, get_tokenizer
+
+FORMAT = "foxlm.tokens/1"
+BATCH_CHARS = 1 << 18
+MAX_SKIP_EXAMPLES = 100
+
+_worker_tok: Tokenizer | None = None
+
+
+def _init_worker(name: str) -> None:
+    global _worker_tok
+    _worker_tok = get_tokenizer(name)
+
+
+def _encode_batch(texts: list[str], dtype: str) -> list[np.ndarray]:
+    return [np.asarray(_worker_tok.encode(t), dtype=dtype) for t in texts]
+
+
+def token_dtype(vocab_size: int) -> str:
+    """Smallest unsigned dtype holding every id: ``uint16`` up to 65,536 tokens, else ``uint32``."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+class _SplitWriter:
+    """Appends documents to ``<split>-NNNNN.bin/.idx`` shards; a shard closes only between documents."""
+
+    def __init__(self, folder: Path, split: str, dtype: str, eot_id: int, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.eot_id = folder, split, np.dtype(dtype), eot_id
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict] = []
+        self._bin = None
+        self._offsets: list[int] = []
+        self._pos = self._doc_start = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens written so far, over all shards."""
+        return self._pos + sum(s["num_tokens"] for s in self.shards)
+
+    def begin(self) -> None:
+        if self._bin is None:
+            self._bin = open(self.folder / f"{self.split}-{len(self.shards):05d}.bin", "wb")
+            self._offsets, self._pos = [0], 0
+        self._doc_start = self._pos
+        self.write(np.asarray([self.eot_id], dtype=self.dtype))
+
+    def write(self, ids: np.ndarray) -> None:
+        self._bin.write(ids.astype(self.dtype, copy=False).tobytes())
+        self._pos += len(ids)
+
+    def end(self) -> int:
+        """Close the current document; return its length in tokens (with the leading eot)."""
+        length = self._pos - self._doc_start
+        self._offsets.append(self._pos)
+        if self._pos >= self.shard_tokens:
+            self._close_shard()
+        return length
+
+    def abort(self) -> None:
+        """Drop the current document: truncate the shard back to its start."""
+        self._bin.seek(self._doc_start * self.dtype.itemsize)
+        self._bin.truncate()
+        self._pos = self._doc_start
+
+    def _close_shard(self) -> None:
+        self._bin.close()
+        name = self._bin.name
+        idx = Path(name).with_suffix(".idx")
+        np.asarray(self._offsets, dtype=np.int64).tofile(idx)
+        self.shards.append({"tokens": Path(name).name, "offsets": idx.name, "num_tokens": self._pos,
+                            "num_docs": len(self._offsets) - 1,
+                            "sha256": {"tokens": sha256_file(name), "offsets": sha256_file(idx)}})
+        self._bin, self._pos = None, 0
+
+    def finish(self) -> dict:
+        if self._bin is not None:
+            if len(self._offsets) > 1:
+                self._close_shard()
+            else:  # opened for a document that was then dropped
+                self._bin.close()
+                os.remove(self._bin.name)
+                self._bin = None
+        return {"num_tokens": sum(s["num_tokens"] for s in self.shards),
+                "num_docs": sum(s["num_docs"] for s in self.shards), "shards": self.shards}
+
+
+def _batches(sources: list[Source], text_key: str, on_bytes, piece_chars: int) -> Iterator[list]:
+    """Group events into batches of about ``BATCH_CHARS`` characters: ``[(source_index, kind, payload), ...]``."""
+    batch, chars = [], 0
+    for si, src in enumerate(sources):
+        for kind, payload in source_events(src, text_key, on_bytes, piece_chars):
+            batch.append((si, kind, payload))
+            chars += len(payload) if kind == "piece" else 0
+            if chars >= BATCH_CHARS:
+                yield batch
+                batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def prepare(
+    inputs: list[str | os.PathLike],
+    out_dir: str | os.PathLike,
+    *,
+    tokenizer: str = "gpt2",
+    val_fraction: float = 0.01,
+    text_key: str = "text",
+    pattern: str = "**/*",
+    workers: int | None = None,
+    shard_tokens: int = 1 << 28,
+    piece_chars: int = PIECE_CHARS,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Tokenize ``inputs`` (files, folders, ``datasets`` folders) into shards under ``out_dir``; return the meta.
+
+    ``workers``: tokenizer processes (default: all CPUs; 0 tokenizes in this process). ``pattern`` selects files
+    inside folders. Skipped documents (bad UTF-8, empty, unreadable, bad JSON) are reported on stderr and listed
+    in ``meta.json``.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction: expected a value in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens: expected a positive count, got {shard_tokens}")
+    out_dir = Path(out_dir).expanduser()
+    if (out_dir / "meta.json").exists() and not overwrite:
+        raise FileExistsError(f"out_dir: {out_dir} already holds a dataset (pass overwrite=True / --overwrite)")
+    if out_dir.exists() and not (out_dir / "meta.json").exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"out_dir: {out_dir} exists and is not a foxlm dataset; refusing to replace it")
+    tok = get_tokenizer(tokenizer)
+    sources = find_sources(inputs, pattern)
+    if not sources:
+        raise ValueError(f"inputs: no files found in {[str(p) for p in inputs]}")
+    dtype = token_dtype(tok.vocab_size)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    writers = {s: _SplitWriter(tmp, s, dtype, tok.eot_id, shard_tokens) for s in ("train", "val")}
+    skipped: collections.Counter = collections.Counter()
+    examples: list[dict] = []
+
+    from tqdm.auto import tqdm
+
+    total_bytes = sum(source_size(s) for s in sources if s.path.exists())
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    pool = None
+    if workers > 0:
+        ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
+    else:
+        _init_worker(tokenizer)
+    try:
+        in_flight: collections.deque = collections.deque()
+        doc_index, open_split = 0, None
+
+        def consume(batch: list, arrays: list[np.ndarray]) -> None:
+            nonlocal doc_index, open_split
+            it = iter(arrays)
+            for si, kind, payload in batch:
+                src = sources[si]
+                if kind == "piece":
+                    if open_split is None:
+                        is_val = int((doc_index + 1) * val_fraction) > int(doc_index * val_fraction)
+                        open_split = "val" if is_val else "train"
+                        doc_index += 1
+                        writers[open_split].begin()
+                    writers[open_split].write(next(it))
+                elif kind == "end":
+                    src.documents += 1
+                    src.tokens += writers[open_split].end()
+                    open_split = None
+                else:  # skip
+                    if open_split is not None:  # its index goes to the next document
+                        writers[open_split].abort()
+                        open_split, doc_index = None, doc_index - 1
+                    category, detail = payload
+                    src.skipped += 1
+                    skipped[category] += 1
+                    if len(examples) < MAX_SKIP_EXAMPLES:
+                        examples.append({"source": str(src.path), "reason": category, "detail": detail})
+                        bar.write(f"skipped {src.path}: {category} ({detail})", file=sys.stderr)
+
+        for batch in _batches(sources, text_key, bar.update, piece_chars):
+            texts = [p for _, kind, p in batch if kind == "piece"]
+            if pool is None:
+                consume(batch, _encode_batch(texts, dtype))
+            else:
+                in_flight.append((batch, pool.apply_async(_encode_batch, (texts, dtype))))
+                while len(in_flight) > 4 * workers:
+                    b, res = in_flight.popleft()
+                    consume(b, res.get())
+            bar.set_postfix(docs=sum(s.documents for s in sources),
+                            tokens=sum(w.num_tokens for w in writers.values()),
+                            refresh=False)
+        while in_flight:
+            b, res = in_flight.popleft()
+            consume(b, res.get())
+        splits = {name: w.finish() for name, w in writers.items()}
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+    meta = {
+        "format": FORMAT,
+        "tokenizer": tok.spec(),
+        "dtype": dtype,
+        "document_prefix": "eot",
+        "val_fraction": val_fraction,
+        "text_key": text_key,
+        "num_tokens": sum(s["num_tokens"] for s in splits.values()),
+        "num_docs": sum(s["num_docs"] for s in splits.values()),
+        "splits": splits,
+        "sources": [s.record() for s in sources],
+        "skipped": {"count": sum(skipped.values()), "by_reason": dict(skipped), "examples": examples},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if skipped:
+        print(f"skipped {sum(skipped.values())} documents: {dict(skipped)}", file=sys.stderr)
+    if meta["num_docs"] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: {dict(skipped)})")
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp.rename(out_dir)
+    return meta

@@ -1,0 +1,272 @@
+"""Streaming document readers for ``foxlm data prepare``.
+
+Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per
+line, under ``text_key``), Parquet (needs ``pyarrow``) and local Hugging Face ``datasets`` folders saved with
+``save_to_disk`` (needs ``datasets``). Every reader yields *events* so that memory stays flat whatever the size:
+
+- ``("piece", text)``: the next piece of the current document. Long texts are cut into pieces of about
+  ``piece_chars`` characters where whitespace follows a non-space, where GPT-2's pre-tokenizer splits anyway,
+  so tokenizing the pieces one by one gives exactly the ids of the whole text.
+- ``("end", None)``: the current document is complete.
+- ``("skip", (category, detail))``: the current document (possibly after some pieces) is dropped; categories:
+  ``bad UTF-8``, ``empty``, ``bad JSON``, ``no text`` (missing or non-string field), ``unreadable``.
+
+A document opens with its first event. ``Source`` keeps per-input statistics and a progress callback.
+"""
+
+from __future__ import annotations
+
+import codecs
+import gzip
+import hashlib
+import io
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+Event = tuple[str, "str | tuple[str, str] | None"]
+
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
+PARQUET_SUFFIXES = (".parquet",)
+PIECE_CHARS = 1 << 20
+# Unicode White_Space, what the tokenizer's regex calls \s (Python's str.isspace() also takes \x1c-\x1f).
+_WS_CLASS = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+_WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | frozenset(
+    chr(c) for c in range(0x2000, 0x200B))
+_SAFE_CUT = re.compile(f"[^{_WS_CLASS}](?=[{_WS_CLASS}])")
+_CUT_SEARCH = 4096
+
+
+def safe_cut(text: str, limit: int) -> int:
+    """Largest ``i <= limit`` (searching back a few KiB) where whitespace starts after a non-space; 0 if none.
+
+    GPT-2's pre-tokenizer always ends a pre-token there (none of its patterns runs from a non-space into
+    whitespace, and its lookaheads only look forward), so tokenizing ``text[:i]`` and ``text[i:]`` one after the
+    other gives exactly the ids of ``text``; trivially so for bytes.
+    """
+    limit = min(limit, len(text) - 1)
+    for i in range(limit, max(limit - _CUT_SEARCH, 0), -1):
+        if text[i] in _WHITESPACE and text[i - 1] not in _WHITESPACE:
+            return i
+    return 0
+
+
+def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
+    """Cut ``text`` into pieces of about ``piece_chars`` at safe places (see ``safe_cut``)."""
+    while len(text) > piece_chars:
+        cut = safe_cut(text, piece_chars)
+        if cut == 0:  # a long run without a safe place: take the first one after the limit
+            if (m := _SAFE_CUT.search(text, piece_chars)) is None:
+                break
+            cut = m.end()
+        yield text[:cut]
+        text = text[cut:]
+    yield text
+
+
+def document_events(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[Event]:
+    """Events of one in-memory document."""
+    if not text.strip():
+        yield "skip", ("empty", "no text")
+        return
+    for piece in split_pieces(text, piece_chars):
+        yield "piece", piece
+    yield "end", None
+
+
+class _HashingReader(io.RawIOBase):
+    """Binary reader that hashes and counts what it reads (the raw file, before any decompression)."""
+
+    def __init__(self, f, on_bytes: Callable[[int], None]):
+        self._f, self._on_bytes, self.sha256 = f, on_bytes, hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf) -> int:
+        n = self._f.readinto(buf)
+        if n:
+            self.sha256.update(memoryview(buf)[:n])
+            self._on_bytes(n)
+        return n
+
+
+@dataclass
+class Source:
+    """One input: a file or a ``datasets`` folder, with what was read from it."""
+
+    path: Path
+    kind: str  # "text" | "jsonl" | "parquet" | "hf"
+    sha256: str | None = None
+    bytes: int = 0
+    documents: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    error: str | None = field(default=None)
+
+    def record(self) -> dict:
+        return {"path": str(self.path), "kind": self.kind, "bytes": self.bytes, "sha256": self.sha256,
+                "documents": self.documents, "tokens": self.tokens, "skipped": self.skipped}
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    if name.endswith(JSONL_SUFFIXES):
+        return "jsonl"
+    if name.endswith(PARQUET_SUFFIXES):
+        return "parquet"
+    return "text"
+
+
+def _is_hf_dataset(path: Path) -> bool:
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def find_sources(inputs: list[str | os.PathLike], pattern: str = "**/*") -> list[Source]:
+    """Expand files and folders (recursively, hidden entries skipped, sorted) into sources."""
+    sources: list[Source] = []
+    for raw in inputs:
+        path = Path(raw).expanduser()
+        if path.is_dir() and _is_hf_dataset(path):
+            sources.append(Source(path, "hf"))
+        elif path.is_dir():
+            files = sorted(p for p in path.glob(pattern)
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+            sources.extend(Source(p, _kind(p)) for p in files)
+        elif path.exists():
+            sources.append(Source(path, _kind(path)))
+        else:
+            raise FileNotFoundError(f"inputs: {path} does not exist")
+    return sources
+
+
+def _open_binary(path: Path, on_bytes: Callable[[int], None]) -> tuple[io.BufferedReader, _HashingReader]:
+    raw = _HashingReader(open(path, "rb"), on_bytes)
+    stream = io.BufferedReader(raw)
+    if path.name.lower().endswith(".gz"):
+        stream = io.BufferedReader(gzip.GzipFile(fileobj=stream, mode="rb"))
+    return stream, raw
+
+
+def _text_file_events(src: Source, on_bytes, piece_chars: int) -> Iterator[Event]:
+    stream, raw = _open_binary(src.path, on_bytes)
+    with stream:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        buf, seen_text = "", False
+        while block := stream.read(piece_chars):
+            buf += decoder.decode(block)
+            seen_text = seen_text or bool(buf.strip())
+            while len(buf) > piece_chars and (cut := safe_cut(buf, piece_chars)):
+                yield "piece", buf[:cut]
+                buf = buf[cut:]
+        buf += decoder.decode(b"", final=True)
+        src.sha256 = raw.sha256.hexdigest()
+    if not (seen_text or buf.strip()):
+        yield "skip", ("empty", "no text")
+        return
+    yield "piece", buf
+    yield "end", None
+
+
+def _jsonl_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+    stream, raw = _open_binary(src.path, on_bytes)
+    with stream:
+        for lineno, line in enumerate(stream, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line.decode("utf-8"))
+                text = obj[text_key] if isinstance(obj, dict) else None
+            except UnicodeDecodeError as e:
+                yield "skip", ("bad UTF-8", f"line {lineno}: {e.reason} at byte {e.start}")
+                continue
+            except json.JSONDecodeError as e:
+                yield "skip", ("bad JSON", f"line {lineno}: {e.msg}")
+                continue
+            except KeyError:
+                yield "skip", ("no text", f"line {lineno}: no {text_key!r} field")
+                continue
+            if not isinstance(text, str):
+                yield "skip", ("no text", f"line {lineno}: {text_key!r} is not a string")
+                continue
+            yield from document_events(text, piece_chars)
+        src.sha256 = raw.sha256.hexdigest()
+
+
+def _column_events(src: Source, batches: Iterator[list], total_rows: int, on_bytes, piece_chars: int):
+    """Events of string rows arriving in batches; progress is spread over the source's on-disk size."""
+    done_rows, done_bytes = 0, 0
+    for batch in batches:
+        for text in batch:
+            if not isinstance(text, str):
+                yield "skip", ("no text", f"row {done_rows}: not a string")
+            else:
+                yield from document_events(text, piece_chars)
+            done_rows += 1
+        advance = src.bytes * done_rows // max(total_rows, 1) - done_bytes
+        on_bytes(advance)
+        done_bytes += advance
+
+
+def _parquet_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise OSError("reading Parquet needs pyarrow (pip install pyarrow)") from e
+    from .assets import sha256_file
+
+    src.sha256 = sha256_file(src.path)
+    pf = pq.ParquetFile(src.path)
+    if text_key not in pf.schema_arrow.names:
+        raise OSError(f"no column {text_key!r} (columns: {pf.schema_arrow.names})")
+    batches = (b.column(0).to_pylist() for b in pf.iter_batches(batch_size=1024, columns=[text_key]))
+    yield from _column_events(src, batches, pf.metadata.num_rows, on_bytes, piece_chars)
+
+
+def _hf_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise OSError("reading a Hugging Face datasets folder needs `datasets` (pip install datasets)") from e
+    from .assets import sha256_file
+
+    loaded = datasets.load_from_disk(str(src.path))
+    parts = [loaded[k] for k in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict) else [loaded]
+    arrow_files = sorted(src.path.rglob("*.arrow"))
+    digest = hashlib.sha256()
+    for f in arrow_files:
+        digest.update(sha256_file(f).encode())
+    src.sha256 = digest.hexdigest()
+    for ds in parts:
+        if text_key not in ds.column_names:
+            raise OSError(f"no column {text_key!r} (columns: {ds.column_names})")
+    total = sum(len(ds) for ds in parts)
+    batches = (b[text_key] for ds in parts for b in ds.select_columns([text_key]).iter(batch_size=1024))
+    yield from _column_events(src, batches, total, on_bytes, piece_chars)
+
+
+def source_size(src: Source) -> int:
+    """On-disk bytes of a source (the ``datasets`` folder: its Arrow files)."""
+    if src.kind == "hf":
+        return sum(f.stat().st_size for f in src.path.rglob("*.arrow"))
+    return src.path.stat().st_size
+
+
+def source_events(src: Source, text_key: str, on_bytes: Callable[[int], None],
+                  piece_chars: int = PIECE_CHARS) -> Iterator[Event]:
+    """Events of one source; an unreadable source or a decoding error ends in a ``skip`` event, never a crash."""
+    readers = {"text": lambda: _text_file_events(src, on_bytes, piece_chars),
+               "jsonl": lambda: _jsonl_events(src, text_key, on_bytes, piece_chars),
+               "parquet": lambda: _parquet_events(src, text_key, on_bytes, piece_chars),
+               "hf": lambda: _hf_events(src, text_key, on_bytes, piece_chars)}
+    try:
+        src.bytes = source_size(src)
+        yield from readers[src.kind]()
+    except UnicodeDecodeError as e:
+        yield "skip", ("bad UTF-8", f"{e.reason} at byte {e.start} of a 1 MiB block")
+    except (OSError, EOFError, ValueError) as e:  # unreadable, truncated gzip, corrupt parquet, ...
+        src.error = f"{type(e).__name__}: {e}"
+        yield "skip", ("unreadable", src.error)

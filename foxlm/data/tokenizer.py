@@ -1,0 +1,112 @@
+"""Tokenizers: GPT-2 BPE (tiktoken, from offline files) and a byte-level tokenizer.
+
+Both follow one small interface: ``encode(str) -> list[int]`` (special tokens in the text are plain text),
+``decode(list[int]) -> str``, ``vocab_size``, ``eot_id`` (the ``<|endoftext|>`` separator, used as BOS of every
+document) and ``name``. ``spec()`` is what is recorded in a dataset's ``meta.json`` and checked at training time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Protocol, Sequence
+
+from .assets import GPT2_FILES, gpt2_files, sha256_file
+
+# GPT-2's pre-tokenizer pattern (tiktoken's r50k_base).
+_GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
+_ENDOFTEXT = "<|endoftext|>"
+
+
+class Tokenizer(Protocol):
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def spec(self) -> dict: ...
+
+
+class BPETokenizer:
+    """GPT-2-style byte-level BPE from ``encoder.json`` + ``vocab.bpe``, run by tiktoken."""
+
+    def __init__(self, encoder_json: str | os.PathLike, vocab_bpe: str | os.PathLike, name: str | None = None):
+        import tiktoken
+        from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+        hashes = {p.name: sha256_file(p) for p in (Path(encoder_json), Path(vocab_bpe))}
+        self.fingerprint = hashlib.sha256("".join(hashes[k] for k in sorted(hashes)).encode()).hexdigest()
+        is_gpt2 = hashes == GPT2_FILES
+        self.name = name or ("gpt2" if is_gpt2 else f"bpe:{Path(encoder_json).resolve().parent}")
+        ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json),
+                                                hashes["vocab.bpe"], hashes["encoder.json"])
+        self.eot_id = len(ranks)
+        self._enc = tiktoken.Encoding(self.name, pat_str=_GPT2_PATTERN, mergeable_ranks=ranks,
+                                      special_tokens={_ENDOFTEXT: self.eot_id})
+        self.vocab_size = self._enc.n_vocab
+
+    def encode(self, text: str) -> list[int]:
+        return self._enc.encode_ordinary(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._enc.decode([int(i) for i in ids])
+
+    def spec(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
+                "fingerprint": self.fingerprint}
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, plus ``eot_id = 256``; ``vocab_size = 257``."""
+
+    name = "byte"
+    vocab_size = 257
+    eot_id = 256
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+    def spec(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id, "fingerprint": "utf-8"}
+
+
+@lru_cache(maxsize=8)
+def get_tokenizer(name: str = "gpt2") -> Tokenizer:
+    """A tokenizer by name: ``"gpt2"`` (offline GPT-2 BPE), ``"byte"``, or a local folder path.
+
+    A folder holds ``encoder.json`` and ``vocab.bpe`` (GPT-2 format), directly or under ``data/``; if its files
+    are GPT-2's, the tokenizer is named ``"gpt2"``.
+    """
+    if name == "byte":
+        return ByteTokenizer()
+    if name == "gpt2":
+        return BPETokenizer(*gpt2_files(), name="gpt2")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        folder = path if (path / "encoder.json").is_file() else path / "data"
+        if not (folder / "encoder.json").is_file() or not (folder / "vocab.bpe").is_file():
+            raise ValueError(f"tokenizer: folder {path} holds no encoder.json + vocab.bpe")
+        return BPETokenizer(folder / "encoder.json", folder / "vocab.bpe")
+    raise ValueError(f"tokenizer: expected 'gpt2', 'byte' or a folder with encoder.json + vocab.bpe, got {name!r}")
+
+
+def tokenizer_from_spec(spec: dict) -> Tokenizer:
+    """The tokenizer a dataset's ``meta.json`` recorded, checked to be the same vocabulary."""
+    name = spec["name"]
+    tok = get_tokenizer(name[len("bpe:"):] if name.startswith("bpe:") else name)
+    check_tokenizer(tok, spec)
+    return tok
+
+
+def check_tokenizer(tok: Tokenizer, spec: dict, what: str = "tokenizer") -> None:
+    """Raise ``ValueError`` unless ``tok`` matches a recorded ``spec`` (name, vocabulary, eot id, files)."""
+    if tok.spec() != spec:
+        raise ValueError(f"{what}: {tok.spec()} does not match the data's recorded tokenizer {spec}")

