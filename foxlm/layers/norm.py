@@ -7,7 +7,7 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """y = x / rms(x) * weight, normalised over the last dimension, computed in fp32.
+    """y = x / rms(x) * weight, normalised over the last dimension, computed in fp32 (or fp64).
 
     ``shape`` is the weight shape: ``C`` for the residual stream, ``(H, D)`` for per-head norms
     (QK-norm, output norm), where x: [..., H, D] and every head has its own weight vector.
@@ -19,9 +19,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
+        dt = torch.promote_types(x.dtype, torch.float32)
+        xf = x.to(dt)
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return (y * self.weight.to(dt)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

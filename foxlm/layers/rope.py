@@ -7,7 +7,7 @@ from torch import nn
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotates q and k by position (LLaMA / HF "rotate half" layout), in fp32.
+    """Rotates q and k by position (LLaMA / HF "rotate half" layout), in fp32 (fp64 for fp64 inputs).
 
     The frequencies are recomputed per call (D/2 numbers) rather than kept in a buffer, so the module
     has no state that a meta-device ``from_pretrained`` would have to rebuild.
@@ -22,8 +22,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [B, T, Hq, D], k: [B, T, Hk, D], positions: [B, T] (or [T]) integer -> rotated q, k."""
         half = self.head_dim // 2
-        inv_freq = self.theta ** (-torch.arange(half, device=q.device, dtype=torch.float32) / half)
-        angles = positions.to(torch.float32)[..., None] * inv_freq  # [B, T, D/2]
+        dt = torch.promote_types(q.dtype, torch.float32)
+        inv_freq = self.theta ** (-torch.arange(half, device=q.device, dtype=dt) / half)
+        angles = positions.to(dt)[..., None] * inv_freq  # [B, T, D/2]
         cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[..., None, :]  # [B, T, 1, D]
         sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[..., None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
@@ -33,6 +34,6 @@ class RotaryEmbedding(nn.Module):
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.float()
+    xf = x.to(cos.dtype)
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)

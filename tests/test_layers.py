@@ -1,0 +1,196 @@
+"""foxlm.layers: attention paths against the fp64 reference, token shift, gates, ACP bound, gradients."""
+
+import pytest
+import torch
+
+from foxlm.layers import (
+    ForgettingAttention,
+    RMSNorm,
+    Segments,
+    TokenShift,
+    alibi_slopes,
+    attend_sequence,
+    dense_forgetting_attention,
+)
+from foxlm.ops import forgetting_attention_reference, gate_cumsum
+
+F64 = torch.float64
+
+
+def _qkvg(B=2, T=24, Hq=4, Hk=2, D=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, T, h, D, generator=g, dtype=F64) for h in (Hq, Hk, Hk))
+    log_fgate = torch.nn.functional.logsigmoid(2 + torch.randn(B, T, Hq, generator=g, dtype=F64))
+    return q, k, v, log_fgate
+
+
+def _windowed_reference(q, k, v, log_fgate, window, scale):
+    """Materialised T x T attention with a band mask: the oracle of the sliding-window path."""
+    B, T, Hq, D = q.shape
+    group = Hq // k.shape[2]
+    kh, vh = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
+    c = gate_cumsum(log_fgate)
+    s = scale * torch.einsum("bqhd,bkhd->bhqk", q, kh) + (c[:, :, None, :] - c[:, None, :, :]).permute(0, 3, 1, 2)
+    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
+    s = s.masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vh)
+
+
+def test_attend_sequence_paths_match_reference():
+    q, k, v, log_fgate = _qkvg()
+    scale = 0.3
+    ref = forgetting_attention_reference(q, k, v, log_fgate, scale=scale)
+    op, _ = attend_sequence(q, k, v, log_fgate, scale=scale)
+    dense, probs = attend_sequence(q, k, v, log_fgate, scale=scale, return_probs=True)
+    torch.testing.assert_close(op, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(dense, ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), rtol=1e-6, atol=1e-6)
+    assert probs.triu(1).abs().max() == 0  # causal
+    # gate "none": SDPA equals the reference with zero gates
+    sdpa, _ = attend_sequence(q, k, v, None, scale=scale)
+    torch.testing.assert_close(sdpa, forgetting_attention_reference(q, k, v, torch.zeros_like(log_fgate), scale=scale))
+
+
+@pytest.mark.parametrize("window", [1, 5, 64])
+def test_sliding_window_matches_banded_reference(window):
+    q, k, v, log_fgate = _qkvg(T=40)
+    out, _ = attend_sequence(q, k, v, log_fgate, scale=0.25, window=window)
+    torch.testing.assert_close(out, _windowed_reference(q, k, v, log_fgate, window, 0.25), rtol=1e-10, atol=1e-10)
+
+
+def test_dense_attention_with_cache_offsets_matches_reference():
+    """Tq < Tk (the last Tq positions), as when new tokens attend to a KV cache."""
+    q, k, v, log_fgate = _qkvg(T=30)
+    c = gate_cumsum(log_fgate)
+    out, _ = dense_forgetting_attention(q[:, -7:], k, v, c[:, -7:], c, scale=0.4)
+    ref = forgetting_attention_reference(q[:, -7:], k, v, log_fgate, scale=0.4)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_segments_from_cu_seqlens_and_mask():
+    cu = torch.tensor([0, 3, 3, 8], dtype=torch.int32)
+    s = Segments.from_cu_seqlens(cu, 8)
+    assert s.starts[0].tolist() == [True, False, False, True, False, False, False, False]
+    assert s.positions[0].tolist() == [0, 1, 2, 0, 1, 2, 3, 4]
+    assert s.cu_seqlens.tolist() == [0, 3, 8] and s.max_seqlen == 5
+    m = Segments.from_mask(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]))
+    assert m.cu_seqlens.tolist() == [0, 2, 5, 8, 10, 15]
+    assert m.positions[0].tolist() == [0, 1, 0, 1, 2] and m.ids[1].tolist() == [0, 0, 0, 1, 1]
+    with pytest.raises(ValueError, match="attention_mask"):
+        Segments.from_mask(torch.tensor([[1, 0, 1]]))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        Segments.from_cu_seqlens(torch.tensor([0, 5, 3], dtype=torch.int32), 3)
+
+
+def test_packed_segments_equal_separate_sequences():
+    q, k, v, log_fgate = _qkvg(B=1, T=20)
+    cu = torch.tensor([0, 6, 13, 20], dtype=torch.int32)
+    seg = Segments.from_cu_seqlens(cu, 20)
+    packed, _ = attend_sequence(q, k, v, log_fgate, scale=0.3, segments=seg)
+    dense, _ = attend_sequence(q, k, v, log_fgate, scale=0.3, segments=seg, return_probs=True)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = forgetting_attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], log_fgate[:, a:b], scale=0.3)
+        torch.testing.assert_close(packed[:, a:b], alone, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(dense[:, a:b], alone, rtol=1e-10, atol=1e-10)
+
+
+def test_token_shift_formula_and_reset():
+    torch.manual_seed(0)
+    shift = TokenShift(16, 3).double()
+    x, h = torch.randn(2, 6, 3, 4, dtype=F64), torch.randn(2, 6, 16, dtype=F64)
+    prev = torch.randn(2, 3, 4, dtype=F64)
+    reset = torch.zeros(2, 6, dtype=torch.bool)
+    reset[1, 3] = True
+    y = shift(x, h, prev, reset)
+    alpha = torch.sigmoid(h @ shift.proj.weight.T)[..., None]
+    for b in range(2):
+        for t in range(6):
+            before = prev[b] if t == 0 else x[b, t - 1]
+            if reset[b, t]:
+                before = torch.zeros_like(before)
+            torch.testing.assert_close(y[b, t], alpha[b, t] * before + (1 - alpha[b, t]) * x[b, t])
+
+
+def test_rmsnorm_per_head_weights():
+    norm = RMSNorm((3, 4)).double()
+    torch.nn.init.normal_(norm.weight)
+    x = torch.randn(2, 5, 3, 4, dtype=F64)
+    expected = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+
+
+def test_gates_bias_alibi_none():
+    x = torch.randn(2, 5, 32)
+    alibi = ForgettingAttention(32, 4, gate="alibi")
+    bias = ForgettingAttention(32, 4, gate="bias")
+    torch.testing.assert_close(alibi.log_fgate(x), -alibi_slopes(4).expand(2, 5, 4))
+    torch.testing.assert_close(bias.log_fgate(x), alibi.log_fgate(x))  # "bias" starts at the ALiBi slopes
+    assert ForgettingAttention(32, 4, gate="none").log_fgate(x) is None
+    assert ForgettingAttention(32, 4).log_fgate(x).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(gate="sigmoid"), "gate"), (dict(num_kv_heads=3), "num_kv_heads"), (dict(window=0), "window"),
+     (dict(gate="none", acp=True), "acp")],
+)
+def test_layer_rejects_bad_arguments(kwargs, match):
+    num_kv_heads = kwargs.pop("num_kv_heads", None)
+    with pytest.raises(ValueError, match=match):
+        ForgettingAttention(32, 4, num_kv_heads, **kwargs)
+
+
+def test_qk_norm_logit_bound_holds_and_acp_changes_little():
+    torch.manual_seed(0)
+    layer = ForgettingAttention(64, 4, 2, qk_norm=True, acp=True).double()
+    for norm in (layer.q_norm, layer.k_norm):
+        torch.nn.init.uniform_(norm.weight, -2, 2)
+    x = 3 * torch.randn(2, 256, 64, dtype=F64)
+    q = layer.q_norm(layer.q_proj(x).view(2, 256, 4, 16))
+    k = layer.k_norm(layer.k_proj(x).view(2, 256, 2, 16)).repeat_interleave(2, 2)
+    logits = layer.scale * torch.einsum("bqhd,bkhd->bhqk", q, k).abs().amax(dim=(0, 2, 3))
+    bound = layer.logit_bound()
+    assert bound.shape == (4,) and bool((logits <= bound).all())
+    # the layer's forget gates decay fast enough for ACP to prune; the output moves by < tolerance-sized amounts
+    with torch.no_grad():
+        layer.fgate_proj.bias.fill_(-1.0)
+        pruned, _, _ = layer(x)
+        layer.acp = False
+        exact, _, _ = layer(x)
+    assert 0 < (pruned - exact).abs().max() < 1e-3
+
+
+def test_layer_gradients_match_finite_differences():
+    """Input, gate projection and token-shift weights of a fox-pro layer over two packed documents (fp64)."""
+    torch.manual_seed(0)
+    layer = ForgettingAttention(
+        16, 2, qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True
+    ).double()
+    seg = Segments.from_cu_seqlens(torch.tensor([0, 4, 9], dtype=torch.int32), 9)
+    names = ["fgate_proj.weight", "fgate_proj.bias", "k_shift.proj.weight", "v_shift.proj.weight"]
+    params = dict(layer.named_parameters())
+
+    def f(x, *values):
+        out = torch.func.functional_call(
+            layer, dict(zip(names, values)), (x,), dict(segments=seg, reset=seg.starts)
+        )
+        return out[0]
+
+    x = torch.randn(1, 9, 16, dtype=F64, requires_grad=True)
+    values = [(params[n].detach() + 0.3 * torch.randn_like(params[n])).requires_grad_() for n in names]
+    assert torch.autograd.gradcheck(f, [x, *values], eps=1e-6, atol=1e-7, fast_mode=True)
+
+
+def test_token_shift_does_not_leak_across_segments():
+    torch.manual_seed(0)
+    layer = ForgettingAttention(16, 2, k_shift=True, v_shift=True).double()
+    x = torch.randn(1, 10, 16, dtype=F64)
+    seg = Segments.from_cu_seqlens(torch.tensor([0, 4, 10], dtype=torch.int32), 10)
+    y, _, _ = layer(x, segments=seg, reset=seg.starts)
+    second, _, _ = layer(x[:, 4:])
+    torch.testing.assert_close(y[:, 4:], second, rtol=1e-12, atol=1e-12)
+    x2 = x.clone()
+    x2[:, 3] += 1.0  # changing the last token of document 1 must not move document 2
+    y2, _, _ = layer(x2, segments=seg, reset=seg.starts)
+    torch.testing.assert_close(y2[:, 4:], y[:, 4:], rtol=0, atol=1e-13)  # fp64 rounding of the shared cumsum only
+    assert not torch.equal(y2[:, 3], y[:, 3])
