@@ -141,7 +141,7 @@ def _fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 VARLEN: tl.constexpr, PRUNE: tl.constexpr, PRECISION: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     pid_m = tl.program_id(0)
     hq = tl.program_id(1)
     b = tl.program_id(2)
@@ -316,7 +316,7 @@ def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCQ, DCK, CU,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 VARLEN: tl.constexpr, PRUNE: tl.constexpr, PRECISION: tl.constexpr,
-                INTERPRET: tl.constexpr):
+                INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """dK, dV for key block ``pid`` (summed over the query heads of the GQA group) and dQ for query block
     ``pid`` of each of those heads; the gate gradient's row and column sums go to DCQ and DCK."""
     pid = tl.program_id(0)
@@ -414,64 +414,58 @@ def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCQ, DCK, CU,
         tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty), mask=kvalid[:, None] & (offs_dv < DV)[None, :])
 
 
-def _config(num_warps: int, num_stages: int, **blocks: int) -> triton.Config:
-    return triton.Config(blocks, num_warps=num_warps, num_stages=num_stages)
-
-
 # Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries.
-_INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16}
-_INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16}
+_INTERPRET_FWD = {"BLOCK_M": 16, "BLOCK_N": 16, "TILES": 0}
+_INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16, "TILES": 0}
 
 
-def _fwd_configs():
+# Autotuned tiles per padded head dim (the larger of D and Dv): FWD (BLOCK_M, BLOCK_N, warps, stages),
+# BWD (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages).
+_FWD_TILES = {
+    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+}
+_BWD_TILES = {
+    64: [(32, 128, 128, 32, 4, 4), (32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 2)],
+    128: [(32, 128, 128, 32, 8, 3), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 2)],
+    256: [(16, 64, 64, 16, 4, 2), (32, 64, 64, 32, 8, 1), (16, 32, 32, 16, 4, 2)],
+}
+
+
+def _tiles_bucket(named_args: dict) -> int:
+    d = max(named_args["BLOCK_D"], named_args["BLOCK_DV"])
+    return 64 if d <= 64 else (128 if d <= 128 else 256)
+
+
+def _configs(tiles: dict, names: tuple[str, ...]) -> list[triton.Config]:
     return [
-        _config(4, 3, BLOCK_M=128, BLOCK_N=64),
-        _config(8, 3, BLOCK_M=128, BLOCK_N=64),
-        _config(8, 3, BLOCK_M=128, BLOCK_N=128),
-        _config(4, 4, BLOCK_M=64, BLOCK_N=64),
-        _config(4, 2, BLOCK_M=64, BLOCK_N=32),
-    ]
-
-
-def _bwd_configs():
-    return [
-        _config(4, 3, BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32),
-        _config(8, 3, BLOCK_M1=32, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=32),
-        _config(8, 2, BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64),
-        _config(4, 3, BLOCK_M1=32, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=32),
-        _config(4, 2, BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16),
+        triton.Config(dict(zip(names, t[:-2]), TILES=d), num_warps=t[-2], num_stages=t[-1])
+        for d, ts in tiles.items() for t in ts
     ]
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop tiles that cannot fit a head dim (shared memory / registers); keep at least one."""
-    d = max(named_args["BLOCK_D"], named_args["BLOCK_DV"])
-    limit = 128 * 128 if d <= 64 else (128 * 64 if d <= 128 else 64 * 32)
-    kept = [c for c in configs if _tile_area(c) <= limit]
-    return kept or configs[-1:]
-
-
-def _tile_area(config: triton.Config) -> int:
-    kw = config.kwargs
-    if "BLOCK_M" in kw:
-        return kw["BLOCK_M"] * kw["BLOCK_N"]
-    return max(kw["BLOCK_M1"] * kw["BLOCK_N1"], kw["BLOCK_M2"] * kw["BLOCK_N2"])
+    """Keep the tiles listed for this head dim."""
+    d = _tiles_bucket(named_args)
+    return [c for c in configs if c.kwargs["TILES"] == d]
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
 _INTERPRETED = isinstance(_fwd_kernel, InterpretedFunction)
 _TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE"]
-_fwd = triton.autotune(_fwd_configs(), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs})(
-    _fwd_kernel
-)
-_bwd = triton.autotune(_bwd_configs(), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs})(
-    _bwd_kernel
-)
+_fwd = triton.autotune(
+    _configs(_FWD_TILES, ("BLOCK_M", "BLOCK_N")), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
+)(_fwd_kernel)
+_bwd = triton.autotune(
+    _configs(_BWD_TILES, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
+    key=_TUNE_KEY,
+    prune_configs_by={"early_config_prune": _prune_configs},
+)(_bwd_kernel)
 
 
 def _launch(kernel, grid, interpret_meta: dict, *args, **kwargs) -> None:
     """Autotuned launch on the GPU; fixed small tiles under the interpreter (no timing there)."""
-    kwargs.pop("LEN_BUCKET")
     if _INTERPRETED:
         kernel.fn[grid](*args, **kwargs, **interpret_meta)
     else:

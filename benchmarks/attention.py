@@ -1,0 +1,205 @@
+"""Forgetting Attention speed on the GPU, following the protocol of ../shared/ANCHORS.md section 1.
+
+q, k, v: [B, T, H, D] bf16 randn with B*T = 65,536 and H*D = 2048; the "standard" gate profile (per-head decay
+times log-spaced from 16 to 16,384 tokens); FLOPs = 4*B*H*T^2*D/2 forward, 3.5x that forward+backward; median
+of 10 timed runs after 3 warm-ups, CUDA events. Compared in the same run: foxlm, foxlm with ACP (effective
+TF/s: the unpruned FLOPs over the pruned time), PyTorch SDPA flash and cuDNN (no gate), fla's
+parallel_forgetting_attn when importable. Before timing, the kernels are checked against the fp64 reference.
+
+    PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--dims 64 128] [--seqlens 2048 8192 16384]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from foxlm.ops import acp_stats, forgetting_attention, forgetting_attention_reference
+
+TOKENS, WIDTH = 65536, 2048
+
+
+def standard_log_fgate(B: int, T: int, H: int, device) -> torch.Tensor:
+    """log f = logsigmoid(b_h + 0.5 randn), b_h = -log(expm1(1/tau_h)), tau_h log-spaced 16..16384: [B, T, H] fp32."""
+    tau = torch.logspace(math.log10(16), math.log10(16384), H, dtype=torch.float64, device=device)
+    b = -torch.log(torch.expm1(1.0 / tau)).float()
+    return F.logsigmoid(b + 0.5 * torch.randn(B, T, H, device=device))
+
+
+def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
+    """Median over ``reps`` CUDA-event timings after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check(device) -> dict:
+    """Max relative error (vs the fp64 reference) of o, lse and the four gradients on small random cases."""
+    cases = {
+        "d64 bf16 gqa2": dict(B=2, Tq=777, Tk=777, Hq=4, Hk=2, D=64, dtype=torch.bfloat16),
+        "d128 bf16": dict(B=2, Tq=640, Tk=640, Hq=2, Hk=2, D=128, dtype=torch.bfloat16),
+        "d80 fp16 tq<tk": dict(B=2, Tq=300, Tk=701, Hq=4, Hk=1, D=80, dtype=torch.float16),
+        "d64 bf16 varlen": dict(B=1, Tq=900, Tk=900, Hq=2, Hk=1, D=64, dtype=torch.bfloat16, cu=[0, 1, 250, 251, 900]),
+        "d64 bf16 acp": dict(B=2, Tq=1024, Tk=1024, Hq=2, Hk=2, D=64, dtype=torch.bfloat16, prune=True),
+        "d256 fp32": dict(B=1, Tq=200, Tk=200, Hq=2, Hk=2, D=256, dtype=torch.float32),
+    }
+    out = {}
+    for name, c in cases.items():
+        B, Tq, Tk, Hq, Hk, D, dt = c["B"], c["Tq"], c["Tk"], c["Hq"], c["Hk"], c["D"], c["dtype"]
+        cu = torch.tensor(c["cu"], dtype=torch.int32, device=device) if "cu" in c else None
+        q = torch.randn(B, Tq, Hq, D, device=device, dtype=dt, requires_grad=True)
+        k = torch.randn(B, Tk, Hk, D, device=device, dtype=dt, requires_grad=True)
+        v = torch.randn(B, Tk, Hk, D, device=device, dtype=dt, requires_grad=True)
+        g = standard_log_fgate(B, Tk, Hq, device).requires_grad_()
+        o, lse = forgetting_attention(q, k, v, g, cu_seqlens=cu, prune=c.get("prune", False), return_lse=True)
+        do, dl = torch.randn_like(o), torch.randn_like(lse)
+        grads = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g))
+        x = [t.detach().double().requires_grad_() for t in (q, k, v, g)]
+        o2, lse2 = forgetting_attention_reference(*x, cu_seqlens=cu, return_lse=True)
+        grads2 = torch.autograd.grad((o2 * do.double()).sum() + (lse2 * dl.double()).sum(), x)
+        errs = {
+            n: ((a.double() - b).norm() / b.norm()).item()
+            for n, a, b in zip(("o", "lse", "dq", "dk", "dv", "dg"), (o, lse, *grads), (o2, lse2, *grads2))
+        }
+        out[name] = errs
+        print(f"check {name:18s} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
+    return out
+
+
+def bench(D: int, T: int, device, fla) -> dict:
+    B, H = TOKENS // T, WIDTH // D
+    flops_fwd = 4 * B * H * T * T * D / 2
+    q, k, v = (torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    g = standard_log_fgate(B, T, H, device).requires_grad_()
+    do = torch.randn_like(q)
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2).contiguous()
+    impls = {
+        "foxlm": (lambda: forgetting_attention(q, k, v, g), (q, k, v, g), do),
+        "foxlm+acp": (lambda: forgetting_attention(q, k, v, g, prune=True), (q, k, v, g), do),
+    }
+    for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def sdpa(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+        impls[name] = (sdpa, (qt, kt, vt), dot)
+    if fla is not None:
+        impls["fla"] = (lambda: fla(q, k, v, g, scale=D ** -0.5), (q, k, v, g), do)
+    row = {"D": D, "T": T, "B": B, "H": H, "flops_fwd": flops_fwd}
+    for name, (fwd, inputs, grad_out) in impls.items():
+        try:
+            def fwd_bwd(fwd=fwd, inputs=inputs, grad_out=grad_out):
+                torch.autograd.grad(fwd(), inputs, grad_out)
+            with torch.no_grad():
+                ms_f = time_ms(fwd)
+            ms = time_ms(fwd_bwd)
+            row[name] = {"ms": ms, "tflops": 3.5 * flops_fwd / ms / 1e9, "fwd_ms": ms_f,
+                         "fwd_tflops": flops_fwd / ms_f / 1e9}
+        except Exception as e:  # a peer that fails (e.g. a backend not built for this GPU) is reported, not fatal
+            row[name] = {"error": repr(e)[:300]}
+        print(f"D={D} T={T} {name}: {row[name]}", flush=True)
+    per_head, overall = acp_stats(q, k, g)
+    row["acp_skipped_fraction"] = overall.item()
+    row["acp_skipped_per_head"] = per_head.tolist()
+    del q, k, v, g, qt, kt, vt
+    torch.cuda.empty_cache()
+    return row
+
+
+def first_per_bucket(configs: list) -> list:
+    """The first listed tile of each head-dim bucket."""
+    seen = {}
+    for c in configs:
+        seen.setdefault(c.kwargs["TILES"], c)
+    return list(seen.values())
+
+
+def load_fla():
+    try:
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+        return parallel_forgetting_attn
+    except Exception as e:
+        print(f"fla not available: {e!r}")
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for attention-DATE.json")
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--tune", choices=["all", "first"], default="all",
+                        help="autotune over the listed tiles, or take the first per head dim (fast compile)")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    import triton
+
+    from foxlm.ops import triton_attention
+
+    env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "date": datetime.date.today().isoformat()}
+    print(env, flush=True)
+    kernels = (triton_attention._fwd, triton_attention._bwd)
+    listed = [kernel.configs for kernel in kernels]
+    for kernel in kernels:  # the correctness check needs no tuning
+        kernel.configs = first_per_bucket(kernel.configs)
+    errors = check(device)
+    if args.tune == "all":
+        for kernel, configs in zip(kernels, listed):
+            kernel.configs = configs
+    fla = load_fla()
+    rows = [bench(D, T, device, fla) for D in args.dims for T in args.seqlens]
+    tuned = {
+        name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in zip(("fwd", "bwd"), kernels)
+    }
+    timings = {
+        name: {str(c): t for c, t in getattr(kernel, "configs_timings", {}).items()}
+        for name, kernel in zip(("fwd", "bwd"), kernels)
+    }
+    result = {"env": env, "check_rel_err": errors, "rows": rows, "autotuned": tuned, "last_tuning_ms": timings}
+    path = os.path.join(args.out, f"attention-{env['date']}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {path}")
+    print(json.dumps(tuned, indent=1))
+    print(table(rows, env))
+
+
+def table(rows: list[dict], env: dict) -> str:
+    """Markdown table of fwd+bwd TF/s (ratio to SDPA flash) per implementation and shape."""
+    names = [n for n in ("foxlm", "foxlm+acp", "sdpa-flash", "sdpa-cudnn", "fla") if any(n in r for r in rows)]
+    head = "| impl | " + " | ".join(f"d{r['D']} T={r['T'] // 1024}k" for r in rows) + " |"
+    lines = [f"fwd+bwd TF/s (x SDPA flash), {env['device']}, {env['date']}", head, "|---" * (len(rows) + 1) + "|"]
+    for n in names:
+        cells = []
+        for r in rows:
+            x = r.get(n, {})
+            flash = r.get("sdpa-flash", {}).get("tflops")
+            cells.append("-" if "tflops" not in x else
+                         f"{x['tflops']:.0f}" + (f" ({x['tflops'] / flash:.2f}x)" if flash else ""))
+        lines.append(f"| {n} | " + " | ".join(cells) + " |")
+    fwd = [f"{r['foxlm']['fwd_tflops']:.0f}" if "fwd_tflops" in r.get("foxlm", {}) else "-" for r in rows]
+    lines.append("| foxlm fwd only | " + " | ".join(fwd) + " |")
+    lines.append("| ACP skipped tiles | " + " | ".join(f"{r['acp_skipped_fraction']:.0%}" for r in rows) + " |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
