@@ -122,6 +122,19 @@ def bench(D: int, T: int, device, fla) -> dict:
     return row
 
 
+def record_tuning(kernels) -> list:
+    """Log every (kernel, key, tile, median ms) the autotuner measures."""
+    log = []
+    for name, kernel in zip(("fwd", "bwd"), kernels):
+        def bench(*args, config, _orig=kernel._bench, _name=name, **kwargs):
+            ms = _orig(*args, config=config, **kwargs)
+            key = {k: kwargs[k] for k in ("LEN_BUCKET", "BLOCK_D", "PRUNE")}
+            log.append({"kernel": _name, **key, "config": str(config), "ms": ms[0]})
+            return ms
+        kernel._bench = bench
+    return log
+
+
 def first_per_bucket(configs: list) -> list:
     """The first listed tile of each head-dim bucket."""
     seen = {}
@@ -164,16 +177,14 @@ def main() -> None:
     if args.tune == "all":
         for kernel, configs in zip(kernels, listed):
             kernel.configs = configs
+    timings = record_tuning(kernels)
     fla = load_fla()
     rows = [bench(D, T, device, fla) for D in args.dims for T in args.seqlens]
     tuned = {
         name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in zip(("fwd", "bwd"), kernels)
     }
-    timings = {
-        name: {str(c): t for c, t in getattr(kernel, "configs_timings", {}).items()}
-        for name, kernel in zip(("fwd", "bwd"), kernels)
-    }
-    result = {"env": env, "check_rel_err": errors, "rows": rows, "autotuned": tuned, "last_tuning_ms": timings}
+
+    result = {"env": env, "check_rel_err": errors, "rows": rows, "autotuned": tuned, "tuning_ms": timings}
     path = os.path.join(args.out, f"attention-{env['date']}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
