@@ -433,8 +433,8 @@ _BWD_TILES = {
 }
 
 
-def _tiles_bucket(named_args: dict) -> int:
-    d = max(named_args["BLOCK_D"], named_args["BLOCK_DV"])
+def _tiles_bucket(args: dict) -> int:
+    d = max(args["BLOCK_D"], args["BLOCK_DV"])
     return 64 if d <= 64 else (128 if d <= 128 else 256)
 
 
@@ -447,7 +447,7 @@ def _configs(tiles: dict, names: tuple[str, ...]) -> list[triton.Config]:
 
 def _prune_configs(configs, named_args, **kwargs):
     """Keep the tiles listed for this head dim."""
-    d = _tiles_bucket(named_args)
+    d = _tiles_bucket({**named_args, **kwargs})
     return [c for c in configs if c.kwargs["TILES"] == d]
 
 
