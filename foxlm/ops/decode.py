@@ -356,7 +356,7 @@ def evictable_pages(
     B, Hk, _ = page_table.shape
     page_size, G = c_cache.shape[1], c_cache.shape[2]
     delta = prune_threshold(logit_bound.float().expand(B, Hk * G), max_length, tolerance).view(B, Hk, G)
-    last = lengths.long() - 1
+    last = (lengths.long() - 1).clamp_min(0)
     newest_page = page_table.long().gather(2, (last // page_size)[:, None, None].expand(B, Hk, 1))[..., 0]
     c_t = c_cache[newest_page, (last % page_size)[:, None]]  # [B, Hk, G]
     # A page may go iff its last key is past delta for every query head (keys inside are older still).

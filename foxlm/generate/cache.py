@@ -1,0 +1,339 @@
+"""``PagedFoxCache``: the paged KV cache of foxlm's generation path, with forget-gate eviction.
+
+It speaks the cache protocol of ``foxlm.models.cache`` (``attend``, token-shift state, ``get_seq_length``),
+so ``FoxForCausalLM`` decodes with it unchanged. Layout (see ``foxlm.ops.decode``): one pool of pages shared
+by all layers, k [P, page_size, D], v [P, page_size, Dv], gate cumsum c [P, page_size, G] fp64; a page table
+[L, B, Hk, max_pages] maps every (layer, row, kv head) logical page to a pool page; ``cache_start``
+[L, B, Hk] is the first live page. Only real tokens are stored (left padding is dropped), so rows have
+their own lengths.
+
+Steps: the first call of a forward (layer 0) books the new tokens' pages on the host (no device sync when
+the batch is unpadded) and moves the device-side ``write_pos`` / ``lengths``; every layer then writes its
+k, v, c and attends. Decode steps (T <= ``DECODE_MAX_TQ`` new tokens per row) go through the Triton
+flash-decoding kernel; prefill goes through the fused op row by row (Tq < Tk once the row has a cache).
+A decode step is free of host syncs and fixed in shape, so ``foxlm.generate`` captures it in a CUDA graph.
+
+Eviction (``evict()``): with the per-head logit bound U of a QK-norm model, pages whose keys have decayed
+below delta = -(2U + log N) + log(tolerance) for all their query heads are freed (``evictable_pages``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..layers import Segments, dense_forgetting_attention
+from ..ops import forgetting_attention
+from ..ops.decode import default_num_splits, evictable_pages, forgetting_attention_decode
+
+# New tokens per row up to which a forward is a decode step (the decode kernel) rather than prefill.
+DECODE_MAX_TQ = 16
+_TRASH_PAGE = 0  # padding is written here and never read
+
+
+class PagedFoxCache:
+    """Paged KV cache with per-row lengths and forget-gate eviction (protocol: ``foxlm.models.cache``).
+
+    Args:
+        num_layers, num_heads (Hq), num_kv_heads (Hk), head_dim (D): the model's attention shape.
+        batch_size: rows B; max_length: the most tokens any row will hold (N of the eviction bound).
+        page_size: tokens per page (the eviction granularity).
+        num_pages: initial pool size (default: every page of every row at ``max_length``, i.e. a static
+            cache; with eviction a smaller pool grows on demand, which bumps ``version``).
+        logit_bounds: per layer, U [Hq] fp32 (``ForgettingAttention.logit_bound()``), needed by ``evict``.
+        tolerance: attention mass an evicted key may still carry (epsilon of the bound).
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        batch_size: int,
+        max_length: int,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        page_size: int = 64,
+        num_pages: int | None = None,
+        logit_bounds: list[torch.Tensor | None] | None = None,
+        tolerance: float = math.exp(-10),
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
+        if page_size < 1 or max_length < 1 or batch_size < 1:
+            raise ValueError(f"page_size, max_length, batch_size: expected positive, got {page_size}, {max_length}, {batch_size}")
+        if not 0.0 < tolerance < 1.0:
+            raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
+        self.num_layers, self.batch_size, self.max_length = num_layers, batch_size, max_length
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.group = num_heads // num_kv_heads
+        self.page_size, self.tolerance = page_size, tolerance
+        self.device, self.dtype = torch.device(device), dtype
+        self.logit_bounds = logit_bounds
+        self.max_pages = math.ceil(max_length / page_size)
+        L, B, Hk = num_layers, batch_size, num_kv_heads
+        full = 1 + L * B * Hk * self.max_pages
+        self.version = 0  # bumped whenever the pool tensors are reallocated (a captured graph is stale then)
+        self._alloc_pool(full if num_pages is None else max(2, num_pages))
+        self.page_table = torch.zeros(L, B, Hk, self.max_pages, dtype=torch.int32, device=self.device)
+        self.cache_start = torch.zeros(L, B, Hk, dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(B, dtype=torch.int32, device=self.device)
+        self.write_pos = torch.zeros(B, dtype=torch.int32, device=self.device)
+        self.c_last = torch.zeros(L, B, num_heads, dtype=torch.float64, device=self.device)
+        self._shift: dict[tuple[int, str], torch.Tensor] = {}
+        # Host mirrors: what is booked where, so that steps need no device sync.
+        self._table = np.zeros((L, B, Hk, self.max_pages), dtype=np.int64)
+        self._start = np.zeros((L, B, Hk), dtype=np.int64)
+        self._len = np.zeros(B, dtype=np.int64)
+        self._len_before = np.zeros(B, dtype=np.int64)
+        self._columns = 0
+        self._begun = False
+        self.num_splits = default_num_splits(B, Hk, max_length, self.device)
+
+    @classmethod
+    def from_model(cls, model, batch_size: int, max_length: int, **kwargs) -> "PagedFoxCache":
+        """A cache shaped for ``model`` (a ``FoxForCausalLM``), with its layers' QK-norm logit bounds."""
+        cfg = model.config
+        param = next(model.parameters())
+        bounds = [block.attn.logit_bound() for block in model.model.layers]
+        return cls(
+            num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+            num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, batch_size=batch_size,
+            max_length=max_length, device=param.device, dtype=param.dtype,
+            logit_bounds=None if any(b is None for b in bounds) else bounds, **kwargs,
+        )
+
+    # ----------------------------------------------------------------------------------- pool and pages
+    def _alloc_pool(self, num_pages: int) -> None:
+        old = getattr(self, "k_pool", None)
+        ps, D = self.page_size, self.head_dim
+        k = torch.zeros(num_pages, ps, D, dtype=self.dtype, device=self.device)
+        v = torch.zeros(num_pages, ps, D, dtype=self.dtype, device=self.device)
+        c = torch.zeros(num_pages, ps, self.group, dtype=torch.float64, device=self.device)
+        if old is None:
+            self._free = list(range(num_pages - 1, _TRASH_PAGE, -1))  # pop() hands out low pages first
+        else:
+            n = old.shape[0]
+            k[:n], v[:n], c[:n] = self.k_pool, self.v_pool, self.c_pool
+            self._free = list(range(num_pages - 1, n - 1, -1)) + self._free
+            self.version += 1
+        self.k_pool, self.v_pool, self.c_pool = k, v, c
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            have = self.k_pool.shape[0]
+            self._alloc_pool(max(2 * have, have + n - len(self._free)))
+        taken = self._free[-n:]
+        del self._free[-n:]
+        return taken[::-1]
+
+    def begin(self, T: int, valid: torch.Tensor | None = None) -> None:
+        """Book pages for a forward of T new tokens per row (``valid`` [B, T]: False at left padding).
+
+        ``attend`` does this by itself at layer 0; call it before the forward instead when the positions of
+        the new tokens (``write_pos``) must be known first, or before replaying a captured decode step.
+        """
+        n_new = np.full(self.batch_size, T) if valid is None else valid.sum(1).cpu().numpy()
+        new_len = self._len + n_new
+        if int(new_len.max()) > self.max_length:
+            raise ValueError(f"max_length: a row would hold {int(new_len.max())} tokens, the cache was made for {self.max_length}")
+        ps = self.page_size
+        idx = []
+        for b in range(self.batch_size):
+            first, last = -(-int(self._len[b]) // ps), -(-int(new_len[b]) // ps)
+            idx.extend((b, p) for p in range(first, last))
+        if idx:
+            L, Hk = self.num_layers, self.num_kv_heads
+            pages = np.asarray(self._take(len(idx) * L * Hk)).reshape(L, len(idx), Hk)
+            rows, cols = np.asarray(idx).T
+            self._table[:, rows, :, cols] = pages.transpose(1, 0, 2)
+            dev = torch.from_numpy(self._table[:, rows, :, cols]).to(self.device, torch.int32)
+            self.page_table[:, torch.from_numpy(rows).to(self.device), :, torch.from_numpy(cols).to(self.device)] = dev
+        self._len_before = self._len
+        self._len = new_len
+        self._columns += T
+        self.write_pos.copy_(self.lengths)
+        self.lengths.add_(T if valid is None else valid.sum(1).to(torch.int32))
+        self._begun = True
+
+    def evict(self) -> int:
+        """Free the pages no future query can give more than ``tolerance`` (see ``evictable_pages``).
+
+        Needs the logit bounds of a QK-norm model. One device sync. Returns the number of pages freed.
+        """
+        if self.logit_bounds is None:
+            raise ValueError("evict: needs a logit bound for every layer, which only QK-norm models give (qk_norm=True)")
+        starts = torch.stack([
+            evictable_pages(self.c_pool, self.page_table[layer], self.cache_start[layer], self.lengths,
+                            self.logit_bounds[layer].to(self.device), self.max_length, self.tolerance)
+            for layer in range(self.num_layers)
+        ])
+        new = starts.cpu().numpy().astype(np.int64)
+        freed = 0
+        for layer, b, h in zip(*np.nonzero(new > self._start)):
+            pages = self._table[layer, b, h, self._start[layer, b, h]:new[layer, b, h]]
+            self._free.extend(int(p) for p in pages[::-1])
+            freed += len(pages)
+        self._start = new
+        self.cache_start.copy_(starts)
+        return freed
+
+    def stats(self) -> dict:
+        """Cache size: live pages against the pages a full cache of the same lengths would hold."""
+        full_per_row = -(-self._len // self.page_size)  # [B]
+        full = int(full_per_row.sum()) * self.num_layers * self.num_kv_heads
+        live = full - int(self._start.sum())
+        per_layer = [
+            1.0 - float(self._start[layer].sum()) / max(1, int(full_per_row.sum()) * self.num_kv_heads)
+            for layer in range(self.num_layers)
+        ]
+        return dict(live_pages=live, full_pages=full, fraction=live / max(1, full), per_layer=per_layer,
+                    pool_pages=int(self.k_pool.shape[0]), page_size=self.page_size)
+
+    # --------------------------------------------------------------------------------- cache protocol
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        log_fgate: torch.Tensor | None,
+        *,
+        scale: float,
+        valid: torch.Tensor | None = None,
+        window: int | None = None,
+        prune: bool = False,
+        logit_bound: torch.Tensor | float | None = None,
+        tolerance: float = math.exp(-10),
+    ) -> torch.Tensor:
+        """Store the new tokens' k, v and gate cumsum, and return their attention over the cache.
+
+        q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None,
+        valid: [B, T] bool, False at left padding. Returns o: [B, T, Hq, Dv] (zeros at padding).
+        """
+        B, T, Hq, _ = q.shape
+        if B != self.batch_size or Hq != self.num_heads or k.shape[2] != self.num_kv_heads:
+            raise ValueError(f"q, k: expected B={self.batch_size}, Hq={self.num_heads}, Hk={self.num_kv_heads}, "
+                             f"got {tuple(q.shape)} and {tuple(k.shape)}")
+        if layer_idx == 0:
+            if self._begun:
+                self._begun = False
+            else:
+                self.begin(T, valid)
+                self._begun = False
+        c = self.store(layer_idx, k, v, log_fgate, valid)
+        if T <= DECODE_MAX_TQ and valid is None and bool(self._len_before.min() > 0):
+            return forgetting_attention_decode(
+                q.to(self.dtype), self.k_pool, self.v_pool, self.c_pool, self.page_table[layer_idx], self.cache_start[layer_idx],
+                self.lengths, scale=scale, window=window, num_splits=self.num_splits,
+            )
+        return self._prefill(layer_idx, q, k, v, log_fgate, c, valid, scale, window,
+                             dict(prune=prune, logit_bound=logit_bound, tolerance=tolerance))
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor | None,
+              valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Write the new tokens of one layer (booked by ``begin``) into their pages, without attending.
+
+        k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] or None. Returns c [B, T, Hq] fp64.
+        """
+        B, T, Hk, D = k.shape
+        log_f = (torch.zeros(B, T, self.num_heads, dtype=torch.float64, device=k.device) if log_fgate is None
+                 else log_fgate.to(torch.float64))
+        offset = torch.arange(T, device=k.device)
+        if valid is not None:
+            log_f = log_f.masked_fill(~valid[..., None], 0.0)
+            offset = valid.long().cumsum(1) - 1
+        c = self.c_last[layer][:, None] + log_f.cumsum(1)  # the running sum: one add per token
+        self.c_last[layer].copy_(c[:, -1])
+        pos = (self.write_pos.long()[:, None] + offset).clamp_min(0)  # [B, T]
+        page = self.page_table[layer].long().gather(2, (pos // self.page_size)[:, None].expand(B, Hk, T))
+        slot = page * self.page_size + (pos % self.page_size)[:, None]  # [B, Hk, T]
+        if valid is not None:
+            slot = slot.masked_fill(~valid[:, None], _TRASH_PAGE * self.page_size)
+        slot = slot.flatten()
+        self.k_pool.view(-1, D).index_copy_(0, slot, k.permute(0, 2, 1, 3).reshape(-1, D).to(self.dtype))
+        self.v_pool.view(-1, v.shape[-1]).index_copy_(0, slot, v.permute(0, 2, 1, 3).reshape(-1, v.shape[-1]).to(self.dtype))
+        cg = c.view(B, T, Hk, self.group).permute(0, 2, 1, 3).reshape(-1, self.group)
+        self.c_pool.view(-1, self.group).index_copy_(0, slot, cg)
+        return c
+
+    def _prefill(self, layer, q, k, v, log_fgate, c, valid, scale, window, acp) -> torch.Tensor:
+        """Attention of new tokens row by row: the fused op (Tq <= Tk), or the dense path for windows."""
+        B, T = q.shape[:2]
+        o = q.new_zeros(*q.shape[:3], v.shape[-1])
+        n_new = self._len - self._len_before
+        for b in range(B):
+            n, total = int(n_new[b]), int(self._len[b])
+            if n == 0:
+                continue
+            new = slice(T - n, T)
+            if window is None and n == total:  # a fresh row: everything is in hand
+                lf = log_fgate[b:b + 1, new] if log_fgate is not None else None
+                o[b:b + 1, new] = self._op(q[b:b + 1, new], k[b:b + 1, new], v[b:b + 1, new], lf, scale, acp)
+                continue
+            for h in self._head_groups(layer, b):
+                heads = slice(h.start * self.group, h.stop * self.group)
+                first = int(self._start[layer, b, h.start]) * self.page_size
+                kk, vv, cc = self._gather(layer, b, h, first, total)
+                qq = q[b:b + 1, new, heads].to(self.dtype)
+                bound = acp["logit_bound"]
+                sub = dict(acp, logit_bound=bound[heads] if isinstance(bound, torch.Tensor) and bound.dim() else bound)
+                if window is not None:
+                    out, _ = dense_forgetting_attention(qq, kk, vv, cc[:, -n:], cc, scale=scale, window=window)
+                else:
+                    lf = torch.cat([torch.zeros_like(cc[:, :1]), cc[:, 1:] - cc[:, :-1]], dim=1)
+                    out = self._op(qq, kk, vv, None if log_fgate is None else lf, scale, sub)
+                o[b:b + 1, new, heads] = out
+        return o
+
+    @staticmethod
+    def _op(q, k, v, log_fgate, scale, acp) -> torch.Tensor:
+        dt = torch.promote_types(q.dtype, torch.float32)  # fp32 gates, fp64 for an fp64 model
+        if log_fgate is None:  # no gate: plain causal attention, through the same op with zero decay
+            log_fgate = torch.zeros(*k.shape[:2], q.shape[2], dtype=dt, device=q.device)
+        return forgetting_attention(q, k, v, log_fgate.to(dt), scale=scale, **acp)
+
+    def _head_groups(self, layer: int, b: int) -> list[slice]:
+        """kv heads of row b with the same live start (one op call each; all of them when nothing was evicted)."""
+        start = self._start[layer, b]
+        if (start == start[0]).all():
+            return [slice(0, self.num_kv_heads)]
+        return [slice(h, h + 1) for h in range(self.num_kv_heads)]
+
+    def _gather(self, layer: int, b: int, heads: slice, first: int, total: int):
+        """Contiguous k, v [1, n, h, D] and c [1, n, h*G] of keys [first, total) of row b."""
+        ps = self.page_size
+        pages = self.page_table[layer, b, heads, first // ps: -(-total // ps)].long()  # [h, P]
+        lo, n = first % ps, total - first
+        kk = self.k_pool[pages].flatten(1, 2)[:, lo:lo + n].transpose(0, 1)[None]
+        vv = self.v_pool[pages].flatten(1, 2)[:, lo:lo + n].transpose(0, 1)[None]
+        cc = self.c_pool[pages].flatten(1, 2)[:, lo:lo + n].permute(1, 0, 2).reshape(1, n, -1)
+        return kk, vv, cc
+
+    def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        """The pre-shift projection [B, Hk, D] of stream ``name`` at each row's last token, or None."""
+        buf = self._shift.get((layer_idx, name))
+        return None if buf is None else buf.clone()  # the layer overwrites the state before using it
+
+    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
+        buf = self._shift.get((layer_idx, name))
+        if buf is None:
+            self._shift[(layer_idx, name)] = x.detach().clone()
+        else:
+            buf.copy_(x)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns fed so far (left padding included), as ``FoxForCausalLM`` expects of ``attention_mask``."""
+        return self._columns
+
+    def __len__(self) -> int:
+        return self.num_layers
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"PagedFoxCache(layers={self.num_layers}, batch={self.batch_size}, lengths={self._len.tolist()}, "
+                f"live_pages={s['live_pages']}/{s['full_pages']})")

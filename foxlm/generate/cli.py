@@ -1,0 +1,73 @@
+"""``foxlm generate MODEL --prompt TEXT``: text generation with foxlm's fast path (GPT-2 BPE by default)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "generate", help="generate text from a checkpoint (paged cache, decode kernel, CUDA graphs, eviction)",
+        description="Continue one or more prompts with a foxlm checkpoint and print the generated text.",
+    )
+    p.add_argument("model", metavar="MODEL", help="run dir, checkpoint dir or save_pretrained dir")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt (repeat for a batch)")
+    p.add_argument("--prompt-file", default=None, help="a file whose whole text is one more prompt")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: all)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    p.add_argument("--evict", action="store_true", help="forget-gate cache eviction (QK-norm models)")
+    p.add_argument("--tolerance", type=float, default=math.exp(-10),
+                   help="attention mass an evicted key may still carry (default e^-10)")
+    p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
+    p.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), byte, or a folder with encoder.json + vocab.bpe")
+    p.add_argument("--no-eos", dest="stop_at_eos", action="store_false", help="do not stop at <|endoftext|>")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="model precision; auto = bfloat16 on CUDA, float32 on CPU")
+    p.add_argument("--stats", action="store_true", help="print timings and the cache size to stderr")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from foxlm.data import get_tokenizer
+    from foxlm.train import load_checkpoint_model
+
+    from .generate import generate
+
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            prompts.append(f.read())
+    if not prompts:
+        print("foxlm generate: give at least one --prompt or --prompt-file", file=sys.stderr)
+        return 2
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    tok = get_tokenizer(args.tokenizer)
+    model = load_checkpoint_model(args.model).to(device=device, dtype=dtype).eval()
+    ids = [tok.encode(p) or [tok.eot_id] for p in prompts]
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    out = generate(
+        model, ids, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, eos_token_id=tok.eot_id if args.stop_at_eos else None, vocab_size=tok.vocab_size,
+        evict=args.evict, tolerance=args.tolerance, page_size=args.page_size, generator=gen,
+    )
+    for i, seq in enumerate(out.sequences):
+        if len(prompts) > 1:
+            print(f"=== {i} ===")
+        text = tok.decode([t for t in seq if t != tok.eot_id])
+        print(prompts[i] + text)
+    if args.stats:
+        new = sum(len(s) for s in out.sequences)
+        print(f"prefill {out.prefill_seconds:.3f} s; decode {out.decode_steps} steps in {out.decode_seconds:.3f} s "
+              f"({new / max(out.decode_seconds, 1e-9):.1f} tokens/s); cache {out.cache['live_pages']}/"
+              f"{out.cache['full_pages']} pages ({100 * out.cache['fraction']:.1f}% of full)", file=sys.stderr)
+    return 0

@@ -1,0 +1,228 @@
+"""foxlm's own generation path: paged cache, Triton decode kernel, CUDA graphs, forget-gate eviction.
+
+``generate(model, prompts, max_new_tokens)`` takes prompts of different lengths (lists of token ids),
+prefills them through the fused op (left-padded batch, in column chunks), then decodes one token per row and
+step: with a CUDA device the step (all layers, the decode kernel, the LM head) is captured once in a CUDA
+graph and replayed. HF ``model.generate`` keeps working through the model's default ``FoxCache``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import PagedFoxCache
+
+
+@dataclass
+class GenerateOutput:
+    """sequences: the new tokens of every prompt (cut after ``eos_token_id``); cache: ``PagedFoxCache.stats()``
+    at the end; prefill_seconds / decode_seconds: wall time of the two phases (device synchronised)."""
+
+    sequences: list[list[int]]
+    cache: dict = field(default_factory=dict)
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    decode_steps: int = 0
+
+
+def sample_next(
+    logits: torch.Tensor,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Next tokens [B] from logits [B, V]: greedy, or sampling with temperature, top-k and top-p (nucleus)."""
+    if not do_sample:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+class CachedDecoder:
+    """One decode step of ``model`` over a ``PagedFoxCache``: eager, or replayed from a CUDA graph.
+
+    ``step(tokens [B]) -> logits [B, V]`` feeds one token per row at each row's own position. With
+    ``cuda_graph`` the first step runs eagerly (compiles the kernels, warms the allocator) on a side stream,
+    the second is captured and every later one replays it; a pool reallocation (``cache.version``) recaptures.
+    """
+
+    def __init__(self, model, cache: PagedFoxCache, cuda_graph: bool | None = None):
+        self.model, self.cache = model, cache
+        self.cuda_graph = cache.device.type == "cuda" if cuda_graph is None else cuda_graph
+        B = cache.batch_size
+        self._ids = torch.zeros(B, 1, dtype=torch.long, device=cache.device)
+        self._pos = torch.zeros(B, 1, dtype=torch.long, device=cache.device)
+        self._graph = self._logits = None
+        self._graph_version = -1
+        self._steps = 0
+
+    def _forward(self) -> torch.Tensor:
+        out = self.model(input_ids=self._ids, position_ids=self._pos, cache=self.cache, use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1]
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [B] the newest token of every row -> next-token logits [B, V] (valid until the next step)."""
+        cache = self.cache
+        cache.begin(1)
+        self._ids.copy_(tokens.view(-1, 1))
+        self._pos.copy_(cache.write_pos.view(-1, 1))
+        self._steps += 1
+        if not self.cuda_graph:
+            return self._forward()
+        if self._steps == 1:  # warm-up, on a side stream as graph capture wants
+            stream = torch.cuda.Stream(device=cache.device)
+            stream.wait_stream(torch.cuda.current_stream(cache.device))
+            with torch.cuda.stream(stream):
+                logits = self._forward()
+            torch.cuda.current_stream(cache.device).wait_stream(stream)
+            return logits
+        if self._graph is None or self._graph_version != cache.version:
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._logits = self._forward()
+            self._graph_version = cache.version
+        self._graph.replay()
+        cache._begun = False  # the replay did what attend would have acknowledged
+        return self._logits
+
+
+def _check_prompts(prompts) -> list[list[int]]:
+    if isinstance(prompts, torch.Tensor):
+        prompts = [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts: expected a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+        if not p or not all(isinstance(t, int) and t >= 0 for t in p):
+            raise ValueError(f"prompts[{i}]: expected a non-empty list of non-negative token ids")
+        out.append(p)
+    return out
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]] | torch.Tensor,
+    max_new_tokens: int,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    eos_token_id: int | None = None,
+    vocab_size: int | None = None,
+    evict: bool = False,
+    tolerance: float = math.exp(-10),
+    page_size: int = 64,
+    prefill_chunk: int = 16384,
+    cuda_graph: bool | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerateOutput:
+    """Generate up to ``max_new_tokens`` tokens for every prompt with foxlm's fast path.
+
+    Args:
+        model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm: fox-pro / transformer-pro).
+        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor).
+        do_sample: sample (with ``temperature``, ``top_k``, ``top_p``) instead of greedy decoding.
+        eos_token_id: a row stops at this token (the step loop ends when all rows have).
+        vocab_size: only ids below it can be generated (the model's vocabulary is padded, e.g. 50304).
+        evict: forget-gate cache eviction: free the cache pages whose keys have decayed so far that no future
+            query can give them more than ``tolerance`` of its attention (see ``foxlm.ops.decode``).
+        page_size: cache page size in tokens (the eviction granularity).
+        prefill_chunk: prompt columns per prefill forward (bounds activation memory of long prompts).
+        cuda_graph: capture the decode step in a CUDA graph (default: on CUDA).
+        generator: random generator for sampling.
+
+    Returns:
+        GenerateOutput with the new tokens per prompt, the cache size and the phase timings.
+    """
+    prompts = _check_prompts(prompts)
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    if do_sample and not temperature > 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0 or top_k < 0:
+        raise ValueError(f"top_p, top_k: expected top_p in (0, 1] and top_k >= 0, got {top_p}, {top_k}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk: expected >= 1, got {prefill_chunk}")
+    model.eval()
+    device = next(model.parameters()).device
+    B, width = len(prompts), max(len(p) for p in prompts)
+    ids = torch.zeros(B, width, dtype=torch.long)
+    mask = torch.zeros(B, width, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    padded = bool((mask == 0).any())
+    max_length = width + max_new_tokens
+    num_pages = None
+    if evict:  # start with the prompts' pages (plus one per row and head); the pool grows if it must
+        cfg = model.config
+        per_row = sum(-(-(len(p) + page_size) // page_size) for p in prompts)
+        num_pages = 1 + cfg.num_hidden_layers * cfg.num_key_value_heads * per_row
+    cache = PagedFoxCache.from_model(model, B, max_length, page_size=page_size, num_pages=num_pages, tolerance=tolerance)
+    if evict and cache.logit_bounds is None:
+        raise ValueError("evict: needs a QK-norm model (qk_norm=True), whose norm weights bound every logit")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+
+    def next_tokens(logits: torch.Tensor) -> torch.Tensor:
+        if vocab_size is not None:
+            logits = logits[:, :vocab_size]
+        return sample_next(logits, **pick)
+
+    t0 = time.perf_counter()
+    for a in range(0, width, prefill_chunk):
+        b = min(width, a + prefill_chunk)
+        out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b] if padded else None, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+    tokens = next_tokens(out.logits[:, -1])
+    if evict:
+        cache.evict()
+    sync()
+    t1 = time.perf_counter()
+
+    new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+    new[:, 0] = tokens
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    decoder = CachedDecoder(model, cache, cuda_graph)
+    steps = 1
+    for i in range(1, max_new_tokens):
+        if eos_token_id is not None:
+            done |= tokens == eos_token_id
+            if i % 16 == 0 and bool(done.all()):  # a host sync now and then, not every step
+                break
+        tokens = next_tokens(decoder.step(tokens))
+        if eos_token_id is not None:
+            tokens = tokens.masked_fill(done, eos_token_id)
+        new[:, i] = tokens
+        steps += 1
+        if evict and i % page_size == 0:
+            cache.evict()
+    sync()
+    t2 = time.perf_counter()
+    sequences = []
+    for row in new[:, :steps].tolist():
+        if eos_token_id is not None and eos_token_id in row:
+            row = row[: row.index(eos_token_id) + 1]
+        sequences.append(row)
+    return GenerateOutput(sequences, cache.stats(), t1 - t0, t2 - t1, steps)

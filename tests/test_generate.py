@@ -1,0 +1,189 @@
+"""foxlm.generate: the paged cache against full forwards, eviction, generate() against HF generate, sampling, CLI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_decode import interpret, one_thread  # noqa: F401 - fixtures
+
+from foxlm.generate import CachedDecoder, PagedFoxCache, generate, sample_next
+from foxlm.models import FoxConfig, FoxForCausalLM
+
+V = 512
+
+
+def _model(arch: str, seed: int = 0, dtype=torch.float64, **overrides) -> FoxForCausalLM:
+    torch.manual_seed(seed)
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    cfg = FoxConfig.preset(arch, "tiny", vocab_size=V, bos_token_id=None, eos_token_id=None, **{**small, **overrides})
+    return FoxForCausalLM(cfg).to(dtype).eval()
+
+
+def _prompts(gen, lengths):
+    return [torch.randint(0, V, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _left_pad(prompts):
+    width = max(map(len, prompts))
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p)
+        mask[b, width - len(p):] = 1
+    return ids, mask
+
+
+def _prefill(model, cache, prompts, chunk):
+    ids, mask = _left_pad(prompts)
+    for a in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, a:a + chunk], attention_mask=mask[:, :a + chunk], cache=cache, use_cache=True)
+    return out.logits[:, -1]
+
+
+def _full_logits(model, rows):
+    return torch.stack([model(torch.tensor([r])).logits[0, -1] for r in rows])
+
+
+@pytest.mark.parametrize("arch, overrides, chunk", [
+    ("fox-pro", {}, 64),  # QK-norm, token shift, output gate, GQA; one prefill call
+    ("fox-pro", {}, 7),  # chunked prefill: Tq < Tk through the op, rows starting mid-way
+    ("transformer-pro", {}, 64),  # RoPE at per-row positions, no gate
+    ("fox-llama", {"window": 6}, 5),  # sliding window: the dense path and the kernel's window
+])
+def test_paged_cache_matches_full_forward(arch, overrides, chunk):
+    """Prefill of left-padded prompts of different lengths, then decode steps: every step's logits equal
+    a cache-less forward of each row's whole sequence (fp64)."""
+    model = _model(arch, **overrides)
+    gen = torch.Generator().manual_seed(1)
+    prompts = _prompts(gen, (9, 21, 14))
+    cache = PagedFoxCache.from_model(model, 3, 40, page_size=4)
+    with torch.no_grad():
+        logits = _prefill(model, cache, prompts, chunk)
+        rows = [list(p) for p in prompts]
+        torch.testing.assert_close(logits, _full_logits(model, rows), rtol=1e-9, atol=1e-9)
+        decoder = CachedDecoder(model, cache)
+        for _ in range(4):
+            tokens = torch.randint(0, V, (3,), generator=gen)
+            rows = [r + [int(t)] for r, t in zip(rows, tokens)]
+            torch.testing.assert_close(decoder.step(tokens), _full_logits(model, rows), rtol=1e-9, atol=1e-9)
+    assert cache.lengths.tolist() == [len(r) for r in rows]
+
+
+def _fast_forgetting_model():
+    """fox-pro whose heads forget at very different speeds (gate biases -1 .. 6): most pages can go."""
+    model = _model("fox-pro", seed=3)
+    with torch.no_grad():
+        for block in model.model.layers:
+            block.attn.fgate_proj.bias.copy_(torch.tensor([-1.0, 0.0, 1.0, 6.0]))
+    return model
+
+
+def test_eviction_matches_full_cache():
+    """Eviction frees pages, and decoding with the evicted cache stays within the bound of full decoding."""
+    model = _fast_forgetting_model()
+    gen = torch.Generator().manual_seed(2)
+    prompts = _prompts(gen, (60, 100))
+    tol = math.exp(-6)
+    full = PagedFoxCache.from_model(model, 2, 140, page_size=8)
+    kept = PagedFoxCache.from_model(model, 2, 140, page_size=8, tolerance=tol, num_pages=40)
+    with torch.no_grad():
+        a, b = _prefill(model, full, prompts, 128), _prefill(model, kept, prompts, 128)
+        assert kept.evict() > 0
+        dec_full, dec_kept = CachedDecoder(model, full), CachedDecoder(model, kept)
+        worst = 0.0
+        for i in range(24):
+            tokens = torch.randint(0, V, (2,), generator=gen)
+            a, b = dec_full.step(tokens), dec_kept.step(tokens)
+            worst = max(worst, float((a - b).abs().max()))
+            if i % 8 == 7:
+                kept.evict()
+    stats = kept.stats()
+    assert stats["fraction"] < 0.75 and stats["full_pages"] == full.stats()["full_pages"]
+    assert kept.version > 0  # the 40-page pool had to grow, and did
+    # Each attention row loses < tol of its mass, so outputs move by O(tol); logits here are O(1).
+    assert 0 < worst < 10 * tol, worst
+
+
+def test_eviction_needs_qk_norm():
+    model = _model("fox-llama")
+    with pytest.raises(ValueError, match="evict"):
+        generate(model, [[1, 2, 3]], 2, evict=True)
+
+
+def test_generate_equals_hf_generate():
+    """foxlm's path and HF ``generate`` (through the model's FoxCache), greedy, left-padded batch."""
+    model = _model("fox-pro", seed=5)
+    gen = torch.Generator().manual_seed(3)
+    prompts = _prompts(gen, (7, 12))
+    ids, mask = _left_pad(prompts)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    ours = generate(model, prompts, 6, page_size=4)
+    assert ours.sequences == hf[:, ids.shape[1]:].tolist()
+    assert ours.decode_steps == 6 and ours.cache["fraction"] == 1.0
+    again = generate(model, prompts, 6, page_size=4, evict=True, tolerance=1e-12)
+    assert again.sequences == ours.sequences  # eviction with a tiny tolerance changes nothing
+
+
+def test_generate_eos_and_sampling():
+    model = _model("fox-llama", seed=7)
+    prompts = [[5, 6, 7], [8] * 11]
+    greedy = generate(model, prompts, 5)
+    eos = greedy.sequences[0][1]
+    cut = generate(model, prompts, 5, eos_token_id=eos)
+    assert cut.sequences[0] == greedy.sequences[0][:2]
+    top1 = generate(model, prompts, 5, do_sample=True, top_k=1, generator=torch.Generator().manual_seed(0))
+    assert top1.sequences == greedy.sequences
+    s1 = generate(model, prompts, 5, do_sample=True, temperature=2.0, generator=torch.Generator().manual_seed(1))
+    s2 = generate(model, prompts, 5, do_sample=True, temperature=2.0, generator=torch.Generator().manual_seed(1))
+    assert s1.sequences == s2.sequences
+    limited = generate(model, prompts, 5, do_sample=True, temperature=5.0, vocab_size=10,
+                       generator=torch.Generator().manual_seed(2))
+    assert all(t < 10 for s in limited.sequences for t in s)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(model, prompts, 2, do_sample=True, temperature=0.0)
+    with pytest.raises(ValueError, match="prompts"):
+        generate(model, [[1], []], 2)
+
+
+def test_sample_next_top_p():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.log(torch.tensor([[0.05, 0.6, 0.3, 0.05]])).expand(200, 4)
+    picks = sample_next(logits, do_sample=True, top_p=0.5, generator=gen)
+    assert picks.eq(1).all()  # token 1 alone reaches the 0.5 mass
+    picks = sample_next(logits, do_sample=True, top_p=0.8, generator=gen)
+    assert set(picks.tolist()) == {1, 2}
+    picks = sample_next(logits, do_sample=True, generator=gen)
+    assert set(picks.tolist()) == {0, 1, 2, 3}
+
+
+def test_decode_steps_through_triton_kernel(interpret):
+    """The model's decode steps through the Triton kernel (interpreted) match the PyTorch path."""
+    model = _model("fox-pro", seed=9, dtype=torch.float32)
+    prompts = _prompts(torch.Generator().manual_seed(4), (10, 17))
+    outs = []
+    for triton_on in (False, True):
+        cache = PagedFoxCache.from_model(model, 2, 24, page_size=8)
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+            mp.delenv("TRITON_INTERPRET", raising=False)
+            _prefill(model, cache, prompts, 32)
+            if triton_on:
+                mp.setenv("TRITON_INTERPRET", "1")
+            decoder = CachedDecoder(model, cache)
+            outs.append(torch.stack([decoder.step(torch.tensor([3, 4])), decoder.step(torch.tensor([5, 6]))]))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
+
+
+def test_generate_cli(tmp_path, capsys):
+    from foxlm.cli import main
+
+    torch.manual_seed(0)
+    model = FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny"))
+    model.save_pretrained(tmp_path / "m")
+    code = main(["generate", str(tmp_path / "m"), "--prompt", "The forget gate", "--prompt", "Hi",
+                 "--max-new-tokens", "4", "--no-eos", "--evict", "--stats", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "=== 0 ===\nThe forget gate" in out and "=== 1 ===\nHi" in out
+    assert "tokens/s" in err and "pages" in err
