@@ -1,0 +1,142 @@
+"""Atomic, verified training checkpoints.
+
+Layout::
+
+    <run>/checkpoints/step_0000100/
+        model/            save_pretrained folder (config.json + safetensors): FoxForCausalLM.from_pretrained works
+        trainer.pt        optimizer, scheduler, loader, RNG, counters (torch.load(weights_only=True))
+        manifest.json     sha256 of every file above, written last
+    <run>/checkpoints/latest      name of the newest complete checkpoint
+
+A checkpoint is written into a temporary folder and renamed into place, so a killed run leaves no
+``step_*`` folder half-written; ``manifest.json`` is checked before loading, so a damaged one is never used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..data.assets import sha256_file
+
+STEP_DIR = re.compile(r"^step_(\d{7,})$")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def write_checkpoint(run_dir: Path, step: int, save_model, trainer_state: dict, keep_last: int) -> Path:
+    """Write checkpoint ``step`` atomically (``save_model(folder)`` writes the model), update ``latest``, prune.
+
+    Called on the process that writes (rank 0).
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / checkpoint_name(step)
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    save_model(tmp / "model")
+    torch.save(trainer_state, tmp / "trainer.pt")
+    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
+    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving the same step (e.g. the final save of a resumed, finished run)
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _write_atomic(root / "latest", final.name)
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _fsync_tree(folder: Path) -> None:
+    for p in folder.rglob("*"):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete-looking checkpoint folders of a run, oldest first (temporary folders excluded)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def verify_checkpoint(ckpt: str | os.PathLike) -> str | None:
+    """None if ``ckpt`` is complete and every file matches its manifest, else what is wrong."""
+    ckpt = Path(ckpt)
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"no readable manifest.json ({e})"
+    for name, digest in manifest.get("files", {}).items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} does not match its sha256"
+    if not manifest.get("files"):
+        return "empty manifest"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint of a run that verifies; damaged ones are reported and skipped, never loaded."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt
+        warnings.warn(f"skipping damaged checkpoint {ckpt}: {problem}", stacklevel=2)
+    return None
+
+
+def load_trainer_state(ckpt: str | os.PathLike) -> dict:
+    """The non-model state of a verified checkpoint (safe: ``weights_only=True``)."""
+    problem = verify_checkpoint(ckpt)
+    if problem is not None:
+        raise ValueError(f"checkpoint {ckpt}: {problem}; refusing to load it")
+    return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=True)
+
+
+def resolve_model_dir(path: str | os.PathLike) -> Path:
+    """A ``save_pretrained`` folder from a run folder (its latest valid checkpoint), a checkpoint folder, or
+    a ``save_pretrained`` folder itself."""
+    path = Path(path).expanduser()
+    if (path / "config.json").is_file():
+        return path
+    if (path / "model" / "config.json").is_file():
+        problem = verify_checkpoint(path) if (path / "manifest.json").exists() else "no manifest.json"
+        if problem is not None:
+            raise ValueError(f"checkpoint {path}: {problem}; refusing to load it")
+        return path / "model"
+    if (path / "checkpoints").is_dir():
+        ckpt = latest_valid_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"path: run {path} has no complete checkpoint")
+        return ckpt / "model"
+    raise FileNotFoundError(f"path: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+
+
+def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
+    """``FoxForCausalLM`` from a run folder, a checkpoint folder or a ``save_pretrained`` folder."""
+    from ..models import FoxForCausalLM
+
+    return FoxForCausalLM.from_pretrained(resolve_model_dir(path), **from_pretrained_kwargs)

@@ -1,0 +1,30 @@
+"""``foxlm train [--config NAME_OR_YAML] [key=value ...]``; under ``torchrun`` the same command trains in parallel."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "train", help="train a model (no arguments: the embedded Shakespeare demo)",
+        description="Train a FoX / Transformer model. Without arguments: a tiny fox-pro on Shakespeare "
+                    "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.")
+    p.add_argument("--config", default=None,
+                   help="YAML file, or a packaged config name (default: 'default', the Shakespeare demo)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. lr=2e-3 max_steps=500 model.acp=true")
+    p.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .trainer import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, sample=not args.no_sample)
+    print(f"step {summary['step']}: train loss {summary.get('loss', float('nan')):.4f}"
+          + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
+          + f"; checkpoints in {summary['run_dir']}/checkpoints")
+    return 0

@@ -1,0 +1,157 @@
+"""``TrainConfig``: one YAML file plus ``key=value`` overrides; unknown keys are errors.
+
+``foxlm train --config configs/NAME.yaml lr=2e-3 model.acp=true`` — top-level keys are the fields below;
+``model.*`` keys override fields of ``FoxConfig`` (on top of ``arch`` / ``size``). ``--config`` also takes the
+name of a packaged config (``default``: the embedded Shakespeare job).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+PACKAGED = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class TrainConfig:
+    # model
+    arch: str = "fox-pro"  # fox-llama | fox-pro | transformer-llama | transformer-pro
+    size: str = "tiny"  # tiny | 125m | 360m | 760m
+    model: dict = field(default_factory=dict)  # FoxConfig overrides, e.g. {acp: true, hidden_size: 256}
+    # data
+    data: str = "shakespeare"  # a `foxlm data prepare` folder, or "shakespeare" (the embedded corpus)
+    tokenizer: str | None = None  # expected tokenizer name; None: whatever the data was prepared with
+    seq_len: int = 256  # tokens per training sequence
+    batch_size: int = 16  # sequences per optimizer step, over all processes
+    micro_batch_size: int | None = None  # sequences per forward per process; None: batch_size / world size
+    packing: str = "windows"  # windows: random windows | documents: packed documents with cu_seqlens
+    # optimization
+    max_steps: int = 1000
+    lr: float = 1e-3
+    min_lr: float = 1e-4  # cosine floor
+    warmup_steps: int = 100
+    weight_decay: float = 0.1  # not on norms, biases, gate biases (parameters with fewer than 2 dims)
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0: off
+    max_bad_steps: int = 10  # NaN/Inf losses skipped before the run stops
+    # precision / speed / parallelism
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    compile: bool = False  # torch.compile each block
+    activation_checkpointing: bool = False
+    parallel: str = "fsdp"  # under torchrun: fsdp (FSDP2 fully_shard) | ddp
+    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs only
+    # evaluation / logging / checkpoints
+    eval_every: int = 100  # 0: only at the end
+    eval_batches: int = 10  # validation batches of batch_size sequences
+    log_every: int = 10
+    save_every: int = 500  # 0: only at the end
+    keep_last: int = 3
+    out_dir: str = "runs/default"
+    resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path
+    seed: int = 0
+    progress: bool = True
+    tensorboard: bool = True
+    sample_prompt: str | None = None  # printed sample at the end; None: the data's first tokens
+    sample_tokens: int = 100
+
+    def validate(self) -> None:
+        from ..models import ARCHS, SIZES
+
+        choices = {"arch": ARCHS, "size": SIZES, "packing": ("windows", "documents"),
+                   "precision": ("auto", "bf16", "fp32"), "parallel": ("fsdp", "ddp")}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: expected one of {sorted(allowed)}, got {getattr(self, name)!r}")
+        for name in ("seq_len", "batch_size", "max_steps", "eval_batches", "log_every", "keep_last",
+                     "sample_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "save_every", "max_bad_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
+        valid_model_keys = set(inspect.signature(_fox_config_init()).parameters) - {"self", "kwargs"}
+        for key in self.model:
+            if key not in valid_model_keys:
+                raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(valid_model_keys)})")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _fox_config_init():
+    from ..models import FoxConfig
+
+    return FoxConfig.__init__
+
+
+def _coerce(name: str, value, annotation: str):
+    """Check a YAML value against a field's annotation (``int``, ``float``, ``str | None``, ...)."""
+    hint = typing.get_type_hints(TrainConfig)[name]
+    allowed = typing.get_args(hint) or (hint,)
+    if value is None and type(None) in allowed:
+        return None
+    if float in allowed and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if str in allowed and not isinstance(value, str) and value is not None and not isinstance(value, (dict, list)):
+        return str(value)
+    if not any(t is not type(None) and isinstance(value, t) and not (t is int and isinstance(value, bool))
+               for t in allowed):
+        raise ValueError(f"{name}: expected {annotation}, got {value!r}")
+    return value
+
+
+def resolve_config_path(config: str | os.PathLike) -> Path:
+    """A YAML path, or the name of a packaged config (``foxlm/configs/NAME.yaml``)."""
+    path = Path(config).expanduser()
+    if path.is_file():
+        return path
+    packaged = PACKAGED / f"{config}.yaml"
+    if packaged.is_file():
+        return packaged
+    names = sorted(p.stem for p in PACKAGED.glob("*.yaml"))
+    raise FileNotFoundError(f"config: {config} is neither a file nor a packaged config ({names})")
+
+
+def load_config(config: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
+    """Build a ``TrainConfig`` from a YAML file (or packaged name; None: ``default``) and ``key=value`` strings."""
+    path = resolve_config_path(config or "default")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ValueError(f"config: {path} must hold a mapping of keys to values")
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"override: expected key=value, got {item!r}")
+        value = yaml.safe_load(text) if text else None
+        if key.startswith("model."):
+            raw.setdefault("model", {})
+            if not isinstance(raw["model"], dict):
+                raise ValueError(f"model: expected a mapping in {path}")
+            raw["model"][key[len("model."):]] = value
+        else:
+            raw[key] = value
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in fields:
+            raise ValueError(f"{key}: unknown config key (expected one of {sorted(fields)})")
+        kwargs[key] = _coerce(key, value, str(fields[key].type))
+    if not isinstance(kwargs.get("model", {}), dict):
+        raise ValueError(f"model: expected a mapping of FoxConfig fields, got {kwargs['model']!r}")
+    cfg = TrainConfig(**kwargs)
+    cfg.validate()
+    return cfg

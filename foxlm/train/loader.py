@@ -1,0 +1,129 @@
+"""Deterministic training batches from a ``TokenDataset``.
+
+A step's global batch is a pure function of ``(seed, step)``: row ``r`` of step ``s`` is fixed whatever the number
+of processes, each process takes its contiguous share of rows, and splits it into micro-batches. So the loader's
+state is the step counter, resuming is exact, and 1 or N processes see the same global batch.
+
+- ``windows``: each row is ``seq_len`` tokens from a uniformly random offset (documents are separated by
+  ``<|endoftext|>``; attention runs across them, as in GPT-2/nanoGPT training).
+- ``documents``: the documents, shuffled per epoch, are laid end to end and cut into rows of ``seq_len``; a
+  micro-batch is one packed row ``[1, rows * seq_len]`` with ``cu_seqlens`` at every document and row start, so
+  no token attends across a document, and the first token of each segment is not a target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..data import TokenDataset
+
+
+@dataclass
+class Batch:
+    """One micro-batch. ``input_ids``/``labels``: [B, T] int64 (labels shifted inside the model, -100 ignored);
+    ``cu_seqlens``: int32 [N+1] when packed (B == 1); ``num_targets``: labels that count."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    cu_seqlens: torch.Tensor | None
+    num_targets: int
+
+    def to(self, device: torch.device) -> "Batch":
+        cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=True)
+        return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),
+                     cu, self.num_targets)
+
+
+class TokenLoader:
+    """Batches for one process. ``batch(step)`` -> list of micro-batches making its share of the global batch."""
+
+    def __init__(self, dataset: TokenDataset, *, seq_len: int, batch_size: int, micro_batch_size: int,
+                 packing: str = "windows", seed: int = 0, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True):
+        if batch_size % (micro_batch_size * world_size):
+            raise ValueError(f"batch_size: {batch_size} is not a multiple of micro_batch_size ({micro_batch_size}) "
+                             f"x processes ({world_size})")
+        if len(dataset.tokens) < seq_len + 1:
+            raise ValueError(f"seq_len: {seq_len} is longer than the {dataset.split} split ({len(dataset.tokens)} tokens)")
+        if packing not in ("windows", "documents"):
+            raise ValueError(f"packing: expected 'windows' or 'documents', got {packing!r}")
+        self.ds, self.seq_len, self.batch_size, self.micro = dataset, seq_len, batch_size, micro_batch_size
+        self.packing, self.seed, self.rank, self.world, self.shuffle = packing, seed, rank, world_size, shuffle
+        self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch_size // (self.micro * self.world)
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "seq_len": self.seq_len, "batch_size": self.batch_size, "packing": self.packing,
+                "num_tokens": len(self.ds.tokens)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Check that a checkpoint's loader matches this one (the step counter itself lives with the trainer)."""
+        mine = self.state_dict()
+        for key, value in state.items():
+            if mine.get(key) != value:
+                raise ValueError(f"{key}: the checkpoint's loader used {value!r}, this run {mine.get(key)!r}; "
+                                 f"resuming would not reproduce the run (start a new out_dir)")
+
+    # --- rows -------------------------------------------------------------------------------------------------
+    def _window_rows(self, step: int, rows: np.ndarray) -> list[tuple[np.ndarray, list[int]]]:
+        n = len(self.ds.tokens) - self.seq_len + 1
+        if self.shuffle:
+            starts = np.random.default_rng([self.seed, step]).integers(0, n, size=self.batch_size)[rows]
+        else:  # evenly spaced, fixed (validation)
+            starts = (np.arange(step * self.batch_size, (step + 1) * self.batch_size)[rows] * self.seq_len) % n
+        return [(np.asarray(self.ds.tokens[s:s + self.seq_len]), [0]) for s in starts.tolist()]
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, cumulative lengths in that order) of one epoch."""
+        if self._epoch_cache is None or self._epoch_cache[0] != epoch:
+            n = self.ds.num_docs
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            lengths = np.diff(self.ds.doc_offsets)[order]
+            self._epoch_cache = (epoch, order, np.concatenate([[0], np.cumsum(lengths)]))
+        return self._epoch_cache[1:]
+
+    def _document_row(self, index: int) -> tuple[np.ndarray, list[int]]:
+        """Row ``index`` of the endless stream of shuffled documents, with its segment starts."""
+        total = int(self.ds.doc_offsets[-1])
+        pos, tokens, starts = index * self.seq_len, [], []
+        while sum(len(t) for t in tokens) < self.seq_len:
+            epoch, offset = divmod(pos, total)
+            order, cum = self._epoch(epoch)
+            d = int(np.searchsorted(cum, offset, side="right")) - 1
+            doc_start = int(self.ds.doc_offsets[order[d]])
+            within = offset - int(cum[d])
+            take = min(int(cum[d + 1]) - offset, self.seq_len - sum(len(t) for t in tokens))
+            starts.append(sum(len(t) for t in tokens))
+            tokens.append(np.asarray(self.ds.tokens[doc_start + within:doc_start + within + take]))
+            pos += take
+        return np.concatenate(tokens), starts
+
+    def _rows(self, step: int, rows: np.ndarray) -> list[tuple[np.ndarray, list[int]]]:
+        if self.packing == "windows":
+            return self._window_rows(step, rows)
+        return [self._document_row(step * self.batch_size + int(r)) for r in rows]
+
+    # --- batches ----------------------------------------------------------------------------------------------
+    def batch(self, step: int) -> list[Batch]:
+        """This process's micro-batches of global step ``step``."""
+        per_rank = self.batch_size // self.world
+        mine = np.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
+        rows = self._rows(step, mine)
+        return [self._collate(rows[i:i + self.micro]) for i in range(0, per_rank, self.micro)]
+
+    def _collate(self, rows: list[tuple[np.ndarray, list[int]]]) -> Batch:
+        ids = torch.from_numpy(np.stack([r for r, _ in rows]).astype(np.int64))
+        labels = ids.clone()
+        if self.packing == "windows":
+            return Batch(ids, labels, None, ids.shape[0] * (ids.shape[1] - 1))
+        starts = [i * self.seq_len + s for i, (_, row_starts) in enumerate(rows) for s in row_starts]
+        ids, labels = ids.view(1, -1), labels.view(1, -1)
+        labels[0, starts] = -100  # position start-1 must not predict a token of another segment
+        cu = torch.tensor(starts + [ids.shape[1]], dtype=torch.int32)
+        return Batch(ids, labels, cu, ids.shape[1] - len(starts))

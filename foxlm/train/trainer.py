@@ -1,0 +1,476 @@
+"""The training loop: one process, or many under ``torchrun`` (FSDP2 ``fully_shard`` or DDP).
+
+Per step: the global batch (``TokenLoader``) is split over processes and micro-batches; every micro-batch loss is
+weighted by its share of the step's targets, so the update is that of one big batch whatever the split. Then:
+NaN/Inf check (skip + count), gradient clipping, AdamW with warmup + cosine to ``min_lr``. Validation loss every
+``eval_every`` steps; JSONL + TensorBoard logs and a progress bar on rank 0; atomic checkpoints every
+``save_every`` steps and at the end; ``resume="auto"`` continues a run from its latest valid checkpoint and
+reproduces the losses of an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from ..data import TokenDataset, ensure_default_corpus
+from ..models import FoxConfig, FoxForCausalLM
+from .checkpoint import latest_valid_checkpoint, load_trainer_state, resolve_model_dir, write_checkpoint
+from .config import TrainConfig
+from .loader import Batch, TokenLoader
+
+# Dense bf16 peak TFLOP/s per device, for the MFU estimate.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``max_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices (projections, embeddings, LM head), none on norms, biases and gate biases."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def flops_per_token(config: FoxConfig, num_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (parameters except the embedding) + causal attention 6 x L x T x H x D."""
+    embed = config.vocab_size * config.hidden_size
+    attn = 6 * config.num_hidden_layers * seq_len * config.num_attention_heads * config.head_dim
+    return 6 * (num_params - embed) + attn
+
+
+@dataclass
+class _Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+
+def _setup_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.device == "auto":
+        device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    else:
+        device = torch.device(cfg.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device(f"cuda:{local_rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+    return _Dist(rank, local_rank, world), device
+
+
+def _wrap(model: FoxForCausalLM, cfg: TrainConfig, d: _Dist, device: torch.device) -> torch.nn.Module:
+    if d.world == 1:
+        return model
+    if cfg.parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.layers:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _unwrap(model: torch.nn.Module) -> FoxForCausalLM:
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def _grad_sync(model: torch.nn.Module, sync: bool):
+    """Context for one micro-batch's backward: reduce gradients over processes only when ``sync``."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+class _Logger:
+    """JSONL + TensorBoard + progress bar, on the main process only."""
+
+    def __init__(self, cfg: TrainConfig, run_dir: Path, start_step: int, main: bool):
+        self.main, self.bar, self.tb, self.file = main, None, None, None
+        if not main:
+            return
+        log_path = run_dir / "log.jsonl"
+        kept = []
+        if start_step > 0 and log_path.exists():  # resuming: drop what the killed run logged after the checkpoint
+            kept = [line for line in log_path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
+        log_path.write_text("".join(line + "\n" for line in kept))
+        self.file = open(log_path, "a")
+        if cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except ImportError:
+                print("tensorboard is not installed: no TensorBoard logs", file=sys.stderr)
+        if cfg.progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=cfg.max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def log(self, record: dict) -> None:
+        if not self.main:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self.tb.add_scalar(f"train/{key}" if not key.startswith("val") else key, value, record["step"])
+
+    def progress(self, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()
+
+
+class Trainer:
+    """Builds data, model, optimizer from a ``TrainConfig``; ``run()`` trains and returns a summary."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.d, self.device = _setup_distributed(cfg)
+        self.run_dir = Path(cfg.out_dir).expanduser()
+        self.autocast = (cfg.precision == "bf16") or (cfg.precision == "auto" and self.device.type == "cuda")
+
+        # data: the embedded corpus is prepared once, by rank 0
+        if cfg.data == "shakespeare":
+            if self.d.main:
+                ensure_default_corpus(cfg.tokenizer or "gpt2", progress=cfg.progress)
+            self.d.barrier()
+            data_path = ensure_default_corpus(cfg.tokenizer or "gpt2", progress=False)
+        else:
+            data_path = Path(cfg.data).expanduser()
+        self.train_ds, self.val_ds = TokenDataset(data_path, "train"), TokenDataset(data_path, "val")
+        self.data_path = data_path
+        self.tok_spec = self.train_ds.meta["tokenizer"]
+        if cfg.tokenizer is not None and cfg.tokenizer != self.tok_spec["name"]:
+            raise ValueError(f"tokenizer: the config expects {cfg.tokenizer!r}, but {data_path} was prepared "
+                             f"with {self.tok_spec['name']!r}")
+        self.tokenizer = self.train_ds.tokenizer()  # rebuilds it and checks it is the recorded one
+
+        # model
+        overrides = {"vocab_size": 64 * math.ceil(self.tok_spec["vocab_size"] / 64),
+                     "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"], **cfg.model}
+        self.model_config = FoxConfig.preset(cfg.arch, cfg.size, **overrides)
+        if self.model_config.vocab_size < self.tok_spec["vocab_size"]:
+            raise ValueError(f"model.vocab_size: {self.model_config.vocab_size} is smaller than the tokenizer's "
+                             f"{self.tok_spec['vocab_size']}")
+        self.model_config.foxlm_tokenizer = self.tok_spec
+        torch.manual_seed(cfg.seed)
+        model = FoxForCausalLM(self.model_config).to(self.device)
+        self.num_params = model.num_parameters()
+        if cfg.activation_checkpointing:
+            model.model.gradient_checkpointing = True
+        if cfg.compile:
+            for block in model.model.layers:
+                block.compile()
+        self.model = _wrap(model, cfg, self.d, self.device)
+        fused = self.device.type == "cuda" and not (self.d.world > 1 and cfg.parallel == "fsdp")
+        self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr,
+                                           betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                           **({"fused": True} if fused else {}))
+
+        # loaders
+        micro = cfg.micro_batch_size or cfg.batch_size // self.d.world
+        if micro < 1 or cfg.batch_size % self.d.world:
+            raise ValueError(f"batch_size: {cfg.batch_size} cannot be split over {self.d.world} processes")
+        common = dict(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=micro, packing=cfg.packing,
+                      seed=cfg.seed, rank=self.d.rank, world_size=self.d.world)
+        self.loader = TokenLoader(self.train_ds, **common)
+        self.val_loader = TokenLoader(self.val_ds, shuffle=False, **common) if len(self.val_ds.tokens) > cfg.seq_len \
+            else None
+        self.step, self.bad_steps, self.tokens_seen = 0, 0, 0
+
+    # --- checkpoints ------------------------------------------------------------------------------------------
+    def _state_dict_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def save(self) -> Path | None:
+        """Checkpoint the current step (collective: every process calls it; rank 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        module = _unwrap(self.model)
+        model_sd = get_model_state_dict(module, options=self._state_dict_options())
+        optim_sd = get_optimizer_state_dict(module, self.optimizer, options=self._state_dict_options())
+        path = None
+        if self.d.main:
+            state = {
+                "step": self.step,
+                "optimizer": optim_sd,
+                "scheduler": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)},
+                "loader": self.loader.state_dict(),
+                "rng": {"cpu": torch.get_rng_state(),
+                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+                "bad_steps": self.bad_steps,
+                "tokens_seen": self.tokens_seen,
+                "tokenizer": self.tok_spec,
+                "world_size": self.d.world,
+                "config": self.cfg.to_dict(),
+            }
+            path = write_checkpoint(self.run_dir, self.step,
+                                    lambda folder: module.save_pretrained(folder, state_dict=model_sd),
+                                    state, self.cfg.keep_last)
+        self.d.barrier()
+        return path
+
+    def load(self, ckpt: Path) -> None:
+        """Restore model, optimizer, counters and RNG from a verified checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        state = load_trainer_state(ckpt)  # verifies the manifest first
+        if state["tokenizer"] != self.tok_spec:
+            raise ValueError(f"tokenizer: the checkpoint was trained with {state['tokenizer']}, the data is "
+                             f"{self.tok_spec}")
+        self.loader.load_state_dict(state["loader"])
+        module = _unwrap(self.model)
+        weights = load_file(str(resolve_model_dir(ckpt) / "model.safetensors"))
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(module, weights, options=options)
+        set_optimizer_state_dict(module, self.optimizer, state["optimizer"], options=options)
+        self.step, self.bad_steps, self.tokens_seen = state["step"], state["bad_steps"], state["tokens_seen"]
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+    def _resume_point(self) -> Path | None:
+        if self.cfg.resume == "never":
+            return None
+        if self.cfg.resume == "auto":
+            return latest_valid_checkpoint(self.run_dir)
+        return Path(self.cfg.resume).expanduser()
+
+    # --- steps ------------------------------------------------------------------------------------------------
+    def _forward(self, b: Batch) -> torch.Tensor:
+        b = b.to(self.device)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self.model(input_ids=b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens, use_cache=False).loss
+
+    def train_step(self) -> dict:
+        """One optimizer step (or a skipped one); returns the step's record."""
+        cfg, step = self.cfg, self.step
+        lr = lr_at(step, cfg)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro = self.loader.batch(step)
+        total = self.d.sum(torch.tensor([float(sum(b.num_targets for b in micro))], device=self.device)).item()
+        loss_sum = torch.zeros((), device=self.device)
+        for i, b in enumerate(micro):
+            with _grad_sync(self.model, sync=i == len(micro) - 1):
+                loss = self._forward(b)
+                # DDP/FSDP average gradients over processes: scale so that the result is the global mean.
+                (loss * (b.num_targets * self.d.world / total)).backward()
+            loss_sum += loss.detach().float() * b.num_targets
+        loss = (self.d.sum(loss_sum) / total).item()
+        tokens = sum(b.input_ids.numel() for b in micro) * self.d.world
+        self.tokens_seen += tokens
+        self.step += 1
+        record = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
+        grad_norm = None
+        if math.isfinite(loss):
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            if cfg.grad_clip > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+            else:
+                grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+            if hasattr(grad_norm, "full_tensor"):  # DTensor under FSDP2
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = float(grad_norm)
+            record["grad_norm"] = grad_norm
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            self.optimizer.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            record["skipped"] = True
+            if self.bad_steps > cfg.max_bad_steps:
+                raise FloatingPointError(
+                    f"loss/gradient was NaN or Inf at {self.bad_steps} steps (max_bad_steps={cfg.max_bad_steps}), "
+                    f"last at step {self.step}; lower lr (now {cfg.lr}) or check the data. The last good "
+                    f"checkpoint is in {self.run_dir / 'checkpoints'}")
+            return record
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return record
+
+    @torch.no_grad()
+    def evaluate(self) -> float | None:
+        """Mean validation loss over fixed batches: ``eval_batches``, or fewer to read the split at most once
+        (None without a validation split)."""
+        if self.val_loader is None:
+            return None
+        self.model.eval()
+        loss_sum = torch.zeros((), device=self.device)
+        count = 0.0
+        per_batch = self.cfg.batch_size * self.cfg.seq_len
+        for k in range(max(1, min(self.cfg.eval_batches, len(self.val_ds.tokens) // per_batch))):
+            for b in self.val_loader.batch(k):
+                loss_sum += self._forward(b).float() * b.num_targets
+                count += b.num_targets
+        self.model.train()
+        total = self.d.sum(torch.tensor([count], device=self.device)).item()
+        return (self.d.sum(loss_sum) / total).item()
+
+    @torch.no_grad()
+    def sample(self) -> str:
+        """A sampled continuation of ``sample_prompt`` (default: the start of the first validation document)."""
+        if self.cfg.sample_prompt is not None:
+            prompt = [self.tokenizer.eot_id] + self.tokenizer.encode(self.cfg.sample_prompt)
+        else:
+            source = self.val_ds if self.val_ds.num_docs else self.train_ds
+            prompt = source.document(0)[:24].tolist()
+        module = _unwrap(self.model)
+        module.eval()
+        generator_state = torch.get_rng_state()
+        torch.manual_seed(self.cfg.seed)
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            out = module.generate(torch.tensor([prompt], device=self.device), max_new_tokens=self.cfg.sample_tokens,
+                                  do_sample=True, top_k=50, temperature=0.8, pad_token_id=self.tokenizer.eot_id)
+        torch.set_rng_state(generator_state)
+        module.train()
+        return self.tokenizer.decode(out[0, 1:].tolist())
+
+    def _mfu(self, tokens_per_s: float) -> float | None:
+        peak = self.cfg.peak_tflops
+        if peak is None and self.device.type == "cuda":
+            name = torch.cuda.get_device_name(self.device)
+            peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+        if peak is None:
+            return None
+        per_token = flops_per_token(self.model_config, self.num_params, self.cfg.seq_len)
+        return tokens_per_s * per_token / (peak * 1e12 * self.d.world)
+
+    def run(self) -> dict:
+        """Train to ``max_steps`` (resuming if asked), with validation, logs and checkpoints; return a summary."""
+        cfg = self.cfg
+        if self.d.main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.d.barrier()
+        ckpt = self._resume_point()
+        if ckpt is not None:
+            self.load(ckpt)
+        if self.d.main:
+            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+        log = _Logger(cfg, self.run_dir, self.step, self.d.main)
+        if ckpt is not None:
+            log.write(f"resumed from {ckpt} at step {self.step}")
+        log.write(f"{cfg.arch} {cfg.size}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
+                  f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
+                  f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
+                  f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
+                  f"{self.loader.grad_accum} micro-batches per process")
+        summary = {"first_loss": None, "val_loss": None}
+        self.model.train()
+        t0, tokens0 = time.perf_counter(), self.tokens_seen  # throughput since the last log line
+        try:
+            while self.step < cfg.max_steps:
+                record = self.train_step()
+                if summary["first_loss"] is None:
+                    summary["first_loss"] = record["loss"]
+                summary["loss"] = record["loss"]
+                now = time.perf_counter()
+                tps = (self.tokens_seen - tokens0) / max(now - t0, 1e-9)
+                mfu = self._mfu(tps)
+                record.update(tokens_per_s=tps, **({"mfu": mfu} if mfu is not None else {}))
+                if record.get("skipped"):
+                    log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
+                              f"({self.bad_steps}/{cfg.max_bad_steps})")
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or record.get("skipped"):
+                    log.log(record)
+                    t0, tokens0 = now, self.tokens_seen
+                postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
+                if mfu is not None:
+                    postfix["mfu"] = f"{100 * mfu:.1f}%"
+                log.progress(postfix)
+                last = self.step == cfg.max_steps
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                    val = self.evaluate()
+                    if val is not None:
+                        summary["val_loss"] = val
+                        log.log({"step": self.step, "val_loss": val})
+                        log.write(f"step {self.step}: val loss {val:.4f}")
+                if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+                    path = self.save()
+                    if path is not None:
+                        log.write(f"saved {path}")
+                if (cfg.eval_every and self.step % cfg.eval_every == 0) or \
+                        (cfg.save_every and self.step % cfg.save_every == 0):  # not training time
+                    t0, tokens0 = time.perf_counter(), self.tokens_seen
+        finally:
+            log.close()
+        summary.update(step=self.step, bad_steps=self.bad_steps, tokens=self.tokens_seen,
+                       run_dir=str(self.run_dir))
+        return summary
+
+
+def train(cfg: TrainConfig, sample: bool = True) -> dict:
+    """Train with ``cfg``; print a sample at the end on rank 0. Returns the summary (losses, steps, tokens)."""
+    trainer = Trainer(cfg)
+    try:
+        summary = trainer.run()
+        if sample:
+            text = trainer.sample()
+            if trainer.d.main:
+                print(f"\n--- sample (step {trainer.step}) ---\n{text}\n---", flush=True)
+            summary["sample"] = text
+        return summary
+    finally:
+        if trainer.d.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
