@@ -276,7 +276,10 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
                 raise ValueError(f"labels: expected shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
             targets = labels[:, 1:]
             per_token = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=-100, reduction="none"
+                logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                targets.flatten(),
+                ignore_index=-100,
+                reduction="none",
             ).view(targets.shape)
             loss = per_token.sum() / (targets != -100).sum().clamp_min(1)
         return FoxCausalLMOutput(

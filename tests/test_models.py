@@ -1,0 +1,233 @@
+"""foxlm.models: presets, HF integration (save/load, Auto classes, generate), KV-cache decoding, packing, padding."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache
+
+import foxlm  # noqa: F401  (registers the Auto classes)
+from foxlm.models import ARCHS, FoxCache, FoxConfig, FoxForCausalLM, FoxModel
+
+VOCAB = 97
+SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
+             bos_token_id=None, eos_token_id=None)
+# every arch, plus GQA, the data-independent gates and a sliding window
+VARIANTS = [dict(arch=a) for a in ARCHS] + [
+    dict(arch="fox-pro", num_key_value_heads=2),
+    dict(arch="fox-llama", gate="bias"),
+    dict(arch="fox-llama", gate="alibi", window=4),
+    dict(arch="transformer-pro", window=5),
+]
+
+
+def _model(arch, seed=0, **overrides):
+    torch.manual_seed(seed)
+    model = FoxForCausalLM(FoxConfig.preset(arch, "tiny", **{**SMALL, **overrides})).double().eval()
+    for p in model.parameters():  # move off the init point: gates, norms and shifts far from trivial
+        p.data += 0.1 * torch.randn_like(p)
+    return model
+
+
+def _ids(B, T, seed=1):
+    return torch.randint(1, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(f"{x}" for x in v.values()))
+def test_full_forward_equals_cached_decoding(variant):
+    model = _model(**variant)
+    ids = _ids(2, 14)
+    full = model(ids).logits
+    cache = FoxCache()
+    pieces = [model(ids[:, :4], cache=cache, use_cache=True).logits]  # prefill
+    pieces.append(model(ids[:, 4:7], cache=cache, use_cache=True).logits)  # chunked prefill (Tq < Tk)
+    for t in range(7, 14):  # token by token
+        out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+        assert out.past_key_values is cache
+        pieces.append(out.logits)
+    torch.testing.assert_close(torch.cat(pieces, 1), full, rtol=1e-9, atol=1e-9)
+    assert cache.get_seq_length() == 14
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_documents_equal_documents_alone(arch):
+    model = _model(arch)
+    lengths = [5, 1, 8, 6]
+    ids = _ids(1, sum(lengths))
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    out = model(ids, labels=ids, cu_seqlens=cu, output_log_fgates=True, return_per_token_loss=True)
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        alone = model(ids[:, a:b], labels=ids[:, a:b], return_per_token_loss=True)
+        torch.testing.assert_close(out.logits[:, a:b], alone.logits, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(out.per_token_loss[:, a : b - 1], alone.per_token_loss, rtol=1e-9, atol=1e-9)
+    assert len(out.log_fgates) == 2 and out.log_fgates[0].shape == (1, 20, 4)
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_padded_batch_equals_rows_alone(arch):
+    """Left padding (generation) and right padding (evaluation) with attention_mask, with and without a cache."""
+    model = _model(arch)
+    ids = _ids(3, 9)
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1], [1] * 9, [0] * 5 + [1] * 4])
+    padded = model(ids, attention_mask=mask).logits
+    cache = FoxCache()
+    cached = [model(ids[:, :6], attention_mask=mask[:, :6], cache=cache, use_cache=True).logits]
+    for t in range(6, 9):
+        cached.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache, use_cache=True).logits)
+    cached = torch.cat(cached, 1)
+    right = model(ids, attention_mask=mask.flip(1)).logits
+    for b in range(3):
+        real = mask[b].bool()
+        alone = model(ids[b : b + 1, real]).logits[0]
+        torch.testing.assert_close(padded[b, real], alone, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(cached[b, real], alone, rtol=1e-9, atol=1e-9)
+        alone_right = model(ids[b : b + 1, real.flip(0)]).logits[0]
+        torch.testing.assert_close(right[b, real.flip(0)], alone_right, rtol=1e-9, atol=1e-9)
+
+
+def test_generate_greedy_reproducible_and_batched_left_padding_equals_one_by_one():
+    model = _model("fox-pro")
+    model.generation_config.pad_token_id = 0
+    prompts = [_ids(1, n, seed=n)[0] for n in (3, 7, 5)]
+    T = max(len(p) for p in prompts)
+    ids = torch.stack([torch.cat([torch.zeros(T - len(p), dtype=torch.long), p]) for p in prompts])
+    mask = (torch.arange(T)[None] >= torch.tensor([T - len(p) for p in prompts])[:, None]).long()
+    batched = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    again = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(batched, again)
+    for b, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=6, do_sample=False)
+        assert torch.equal(batched[b, T:], alone[0, len(p):])
+    # the new tokens are the greedy choice of a full forward over prompt + continuation
+    seq = torch.cat([prompts[0], batched[0, T:]])[None]
+    greedy = model(seq).logits[0, len(prompts[0]) - 1 : -1].argmax(-1)
+    assert torch.equal(greedy, batched[0, T:])
+
+
+def test_generate_sampling_reproducible_with_seed():
+    model = _model("fox-llama")
+    ids = _ids(2, 4)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(123)
+        runs.append(model.generate(ids, max_new_tokens=5, do_sample=True, top_k=20, pad_token_id=0))
+    assert torch.equal(*runs)
+
+
+def test_generic_hf_cache_is_replaced_and_bad_cache_rejected():
+    model = _model("fox-llama")
+    ids = _ids(1, 5)
+    out = model(ids, past_key_values=DynamicCache(), use_cache=True)
+    assert isinstance(out.past_key_values, FoxCache)
+    filled = DynamicCache()
+    filled.update(torch.randn(1, 4, 5, 8), torch.randn(1, 4, 5, 8), 0)
+    with pytest.raises(ValueError, match="past_key_values"):
+        model(ids, past_key_values=filled)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_preset_trains_saves_and_loads(arch, tmp_path):
+    assert FoxConfig.preset(arch, "tiny").vocab_size == 50304
+    torch.manual_seed(0)
+    model = FoxForCausalLM(FoxConfig.preset(arch, "tiny", vocab_size=1024))  # a small vocabulary keeps CI fast
+    assert model.config.hidden_size == 128 and model.config.num_hidden_layers == 4
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 1024, (2, 32))
+    labels = ids.clone()
+    labels[:, :3] = -100
+    losses = []
+    for _ in range(2):
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    model.save_pretrained(tmp_path)
+    assert (tmp_path / "model.safetensors").exists()
+    loaded_config = AutoConfig.from_pretrained(tmp_path).to_dict()
+    assert {k: v for k, v in loaded_config.items() if k != "_name_or_path"} == {
+        k: v for k, v in model.config.to_dict().items() if k != "_name_or_path"
+    }
+    model.eval()
+    for loaded in (FoxForCausalLM.from_pretrained(tmp_path), AutoModelForCausalLM.from_pretrained(tmp_path)):
+        assert type(loaded) is FoxForCausalLM
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    base = AutoModel.from_pretrained(tmp_path)
+    assert type(base) is FoxModel
+    torch.testing.assert_close(base(ids).last_hidden_state, model.model(ids).last_hidden_state, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("size,nominal", [("125m", 125e6), ("360m", 360e6), ("760m", 760e6)])
+def test_paper_sizes_parameter_counts(size, nominal):
+    """Nominal sizes count one embedding matrix (as if tied); the Pro output gate adds ~d^2 per layer."""
+    for arch in ARCHS:
+        with torch.device("meta"):
+            model = FoxForCausalLM(FoxConfig.preset(arch, size))
+        count = model.num_parameters() - model.lm_head.weight.numel()
+        low, high = (1.0, 1.1) if "pro" in arch else (0.98, 1.02)
+        assert low < count / nominal < high, (arch, count)
+
+
+def test_loss_mean_per_token_and_outputs():
+    model = _model("fox-llama")
+    ids = _ids(2, 10)
+    labels = ids.clone()
+    labels[0, 5:] = -100
+    out = model(ids, labels=labels, return_per_token_loss=True, output_attentions=True, output_log_fgates=True,
+                output_hidden_states=True)
+    logp = torch.log_softmax(out.logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+    counted = labels[:, 1:] != -100
+    torch.testing.assert_close(out.per_token_loss, -logp * counted)
+    torch.testing.assert_close(out.loss, (-logp)[counted].mean())
+    assert len(out.attentions) == 2 and out.attentions[0].shape == (2, 4, 10, 10)
+    torch.testing.assert_close(out.attentions[1].sum(-1), torch.ones(2, 4, 10, dtype=torch.float32))
+    assert all((g <= 0).all() and g.dtype == torch.float64 for g in out.log_fgates)  # fp32 below fp64 models
+    assert len(out.hidden_states) == 3
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = _model("fox-pro").train()
+    ids = _ids(2, 12)
+    model(ids, labels=ids).loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model.gradient_checkpointing_enable()
+    model(ids, labels=ids).loss.backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "overrides,field",
+    [
+        (dict(gate="softmax"), "gate"),
+        (dict(num_key_value_heads=3), "num_key_value_heads"),
+        (dict(window=0), "window"),
+        (dict(hidden_size=-8), "hidden_size"),
+        (dict(acp_tolerance=2.0), "acp_tolerance"),
+        (dict(qk_norm="yes"), "qk_norm"),
+        (dict(rms_norm_eps=0.0), "rms_norm_eps"),
+        (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+    ],
+)
+def test_bad_config_values_raise_naming_the_field(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        FoxConfig.preset("fox-llama", "tiny", **overrides)
+
+
+def test_bad_preset_and_input_errors():
+    with pytest.raises(ValueError, match="arch"):
+        FoxConfig.preset("fox-xl", "tiny")
+    with pytest.raises(ValueError, match="size"):
+        FoxConfig.preset("fox-pro", "1b")
+    with pytest.raises(ValueError, match="acp"):
+        FoxConfig.preset("transformer-llama", "tiny", acp=True)
+    model = _model("fox-llama")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(_ids(2, 6), cu_seqlens=torch.tensor([0, 3, 6], dtype=torch.int32))
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        model(_ids(1, 6), cu_seqlens=torch.tensor([0, 3, 5], dtype=torch.int32))
+    with pytest.raises(ValueError, match="labels"):
+        model(_ids(1, 6), labels=_ids(1, 5))
+    with pytest.raises(ValueError, match="attention_mask"):
+        model(_ids(1, 4), attention_mask=torch.tensor([[1, 0, 1, 1]]))
