@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .reference import gate_cumsum, segment_ids
+from .reference import segment_ids
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -263,7 +263,7 @@ def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, 
 
 
 @triton.jit
-def _bwd_dq_tile(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
                  start_n, len_k,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
@@ -286,132 +286,162 @@ def _bwd_dq_tile(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_bas
     dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
     ds = p * (dp - delta[:, None])
     dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    dcq += tl.sum(ds, 1)
-    return dq, dcq
+    return dq
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+def _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
                   lo, hi, len_k,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     if INTERPRET:
         start_n = lo
         while start_n < hi:
-            dq, dcq = _bwd_dq_tile(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
+            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
                                    c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            dq, dcq = _bwd_dq_tile(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
+            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
                                    c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
-    return dq, dcq
+    return dq
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCQ, DCK, CU,
+def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
+                    sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                    PRUNE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """dK, dV of key block [start_n, start_n + BLOCK_N1), summed over the G query heads of key head hk in a fixed
+    order (a deterministic GQA reduction), and -colsum(dS) per query head into DCK."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    kn = start_n + tl.arange(0, BLOCK_N1)
+    kvalid = kn < len_k
+    krows = (tok0 + kn).to(tl.int64)
+    k = _load_rows(K + hk * skh + krows[:, None] * skt + offs_d[None, :], kvalid, offs_d < D, True, BLOCK_D != D)
+    v = _load_rows(V + hk * svh + krows[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV, True, BLOCK_DV != DV)
+    dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N1, BLOCK_DV], dtype=tl.float32)
+    # Query blocks that see this key block start at the one holding position start_n; those whose rows
+    # all lie at or past the block's last key need no causal mask; a partial last block needs a row mask.
+    k_last = tl.minimum(start_n + BLOCK_N1, len_k) - 1
+    lo = (tl.maximum(start_n - off, 0) // BLOCK_M1) * BLOCK_M1
+    unmasked_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N1 - 1 - off, BLOCK_M1) * BLOCK_M1, lo)
+    unmasked_hi = tl.maximum((len_q // BLOCK_M1) * BLOCK_M1, unmasked_lo)
+    for g in range(G):
+        hq = hk * G + g
+        c_base = C + hq * sch + tok0
+        l_base = LSE + hq * slh + tok0
+        d_base = DELTA + hq * slh + tok0
+        q_base = Q + hq * sqh + tok0.to(tl.int64) * sqt
+        do_base = DO + hq * soh + tok0.to(tl.int64) * sot
+        c_ref = tl.load(c_base + start_n)
+        ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
+        hi = len_q
+        if PRUNE:  # kept query blocks: a prefix, up to the last whose first row decays less than delta
+            thr = tl.load(THR + b * Hq + hq).to(tl.float64)
+            r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
+            hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
+        dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
+        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
+                                      d_base, sqt, sot, c_ref, qk_scale, lo, tl.minimum(unmasked_lo, hi),
+                                      len_q, off, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
+        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
+                                      d_base, sqt, sot, c_ref, qk_scale, unmasked_lo, tl.minimum(unmasked_hi, hi),
+                                      len_q, off, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, False, PRECISION, INTERPRET)
+        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
+                                      d_base, sqt, sot, c_ref, qk_scale, unmasked_hi, hi, len_q, off,
+                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
+        tl.store(DCK + hq * sch + tok0 + kn, -dck, mask=kvalid)
+    tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+             mask=kvalid[:, None] & (offs_d < D)[None, :])
+    tl.store(DV_ + hk * svh + krows[:, None] * svt + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+             mask=kvalid[:, None] & (offs_dv < DV)[None, :])
+
+
+@triton.jit
+def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
+                  sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                  PRUNE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """dQ of query block [start_m, start_m + BLOCK_M2) of query head hq."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_m = start_m + tl.arange(0, BLOCK_M2)
+    mvalid = offs_m < len_q
+    mrows = (tok0 + offs_m).to(tl.int64)
+    pos_m = off + offs_m
+    c_base = C + hq * sch + tok0
+    q = _load_rows(Q + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D, True, BLOCK_D != D)
+    do = _load_rows(DO + hq * soh + mrows[:, None] * sot + offs_dv[None, :], mvalid, offs_dv < DV,
+                    True, BLOCK_DV != DV)
+    p0 = off + start_m
+    c_ref = tl.load(c_base + p0)
+    lse = tl.load(LSE + hq * slh + tok0 + offs_m, mask=mvalid, other=float("inf"))
+    delta = tl.load(DELTA + hq * slh + tok0 + offs_m, mask=mvalid, other=0.0)
+    cq = (tl.load(c_base + pos_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
+    p_last = off + tl.minimum(start_m + BLOCK_M2, len_q) - 1
+    mask_lo = (p0 // BLOCK_N2) * BLOCK_N2
+    lo = p0 * 0
+    if PRUNE:
+        thr = tl.load(THR + b * Hq + hq).to(tl.float64)
+        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N2) * BLOCK_N2, mask_lo)
+    k_base = K + hk * skh + tok0.to(tl.int64) * skt
+    v_base = V + hk * svh + tok0.to(tl.int64) * svt
+    dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
+    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                       lo, mask_lo, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, False, PRECISION, INTERPRET)
+    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                       mask_lo, p_last + 1, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, PRECISION, INTERPRET)
+    tl.store(DQ + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+             mask=mvalid[:, None] & (offs_d < D)[None, :])
+
+
+@triton.jit
+def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                 Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                 VARLEN: tl.constexpr, PRUNE: tl.constexpr, PRECISION: tl.constexpr,
                 INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
-    """dK, dV for key block ``pid`` (summed over the query heads of the GQA group) and dQ for query block
-    ``pid`` of each of those heads; the gate gradient's row and column sums go to DCQ and DCK."""
+    """Program (pid, hk, b): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
+    query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
+
+    The query side of the gate gradient, rowsum_j(dS_ij) = dlse_i (the row sums of P are one and
+    sum_j P_ij dP_ij = do_i . o_i), needs no kernel: the host adds dlse exactly.
+    """
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2)
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
     bt = _tensor_batch(b, VARLEN)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    # This program's key block (dK, dV) ...
+    Q += bt * sqb
+    K += bt * skb
+    V += bt * svb
+    DO += bt * sob
+    DQ += bt * sqb
+    DK += bt * skb
+    DV_ += bt * svb
+    C += bt * scb
+    DCK += bt * scb
+    LSE += bt * slb
+    DELTA += bt * slb
     start_n = pid * BLOCK_N1
-    do_kv = start_n < len_k
-    kn = start_n + tl.arange(0, BLOCK_N1)
-    kvalid = kn < len_k
-    krows = (tok0 + kn).to(tl.int64)
-    k = _load_rows(K + bt * skb + hk * skh + krows[:, None] * skt + offs_d[None, :], kvalid, offs_d < D,
-                   True, BLOCK_D != D)
-    v = _load_rows(V + bt * svb + hk * svh + krows[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV,
-                   True, BLOCK_DV != DV)
-    dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N1, BLOCK_DV], dtype=tl.float32)
-    # ... and its query block (dQ): the causal work of the two halves adds up to the same for every pid.
+    if start_n < len_k:
+        _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
+                        sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, PRUNE, PRECISION, INTERPRET)
     start_m = pid * BLOCK_M2
-    do_q = start_m < len_q
-    offs_m = start_m + tl.arange(0, BLOCK_M2)
-    mvalid = offs_m < len_q
-    mrows = (tok0 + offs_m).to(tl.int64)
-    pos_m = off + offs_m
-    k_base = K + bt * skb + hk * skh + tok0.to(tl.int64) * skt
-    v_base = V + bt * svb + hk * svh + tok0.to(tl.int64) * svt
-    for g in range(G):
-        hq = hk * G + g
-        c_base = C + bt * scb + hq * sch + tok0
-        l_base = LSE + bt * slb + hq * slh + tok0
-        d_base = DELTA + bt * slb + hq * slh + tok0
-        q_base = Q + bt * sqb + hq * sqh + tok0.to(tl.int64) * sqt
-        do_base = DO + bt * sob + hq * soh + tok0.to(tl.int64) * sot
-        if PRUNE:
-            thr = tl.load(THR + b * Hq + hq).to(tl.float64)
-        if do_kv:
-            c_ref = tl.load(c_base + start_n)
-            ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
-            # Query blocks that see this key block: from the one holding position start_n; those whose
-            # rows all lie at or past the block's last key need no mask; a partial last block does.
-            k_last = tl.minimum(start_n + BLOCK_N1, len_k) - 1
-            lo = (tl.maximum(start_n - off, 0) // BLOCK_M1) * BLOCK_M1
-            hi = len_q
-            if PRUNE:
-                r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
-                hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
-            unmasked_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N1 - 1 - off, BLOCK_M1) * BLOCK_M1, lo)
-            unmasked_hi = tl.maximum((len_q // BLOCK_M1) * BLOCK_M1, unmasked_lo)
-            dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
-            dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
-                                          d_base, sqt, sot, c_ref, qk_scale, lo, tl.minimum(unmasked_lo, hi),
-                                          len_q, off, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
-            dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
-                                          d_base, sqt, sot, c_ref, qk_scale, unmasked_lo,
-                                          tl.minimum(unmasked_hi, hi), len_q, off,
-                                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, False, PRECISION, INTERPRET)
-            dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
-                                          d_base, sqt, sot, c_ref, qk_scale, unmasked_hi, hi, len_q, off,
-                                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
-            tl.store(DCK + bt * scb + hq * sch + tok0 + kn, -dck, mask=kvalid)
-        if do_q:
-            q = _load_rows(q_base + offs_m.to(tl.int64)[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D,
-                           True, BLOCK_D != D)
-            do = _load_rows(do_base + offs_m.to(tl.int64)[:, None] * sot + offs_dv[None, :], mvalid,
-                            offs_dv < DV, True, BLOCK_DV != DV)
-            p0 = off + start_m
-            c_ref = tl.load(c_base + p0)
-            lse = tl.load(l_base + offs_m, mask=mvalid, other=float("inf"))
-            delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
-            cq = (tl.load(c_base + pos_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
-            p_last = off + tl.minimum(start_m + BLOCK_M2, len_q) - 1
-            mask_lo = (p0 // BLOCK_N2) * BLOCK_N2
-            lo = p0 * 0
-            if PRUNE:
-                lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N2) * BLOCK_N2, mask_lo)
-            dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
-            dcq = tl.zeros([BLOCK_M2], dtype=tl.float32)
-            dq, dcq = _bwd_dq_inner(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                    c_ref, qk_scale, lo, mask_lo, len_k,
-                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, False, PRECISION, INTERPRET)
-            dq, dcq = _bwd_dq_inner(dq, dcq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                    c_ref, qk_scale, mask_lo, p_last + 1, len_k,
-                                    D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, PRECISION, INTERPRET)
-            dq_ptrs = DQ + bt * sqb + hq * sqh + mrows[:, None] * sqt + offs_d[None, :]
-            tl.store(dq_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=mvalid[:, None] & (offs_d < D)[None, :])
-            tl.store(DCQ + bt * slb + hq * slh + tok0 + offs_m, dcq, mask=mvalid)
-    if do_kv:
-        dk_ptrs = DK + bt * skb + hk * skh + krows[:, None] * skt + offs_d[None, :]
-        tl.store(dk_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kvalid[:, None] & (offs_d < D)[None, :])
-        dv_ptrs = DV_ + bt * svb + hk * svh + krows[:, None] * svt + offs_dv[None, :]
-        tl.store(dv_ptrs, dv.to(DV_.dtype.element_ty), mask=kvalid[:, None] & (offs_dv < DV)[None, :])
+    if start_m < len_q:
+        for g in range(G):
+            _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
+                          sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, PRUNE, PRECISION, INTERPRET)
 
 
 # Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries.
@@ -421,15 +451,15 @@ _INTERPRET_BWD = {"BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32, "BLOCK_N2": 16
 
 # Autotuned tiles per padded head dim (the larger of D and Dv): FWD (BLOCK_M, BLOCK_N, warps, stages),
 # BWD (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages).
-_FWD_TILES = {
-    64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3)],
-    256: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 32, 8, 2)],
+_FWD_TILES = {  # the first of each list measured best on an H200 (2026-12-02) at every T of the benchmark
+    64: [(128, 64, 4, 3), (128, 128, 8, 3)],
+    128: [(128, 128, 8, 3), (128, 64, 8, 3)],
+    256: [(64, 64, 4, 2), (64, 32, 4, 2)],
 }
 _BWD_TILES = {
-    64: [(32, 128, 128, 32, 4, 4), (32, 128, 128, 32, 8, 3), (64, 128, 128, 64, 8, 2)],
-    128: [(32, 128, 128, 32, 8, 3), (32, 128, 128, 32, 4, 3), (64, 64, 64, 64, 4, 2)],
-    256: [(16, 64, 64, 16, 4, 2), (32, 64, 64, 32, 8, 1), (16, 32, 32, 16, 4, 2)],
+    64: [(64, 128, 128, 64, 8, 2), (32, 128, 128, 32, 4, 4)],
+    128: [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 8, 3)],
+    256: [(16, 64, 64, 16, 4, 2), (32, 64, 64, 32, 8, 1)],
 }
 
 
@@ -472,6 +502,15 @@ def _launch(kernel, grid, interpret_meta: dict, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
+def global_gate_cumsum(log_fgate: torch.Tensor) -> torch.Tensor:
+    """c = cumsum of the log gates over the whole row in fp64, laid out [B, H, T] (from [B, T, H]).
+
+    The scan runs along the contiguous last dim: along any other dim CUDA torch scans one column per
+    thread, which costs milliseconds at 16k tokens.
+    """
+    return torch.cumsum(log_fgate.transpose(1, 2).contiguous().double(), dim=-1)
+
+
 def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """sum_{t' >= t} dc_t' along the last dim, within each sequence: [B, H, T] -> [B, H, T] fp64."""
     rc = dc.double().flip(-1).cumsum(-1).flip(-1)
@@ -492,7 +531,7 @@ class _ForgettingAttention(torch.autograd.Function):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         B, Tq, Hq, D = q.shape
         Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-        c = gate_cumsum(log_fgate, cu_seqlens).transpose(1, 2).contiguous()  # [B, Hq, Tk] fp64
+        c = global_gate_cumsum(log_fgate)  # only differences within a sequence are used: no restarts needed
         if cu_seqlens is not None:
             n_seq = cu_seqlens.numel() - 1
             if max_seqlen is None:
@@ -536,18 +575,18 @@ class _ForgettingAttention(torch.autograd.Function):
         pre(o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *lse.stride()[:2], Tq, Hq,
             DV=Dv, BLOCK_M=pre_block, BLOCK_DV=meta["BLOCK_DV"], HAS_DLSE=dlse is not None)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dcq = torch.empty_like(lse)
         dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
 
         def grid(m):
             return (max(triton.cdiv(len_k, m["BLOCK_N1"]), triton.cdiv(len_q, m["BLOCK_M2"])), Hk, n_seq)
 
-        _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dcq, dck, cu,
+        _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dck, cu,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
                 *lse.stride()[:2], Tq, Tk, Hq, Hk, Hq // Hk, ctx.scale * LOG2E.value, ctx.scale,
                 LEN_BUCKET=bucket, **meta)
         dc = dck.double()
-        dc[..., Tk - Tq:] += dcq
+        if dlse is not None:  # rowsum(dS), the query side of the gate gradient
+            dc[..., Tk - Tq:] += dlse
         dlog_fgate = _reverse_cumsum(dc, cu if ctx.varlen else None).transpose(1, 2).float()
         return dq, dk, dv, dlog_fgate, None, None, None, None
 
