@@ -120,7 +120,7 @@ def resolve_model_dir(path: str | os.PathLike) -> Path:
     """A ``save_pretrained`` folder from a run folder (its latest valid checkpoint), a checkpoint folder, or
     a ``save_pretrained`` folder itself."""
     path = Path(path).expanduser()
-    if (path / "config.json").is_file():
+    if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
         return path
     if (path / "model" / "config.json").is_file():
         problem = verify_checkpoint(path) if (path / "manifest.json").exists() else "no manifest.json"

@@ -106,6 +106,11 @@ def _coerce(name: str, value, annotation: str):
         return None
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if float in allowed and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if str in allowed and not isinstance(value, str) and value is not None and not isinstance(value, (dict, list)):
         return str(value)
     if not any(t is not type(None) and isinstance(value, t) and not (t is int and isinstance(value, bool))

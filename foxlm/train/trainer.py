@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import yaml
 from safetensors.torch import load_file
 
 from ..data import TokenDataset, ensure_default_corpus
@@ -340,11 +341,6 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.bad_steps += 1
             record["skipped"] = True
-            if self.bad_steps > cfg.max_bad_steps:
-                raise FloatingPointError(
-                    f"loss/gradient was NaN or Inf at {self.bad_steps} steps (max_bad_steps={cfg.max_bad_steps}), "
-                    f"last at step {self.step}; lower lr (now {cfg.lr}) or check the data. The last good "
-                    f"checkpoint is in {self.run_dir / 'checkpoints'}")
             return record
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -407,7 +403,7 @@ class Trainer:
         if ckpt is not None:
             self.load(ckpt)
         if self.d.main:
-            (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
+            (self.run_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         log = _Logger(cfg, self.run_dir, self.step, self.d.main)
         if ckpt is not None:
             log.write(f"resumed from {ckpt} at step {self.step}")
@@ -435,6 +431,11 @@ class Trainer:
                 if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or record.get("skipped"):
                     log.log(record)
                     t0, tokens0 = now, self.tokens_seen
+                if self.bad_steps > cfg.max_bad_steps:
+                    raise FloatingPointError(
+                        f"loss/gradient was NaN or Inf at {self.bad_steps} steps (max_bad_steps={cfg.max_bad_steps}),"
+                        f" last at step {self.step}; lower lr (now {cfg.lr}) or check the data. Checkpoints before "
+                        f"it are in {self.run_dir / 'checkpoints'}")
                 postfix = {"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}"}
                 if mfu is not None:
                     postfix["mfu"] = f"{100 * mfu:.1f}%"
