@@ -63,6 +63,17 @@ def _load_rows(ptrs, rmask, cmask, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """a @ b (+ acc) with fp32 accumulation. Triton 3.6's interpreter multiplies bf16 wrongly: there the
+    same (bf16-valued) operands are multiplied in fp32."""
+    if INTERPRET:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        out = tl.dot(a, b, acc, input_precision=PRECISION)
+    return out
+
+
+@triton.jit
 def _seq_bounds(CU, b, Tq, Tk, VARLEN: tl.constexpr):
     """(first token, query length, key length, query offset in key positions) of sequence/batch b."""
     if VARLEN:
@@ -91,7 +102,7 @@ def _tensor_batch(b, VARLEN: tl.constexpr):
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, start_n, len_k,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N)
@@ -103,7 +114,7 @@ def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_r
     else:
         ck = tl.load(c_base + kn)
     ck = (ck - c_ref).to(tl.float32) * LOG2E
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale + (cq[:, None] - ck[None, :])
+    s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
     if MASK:
         s = tl.where((pos_m[:, None] >= kn[None, :]) & kvalid[None, :], s, float("-inf"))
     m_ij = tl.maximum(m_i, tl.max(s, 1))
@@ -112,7 +123,7 @@ def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_r
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_rows(v_base + kn.to(tl.int64)[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV,
                    MASK, BLOCK_DV != DV)
-    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, INTERPRET)
     return acc, l_i, m_ij
 
 
@@ -124,13 +135,13 @@ def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
     return acc, l_i, m_i
 
 
@@ -212,7 +223,7 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
 def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base, sqt, sot, c_ref,
                    qk_scale, start_m, len_q, off,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -229,14 +240,14 @@ def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l
         delta = tl.load(d_base + offs_m)
         cq = tl.load(c_base + off + offs_m)
     cq = (cq - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
-    st = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale + (cq[None, :] - ck[:, None])
+    st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET) * qk_scale + (cq[None, :] - ck[:, None])
     pt = tl.math.exp2(st)
     if MASK:
         pt = tl.where(((off + offs_m)[None, :] >= kn[:, None]) & mvalid[None, :] & kvalid[:, None], pt, 0.0)
-    dv = tl.dot(pt.to(do.dtype), do, dv, input_precision=PRECISION)
-    dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+    dv = _dot(pt.to(do.dtype), do, dv, PRECISION, INTERPRET)
+    dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
     dst = pt * (dpt - delta[None, :])
-    dk = tl.dot(dst.to(q.dtype), q, dk, input_precision=PRECISION)
+    dk = _dot(dst.to(q.dtype), q, dk, PRECISION, INTERPRET)
     dck += tl.sum(dst, 1)
     return dk, dv, dck
 
@@ -251,14 +262,14 @@ def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, 
         while start_m < hi:
             dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base,
                                          sqt, sot, c_ref, qk_scale, start_m, len_q, off,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION)
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION, INTERPRET)
             start_m += BLOCK_M
     else:
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base,
                                          sqt, sot, c_ref, qk_scale, start_m, len_q, off,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION)
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION, INTERPRET)
     return dk, dv, dck
 
 
@@ -266,7 +277,7 @@ def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, 
 def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
                  start_n, len_k,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N)
@@ -279,13 +290,13 @@ def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, sk
     else:
         ck = tl.load(c_base + kn)
     ck = (ck - c_ref).to(tl.float32) * LOG2E
-    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale + (cq[:, None] - ck[None, :])
+    s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
     p = tl.math.exp2(s)
     if MASK:
         p = tl.where((pos_m[:, None] >= kn[None, :]) & mvalid[:, None] & kvalid[None, :], p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+    dp = _dot(do, tl.trans(v), None, PRECISION, INTERPRET)
     ds = p * (dp - delta[:, None])
-    dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
+    dq = _dot(ds.to(k.dtype), k, dq, PRECISION, INTERPRET)
     return dq
 
 
@@ -298,13 +309,13 @@ def _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, s
         start_n = lo
         while start_n < hi:
             dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION)
+                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
     return dq
 
 
