@@ -123,6 +123,38 @@ def test_generic_hf_cache_is_replaced_and_bad_cache_rejected():
         model(ids, past_key_values=filled)
 
 
+class _ProtocolOnlyCache:
+    """A cache that is not an HF Cache and only speaks the protocol of foxlm.models.cache (as a paged cache
+    would): it keeps everything itself, here by delegating to a FoxCache per layer, and counts calls."""
+
+    def __init__(self):
+        self.inner, self.calls = FoxCache(), []
+
+    def attend(self, layer_idx, q, k, v, log_fgate, **kwargs):
+        self.calls.append((layer_idx, q.shape[1], sorted(kwargs)))
+        return self.inner.attend(layer_idx, q, k, v, log_fgate, **kwargs)
+
+    def get_shift_state(self, layer_idx, name):
+        return self.inner.get_shift_state(layer_idx, name)
+
+    def set_shift_state(self, layer_idx, name, x):
+        self.inner.set_shift_state(layer_idx, name, x)
+
+    def get_seq_length(self, layer_idx=0):
+        return self.inner.get_seq_length(layer_idx)
+
+
+def test_any_cache_with_the_protocol_plugs_in():
+    model = _model("fox-pro")
+    ids = _ids(2, 8)
+    cache = _ProtocolOnlyCache()
+    logits = [model(ids[:, :5], past_key_values=cache).logits]
+    logits += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(5, 8)]
+    torch.testing.assert_close(torch.cat(logits, 1), model(ids).logits, rtol=1e-9, atol=1e-9)
+    kwargs = ["logit_bound", "prune", "scale", "tolerance", "valid", "window"]
+    assert cache.calls[:2] == [(0, 5, kwargs), (1, 5, kwargs)] and len(cache.calls) == 8
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_preset_trains_saves_and_loads(arch, tmp_path):
     assert FoxConfig.preset(arch, "tiny").vocab_size == 50304
@@ -192,6 +224,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     model.gradient_checkpointing_enable()
+    assert model.model.gradient_checkpointing
     model(ids, labels=ids).loss.backward()
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-10, atol=1e-12)
