@@ -9,6 +9,7 @@ the token shift; decoding goes through a KV cache that follows the protocol of `
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -189,8 +190,9 @@ class FoxModel(FoxPreTrainedModel):
         for block in self.layers:
             if output_hidden_states:
                 hidden_states.append(x)
-            if self.gradient_checkpointing and self.training:
-                x, log_fgate, probs = checkpoint(block, x, use_reentrant=False, **attn_kwargs)
+            if self.gradient_checkpointing and self.training:  # HF's activation_checkpointing_enable() sets the func
+                run = getattr(self, "_gradient_checkpointing_func", None) or partial(checkpoint, use_reentrant=False)
+                x, log_fgate, probs = run(block, x, **attn_kwargs)
             else:
                 x, log_fgate, probs = block(x, **attn_kwargs)
             attentions.append(probs)
