@@ -151,39 +151,12 @@ class FoxModel(FoxPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         cache = _as_fox_cache(cache if cache is not None else past_key_values, use_cache, self.config.num_hidden_layers)
-        segments = reset = valid = None
-        if cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"cu_seqlens: packed input needs a batch of one row, got B={B}")
-            if cache is not None or attention_mask is not None:
-                raise ValueError("cu_seqlens: cannot be combined with a KV cache or an attention_mask")
-            segments = Segments.from_cu_seqlens(cu_seqlens, T)
-        elif cache is not None:
-            past = cache.get_seq_length()
-            if attention_mask is not None:
-                mask = _check_mask(attention_mask, B, past + T).bool()
-                if bool((mask[:, 1:] < mask[:, :-1]).any()):
-                    raise ValueError("attention_mask: decoding with a cache supports left padding only")
-                if not bool(mask[:, -T:].all()):
-                    valid = mask[:, -T:]
-                    reset = torch.cat([torch.zeros_like(valid[:, :1]), ~valid[:, :-1]], dim=1)
-                if position_ids is None:
-                    position_ids = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -T:]
-            if position_ids is None:
-                position_ids = torch.arange(past, past + T, device=x.device).expand(B, T)
-        elif attention_mask is not None and not bool(_check_mask(attention_mask, B, T).all()):
-            segments = Segments.from_mask(attention_mask)
-        if segments is not None:
-            reset = segments.starts
-            if position_ids is None:
-                position_ids = segments.positions
-        if position_ids is None:
-            position_ids = torch.arange(T, device=x.device).expand(B, T)
+        segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache)
         if output_attentions and cache is not None:
             raise ValueError("output_attentions: not available while decoding with a KV cache")
 
         attn_kwargs = dict(
-            segments=segments, positions=position_ids, reset=reset, cache=cache, valid=valid,
+            segments=segments, positions=positions, reset=reset, cache=cache, valid=valid,
             output_attentions=output_attentions,
         )
         hidden_states, attentions, log_fgates = [], [], []
@@ -308,6 +281,42 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
     if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
         return FoxCache(num_layers)
     raise ValueError(f"past_key_values: expected a FoxCache (or a cache with its protocol), got {type(cache).__name__}")
+
+
+def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):
+    """How the [B, T] new tokens are laid out: (segments, RoPE positions [B, T], token-shift reset [B, T] or
+    None, valid [B, T] or None). Packed documents and padding without a cache become ``Segments``; with a
+    cache, left padding becomes ``valid`` (the cache keeps padded keys out of reach) and positions count
+    real tokens only."""
+    segments = reset = valid = None
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed input needs a batch of one row, got B={B}")
+        if cache is not None or attention_mask is not None:
+            raise ValueError("cu_seqlens: cannot be combined with a KV cache or an attention_mask")
+        segments = Segments.from_cu_seqlens(cu_seqlens, T)
+    elif cache is not None:
+        past = cache.get_seq_length()
+        if attention_mask is not None:
+            mask = _check_mask(attention_mask, B, past + T).bool()
+            if bool((mask[:, 1:] < mask[:, :-1]).any()):
+                raise ValueError("attention_mask: decoding with a cache supports left padding only")
+            if not bool(mask[:, -T:].all()):
+                valid = mask[:, -T:]
+                reset = torch.cat([torch.zeros_like(valid[:, :1]), ~valid[:, :-1]], dim=1)
+            if position_ids is None:
+                position_ids = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -T:]
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=device).expand(B, T)
+    elif attention_mask is not None and not bool(_check_mask(attention_mask, B, T).all()):
+        segments = Segments.from_mask(attention_mask)
+    if segments is not None:
+        reset = segments.starts
+        if position_ids is None:
+            position_ids = segments.positions
+    if position_ids is None:
+        position_ids = torch.arange(T, device=device).expand(B, T)
+    return segments, position_ids, reset, valid
 
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
