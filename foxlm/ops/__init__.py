@@ -1,6 +1,7 @@
 """Forgetting Attention kernels, each beside its PyTorch reference."""
 
 from .acp import acp_stats, acp_threshold, data_logit_bound, prune_threshold
+from .backend import use_backend
 from .forgetting_attention import forgetting_attention
 from .reference import forgetting_attention_reference, gate_cumsum
 
@@ -12,4 +13,5 @@ __all__ = [
     "prune_threshold",
     "acp_threshold",
     "acp_stats",
+    "use_backend",
 ]

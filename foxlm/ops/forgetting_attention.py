@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from .acp import data_logit_bound, prune_threshold
+from .backend import use_triton
 from .chunked import chunked_forgetting_attention
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    """Triton kernels on CUDA, and on the CPU under ``TRITON_INTERPRET=1`` (Triton's interpreter)."""
-    if x.dtype == torch.float64:
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def _checking_values() -> bool:
@@ -117,6 +110,7 @@ def forgetting_attention(
 
     CUDA tensors go through the fused Triton kernels, CPU tensors through a memory-bounded PyTorch
     path (or through the Triton kernels under ``TRITON_INTERPRET=1``); float64 always takes the PyTorch path.
+    ``foxlm.ops.use_backend`` overrides the choice for a block of code.
     """
     _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, tolerance, logit_bound)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -129,7 +123,7 @@ def forgetting_attention(
             bound = torch.as_tensor(logit_bound, dtype=torch.float32, device=q.device).expand(rows, q.shape[2])
         n = k.shape[1] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1])
         threshold = prune_threshold(bound, n, tolerance)
-    if _use_triton(q):
+    if use_triton(q):
         from .triton_attention import triton_forgetting_attention
 
         o, lse = triton_forgetting_attention(

@@ -1,0 +1,41 @@
+"""Which implementation a foxlm op runs: the Triton kernels or the PyTorch path.
+
+By default (``"auto"``) CUDA tensors take the Triton kernels and CPU tensors the PyTorch path, except
+under ``TRITON_INTERPRET=1``, where CPU tensors go through the Triton kernels in Triton's interpreter.
+``use_backend`` overrides that for a block of code, like ``torch.nn.attention.sdpa_kernel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+_backend = "auto"
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Run foxlm ops on ``name`` ("auto", "triton" or "torch") inside the block."""
+    global _backend
+    if name not in BACKENDS:
+        raise ValueError(f"name: expected one of {BACKENDS}, got {name!r}")
+    previous, _backend = _backend, name
+    try:
+        yield
+    finally:
+        _backend = previous
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether an op on tensor ``x`` runs its Triton kernel (float64 always takes the PyTorch path)."""
+    if x.dtype == torch.float64 or _backend == "torch":
+        return False
+    if _backend == "triton":
+        if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+            raise ValueError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
+        return True
+    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
