@@ -1,22 +1,12 @@
-"""The decode kernel (Triton, under TRITON_INTERPRET=1 on the CPU) and its PyTorch path against the fp64 oracle."""
+"""The decode kernel (Triton; the interpreter on the CPU) and its PyTorch path against the fp64 oracle."""
 
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-# Triton builds its language functions for the interpreter only if TRITON_INTERPRET is set when it is
-# first imported; the kernels themselves are dispatched per call (the ``interpret`` fixture).
-_saved = os.environ.get("TRITON_INTERPRET")
-os.environ["TRITON_INTERPRET"] = "1"
-import triton  # noqa: E402,F401
-
-if _saved is None:
-    del os.environ["TRITON_INTERPRET"]
 
 from foxlm.ops import forgetting_attention_reference, gate_cumsum
 from foxlm.ops.decode import decode_attention_torch, evictable_pages, forgetting_attention_decode
@@ -33,10 +23,8 @@ def one_thread():
 
 @pytest.fixture
 def interpret(monkeypatch):
-    """Run the Triton kernels in Triton's interpreter on the CPU."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    # Triton 3.6's interpreter turns 1-element arrays into loop bounds with int(), which NumPy >= 2.4
-    # refuses (triton-lang/triton#9171, fixed upstream by #9172): convert them with .item().
+    """Triton's interpreter with run-time loop bounds: Triton 3.6 turns 1-element arrays into loop bounds
+    with int(), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream by #9172)."""
     import triton.runtime.interpreter as interpreter
 
     patch = interpreter._patch_lang_tensor
@@ -93,6 +81,7 @@ def _oracle(q, k, v, log_fgate, lengths, first_key, scale):
     return torch.cat(out)
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("tq, group, dtype", [(1, 1, torch.float32), (3, 2, torch.float32), (2, 3, torch.bfloat16)])
 def test_decode_matches_reference(interpret, tq, group, dtype):
     gen = torch.Generator().manual_seed(100 + tq + group)
@@ -118,6 +107,7 @@ def test_decode_matches_reference(interpret, tq, group, dtype):
     assert (lse.double() - lse64.double()).abs().max() < 1e-2
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("tq, window", [(2, None), (1, 30)])
 def test_decode_skips_evicted_pages(interpret, tq, window):
     """Keys before cache_start (and outside the window) are never read: NaN there must not leak."""
@@ -145,6 +135,7 @@ def test_decode_skips_evicted_pages(interpret, tq, window):
                 assert (o[b:b + 1, :, heads].double() - ref).abs().max() < 1e-4
 
 
+@pytest.mark.triton
 def test_eviction_within_tolerance(interpret):
     """QK-norm bound U: evicted keys change the output by at most the tolerance (times 2 max|v|)."""
     gen = torch.Generator().manual_seed(11)

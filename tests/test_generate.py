@@ -10,6 +10,7 @@ from test_decode import interpret, one_thread  # noqa: F401 - fixtures
 
 from foxlm.generate import CachedDecoder, PagedFoxCache, generate, sample_next
 from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.ops import use_backend
 
 V = 512
 
@@ -163,15 +164,13 @@ def test_decode_steps_through_triton_kernel(interpret):
     model = _model("fox-pro", seed=9, dtype=torch.float32)
     prompts = _prompts(torch.Generator().manual_seed(4), (10, 17))
     outs = []
-    for triton_on in (False, True):
+    for backend in ("torch", "triton"):
         cache = PagedFoxCache.from_model(model, 2, 24, page_size=8)
-        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
-            mp.delenv("TRITON_INTERPRET", raising=False)
-            _prefill(model, cache, prompts, 32)
-            if triton_on:
-                mp.setenv("TRITON_INTERPRET", "1")
+        with torch.no_grad():
+            _prefill(model, cache, prompts, 32)  # the PyTorch path (the conftest's default)
             decoder = CachedDecoder(model, cache)
-            outs.append(torch.stack([decoder.step(torch.tensor([3, 4])), decoder.step(torch.tensor([5, 6]))]))
+            with use_backend(backend):
+                outs.append(torch.stack([decoder.step(torch.tensor([3, 4])), decoder.step(torch.tensor([5, 6]))]))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 

@@ -12,7 +12,7 @@ belongs to one (sequence, kv head), so pages can be freed per head (forget-gate 
 - ``lengths``: [B] int32, the number of keys of each sequence, the Tq new tokens included (their keys
   are written to the cache before attending): query i of sequence b sits at position lengths[b] - Tq + i.
 
-The CUDA path (and the CPU one under ``TRITON_INTERPRET=1``) is flash-decoding: the live keys of each
+The Triton path (CUDA; CPU under ``TRITON_INTERPRET=1``; see ``foxlm.ops.use_backend``) is flash-decoding: the live keys of each
 (sequence, kv head) are split into ``num_splits`` ranges, one program per range computes all G*Tq query
 rows of the kv head at once (GQA: each key tile is read once for its whole group), and a second kernel
 combines the partial results in a fixed order (deterministic). The grid depends only on the shapes, never
@@ -22,33 +22,17 @@ PyTorch path (CPU, float64) and the readable statement of the same math.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from .acp import prune_threshold
+from .backend import use_triton
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.dtype == torch.float64:
-        return False
-    return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@functools.cache
-def _launcher(kernel):
-    """The kernel for this process: Triton's interpreter on the CPU even when ``TRITON_INTERPRET`` was set after import."""
-    if os.environ.get("TRITON_INTERPRET") == "1" and not isinstance(kernel, InterpretedFunction):
-        return InterpretedFunction(kernel.fn)
-    return kernel
 
 
 @triton.jit
@@ -190,7 +174,7 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
     o = torch.empty(B, Tq, Hq, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
     block_n = 64 if max(D, DV) <= 128 else 32
-    _launcher(_decode_split_kernel)[(B * Hk, num_splits)](
+    _decode_split_kernel[(B * Hk, num_splits)](
         q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, o_part, lse_part,
         scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
@@ -204,7 +188,7 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
         DOT_FP32=not q.is_cuda, num_warps=4, num_stages=3,
     )
-    _launcher(_decode_combine_kernel)[(B * Hq * Tq,)](
+    _decode_combine_kernel[(B * Hq * Tq,)](
         o_part, lse_part, o, lse,
         o.stride(0), o.stride(1), o.stride(2),
         Hq, Tq, num_splits,
@@ -326,7 +310,7 @@ def forgetting_attention_decode(
         raise ValueError(f"window: expected a positive number of tokens or None, got {window}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
-    if _use_triton(q):
+    if use_triton(q):
         o, lse = _triton_decode(*args, num_splits)
     else:
         o, lse = decode_attention_torch(*args)
