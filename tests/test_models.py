@@ -189,6 +189,17 @@ def test_preset_trains_saves_and_loads(arch, tmp_path):
     torch.testing.assert_close(base(ids).last_hidden_state, model.model(ids).last_hidden_state, rtol=0, atol=0)
 
 
+def test_learned_bias_gate_survives_save_and_load(tmp_path):
+    """The "bias" gate has a custom init (ALiBi slopes): loading must keep the trained values."""
+    model = _model("fox-llama", gate="bias")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64)
+    for a, b in zip(model.model.layers, loaded.model.layers):
+        assert torch.equal(a.attn.fgate_bias, b.attn.fgate_bias)
+    ids = _ids(1, 6)
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("size,nominal", [("125m", 125e6), ("360m", 360e6), ("760m", 760e6)])
 def test_paper_sizes_parameter_counts(size, nominal):
     """Nominal sizes count one embedding matrix (as if tied); the Pro output gate adds ~d^2 per layer."""

@@ -191,7 +191,9 @@ class ForgettingAttention(nn.Module):
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
         self.fgate_proj = nn.Linear(hidden_size, num_heads, bias=True) if gate == "data" else None
-        self.fgate_bias = nn.Parameter(self.bias_gate_init(num_heads)) if gate == "bias" else None
+        self.fgate_bias = None
+        if gate == "bias":
+            self.fgate_bias = nn.Parameter(self.bias_gate_init(num_heads).to(torch.get_default_dtype()))
         self.q_norm = RMSNorm((num_heads, head_dim), norm_eps) if qk_norm else None
         self.k_norm = RMSNorm((num_kv_heads, head_dim), norm_eps) if qk_norm else None
         self.k_shift = TokenShift(hidden_size, num_kv_heads) if k_shift else None

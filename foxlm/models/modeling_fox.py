@@ -18,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..layers import ForgettingAttention, RMSNorm, Segments, SwiGLU, TokenShift
+from ..layers import ForgettingAttention, RMSNorm, Segments, SwiGLU
 from .cache import FoxCache
 from .configuration_fox import FoxConfig
 
@@ -99,8 +99,6 @@ class FoxPreTrainedModel(PreTrainedModel):
         elif isinstance(module, ForgettingAttention) and module.fgate_bias is not None:
             if not getattr(module.fgate_bias, "_is_hf_initialized", False):
                 module.fgate_bias.copy_(module.bias_gate_init(module.num_heads))
-        elif isinstance(module, TokenShift):
-            nn.init.normal_(module.proj.weight, mean=0.0, std=std)
 
 
 class FoxModel(FoxPreTrainedModel):
