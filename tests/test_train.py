@@ -24,7 +24,7 @@ from foxlm.train.trainer import Trainer, param_groups
 TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
         "model.intermediate_size=128", "tokenizer=byte", "seq_len=32", "batch_size=4", "warmup_steps=2",
         "lr=3e-3", "min_lr=3e-4", "eval_batches=2", "log_every=1", "progress=false", "tensorboard=false",
-        "sample_tokens=8"]
+        "sample_tokens=0"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -119,10 +119,10 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):
     """SIGKILL a real `foxlm train` process after a checkpoint, resume it, compare with an uninterrupted run."""
     extra = ["max_steps=30", "save_every=3", "keep_last=2", "eval_every=10", "packing=documents"]
     ref = tmp_path / "ref"
-    train(_cfg(byte_data, ref, *extra), sample=False)
+    train(_cfg(byte_data, ref, *extra))
 
     run = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "foxlm.cli", "train", "--no-sample", *TINY, f"data={byte_data}", f"out_dir={run}",
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}",
            *extra]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
@@ -135,7 +135,7 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):
     ckpt = latest_valid_checkpoint(run)
     assert ckpt is not None and 6 <= int(ckpt.name.split("_")[1]) < 30
 
-    summary = train(_cfg(byte_data, run, *extra), sample=False)
+    summary = train(_cfg(byte_data, run, *extra))
     assert summary["step"] == 30
     assert _losses(run) == _losses(ref)  # exactly, step by step
     a, b = load_checkpoint_model(run), load_checkpoint_model(ref / "checkpoints" / "step_0000030")
@@ -147,7 +147,7 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):
 
 def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
     run = tmp_path / "run"
-    train(_cfg(byte_data, run, "max_steps=4", "save_every=2", "eval_every=0"), sample=False)
+    train(_cfg(byte_data, run, "max_steps=4", "save_every=2", "eval_every=0"))
     last = run / "checkpoints" / "step_0000004"
     weights = last / "model" / "model.safetensors"
     data = bytearray(weights.read_bytes())
@@ -171,7 +171,7 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
     cfg = _cfg(byte_data, run, "arch=transformer-llama", "lr=1e30", "min_lr=1e30", "warmup_steps=0",
                "max_steps=20", "max_bad_steps=2", "grad_clip=0")
     with pytest.raises(FloatingPointError, match="max_bad_steps=2"):
-        train(cfg, sample=False)
+        train(cfg)
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     skipped = [r for r in records if r.get("skipped")]
     assert len(skipped) == 3 and all(not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0))
@@ -190,7 +190,7 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
     from foxlm.cli import main
 
     rc = main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30",
-               "batch_size=8", "seq_len=64", "model.acp=true"])
+               "batch_size=8", "seq_len=64", "model.acp=true", "sample_tokens=8"])
     out = capsys.readouterr().out
     assert rc == 0 and "--- sample (step 60) ---" in out
     val = [json.loads(line)["val_loss"] for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()

@@ -13,8 +13,7 @@ def register(subparsers) -> None:
     p.add_argument("--config", default=None,
                    help="YAML file, or a packaged config name (default: 'default', the Shakespeare demo)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help="config overrides, e.g. lr=2e-3 max_steps=500 model.acp=true")
-    p.add_argument("--no-sample", action="store_true", help="do not print a sample at the end")
+                   help="config overrides, e.g. lr=2e-3 max_steps=500 model.acp=true sample_tokens=0")
     p.set_defaults(func=_train)
 
 
@@ -23,7 +22,7 @@ def _train(args: argparse.Namespace) -> int:
     from .trainer import train
 
     cfg = load_config(args.config, args.overrides)
-    summary = train(cfg, sample=not args.no_sample)
+    summary = train(cfg)
     print(f"step {summary['step']}: train loss {summary.get('loss', float('nan')):.4f}"
           + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
           + f"; checkpoints in {summary['run_dir']}/checkpoints")

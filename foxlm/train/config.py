@@ -62,7 +62,7 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = True
     sample_prompt: str | None = None  # printed sample at the end; None: the data's first tokens
-    sample_tokens: int = 100
+    sample_tokens: int = 100  # 0: no sample
 
     def validate(self) -> None:
         from ..models import ARCHS, SIZES
@@ -72,11 +72,10 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {sorted(allowed)}, got {getattr(self, name)!r}")
-        for name in ("seq_len", "batch_size", "max_steps", "eval_batches", "log_every", "keep_last",
-                     "sample_tokens"):
+        for name in ("seq_len", "batch_size", "max_steps", "eval_batches", "log_every", "keep_last"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_every", "save_every", "max_bad_steps"):
+        for name in ("warmup_steps", "eval_every", "save_every", "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:

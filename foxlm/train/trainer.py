@@ -63,6 +63,7 @@ class _Dist:
     rank: int = 0
     local_rank: int = 0
     world: int = 1
+    owns_group: bool = False  # this trainer initialized the process group (and so tears it down)
 
     @property
     def main(self) -> bool:
@@ -89,9 +90,10 @@ def _setup_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
             device = torch.device(f"cuda:{local_rank}")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if world > 1 and not dist.is_initialized():
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return _Dist(rank, local_rank, world), device
+    return _Dist(rank, local_rank, world, owns_group), device
 
 
 def _wrap(model: FoxForCausalLM, cfg: TrainConfig, d: _Dist, device: torch.device) -> torch.nn.Module:
@@ -461,17 +463,19 @@ class Trainer:
         return summary
 
 
-def train(cfg: TrainConfig, sample: bool = True) -> dict:
-    """Train with ``cfg``; print a sample at the end on rank 0. Returns the summary (losses, steps, tokens)."""
+def train(cfg: TrainConfig) -> dict:
+    """Train with ``cfg``; print a sample at the end on rank 0 (unless ``sample_tokens=0``).
+
+    Returns the summary: first/last training loss, last validation loss, steps, tokens, run folder, sample."""
     trainer = Trainer(cfg)
     try:
         summary = trainer.run()
-        if sample:
+        if cfg.sample_tokens:
             text = trainer.sample()
             if trainer.d.main:
                 print(f"\n--- sample (step {trainer.step}) ---\n{text}\n---", flush=True)
             summary["sample"] = text
         return summary
     finally:
-        if trainer.d.world > 1 and dist.is_initialized():
+        if trainer.d.owns_group:
             dist.destroy_process_group()

@@ -1,0 +1,74 @@
+"""`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch.
+
+The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from foxlm.data import prepare
+from foxlm.data.assets import shakespeare_plays
+
+ARGS = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+        "model.intermediate_size=128", "tokenizer=byte", "seq_len=32", "batch_size=4", "micro_batch_size=1",
+        "max_steps=5", "warmup_steps=1", "lr=3e-3", "min_lr=3e-4", "eval_every=5", "eval_batches=2",
+        "save_every=5", "log_every=1", "progress=false", "tensorboard=false", "resume=never", "sample_tokens=0"]
+
+
+def _records(run) -> list[dict]:
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_match_one(tmp_path):
+    from foxlm.cli import main
+    from foxlm.train import load_checkpoint_model
+
+    data = tmp_path / "bytes"
+    prepare(random.Random().sample(shakespeare_plays(), 2), data, tokenizer="byte", val_fraction=0.5, workers=0,
+            progress=False)
+    packing = random.choice(["windows", "documents"])
+    common = ARGS + [f"data={data}", f"packing={packing}", f"seed={random.randrange(1000)}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, str(tmp_path), *common], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *common, f"out_dir={tmp_path / 'single'}"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    ref = _records(tmp_path / "single")
+    assert [r["step"] for r in ref if "loss" in r] == [1, 2, 3, 4, 5]
+    ref_model = load_checkpoint_model(tmp_path / "single")
+    for parallel in ("fsdp", "ddp"):
+        got = _records(tmp_path / parallel)
+        assert len(got) == len(ref)
+        for a, b in zip(got, ref):
+            key = "loss" if "loss" in b else "val_loss"
+            assert a["step"] == b["step"] and a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (parallel, a, b)
+        model = load_checkpoint_model(tmp_path / parallel)  # FSDP shards gathered into one safetensors file
+        for (name, x), y in zip(model.state_dict().items(), ref_model.state_dict().values()):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"{parallel}: {name}")
+
+
+if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP, in one process group
+    import torch.distributed as dist
+
+    from foxlm.cli import main
+
+    root, args = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    for parallel in ("fsdp", "ddp"):
+        rc = main(["train", *args, f"parallel={parallel}", f"out_dir={os.path.join(root, parallel)}"])
+        assert rc == 0
+    dist.destroy_process_group()
