@@ -124,10 +124,10 @@ def attend_sequence(
     kwargs = dict(scale=scale, prune=prune, logit_bound=logit_bound, tolerance=tolerance)
     if segments is None:
         return forgetting_attention(q, k, v, log_fgate, **kwargs), None
-    flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # noqa: E731 - the segments index the flattened batch
+    # the segments index the flattened batch: rows become packed sequences of one long row
+    q, k, v, log_fgate = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, log_fgate))
     o = forgetting_attention(
-        flat(q), flat(k), flat(v), flat(log_fgate), cu_seqlens=segments.cu_seqlens, max_seqlen=segments.max_seqlen,
-        **kwargs,
+        q, k, v, log_fgate, cu_seqlens=segments.cu_seqlens, max_seqlen=segments.max_seqlen, **kwargs
     )
     return o.reshape(B, T, *o.shape[2:]), None
 
