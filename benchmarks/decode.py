@@ -13,7 +13,7 @@ against the full cache at the same lengths (N of the bound = the final length).
 Correctness first: the decode kernel against the fp64 PyTorch path, graph replay against eager steps, and
 foxlm's generate() against HF generate on real prompts (which also exercises the prefill through the op).
 
-Usage: python benchmarks/decode.py [--out DIR] [--contexts 4096,32768,131072] [--batches 1,16] [--quick]
+Usage: python benchmarks/decode.py [--out DIR] [--contexts 4096,32768,131072] [--batches 1,16] [--sweep]
 """
 
 from __future__ import annotations
@@ -192,6 +192,76 @@ def checks() -> dict:
     return res
 
 
+def sweep(out_dir: str, steps: int) -> None:
+    """Launch tuning of the decode kernel (``foxlm.ops.decode._TILE``, ``_SPLIT_KEYS``) on one layer's cache,
+    full and evicted, each variant checked against the fp64 PyTorch path; then the fox-pro rows again with
+    the best variant."""
+    import triton
+
+    import foxlm.ops.decode as dec
+
+    tiles = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 4)]
+    split_keys = [1 << 30, 8192, 2048]
+    result = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), timings=[])
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    H, D = 12, 64
+    for B, ctx in ((1, 32768), (16, 32768), (16, 131072)):
+        cache = PagedFoxCache(num_layers=1, num_heads=H, num_kv_heads=H, head_dim=D, batch_size=B, max_length=ctx + 64,
+                              device=DEV, dtype=DTYPE, logit_bounds=[torch.full((H,), D * D ** -0.5)])
+        cache.begin(ctx)
+        cache.store(0, F.rms_norm(torch.randn(B, ctx, H, D, device=DEV, dtype=DTYPE, generator=gen), (D,)),
+                    torch.randn(B, ctx, H, D, device=DEV, dtype=DTYPE, generator=gen),
+                    F.logsigmoid(standard_bias(H).to(DEV) + 0.5 * torch.randn(B, ctx, H, device=DEV, generator=gen)))
+        q = torch.randn(B, 1, H, D, device=DEV, dtype=DTYPE, generator=gen)
+        for evicted in (False, True):
+            if evicted:
+                cache.evict()
+            args = (q, cache.k_pool, cache.v_pool, cache.c_pool, cache.page_table[0], cache.cache_start[0], cache.lengths)
+            ref = None
+            if B == 1:
+                ref, _ = decode_attention_torch(q.double(), args[1].double(), args[2].double(), *args[3:], D ** -0.5)
+            live_bytes = cache.stats()["live_pages"] * cache.page_size * D * 2 * 2
+            for tile in tiles:
+                for sk in split_keys:
+                    dec._TILE, dec._SPLIT_KEYS = tile, sk
+                    S = dec.default_num_splits(B, H, ctx + 64, DEV)
+                    fn = lambda: forgetting_attention_decode(*args, num_splits=S)  # noqa: E731
+                    err = None if ref is None else float((fn().double() - ref).norm() / ref.norm())
+                    ms = triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+                    row = dict(batch=B, ctx=ctx, evicted=evicted, tile=tile, split_keys=sk, splits=S, ms=ms,
+                               tb_per_s=live_bytes / ms / 1e9, rel_err=err)
+                    result["timings"].append(row)
+                    print(json.dumps(row), flush=True)
+        del cache
+        torch.cuda.empty_cache()
+    # Best variant: the smallest geometric mean of time over the best time, across shapes.
+    rows = result["timings"]
+    best_ms = {}
+    for r in rows:
+        key = (r["batch"], r["ctx"], r["evicted"])
+        best_ms[key] = min(best_ms.get(key, math.inf), r["ms"])
+    score = {}
+    for r in rows:
+        v = (tuple(r["tile"]), r["split_keys"])
+        score[v] = score.get(v, 0.0) + math.log(r["ms"] / best_ms[(r["batch"], r["ctx"], r["evicted"])])
+    (tile, sk), _ = min(score.items(), key=lambda kv: kv[1])
+    dec._TILE, dec._SPLIT_KEYS = tile, sk
+    result["best"] = dict(tile=tile, split_keys=sk)
+    print("best", result["best"], flush=True)
+    model = fox_model("fox-pro")
+    result["rows"] = []
+    for ctx in (32768, 131072):
+        for B in (1, 16):
+            for evict in (False, True):
+                torch.cuda.empty_cache()
+                row = dict(impl="foxlm fox-pro" + (" +evict" if evict else ""), batch=B, ctx=ctx,
+                           **time_ours(model, B, ctx, steps, evict))
+                result["rows"].append(row)
+                print(json.dumps({k: v for k, v in row.items() if k != "cache_fraction_per_layer"}), flush=True)
+    with open(os.path.join(out_dir, "decode-sweep.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -199,7 +269,10 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--hf-steps", type=int, default=8)
+    ap.add_argument("--sweep", action="store_true", help="tune the decode kernel's launch instead (see sweep)")
     args = ap.parse_args()
+    if args.sweep:
+        return sweep(args.out, args.steps)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     result = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__, date=time.strftime("%Y-%m-%d"),

@@ -23,9 +23,14 @@ def one_thread():
 
 @pytest.fixture
 def interpret(monkeypatch):
-    """Triton's interpreter with run-time loop bounds: Triton 3.6 turns 1-element arrays into loop bounds
-    with int(), which NumPy >= 2.4 refuses (triton-lang/triton#9171, fixed upstream by #9172)."""
+    """Triton's interpreter with run-time loop bounds (Triton 3.6 turns 1-element arrays into loop bounds
+    with int(), which NumPy >= 2.4 refuses: triton-lang/triton#9171, fixed upstream by #9172), and small
+    key tiles."""
     import triton.runtime.interpreter as interpreter
+
+    import foxlm.ops.decode as decode
+
+    monkeypatch.setattr(decode, "_TILE", (32, 4, 1))  # several key tiles per program at these small sizes
 
     patch = interpreter._patch_lang_tensor
 

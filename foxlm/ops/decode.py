@@ -156,10 +156,18 @@ def _decode_combine_kernel(
     tl.store(LSE + row, (m + tl.log2(denom)) / 1.4426950408889634)
 
 
+# Launch tuning of the split kernel: key tile, warps, pipeline stages, and the longest key range one program
+# takes (short ranges keep programs of equal length when eviction leaves heads with very different live
+# lengths). Best of 12 variants on an H200, 2026-12-02 (benchmarks/decode.py --sweep; results/decode-2026-12-02.json).
+_TILE = (128, 4, 3)
+_SPLIT_KEYS = 2048
+
+
 def default_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
-    """Key splits per (sequence, kv head): enough programs for ~4 waves on the GPU, >= 256 keys each."""
+    """Key splits per (sequence, kv head): >= 4 programs per SM, ranges of <= _SPLIT_KEYS and >= 256 keys."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(4 * sms, batch * kv_heads), triton.cdiv(max_len, 256)))
+    wanted = max(triton.cdiv(4 * sms, batch * kv_heads), triton.cdiv(max_len, _SPLIT_KEYS))
+    return max(1, min(wanted, triton.cdiv(max_len, 256)))
 
 
 def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window, num_splits):
@@ -173,7 +181,9 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
     lse_part = torch.empty(B, Hq, Tq, num_splits, dtype=torch.float32, device=q.device)
     o = torch.empty(B, Tq, Hq, DV, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-    block_n = 64 if max(D, DV) <= 128 else 32
+    block_n, warps, stages = _TILE
+    if max(D, DV) > 128:
+        block_n = min(block_n, 32)
     _decode_split_kernel[(B * Hk, num_splits)](
         q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, o_part, lse_part,
         scale * _LOG2E,
@@ -186,7 +196,7 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
         G=G, PAGE=page_size, D=D, DV=DV,
         BLOCK_M=max(16, triton.next_power_of_2(G * Tq)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-        DOT_FP32=not q.is_cuda, num_warps=4, num_stages=3,
+        DOT_FP32=not q.is_cuda, num_warps=warps, num_stages=stages,
     )
     _decode_combine_kernel[(B * Hq * Tq,)](
         o_part, lse_part, o, lse,
