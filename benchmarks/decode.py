@@ -185,7 +185,8 @@ def checks() -> dict:
     ours = generate(model, prompts, 16)
     width = 1500
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=DEV)
-    mask = (torch.arange(width, device=DEV)[None] >= torch.tensor([width - len(p) for p in prompts], device=DEV)[:, None]).long()
+    pad = torch.tensor([width - len(p) for p in prompts], device=DEV)
+    mask = (torch.arange(width, device=DEV)[None] >= pad[:, None]).long()
     hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     same = sum(a == b for s, t in zip(ours.sequences, hf[:, width:].tolist()) for a, b in zip(s, t))
     res["generate_vs_hf_token_agreement"] = same / 32  # bf16: an argmax near-tie may flip a token
@@ -216,7 +217,8 @@ def sweep(out_dir: str, steps: int) -> None:
         for evicted in (False, True):
             if evicted:
                 cache.evict()
-            args = (q, cache.k_pool, cache.v_pool, cache.c_pool, cache.page_table[0], cache.cache_start[0], cache.lengths)
+            args = (q, cache.k_pool, cache.v_pool, cache.c_pool, cache.page_table[0], cache.cache_start[0],
+                    cache.lengths)
             ref = None
             if B == 1:
                 ref, _ = decode_attention_torch(q.double(), args[1].double(), args[2].double(), *args[3:], D ** -0.5)
@@ -275,7 +277,8 @@ def main() -> None:
         return sweep(args.out, args.steps)
     contexts = [int(x) for x in args.contexts.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
-    result = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+    result = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
+                  date=time.strftime("%Y-%m-%d"),
                   dtype=str(DTYPE), model_size="125m", rows=[])
     import transformers
     import triton
@@ -317,12 +320,12 @@ def main() -> None:
                 record(f"foxlm {arch}", B, ctx, lambda: time_ours(model, B, ctx, args.steps, evict=False))
                 if arch == "fox-pro":
                     record(f"foxlm {arch} +evict", B, ctx, lambda: time_ours(model, B, ctx, args.steps, evict=True))
-        del model
     llama = llama_model()
     for ctx in contexts:
         for B in batches:
             if B * ctx > 16 * 32768:  # DynamicCache grows by torch.cat: > 2 x 40 GB at 16 x 128k
-                result["rows"].append(dict(impl="HF Llama SDPA generate", batch=B, ctx=ctx, error="skipped: cache > 40 GB"))
+                result["rows"].append(dict(impl="HF Llama SDPA generate", batch=B, ctx=ctx,
+                                           error="skipped: cache > 40 GB"))
                 continue
             record("HF Llama SDPA generate", B, ctx, lambda: time_hf(llama, B, ctx, args.hf_steps))
     result["total_s"] = time.perf_counter() - t0
@@ -333,7 +336,8 @@ def main() -> None:
             print(f"{r['impl']:32s} {r['batch']:3d} {r['ctx']:7d} {r['error']}")
         else:
             frac = f"{100 * r['cache_fraction']:.0f}%" if "cache_fraction" in r else ""
-            print(f"{r['impl']:32s} {r['batch']:3d} {r['ctx']:7d} {r['tokens_per_s']:10.1f} {r['ms_per_step']:8.2f} {frac:>6s}")
+            print(f"{r['impl']:32s} {r['batch']:3d} {r['ctx']:7d} {r['tokens_per_s']:10.1f} {r['ms_per_step']:8.2f} "
+                  f"{frac:>6s}")
     print(f"total {result['total_s']:.0f}s")
 
 

@@ -56,7 +56,8 @@ def _paged(k, v, c, lengths, page_size, extra_pages=3, gen=None):
     for b in range(B):
         for h in range(Hk):
             for p in range(math.ceil(int(lengths[b]) / page_size)):
-                page = int(perm[i]); i += 1
+                page = int(perm[i])
+                i += 1
                 page_table[b, h, p] = page
                 a, e = p * page_size, min((p + 1) * page_size, int(lengths[b]))
                 k_cache[page, : e - a] = k[b, a:e, h]

@@ -17,7 +17,8 @@ V = 512
 
 def _model(arch: str, seed: int = 0, dtype=torch.float64, **overrides) -> FoxForCausalLM:
     torch.manual_seed(seed)
-    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128)
+    small = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128)
     cfg = FoxConfig.preset(arch, "tiny", vocab_size=V, bos_token_id=None, eos_token_id=None, **{**small, **overrides})
     return FoxForCausalLM(cfg).to(dtype).eval()
 
@@ -159,7 +160,8 @@ def test_sample_next_top_p():
     assert set(picks.tolist()) == {0, 1, 2, 3}
 
 
-def test_decode_steps_through_triton_kernel(interpret):
+@pytest.mark.usefixtures("interpret")
+def test_decode_steps_through_triton_kernel():
     """The model's decode steps through the Triton kernel (interpreted) match the PyTorch path."""
     model = _model("fox-pro", seed=9, dtype=torch.float32)
     prompts = _prompts(torch.Generator().manual_seed(4), (10, 17))

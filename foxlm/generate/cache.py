@@ -24,7 +24,7 @@ import math
 import numpy as np
 import torch
 
-from ..layers import Segments, dense_forgetting_attention
+from ..layers import dense_forgetting_attention
 from ..ops import forgetting_attention
 from ..ops.decode import default_num_splits, evictable_pages, forgetting_attention_decode
 
@@ -65,7 +65,8 @@ class PagedFoxCache:
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
         if page_size < 1 or max_length < 1 or batch_size < 1:
-            raise ValueError(f"page_size, max_length, batch_size: expected positive, got {page_size}, {max_length}, {batch_size}")
+            raise ValueError(f"page_size, max_length, batch_size: expected positive integers, "
+                             f"got {page_size}, {max_length}, {batch_size}")
         if not 0.0 < tolerance < 1.0:
             raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
         self.num_layers, self.batch_size, self.max_length = num_layers, batch_size, max_length
@@ -140,7 +141,8 @@ class PagedFoxCache:
         n_new = np.full(self.batch_size, T) if valid is None else valid.sum(1).cpu().numpy()
         new_len = self._len + n_new
         if int(new_len.max()) > self.max_length:
-            raise ValueError(f"max_length: a row would hold {int(new_len.max())} tokens, the cache was made for {self.max_length}")
+            raise ValueError(f"max_length: a row would hold {int(new_len.max())} tokens, "
+                             f"the cache was made for {self.max_length}")
         ps = self.page_size
         idx = []
         for b in range(self.batch_size):
@@ -166,7 +168,8 @@ class PagedFoxCache:
         Needs the logit bounds of a QK-norm model. One device sync. Returns the number of pages freed.
         """
         if self.logit_bounds is None:
-            raise ValueError("evict: needs a logit bound for every layer, which only QK-norm models give (qk_norm=True)")
+            raise ValueError("evict: needs a logit bound for every layer, which only QK-norm models give "
+                             "(qk_norm=True)")
         starts = torch.stack([
             evictable_pages(self.c_pool, self.page_table[layer], self.cache_start[layer], self.lengths,
                             self.logit_bounds[layer].to(self.device), self.max_length, self.tolerance)
@@ -228,8 +231,8 @@ class PagedFoxCache:
         c = self.store(layer_idx, k, v, log_fgate, valid)
         if T <= DECODE_MAX_TQ and valid is None and bool(self._len_before.min() > 0):
             return forgetting_attention_decode(
-                q.to(self.dtype), self.k_pool, self.v_pool, self.c_pool, self.page_table[layer_idx], self.cache_start[layer_idx],
-                self.lengths, scale=scale, window=window, num_splits=self.num_splits,
+                q.to(self.dtype), self.k_pool, self.v_pool, self.c_pool, self.page_table[layer_idx],
+                self.cache_start[layer_idx], self.lengths, scale=scale, window=window, num_splits=self.num_splits,
             )
         return self._prefill(layer_idx, q, k, v, log_fgate, c, valid, scale, window,
                              dict(prune=prune, logit_bound=logit_bound, tolerance=tolerance))
@@ -255,8 +258,9 @@ class PagedFoxCache:
         if valid is not None:
             slot = slot.masked_fill(~valid[:, None], _TRASH_PAGE * self.page_size)
         slot = slot.flatten()
+        Dv = v.shape[-1]
         self.k_pool.view(-1, D).index_copy_(0, slot, k.permute(0, 2, 1, 3).reshape(-1, D).to(self.dtype))
-        self.v_pool.view(-1, v.shape[-1]).index_copy_(0, slot, v.permute(0, 2, 1, 3).reshape(-1, v.shape[-1]).to(self.dtype))
+        self.v_pool.view(-1, Dv).index_copy_(0, slot, v.permute(0, 2, 1, 3).reshape(-1, Dv).to(self.dtype))
         cg = c.view(B, T, Hk, self.group).permute(0, 2, 1, 3).reshape(-1, self.group)
         self.c_pool.view(-1, self.group).index_copy_(0, slot, cg)
         return c

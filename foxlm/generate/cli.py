@@ -27,7 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--tolerance", type=float, default=math.exp(-10),
                    help="attention mass an evicted key may still carry (default e^-10)")
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
-    p.add_argument("--tokenizer", default="gpt2", help="gpt2 (default), byte, or a folder with encoder.json + vocab.bpe")
+    p.add_argument("--tokenizer", default="gpt2",
+                   help="gpt2 (default), byte, or a folder with encoder.json + vocab.bpe")
     p.add_argument("--no-eos", dest="stop_at_eos", action="store_false", help="do not stop at <|endoftext|>")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -50,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
         print("foxlm generate: give at least one --prompt or --prompt-file", file=sys.stderr)
         return 2
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     tok = get_tokenizer(args.tokenizer)
     model = load_checkpoint_model(args.model).to(device=device, dtype=dtype).eval()
     ids = [tok.encode(p) or [tok.eot_id] for p in prompts]

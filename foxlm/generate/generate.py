@@ -73,7 +73,8 @@ class CachedDecoder:
         self._steps = 0
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(input_ids=self._ids, position_ids=self._pos, cache=self.cache, use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=self._ids, position_ids=self._pos, cache=self.cache, use_cache=True,
+                         logits_to_keep=1)
         return out.logits[:, -1]
 
     @torch.no_grad()
@@ -179,7 +180,8 @@ def generate(
         cfg = model.config
         per_row = sum(-(-(len(p) + page_size) // page_size) for p in prompts)
         num_pages = 1 + cfg.num_hidden_layers * cfg.num_key_value_heads * per_row
-    cache = PagedFoxCache.from_model(model, B, max_length, page_size=page_size, num_pages=num_pages, tolerance=tolerance)
+    cache = PagedFoxCache.from_model(model, B, max_length, page_size=page_size, num_pages=num_pages,
+                                     tolerance=tolerance)
     if evict and cache.logit_bounds is None:
         raise ValueError("evict: needs a QK-norm model (qk_norm=True), whose norm weights bound every logit")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

@@ -12,12 +12,13 @@ belongs to one (sequence, kv head), so pages can be freed per head (forget-gate 
 - ``lengths``: [B] int32, the number of keys of each sequence, the Tq new tokens included (their keys
   are written to the cache before attending): query i of sequence b sits at position lengths[b] - Tq + i.
 
-The Triton path (CUDA; CPU under ``TRITON_INTERPRET=1``; see ``foxlm.ops.use_backend``) is flash-decoding: the live keys of each
-(sequence, kv head) are split into ``num_splits`` ranges, one program per range computes all G*Tq query
-rows of the kv head at once (GQA: each key tile is read once for its whole group), and a second kernel
-combines the partial results in a fixed order (deterministic). The grid depends only on the shapes, never
-on the lengths, so a decode step can be captured in a CUDA graph. ``decode_attention_torch`` is the plain
-PyTorch path (CPU, float64) and the readable statement of the same math.
+The Triton path (CUDA; CPU under ``TRITON_INTERPRET=1``; see ``foxlm.ops.use_backend``) is flash-decoding:
+the live keys of each (sequence, kv head) are split into ``num_splits`` ranges, one program per range
+computes all G*Tq query rows of the kv head at once (GQA: each key tile is read once for its whole group),
+and a second kernel combines the partial results in a fixed order (deterministic). The grid depends only
+on the shapes, never on the lengths, so a decode step can be captured in a CUDA graph.
+``decode_attention_torch`` is the plain PyTorch path (CPU, float64) and the readable statement of the
+same math.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_combine_kernel(
-    O_PART, LSE_PART, O, LSE,
+    O_PART, LSE_PART, OUT, LSE,
     stride_ob, stride_ot, stride_oh,
     Hq, Tq, num_splits,
     DV: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -152,7 +153,8 @@ def _decode_combine_kernel(
     w = tl.exp2(lse2 - m)
     denom = tl.sum(w, axis=0)
     out = tl.sum(w[:, None] * o, axis=0) / denom
-    tl.store(O + b * stride_ob + qi * stride_ot + h * stride_oh + offs_dv, out.to(O.dtype.element_ty), mask=offs_dv < DV)
+    o_ptr = OUT + b * stride_ob + qi * stride_ot + h * stride_oh + offs_dv
+    tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=offs_dv < DV)
     tl.store(LSE + row, (m + tl.log2(denom)) / 1.4426950408889634)
 
 
@@ -223,7 +225,7 @@ def decode_attention_torch(
     Same arguments and results; computes in fp32 (fp64 for fp64 inputs). Memory O(B * Hq * Tq * keys).
     """
     B, Tq, Hq, D = q.shape
-    Hk, max_pages = page_table.shape[1], page_table.shape[2]
+    Hk = page_table.shape[1]
     G = Hq // Hk
     page_size = k_cache.shape[1]
     cdt = torch.promote_types(q.dtype, torch.float32)
@@ -268,15 +270,18 @@ def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) ->
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or q.stride(3) != 1:
         raise ValueError("q, k_cache, v_cache: the head dim must be contiguous")
     if page_table.dim() != 3 or page_table.shape[0] != B or page_table.dtype != torch.int32:
-        raise ValueError(f"page_table: expected int32 [B={B}, Hk, max_pages], got {page_table.dtype} {tuple(page_table.shape)}")
+        raise ValueError(f"page_table: expected int32 [B={B}, Hk, max_pages], "
+                         f"got {page_table.dtype} {tuple(page_table.shape)}")
     Hk = page_table.shape[1]
     if Hq % Hk:
         raise ValueError(f"q: its {Hq} heads must be a multiple of the cache's {Hk} kv heads")
     G = Hq // Hk
     if c_cache.dtype != torch.float64 or tuple(c_cache.shape) != (*k_cache.shape[:2], G) or c_cache.stride(2) != 1:
-        raise ValueError(f"c_cache: expected contiguous float64 {(*k_cache.shape[:2], G)}, got {c_cache.dtype} {tuple(c_cache.shape)}")
+        raise ValueError(f"c_cache: expected contiguous float64 {(*k_cache.shape[:2], G)}, "
+                         f"got {c_cache.dtype} {tuple(c_cache.shape)}")
     if cache_start.dtype != torch.int32 or tuple(cache_start.shape) != (B, Hk) or not cache_start.is_contiguous():
-        raise ValueError(f"cache_start: expected contiguous int32 [{B}, {Hk}], got {cache_start.dtype} {tuple(cache_start.shape)}")
+        raise ValueError(f"cache_start: expected contiguous int32 [{B}, {Hk}], "
+                         f"got {cache_start.dtype} {tuple(cache_start.shape)}")
     if lengths.dtype != torch.int32 or tuple(lengths.shape) != (B,):
         raise ValueError(f"lengths: expected int32 [{B}], got {lengths.dtype} {tuple(lengths.shape)}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("c_cache", c_cache), ("page_table", page_table),
