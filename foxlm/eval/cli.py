@@ -54,10 +54,10 @@ def register(subparsers) -> None:
                       help="training context length (default: read from the checkpoint's run)")
     loss.add_argument("--eval-length", type=int, default=None, help="tokens per sequence (default: 4x training)")
     loss.add_argument("--labels", default=None, help="comma-separated legend labels, one per checkpoint")
-    loss.add_argument("--max-docs", type=int, default=None, help="at most this many documents")
+    loss.add_argument("--max-sequences", type=int, default=None, help="at most this many sequences")
     loss.add_argument("--windows", choices=("first", "all"), default="first",
-                      help="first: each long-enough document's first eval-length tokens (BOS-led); all: also its "
-                           "later non-overlapping windows (which start mid-document)")
+                      help="first: each long-enough document's first eval-length + 1 tokens (BOS-led); all: also "
+                           "its later non-overlapping windows (which start mid-document)")
     loss.set_defaults(func=run_loss)
 
     niah = sub.add_parser("niah", help="needle in a haystack over context lengths x needle depths",
@@ -80,11 +80,14 @@ def register(subparsers) -> None:
     gates.add_argument("--length", type=int, default=2048, help="tokens per sequence for decay times and ACP")
     gates.add_argument("--num-sequences", type=int, default=4, help="held-out sequences for decay times and ACP")
     gates.add_argument("--map-length", type=int, default=128, help="tokens of the sample drawn as heatmaps")
-    gates.add_argument("--tile", type=int, default=64, help="ACP tile size (query and key block), tokens")
+    gates.add_argument("--block-m", type=int, default=128, help="ACP tile: query block (default 128, the kernel's)")
+    gates.add_argument("--block-n", type=int, default=64, help="ACP tile: key block (default 64, the kernel's)")
     gates.add_argument("--tolerance", type=float, default=math.exp(-10), help="ACP tolerance (default e^-10)")
     gates.set_defaults(func=run_gates)
 
-    harness = sub.add_parser("harness", help="lm-evaluation-harness with foxlm registered (arguments are lm_eval's)",
+    # every argument, options included, belongs to lm_eval: this parser takes none itself (prefix "+")
+    harness = sub.add_parser("harness", prefix_chars="+", add_help=False,
+                             help="lm-evaluation-harness with foxlm registered (arguments are lm_eval's; -h: its help)",
                              description="Runs lm_eval's command line with foxlm imported, so `--model foxlm` and "
                                          "`--model hf` on foxlm checkpoints work. All arguments go to lm_eval.")
     harness.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="lm_eval arguments, e.g. --model foxlm ...")
@@ -114,11 +117,11 @@ def _setup(args, checkpoints: list[str]):
 
 
 def _train_length(args, checkpoint: str) -> int:
-    from foxlm.train import checkpoint_train_length
+    from .utils import run_train_length
 
-    n = args.train_length or checkpoint_train_length(checkpoint)
+    n = args.train_length or run_train_length(checkpoint)
     if not n:
-        raise ValueError(f"--train-length: not recorded with {checkpoint}; pass it")
+        raise ValueError(f"--train-length: {checkpoint} is not inside a `foxlm train` run that records it; pass it")
     return n
 
 
@@ -138,7 +141,8 @@ def run_loss(args) -> int:
     train_length = _train_length(args, args.checkpoints[0])
     eval_length = args.eval_length or 4 * train_length
     device, models, data, _, out = _setup(args, args.checkpoints)
-    seqs = _windows(heldout_documents(data, args.split, eval_length, args.max_docs), eval_length, args.windows == "all")
+    docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences)
+    seqs = _windows(docs, eval_length + 1, args.windows == "all")[:args.max_sequences]
     curves = [loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
                                   show_progress=args.progress) for m, lab in zip(models, labels)]
     loss.write_csv(curves, out / "per_token_loss.csv")
@@ -186,7 +190,7 @@ def run_gates(args) -> int:
     if decay is None:
         print("the model has no forget gates (gate='none'): no decay times and no ACP report")
         return 0
-    log_fgates, report = gates.collect(model, seqs, tile=args.tile, tolerance=args.tolerance,
+    log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n, tolerance=args.tolerance,
                                        batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
     gates.write_decay_csv(gates.decay_stats(log_fgates), out / "decay_times.csv")
     gates.plot_decay_times(gates.decay_stats(log_fgates), out / "decay_times.png", context_length=args.length)
@@ -194,7 +198,7 @@ def run_gates(args) -> int:
     _write_json(out / "gates.json", args, {"data": str(data), "sequences": len(seqs),
                                            "acp_skipped_per_layer": report.per_layer.tolist(),
                                            "acp_skipped_overall": report.overall})
-    print(f"ACP (tile {args.tile}, tolerance {args.tolerance:.3g}) skips {report.overall:.1%} of attention FLOPs; "
+    print(f"ACP (tiles {args.block_m}x{args.block_n}, tolerance {args.tolerance:.3g}) skips {report.overall:.1%} of attention FLOPs; "
           f"per layer: " + ", ".join(f"{x:.1%}" for x in report.per_layer))
     print(f"wrote {out}/decay_times.csv, decay_times.png, acp.csv, acp.png, gates.json")
     return 0

@@ -16,8 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from foxlm.ops import data_logit_bound, prune_threshold
-from foxlm.ops.chunked import row_starts
+from foxlm.ops import acp_stats
 
 from .utils import autocast, progress, pyplot
 
@@ -35,10 +34,12 @@ class HeadDecay:
 
 @dataclass
 class ACPReport:
-    """Fraction of attention-tile FLOPs ACP skips, for ``sequences`` of ``length`` tokens at ``tile`` x ``tile``."""
+    """Fraction of attention-tile FLOPs ACP skips (``foxlm.ops.acp_stats``), for ``sequences`` of ``length`` tokens
+    and the kernel's tiles of ``block_m`` queries x ``block_n`` keys."""
 
     per_head: np.ndarray  # [layers, heads], mean over sequences
-    tile: int
+    block_m: int
+    block_n: int
     tolerance: float
     length: int
     sequences: int
@@ -51,24 +52,6 @@ class ACPReport:
     @property
     def overall(self) -> float:
         return float(self.per_head.mean())
-
-
-def acp_skipped_fraction(log_fgate: torch.Tensor, threshold: torch.Tensor, tile: int) -> torch.Tensor:
-    """Fraction of the causal attention tiles' FLOPs that ACP skips, per (sequence, head): [B, H] fp64.
-
-    log_fgate: [B, T, H]; threshold: ACP delta [B, H] (``foxlm.ops.prune_threshold``). Queries and keys are
-    cut into ``tile``-long blocks as the fused kernel does: a query block computes every key tile up to its
-    diagonal, and skips the leading tiles whose keys are all pruned for its first (least decayed) row,
-    i.e. those before that row's first visible key (``foxlm.ops.chunked.row_starts``).
-    """
-    B, T, H = log_fgate.shape
-    c = torch.cumsum(log_fgate.double(), dim=1)
-    q0 = torch.arange(0, T, tile, device=log_fgate.device)  # first row of every query block
-    first_key = row_starts(c, T, None, threshold)[:, :, q0]  # [B, H, blocks]
-    skipped_tiles = torch.minimum(first_key // tile, q0 // tile)  # never the diagonal tile
-    rows = (torch.clamp(q0 + tile, max=T) - q0).double()  # the last block may be short
-    tiles = (torch.clamp(q0 + tile, max=T) + tile - 1) // tile  # key tiles up to the diagonal
-    return (rows * skipped_tiles).sum(-1) / (rows * tiles).sum()
 
 
 class _QKRecorder:
@@ -94,18 +77,19 @@ class _QKRecorder:
 
 
 @torch.no_grad()
-def collect(model, sequences: list[np.ndarray], *, tile: int = 64, tolerance: float = math.exp(-10),
-            batch_size: int = 1, dtype: str = "auto", show_progress: bool = True
+def collect(model, sequences: list[np.ndarray], *, block_m: int = 128, block_n: int = 64,
+            tolerance: float = math.exp(-10), batch_size: int = 1, dtype: str = "auto", show_progress: bool = True
             ) -> tuple[list[torch.Tensor], ACPReport]:
     """One pass over equally long ``sequences``: per layer the log forget gates [N, T, H] fp32 (CPU), and the
-    ACP report. The ACP logit bound is the layer's own: from the QK-norm weights, else scale * max||q|| * max||k||.
+    ACP report. The ACP logit bound is the layer's own: from the QK-norm weights, else scale * max||q|| * max||k||
+    (RoPE keeps norms, so q and k are taken before it).
 
     Raises ``ValueError`` for a model without forget gates (a Transformer baseline).
     """
     if model.config.gate == "none":
         raise ValueError("model: it has no forget gates (gate='none'); gate analysis needs a FoX model")
-    if tile < 1 or not 0 < tolerance < 1:
-        raise ValueError(f"tile, tolerance: expected tile >= 1 and 0 < tolerance < 1, got {tile} and {tolerance}")
+    if block_m < 1 or block_n < 1:
+        raise ValueError(f"block_m, block_n: expected tile sizes >= 1, got {block_m} and {block_n}")
     device = next(model.parameters()).device
     layers = [blk.attn for blk in model.model.layers]
     per_layer: list[list[torch.Tensor]] = [[] for _ in layers]
@@ -121,18 +105,16 @@ def collect(model, sequences: list[np.ndarray], *, tile: int = 64, tolerance: fl
             fractions = []
             for i, (attn, g) in enumerate(zip(layers, out.log_fgates)):
                 per_layer[i].append(g.float().cpu())
-                bound = attn.logit_bound()
-                if bound is None:
-                    q = recorder.q[i].view(B, T, attn.num_heads, attn.head_dim)
-                    k = recorder.k[i].view(B, T, attn.num_kv_heads, attn.head_dim)
-                    bound = data_logit_bound(q, k, attn.scale)
-                threshold = prune_threshold(bound.expand(B, attn.num_heads), T, tolerance)
-                fractions.append(acp_skipped_fraction(g, threshold, tile))
-            skipped.append(torch.stack(fractions, 1).cpu())  # [B, layers, H]
+                q = recorder.q[i].view(B, T, attn.num_heads, attn.head_dim)
+                k = recorder.k[i].view(B, T, attn.num_kv_heads, attn.head_dim)
+                per_head, _ = acp_stats(q, k, g, scale=attn.scale, tolerance=tolerance, logit_bound=attn.logit_bound(),
+                                        block_m=block_m, block_n=block_n)
+                fractions.append(per_head.double().cpu() * B)  # batches of B sequences weigh B
+            skipped.append(torch.stack(fractions))  # [layers, H]
     finally:
         recorder.remove()
-    per_head = torch.cat(skipped).mean(0).numpy()
-    report = ACPReport(per_head, tile, tolerance, len(sequences[0]), len(sequences))
+    per_head = (torch.stack(skipped).sum(0) / len(sequences)).numpy()
+    report = ACPReport(per_head, block_m, block_n, tolerance, len(sequences[0]), len(sequences))
     return [torch.cat(acc) for acc in per_layer], report
 
 
@@ -280,7 +262,8 @@ def write_acp(report: ACPReport, out: str | os.PathLike) -> None:
     ax_l.set_ylabel("fraction of attention FLOPs skipped")
     ax_l.set_title("Per layer")
     ax_l.legend(fontsize=8)
-    fig.suptitle(f"ACP: {report.sequences} sequences of {report.length} tokens, tiles {report.tile}x{report.tile}, "
+    fig.suptitle(f"ACP: {report.sequences} sequences of {report.length} tokens, tiles of {report.block_m} queries x "
+                 f"{report.block_n} keys, "
                  f"tolerance {report.tolerance:.3g}")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "acp.png"), dpi=120)

@@ -27,11 +27,14 @@ import foxlm.models  # noqa: F401  (registers the "fox" model type with the HF A
 
 
 def hf_tokenizer(name: str = "gpt2"):
-    """A ``transformers`` fast tokenizer equal to ``foxlm.data.get_tokenizer(name)`` (BPE only), offline.
+    """A ``transformers`` fast tokenizer giving the ids of ``foxlm.data.get_tokenizer(name)`` (BPE only), offline.
 
-    ``<|endoftext|>`` is its BOS, EOS and padding token, as in foxlm's data.
+    Built from the same ``encoder.json`` / ``vocab.bpe`` with the ``tokenizers`` library (the construction
+    that is stable across transformers 4 and 5). ``<|endoftext|>`` is its BOS, EOS and padding token, as in
+    foxlm's data; unlike foxlm's ``encode``, it parses that marker in text as the special token.
     """
-    from transformers import GPT2TokenizerFast
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
 
     from foxlm.data import get_tokenizer
     from foxlm.data.assets import gpt2_files
@@ -45,8 +48,8 @@ def hf_tokenizer(name: str = "gpt2"):
         folder = Path(tok.name[len("bpe:"):])
         encoder, merges = folder / "encoder.json", folder / "vocab.bpe"
     eot = "<|endoftext|>"
-    hf = GPT2TokenizerFast(vocab_file=str(encoder), merges_file=str(merges), bos_token=eot, eos_token=eot,
-                           unk_token=eot, pad_token=eot, add_prefix_space=False)
+    bpe = ByteLevelBPETokenizer.from_file(str(encoder), str(merges))
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot, unk_token=eot, pad_token=eot)
     if hf.convert_tokens_to_ids(eot) != tok.eot_id:
         raise ValueError(f"tokenizer: {eot} is id {hf.convert_tokens_to_ids(eot)} in transformers, {tok.eot_id} in foxlm")
     return hf

