@@ -26,17 +26,25 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
 
 from .acp import prune_threshold
 from .backend import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path runs (no CUDA, no interpreter)
+
+    def _jit(fn):
+        return fn
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30
 
 
-@triton.jit
+@_jit
 def _decode_split_kernel(
     Q, K, V, C, PT, START, LEN, O_PART, LSE_PART,
     scale_log2e,
@@ -128,7 +136,7 @@ def _decode_split_kernel(
     tl.store(O_PART + part[:, None] * DV + offs_dv[None, :], o, mask=row_ok[:, None] & (offs_dv[None, :] < DV))
 
 
-@triton.jit
+@_jit
 def _decode_combine_kernel(
     O_PART, LSE_PART, OUT, LSE,
     stride_ob, stride_ot, stride_oh,
@@ -168,8 +176,8 @@ _SPLIT_KEYS = 2048
 def default_num_splits(batch: int, kv_heads: int, max_len: int, device: torch.device) -> int:
     """Key splits per (sequence, kv head): >= 4 programs per SM, ranges of <= _SPLIT_KEYS and >= 256 keys."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    wanted = max(triton.cdiv(4 * sms, batch * kv_heads), triton.cdiv(max_len, _SPLIT_KEYS))
-    return max(1, min(wanted, triton.cdiv(max_len, 256)))
+    wanted = max(-(-4 * sms // (batch * kv_heads)), -(-max_len // _SPLIT_KEYS))
+    return max(1, min(wanted, -(-max_len // 256)))
 
 
 def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window, num_splits):
@@ -230,7 +238,7 @@ def decode_attention_torch(
     page_size = k_cache.shape[1]
     cdt = torch.promote_types(q.dtype, torch.float32)
     first = int(cache_start.min())
-    last = int(triton.cdiv(int(lengths.max()), page_size))
+    last = -(-int(lengths.max()) // page_size)
     pages = page_table[:, :, first:last].long()  # [B, Hk, P]
     keys = pages.shape[2] * page_size
     k = k_cache[pages].reshape(B, Hk, keys, D).to(cdt)
