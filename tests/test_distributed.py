@@ -36,7 +36,9 @@ def test_two_processes_match_one(tmp_path):
             progress=False)
     packing = random.choice(["windows", "documents"])
     common = ARGS + [f"data={data}", f"packing={packing}", f"seed={random.randrange(1000)}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    # conftest turns on Triton's interpreter for kernel tests; the trainer runs the PyTorch path, as in-process
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            __file__, str(tmp_path), *common], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

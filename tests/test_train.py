@@ -44,6 +44,14 @@ def byte_data(tmp_path_factory):
     return out
 
 
+def _subprocess_env() -> dict:
+    """The environment of a `foxlm train` child: one thread like this process, and the PyTorch attention path
+    (conftest turns on Triton's interpreter for the kernel tests)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    return env
+
+
 def _cfg(data, run, *extra):
     return load_config(None, TINY + [f"data={data}", f"out_dir={run}", *extra])
 
@@ -125,7 +133,7 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):
     cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}",
            *extra]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
+                            env=_subprocess_env())
     for line in proc.stderr:
         if "step_0000006" in line:  # two checkpoints exist: kill it mid-run
             proc.send_signal(signal.SIGKILL)
