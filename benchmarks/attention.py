@@ -49,9 +49,17 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
     return statistics.median(times)
 
 
-def check(device) -> dict:
-    """Max relative error (vs the fp64 reference) of o, lse and the four gradients on small random cases."""
-    cases = {
+QUICK_CASES = {  # the benchmark's own kernel specializations (no extra compiles)
+    "d64 bf16 acp": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, prune=True),
+    "d64 bf16": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16),
+    "d128 bf16": dict(B=2, Tq=1024, Tk=1024, Hq=2, Hk=2, D=128, dtype=torch.bfloat16),
+}
+
+
+def check(device, quick: bool = False) -> dict:
+    """Relative error (vs the fp64 reference) of o, lse and the four gradients on small random cases,
+    and whether two backward passes agree bitwise."""
+    cases = QUICK_CASES if quick else {
         "d64 bf16 gqa2 acp": dict(B=2, Tq=777, Tk=777, Hq=4, Hk=2, D=64, dtype=torch.bfloat16, prune=True),
         "d128 bf16 varlen": dict(B=1, Tq=900, Tk=900, Hq=2, Hk=2, D=128, dtype=torch.bfloat16, cu=[0, 1, 250, 251, 900]),
         "d80 fp16 tq<tk": dict(B=2, Tq=300, Tk=701, Hq=4, Hk=1, D=80, dtype=torch.float16),
@@ -67,7 +75,9 @@ def check(device) -> dict:
         g = standard_log_fgate(B, Tk, Hq, device).requires_grad_()
         o, lse = forgetting_attention(q, k, v, g, cu_seqlens=cu, prune=c.get("prune", False), return_lse=True)
         do, dl = torch.randn_like(o), torch.randn_like(lse)
-        grads = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g))
+        grads = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g), retain_graph=True)
+        again = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g))
+        deterministic = all(torch.equal(a, b) for a, b in zip(grads, again))
         x = [t.detach().double().requires_grad_() for t in (q, k, v, g)]
         o2, lse2 = forgetting_attention_reference(*x, cu_seqlens=cu, return_lse=True)
         grads2 = torch.autograd.grad((o2 * do.double()).sum() + (lse2 * dl.double()).sum(), x)
@@ -75,8 +85,9 @@ def check(device) -> dict:
             n: ((a.double() - b).norm() / b.norm()).item()
             for n, a, b in zip(("o", "lse", "dq", "dk", "dv", "dg"), (o, lse, *grads), (o2, lse2, *grads2))
         }
-        out[name] = errs
-        print(f"check {name:18s} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()), flush=True)
+        out[name] = {**errs, "deterministic": deterministic}
+        print(f"check {name:18s} " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()) +
+              f" bitwise-deterministic={deterministic}", flush=True)
     return out
 
 
@@ -157,6 +168,8 @@ def main() -> None:
     parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 16384])
     parser.add_argument("--tune", choices=["all", "first"], default="all",
                         help="autotune over the listed tiles, or take the first per head dim (fast compile)")
+    parser.add_argument("--quick-check", action="store_true", help="check only the benchmark's specializations")
+    parser.add_argument("--no-fla", action="store_true", help="leave fla out (saves its compile time)")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -171,23 +184,26 @@ def main() -> None:
     listed = [kernel.configs for kernel in kernels]
     for kernel in kernels:  # the correctness check needs no tuning
         kernel.configs = first_per_bucket(kernel.configs)
-    errors = check(device)
+    errors = check(device, quick=args.quick_check)
     if args.tune == "all":
         for kernel, configs in zip(kernels, listed):
             kernel.configs = configs
     timings = record_tuning(kernels)
-    fla = load_fla()
-    rows = [bench(D, T, device, fla) for D in args.dims for T in args.seqlens]
+    fla = None if args.no_fla else load_fla()
+    path = os.path.join(args.out, f"attention-{env['date']}.json")
+    rows = []
+    for D in args.dims:
+        for T in args.seqlens:
+            rows.append(bench(D, T, device, fla))
+            with open(path, "w") as f:  # after every shape, so that a run cut short still reports
+                json.dump({"env": env, "check_rel_err": errors, "rows": rows, "tuning_ms": timings}, f, indent=1)
     tuned = {
         name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in zip(("fwd", "bwd"), kernels)
     }
-
     result = {"env": env, "check_rel_err": errors, "rows": rows, "autotuned": tuned, "tuning_ms": timings}
-    path = os.path.join(args.out, f"attention-{env['date']}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"wrote {path}")
-    print(json.dumps(tuned, indent=1))
     print(table(rows, env))
 
 

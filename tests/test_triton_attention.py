@@ -1,0 +1,297 @@
+"""The fused Triton kernels of Forgetting Attention, run on the CPU by Triton's interpreter.
+
+Triton decides at decoration time whether a kernel is interpreted, so the kernel module is imported
+with TRITON_INTERPRET=1 and the variable is restored at once (the other test files keep the chunked CPU
+path); inside these tests it is set again so that ``forgetting_attention`` dispatches CPU tensors to
+the kernels. Everything is checked against the fp64 reference on fresh random inputs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+
+def _import_interpreted():
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        module = importlib.import_module("foxlm.ops.triton_attention")
+        if not module._INTERPRETED:  # imported earlier without the interpreter: build the kernels again
+            module = importlib.reload(module)
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
+    return module
+
+
+ta = _import_interpreted()
+
+from foxlm.ops import acp_stats, acp_threshold, forgetting_attention, forgetting_attention_reference  # noqa: E402
+from foxlm.ops.reference import gate_cumsum, segment_ids  # noqa: E402
+
+pytestmark = pytest.mark.triton  # run on the kernels (conftest.py), not the PyTorch path
+
+
+@pytest.fixture(autouse=True)
+def _interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _inputs(B, Tq, Tk, Hq, Hk, D, Dv, dtype=torch.float32, gate_mean=2.0, seed=None):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    q = torch.randn(B, Tq, Hq, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, Tk, Hk, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, Tk, Hk, Dv, generator=g).to(dtype).requires_grad_()
+    log_fgate = F.logsigmoid(torch.randn(B, Tk, Hq, generator=g) + gate_mean).requires_grad_()
+    return q, k, v, log_fgate
+
+
+def _cotangents(o: torch.Tensor, lse: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(o.shape, generator=g, dtype=torch.float64), torch.randn(lse.shape, generator=g, dtype=torch.float64)
+
+
+def _run(q, k, v, log_fgate, seed=0, reference=False, **kwargs):
+    """o, lse and the four gradients of a loss using both outputs (so the lse gradient path runs too),
+    from the kernels or (``reference``) from the fp64 reference; ``seed`` picks the random cotangents."""
+    if reference:
+        q, k, v, log_fgate = (t.detach().double().requires_grad_() for t in (q, k, v, log_fgate))
+        o, lse = forgetting_attention_reference(q, k, v, log_fgate, return_lse=True, **kwargs)
+    else:
+        o, lse = forgetting_attention(q, k, v, log_fgate, return_lse=True, **kwargs)
+    do, dlse = _cotangents(o, lse, seed)
+    loss = (o.double() * do).sum() + (lse.double() * dlse).sum()
+    return (o, lse, *torch.autograd.grad(loss, (q, k, v, log_fgate)))
+
+
+NAMES = ("o", "lse", "dq", "dk", "dv", "dlog_fgate")
+
+
+def _assert_close(actual, expected, rel):
+    for name, a, e in zip(NAMES, actual, expected):
+        assert torch.isfinite(a).all(), name
+        err = ((a.double() - e).norm() / e.norm().clamp_min(1e-30)).item()
+        assert err < rel, f"{name}: relative error {err:.2e} >= {rel:.0e}"
+
+
+def _check(inputs, rel, **kwargs):
+    seed = int(torch.randint(1 << 30, ()))
+    _assert_close(_run(*inputs, seed=seed, **kwargs), _run(*inputs, seed=seed, reference=True, **kwargs), rel)
+
+
+CASES = {
+    # name: (B, Tq, Tk, Hq, Hk, D, Dv, cu_seqlens)
+    "d16": (2, 45, 45, 2, 2, 16, 16, None),
+    "d64-gqa2": (2, 37, 37, 4, 2, 64, 64, None),
+    "d96-gqa4": (1, 40, 40, 4, 1, 96, 96, None),
+    "d128": (1, 34, 34, 2, 2, 128, 128, None),
+    "d48-dv80-gqa2": (1, 33, 33, 4, 2, 48, 80, None),
+    "tq<tk": (2, 21, 50, 2, 1, 32, 32, None),
+    "varlen": (1, 58, 58, 4, 2, 32, 32, [0, 1, 18, 19, 20, 57, 58]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_fp64_reference(name):
+    B, Tq, Tk, Hq, Hk, D, Dv, cu = CASES[name]
+    cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    _check(_inputs(B, Tq, Tk, Hq, Hk, D, Dv), rel=2e-5, cu_seqlens=cu_seqlens)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(dtype):
+    inputs = _inputs(2, 40, 40, 2, 1, 64, 64, dtype=dtype)
+    out = _run(*inputs, seed=1)
+    assert out[0].dtype == dtype and out[1].dtype == torch.float32
+    # bf16 keeps 8 bits: ~4e-3 on o and dq/dk/dv, more on the gate gradient (sums that cancel)
+    _assert_close(out, _run(*inputs, seed=1, reference=True), rel=2e-3 if dtype == torch.float16 else 5e-2)
+
+
+def test_no_gate_equals_sdpa_causal():
+    """log f = 0: plain causal softmax attention, as torch's SDPA computes it."""
+    q, k, v, _ = _inputs(2, 40, 40, 2, 2, 32, 32)
+    log_fgate = torch.zeros(2, 40, 2, requires_grad=True)
+    o = forgetting_attention(q, k, v, log_fgate)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, log_fgate), do)
+    qt, kt, vt = (x.detach().transpose(1, 2).requires_grad_() for x in (q, k, v))
+    o_sdpa = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    grads_sdpa = torch.autograd.grad(o_sdpa, (qt, kt, vt), do.transpose(1, 2))
+    torch.testing.assert_close(o, o_sdpa.transpose(1, 2), rtol=1e-5, atol=1e-5)
+    for a, e in zip(grads, grads_sdpa):
+        torch.testing.assert_close(a, e.transpose(1, 2), rtol=1e-4, atol=1e-5)
+    _check((q, k, v, log_fgate), rel=2e-5)
+
+
+def test_fast_forgetting_sees_only_itself():
+    """log f ~ -30: every query attends to itself alone, so o_i = v_i."""
+    q, k, v, _ = _inputs(1, 40, 40, 2, 1, 32, 32)
+    log_fgate = (-30.0 - torch.rand(1, 40, 2)).requires_grad_()
+    out, ref = _run(q, k, v, log_fgate, seed=2), _run(q, k, v, log_fgate, seed=2, reference=True)
+    torch.testing.assert_close(out[0], v.detach().expand(-1, -1, 2, -1), rtol=0, atol=1e-5)
+    _assert_close(out[:5], ref[:5], rel=1e-4)
+    # The exact gate gradient is ~e^-30: dlse_i and the fp32 column sum dS_ii cancel, and the reverse
+    # cumsum adds up 40 such fp32 roundings of terms up to |do| |v|: compare absolutely.
+    do, _ = _cotangents(out[0], out[1], seed=2)
+    atol = 4 * 40 * 6e-8 * do.norm(dim=-1).max().item() * v.detach().norm(dim=-1).max().item()
+    torch.testing.assert_close(out[5].double(), ref[5], rtol=0, atol=atol)
+
+
+def test_gate_precision_at_large_cumsum():
+    """|c| ~ 1e6 (a million tokens of gates): fp32 c would be off by ulp(1e6) = 0.06 in every logit."""
+    q, k, v, _ = _inputs(1, 48, 48, 2, 2, 32, 32)
+    lf = F.logsigmoid(torch.randn(1, 48, 2) + 3.0)
+    lf[:, 0] = -1.0e6
+    _check((q, k, v, lf.requires_grad_()), rel=2e-5)
+
+
+def _skipped_tiles(c, delta, cu_seqlens, tile):
+    """[B, H, T, T] bool: entries of the tile x tile blocks (aligned to each sequence's start) that ACP skips:
+    left of the query block, and whose largest decay c[first query] - c[last key] is below delta.
+    c: [B, H, T] gate cumsum; delta: [B or N, H]."""
+    B, H, T = c.shape
+    pos = torch.arange(T)
+    if cu_seqlens is None:
+        start, end, d = torch.zeros_like(pos), torch.full_like(pos, T), delta[:, :, None]  # [B, H, 1]
+    else:
+        seg = segment_ids(cu_seqlens, T)
+        start, end, d = cu_seqlens.long()[seg], cu_seqlens.long()[seg + 1], delta[seg].T[None]  # [1, H, T]
+    first = start + (pos - start) // tile * tile  # first row of each query's block
+    last = torch.minimum(first + tile, end) - 1  # last key of each key's block
+    largest = c[..., first, None] - c[..., None, last]
+    return (largest < d[..., None]) & (last[None, :] < first[:, None])
+
+
+def _masked_reference(q, k, v, log_fgate, skip, seed, cu_seqlens=None):
+    """fp64 Forgetting Attention with the ``skip`` entries [B, Hq, Tq, Tk] left out: o, lse and the four
+    gradients of the same loss as ``_run``."""
+    q, k, v, log_fgate = (t.detach().double().requires_grad_() for t in (q, k, v, log_fgate))
+    T, group = q.shape[1], q.shape[2] // k.shape[2]
+    c = gate_cumsum(log_fgate, cu_seqlens).transpose(1, 2)
+    logits = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(group, 2)) * q.shape[-1] ** -0.5
+    logits = logits + c[..., :, None] - c[..., None, :]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    if cu_seqlens is not None:
+        seg = segment_ids(cu_seqlens, T)
+        allowed = allowed & (seg[:, None] == seg[None, :])
+    logits = logits.masked_fill(~allowed | skip, -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)
+    o = torch.einsum("bhij,bjhd->bihd", torch.exp(logits - lse[..., None]), v.repeat_interleave(group, 2))
+    do, dlse = _cotangents(o, lse, seed)
+    return (o, lse, *torch.autograd.grad((o * do).sum() + (lse * dlse).sum(), (q, k, v, log_fgate)))
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_acp_skips_exactly_the_tiles_below_delta(varlen):
+    """With a (deliberately too small) logit bound the skipped tiles carry real mass: the forward and both
+    backward loops must skip exactly the tiles whose largest decay is below delta, no more, no fewer."""
+    B, T, Hq, Hk = (1, 70, 4, 2) if varlen else (2, 64, 2, 1)
+    cu_seqlens = torch.tensor([0, 1, 40, 41, 70], dtype=torch.int32) if varlen else None
+    q, k, v, _ = _inputs(B, T, T, Hq, Hk, 16, 16)
+    q = (3 * q).detach().requires_grad_()  # logits spread over +-10: skipped tiles can hold most of a row
+    log_fgate = F.logsigmoid(torch.randn(B, T, Hq) + 1.0).requires_grad_()  # about -0.4 per token
+    kwargs = dict(cu_seqlens=cu_seqlens, logit_bound=0.0, tolerance=0.5)
+    out = _run(q, k, v, log_fgate, seed=5, prune=True, **kwargs)
+    delta = acp_threshold(q, k, scale=0.25, **kwargs).double()
+    skip = _skipped_tiles(gate_cumsum(log_fgate.detach(), cu_seqlens).transpose(1, 2), delta, cu_seqlens, ta.INTERPRET_TILE)
+    assert skip.any()
+    _assert_close(out, _masked_reference(q, k, v, log_fgate, skip, seed=5, cu_seqlens=cu_seqlens), rel=2e-5)
+    unpruned = _run(q, k, v, log_fgate, seed=5, cu_seqlens=cu_seqlens, reference=True)
+    assert (out[0].double() - unpruned[0]).abs().max() > 1e-3  # the skipped tiles did matter
+    per_head, _ = acp_stats(q, k, log_fgate, block_m=ta.INTERPRET_TILE, block_n=ta.INTERPRET_TILE, **kwargs)
+    assert (per_head > 0).all()
+
+
+def test_acp_pruned_mass_below_tolerance():
+    """With the data's logit bound, the mass of any row on the keys ACP may skip (decay below delta) stays
+    below ``tolerance`` (checked on the fp64 reference probabilities), and the kernels' outputs and
+    gradients stay within the error that mass implies."""
+    tol = 1e-4
+    B, T, H, D = 2, 96, 2, 16
+    q, k, v, _ = _inputs(B, T, T, H, H, D, D)
+    log_fgate = F.logsigmoid(torch.randn(B, T, H) - 2.0).requires_grad_()  # about -2.1 per token
+    pruned = _run(q, k, v, log_fgate, seed=3, prune=True, tolerance=tol)
+    ref = _run(q, k, v, log_fgate, seed=3, reference=True)
+    _, overall = acp_stats(q, k, log_fgate, tolerance=tol, block_m=ta.INTERPRET_TILE, block_n=ta.INTERPRET_TILE)
+    assert overall > 0.3
+    scale = D**-0.5
+    delta = acp_threshold(q, k, scale=scale, tolerance=tol).double()  # [B, H]
+    c = gate_cumsum(log_fgate.detach()).transpose(1, 2)  # [B, H, T]
+    decay = c[..., :, None] - c[..., None, :]
+    logits = scale * torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) + decay
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    p = torch.softmax(logits.masked_fill(~causal, -math.inf), dim=-1)
+    mass = (p * ((decay < delta[:, :, None, None]) & causal)).sum(-1).max().item()
+    assert 0 < mass < tol
+    # Dropping mass mu from a row moves its probabilities by at most 2 mu (L1): o by 2 mu max|v|; dS by
+    # 4 mu (|dP| + |dlse|) with |dP_ij| <= |do_i| |v_j|; the key-side gradients add up to T rows of that.
+    do, dlse = _cotangents(pruned[0], pruned[1], seed=3)
+    amax = lambda x: x.detach().abs().max().item()  # noqa: E731
+    ds = 4 * mass * (do.norm(dim=-1).max().item() * v.detach().norm(dim=-1).max().item() + amax(dlse))
+    bounds = {
+        "o": 2 * mass * amax(v), "lse": 2 * mass, "dq": ds * scale * amax(k), "dk": T * ds * scale * amax(q),
+        "dv": T * 2 * mass * amax(do), "dlog_fgate": T * ds,
+    }
+    for name, a, e in zip(NAMES, pruned, ref):
+        err, rounding = (a.double() - e).abs().max().item(), 2e-5 * max(1.0, amax(e))  # + fp32 rounding
+        assert err < bounds[name] + rounding, f"{name}: {err:.1e} above the implied {bounds[name]:.1e}"
+
+
+def test_backward_is_deterministic():
+    cu_seqlens = torch.tensor([0, 23, 24, 60], dtype=torch.int32)
+    inputs = _inputs(1, 60, 60, 4, 2, 32, 32)
+    first, second = _run(*inputs, cu_seqlens=cu_seqlens), _run(*inputs, cu_seqlens=cu_seqlens)
+    for name, a, b in zip(NAMES, first, second):
+        assert torch.equal(a, b), name
+
+
+def _acp_stats_brute_force(log_fgate, threshold, cu_seqlens, block_m, block_n):
+    """Per head: skipped / total tiles, walking every (query block, key block) tile of every sequence."""
+    c = gate_cumsum(log_fgate.double(), cu_seqlens)  # [B, T, H]
+    B, T, H = c.shape
+    bounds = [(0, T)] if cu_seqlens is None else list(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()))
+    skipped, total = torch.zeros(H, dtype=torch.float64), torch.zeros(H, dtype=torch.float64)
+    for b in range(B):
+        for s, (start, end) in enumerate(bounds):
+            row = b if cu_seqlens is None else s
+            for m0 in range(start, end, block_m):
+                m1 = min(m0 + block_m, end)
+                for n0 in range(start, m1, block_n):
+                    total += 1
+                    n1 = min(n0 + block_n, end)
+                    below = c[b, m0] - c[b, n1 - 1] < threshold[row].double()  # largest decay of the tile
+                    skipped += below & (n1 - 1 < m0)  # the diagonal is always computed
+    # the kernel skips a prefix; tiles past a kept one are never skipped (c is monotone)
+    return skipped / total
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_acp_stats_counts_skipped_tiles(varlen):
+    torch.manual_seed(0)
+    T, H = 200, 3
+    cu_seqlens = torch.tensor([0, 1, 77, 78, 200], dtype=torch.int32) if varlen else None
+    B = 1 if varlen else 2
+    q, k = torch.randn(B, T, H, 16), torch.randn(B, T, H, 16)
+    log_fgate = F.logsigmoid(torch.randn(B, T, H) + torch.tensor([-1.0, 0.0, 6.0]))
+    per_head, overall = acp_stats(q, k, log_fgate, cu_seqlens=cu_seqlens, tolerance=1e-3, block_m=32, block_n=16)
+    threshold = acp_threshold(q, k, scale=0.25, cu_seqlens=cu_seqlens, tolerance=1e-3)
+    expected = _acp_stats_brute_force(log_fgate, threshold, cu_seqlens, 32, 16)
+    torch.testing.assert_close(per_head.double(), expected, rtol=1e-6, atol=1e-6)
+    assert per_head[0] > per_head[1] > 0 and per_head[2] == 0  # slow gates prune nothing here
+    assert 0 < overall < 1
+
+
+def test_reverse_cumsum_restarts_per_sequence():
+    dc = torch.randn(2, 3, 50, dtype=torch.float64)
+    cu_seqlens = torch.tensor([0, 7, 8, 50], dtype=torch.int32)
+    seg = segment_ids(cu_seqlens, 50)
+    expected = torch.stack([(dc * (seg == seg[t]) * (torch.arange(50) >= t)).sum(-1) for t in range(50)], dim=-1)
+    torch.testing.assert_close(ta._reverse_cumsum(dc, cu_seqlens), expected)
