@@ -34,7 +34,8 @@ def _inputs(B, Tq, Tk, Hq, Hk, D, Dv, dtype=torch.float32):
 
 def _cotangents(o: torch.Tensor, lse: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(o.shape, generator=g, dtype=torch.float64), torch.randn(lse.shape, generator=g, dtype=torch.float64)
+    return (torch.randn(o.shape, generator=g, dtype=torch.float64),
+            torch.randn(lse.shape, generator=g, dtype=torch.float64))
 
 
 def _run(q, k, v, log_fgate, seed=0, reference=False, **kwargs):
@@ -135,7 +136,7 @@ def _skipped_tiles(c, delta, cu_seqlens, tile):
     """[B, H, T, T] bool: entries of the tile x tile blocks (aligned to each sequence's start) that ACP skips:
     left of the query block, and whose largest decay c[first query] - c[last key] is below delta.
     c: [B, H, T] gate cumsum; delta: [B or N, H]."""
-    B, H, T = c.shape
+    T = c.shape[-1]
     pos = torch.arange(T)
     if cu_seqlens is None:
         start, end, d = torch.zeros_like(pos), torch.full_like(pos, T), delta[:, :, None]  # [B, H, 1]
@@ -146,6 +147,10 @@ def _skipped_tiles(c, delta, cu_seqlens, tile):
     last = torch.minimum(first + tile, end) - 1  # last key of each key's block
     largest = c[..., first, None] - c[..., None, last]
     return (largest < d[..., None]) & (last[None, :] < first[:, None])
+
+
+def _amax(x: torch.Tensor) -> float:
+    return x.detach().abs().max().item()
 
 
 def _masked_reference(q, k, v, log_fgate, skip, seed, cu_seqlens=None):
@@ -179,7 +184,8 @@ def test_acp_skips_exactly_the_tiles_below_delta(varlen):
     kwargs = dict(cu_seqlens=cu_seqlens, logit_bound=0.0, tolerance=0.5)
     out = _run(q, k, v, log_fgate, seed=5, prune=True, **kwargs)
     delta = acp_threshold(q, k, scale=0.25, **kwargs).double()
-    skip = _skipped_tiles(gate_cumsum(log_fgate.detach(), cu_seqlens).transpose(1, 2), delta, cu_seqlens, ta.INTERPRET_TILE)
+    c = gate_cumsum(log_fgate.detach(), cu_seqlens).transpose(1, 2)
+    skip = _skipped_tiles(c, delta, cu_seqlens, ta.INTERPRET_TILE)
     assert skip.any()
     _assert_close(out, _masked_reference(q, k, v, log_fgate, skip, seed=5, cu_seqlens=cu_seqlens), rel=2e-5)
     unpruned = _run(q, k, v, log_fgate, seed=5, cu_seqlens=cu_seqlens, reference=True)
@@ -212,14 +218,13 @@ def test_acp_pruned_mass_below_tolerance():
     # Dropping mass mu from a row moves its probabilities by at most 2 mu (L1): o by 2 mu max|v|; dS by
     # 4 mu (|dP| + |dlse|) with |dP_ij| <= |do_i| |v_j|; the key-side gradients add up to T rows of that.
     do, dlse = _cotangents(pruned[0], pruned[1], seed=3)
-    amax = lambda x: x.detach().abs().max().item()  # noqa: E731
-    ds = 4 * mass * (do.norm(dim=-1).max().item() * v.detach().norm(dim=-1).max().item() + amax(dlse))
+    ds = 4 * mass * (do.norm(dim=-1).max().item() * v.detach().norm(dim=-1).max().item() + _amax(dlse))
     bounds = {
-        "o": 2 * mass * amax(v), "lse": 2 * mass, "dq": ds * scale * amax(k), "dk": T * ds * scale * amax(q),
-        "dv": T * 2 * mass * amax(do), "dlog_fgate": T * ds,
+        "o": 2 * mass * _amax(v), "lse": 2 * mass, "dq": ds * scale * _amax(k), "dk": T * ds * scale * _amax(q),
+        "dv": T * 2 * mass * _amax(do), "dlog_fgate": T * ds,
     }
     for name, a, e in zip(NAMES, pruned, ref):
-        err, rounding = (a.double() - e).abs().max().item(), 2e-5 * max(1.0, amax(e))  # + fp32 rounding
+        err, rounding = (a.double() - e).abs().max().item(), 2e-5 * max(1.0, _amax(e))  # + fp32 rounding
         assert err < bounds[name] + rounding, f"{name}: {err:.1e} above the implied {bounds[name]:.1e}"
 
 

@@ -135,13 +135,15 @@ def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
+                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
+                                      INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
+                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
+                                      INTERPRET)
     return acc, l_i, m_i
 
 
@@ -188,7 +190,8 @@ def _fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
                                lo, mask_lo, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PRECISION, INTERPRET)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                               mask_lo, p_last + 1, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PRECISION, INTERPRET)
+                               mask_lo, p_last + 1, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PRECISION,
+                               INTERPRET)
     acc = acc / l_i[:, None]
     o_ptrs = O + bt * sob + hq * soh + rows[:, None] * sot + offs_dv[None, :]
     if BLOCK_DV != DV:
@@ -309,13 +312,15 @@ def _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, s
         start_n = lo
         while start_n < hi:
             dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
+                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
+                                   INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION, INTERPRET)
+                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
+                                   INTERPRET)
     return dq
 
 
@@ -473,7 +478,7 @@ _FWD_TILES = {
 }
 _BWD_TILES = {
     64: [(64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 2)],
-    128: [(32, 128, 128, 32, 8, 3), (64, 64, 64, 64, 4, 2)],
+    128: [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 8, 3)],
     256: [(16, 64, 64, 16, 4, 2), (32, 64, 64, 32, 8, 1)],
 }
 
@@ -580,7 +585,7 @@ class _ForgettingAttention(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse, c, cu, thr = ctx.saved_tensors
         n_seq, len_q, len_k, bucket = ctx.dims
-        B, Tq, Hq, D = q.shape
+        B, Tq, Hq = q.shape[:3]
         Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
         do = do.contiguous() if do.stride() != o.stride() else do
         delta = torch.empty_like(lse)
