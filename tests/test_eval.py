@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from foxlm.cli import main
 from foxlm.data import TokenDataset, get_tokenizer, prepare
@@ -50,7 +51,7 @@ def trained(corpus, tmp_path_factory):
     with use_backend("torch"):  # module fixtures run outside conftest's per-test backend choice
         _train(model, builder, np.random.default_rng(0))
     run = tmp_path_factory.mktemp("run")  # laid out as `foxlm train` does
-    (run / "config.json").write_text(json.dumps(TrainConfig(seq_len=TRAIN_LENGTH).to_dict()))
+    (run / "train_config.yaml").write_text(yaml.safe_dump(TrainConfig(seq_len=TRAIN_LENGTH).to_dict()))
     return write_checkpoint(run, 60, model.save_pretrained, {"step": 60}, keep_last=1)
 
 
@@ -120,7 +121,7 @@ def test_constant_model_has_constant_perplexity(untrained, corpus):
 
 def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     out = tmp_path / "loss"
-    run = trained.parent.parent  # the run dir: train length read from its config.json
+    run = trained.parent.parent  # the run dir: train length read from its train_config.yaml
     rc = main(["eval", "loss", str(run), str(untrained), "--data", str(corpus), "--labels", "trained,untrained",
                "--windows", "all", "--max-sequences", "3", "--batch-size", "2", "--out", str(out), "--no-progress"])
     assert rc == 0

@@ -222,7 +222,8 @@ def plot_layer_maps(decay: torch.Tensor | None, attn: torch.Tensor, layer: int, 
         axes[-1, h].set_title(f"head {h}: attention", fontsize=8)
         for ax in axes[:, h]:
             ax.set_xlabel("key j", fontsize=7)
-            ax.set_ylabel("query i", fontsize=7)
+            if h == 0:
+                ax.set_ylabel("query i", fontsize=7)
             ax.tick_params(labelsize=6)
     if decay is not None:
         fig.colorbar(im_d, ax=axes[0].tolist(), label="log10 exp(c_i - c_j)", shrink=0.9)

@@ -4,7 +4,6 @@ materialise [B, T, V] logits, held-out documents, and matplotlib (Agg) figures."
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import yaml
 
 # Positions whose logits are computed at once (per batch): [chunk, V] fp32 stays a few hundred MB.
 _LOGIT_CHUNK_TOKENS = 2048
@@ -48,13 +48,13 @@ def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module
 
 
 def run_train_length(checkpoint: str | os.PathLike) -> int | None:
-    """The training context (``seq_len``) recorded in the run a checkpoint belongs to (``<run>/config.json``
+    """The training context (``seq_len``) recorded in the run a checkpoint belongs to (``<run>/train_config.yaml``
     written by ``foxlm train``), found from a run, checkpoint or ``save_pretrained`` dir; None if there is none."""
     path = Path(checkpoint).expanduser().resolve()
     for folder in (path, *list(path.parents)[:3]):
         try:
-            cfg = json.loads((folder / "config.json").read_text())
-        except (OSError, ValueError):
+            cfg = yaml.safe_load((folder / "train_config.yaml").read_text())
+        except (OSError, yaml.YAMLError):
             continue
         if isinstance(cfg, dict) and isinstance(cfg.get("seq_len"), int):
             return cfg["seq_len"]
