@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .reference import segment_ids
+from .reference import gate_cumsum, segment_ids
 
 
 def data_logit_bound(
@@ -91,8 +91,7 @@ def acp_stats(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     threshold = acp_threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound)
     tq, tk = q.shape[1], k.shape[1]
-    # fp64 cumsum along the contiguous last dim ([B, H, T]; CUDA scans other dims one column per thread)
-    c_global = torch.cumsum(log_fgate.detach().transpose(1, 2).contiguous().double(), dim=-1).transpose(1, 2)
+    c_global = gate_cumsum(log_fgate.detach())
     first_kept = row_starts(c_global, tq, cu_seqlens, threshold)
     pos = torch.arange(tk - tq, tk, device=q.device)  # key-coordinate position of every query row
     if cu_seqlens is None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .reference import segment_ids
+from .reference import gate_cumsum, segment_ids
 
 # Upper bound on the elements of one chunk's [B, H, chunk, keys] score matrix.
 _CHUNK_ELEMENTS = 1 << 24
@@ -126,7 +126,7 @@ def chunked_forgetting_attention(
     the caller). threshold: ACP delta [B or N, Hq] or None. Returns o: [B, Tq, Hq, Dv] and lse: [B, Hq, Tq].
     """
     group = q.shape[2] // k.shape[2]
-    c_global = torch.cumsum(log_fgate.to(torch.float64), dim=1)  # differences are what matter
+    c_global = gate_cumsum(log_fgate)  # not restarted per sequence: differences are what matter
     row_start = row_starts(c_global, q.shape[1], cu_seqlens, threshold)
     kh = k.repeat_interleave(group, dim=2) if group > 1 else k
     vh = v.repeat_interleave(group, dim=2) if group > 1 else v

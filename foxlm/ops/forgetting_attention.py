@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .acp import data_logit_bound, prune_threshold
+from .acp import acp_threshold
 from .backend import use_triton
 from .chunked import chunked_forgetting_attention
 
@@ -116,13 +116,7 @@ def forgetting_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     threshold = None
     if prune:
-        if logit_bound is None:
-            bound = data_logit_bound(q.detach(), k.detach(), scale, cu_seqlens)
-        else:
-            rows = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-            bound = torch.as_tensor(logit_bound, dtype=torch.float32, device=q.device).expand(rows, q.shape[2])
-        n = k.shape[1] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1])
-        threshold = prune_threshold(bound, n, tolerance)
+        threshold = acp_threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound)
     if use_triton(q):
         from .triton_attention import triton_forgetting_attention
 

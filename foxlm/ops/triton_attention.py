@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from .reference import segment_ids
+from .reference import gate_cumsum, segment_ids
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -522,15 +522,6 @@ def _launch(kernel, grid, interpret_meta: dict, *args, **kwargs) -> None:
         kernel[grid](*args, **kwargs)
 
 
-def global_gate_cumsum(log_fgate: torch.Tensor) -> torch.Tensor:
-    """c = cumsum of the log gates over the whole row in fp64, laid out [B, H, T] (from [B, T, H]).
-
-    The scan runs along the contiguous last dim: along any other dim CUDA torch scans one column per
-    thread, which costs milliseconds at 16k tokens.
-    """
-    return torch.cumsum(log_fgate.transpose(1, 2).contiguous().double(), dim=-1)
-
-
 def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
     """sum_{t' >= t} dc_t' along the last dim, within each sequence: [B, H, T] -> [B, H, T] fp64."""
     rc = dc.double().flip(-1).cumsum(-1).flip(-1)
@@ -551,7 +542,7 @@ class _ForgettingAttention(torch.autograd.Function):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         B, Tq, Hq, D = q.shape
         Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-        c = global_gate_cumsum(log_fgate)  # only differences within a sequence are used: no restarts needed
+        c = gate_cumsum(log_fgate).transpose(1, 2)  # [B, H, T] contiguous; only differences within a sequence are used
         if cu_seqlens is not None:
             n_seq = cu_seqlens.numel() - 1
             if max_seqlen is None:
