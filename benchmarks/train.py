@@ -1,0 +1,144 @@
+"""Training throughput on the GPU: fox-pro 125m vs Transformer baselines, with and without ACP, and MFU.
+
+Protocol (as the project's training anchors): ~160M-parameter models (12 layers, d_model 768, 12 heads of 64,
+SwiGLU 2048, untied 50,304 vocabulary), fp32 weights, bf16 autocast, fused AdamW with foxlm's parameter groups,
+gradient clipping, one sequence of ``--seq-len`` (16,384) random tokens per step; median step time over
+``--steps`` timed steps after ``--warmup``, CUDA events. Compared in the same run:
+
+- ``hf-llama``: transformers ``LlamaForCausalLM`` on SDPA (the RoPE Transformer peer of the anchors)
+- ``transformer-pro``: foxlm's Transformer (Pro) baseline (SDPA)
+- ``fox-pro``: FoX (Pro), no ACP
+- ``fox-pro+acp``: FoX (Pro) with ACP, forget-gate biases set to the "standard" profile of the attention benchmark (per-head
+  decay times log-spaced 16..16,384 tokens: a stand-in for trained gates; at initialization, f ~ 0.5 decays so
+  fast that ACP would prune almost everything, which is reported as ``fox-pro+acp@init`` for reference only)
+
+MFU = tokens/s x (6 x non-embedding parameters + 6 x layers x T x heads x head_dim) / peak (989 TF/s bf16 dense
+for H100/H200); ACP runs count the unpruned FLOPs (effective MFU).
+
+    PYTHONPATH=. python benchmarks/train.py [--seq-len 16384] [--steps 10] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import statistics
+from pathlib import Path
+
+import torch
+
+from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.train.trainer import PEAK_TFLOPS, flops_per_token, param_groups
+
+VOCAB = 50304
+
+
+def standard_gate_bias(model: FoxForCausalLM) -> None:
+    """Forget-gate biases b_h = -log(expm1(1/tau_h)), tau_h log-spaced 16..16384 over the heads of each layer."""
+    for block in model.model.layers:
+        proj = block.attn.fgate_proj
+        H = proj.bias.numel()
+        tau = torch.logspace(math.log10(16), math.log10(16384), H, dtype=torch.float64)
+        with torch.no_grad():
+            proj.bias.copy_(-torch.log(torch.expm1(1.0 / tau)))
+
+
+def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
+    """``hf-llama``, ``ARCH`` (no ACP), ``ARCH+acp`` (standard gate biases) or ``ARCH+acp@init``."""
+    if name == "hf-llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                          num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=seq_len,
+                          rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
+        return LlamaForCausalLM(cfg), None
+    arch, _, variant = name.partition("+")
+    config = FoxConfig.preset(arch, "125m", acp=variant.startswith("acp"))
+    model = FoxForCausalLM(config)
+    if variant == "acp":
+        standard_gate_bias(model)
+    return model, config
+
+
+def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None) -> dict:
+    torch.manual_seed(0)
+    model, config = build(name, seq_len)
+    model = model.cuda().train()
+    num_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
+    ids = torch.randint(0, 50257, (1, seq_len), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(warmup):
+        loss = step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        loss = step()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    tps = seq_len / (ms / 1e3)
+    fox_config = config or FoxConfig.preset("transformer-llama", "125m")
+    per_token = flops_per_token(fox_config, num_params, seq_len)
+    result = {"name": name, "ms_per_step": ms, "tokens_per_s": tps, "params_m": num_params / 1e6,
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+              "mfu": tps * per_token / (peak * 1e12) if peak else None}
+    del model, opt
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--models", nargs="+",
+                   default=["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"])
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+
+    device = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    results = []
+    for name in args.models:
+        r = bench(name, args.seq_len, args.steps, args.warmup, peak)
+        results.append(r)
+        print(f"{name:>18}: {r['tokens_per_s']:>9,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step  "
+              f"{r['peak_mem_gib']:5.1f} GiB  MFU {100 * (r['mfu'] or 0):4.1f}%", flush=True)
+    by_name = {r["name"]: r["tokens_per_s"] for r in results}
+    for r in results:
+        for peer in ("hf-llama", "transformer-pro"):
+            if peer in by_name:
+                r[f"vs_{peer}"] = r["tokens_per_s"] / by_name[peer]
+    import transformers
+
+    date = datetime.date.today().isoformat()
+    record = {"benchmark": "train", "date": date, "device": device, "torch": torch.__version__,
+              "transformers": transformers.__version__, "seq_len": args.seq_len, "steps": args.steps,
+              "peak_tflops": peak, "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"train-{date}.json").write_text(json.dumps(record, indent=1))
+    for r in results:
+        print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ("vs_hf-llama", "vs_transformer-pro")
+                                                if k in r))
+
+
+if __name__ == "__main__":
+    main()
