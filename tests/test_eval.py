@@ -27,8 +27,8 @@ TRAIN_LENGTH = 320  # bytes: the easy-mode needle prompt needs ~250
 
 
 def _config(**overrides) -> FoxConfig:
-    kw = dict(vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-              bos_token_id=256, eos_token_id=256, pad_token_id=256)
+    kw = {"vocab_size": 257, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "intermediate_size": 128, "bos_token_id": 256, "eos_token_id": 256, "pad_token_id": 256}
     return FoxConfig.preset("fox-llama", "tiny", **(kw | overrides))
 
 
@@ -205,6 +205,20 @@ def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
     assert len(res) == 1 and not res[0].found and res[0].answer_logprob_per_token < -4
 
 
+def test_greedy_completion_stays_in_tokenizer_vocabulary():
+    """GPT-2 BPE has 50,257 ids, the model's vocabulary is padded to 50,304: padding ids are never generated."""
+    tok = get_tokenizer("gpt2")
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_config(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   bos_token_id=50256, eos_token_id=50256, pad_token_id=50256)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[tok.vocab_size:] = model.lm_head.weight[:tok.vocab_size].abs().amax(0) * 10
+    prompt = torch.tensor([[tok.eot_id] + tok.encode(niah.QUESTION + " " + niah.ANSWER_PREFIX)] * 2)
+    assert int(model(prompt).logits[0, -1].argmax()) >= tok.vocab_size  # unconstrained, it would pick padding
+    new = niah.greedy_complete(model, prompt, 6, tok)
+    assert len(new) == 2 and all(0 < len(ids) <= 6 and max(ids) < tok.vocab_size for ids in new)
+
+
 # ---------------------------------------------------------------- gates and ACP
 
 
@@ -230,7 +244,8 @@ def test_gates_cli(trained, corpus, tmp_path):
     assert float(acp[-1][2]) == pytest.approx(per_head.mean(), abs=1e-6)
     for name in ("decay_times.png", "acp.png", "maps_layer00.png", "maps_layer01.png"):
         _nontrivial_png(out / name)
-    assert json.loads((out / "gates.json").read_text())["acp_skipped_overall"] == pytest.approx(per_head.mean(), abs=1e-6)
+    meta = json.loads((out / "gates.json").read_text())
+    assert meta["acp_skipped_overall"] == pytest.approx(per_head.mean(), abs=1e-6)
 
 
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():

@@ -69,7 +69,8 @@ def register(subparsers) -> None:
                       help="comma-separated needle depths in [0, 1] (default 0,0.25,0.5,0.75,1)")
     niah.add_argument("--modes", default="easy,standard", help="comma-separated: easy, standard")
     niah.add_argument("--trials", type=int, default=1, help="haystacks per cell (different held-out text)")
-    niah.add_argument("--train-length", type=int, default=None, help="training length, shown on the plot")
+    niah.add_argument("--train-length", type=int, default=None,
+                      help="training length, shown on the plot (default: read from the checkpoint's run)")
     niah.set_defaults(func=run_niah)
 
     gates = sub.add_parser("gates", help="decay times, decay/attention maps and the ACP pruning report",
@@ -96,7 +97,7 @@ def register(subparsers) -> None:
 
 
 def _setup(args, checkpoints: list[str]):
-    """Device, loaded models, held-out dataset folder and its tokenizer."""
+    """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder."""
     from foxlm.data import TokenDataset, ensure_default_corpus
 
     from .utils import load_model, resolve_device
@@ -113,7 +114,7 @@ def _setup(args, checkpoints: list[str]):
                              f"vocabulary of {m.config.vocab_size}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    return device, models, data, tok, out
+    return models, data, tok, out
 
 
 def _train_length(args, checkpoint: str) -> int:
@@ -140,7 +141,7 @@ def run_loss(args) -> int:
         raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
     train_length = _train_length(args, args.checkpoints[0])
     eval_length = args.eval_length or 4 * train_length
-    device, models, data, _, out = _setup(args, args.checkpoints)
+    models, data, _, out = _setup(args, args.checkpoints)
     docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences)
     seqs = _windows(docs, eval_length + 1, args.windows == "all")[:args.max_sequences]
     curves = [loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
@@ -157,20 +158,20 @@ def run_loss(args) -> int:
 
 def run_niah(args) -> int:
     from . import niah
-    from .utils import heldout_documents
+    from .utils import heldout_documents, run_train_length
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
         raise ValueError(f"--modes: expected a comma-separated subset of {niah.MODES}, got {args.modes!r}")
-    device, (model,), data, tok, out = _setup(args, [args.checkpoint])
+    (model,), data, tok, out = _setup(args, [args.checkpoint])
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
     niah.write_csv(results, out / "niah.csv")
-    niah.plot(results, out / "niah.png", train_length=args.train_length)
+    niah.plot(results, out / "niah.png", train_length=args.train_length or run_train_length(args.checkpoint))
     _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay)})
     for mode in modes:
-        lengths, depths, g = niah.grid(results, mode, "found")
+        lengths, _, g = niah.grid(results, mode, "found")
         print(f"{mode}: answer found in {np.nanmean(g):.0%} of {g.size} cells (lengths {lengths})")
     print(f"wrote {out}/niah.csv, niah.png")
     return 0
@@ -180,7 +181,7 @@ def run_gates(args) -> int:
     from . import gates
     from .utils import heldout_documents
 
-    device, (model,), data, tok, out = _setup(args, [args.checkpoint])
+    (model,), data, _, out = _setup(args, [args.checkpoint])
     docs = heldout_documents(data, args.split, args.length, None)
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
     decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)
@@ -190,16 +191,18 @@ def run_gates(args) -> int:
     if decay is None:
         print("the model has no forget gates (gate='none'): no decay times and no ACP report")
         return 0
-    log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n, tolerance=args.tolerance,
-                                       batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
-    gates.write_decay_csv(gates.decay_stats(log_fgates), out / "decay_times.csv")
-    gates.plot_decay_times(gates.decay_stats(log_fgates), out / "decay_times.png", context_length=args.length)
+    log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n,
+                                       tolerance=args.tolerance, batch_size=args.batch_size, dtype=args.dtype,
+                                       show_progress=args.progress)
+    decay_rows = gates.decay_stats(log_fgates)
+    gates.write_decay_csv(decay_rows, out / "decay_times.csv")
+    gates.plot_decay_times(decay_rows, out / "decay_times.png", context_length=args.length)
     gates.write_acp(report, out)
     _write_json(out / "gates.json", args, {"data": str(data), "sequences": len(seqs),
                                            "acp_skipped_per_layer": report.per_layer.tolist(),
                                            "acp_skipped_overall": report.overall})
-    print(f"ACP (tiles {args.block_m}x{args.block_n}, tolerance {args.tolerance:.3g}) skips {report.overall:.1%} of attention FLOPs; "
-          f"per layer: " + ", ".join(f"{x:.1%}" for x in report.per_layer))
+    print(f"ACP (tiles {args.block_m}x{args.block_n}, tolerance {args.tolerance:.3g}) skips "
+          f"{report.overall:.1%} of attention FLOPs; per layer: " + ", ".join(f"{x:.1%}" for x in report.per_layer))
     print(f"wrote {out}/decay_times.csv, decay_times.png, acp.csv, acp.png, gates.json")
     return 0
 

@@ -180,7 +180,8 @@ def plot_decay_times(rows: list[HeadDecay], path: str | os.PathLike, context_len
     fig, (ax, ax_h) = plt.subplots(1, 2, figsize=(13, 4.8), gridspec_kw={"width_ratios": [1.2, 1]})
     jitter = np.linspace(-0.25, 0.25, heads) if heads > 1 else np.zeros(1)
     for layer in range(layers):
-        ax.scatter(layer + jitter, tau[layer], s=14, color="C0", label="head (mean over tokens)" if layer == 0 else None)
+        ax.scatter(layer + jitter, tau[layer], s=14, color="C0",
+                   label="head (mean over tokens)" if layer == 0 else None)
         lo = [r.p10 for r in rows if r.layer == layer]
         hi = [r.p90 for r in rows if r.layer == layer]
         ax.vlines(layer + jitter, lo, hi, color="C0", alpha=0.25, lw=1,

@@ -41,7 +41,8 @@ def hf_tokenizer(name: str = "gpt2"):
 
     tok = get_tokenizer(name)
     if tok.name == "byte":
-        raise ValueError("tokenizer: lm-eval needs a transformers tokenizer; the byte tokenizer has none, use a BPE one")
+        raise ValueError("tokenizer: lm-eval needs a transformers tokenizer; the byte tokenizer has none, "
+                         "use a BPE one")
     if tok.name == "gpt2":
         encoder, merges = gpt2_files()
     else:  # "bpe:<folder>"
@@ -51,7 +52,8 @@ def hf_tokenizer(name: str = "gpt2"):
     bpe = ByteLevelBPETokenizer.from_file(str(encoder), str(merges))
     hf = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot, unk_token=eot, pad_token=eot)
     if hf.convert_tokens_to_ids(eot) != tok.eot_id:
-        raise ValueError(f"tokenizer: {eot} is id {hf.convert_tokens_to_ids(eot)} in transformers, {tok.eot_id} in foxlm")
+        raise ValueError(f"tokenizer: {eot} is id {hf.convert_tokens_to_ids(eot)} in transformers, "
+                         f"{tok.eot_id} in foxlm")
     return hf
 
 

@@ -9,6 +9,7 @@ Evaluating at T = 4x the training length shows whether a model extrapolates.
 from __future__ import annotations
 
 import csv
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,8 @@ def per_token_loss(
         raise ValueError("sequences: expected at least one sequence")
     n = len(sequences[0])
     if any(len(s) != n for s in sequences) or n < 2:
-        raise ValueError(f"sequences: expected sequences of one length >= 2, got lengths {sorted({len(s) for s in sequences})}")
+        lengths = sorted({len(s) for s in sequences})
+        raise ValueError(f"sequences: expected sequences of one length >= 2, got lengths {lengths}")
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1, got {batch_size}")
     device = next(model.parameters()).device
@@ -113,9 +115,10 @@ def write_summary(curves: list[LossCurve], train_length: int, csv_path, md_path)
 def _log_binned(x: np.ndarray, bins_per_decade: int = 24) -> tuple[np.ndarray, np.ndarray]:
     """Mean of x[l-1] over log-spaced bins of l: per-position loss is noisy, its trend is not."""
     n = len(x)
-    edges = np.unique(np.round(np.logspace(0, np.log10(n + 1), max(2, int(bins_per_decade * np.log10(n + 1))))).astype(int))
+    num = max(2, int(bins_per_decade * np.log10(n + 1)))
+    edges = np.unique(np.round(np.logspace(0, np.log10(n + 1), num)).astype(int))
     centers, means = [], []
-    for lo, hi in zip(edges[:-1], edges[1:]):
+    for lo, hi in itertools.pairwise(edges):
         centers.append(np.sqrt(lo * max(lo, hi - 1)))
         means.append(x[lo - 1:hi - 1].mean())
     return np.array(centers), np.array(means)

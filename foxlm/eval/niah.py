@@ -107,12 +107,17 @@ class PromptBuilder:
 
 
 @torch.no_grad()
-def greedy_complete(model, prompts: torch.Tensor, max_new_tokens: int, eot_id: int) -> list[list[int]]:
-    """Greedy continuation (HF ``generate``) of equally long prompts [B, T], each cut at its first EOT."""
+def greedy_complete(model, prompts: torch.Tensor, max_new_tokens: int, tokenizer) -> list[list[int]]:
+    """Greedy continuation (HF ``generate``) of equally long prompts [B, T], each cut at its first EOT.
+
+    Ids beyond the tokenizer's vocabulary (the model's is padded, e.g. 50304) are never generated.
+    """
+    eot = tokenizer.eot_id
+    padded = list(range(tokenizer.vocab_size, model.config.vocab_size)) or None
     out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eot_id, pad_token_id=eot_id)
+                         do_sample=False, eos_token_id=eot, pad_token_id=eot, suppress_tokens=padded)
     new = out[:, prompts.shape[1]:].tolist()
-    return [ids[:ids.index(eot_id)] if eot_id in ids else ids for ids in new]
+    return [ids[:ids.index(eot)] if eot in ids else ids for ids in new]
 
 
 @torch.no_grad()
@@ -140,7 +145,8 @@ def run_niah(
     answer = torch.tensor(builder.answer, device=device)
     need = max(builder.haystack_length(n, m) for n in context_lengths for m in modes)
     if need > len(haystack):
-        raise ValueError(f"context_lengths: the longest prompt needs {need} haystack tokens, only {len(haystack)} held out")
+        raise ValueError(f"context_lengths: the longest prompt needs {need} haystack tokens, "
+                         f"only {len(haystack)} are held out")
     offsets = np.linspace(0, len(haystack) - need, trials).astype(int).tolist()
     batches = []
     for m in modes:
@@ -152,7 +158,7 @@ def run_niah(
         built = [builder.build(n, d, mode, offsets[t]) for d, t in cells]
         ids = torch.tensor([p for p, _ in built], device=device)
         with autocast(device, dtype):
-            new = greedy_complete(model, ids, len(builder.answer) + 4, tokenizer.eot_id)
+            new = greedy_complete(model, ids, len(builder.answer) + 4, tokenizer)
             full = torch.cat([ids, answer.expand(len(cells), -1)], 1)
             logp = next_token_logprobs(model, full, start=n - 1).sum(1).tolist()
         for (d, t), (_, pos), gen, lp in zip(cells, built, new, logp):
@@ -183,7 +189,8 @@ def grid(results: list[NeedleResult], mode: str, field: str) -> tuple[list[int],
     return lengths, depths, g
 
 
-def plot(results: list[NeedleResult], path: str | os.PathLike, train_length: int | None = None, title: str = "") -> None:
+def plot(results: list[NeedleResult], path: str | os.PathLike, train_length: int | None = None,
+         title: str = "") -> None:
     """Heatmaps per mode: answer found (fraction of trials) and log p(answer) per token."""
     plt = pyplot()
     modes = [m for m in MODES if any(r.mode == m for r in results)]
