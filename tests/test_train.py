@@ -176,7 +176,7 @@ def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
 
 def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
     run = tmp_path / "nan"
-    cfg = _cfg(byte_data, run, "arch=transformer-llama", "lr=1e30", "min_lr=1e30", "warmup_steps=0",
+    cfg = _cfg(byte_data, run, "lr=1e30", "min_lr=1e30", "warmup_steps=0",
                "max_steps=20", "max_bad_steps=2", "grad_clip=0")
     with pytest.raises(FloatingPointError, match="max_bad_steps=2"):
         train(cfg)
@@ -184,6 +184,16 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
     skipped = [r for r in records if r.get("skipped")]
     assert len(skipped) == 3 and all(not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0))
                                      for r in skipped)
+
+
+def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tmp_path):
+    """Recomputing activations, or splitting the batch into micro-batches, changes no loss."""
+    extra = ["max_steps=3", "eval_every=0", "save_every=0", "packing=documents"]
+    train(_cfg(byte_data, tmp_path / "plain", *extra))
+    train(_cfg(byte_data, tmp_path / "ckpt", *extra, "activation_checkpointing=true", "micro_batch_size=1"))
+    plain, ckpt = _losses(tmp_path / "plain"), _losses(tmp_path / "ckpt")
+    assert plain.keys() == ckpt.keys() == {1, 2, 3}
+    assert all(ckpt[k] == pytest.approx(plain[k], rel=1e-5) for k in plain)
 
 
 def test_tokenizer_is_checked_against_the_data(byte_data, tmp_path):
