@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import foxlm.ops.chunked as chunked
 from foxlm.ops import forgetting_attention, forgetting_attention_reference, gate_cumsum
-from foxlm.ops.acp import data_logit_bound
+from foxlm.ops.acp import data_logit_bound, prune_threshold
 
 
 def _inputs(B, Tq, Tk, Hq, Hk, D, Dv=None, dtype=torch.float64, gate_scale=2.0, seed=0):
@@ -63,6 +63,50 @@ def test_chunked_varlen_matches_reference(small_chunks):
             torch.testing.assert_close(o[:, a:b], alone, rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("window", [1, 7, 30, 200])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_chunked_sliding_window_matches_reference(small_chunks, window, varlen):
+    """Query i sees keys j with i - window < j <= i; with GQA, and Tq < Tk or packed sequences."""
+    if varlen:
+        cu = torch.tensor([0, 1, 30, 31, 31, 90], dtype=torch.int32)
+        q, k, v, log_f = _inputs(1, 90, 90, 4, 2, 16)
+    else:
+        cu = None
+        q, k, v, log_f = _inputs(2, 50, 77, 4, 2, 16, 24)
+    inputs = [t.requires_grad_() for t in (q, k, v, log_f)]
+    o, lse = forgetting_attention(q, k, v, log_f, cu_seqlens=cu, window=window, return_lse=True)
+    ro, rlse = forgetting_attention_reference(q, k, v, log_f, cu_seqlens=cu, window=window, return_lse=True)
+    torch.testing.assert_close(o, ro, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), rlse, rtol=1e-6, atol=1e-6)
+    for got, want in zip(_grads(o, lse.double(), inputs), _grads(ro, rlse, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if window == 1:  # every query sees only itself
+        torch.testing.assert_close(o, v.repeat_interleave(2, dim=2)[:, -o.shape[1]:], rtol=0, atol=1e-12)
+    if window >= 90:  # the window holds every key: plain causal attention
+        torch.testing.assert_close(o, forgetting_attention(q, k, v, log_f, cu_seqlens=cu), rtol=0, atol=0)
+    else:  # the window really cut something
+        full = forgetting_attention_reference(q, k, v, log_f, cu_seqlens=cu)
+        assert (o - full).abs().max() > 1e-6
+
+
+def test_sliding_window_with_acp(small_chunks):
+    """ACP and the window both move a row's first key; the later of the two wins. Slow gates (head 1): the
+    window binds; fast gates (head 0): ACP does. Outputs stay within ACP's tolerance of the windowed reference."""
+    tol, window = 1e-4, 40
+    q, k, v, log_f = _inputs(1, 200, 200, 2, 2, 16)
+    log_f = F.logsigmoid(torch.randn(1, 200, 2, dtype=torch.float64) + torch.tensor([-1.0, 6.0], dtype=torch.float64))
+    o = forgetting_attention(q, k, v, log_f, window=window, prune=True, tolerance=tol)
+    ro = forgetting_attention_reference(q, k, v, log_f, window=window)
+    assert (o - ro).abs().max() < 2 * tol * v.abs().max()
+    threshold = prune_threshold(data_logit_bound(q, k, 0.25), 200, tol)
+    c = torch.cumsum(log_f, 1)
+    starts = chunked.row_starts(c, 200, None, threshold, window)
+    pos = torch.arange(200)
+    assert (starts[0, 1] == (pos - window + 1).clamp_min(0)).all()  # the window binds
+    assert (starts[0, 0, 100:] > pos[100:] - window + 1).all()  # ACP binds
+    assert torch.equal(starts, torch.maximum(chunked.row_starts(c, 200, None, threshold), pos - window + 1))
+
+
 def test_bf16_inputs_compute_in_fp32():
     q, k, v, log_f = _inputs(1, 40, 40, 2, 2, 32, dtype=torch.bfloat16)
     o = forgetting_attention(q, k, v, log_f.float())
@@ -99,8 +143,6 @@ def test_acp_pruned_mass_below_tolerance(small_chunks, varlen):
     # The pruning really happened: the first kept key of late rows is well past their sequence start.
     bound = data_logit_bound(q, k, 0.25, cu)
     n = 200 if cu is None else cu[1:] - cu[:-1]
-    from foxlm.ops.acp import prune_threshold
-
     starts = chunked.row_starts(torch.cumsum(log_f, 1), 200, cu, prune_threshold(bound, n, tol))
     assert (starts[..., -1] > 100).all()
 
@@ -157,6 +199,9 @@ def test_lse_gradient_flows():
         (lambda a: a.update(tolerance=2.0), "tolerance"),
         (lambda a: a.update(q=torch.randn(1, 17, 4, 8, dtype=torch.float64)), "q"),
         (lambda a: a.update(max_seqlen=16), "max_seqlen"),
+        (lambda a: a.update(window=0), "window"),
+        (lambda a: a.update(window=2.5), "window"),
+        (lambda a: a.update(window=True), "window"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(change, match):

@@ -2,8 +2,8 @@
 
 Queries are processed in chunks against only the keys they can see, with a FlashAttention-style
 backward that recomputes probabilities chunk by chunk, so memory is O(T * chunk), never T x T.
-Varlen and ACP share one mechanism: every query row i sees keys [row_start_i, i], where row_start
-is the start of its sequence, moved right past the keys that ACP prunes.
+Varlen, sliding windows and ACP share one mechanism: every query row i sees keys [row_start_i, i],
+where row_start is the start of its sequence, moved right to i - window + 1 and past the keys that ACP prunes.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ def row_starts(
     tq: int,
     cu_seqlens: torch.Tensor | None,
     threshold: torch.Tensor | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """First visible key of every query row: [B, Hq, Tq] int64.
 
     c_global: [B, Tk, Hq] fp64 gate cumsum that does not restart at sequence starts (so it is
     monotone along the whole row and searchable). threshold: ACP delta, [B or N, Hq], or None.
+    window: query i sees keys j > i - window (None: no window).
     """
     B, Tk, H = c_global.shape
     pos = torch.arange(Tk - tq, Tk, device=c_global.device)
@@ -36,6 +38,8 @@ def row_starts(
         seg = segment_ids(cu_seqlens, Tk)[pos]
         start = cu_seqlens.long()[seg].expand(B, H, tq).clone()
         per_pos_threshold = None if threshold is None else threshold[seg].T[None]  # [1, H, tq]
+    if window is not None:
+        start = torch.maximum(start, pos - window + 1)
     if threshold is None:
         return start
     cg = c_global.detach().transpose(1, 2).contiguous()  # [B, H, Tk], non-increasing
@@ -118,16 +122,17 @@ def chunked_forgetting_attention(
     *,
     scale: float,
     cu_seqlens: torch.Tensor | None = None,
+    window: int | None = None,
     threshold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forgetting Attention in O(T * chunk) memory, differentiable in q, k, v and log_fgate.
 
     q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], log_fgate: [B, Tk, Hq] (validated by
-    the caller). threshold: ACP delta [B or N, Hq] or None. Returns o: [B, Tq, Hq, Dv] and lse: [B, Hq, Tq].
+    the caller). window: query i sees keys j > i - window (None: all). threshold: ACP delta [B or N, Hq] or None. Returns o: [B, Tq, Hq, Dv] and lse: [B, Hq, Tq].
     """
     group = q.shape[2] // k.shape[2]
     c_global = gate_cumsum(log_fgate)  # not restarted per sequence: differences are what matter
-    row_start = row_starts(c_global, q.shape[1], cu_seqlens, threshold)
+    row_start = row_starts(c_global, q.shape[1], cu_seqlens, threshold, window)
     kh = k.repeat_interleave(group, dim=2) if group > 1 else k
     vh = v.repeat_interleave(group, dim=2) if group > 1 else v
     o, lse = _ChunkedForgettingAttention.apply(

@@ -21,7 +21,7 @@ def _checking_values() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, tolerance, logit_bound) -> None:
+def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor [B, T, H, D], got {getattr(t, 'shape', type(t))}")
@@ -48,6 +48,8 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, tolerance, logit_bound
         raise ValueError(f"log_fgate: expected shape [B, Tk, Hq] = {(B, Tk, Hq)}, got {getattr(log_fgate, 'shape', None)}")
     if log_fgate.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"log_fgate: expected float32 (gate math is fp32), got {log_fgate.dtype}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
     if not 0.0 < tolerance < 1.0:
         raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
     if isinstance(logit_bound, torch.Tensor) and logit_bound.device != q.device:
@@ -82,6 +84,7 @@ def forgetting_attention(
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
+    window: int | None = None,
     prune: bool = False,
     tolerance: float = math.exp(-10),
     logit_bound: float | torch.Tensor | None = None,
@@ -98,6 +101,8 @@ def forgetting_attention(
         cu_seqlens: [N+1] int32 sequence offsets of packed input (B == 1): sequences never see each
             other and the gate cumsum restarts at every sequence.
         max_seqlen: longest sequence in ``cu_seqlens`` (saves a host sync on GPU).
+        window: sliding-window attention (FlashAttention's ``window_size=(window - 1, 0)``): query i
+            sees only keys j with i - window < j <= i; None: all of its past.
         prune: Adaptive Computation Pruning: skip the attention whose decay c_i - c_j is below
             delta = -(2U + log N) + log(tolerance), which carries less than ``tolerance`` of any row's mass.
         tolerance: the largest attention mass ACP may drop from a row.
@@ -112,8 +117,10 @@ def forgetting_attention(
     path (or through the Triton kernels under ``TRITON_INTERPRET=1``); float64 always takes the PyTorch path.
     ``foxlm.ops.use_backend`` overrides the choice for a block of code.
     """
-    _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, tolerance, logit_bound)
+    _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if window is not None and window >= k.shape[1]:
+        window = None  # the window holds every key: plain causal attention
     threshold = None
     if prune:
         threshold = acp_threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound)
@@ -121,8 +128,11 @@ def forgetting_attention(
         from .triton_attention import triton_forgetting_attention
 
         o, lse = triton_forgetting_attention(
-            q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, threshold=threshold
+            q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window,
+            threshold=threshold,
         )
     else:
-        o, lse = chunked_forgetting_attention(q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, threshold=threshold)
+        o, lse = chunked_forgetting_attention(
+            q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, window=window, threshold=threshold
+        )
     return (o, lse) if return_lse else o

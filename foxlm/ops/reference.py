@@ -42,13 +42,15 @@ def forgetting_attention_reference(
     *,
     scale: float | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    window: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention with logits ``scale * q_i . k_j + c_i - c_j``, computed naively.
 
     q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], log_fgate: [B, Tk, Hq].
     Queries are the last Tq positions. Hq must be a multiple of Hk (GQA). With ``cu_seqlens``
-    (B == 1, Tq == Tk) no query attends to another sequence and the gate cumsum restarts.
+    (B == 1, Tq == Tk) no query attends to another sequence and the gate cumsum restarts. With
+    ``window`` query i sees only keys j with i - window < j <= i.
     Returns o: [B, Tq, Hq, Dv] in q's dtype (and lse: [B, Hq, Tq] in the compute dtype).
     """
     B, Tq, Hq, D = q.shape
@@ -65,6 +67,8 @@ def forgetting_attention_reference(
     qpos = torch.arange(Tk - Tq, Tk, device=q.device)
     kpos = torch.arange(Tk, device=q.device)
     allowed = qpos[:, None] >= kpos[None, :]
+    if window is not None:
+        allowed = allowed & (qpos[:, None] - window < kpos[None, :])
     if cu_seqlens is not None:
         seg = segment_ids(cu_seqlens, Tk)
         allowed = allowed & (seg[Tk - Tq:, None] == seg[None, :])
