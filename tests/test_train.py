@@ -121,6 +121,12 @@ def test_loader_deterministic_and_split_over_processes(byte_data, packing):
             assert (b.input_ids[0, s + 1:e] != eot).all()
         starts = (b.input_ids[0] == eot).nonzero().view(-1).tolist()
         assert set(starts) <= set(cu)  # every document start opens a segment
+    if packing == "documents":  # one epoch of rows is the corpus, reordered by document: nothing repeated
+        steps = len(ds.tokens) // (8 * 48)
+        seen = np.concatenate([b.input_ids.view(-1).numpy() for s in range(steps) for b in one.batch(s)])
+        counts = np.bincount(np.asarray(ds.tokens), minlength=ds.meta["tokenizer"]["vocab_size"])
+        assert (np.bincount(seen, minlength=len(counts)) <= counts).all()
+        assert (seen == eot).sum() >= ds.num_docs - 1
 
 
 def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):

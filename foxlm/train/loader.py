@@ -91,18 +91,17 @@ class TokenLoader:
     def _document_row(self, index: int) -> tuple[np.ndarray, list[int]]:
         """Row ``index`` of the endless stream of shuffled documents, with its segment starts."""
         total = int(self.ds.doc_offsets[-1])
-        pos, tokens, starts = index * self.seq_len, [], []
-        while sum(len(t) for t in tokens) < self.seq_len:
+        pos, filled, pieces, starts = index * self.seq_len, 0, [], []
+        while filled < self.seq_len:
             epoch, offset = divmod(pos, total)
             order, cum = self._epoch(epoch)
-            d = int(np.searchsorted(cum, offset, side="right")) - 1
-            doc_start = int(self.ds.doc_offsets[order[d]])
-            within = offset - int(cum[d])
-            take = min(int(cum[d + 1]) - offset, self.seq_len - sum(len(t) for t in tokens))
-            starts.append(sum(len(t) for t in tokens))
-            tokens.append(np.asarray(self.ds.tokens[doc_start + within:doc_start + within + take]))
-            pos += take
-        return np.concatenate(tokens), starts
+            d = int(np.searchsorted(cum, offset, side="right")) - 1  # the document under stream position pos
+            src = int(self.ds.doc_offsets[order[d]]) + offset - int(cum[d])
+            take = min(int(cum[d + 1]) - offset, self.seq_len - filled)
+            starts.append(filled)
+            pieces.append(np.asarray(self.ds.tokens[src:src + take]))
+            filled, pos = filled + take, pos + take
+        return np.concatenate(pieces), starts
 
     def _rows(self, step: int, rows: np.ndarray) -> list[tuple[np.ndarray, list[int]]]:
         if self.packing == "windows":
