@@ -153,15 +153,17 @@ def _amax(x: torch.Tensor) -> float:
     return x.detach().abs().max().item()
 
 
-def _masked_reference(q, k, v, log_fgate, skip, seed, cu_seqlens=None):
-    """fp64 Forgetting Attention with the ``skip`` entries [B, Hq, Tq, Tk] left out: o, lse and the four
-    gradients of the same loss as ``_run``."""
+def _masked_reference(q, k, v, log_fgate, skip, seed, cu_seqlens=None, window=None):
+    """fp64 Forgetting Attention with the ``skip`` entries [B, Hq, Tq, Tk] left out (and keys outside the
+    ``window``): o, lse and the four gradients of the same loss as ``_run``."""
     q, k, v, log_fgate = (t.detach().double().requires_grad_() for t in (q, k, v, log_fgate))
     T, group = q.shape[1], q.shape[2] // k.shape[2]
     c = gate_cumsum(log_fgate, cu_seqlens).transpose(1, 2)
     logits = torch.einsum("bihd,bjhd->bhij", q, k.repeat_interleave(group, 2)) * q.shape[-1] ** -0.5
     logits = logits + c[..., :, None] - c[..., None, :]
     allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    if window is not None:
+        allowed = allowed & ~torch.ones(T, T, dtype=torch.bool).tril(-window)
     if cu_seqlens is not None:
         seg = segment_ids(cu_seqlens, T)
         allowed = allowed & (seg[:, None] == seg[None, :])
@@ -192,6 +194,54 @@ def test_acp_skips_exactly_the_tiles_below_delta(varlen):
     assert (out[0].double() - unpruned[0]).abs().max() > 1e-3  # the skipped tiles did matter
     per_head, _ = acp_stats(q, k, log_fgate, block_m=ta.INTERPRET_TILE, block_n=ta.INTERPRET_TILE, **kwargs)
     assert (per_head > 0).all()
+
+
+WINDOW_CASES = {
+    # name: (B, Tq, Tk, Hq, Hk, D, cu_seqlens, window); tiles are 16: windows inside a tile and across several
+    "w1": (2, 40, 40, 2, 1, 16, None, 1),
+    "w5-gqa2": (1, 40, 40, 4, 2, 16, None, 5),
+    "w20-tq<tk": (2, 21, 50, 2, 1, 32, None, 20),
+    "w9-varlen": (1, 58, 58, 2, 1, 16, [0, 1, 18, 19, 20, 57, 58], 9),
+    "w>=seqlen-varlen": (1, 58, 58, 2, 1, 16, [0, 1, 18, 19, 20, 57, 58], 40),  # wider than every sequence
+    "w>=T": (1, 40, 40, 2, 2, 16, None, 64),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOW_CASES))
+def test_sliding_window_matches_fp64_reference(name):
+    B, Tq, Tk, Hq, Hk, D, cu, window = WINDOW_CASES[name]
+    kwargs = dict(cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32), window=window)
+    inputs = _inputs(B, Tq, Tk, Hq, Hk, D, D)
+    seed = int(torch.randint(1 << 30, ()))
+    out, ref = _run(*inputs, seed=seed, **kwargs), _run(*inputs, seed=seed, reference=True, **kwargs)
+    if window > 1:
+        _assert_close(out, ref, rel=2e-5)
+        return
+    # Every query sees only itself: o_i = v_i, and the exact gate gradient is 0 (c_i - c_i), which the kernels
+    # leave as the fp32 cancellation of dlse_i against dS_ii, summed over T positions: compare absolutely.
+    v = inputs[2].detach()
+    torch.testing.assert_close(out[0], v.repeat_interleave(Hq // Hk, dim=2), rtol=0, atol=1e-6)
+    _assert_close(out[:5], ref[:5], rel=2e-5)
+    do, _ = _cotangents(out[0], out[1], seed)
+    atol = 4 * Tk * 6e-8 * do.norm(dim=-1).max().item() * v.norm(dim=-1).max().item()
+    assert ref[5].abs().max() == 0 and out[5].abs().max() < atol
+
+
+def test_acp_and_window_skip_exactly_their_tiles():
+    """A query block's first key tile is the later of ACP's and the window's: with a (deliberately too small)
+    logit bound, the forward and both backward loops leave out exactly the ACP-skipped tiles and the keys
+    outside the window. Head 0 forgets fast (ACP binds), head 1 slowly (the window binds)."""
+    T, window = 64, 24
+    q, k, v, _ = _inputs(1, T, T, 2, 2, 16, 16)
+    q = (3 * q).detach().requires_grad_()
+    log_fgate = F.logsigmoid(torch.randn(1, T, 2) + torch.tensor([1.0, 5.0])).requires_grad_()
+    kwargs = dict(logit_bound=0.0, tolerance=0.5)
+    out = _run(q, k, v, log_fgate, seed=6, prune=True, window=window, **kwargs)
+    delta = acp_threshold(q, k, scale=0.25, **kwargs).double()
+    skip = _skipped_tiles(gate_cumsum(log_fgate.detach()).transpose(1, 2), delta, None, ta.INTERPRET_TILE)
+    inside = ~torch.ones(T, T, dtype=torch.bool).tril(-window)
+    assert (skip[0, 0] & inside).any() and not skip[0, 1].any()  # ACP cuts inside head 0's window only
+    _assert_close(out, _masked_reference(q, k, v, log_fgate, skip, seed=6, window=window), rel=2e-5)
 
 
 def test_acp_pruned_mass_below_tolerance():

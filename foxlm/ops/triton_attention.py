@@ -16,6 +16,10 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
   blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
 * varlen: with ``cu_seqlens`` the grid runs over (sequence, block); no program crosses a sequence.
+* sliding window (``WINDOWED``, a constexpr: the full-causal kernels are unchanged): query i sees keys
+  j > i - window. Key tiles left of a query block's window are never visited (the first is the later of
+  the window's and ACP's boundary); the tiles the window edge crosses are masked. A key block's dK/dV
+  loop stops at the query block of its last key + window - 1.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels run on CPU tensors.
 """
@@ -74,6 +78,15 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def _visible(pos_q, pos_k, window, WINDOWED: tl.constexpr):
+    """Whether query position pos_q sees key position pos_k: causal, and within the window if WINDOWED."""
+    ok = pos_q >= pos_k
+    if WINDOWED:
+        ok = ok & (pos_q - window < pos_k)
+    return ok
+
+
+@triton.jit
 def _seq_bounds(CU, b, Tq, Tk, VARLEN: tl.constexpr):
     """(first token, query length, key length, query offset in key positions) of sequence/batch b."""
     if VARLEN:
@@ -100,9 +113,29 @@ def _tensor_batch(b, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, start_n, len_k,
+def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr, PRUNE: tl.constexpr,
+               WINDOWED: tl.constexpr):
+    """Key tiles of the query rows at positions [p0, p_last]: (lo, win_hi, mask_lo). Tiles before lo are
+    skipped (left of the window, or pruned by ACP), [lo, win_hi) cross the window's edge (masked), [win_hi,
+    mask_lo) need no mask, and the tiles from mask_lo to p_last cross the diagonal (masked)."""
+    mask_lo = (p0 // BLOCK_N) * BLOCK_N
+    lo = p0 * 0
+    if WINDOWED:
+        lo = (tl.maximum(p0 - window + 1, 0) // BLOCK_N) * BLOCK_N
+    if PRUNE:  # c is monotone: the first kept key of the block's first row, searched right of lo
+        thr = tl.load(thr_ptr).to(tl.float64)
+        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N) * BLOCK_N, mask_lo)
+    win_hi = lo
+    if WINDOWED:  # a tile needs no window mask once its first key is inside the last row's window
+        win_hi = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N, lo), mask_lo)
+    return lo, win_hi, mask_lo
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, start_n, len_k, window,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+              BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+              INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N)
@@ -116,10 +149,14 @@ def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_r
     ck = (ck - c_ref).to(tl.float32) * LOG2E
     s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
     if MASK:
-        s = tl.where((pos_m[:, None] >= kn[None, :]) & kvalid[None, :], s, float("-inf"))
+        s = tl.where(_visible(pos_m[:, None], kn[None, :], window, WINDOWED) & kvalid[None, :], s, float("-inf"))
     m_ij = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.math.exp2(s - m_ij[:, None])
-    alpha = tl.math.exp2(m_i - m_ij)
+    m_sub = m_ij
+    if MASK:
+        if WINDOWED:  # a row may have no visible key yet: subtract 0 from its -inf logits, not -inf
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+    p = tl.math.exp2(s - m_sub[:, None])
+    alpha = tl.math.exp2(m_i - m_sub)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_rows(v_base + kn.to(tl.int64)[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV,
                    MASK, BLOCK_DV != DV)
@@ -129,31 +166,32 @@ def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_r
 
 @triton.jit
 def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, lo, hi, len_k,
-               D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+               window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+               INTERPRET: tl.constexpr):
     if INTERPRET:  # Triton 3.6's interpreter cannot run range() over tensor bounds with NumPy >= 2.4
         start_n = lo
         while start_n < hi:
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
-                                      INTERPRET)
+                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK,
+                                      WINDOWED, PRECISION, INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
-                                      INTERPRET)
+                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK,
+                                      WINDOWED, PRECISION, INTERPRET)
     return acc, l_i, m_i
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                Tq, Tk, Hq, G: tl.constexpr, qk_scale,
+                Tq, Tk, Hq, G: tl.constexpr, qk_scale, window,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                VARLEN: tl.constexpr, PRUNE: tl.constexpr, PRECISION: tl.constexpr,
+                VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                 INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     pid_m = tl.program_id(0)
     hq = tl.program_id(1)
@@ -179,19 +217,22 @@ def _fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
     cq = (tl.load(c_base + off + offs_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
     pos_m = off + offs_m
     p_last = off + tl.minimum(i0 + BLOCK_M, len_q) - 1
-    mask_lo = (p0 // BLOCK_N) * BLOCK_N
-    lo = p0 * 0
-    if PRUNE:
-        thr = tl.load(THR + b * Hq + hq).to(tl.float64)
-        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N) * BLOCK_N, mask_lo)
+    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N, PRUNE, WINDOWED)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if WINDOWED:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                                   lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, WINDOWED,
+                                   PRECISION, INTERPRET)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                               lo, mask_lo, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, PRECISION, INTERPRET)
+                               win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, WINDOWED,
+                               PRECISION, INTERPRET)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                               mask_lo, p_last + 1, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, PRECISION,
-                               INTERPRET)
+                               mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, WINDOWED,
+                               PRECISION, INTERPRET)
+    if WINDOWED:  # padding rows past the sequence's end may see no key
+        l_i = tl.where(mvalid, l_i, 1.0)
     acc = acc / l_i[:, None]
     o_ptrs = O + bt * sob + hq * soh + rows[:, None] * sot + offs_dv[None, :]
     if BLOCK_DV != DV:
@@ -224,9 +265,10 @@ def _bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
 
 @triton.jit
 def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base, sqt, sot, c_ref,
-                   qk_scale, start_m, len_q, off,
+                   qk_scale, start_m, len_q, off, window,
                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                   BLOCK_M: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -245,7 +287,8 @@ def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l
     cq = (cq - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
     st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET) * qk_scale + (cq[None, :] - ck[:, None])
     if MASK:
-        st = tl.where(((off + offs_m)[None, :] >= kn[:, None]) & mvalid[None, :] & kvalid[:, None], st, float("-inf"))
+        st = tl.where(_visible((off + offs_m)[None, :], kn[:, None], window, WINDOWED) & mvalid[None, :]
+                      & kvalid[:, None], st, float("-inf"))
     pt = tl.math.exp2(st)
     dv = _dot(pt.to(do.dtype), do, dv, PRECISION, INTERPRET)
     dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
@@ -257,30 +300,32 @@ def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l
 
 @triton.jit
 def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base, sqt, sot, c_ref,
-                    qk_scale, lo, hi, len_q, off,
+                    qk_scale, lo, hi, len_q, off, window,
                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                    INTERPRET: tl.constexpr):
     if INTERPRET:
         start_m = lo
         while start_m < hi:
             dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base,
-                                         sqt, sot, c_ref, qk_scale, start_m, len_q, off,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION, INTERPRET)
+                                         sqt, sot, c_ref, qk_scale, start_m, len_q, off, window,
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, WINDOWED, PRECISION, INTERPRET)
             start_m += BLOCK_M
     else:
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base, d_base,
-                                         sqt, sot, c_ref, qk_scale, start_m, len_q, off,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, PRECISION, INTERPRET)
+                                         sqt, sot, c_ref, qk_scale, start_m, len_q, off, window,
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, WINDOWED, PRECISION, INTERPRET)
     return dk, dv, dck
 
 
 @triton.jit
 def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                 start_n, len_k,
+                 start_n, len_k, window,
                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N)
@@ -295,7 +340,8 @@ def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, sk
     ck = (ck - c_ref).to(tl.float32) * LOG2E
     s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
     if MASK:
-        s = tl.where((pos_m[:, None] >= kn[None, :]) & mvalid[:, None] & kvalid[None, :], s, float("-inf"))
+        s = tl.where(_visible(pos_m[:, None], kn[None, :], window, WINDOWED) & mvalid[:, None] & kvalid[None, :],
+                     s, float("-inf"))
     p = tl.math.exp2(s)
     dp = _dot(do, tl.trans(v), None, PRECISION, INTERPRET)
     ds = p * (dp - delta[:, None])
@@ -305,31 +351,32 @@ def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, sk
 
 @triton.jit
 def _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                  lo, hi, len_k,
+                  lo, hi, len_k, window,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     if INTERPRET:
         start_n = lo
         while start_n < hi:
-            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
-                                   INTERPRET)
+            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref,
+                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, WINDOWED,
+                              PRECISION, INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt,
-                                   c_ref, qk_scale, start_n, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, PRECISION,
-                                   INTERPRET)
+            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref,
+                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, WINDOWED,
+                              PRECISION, INTERPRET)
     return dq
 
 
 @triton.jit
 def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
-                    sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                    sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
-                    PRUNE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                    PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """dK, dV of key block [start_n, start_n + BLOCK_N1), summed over the G query heads of key head hk in a fixed
     order (a deterministic GQA reduction), and -colsum(dS) per query head into DCK."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -347,6 +394,11 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_
     lo = (tl.maximum(start_n - off, 0) // BLOCK_M1) * BLOCK_M1
     unmasked_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N1 - 1 - off, BLOCK_M1) * BLOCK_M1, lo)
     unmasked_hi = tl.maximum((len_q // BLOCK_M1) * BLOCK_M1, unmasked_lo)
+    last_q = len_q
+    if WINDOWED:  # rows past k_last + window - 1 see none of the block; rows past start_n + window - 1 not all of it
+        last_q = tl.minimum(last_q, tl.cdiv(tl.maximum(k_last + window - off, 0), BLOCK_M1) * BLOCK_M1)
+        unmasked_hi = tl.minimum(unmasked_hi,
+                                 tl.maximum((tl.maximum(start_n + window - off, 0) // BLOCK_M1) * BLOCK_M1, unmasked_lo))
     for g in range(G):
         hq = hk * G + g
         c_base = C + hq * sch + tok0
@@ -356,7 +408,7 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_
         do_base = DO + hq * soh + tok0.to(tl.int64) * sot
         c_ref = tl.load(c_base + start_n)
         ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
-        hi = len_q
+        hi = last_q
         if PRUNE:  # kept query blocks: a prefix, up to the last whose first row decays less than delta
             thr = tl.load(THR + b * Hq + hq).to(tl.float64)
             r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
@@ -364,13 +416,15 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_
         dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
         dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
                                       d_base, sqt, sot, c_ref, qk_scale, lo, tl.minimum(unmasked_lo, hi),
-                                      len_q, off, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
+                                      len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, WINDOWED,
+                                      PRECISION, INTERPRET)
         dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
                                       d_base, sqt, sot, c_ref, qk_scale, unmasked_lo, tl.minimum(unmasked_hi, hi),
-                                      len_q, off, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, False, PRECISION, INTERPRET)
+                                      len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, False, WINDOWED,
+                                      PRECISION, INTERPRET)
         dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, c_base, l_base,
-                                      d_base, sqt, sot, c_ref, qk_scale, unmasked_hi, hi, len_q, off,
-                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, PRECISION, INTERPRET)
+                                      d_base, sqt, sot, c_ref, qk_scale, unmasked_hi, hi, len_q, off, window,
+                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, WINDOWED, PRECISION, INTERPRET)
         tl.store(DCK + hq * sch + tok0 + kn, -dck, mask=kvalid)
     tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=kvalid[:, None] & (offs_d < D)[None, :])
@@ -380,10 +434,10 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_
 
 @triton.jit
 def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
-                  sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                  sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                  PRUNE: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                  PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """dQ of query block [start_m, start_m + BLOCK_M2) of query head hq."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -401,18 +455,21 @@ def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0,
     delta = tl.load(DELTA + hq * slh + tok0 + offs_m, mask=mvalid, other=0.0)
     cq = (tl.load(c_base + pos_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
     p_last = off + tl.minimum(start_m + BLOCK_M2, len_q) - 1
-    mask_lo = (p0 // BLOCK_N2) * BLOCK_N2
-    lo = p0 * 0
-    if PRUNE:
-        thr = tl.load(THR + b * Hq + hq).to(tl.float64)
-        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N2) * BLOCK_N2, mask_lo)
+    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N2, PRUNE,
+                                     WINDOWED)
     k_base = K + hk * skh + tok0.to(tl.int64) * skt
     v_base = V + hk * svh + tok0.to(tl.int64) * svt
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
+    if WINDOWED:
+        dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
+                           lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, WINDOWED,
+                           PRECISION, INTERPRET)
     dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                       lo, mask_lo, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, False, PRECISION, INTERPRET)
+                       win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, False, WINDOWED,
+                       PRECISION, INTERPRET)
     dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                       mask_lo, p_last + 1, len_k, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, PRECISION, INTERPRET)
+                       mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, WINDOWED,
+                       PRECISION, INTERPRET)
     tl.store(DQ + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=mvalid[:, None] & (offs_d < D)[None, :])
 
@@ -420,10 +477,10 @@ def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0,
 @triton.jit
 def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale,
+                Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale, window,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                 BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                VARLEN: tl.constexpr, PRUNE: tl.constexpr, PRECISION: tl.constexpr,
+                VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                 INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """Program (pid, hk, b): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
     query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
@@ -450,14 +507,14 @@ def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
     start_n = pid * BLOCK_N1
     if start_n < len_k:
         _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
-                        sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
-                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, PRUNE, PRECISION, INTERPRET)
+                        sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
+                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, PRUNE, WINDOWED, PRECISION, INTERPRET)
     start_m = pid * BLOCK_M2
     if start_m < len_q:
         for g in range(G):
             _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
-                          sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
-                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, PRUNE, PRECISION, INTERPRET)
+                          sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, PRUNE, WINDOWED, PRECISION, INTERPRET)
 
 
 # Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries, and
@@ -503,7 +560,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
 _INTERPRETED = isinstance(_fwd_kernel, InterpretedFunction)
-_TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE"]
+_TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE", "WINDOWED"]
 _fwd = triton.autotune(
     _configs(_FWD_TILES, ("BLOCK_M", "BLOCK_N")), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
 )(_fwd_kernel)
@@ -538,7 +595,7 @@ def _len_bucket(n: int) -> int:
 
 class _ForgettingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, threshold):
+    def forward(ctx, q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold):
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         B, Tq, Hq, D = q.shape
         Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -556,7 +613,7 @@ class _ForgettingAttention(torch.autograd.Function):
         cu = cu_seqlens if cu_seqlens is not None else lse
         meta = dict(
             D=D, DV=Dv, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
-            VARLEN=cu_seqlens is not None, PRUNE=threshold is not None,
+            VARLEN=cu_seqlens is not None, PRUNE=threshold is not None, WINDOWED=window is not None,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
         )
         bucket = _len_bucket(len_k)
@@ -566,8 +623,9 @@ class _ForgettingAttention(torch.autograd.Function):
 
         _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, thr, o, lse, cu,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-                *lse.stride()[:2], Tq, Tk, Hq, Hq // Hk, scale * LOG2E.value, LEN_BUCKET=bucket, **meta)
+                *lse.stride()[:2], Tq, Tk, Hq, Hq // Hk, scale * LOG2E.value, window or 0, LEN_BUCKET=bucket, **meta)
         ctx.save_for_backward(q, k, v, o, lse, c, cu, thr)
+        ctx.window = window
         ctx.scale, ctx.meta, ctx.dims = scale, meta, (n_seq, len_q, len_k, bucket)
         ctx.varlen = cu_seqlens is not None
         return o, lse
@@ -593,13 +651,13 @@ class _ForgettingAttention(torch.autograd.Function):
 
         _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dck, cu,
                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-                *lse.stride()[:2], Tq, Tk, Hq, Hk, Hq // Hk, ctx.scale * LOG2E.value, ctx.scale,
+                *lse.stride()[:2], Tq, Tk, Hq, Hk, Hq // Hk, ctx.scale * LOG2E.value, ctx.scale, ctx.window or 0,
                 LEN_BUCKET=bucket, **meta)
         dc = dck.double()
         if dlse is not None:  # rowsum(dS), the query side of the gate gradient
             dc[..., Tk - Tq:] += dlse
         dlog_fgate = _reverse_cumsum(dc, cu if ctx.varlen else None).transpose(1, 2).float()
-        return dq, dk, dv, dlog_fgate, None, None, None, None
+        return dq, dk, dv, dlog_fgate, None, None, None, None, None
 
 
 def triton_forgetting_attention(
@@ -611,14 +669,16 @@ def triton_forgetting_attention(
     scale: float,
     cu_seqlens: torch.Tensor | None,
     max_seqlen: int | None,
-    threshold: torch.Tensor | None,
+    window: int | None = None,
+    threshold: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Forgetting Attention (inputs validated by ``forgetting_attention``), differentiable in all four.
 
     q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], log_fgate: [B, Tk, Hq] fp32.
-    cu_seqlens: [N+1] int32 (B == 1) or None; threshold: ACP delta [B or N, Hq] fp32, or None.
+    cu_seqlens: [N+1] int32 (B == 1) or None; window: query i sees keys j > i - window, or None;
+    threshold: ACP delta [B or N, Hq] fp32, or None.
     Returns o: [B, Tq, Hq, Dv] in q's dtype and lse: [B, Hq, Tq] fp32.
     """
     if q.device.type == "cpu" and not _INTERPRETED:
         raise ValueError("q: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.triton_attention is imported")
-    return _ForgettingAttention.apply(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, threshold)
+    return _ForgettingAttention.apply(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold)
