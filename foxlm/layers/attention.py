@@ -45,8 +45,8 @@ def dense_forgetting_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention with logits ``scale * q_i . k_j + c_i - c_j`` from a given gate cumsum, by query chunks.
 
-    For what the fused op does not cover: sliding windows, attention probabilities for inspection and
-    attention of new queries against a KV cache that holds c rather than log gates. Plain autograd.
+    For what the fused op does not cover: attention probabilities for inspection and attention of new
+    queries against a KV cache that holds c rather than log gates. Plain autograd.
 
     q: [B, Tq, Hq, D] (the last Tq positions), k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv],
     c_q: [B, Tq, Hq], c_k: [B, Tk, Hq] gate cumsums (fp64 or fp32; None: no gate),
@@ -100,20 +100,22 @@ def attend_sequence(
     tolerance: float = math.exp(-10),
     return_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal attention of whole sequences, choosing the path: the fused op, SDPA, or the dense path.
+    """Causal attention of whole sequences, choosing the path: the fused op, SDPA, or (only to return the
+    probabilities) the dense path.
 
     q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 (None: no gate,
-    plain softmax attention). ``segments`` (packed documents, padding) keeps every segment to itself.
+    plain softmax attention). ``segments`` (packed documents, padding) keeps every segment to itself;
+    ``window``: query i sees keys j with i - window < j <= i.
     Returns o: [B, T, Hq, Dv] and the probabilities [B, Hq, T, T] when ``return_probs``.
     """
     B, T, Hq, _ = q.shape
-    if return_probs or window is not None:
+    if return_probs:
         c = None if log_fgate is None else gate_cumsum(log_fgate)
         seg = None if segments is None else segments.ids
         return dense_forgetting_attention(
             q, k, v, c, c, scale=scale, window=window, seg_q=seg, seg_k=seg, return_probs=return_probs
         )
-    if log_fgate is None and segments is None:
+    if log_fgate is None and segments is None and window is None:
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
             enable_gqa=k.shape[2] != Hq,
@@ -121,7 +123,7 @@ def attend_sequence(
         return o.transpose(1, 2), None
     if log_fgate is None:
         log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
-    kwargs = dict(scale=scale, prune=prune, logit_bound=logit_bound, tolerance=tolerance)
+    kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance)
     if segments is None:
         return forgetting_attention(q, k, v, log_fgate, **kwargs), None
     # the segments index the flattened batch: rows become packed sequences of one long row
