@@ -65,7 +65,7 @@ def _losses(run) -> dict[int, float]:
     return out
 
 
-def test_config_errors_name_the_key(tmp_path):
+def test_config_errors_name_the_key(tmp_path, capsys):
     with pytest.raises(ValueError, match="learning_rate: unknown config key"):
         load_config(None, ["learning_rate=1"])
     with pytest.raises(ValueError, match="model.hidden: not a FoxConfig field"):
@@ -77,6 +77,10 @@ def test_config_errors_name_the_key(tmp_path):
     (tmp_path / "c.yaml").write_text("arch: fox-llama\nmodel: {acp: true}\nlr: 2.0e-3\n")
     cfg = load_config(tmp_path / "c.yaml", ["max_steps=7", "model.window=64"])
     assert (cfg.arch, cfg.model, cfg.lr, cfg.max_steps) == ("fox-llama", {"acp": True, "window": 64}, 2e-3, 7)
+    from foxlm.cli import main
+
+    assert main(["train", "bogus=1"]) == 2  # a clear error, no traceback
+    assert "bogus: unknown config key" in capsys.readouterr().err
     default = load_config()
     assert (default.arch, default.size, default.data, default.tokenizer) == ("fox-pro", "tiny", "shakespeare", "gpt2")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(subparsers) -> None:
@@ -21,7 +22,11 @@ def _train(args: argparse.Namespace) -> int:
     from .config import load_config
     from .trainer import train
 
-    cfg = load_config(args.config, args.overrides)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"foxlm train: error: {e}", file=sys.stderr)
+        return 2
     summary = train(cfg)
     print(f"step {summary['step']}: train loss {summary.get('loss', float('nan')):.4f}"
           + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
