@@ -8,8 +8,8 @@ gradient clipping, one sequence of ``--seq-len`` (16,384) random tokens per step
 - ``hf-llama``: transformers ``LlamaForCausalLM`` on SDPA (the RoPE Transformer peer of the anchors)
 - ``transformer-pro``: foxlm's Transformer (Pro) baseline (SDPA)
 - ``fox-pro``: FoX (Pro), no ACP
-- ``fox-pro+acp``: FoX (Pro) with ACP, forget-gate biases set to the "standard" profile of the attention benchmark (per-head
-  decay times log-spaced 16..16,384 tokens: a stand-in for trained gates; at initialization, f ~ 0.5 decays so
+- ``fox-pro+acp``: FoX (Pro) with ACP, forget-gate biases set to the attention benchmark's "standard" profile
+  (per-head decay times log-spaced 16..16,384 tokens: a stand-in for trained gates; at initialization, f ~ 0.5 decays so
   fast that ACP would prune almost everything, which is reported as ``fox-pro+acp@init`` for reference only)
 
 MFU = tokens/s x (6 x non-embedding parameters + 6 x layers x T x heads x head_dim) / peak (989 TF/s bf16 dense
@@ -96,10 +96,8 @@ def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None) 
     fox_config = config or FoxConfig.preset("transformer-llama", "125m")
     per_token = flops_per_token(fox_config, num_params, seq_len)
     result = {"name": name, "ms_per_step": ms, "tokens_per_s": tps, "params_m": num_params / 1e6,
-              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": float(loss),
+              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item(),
               "mfu": tps * per_token / (peak * 1e12) if peak else None}
-    del model, opt
-    torch.cuda.empty_cache()
     return result
 
 
@@ -118,6 +116,7 @@ def main() -> None:
     results = []
     for name in args.models:
         r = bench(name, args.seq_len, args.steps, args.warmup, peak)
+        torch.cuda.empty_cache()  # the model and optimizer of one case are gone before the next
         results.append(r)
         print(f"{name:>18}: {r['tokens_per_s']:>9,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step  "
               f"{r['peak_mem_gib']:5.1f} GiB  MFU {100 * (r['mfu'] or 0):4.1f}%", flush=True)

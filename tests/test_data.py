@@ -165,7 +165,7 @@ def test_prepare_sharding_and_workers_agree(tmp_path, plays):
     """Small shards (many files) and in-process tokenization give the same token stream."""
     rng = random.Random()
     _write_corpus(tmp_path, rng, plays)
-    ref = prepare([tmp_path / "a"], tmp_path / "one", tokenizer="byte", workers=0, progress=False)
+    prepare([tmp_path / "a"], tmp_path / "one", tokenizer="byte", workers=0, progress=False)
     many = prepare([tmp_path / "a"], tmp_path / "many", tokenizer="byte", workers=2, progress=False,
                    shard_tokens=3000)
     assert len(many["splits"]["train"]["shards"]) > 2

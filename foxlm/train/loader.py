@@ -47,7 +47,8 @@ class TokenLoader:
             raise ValueError(f"batch_size: {batch_size} is not a multiple of micro_batch_size ({micro_batch_size}) "
                              f"x processes ({world_size})")
         if len(dataset.tokens) < seq_len + 1:
-            raise ValueError(f"seq_len: {seq_len} is longer than the {dataset.split} split ({len(dataset.tokens)} tokens)")
+            raise ValueError(f"seq_len: {seq_len} is longer than the {dataset.split} split "
+                             f"({len(dataset.tokens)} tokens)")
         if packing not in ("windows", "documents"):
             raise ValueError(f"packing: expected 'windows' or 'documents', got {packing!r}")
         self.ds, self.seq_len, self.batch_size, self.micro = dataset, seq_len, batch_size, micro_batch_size
