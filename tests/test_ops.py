@@ -217,3 +217,17 @@ def test_differing_devices_raise():
     q, _, v, log_f = _inputs(1, 16, 16, 2, 2, 8)
     with pytest.raises(ValueError, match="device"):
         forgetting_attention(q, meta_k, v, log_f)
+
+
+def test_acp_threshold_tightens_with_a_window():
+    """A row sees at most `window` keys, so N = window in delta: a higher threshold, still within tolerance."""
+    from foxlm.ops import acp_threshold
+
+    q, k, v, log_f = _inputs(1, 300, 300, 2, 2, 16)
+    log_f = log_f - 0.3
+    wide = acp_threshold(q, k, scale=0.25, tolerance=1e-4)
+    narrow = acp_threshold(q, k, scale=0.25, tolerance=1e-4, window=16)
+    torch.testing.assert_close(narrow - wide, torch.full_like(wide, math.log(300 / 16)))
+    o = forgetting_attention(q, k, v, log_f, window=16, prune=True, tolerance=1e-4)
+    ro = forgetting_attention_reference(q, k, v, log_f, window=16)
+    assert (o - ro).abs().max() < 2e-4 * v.abs().max()

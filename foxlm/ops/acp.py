@@ -56,14 +56,20 @@ def acp_threshold(
     cu_seqlens: torch.Tensor | None = None,
     tolerance: float = math.exp(-10),
     logit_bound: float | torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """ACP's delta per (sequence, query head): [B or N, Hq] fp32, from the data's norms or ``logit_bound``."""
+    """ACP's delta per (sequence, query head): [B or N, Hq] fp32, from the data's norms or ``logit_bound``.
+
+    With a sliding ``window`` a row sees at most ``window`` keys, so N = min(sequence length, window).
+    """
     if logit_bound is None:
         bound = data_logit_bound(q.detach(), k.detach(), scale, cu_seqlens)
     else:
         rows = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
         bound = torch.as_tensor(logit_bound, dtype=torch.float32, device=q.device).expand(rows, q.shape[2])
     n = k.shape[1] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1])
+    if window is not None:
+        n = torch.as_tensor(n).clamp_max(window)
     return prune_threshold(bound, n, tolerance)
 
 

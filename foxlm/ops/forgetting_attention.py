@@ -123,7 +123,9 @@ def forgetting_attention(
         window = None  # the window holds every key: plain causal attention
     threshold = None
     if prune:
-        threshold = acp_threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound)
+        threshold = acp_threshold(
+            q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound, window=window
+        )
     if use_triton(q):
         from .triton_attention import triton_forgetting_attention
 
