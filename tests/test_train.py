@@ -224,3 +224,13 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
     val = [json.loads(line)["val_loss"] for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()
            if "val_loss" in line]
     assert len(val) == 2 and val[-1] < 0.6 * math.log(257)
+
+
+def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
+    """compile=true (torch.compile of every block, inductor on the CPU) trains to the eager losses."""
+    extra = ["max_steps=2", "eval_every=0", "save_every=0"]
+    train(_cfg(byte_data, tmp_path / "eager", *extra))
+    train(_cfg(byte_data, tmp_path / "compiled", *extra, "compile=true"))
+    eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys() == {1, 2}
+    assert all(compiled[k] == pytest.approx(eager[k], rel=1e-4) for k in eager)
