@@ -54,25 +54,32 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
         raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
     if isinstance(logit_bound, torch.Tensor) and logit_bound.device != q.device:
         raise ValueError(f"logit_bound: on {logit_bound.device}, but q is on {q.device}")
-    check_values = _checking_values()
-    if check_values and bool((~(log_fgate <= 0) | log_fgate.isinf()).any()):
-        raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError("max_seqlen: only meaningful together with cu_seqlens")
+    else:
+        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but q is on {q.device}")
+        if B != 1 or Tq != Tk:
+            raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
+    if not _checking_values():
         return
-    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
-    if cu_seqlens.device != q.device:
-        raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but q is on {q.device}")
-    if B != 1 or Tq != Tk:
-        raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
-    if check_values:
+    # Every value check in one device tensor, read back with a single host sync.
+    flags = [(~(log_fgate <= 0) | log_fgate.isinf()).any()]
+    if cu_seqlens is not None:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != Tk or bool((lengths < 0).any()):
-            raise ValueError(f"cu_seqlens: expected sorted offsets from 0 to T={Tk}, got {cu_seqlens.tolist()}")
-        if max_seqlen is not None and int(lengths.max()) > max_seqlen:
-            raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence, {int(lengths.max())}")
+        flags.append((cu_seqlens[0] != 0) | (cu_seqlens[-1] != Tk) | (lengths < 0).any())
+        if max_seqlen is not None:
+            flags.append(lengths.max() > max_seqlen)
+    bad = torch.stack(flags).tolist()
+    if bad[0]:
+        raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
+    if len(bad) > 1 and bad[1]:
+        raise ValueError(f"cu_seqlens: expected sorted offsets from 0 to T={Tk}, got {cu_seqlens.tolist()}")
+    if len(bad) > 2 and bad[2]:
+        raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence, {int(lengths.max())}")
 
 
 def forgetting_attention(
