@@ -62,10 +62,16 @@ def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
     return model, config
 
 
-def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None) -> dict:
+def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, compile: bool = False,
+          profile: Path | None = None) -> dict:
+    """Time ``steps`` training steps of one model; ``compile``: torch.compile each decoder block (foxlm's
+    ``compile=true``, and the same for the Llama layers); ``profile``: write the step's top CUDA kernels there."""
     torch.manual_seed(0)
     model, config = build(name, seq_len)
     model = model.cuda().train()
+    if compile:
+        for block in model.model.layers:
+            block.compile()
     num_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
     ids = torch.randint(0, 50257, (1, seq_len), device="cuda")
@@ -91,11 +97,21 @@ def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None) 
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
+    if profile is not None:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        profile.mkdir(parents=True, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
+        (profile / f"profile-{name.replace('+', '_').replace('@', '_')}{'-compiled' if compile else ''}.txt").write_text(table)
     ms = statistics.median(times)
     tps = seq_len / (ms / 1e3)
     fox_config = config or FoxConfig.preset("transformer-llama", "125m")
     per_token = flops_per_token(fox_config, num_params, seq_len)
-    result = {"name": name, "ms_per_step": ms, "tokens_per_s": tps, "params_m": num_params / 1e6,
+    result = {"name": name + (" (compiled)" if compile else ""), "ms_per_step": ms, "tokens_per_s": tps, "params_m": num_params / 1e6,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item(),
               "mfu": tps * per_token / (peak * 1e12) if peak else None}
     return result
@@ -108,6 +124,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--models", nargs="+",
                    default=["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"])
+    p.add_argument("--compile", action="store_true", help="torch.compile each decoder block of every model")
+    p.add_argument("--profile", type=Path, help="also write each model's top CUDA kernels of one step here")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
@@ -115,16 +133,17 @@ def main() -> None:
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     results = []
     for name in args.models:
-        r = bench(name, args.seq_len, args.steps, args.warmup, peak)
+        r = bench(name, args.seq_len, args.steps, args.warmup, peak, args.compile, args.profile)
         torch.cuda.empty_cache()  # the model and optimizer of one case are gone before the next
         results.append(r)
-        print(f"{name:>18}: {r['tokens_per_s']:>9,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step  "
+        print(f"{r['name']:>18}: {r['tokens_per_s']:>9,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step  "
               f"{r['peak_mem_gib']:5.1f} GiB  MFU {100 * (r['mfu'] or 0):4.1f}%", flush=True)
     by_name = {r["name"]: r["tokens_per_s"] for r in results}
     for r in results:
         for peer in ("hf-llama", "transformer-pro"):
-            if peer in by_name:
-                r[f"vs_{peer}"] = r["tokens_per_s"] / by_name[peer]
+            peer_name = peer + (" (compiled)" if args.compile else "")
+            if peer_name in by_name:
+                r[f"vs_{peer}"] = r["tokens_per_s"] / by_name[peer_name]
     import transformers
 
     date = datetime.date.today().isoformat()
@@ -133,7 +152,7 @@ def main() -> None:
               "peak_tflops": peak, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"train-{date}.json").write_text(json.dumps(record, indent=1))
+    (out / f"train-{date}{'-compiled' if args.compile else ''}.json").write_text(json.dumps(record, indent=1))
     for r in results:
         print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ("vs_hf-llama", "vs_transformer-pro")
                                                 if k in r))
