@@ -1,0 +1,151 @@
+"""``linear_cross_entropy``: the LM head and the cross-entropy loss in one op, a chunk of rows at a time, so the
+[N, V] logits (and their gradient) never exist at once.
+
+With reduction "mean" or "sum" the gradients are computed during the forward, chunk by chunk (as in
+Liger-Kernel's fused linear cross-entropy), and only scaled by the incoming gradient in the backward; with
+"none" the backward recomputes each chunk's logits. Pure PyTorch: the two matmuls per chunk dominate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+REDUCTIONS = ("mean", "sum", "none")
+# Rows per chunk by default: one chunk's fp32 logits take about 2**26 * 4 bytes = 256 MB.
+_CHUNK_ELEMENTS = 2**26
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    """Rows per chunk so that a chunk's fp32 logits stay around 256 MB (a multiple of 128 rows when that big)."""
+    rows = max(1, _CHUNK_ELEMENTS // vocab_size)
+    return rows - rows % 128 if rows >= 128 else rows
+
+
+def _validate(hidden, weight, labels, reduction, chunk_size) -> None:
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden: expected a 2-D tensor [N, C], got {getattr(hidden, 'shape', type(hidden))}")
+    N, C = hidden.shape
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != C or weight.shape[0] < 1:
+        raise ValueError(f"weight: expected a 2-D tensor [V, C={C}] with V >= 1, got {getattr(weight, 'shape', type(weight))}")
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
+    if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (N,):
+        raise ValueError(f"labels: expected a 1-D tensor [N={N}], got {getattr(labels, 'shape', type(labels))}")
+    if labels.dtype != torch.int64:
+        raise ValueError(f"labels: expected int64 class indices, got {labels.dtype}")
+    for name, t in (("weight", weight), ("labels", labels)):
+        if t.device != hidden.device:
+            raise ValueError(f"{name}: on {t.device}, but hidden is on {hidden.device}; all inputs must share a device")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size: expected a positive number of rows (int) or None, got {chunk_size!r}")
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's for the device when it is on (float64 inputs stay float64, as under
+    autocast), else the inputs' own dtype, which must then match."""
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device) and torch.float64 not in (hidden.dtype, weight.dtype):
+        return torch.get_autocast_dtype(device)
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight: expected hidden's dtype {hidden.dtype} (outside autocast), got {weight.dtype}")
+    return hidden.dtype
+
+
+def _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, row_scale=None, need_dh=False, need_dw=False):
+    """One pass over chunks of rows: per-row losses [N] (fp32, fp64 for fp64 matmuls; 0 at ignored rows) and,
+    given ``row_scale`` [N], dh = G @ W and dW = G^T @ hidden for G = (softmax - onehot) * row_scale
+    (None where not needed), in the dtypes of hidden and weight, dW summed over chunks in fp32 or wider."""
+    acc = torch.promote_types(dtype, torch.float32)
+    N = hidden.shape[0]
+    w = weight.to(dtype)
+    losses = torch.empty(N, dtype=acc, device=hidden.device)
+    dh = torch.empty_like(hidden) if need_dh else None
+    dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
+    with torch.autocast(hidden.device.type, enabled=False):
+        for start in range(0, N, chunk_size):
+            rows = slice(start, start + chunk_size)
+            x, y = hidden[rows].to(dtype), labels[rows]
+            counted = y != ignore_index
+            target = torch.where(counted, y, 0)[:, None]
+            logits = (x @ w.T).to(acc)
+            lse = torch.logsumexp(logits, dim=-1)
+            losses[rows] = torch.where(counted, lse - logits.gather(1, target)[:, 0], 0)
+            if row_scale is None:
+                continue
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g.scatter_add_(1, target, torch.full_like(target, -1, dtype=acc))
+            g = g.mul_(torch.where(counted, row_scale[rows].to(acc), 0)[:, None]).to(dtype)
+            if need_dh:
+                dh[rows] = g @ w
+            if need_dw:
+                if dtype == acc:
+                    dw.addmm_(g.T, x)
+                else:
+                    dw += g.T @ x
+    return losses, dh, None if dw is None else dw.to(weight.dtype)
+
+
+def _reduce(losses: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
+    total = losses.sum()
+    return total / count.clamp_min(1) if reduction == "mean" else total
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, reduction, chunk_size, dtype):
+        ctx.args = ignore_index, chunk_size, dtype
+        ctx.reduction = reduction
+        if reduction == "none":
+            ctx.save_for_backward(hidden, weight, labels)
+            return _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype)[0]
+        count = (labels != ignore_index).sum()
+        scale = torch.ones((), dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)
+        if reduction == "mean":
+            scale = scale / count.clamp_min(1)
+        losses, dh, dw = _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, scale.expand(labels.shape),
+                                *ctx.needs_input_grad[:2])
+        ctx.save_for_backward(dh, dw)
+        return _reduce(losses, count, reduction)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.reduction == "none":
+            hidden, weight, labels = ctx.saved_tensors
+            _, dh, dw = _sweep(hidden, weight, labels, *ctx.args, grad, *ctx.needs_input_grad[:2])
+        else:
+            dh, dw = ctx.saved_tensors
+            dh = None if dh is None else dh * grad.to(dh.dtype)
+            dw = None if dw is None else dw * grad.to(dw.dtype)
+        return dh, dw, None, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of the logits ``hidden @ weight.T`` against ``labels``, ``chunk_size`` rows at a time.
+
+    hidden: [N, C]; weight: [V, C] (an LM head without bias); labels: [N] int64, in [0, V) or ``ignore_index``
+    (such rows count nothing). Row i's loss is logsumexp(z_i) - z_i[labels_i] with z_i = hidden_i @ weight.T,
+    the softmax math in fp32 (fp64 for fp64 inputs). Under autocast the matmuls run in autocast's dtype.
+    reduction: "mean" over counted rows (0 when none), "sum", or "none": [N] per-row losses (0 at ignored rows).
+    chunk_size: rows per chunk (default: ``default_chunk_size(V)``, about 256 MB of fp32 logits).
+    Gradients come back in the dtypes of hidden and weight. With "mean"/"sum" and grad enabled, the forward
+    already computes them (keeping a [N, C] and a [V, C] tensor until the backward).
+    """
+    _validate(hidden, weight, labels, reduction, chunk_size)
+    dtype = _compute_dtype(hidden, weight)
+    chunk_size = chunk_size or default_chunk_size(weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, labels, ignore_index, reduction, chunk_size, dtype)
+    losses = _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype)[0]
+    return losses if reduction == "none" else _reduce(losses, (labels != ignore_index).sum(), reduction)
