@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.token_shift import token_shift
+
 
 class TokenShift(nn.Module):
     """y_t = alpha_t * x_{t-1} + (1 - alpha_t) * x_t per head, alpha_t = sigmoid(w_h . h_t).
@@ -27,13 +29,6 @@ class TokenShift(nn.Module):
     ) -> torch.Tensor:
         """x: [B, T, H, D] projections to shift, h: [B, T, C] layer input (gives alpha),
         prev: [B, H, D] the x of the token before x[:, 0] (decoding with a cache; None = zeros),
-        reset: [B, T] bool, True where token t must not see token t-1. Returns [B, T, H, D]."""
-        alpha = torch.sigmoid(self.proj(h)).to(x.dtype)[..., None]  # [B, T, H, 1]
-        if prev is None:
-            prev = x.new_zeros(x.shape[0], 1, *x.shape[2:])
-        else:
-            prev = prev[:, None].to(x.dtype)
-        x_prev = torch.cat([prev, x[:, :-1]], dim=1)
-        if reset is not None:
-            x_prev = x_prev.masked_fill(reset[..., None, None], 0.0)
-        return alpha * x_prev + (1 - alpha) * x
+        reset: [B, T] bool, True where token t must not see token t-1. Returns [B, T, H, D] (fused
+        ``foxlm.ops.token_shift``, computed in fp32)."""
+        return token_shift(x, self.proj(h), prev=prev, reset=reset)
