@@ -28,7 +28,7 @@ except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path r
         return fn
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_BLOCK_ELEMENTS = 4096  # rows per program: this many elements over BLOCK_D columns
+_BLOCK_ELEMENTS = 4096  # elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_D rows
 
 
 @_jit
