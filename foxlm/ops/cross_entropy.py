@@ -27,7 +27,8 @@ def _validate(hidden, weight, labels, reduction, chunk_size) -> None:
         raise ValueError(f"hidden: expected a 2-D tensor [N, C], got {getattr(hidden, 'shape', type(hidden))}")
     N, C = hidden.shape
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != C or weight.shape[0] < 1:
-        raise ValueError(f"weight: expected a 2-D tensor [V, C={C}] with V >= 1, got {getattr(weight, 'shape', type(weight))}")
+        got = getattr(weight, "shape", type(weight))
+        raise ValueError(f"weight: expected a 2-D tensor [V, C={C}] with V >= 1, got {got}")
     for name, t in (("hidden", hidden), ("weight", weight)):
         if t.dtype not in _DTYPES:
             raise ValueError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
