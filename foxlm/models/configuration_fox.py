@@ -40,6 +40,8 @@ class FoxConfig(PretrainedConfig):
         rope, rope_theta: rotary embedding (Transformer baselines).
         window: sliding-window attention length (None: full causal).
         acp, acp_tolerance: Adaptive Computation Pruning in training/eval forwards, and its epsilon.
+        fuse_cross_entropy: training forwards with labels compute the LM head and loss a chunk of tokens at a
+            time (``foxlm.ops.cross_entropy``) and return no logits.
     """
 
     model_type = "fox"
@@ -67,6 +69,7 @@ class FoxConfig(PretrainedConfig):
         window: int | None = None,
         acp: bool = False,
         acp_tolerance: float = math.exp(-10),
+        fuse_cross_entropy: bool = True,
         use_cache: bool = True,
         bos_token_id: int | None = 50256,
         eos_token_id: int | None = 50256,
@@ -97,6 +100,7 @@ class FoxConfig(PretrainedConfig):
         self.window = window
         self.acp = acp
         self.acp_tolerance = acp_tolerance
+        self.fuse_cross_entropy = fuse_cross_entropy
         self.use_cache = use_cache
         self._check()
         super().__init__(
@@ -130,7 +134,8 @@ class FoxConfig(PretrainedConfig):
             )
         if self.gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {self.gate!r}")
-        for name in ("qk_norm", "output_gate", "output_norm", "k_shift", "v_shift", "rope", "acp"):
+        for name in ("qk_norm", "output_gate", "output_norm", "k_shift", "v_shift", "rope", "acp",
+                     "fuse_cross_entropy"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.rope and self.head_dim % 2:

@@ -19,6 +19,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..layers import ForgettingAttention, RMSNorm, Segments, SwiGLU
+from ..ops.cross_entropy import linear_cross_entropy
 from .cache import FoxCache
 from .configuration_fox import FoxConfig
 
@@ -225,7 +226,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         """input_ids: [B, T]; labels: [B, T] (shifted inside: position i predicts labels[i+1]; -100 is
         ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
         logits_to_keep: compute logits for the last n positions only (0: all). Other arguments as in
-        ``FoxModel.forward``; .logits: [B, T, V]."""
+        ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
+        and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -242,19 +244,22 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         h = out.last_hidden_state
         if logits_to_keep and labels is None:
             h = h[:, -logits_to_keep:]
-        logits = self.lm_head(h)
-        loss = per_token = None
-        if labels is not None:
-            if labels.shape != logits.shape[:2]:
-                raise ValueError(f"labels: expected shape {tuple(logits.shape[:2])}, got {tuple(labels.shape)}")
-            targets = labels[:, 1:]
-            per_token = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
-                targets.flatten(),
-                ignore_index=-100,
-                reduction="none",
-            ).view(targets.shape)
-            loss = per_token.sum() / (targets != -100).sum().clamp_min(1)
+        logits = loss = per_token = None
+        if labels is not None and labels.shape != h.shape[:2]:
+            raise ValueError(f"labels: expected shape {tuple(h.shape[:2])}, got {tuple(labels.shape)}")
+        if labels is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
+            loss = linear_cross_entropy(h[:, :-1].flatten(0, 1), self.lm_head.weight, labels[:, 1:].flatten())
+        else:
+            logits = self.lm_head(h)
+            if labels is not None:
+                targets = labels[:, 1:]
+                per_token = F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                    targets.flatten(),
+                    ignore_index=-100,
+                    reduction="none",
+                ).view(targets.shape)
+                loss = per_token.sum() / (targets != -100).sum().clamp_min(1)
         return FoxCausalLMOutput(
             loss=loss,
             logits=logits,
