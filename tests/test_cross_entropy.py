@@ -1,0 +1,184 @@
+"""linear_cross_entropy against plain logits + F.cross_entropy in fp64, and the fused loss in FoxForCausalLM."""
+
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.ops.cross_entropy import default_chunk_size, linear_cross_entropy
+
+N, C, V = 37, 24, 101  # 37 rows: chunks of 8 leave a partial one; V not a power of two
+
+
+def _inputs(dtype, seed=0, n=N):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, C, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, C, generator=gen, dtype=torch.float64) / C**0.5
+    labels = torch.randint(0, V, (n,), generator=gen)
+    labels[torch.rand(n, generator=gen) < 0.3] = -100
+    return hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), labels
+
+
+def _loss_and_grads(fn, hidden, weight, labels, reduction, upstream):
+    loss = fn(hidden, weight, labels, reduction=reduction)
+    grads = torch.autograd.grad(loss, (hidden, weight), upstream.to(loss.dtype))
+    return loss, grads
+
+
+def _reference(hidden, weight, labels, reduction="mean"):
+    logits = hidden.double() @ weight.double().T
+    loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction=reduction)
+    return torch.nan_to_num(loss)  # "mean" of no counted rows is 0/0 in F.cross_entropy
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("chunk_size", [8, None])
+def test_loss_and_grads_match_fp64_reference(reduction, dtype, tol, chunk_size):
+    hidden, weight, labels = _inputs(dtype)
+    upstream = torch.randn(N if reduction == "none" else (), generator=torch.Generator().manual_seed(5))
+    exact = [x.detach().double().requires_grad_() for x in (hidden, weight)]
+    ref, ref_grads = _loss_and_grads(_reference, *exact, labels, reduction, upstream)
+    fused = partial(linear_cross_entropy, chunk_size=chunk_size)
+    out, grads = _loss_and_grads(fused, hidden, weight, labels, reduction, upstream)
+    assert out.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    for g, r, x in zip(grads, ref_grads, (hidden, weight)):
+        assert g.dtype == x.dtype
+        torch.testing.assert_close(g.double(), r, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_no_grad_gives_the_same_loss(reduction):
+    hidden, weight, labels = _inputs(torch.float64)
+    with_grad = linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_size=8)
+    with torch.no_grad():
+        without = linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_size=8)
+    assert not without.requires_grad
+    torch.testing.assert_close(without, with_grad.detach(), rtol=0, atol=0)
+    detached = linear_cross_entropy(hidden.detach(), weight.detach(), labels, reduction=reduction, chunk_size=8)
+    torch.testing.assert_close(detached, with_grad.detach(), rtol=0, atol=0)
+
+
+def test_grad_of_one_input_only():
+    hidden, weight, labels = _inputs(torch.float64)
+    ref = torch.autograd.grad(_reference(hidden, weight, labels, "mean"), weight)[0]
+    got = torch.autograd.grad(linear_cross_entropy(hidden.detach(), weight, labels, chunk_size=8), weight)[0]
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_gives_zero_loss_and_zero_grads(reduction):
+    hidden, weight, labels = _inputs(torch.float32)
+    labels = torch.full_like(labels, -100)
+    loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_size=8)
+    assert torch.equal(loss, torch.zeros_like(loss))
+    grads = torch.autograd.grad(loss.sum(), (hidden, weight))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+
+
+def test_other_ignore_index_and_empty_input():
+    hidden, weight, labels = _inputs(torch.float64)
+    relabeled = torch.where(labels == -100, 7777, labels)
+    torch.testing.assert_close(linear_cross_entropy(hidden, weight, relabeled, ignore_index=7777, chunk_size=8),
+                               _reference(hidden, weight, labels, "mean"), rtol=1e-12, atol=1e-12)
+    hidden, weight, labels = _inputs(torch.float64, n=0)
+    loss = linear_cross_entropy(hidden, weight, labels)
+    assert loss.item() == 0
+    assert torch.autograd.grad(loss, weight)[0].abs().sum() == 0
+
+
+def test_autocast_runs_the_matmuls_in_bf16():
+    """Under CPU bf16 autocast: the loss of bf16 logits (softmax in fp32), grads in the inputs' fp32."""
+    hidden, weight, labels = _inputs(torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy((hidden @ weight.T).float(), labels)
+        out = linear_cross_entropy(hidden, weight, labels, chunk_size=8)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    ref_grads = torch.autograd.grad(ref, (hidden, weight))
+    grads = torch.autograd.grad(out, (hidden, weight))
+    for g, r in zip(grads, ref_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, r, rtol=2e-2, atol=2e-2 * r.abs().max().item())
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(50304) == 1280  # 2**26 // 50304 = 1334 rows, down to a multiple of 128
+    assert default_chunk_size(2**30) == 1
+    assert default_chunk_size(97) == 2**26 // 97 - (2**26 // 97) % 128
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    hidden, weight, labels = _inputs(torch.float32)
+    cases = [
+        (dict(hidden=hidden[None]), "hidden"),
+        (dict(hidden=hidden.long()), "hidden"),
+        (dict(weight=weight[:, :-1]), "weight"),
+        (dict(weight=weight.double()), "weight"),
+        (dict(weight=weight.to("meta")), "weight"),
+        (dict(labels=labels[:-1]), "labels"),
+        (dict(labels=labels.int()), "labels"),
+        (dict(labels=labels.to("meta")), "labels"),
+        (dict(reduction="avg"), "reduction"),
+        (dict(chunk_size=0), "chunk_size"),
+        (dict(chunk_size=2.0), "chunk_size"),
+    ]
+    for overrides, name in cases:
+        args = {**dict(hidden=hidden, weight=weight, labels=labels), **overrides}
+        with pytest.raises(ValueError, match=f"^{name}:"):
+            linear_cross_entropy(**args)
+
+
+# --- FoxForCausalLM ------------------------------------------------------------------------------------------
+SMALL = dict(vocab_size=97, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
+             bos_token_id=None, eos_token_id=None)
+
+
+def _model(fuse: bool) -> FoxForCausalLM:
+    torch.manual_seed(0)
+    return FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", **SMALL, fuse_cross_entropy=fuse)).double().train()
+
+
+def test_model_fused_loss_equals_unfused():
+    ids = torch.randint(1, 97, (3, 11), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :4] = -100
+    labels[2, 7:] = -100
+    results = []
+    for fuse in (True, False):
+        model = _model(fuse)
+        out = model(ids, labels=labels)
+        assert (out.logits is None) == fuse
+        out.loss.backward()
+        results.append((out.loss, [p.grad for p in model.parameters()]))
+    (fused, fused_grads), (plain, plain_grads) = results
+    torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+    for a, b in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_model_keeps_logits_outside_fused_training():
+    model = _model(True)
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(2))
+    fused = model(ids, labels=ids).loss
+    per_token = model(ids, labels=ids, return_per_token_loss=True)  # per-token losses: the plain path
+    assert per_token.logits.shape == (2, 9, 97) and per_token.per_token_loss.shape == (2, 8)
+    torch.testing.assert_close(per_token.loss, fused, rtol=1e-12, atol=1e-12)
+    model.eval()
+    out = model(ids, labels=ids)
+    assert out.logits.shape == (2, 9, 97)
+    torch.testing.assert_close(out.loss, fused, rtol=1e-12, atol=1e-12)
+    assert model.train()(ids).logits.shape == (2, 9, 97)  # no labels: logits
+
+
+def test_fuse_cross_entropy_config_field(tmp_path):
+    assert FoxConfig().fuse_cross_entropy is True
+    config = FoxConfig.preset("fox-llama", "tiny", fuse_cross_entropy=False)
+    config.save_pretrained(tmp_path)
+    assert FoxConfig.from_pretrained(tmp_path).fuse_cross_entropy is False
+    with pytest.raises(ValueError, match="fuse_cross_entropy"):
+        FoxConfig(fuse_cross_entropy="yes")
