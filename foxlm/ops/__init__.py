@@ -4,6 +4,7 @@ from .acp import acp_stats, acp_threshold, data_logit_bound, prune_threshold
 from .backend import use_backend
 from .forgetting_attention import forgetting_attention
 from .reference import forgetting_attention_reference, gate_cumsum
+from .rms_norm import rms_norm
 
 __all__ = [
     "forgetting_attention",
@@ -14,4 +15,5 @@ __all__ = [
     "acp_threshold",
     "acp_stats",
     "use_backend",
+    "rms_norm",
 ]
