@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from foxlm.layers import RMSNorm
 from foxlm.ops import rms_norm, use_backend
 from foxlm.ops.rms_norm import _rms_norm_torch
 
@@ -98,6 +99,19 @@ def test_kernels_match_torch_path():
     with use_backend("torch"):
         expected = _run(x, w, r, gt)
     _assert_close(out, [e.double() for e in expected], 1e-6)
+
+
+def test_module_calls_the_op():
+    norm = RMSNorm((3, 96))
+    torch.nn.init.normal_(norm.weight)
+    assert list(norm.state_dict()) == ["weight"]
+    x, _, r, gt = _inputs((2, 13, 3, 96), (3, 96), torch.float32, torch.float32, gate=True, flat_gate=True)
+    y, s = norm(x, residual=r, gate=gt)
+    ey, es = rms_norm(x, norm.weight, norm.eps, residual=r, gate=gt)
+    torch.testing.assert_close(y, ey, rtol=0, atol=0)
+    torch.testing.assert_close(s, es, rtol=0, atol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # only CUDA autocast changes the output dtype
+        assert norm(x).dtype == torch.float32
 
 
 @pytest.mark.parametrize(

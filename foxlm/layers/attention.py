@@ -274,11 +274,12 @@ class ForgettingAttention(nn.Module):
             )
         else:
             o = cache.attend(self.layer_idx, q, k, v, log_fgate, scale=self.scale, valid=valid, window=self.window, **acp)
-        if self.o_norm is not None:
-            o = self.o_norm(o)
+        gate = None if self.g_proj is None else self.g_proj(x)
+        if self.o_norm is not None:  # the output norm and the output gate in one fused op
+            o, gate = self.o_norm(o, gate=None if gate is None else gate.view(B, T, H, D)), None
         o = o.reshape(B, T, H * D)
-        if self.g_proj is not None:
-            o = o * torch.sigmoid(self.g_proj(x))
+        if gate is not None:
+            o = o * torch.sigmoid(gate)
         return self.o_proj(o), log_fgate, probs
 
     def _shift(self, shift: TokenShift, name: str, x, h, reset, cache, valid) -> torch.Tensor:
