@@ -328,3 +328,28 @@ def test_reverse_cumsum_restarts_per_sequence():
     seg = segment_ids(cu_seqlens, 50)
     expected = torch.stack([(dc * (seg == seg[t]) * (torch.arange(50) >= t)).sum(-1) for t in range(50)], dim=-1)
     torch.testing.assert_close(ta._reverse_cumsum(dc, cu_seqlens), expected)
+
+
+@pytest.mark.parametrize("prune", [False, True])
+def test_torch_compile_traces_the_kernels_as_one_graph(prune):
+    """The kernels are custom ops: torch.compile(fullgraph=True) traces through them (no graph break, no
+    re-tracing of the Triton code) and gives the eager output and gradients, which match the fp64 reference.
+    The loss sums lse, whose gradient arrives as a stride-0 expanded tensor."""
+    q, k, v, log_fgate = _inputs(2, 40, 40, 4, 2, 16, 16)
+
+    def loss(q, k, v, log_fgate, attend=forgetting_attention, **kwargs):
+        o, lse = attend(q, k, v, log_fgate, return_lse=True, **kwargs)
+        return (o * o).sum() + lse.sum()
+
+    inputs = (q, k, v, log_fgate)
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = compiled(*inputs, prune=prune)
+    got_grads = torch.autograd.grad(got, inputs)
+    want = loss(*inputs, prune=prune)
+    want_grads = torch.autograd.grad(want, inputs)
+    torch.testing.assert_close(got, want)
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b)
+    ref_inputs = tuple(t.detach().double().requires_grad_() for t in inputs)
+    ref_grads = torch.autograd.grad(loss(*ref_inputs, attend=forgetting_attention_reference), ref_inputs)
+    _assert_close((want.detach(), want.detach(), *want_grads), (want.detach().double(),) * 2 + ref_grads, 1e-4)

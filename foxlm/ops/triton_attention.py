@@ -593,71 +593,119 @@ def _len_bucket(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), 1 << 15)
 
 
-class _ForgettingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold):
-        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        B, Tq, Hq, D = q.shape
-        Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-        c = gate_cumsum(log_fgate).transpose(1, 2)  # [B, H, T] contiguous; only differences within a sequence are used
-        if cu_seqlens is not None:
-            n_seq = cu_seqlens.numel() - 1
-            if max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            len_q = len_k = max_seqlen
-        else:
-            n_seq, len_q, len_k = B, Tq, Tk
-        o = q.new_empty(B, Tq, Hq, Dv)
-        lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-        thr = threshold.float().contiguous() if threshold is not None else lse  # lse: unused placeholder
-        cu = cu_seqlens if cu_seqlens is not None else lse
-        meta = dict(
-            D=D, DV=Dv, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
-            VARLEN=cu_seqlens is not None, PRUNE=threshold is not None, WINDOWED=window is not None,
-            PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
-        )
-        bucket = _len_bucket(len_k)
+def _meta(q: torch.Tensor, v: torch.Tensor, cu_seqlens, threshold, window) -> dict:
+    D, Dv = q.shape[-1], v.shape[-1]
+    return dict(
+        D=D, DV=Dv, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        VARLEN=cu_seqlens is not None, PRUNE=threshold is not None, WINDOWED=window is not None,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
+    )
 
-        def grid(m):
-            return (triton.cdiv(len_q, m["BLOCK_M"]), Hq, n_seq)
 
-        _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, thr, o, lse, cu,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-                *lse.stride()[:2], Tq, Tk, Hq, Hq // Hk, scale * LOG2E.value, window or 0, LEN_BUCKET=bucket, **meta)
-        ctx.save_for_backward(q, k, v, o, lse, c, cu, thr)
-        ctx.window = window
-        ctx.scale, ctx.meta, ctx.dims = scale, meta, (n_seq, len_q, len_k, bucket)
-        ctx.varlen = cu_seqlens is not None
-        return o, lse
+def _dims(q, k, cu_seqlens, max_seqlen) -> tuple[int, int, int]:
+    """(programs' sequences, query length, key length) of the grid."""
+    if cu_seqlens is not None:
+        return cu_seqlens.numel() - 1, max_seqlen, max_seqlen
+    return q.shape[0], q.shape[1], k.shape[1]
 
-    @staticmethod
-    def backward(ctx, do, dlse):
-        q, k, v, o, lse, c, cu, thr = ctx.saved_tensors
-        n_seq, len_q, len_k, bucket = ctx.dims
-        B, Tq, Hq = q.shape[:3]
-        Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-        do = do.contiguous() if do.stride() != o.stride() else do
-        delta = torch.empty_like(lse)
-        meta = ctx.meta
-        pre_block = 64
-        pre = _bwd_preprocess[(triton.cdiv(Tq, pre_block), Hq, B)]
-        pre(o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *lse.stride()[:2], Tq, Hq,
-            DV=Dv, BLOCK_M=pre_block, BLOCK_DV=meta["BLOCK_DV"], HAS_DLSE=dlse is not None)
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
 
-        def grid(m):
-            return (max(triton.cdiv(len_k, m["BLOCK_N1"]), triton.cdiv(len_q, m["BLOCK_M2"])), Hk, n_seq)
+# The kernels are wrapped as torch.library custom ops: torch.compile sees them as opaque (no graph break, no
+# attempt to re-trace the Triton code), and autograd is registered on the op.
+@torch.library.custom_op("foxlm::forgetting_attention_fwd", mutates_args=())
+def _fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor, scale: float,
+    cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> o [B, Tq, Hq, Dv], lse [B, Hq, Tq] fp32, c [B, Hq, Tk] fp64 (the gate cumsum, for the backward)."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    B, Tq, Hq, _ = q.shape
+    Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    c = gate_cumsum(log_fgate).transpose(1, 2)  # [B, H, T] contiguous; only differences within a sequence are used
+    n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
+    o = q.new_empty(B, Tq, Hq, Dv)
+    lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
+    thr = threshold.float().contiguous() if threshold is not None else lse  # lse: unused placeholder
+    cu = cu_seqlens if cu_seqlens is not None else lse
 
-        _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dck, cu,
-                *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-                *lse.stride()[:2], Tq, Tk, Hq, Hk, Hq // Hk, ctx.scale * LOG2E.value, ctx.scale, ctx.window or 0,
-                LEN_BUCKET=bucket, **meta)
-        dc = dck.double()
-        if dlse is not None:  # rowsum(dS), the query side of the gate gradient
-            dc[..., Tk - Tq:] += dlse
-        dlog_fgate = _reverse_cumsum(dc, cu if ctx.varlen else None).transpose(1, 2).float()
-        return dq, dk, dv, dlog_fgate, None, None, None, None, None
+    def grid(m):
+        return (triton.cdiv(len_q, m["BLOCK_M"]), Hq, n_seq)
+
+    _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, thr, o, lse, cu,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
+            *lse.stride()[:2], Tq, Tk, Hq, Hq // Hk, scale * LOG2E.value, window or 0, LEN_BUCKET=_len_bucket(len_k),
+            **_meta(q, v, cu_seqlens, threshold, window))
+    return o, lse, c
+
+
+@_fwd_op.register_fake
+def _(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold):
+    B, Tq, Hq, _ = q.shape
+    o = q.new_empty(B, Tq, Hq, v.shape[-1])
+    lse = q.new_empty(B, Hq, Tq, dtype=torch.float32)
+    return o, lse, q.new_empty(B, Hq, k.shape[1], dtype=torch.float64)
+
+
+@torch.library.custom_op("foxlm::forgetting_attention_bwd", mutates_args=())
+def _bwd_op(
+    do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    o: torch.Tensor, lse: torch.Tensor, c: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None,
+    max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32."""
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
+    B, Tq, Hq = q.shape[:3]
+    Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    do = do.contiguous() if do.stride() != o.stride() else do
+    if dlse is not None and dlse.stride() != lse.stride():  # e.g. the stride-0 gradient of lse.sum()
+        dlse = dlse.contiguous()
+    delta = torch.empty_like(lse)
+    meta = _meta(q, v, cu_seqlens, threshold, window)
+    thr = threshold.float().contiguous() if threshold is not None else lse
+    cu = cu_seqlens if cu_seqlens is not None else lse
+    pre_block = 64
+    pre = _bwd_preprocess[(triton.cdiv(Tq, pre_block), Hq, B)]
+    pre(o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *lse.stride()[:2], Tq, Hq,
+        DV=Dv, BLOCK_M=pre_block, BLOCK_DV=meta["BLOCK_DV"], HAS_DLSE=dlse is not None)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+
+    def grid(m):
+        return (max(triton.cdiv(len_k, m["BLOCK_N1"]), triton.cdiv(len_q, m["BLOCK_M2"])), Hk, n_seq)
+
+    _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dck, cu,
+            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
+            *lse.stride()[:2], Tq, Tk, Hq, Hk, Hq // Hk, scale * LOG2E.value, scale, window or 0,
+            LEN_BUCKET=_len_bucket(len_k), **meta)
+    dc = dck.double()
+    if dlse is not None:  # rowsum(dS), the query side of the gate gradient
+        dc[..., Tk - Tq:] += dlse
+    dlog_fgate = _reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float()
+    return dq, dk, dv, dlog_fgate
+
+
+@_bwd_op.register_fake
+def _(do, dlse, q, k, v, o, lse, c, scale, cu_seqlens, max_seqlen, window, threshold):
+    B, Tk, Hq = k.shape[0], k.shape[1], q.shape[2]
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            q.new_empty(B, Tk, Hq, dtype=torch.float32))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, _, scale, cu_seqlens, max_seqlen, window, threshold = inputs
+    o, lse, c = output
+    ctx.save_for_backward(q, k, v, o, lse, c, cu_seqlens, threshold)
+    ctx.scale, ctx.max_seqlen, ctx.window = scale, max_seqlen, window
+
+
+def _backward(ctx, do, dlse, _dc):
+    q, k, v, o, lse, c, cu_seqlens, threshold = ctx.saved_tensors
+    dq, dk, dv, dlog_fgate = _bwd_op(do, dlse, q, k, v, o, lse, c, ctx.scale, cu_seqlens, ctx.max_seqlen,
+                                     ctx.window, threshold)
+    return dq, dk, dv, dlog_fgate, None, None, None, None, None
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def triton_forgetting_attention(
@@ -681,4 +729,7 @@ def triton_forgetting_attention(
     """
     if q.device.type == "cpu" and not _INTERPRETED:
         raise ValueError("q: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.triton_attention is imported")
-    return _ForgettingAttention.apply(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold)
+    if cu_seqlens is not None and max_seqlen is None:
+        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    o, lse, _ = _fwd_op(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold)
+    return o, lse
