@@ -228,7 +228,8 @@ def rms_norm(
         gate = gate.reshape(x.shape)
     s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     D = x.shape[-1]
-    if not (use_triton(x) and s_dtype != torch.float64 and 0 < x.numel() and D <= MAX_DIM):
+    # Under torch.compile the PyTorch path: the compiler fuses it with its neighbours itself.
+    if torch.compiler.is_compiling() or not (use_triton(x) and s_dtype != torch.float64 and 0 < x.numel() and D <= MAX_DIM):
         return _rms_norm_torch(x, weight, eps, residual, gate, out_dtype)
     if x.device.type == "cpu" and not isinstance(_fwd_kernel, InterpretedFunction):
         raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.rms_norm is imported")

@@ -193,7 +193,7 @@ def token_shift(
         alpha_logit and prev.
     """
     _validate(x, alpha_logit, prev, reset)
-    if use_triton(x):
+    if use_triton(x) and not torch.compiler.is_compiling():  # compiled: the compiler fuses the PyTorch path
         if x.device.type == "cpu" and not _INTERPRETED:
             raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.token_shift is imported")
         return _TokenShift.apply(x, alpha_logit, prev, reset)
