@@ -75,8 +75,8 @@ class FoxBlock(nn.Module):
     def forward(self, x: torch.Tensor, **attn_kwargs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x: [B, T, C] -> (x [B, T, C], log_fgate, attention probs); attn_kwargs go to ForgettingAttention."""
         a, log_fgate, probs = self.attn(self.attn_norm(x), **attn_kwargs)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x)), log_fgate, probs
+        h, x = self.mlp_norm(a, residual=x)  # x + a and its norm in one pass
+        return x + self.mlp(h), log_fgate, probs
 
 
 class FoxPreTrainedModel(PreTrainedModel):
