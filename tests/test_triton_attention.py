@@ -353,3 +353,16 @@ def test_torch_compile_traces_the_kernels_as_one_graph(prune):
     ref_inputs = tuple(t.detach().double().requires_grad_() for t in inputs)
     ref_grads = torch.autograd.grad(loss(*ref_inputs, attend=forgetting_attention_reference), ref_inputs)
     _assert_close((want.detach(), want.detach(), *want_grads), (want.detach().double(),) * 2 + ref_grads, 1e-4)
+
+
+def test_custom_ops_pass_opcheck():
+    """The fake (meta) kernels the compiler plans with give the real ops' shapes, dtypes and strides."""
+    q, k, v, log_fgate = _inputs(2, 40, 40, 4, 2, 16, 16)
+    cu = torch.tensor([0, 7, 40], dtype=torch.int32)
+    utils = ("test_schema", "test_faketensor")
+    for args in ((q, k, v, log_fgate, 0.25, None, None, None, None),
+                 (q[:1], k[:1], v[:1], log_fgate[:1], 0.25, cu, 33, 9, None)):
+        torch.library.opcheck(ta._fwd_op, args, test_utils=utils)
+        o, lse, c = ta._fwd_op(*args)
+        torch.library.opcheck(ta._bwd_op, (torch.randn_like(o), torch.randn_like(lse), *args[:3], o, lse, c, *args[4:]),
+                              test_utils=utils)

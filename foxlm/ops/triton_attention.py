@@ -680,7 +680,7 @@ def _bwd_op(
     dc = dck.double()
     if dlse is not None:  # rowsum(dS), the query side of the gate gradient
         dc[..., Tk - Tq:] += dlse
-    dlog_fgate = _reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float()
+    dlog_fgate = _reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float().contiguous()  # the fake's layout
     return dq, dk, dv, dlog_fgate
 
 
