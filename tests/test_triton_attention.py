@@ -85,6 +85,21 @@ def test_matches_fp64_reference(name):
     _check(_inputs(B, Tq, Tk, Hq, Hk, D, Dv), rel=2e-5, cu_seqlens=cu_seqlens)
 
 
+@pytest.mark.parametrize("name", ["d64-gqa2", "tq<tk", "varlen", "window+acp"])
+def test_atomic_dq_backward_matches_fp64_reference(name):
+    """deterministic=False: dQ accumulated with atomics in the dK/dV loop, the same gradients."""
+    if name == "window+acp":
+        inputs, kwargs, ref_kwargs = _inputs(2, 50, 50, 4, 2, 32, 32), dict(window=19, prune=True), dict(window=19)
+    else:
+        B, Tq, Tk, Hq, Hk, D, Dv, cu = CASES[name]
+        inputs = _inputs(B, Tq, Tk, Hq, Hk, D, Dv)
+        ref_kwargs = dict(cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32))
+        kwargs = ref_kwargs
+    seed = int(torch.randint(1 << 30, ()))
+    out = _run(*inputs, seed=seed, deterministic=False, **kwargs)
+    _assert_close(out, _run(*inputs, seed=seed, reference=True, **ref_kwargs), rel=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
     inputs = _inputs(2, 40, 40, 2, 1, 64, 64, dtype=dtype)
@@ -360,8 +375,8 @@ def test_custom_ops_pass_opcheck():
     q, k, v, log_fgate = _inputs(2, 40, 40, 4, 2, 16, 16)
     cu = torch.tensor([0, 7, 40], dtype=torch.int32)
     utils = ("test_schema", "test_faketensor")
-    for args in ((q, k, v, log_fgate, 0.25, None, None, None, None),
-                 (q[:1], k[:1], v[:1], log_fgate[:1], 0.25, cu, 33, 9, None)):
+    for args in ((q, k, v, log_fgate, 0.25, None, None, None, None, True),
+                 (q[:1], k[:1], v[:1], log_fgate[:1], 0.25, cu, 33, 9, None, False)):
         torch.library.opcheck(ta._fwd_op, args, test_utils=utils)
         o, lse, c = ta._fwd_op(*args)
         torch.library.opcheck(ta._bwd_op, (torch.randn_like(o), torch.randn_like(lse), *args[:3], o, lse, c, *args[4:]),

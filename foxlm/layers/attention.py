@@ -98,6 +98,7 @@ def attend_sequence(
     prune: bool = False,
     logit_bound: torch.Tensor | float | None = None,
     tolerance: float = math.exp(-10),
+    deterministic: bool = True,
     return_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of whole sequences, choosing the path: the fused op, SDPA, or (only to return the
@@ -123,7 +124,8 @@ def attend_sequence(
         return o.transpose(1, 2), None
     if log_fgate is None:
         log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
-    kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance)
+    kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance,
+                  deterministic=deterministic)
     if segments is None:
         return forgetting_attention(q, k, v, log_fgate, **kwargs), None
     # the segments index the flattened batch: rows become packed sequences of one long row
@@ -149,6 +151,7 @@ class ForgettingAttention(nn.Module):
         window: sliding-window attention over the last ``window`` tokens (None: full causal).
         acp: Adaptive Computation Pruning in the forward pass; the logit bound comes from the QK-norm
             weights when ``qk_norm`` is on, from the data otherwise; acp_tolerance: its epsilon.
+        deterministic: the fused attention backward without atomics (see ``forgetting_attention``).
         layer_idx: the index under which the layer talks to a KV cache.
     """
 
@@ -170,6 +173,7 @@ class ForgettingAttention(nn.Module):
         window: int | None = None,
         acp: bool = False,
         acp_tolerance: float = math.exp(-10),
+        deterministic: bool = True,
         norm_eps: float = 1e-6,
         layer_idx: int = 0,
     ):
@@ -186,7 +190,7 @@ class ForgettingAttention(nn.Module):
             raise ValueError("acp: pruning needs a forget gate, but gate='none'")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.gate, self.window, self.layer_idx = gate, window, layer_idx
-        self.acp, self.acp_tolerance = acp, acp_tolerance
+        self.acp, self.acp_tolerance, self.deterministic = acp, acp_tolerance, deterministic
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
@@ -270,7 +274,7 @@ class ForgettingAttention(nn.Module):
         if cache is None:
             o, probs = attend_sequence(
                 q, k, v, log_fgate, scale=self.scale, segments=segments, window=self.window,
-                return_probs=output_attentions, **acp,
+                deterministic=self.deterministic, return_probs=output_attentions, **acp,
             )
         else:
             o = cache.attend(self.layer_idx, q, k, v, log_fgate, scale=self.scale, valid=valid, window=self.window, **acp)

@@ -42,6 +42,8 @@ class FoxConfig(PretrainedConfig):
         acp, acp_tolerance: Adaptive Computation Pruning in training/eval forwards, and its epsilon.
         fuse_cross_entropy: training forwards with labels compute the LM head and loss a chunk of tokens at a
             time (``foxlm.ops.cross_entropy``) and return no logits.
+        deterministic_attention: the attention backward without atomics (bitwise reproducible, slower);
+            False accumulates dQ with atomics, like FlashAttention's default (see ``forgetting_attention``).
     """
 
     model_type = "fox"
@@ -70,6 +72,7 @@ class FoxConfig(PretrainedConfig):
         acp: bool = False,
         acp_tolerance: float = math.exp(-10),
         fuse_cross_entropy: bool = True,
+        deterministic_attention: bool = True,
         use_cache: bool = True,
         bos_token_id: int | None = 50256,
         eos_token_id: int | None = 50256,
@@ -101,6 +104,7 @@ class FoxConfig(PretrainedConfig):
         self.acp = acp
         self.acp_tolerance = acp_tolerance
         self.fuse_cross_entropy = fuse_cross_entropy
+        self.deterministic_attention = deterministic_attention
         self.use_cache = use_cache
         self._check()
         super().__init__(
@@ -135,7 +139,7 @@ class FoxConfig(PretrainedConfig):
         if self.gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {self.gate!r}")
         for name in ("qk_norm", "output_gate", "output_norm", "k_shift", "v_shift", "rope", "acp",
-                     "fuse_cross_entropy"):
+                     "fuse_cross_entropy", "deterministic_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         if self.rope and self.head_dim % 2:

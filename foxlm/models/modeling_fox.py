@@ -66,6 +66,7 @@ class FoxBlock(nn.Module):
             window=config.window,
             acp=config.acp,
             acp_tolerance=config.acp_tolerance,
+            deterministic=config.deterministic_attention,
             norm_eps=config.rms_norm_eps,
             layer_idx=layer_idx,
         )

@@ -95,6 +95,7 @@ def forgetting_attention(
     prune: bool = False,
     tolerance: float = math.exp(-10),
     logit_bound: float | torch.Tensor | None = None,
+    deterministic: bool = True,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention with a forget gate: logits ``scale * q_i . k_j + c_i - c_j``.
@@ -115,6 +116,9 @@ def forgetting_attention(
         tolerance: the largest attention mass ACP may drop from a row.
         logit_bound: U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq],
             e.g. from QK-norm weights); by default scale * max||q|| * max||k|| per (sequence, head).
+        deterministic: the Triton backward without atomics (bitwise reproducible; it recomputes the
+            logits for dQ); False adds each tile's dQ into an fp32 buffer with atomics, like FlashAttention's
+            default. The PyTorch path is always deterministic.
         return_lse: also return the row log-sum-exp [B, Hq, Tq] (fp32).
 
     Returns:
@@ -138,7 +142,7 @@ def forgetting_attention(
 
         o, lse = triton_forgetting_attention(
             q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window,
-            threshold=threshold,
+            threshold=threshold, deterministic=deterministic,
         )
     else:
         o, lse = chunked_forgetting_attention(
