@@ -46,7 +46,8 @@ def standard_gate_bias(model: FoxForCausalLM) -> None:
 
 
 def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
-    """``hf-llama``, ``ARCH`` (no ACP), ``ARCH+acp`` (standard gate biases) or ``ARCH+acp@init``."""
+    """``hf-llama``, or ``ARCH`` with options: ``+acp`` (standard gate biases), ``+acp@init`` (ACP, gates at
+    initialization), ``+atomic`` (the attention backward with atomic dQ, ``deterministic_attention=False``)."""
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,10 +55,14 @@ def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
                           num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=seq_len,
                           rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
         return LlamaForCausalLM(cfg), None
-    arch, _, variant = name.partition("+")
-    config = FoxConfig.preset(arch, "125m", acp=variant.startswith("acp"))
+    arch, *options = name.split("+")
+    unknown = set(options) - {"acp", "acp@init", "atomic"}
+    if unknown:
+        raise ValueError(f"--models: unknown option(s) {sorted(unknown)} in {name!r}")
+    config = FoxConfig.preset(arch, "125m", acp=any(o.startswith("acp") for o in options),
+                              deterministic_attention="atomic" not in options)
     model = FoxForCausalLM(config)
-    if variant == "acp":
+    if "acp" in options:
         standard_gate_bias(model)
     return model, config
 
