@@ -23,22 +23,10 @@ def one_thread():
 
 @pytest.fixture
 def interpret(monkeypatch):
-    """Triton's interpreter with run-time loop bounds (Triton 3.6 turns 1-element arrays into loop bounds
-    with int(), which NumPy >= 2.4 refuses: triton-lang/triton#9171, fixed upstream by #9172), and small
-    key tiles."""
-    import triton.runtime.interpreter as interpreter
+    """Small key tiles, so that the interpreted kernel walks several tiles per program at these sizes."""
+    from foxlm.ops import decode
 
-    import foxlm.ops.decode as decode
-
-    monkeypatch.setattr(decode, "_TILE", (32, 4, 1))  # several key tiles per program at these small sizes
-
-    patch = interpreter._patch_lang_tensor
-
-    def _patch_lang_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", _patch_lang_tensor)
+    monkeypatch.setattr(decode, "_TILE", (32, 4, 1))
 
 
 def _paged(k, v, c, lengths, page_size, extra_pages=3, gen=None):
@@ -177,6 +165,22 @@ def test_eviction_within_tolerance(interpret):
     assert 0 < diff <= 2 * tol * v.abs().max()
     # Re-running eviction from the new start changes nothing (idempotent).
     assert torch.equal(evictable_pages(cc, pt, start, lengths, U, max_length=T, tolerance=tol), start)
+
+
+@pytest.mark.triton
+def test_decode_unpatched_interpreter():
+    """The kernel as users get it under TRITON_INTERPRET=1 (default tiles, nothing patched) walks its key tiles:
+    Triton 3.6's interpreter breaks on range() over run-time bounds with NumPy >= 2.4 (triton-lang/triton#9171)."""
+    gen = torch.Generator().manual_seed(5)
+    B, T, Hk, G, D, page = 1, 300, 1, 2, 16, 16  # 300 keys: three tiles of 128, the last one partial
+    q, k, v, log_fgate = _problem(B, T, Hk * G, Hk, D, D, torch.float32, gen)
+    q = q[:, :2]
+    lengths = torch.tensor([T], dtype=torch.int32)
+    kc, vc, cc, pt = _paged(k, v, gate_cumsum(log_fgate), lengths, page, gen=gen)
+    start = torch.zeros(B, Hk, dtype=torch.int32)
+    o = forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, num_splits=1)
+    ref = _oracle(q, k, v, log_fgate, lengths, [0], D ** -0.5)
+    assert (o.double() - ref).abs().max() < 1e-4
 
 
 def test_decode_bad_input():

@@ -33,15 +33,60 @@ from .backend import use_triton
 try:
     import triton
     import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
 
     _jit = triton.jit
 except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path runs (no CUDA, no interpreter)
+    triton = None
 
     def _jit(fn):
         return fn
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30
+
+
+@_jit
+def _decode_tile(
+    m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
+    stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
+    PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Keys [n0, min(n0 + BLOCK_N, hi)) into the running max m_i, sum l_i and output acc of the query rows."""
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hi
+    page = tl.load(pt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
+    slot = offs_n % PAGE
+    k = tl.load(
+        K + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
+        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0,
+    )
+    v = tl.load(
+        V + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :],
+        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
+    )
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    c_k = tl.load(
+        C + page[None, :] * stride_cp + slot[None, :] * stride_cs + g[:, None],
+        mask=row_ok[:, None] & n_ok[None, :], other=0.0,
+    )
+    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2e
+    s += ((c_q[:, None] - c_k) * 1.4426950408889634).to(tl.float32)
+    ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
+    ok &= offs_n[None, :] > qpos[:, None] - window
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+    p = tl.exp2(s - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    return m_new, l_i, acc
 
 
 @_jit
@@ -56,11 +101,12 @@ def _decode_split_kernel(
     Hk, Tq, num_splits, window,
     G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_FP32: tl.constexpr,
+    DOT_FP32: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (sequence, kv head, key range): all G*Tq query rows against keys [lo, hi).
 
-    DOT_FP32 upcasts the dot operands (Triton 3.6's interpreter gets bf16 dots wrong).
+    DOT_FP32 upcasts the dot operands (Triton 3.6's interpreter gets bf16 dots wrong); INTERPRET walks the
+    key tiles with a while loop (kernel built by the interpreter).
     """
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -93,38 +139,22 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        page = tl.load(pt + offs_n // PAGE, mask=n_ok, other=0).to(tl.int64)
-        slot = offs_n % PAGE
-        k = tl.load(
-            K + page[:, None] * stride_kp + slot[:, None] * stride_ks + offs_d[None, :],
-            mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0,
-        )
-        v = tl.load(
-            V + page[:, None] * stride_vp + slot[:, None] * stride_vs + offs_dv[None, :],
-            mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0,
-        )
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        c_k = tl.load(
-            C + page[None, :] * stride_cp + slot[None, :] * stride_cs + g[:, None],
-            mask=row_ok[:, None] & n_ok[None, :], other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2e
-        s += ((c_q[:, None] - c_k) * 1.4426950408889634).to(tl.float32)
-        ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
-        ok &= offs_n[None, :] > qpos[:, None] - window
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        m_i = m_new
+    if INTERPRET:  # Triton 3.6's interpreter cannot run range() over tensor bounds with NumPy >= 2.4
+        n0 = lo
+        while n0 < hi:
+            m_i, l_i, acc = _decode_tile(
+                m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
+                stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
+                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32,
+            )
+            n0 += BLOCK_N
+    else:
+        for n0 in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _decode_tile(
+                m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
+                stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
+                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32,
+            )
 
     # Partial results: normalised output and log2-sum-exp2 per (row, split); -inf marks "no key".
     has = l_i > 0
@@ -166,6 +196,9 @@ def _decode_combine_kernel(
     tl.store(LSE + row, (m + tl.log2(denom)) / 1.4426950408889634)
 
 
+# Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
+_INTERPRETED = triton is not None and isinstance(_decode_split_kernel, InterpretedFunction)
+
 # Launch tuning of the split kernel: key tile, warps, pipeline stages, and the longest key range one program
 # takes (short ranges keep programs of equal length when eviction leaves heads with very different live
 # lengths). Best of 12 variants on an H200, 2026-12-02 (benchmarks/decode.py --sweep; results/decode-2026-12-02.json).
@@ -206,7 +239,7 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
         G=G, PAGE=page_size, D=D, DV=DV,
         BLOCK_M=max(16, triton.next_power_of_2(G * Tq)), BLOCK_N=block_n,
         BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
-        DOT_FP32=not q.is_cuda, num_warps=warps, num_stages=stages,
+        DOT_FP32=not q.is_cuda, INTERPRET=_INTERPRETED, num_warps=warps, num_stages=stages,
     )
     _decode_combine_kernel[(B * Hq * Tq,)](
         o_part, lse_part, o, lse,
