@@ -1,4 +1,5 @@
-"""linear_cross_entropy against plain logits + F.cross_entropy in fp64, and the fused loss in FoxForCausalLM."""
+"""linear_cross_entropy against plain logits + F.cross_entropy in fp64 (the PyTorch path, and the Triton kernel in
+Triton's interpreter), and the fused loss in FoxForCausalLM."""
 
 from functools import partial
 
@@ -7,16 +8,23 @@ import torch
 import torch.nn.functional as F
 
 from foxlm.models import FoxConfig, FoxForCausalLM
-from foxlm.ops.cross_entropy import default_chunk_size, linear_cross_entropy
+from foxlm.ops import use_backend
+from foxlm.ops.cross_entropy import (
+    BLOCK_V_INTERPRETED,
+    _softmax_rows,
+    default_chunk_size,
+    linear_cross_entropy,
+)
 
 N, C, V = 37, 24, 101  # 37 rows: chunks of 8 leave a partial one; V not a power of two
+BACKENDS = [pytest.param("triton", marks=pytest.mark.triton), "torch"]
 
 
-def _inputs(dtype, seed=0, n=N):
+def _inputs(dtype, seed=0, n=N, v=V, c=C):
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, C, generator=gen, dtype=torch.float64)
-    weight = torch.randn(V, C, generator=gen, dtype=torch.float64) / C**0.5
-    labels = torch.randint(0, V, (n,), generator=gen)
+    hidden = torch.randn(n, c, generator=gen, dtype=torch.float64)
+    weight = torch.randn(v, c, generator=gen, dtype=torch.float64) / c**0.5
+    labels = torch.randint(0, v, (n,), generator=gen)
     labels[torch.rand(n, generator=gen) < 0.3] = -100
     return hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), labels
 
@@ -70,8 +78,9 @@ def test_grad_of_one_input_only():
     torch.testing.assert_close(got, ref, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_ignored_gives_zero_loss_and_zero_grads(reduction):
+def test_all_ignored_gives_zero_loss_and_zero_grads(backend, reduction):
     hidden, weight, labels = _inputs(torch.float32)
     labels = torch.full_like(labels, -100)
     loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_size=8)
@@ -131,6 +140,57 @@ def test_bad_inputs_raise_naming_the_argument():
         args = {**dict(hidden=hidden, weight=weight, labels=labels), **overrides}
         with pytest.raises(ValueError, match=f"^{name}:"):
             linear_cross_entropy(**args)
+
+
+# --- the Triton kernel (Triton's interpreter on CPU) -------------------------------------------------------
+TN, TC, TV = 40, 32, 1000  # V: several blocks of BLOCK_V_INTERPRETED and a partial one
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_loss_and_grads_match_fp64_reference(reduction, dtype, tol):
+    assert TV % BLOCK_V_INTERPRETED and TV > 2 * BLOCK_V_INTERPRETED
+    hidden, weight, labels = _inputs(dtype, seed=3, n=TN, v=TV, c=TC)
+    upstream = torch.randn(TN if reduction == "none" else (), generator=torch.Generator().manual_seed(5))
+    exact = [x.detach().double().requires_grad_() for x in (hidden, weight)]
+    ref, ref_grads = _loss_and_grads(_reference, *exact, labels, reduction, upstream)
+    fused = partial(linear_cross_entropy, chunk_size=16)  # 40 rows: two chunks of 16 and one of 8
+    out, grads = _loss_and_grads(fused, hidden, weight, labels, reduction, upstream)
+    assert out.dtype == torch.float32 and out.shape == ref.shape
+    for name, a, r in zip(("loss", "d hidden", "d weight"), (out, *grads), (ref, *ref_grads)):
+        err = ((a.double() - r).norm() / r.norm()).item()
+        assert err < tol, f"{name}: relative error {err:.1e}"
+    assert [g.dtype for g in grads] == [dtype, dtype]
+    if reduction == "none":
+        assert torch.equal(out[labels == -100], torch.zeros_like(out[labels == -100]))
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [TV, 101])  # 101: a single partial block
+def test_triton_rows_equal_the_torch_path_in_place(dtype, v):
+    gen = torch.Generator().manual_seed(7)
+    logits = (4 * torch.randn(TN, v, generator=gen)).to(dtype)
+    labels = torch.randint(0, v, (TN,), generator=gen)
+    labels[::3] = -100
+    for row_scale in (torch.rand(TN, generator=gen) + 0.5, torch.tensor(0.1).expand(TN), None):
+        results = []
+        for backend in ("torch", "triton"):
+            buffer, losses = logits.clone(), torch.full((TN,), float("nan"))
+            with use_backend(backend):
+                g = _softmax_rows(buffer, labels, -100, losses, row_scale)
+            results.append((g, losses))
+            if backend == "triton":
+                assert g is (None if row_scale is None else buffer)  # the gradient overwrote the logits
+                if row_scale is None:
+                    assert torch.equal(buffer, logits)
+        (g_torch, loss_torch), (g_triton, loss_triton) = results
+        torch.testing.assert_close(loss_triton, loss_torch, rtol=1e-5, atol=1e-5)
+        if row_scale is not None:
+            assert g_triton.dtype == dtype
+            assert torch.equal(g_triton[labels == -100], torch.zeros_like(g_triton[labels == -100]))
+            torch.testing.assert_close(g_triton, g_torch, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
 
 
 # --- FoxForCausalLM ------------------------------------------------------------------------------------------

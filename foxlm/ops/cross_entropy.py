@@ -3,12 +3,32 @@
 
 With reduction "mean" or "sum" the gradients are computed during the forward, chunk by chunk (as in
 Liger-Kernel's fused linear cross-entropy), and only scaled by the incoming gradient in the backward; with
-"none" the backward recomputes each chunk's logits. Pure PyTorch: the two matmuls per chunk dominate.
+"none" the backward recomputes each chunk's logits.
+
+Per chunk, the logits come from one matmul; on the Triton path (CUDA; CPU under ``TRITON_INTERPRET=1``;
+see ``foxlm.ops.use_backend``) one kernel then reads them as the matmul wrote them (no fp32 copy), one
+program per row: the row's logsumexp in one online pass over V, its loss, and, when gradients are wanted,
+a second pass that overwrites the row in place with its logits gradient, which the two gradient matmuls
+read. ``_softmax_rows_torch`` is the PyTorch path (CPU, float64) and the readable statement of that math.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .backend import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    _jit = triton.jit
+except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path runs (no CUDA, no interpreter)
+    triton = None
+
+    def _jit(fn):
+        return fn
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 REDUCTIONS = ("mean", "sum", "none")
@@ -56,6 +76,85 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
+@_jit
+def _softmax_rows_kernel(LOGITS, stride, LABELS, SCALE, scale_stride, LOSSES, ignore_index,
+                         V: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Row r of the logits [n, V] (row stride ``stride``): LOSSES[r] = lse - logit[label] (fp32, 0 for an
+    ignored row) and, with HAS_GRAD, the row overwritten by (softmax - onehot(label)) * SCALE[r * scale_stride]
+    (times 0 for an ignored row). Math in fp32, exponentials in base 2."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    r = tl.program_id(0).to(tl.int64)
+    row = LOGITS + r * stride
+    label = tl.load(LABELS + r)
+    counted = label != ignore_index
+    cols = tl.arange(0, BLOCK_V)
+    m = float("-inf")  # running max and sum of exp2(x * LOG2E - m) over the blocks seen
+    s = 0.0
+    for start in range(0, V, BLOCK_V):
+        x = tl.load(row + start + cols, mask=start + cols < V, other=float("-inf")).to(tl.float32) * LOG2E
+        m_new = tl.maximum(m, tl.max(x, 0))
+        s = s * tl.exp2(m - m_new) + tl.sum(tl.exp2(x - m_new), 0)
+        m = m_new
+    lse2 = m + tl.log2(s)
+    # a label outside [0, V) is not checked here (no host sync): it reads logit 0 and gets no onehot
+    x_label = tl.load(row + label, mask=counted & (label >= 0) & (label < V), other=0.0).to(tl.float32)
+    tl.store(LOSSES + r, tl.where(counted, lse2 / LOG2E - x_label, 0.0))
+    if HAS_GRAD:
+        scale = tl.where(counted, tl.load(SCALE + r * scale_stride).to(tl.float32), 0.0)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            x = tl.load(row + offs, mask=offs < V, other=0.0).to(tl.float32)
+            g = tl.exp2(x * LOG2E - lse2) - tl.where(offs == label, 1.0, 0.0)
+            tl.store(row + offs, (g * scale).to(LOGITS.dtype.element_ty), mask=offs < V)
+
+
+# Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
+_INTERPRETED = triton is not None and isinstance(_softmax_rows_kernel, InterpretedFunction)
+# Logits per block of the kernel's loops over V: on a GPU, and under the interpreter (small, so that tests
+# with a small V still loop over several blocks and a partial one).
+BLOCK_V = 4096
+BLOCK_V_INTERPRETED = 256
+
+
+def _softmax_rows_triton(logits, labels, ignore_index, losses, row_scale):
+    n, V = logits.shape
+    block_v = min(triton.next_power_of_2(V), BLOCK_V_INTERPRETED if _INTERPRETED else BLOCK_V)
+    _softmax_rows_kernel[(n,)](
+        logits, logits.stride(0), labels, logits if row_scale is None else row_scale,
+        0 if row_scale is None else row_scale.stride(0), losses, ignore_index,
+        V=V, HAS_GRAD=row_scale is not None, BLOCK_V=block_v, num_warps=min(8, max(1, block_v // 512)),
+    )
+    return None if row_scale is None else logits
+
+
+def _softmax_rows_torch(logits, labels, ignore_index, losses, row_scale):
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    counted = labels != ignore_index
+    target = torch.where(counted, labels, 0)[:, None]
+    z = logits.to(acc)
+    lse = torch.logsumexp(z, dim=-1)
+    losses.copy_(torch.where(counted, lse - z.gather(1, target)[:, 0], 0))
+    if row_scale is None:
+        return None
+    g = z.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+    g.scatter_add_(1, target, torch.full_like(target, -1, dtype=acc))
+    return g.mul_(torch.where(counted, row_scale.to(acc), 0)[:, None]).to(logits.dtype)
+
+
+def _softmax_rows(logits, labels, ignore_index, losses, row_scale=None):
+    """For one chunk's logits [n, V] and labels [n]: writes the rows' losses (lse - logit[label], 0 for
+    ignored rows) into ``losses`` [n] (fp32, fp64 for fp64 logits) and, given ``row_scale`` [n], returns
+    G = (softmax - onehot(label)) * row_scale (0 at ignored rows) in the logits' dtype, on the Triton path
+    written over the logits."""
+    if use_triton(logits) and not torch.compiler.is_compiling():
+        if logits.device.type == "cpu" and not _INTERPRETED:
+            raise ValueError(
+                "hidden: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.cross_entropy is imported"
+            )
+        return _softmax_rows_triton(logits, labels, ignore_index, losses, row_scale)
+    return _softmax_rows_torch(logits, labels, ignore_index, losses, row_scale)
+
+
 def _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, row_scale=None, need_dh=False, need_dw=False):
     """One pass over chunks of rows: per-row losses [N] (fp32, fp64 for fp64 matmuls; 0 at ignored rows) and,
     given ``row_scale`` [N], dh = G @ W and dW = G^T @ hidden for G = (softmax - onehot) * row_scale
@@ -63,23 +162,18 @@ def _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, row_scale=No
     acc = torch.promote_types(dtype, torch.float32)
     N = hidden.shape[0]
     w = weight.to(dtype)
+    labels = labels.contiguous()
     losses = torch.empty(N, dtype=acc, device=hidden.device)
     dh = torch.empty_like(hidden) if need_dh else None
     dw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_dw else None
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, N, chunk_size):
             rows = slice(start, start + chunk_size)
-            x, y = hidden[rows].to(dtype), labels[rows]
-            counted = y != ignore_index
-            target = torch.where(counted, y, 0)[:, None]
-            logits = (x @ w.T).to(acc)
-            lse = torch.logsumexp(logits, dim=-1)
-            losses[rows] = torch.where(counted, lse - logits.gather(1, target)[:, 0], 0)
-            if row_scale is None:
+            x = hidden[rows].to(dtype)
+            g = _softmax_rows(x @ w.T, labels[rows], ignore_index, losses[rows],
+                              None if row_scale is None else row_scale[rows])
+            if g is None:
                 continue
-            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            g.scatter_add_(1, target, torch.full_like(target, -1, dtype=acc))
-            g = g.mul_(torch.where(counted, row_scale[rows].to(acc), 0)[:, None]).to(dtype)
             if need_dh:
                 dh[rows] = g @ w
             if need_dw:
