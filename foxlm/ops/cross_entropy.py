@@ -179,6 +179,8 @@ def _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, row_scale=No
             if need_dw:
                 if dtype == acc:
                     dw.addmm_(g.T, x)
+                elif dw.is_cuda:  # the matmul sums into fp32 dW itself (out_dtype: CUDA only in torch)
+                    torch.addmm(dw, g.T, x, out_dtype=acc, out=dw)
                 else:
                     dw += g.T @ x
     return losses, dh, None if dw is None else dw.to(weight.dtype)
