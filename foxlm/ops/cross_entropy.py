@@ -239,6 +239,9 @@ def linear_cross_entropy(
     chunk_size: rows per chunk (default: ``default_chunk_size(V)``, about 256 MB of fp32 logits).
     Gradients come back in the dtypes of hidden and weight. With "mean"/"sum" and grad enabled, the forward
     already computes them (keeping a [N, C] and a [V, C] tensor until the backward).
+    CUDA tensors take the Triton kernel per chunk (CPU tensors under ``TRITON_INTERPRET=1``), float64 the
+    PyTorch path; ``foxlm.ops.use_backend`` overrides the choice. No host syncs: labels are not range-checked
+    on the Triton path (a label outside [0, V) other than ``ignore_index`` gives a wrong loss, no error).
     """
     _validate(hidden, weight, labels, reduction, chunk_size)
     dtype = _compute_dtype(hidden, weight)
