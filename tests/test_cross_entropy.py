@@ -242,3 +242,11 @@ def test_fuse_cross_entropy_config_field(tmp_path):
     assert FoxConfig.from_pretrained(tmp_path).fuse_cross_entropy is False
     with pytest.raises(ValueError, match="fuse_cross_entropy"):
         FoxConfig(fuse_cross_entropy="yes")
+
+
+@pytest.mark.parametrize("bad", [-5, 1000])
+def test_labels_out_of_range_raise(bad):
+    hidden, weight = torch.randn(6, 8), torch.randn(1000, 8)
+    labels = torch.tensor([1, 2, bad, 3, -100, 4])
+    with pytest.raises(ValueError, match="labels"):
+        linear_cross_entropy(hidden, weight, labels)
