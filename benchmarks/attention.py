@@ -3,7 +3,7 @@
 q, k, v: [B, T, H, D] bf16 randn with B*T = 65,536 and H*D = 2048; the "standard" gate profile (per-head decay
 times log-spaced from 16 to 16,384 tokens); FLOPs = 4*B*H*T^2*D/2 forward, 3.5x that forward+backward; median
 of 10 timed runs after 3 warm-ups, CUDA events. Compared in the same run: foxlm, foxlm with ACP (effective
-TF/s: the unpruned FLOPs over the pruned time), PyTorch SDPA flash and cuDNN (no gate), fla's
+TF/s: the unpruned FLOPs over the pruned time), both also with ``deterministic=True`` ("-det"), PyTorch SDPA flash and cuDNN (no gate), fla's
 parallel_forgetting_attn when importable. Before timing, the kernels are checked against the fp64 reference.
 
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--dims 64 128] [--seqlens 2048 8192 16384]
@@ -52,9 +52,9 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
 QUICK_CASES = {  # the benchmark's own kernel specializations (no extra compiles)
     "d64 bf16 acp": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, prune=True),
     "d64 bf16": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16),
-    "d64 bf16 atomic-dq": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, deterministic=False),
-    "d64 bf16 acp atomic-dq": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, prune=True,
-                                   deterministic=False),
+    "d64 bf16 deterministic": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, deterministic=True),
+    "d64 bf16 acp deterministic": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, prune=True,
+                                       deterministic=True),
     "d128 bf16": dict(B=2, Tq=1024, Tk=1024, Hq=2, Hk=2, D=128, dtype=torch.bfloat16),
 }
 
@@ -66,8 +66,8 @@ def check(device, quick: bool = False) -> dict:
         "d64 bf16 gqa2 acp": dict(B=2, Tq=777, Tk=777, Hq=4, Hk=2, D=64, dtype=torch.bfloat16, prune=True),
         "d128 bf16 varlen": dict(B=1, Tq=900, Tk=900, Hq=2, Hk=2, D=128, dtype=torch.bfloat16,
                                  cu=[0, 1, 250, 251, 900]),
-        "d128 bf16 varlen atomic-dq": dict(B=1, Tq=900, Tk=900, Hq=2, Hk=2, D=128, dtype=torch.bfloat16,
-                                           cu=[0, 1, 250, 251, 900], deterministic=False),
+        "d64 bf16 varlen": dict(B=1, Tq=900, Tk=900, Hq=2, Hk=2, D=64, dtype=torch.bfloat16,
+                                cu=[0, 1, 250, 251, 900]),
         "d80 fp16 tq<tk": dict(B=2, Tq=300, Tk=701, Hq=4, Hk=1, D=80, dtype=torch.float16),
         "d256 bf16": dict(B=1, Tq=200, Tk=200, Hq=2, Hk=2, D=256, dtype=torch.bfloat16),
     }
@@ -80,7 +80,7 @@ def check(device, quick: bool = False) -> dict:
         v = torch.randn(B, Tk, Hk, D, device=device, dtype=dt, requires_grad=True)
         g = standard_log_fgate(B, Tk, Hq, device).requires_grad_()
         o, lse = forgetting_attention(q, k, v, g, cu_seqlens=cu, prune=c.get("prune", False),
-                                      deterministic=c.get("deterministic", True), return_lse=True)
+                                      deterministic=c.get("deterministic", False), return_lse=True)
         do, dl = torch.randn_like(o), torch.randn_like(lse)
         grads = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g), retain_graph=True)
         again = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g))
@@ -109,8 +109,8 @@ def bench(D: int, T: int, device, fla) -> dict:
     impls = {
         "foxlm": (lambda: forgetting_attention(q, k, v, g), (q, k, v, g), do),
         "foxlm+acp": (lambda: forgetting_attention(q, k, v, g, prune=True), (q, k, v, g), do),
-        "foxlm-atomic": (lambda: forgetting_attention(q, k, v, g, deterministic=False), (q, k, v, g), do),
-        "foxlm+acp-atomic": (lambda: forgetting_attention(q, k, v, g, prune=True, deterministic=False), (q, k, v, g), do),
+        "foxlm-det": (lambda: forgetting_attention(q, k, v, g, deterministic=True), (q, k, v, g), do),
+        "foxlm+acp-det": (lambda: forgetting_attention(q, k, v, g, prune=True, deterministic=True), (q, k, v, g), do),
     }
     for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
         def sdpa(backend=backend):
@@ -217,7 +217,7 @@ def main() -> None:
 
 def table(rows: list[dict], env: dict) -> str:
     """Markdown table of fwd+bwd TF/s (ratio to SDPA flash) per implementation and shape."""
-    names = [n for n in ("foxlm", "foxlm+acp", "foxlm-atomic", "foxlm+acp-atomic", "sdpa-flash", "sdpa-cudnn", "fla") if any(n in r for r in rows)]
+    names = [n for n in ("foxlm", "foxlm+acp", "foxlm-det", "foxlm+acp-det", "sdpa-flash", "sdpa-cudnn", "fla") if any(n in r for r in rows)]
     head = "| impl | " + " | ".join(f"d{r['D']} T={r['T'] // 1024}k" for r in rows) + " |"
     lines = [f"fwd+bwd TF/s (x SDPA flash), {env['device']}, {env['date']}", head, "|---" * (len(rows) + 1) + "|"]
     for n in names:

@@ -47,7 +47,7 @@ def standard_gate_bias(model: FoxForCausalLM) -> None:
 
 def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
     """``hf-llama``, or ``ARCH`` with options: ``+acp`` (standard gate biases), ``+acp@init`` (ACP, gates at
-    initialization), ``+atomic`` (the attention backward with atomic dQ, ``deterministic_attention=False``)."""
+    initialization), ``+deterministic`` (the attention backward without atomics, ``deterministic_attention``)."""
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -56,11 +56,11 @@ def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
                           rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
         return LlamaForCausalLM(cfg), None
     arch, *options = name.split("+")
-    unknown = set(options) - {"acp", "acp@init", "atomic"}
+    unknown = set(options) - {"acp", "acp@init", "deterministic"}
     if unknown:
         raise ValueError(f"--models: unknown option(s) {sorted(unknown)} in {name!r}")
     config = FoxConfig.preset(arch, "125m", acp=any(o.startswith("acp") for o in options),
-                              deterministic_attention="atomic" not in options)
+                              deterministic_attention="deterministic" in options)
     model = FoxForCausalLM(config)
     if "acp" in options:
         standard_gate_bias(model)

@@ -98,7 +98,7 @@ def attend_sequence(
     prune: bool = False,
     logit_bound: torch.Tensor | float | None = None,
     tolerance: float = math.exp(-10),
-    deterministic: bool = True,
+    deterministic: bool = False,
     return_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Causal attention of whole sequences, choosing the path: the fused op, SDPA, or (only to return the
@@ -124,8 +124,10 @@ def attend_sequence(
         return o.transpose(1, 2), None
     if log_fgate is None:
         log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
+    # The layers' gates are logsigmoids (or fixed negative slopes) by construction: no host sync to check them;
+    # a NaN from the data reaches the loss instead, where the trainer counts and skips the step.
     kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance,
-                  deterministic=deterministic)
+                  deterministic=deterministic, check_gates=False)
     if segments is None:
         return forgetting_attention(q, k, v, log_fgate, **kwargs), None
     # the segments index the flattened batch: rows become packed sequences of one long row
@@ -173,7 +175,7 @@ class ForgettingAttention(nn.Module):
         window: int | None = None,
         acp: bool = False,
         acp_tolerance: float = math.exp(-10),
-        deterministic: bool = True,
+        deterministic: bool = False,
         norm_eps: float = 1e-6,
         layer_idx: int = 0,
     ):

@@ -42,8 +42,9 @@ class FoxConfig(PretrainedConfig):
         acp, acp_tolerance: Adaptive Computation Pruning in training/eval forwards, and its epsilon.
         fuse_cross_entropy: training forwards with labels compute the LM head and loss a chunk of tokens at a
             time (``foxlm.ops.cross_entropy``) and return no logits.
-        deterministic_attention: the attention backward without atomics (bitwise reproducible, slower);
-            False accumulates dQ with atomics, like FlashAttention's default (see ``forgetting_attention``).
+        deterministic_attention: the attention backward without atomics (bitwise reproducible, slower at
+            head dim 64); False, the default as in FlashAttention, lets it accumulate dQ with atomics (see
+            ``forgetting_attention``); ``torch.use_deterministic_algorithms(True)`` turns it on too.
     """
 
     model_type = "fox"
@@ -72,7 +73,7 @@ class FoxConfig(PretrainedConfig):
         acp: bool = False,
         acp_tolerance: float = math.exp(-10),
         fuse_cross_entropy: bool = True,
-        deterministic_attention: bool = True,
+        deterministic_attention: bool = False,
         use_cache: bool = True,
         bos_token_id: int | None = 50256,
         eos_token_id: int | None = 50256,

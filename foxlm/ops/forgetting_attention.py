@@ -21,7 +21,7 @@ def _checking_values() -> bool:
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound) -> None:
+def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor [B, T, H, D], got {getattr(t, 'shape', type(t))}")
@@ -64,10 +64,10 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
             raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but q is on {q.device}")
         if B != 1 or Tq != Tk:
             raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
-    if not _checking_values():
+    if not _checking_values() or (cu_seqlens is None and not check_gates):
         return
     # Every value check in one device tensor, read back with a single host sync.
-    flags = [(~(log_fgate <= 0) | log_fgate.isinf()).any()]
+    flags = [(~(log_fgate <= 0) | log_fgate.isinf()).any() if check_gates else cu_seqlens.new_zeros((), dtype=torch.bool)]
     if cu_seqlens is not None:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         flags.append((cu_seqlens[0] != 0) | (cu_seqlens[-1] != Tk) | (lengths < 0).any())
@@ -95,7 +95,8 @@ def forgetting_attention(
     prune: bool = False,
     tolerance: float = math.exp(-10),
     logit_bound: float | torch.Tensor | None = None,
-    deterministic: bool = True,
+    deterministic: bool = False,
+    check_gates: bool = True,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal softmax attention with a forget gate: logits ``scale * q_i . k_j + c_i - c_j``.
@@ -117,8 +118,12 @@ def forgetting_attention(
         logit_bound: U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq],
             e.g. from QK-norm weights); by default scale * max||q|| * max||k|| per (sequence, head).
         deterministic: the Triton backward without atomics (bitwise reproducible; it recomputes the
-            logits for dQ); False adds each tile's dQ into an fp32 buffer with atomics, like FlashAttention's
-            default. The PyTorch path is always deterministic.
+            logits for dQ). False (FlashAttention's default) takes the faster backward for the head dim: at
+            head dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
+            ``torch.use_deterministic_algorithms(True)``; the PyTorch path is always deterministic.
+        check_gates: raise a ValueError for log gates that are positive, infinite or NaN; on CUDA this reads
+            a flag back (a host sync). Callers whose gates are a logsigmoid by construction (the FoX layers)
+            turn it off: a NaN then reaches the loss, where the trainer counts and skips the step.
         return_lse: also return the row log-sum-exp [B, Hq, Tq] (fp32).
 
     Returns:
@@ -128,7 +133,7 @@ def forgetting_attention(
     path (or through the Triton kernels under ``TRITON_INTERPRET=1``); float64 always takes the PyTorch path.
     ``foxlm.ops.use_backend`` overrides the choice for a block of code.
     """
-    _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound)
+    _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention
@@ -142,7 +147,7 @@ def forgetting_attention(
 
         o, lse = triton_forgetting_attention(
             q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window,
-            threshold=threshold, deterministic=deterministic,
+            threshold=threshold, deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
         )
     else:
         o, lse = chunked_forgetting_attention(
