@@ -231,3 +231,15 @@ def test_acp_threshold_tightens_with_a_window():
     o = forgetting_attention(q, k, v, log_f, window=16, prune=True, tolerance=1e-4)
     ro = forgetting_attention_reference(q, k, v, log_f, window=16)
     assert (o - ro).abs().max() < 2e-4 * v.abs().max()
+
+
+def test_unchecked_gates_pass_nan_through_and_cu_seqlens_are_still_checked():
+    """check_gates=False (the layers' setting: no host sync on CUDA) lets a NaN gate reach the output, where a
+    loss shows it; the other value checks stay."""
+    q, k, v, log_f = _inputs(1, 16, 16, 4, 2, 8)
+    log_f = log_f.detach().clone()
+    log_f[0, 5, 1] = float("nan")
+    o = forgetting_attention(q, k, v, log_f, check_gates=False)
+    assert o[:, 5:, 1].isnan().all() and not o[:, :, 0].isnan().any()
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        forgetting_attention(q, k, v, log_f, check_gates=False, cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32))
