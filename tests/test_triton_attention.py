@@ -254,7 +254,7 @@ def test_acp_and_window_skip_exactly_their_tiles():
     log_fgate = F.logsigmoid(torch.randn(1, T, 2) + torch.tensor([1.0, 5.0])).requires_grad_()
     kwargs = dict(logit_bound=0.0, tolerance=0.5)
     out = _run(q, k, v, log_fgate, seed=6, prune=True, window=window, **kwargs)
-    delta = acp_threshold(q, k, scale=0.25, **kwargs).double()
+    delta = acp_threshold(q, k, scale=0.25, window=window, **kwargs).double()  # N = the window's keys
     skip = _skipped_tiles(gate_cumsum(log_fgate.detach()).transpose(1, 2), delta, None, ta.INTERPRET_TILE)
     inside = ~torch.ones(T, T, dtype=torch.bool).tril(-window)
     assert (skip[0, 0] & inside).any() and not skip[0, 1].any()  # ACP cuts inside head 0's window only
