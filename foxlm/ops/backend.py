@@ -13,6 +13,19 @@ from collections.abc import Iterator
 
 import torch
 
+try:
+    import triton
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    jit = triton.jit
+except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch paths run (no CUDA, no interpreter)
+    triton = tl = None
+
+    def jit(fn):
+        return fn
+
+
 BACKENDS = ("auto", "triton", "torch")
 _backend = "auto"
 
@@ -39,3 +52,9 @@ def use_triton(x: torch.Tensor) -> bool:
             raise ValueError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
         return True
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def interpreted(kernel) -> bool:
+    """Whether ``kernel`` was built by Triton's interpreter (TRITON_INTERPRET=1 when it was decorated): it then
+    runs on CPU tensors, and loops with run-time bounds need the interpreter-safe form."""
+    return triton is not None and isinstance(kernel, InterpretedFunction)

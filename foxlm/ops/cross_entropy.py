@@ -16,19 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .backend import use_triton
+from .backend import interpreted, jit, tl, triton, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    _jit = triton.jit
-except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path runs (no CUDA, no interpreter)
-    triton = None
-
-    def _jit(fn):
-        return fn
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 REDUCTIONS = ("mean", "sum", "none")
@@ -76,7 +65,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return hidden.dtype
 
 
-@_jit
+@jit
 def _softmax_rows_kernel(LOGITS, stride, LABELS, SCALE, scale_stride, LOSSES, ignore_index,
                          V: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
     """Row r of the logits [n, V] (row stride ``stride``): LOSSES[r] = lse - logit[label] (fp32, 0 for an
@@ -109,7 +98,7 @@ def _softmax_rows_kernel(LOGITS, stride, LABELS, SCALE, scale_stride, LOSSES, ig
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = triton is not None and isinstance(_softmax_rows_kernel, InterpretedFunction)
+_INTERPRETED = interpreted(_softmax_rows_kernel)
 # Logits per block of the kernel's loops over V: on a GPU (8192 with 8 warps measured best on an H200 at
 # V = 50304: the gradient pass at ~3.7 TB/s), and under the interpreter (small, so that tests with a small V
 # still loop over several blocks and a partial one).

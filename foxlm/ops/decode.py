@@ -28,25 +28,14 @@ import math
 import torch
 
 from .acp import prune_threshold
-from .backend import use_triton
+from .backend import interpreted, jit, tl, triton, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    _jit = triton.jit
-except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path runs (no CUDA, no interpreter)
-    triton = None
-
-    def _jit(fn):
-        return fn
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30
 
 
-@_jit
+@jit
 def _decode_tile(
     m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
     stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
@@ -89,7 +78,7 @@ def _decode_tile(
     return m_new, l_i, acc
 
 
-@_jit
+@jit
 def _decode_split_kernel(
     Q, K, V, C, PT, START, LEN, O_PART, LSE_PART,
     scale_log2e,
@@ -166,7 +155,7 @@ def _decode_split_kernel(
     tl.store(O_PART + part[:, None] * DV + offs_dv[None, :], o, mask=row_ok[:, None] & (offs_dv[None, :] < DV))
 
 
-@_jit
+@jit
 def _decode_combine_kernel(
     O_PART, LSE_PART, OUT, LSE,
     stride_ob, stride_ot, stride_oh,
@@ -197,7 +186,7 @@ def _decode_combine_kernel(
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = triton is not None and isinstance(_decode_split_kernel, InterpretedFunction)
+_INTERPRETED = interpreted(_decode_split_kernel)
 
 # Launch tuning of the split kernel: key tile, warps, pipeline stages, and the longest key range one program
 # takes (short ranges keep programs of equal length when eviction leaves heads with very different live

@@ -20,25 +20,15 @@ import functools
 
 import torch
 
-from .backend import use_triton
+from .backend import interpreted, jit, tl, triton, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    _jit = triton.jit
-except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path runs (no CUDA, no interpreter)
-
-    def _jit(fn):
-        return fn
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Largest D the Triton kernels take (one row block must fit in registers); wider rows take the PyTorch path.
 MAX_DIM = 8192
 
 
-@_jit
+@jit
 def _fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
                 HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows [pid * BLOCK_R, +BLOCK_R) of head h; all tensors [N, H, D] contiguous, RSTD [N, H]."""
@@ -65,7 +55,7 @@ def _fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
-@_jit
+@jit
 def _bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
                 HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row blocks pid, pid + P, ... of head h (P programs per head): dx (+ upstream ds; written to DX and,
@@ -231,7 +221,7 @@ def rms_norm(
     # Under torch.compile the PyTorch path: the compiler fuses it with its neighbours itself.
     if torch.compiler.is_compiling() or not (use_triton(x) and s_dtype != torch.float64 and 0 < x.numel() and D <= MAX_DIM):
         return _rms_norm_torch(x, weight, eps, residual, gate, out_dtype)
-    if x.device.type == "cpu" and not isinstance(_fwd_kernel, InterpretedFunction):
+    if x.device.type == "cpu" and not interpreted(_fwd_kernel):
         raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.rms_norm is imported")
     H = 1 if weight.dim() == 1 else weight.shape[0]
 

@@ -13,25 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from .backend import use_triton
+from .backend import interpreted, jit, tl, triton, use_triton
 
-try:
-    import triton
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    _jit = triton.jit
-except ImportError:  # Triton ships for Linux only; elsewhere the PyTorch path runs (no CUDA, no interpreter)
-    triton = None
-
-    def _jit(fn):
-        return fn
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK_ELEMENTS = 4096  # elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_D rows
 
 
-@_jit
+@jit
 def _rows(X, A, R, PREV, pid, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
           HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr):
     """The program's rows r = (b*T + t)*H + h of the [N = B*T*H, D] view, with a_t, x_t and x_{t-1} in fp32.
@@ -57,7 +46,7 @@ def _rows(X, A, R, PREV, pid, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, B
     return r, d, rmask, mask, t, bt, bh, first, a, x, xp
 
 
-@_jit
+@jit
 def _fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                 HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr):
     r, d, _, mask, _, _, _, _, a, x, xp = _rows(
@@ -67,7 +56,7 @@ def _fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexp
     tl.store(Y + r[:, None] * D + d[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
-@_jit
+@jit
 def _bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr, NEED_DPREV: tl.constexpr):
     r, d, rmask, mask, t, bt, bh, first, a, x, xp = _rows(
@@ -90,7 +79,7 @@ def _bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.constexpr, BLOC
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = triton is not None and isinstance(_fwd_kernel, InterpretedFunction)
+_INTERPRETED = interpreted(_fwd_kernel)
 
 
 def _meta(x: torch.Tensor, prev: torch.Tensor | None, reset: torch.Tensor | None) -> tuple[tuple, dict]:

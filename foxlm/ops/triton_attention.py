@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
+from .backend import interpreted
 from .reference import gate_cumsum, segment_ids
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -572,7 +572,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = isinstance(_fwd_kernel, InterpretedFunction)
+_INTERPRETED = interpreted(_fwd_kernel)
 _TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE", "WINDOWED"]
 _fwd = triton.autotune(
     _configs(_FWD_TILES, ("BLOCK_M", "BLOCK_N")), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
