@@ -47,6 +47,41 @@ def test_full_forward_equals_cached_decoding(variant):
     assert cache.get_seq_length() == 14
 
 
+def test_crop_then_decode_equals_full_forward():
+    """FoxCache.crop (assisted decoding's rejection of candidates): decoding on from the cropped cache gives
+    the logits of a full forward over the kept prefix plus the new tokens, token shift included."""
+    model = _model("fox-pro")
+    ids, other = _ids(2, 12), _ids(2, 5, seed=7)
+    cache = FoxCache()
+    model(ids, cache=cache, use_cache=True)
+    cache.crop(-4)  # drop the last 4 (HF's negative form), then 3 more by length
+    cache.crop(5)
+    assert cache.get_seq_length() == 5
+    got = model(other, cache=cache, use_cache=True).logits
+    want = model(torch.cat([ids[:, :5], other], 1)).logits[:, 5:]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    cache.crop(99)  # longer than the cache: nothing to do
+    assert cache.get_seq_length() == 10
+
+
+def test_assisted_generation_equals_greedy():
+    """HF assisted decoding (a draft model proposes, the cache is cropped at the first rejection) gives the
+    greedy continuation."""
+    model, draft = _model("fox-pro"), _model("fox-pro", seed=3)
+    ids = _ids(1, 6)
+    greedy = model.generate(ids, max_new_tokens=10, do_sample=False)
+    assisted = model.generate(ids, assistant_model=draft, max_new_tokens=10, do_sample=False)
+    assert torch.equal(assisted, greedy)
+
+
+def test_crop_beyond_the_shift_history_raises():
+    model = _model("fox-pro")
+    cache = FoxCache()
+    model(_ids(1, 300), cache=cache, use_cache=True)
+    with pytest.raises(ValueError, match="max_length"):
+        cache.crop(10)
+
+
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_packed_documents_equal_documents_alone(arch):
     model = _model(arch)

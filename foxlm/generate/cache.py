@@ -324,6 +324,8 @@ class PagedFoxCache:
         return None if buf is None else buf.clone()  # the layer overwrites the state before using it
 
     def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
+        """Keep the pre-shift projection of the newest of the tokens x: [B, T, Hk, D]."""
+        x = x[:, -1]
         buf = self._shift.get((layer_idx, name))
         if buf is None:
             self._shift[(layer_idx, name)] = x.detach().clone()

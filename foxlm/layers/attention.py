@@ -293,6 +293,6 @@ class ForgettingAttention(nn.Module):
         prev = None
         if cache is not None:
             prev = cache.get_shift_state(self.layer_idx, name)
-            last = x[:, -1] if valid is None else x[:, -1] * valid[:, -1, None, None].to(x.dtype)
-            cache.set_shift_state(self.layer_idx, name, last)
+            new = x if valid is None else x * valid[:, :, None, None].to(x.dtype)  # zeros at padding
+            cache.set_shift_state(self.layer_idx, name, new)
         return shift(x, h, prev, reset)

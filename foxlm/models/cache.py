@@ -27,7 +27,8 @@ tolerance=e^-10) -> o``
 ``get_shift_state(layer_idx, name) -> Tensor | None`` and ``set_shift_state(layer_idx, name, x)``
     The token-shift state of stream ``name`` ("k" or "v"): the pre-shift projection [B, Hk, D] of the
     last token seen (zeros after padding), or None before the first token. The layer reads it before
-    shifting the new tokens and stores the new last one.
+    shifting the new tokens, then hands over the new tokens' projections x: [B, T, Hk, D] (zeros at
+    padding); a cache keeps at least the last (FoxCache keeps ``SHIFT_HISTORY`` of them, for ``crop``).
 
 ``get_seq_length(layer_idx=0) -> int``
     Tokens cached so far (padding included), as HF ``generate`` expects.
@@ -51,6 +52,9 @@ from ..layers import Segments, attend_sequence, dense_forgetting_attention
 
 # Gate cumsum stored for padded keys: every real query has c_i - c_j <= -1e30 against them.
 PAD_DECAY = 1e30
+# Pre-shift projections FoxCache keeps per layer and stream: how far back ``crop`` can go in a model with
+# token shift (assisted decoding crops the rejected candidates: a few to a few dozen tokens).
+SHIFT_HISTORY = 256
 
 
 class _LayerCache:
@@ -76,6 +80,18 @@ class _LayerCache:
         if old is not None:
             buf[:, : self.length] = old[:, : self.length]
         return buf
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens (0 < length < self.length)."""
+        dropped = self.length - length
+        for name, hist in self.shift.items():
+            if hist.shape[1] <= dropped:
+                raise ValueError(f"max_length: FoxCache can crop at most {hist.shape[1] - 1} tokens of a model "
+                                 f"with token shift (it keeps the last {SHIFT_HISTORY}), asked for {dropped}")
+        self.shift = {name: hist[:, :-dropped] for name, hist in self.shift.items()}
+        c = self.c[:, length - 1]
+        self.c_last = torch.where(c == PAD_DECAY, 0.0, c)  # a padded position: only padding before it, sum 0
+        self.length = length
 
     def apply(self, fn) -> None:
         """Apply ``fn`` to every batch-major tensor (beam reordering and friends)."""
@@ -150,11 +166,15 @@ class FoxCache(Cache):
 
     def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
         """The pre-shift projection [B, Hk, D] of stream ``name`` at the last cached token, or None."""
-        return self._layer(layer_idx).shift.get(name)
+        hist = self._layer(layer_idx).shift.get(name)
+        return None if hist is None else hist[:, -1]
 
     def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
-        """Store the pre-shift projection x: [B, Hk, D] of the newest token for stream ``name``."""
-        self._layer(layer_idx).shift[name] = x.detach()
+        """Store the pre-shift projections x: [B, T, Hk, D] of the new tokens for stream ``name``."""
+        layer = self._layer(layer_idx)
+        old = layer.shift.get(name)
+        hist = x.detach() if old is None else torch.cat([old, x.detach()], dim=1)
+        layer.shift[name] = hist[:, -SHIFT_HISTORY:]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layers[layer_idx].length if layer_idx < len(self._layers) else 0
@@ -177,8 +197,18 @@ class FoxCache(Cache):
             layer.apply(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def crop(self, max_length: int) -> None:
-        raise NotImplementedError("FoxCache: cropping (assisted decoding) would need the token-shift state of "
-                                  "earlier tokens, which is not kept")
+        """Drop the tokens past ``max_length`` (negative: drop that many), as HF's assisted decoding does with
+        rejected candidates. In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go."""
+        length = self.get_seq_length()
+        if max_length < 0:
+            max_length = length + max_length
+        if max_length >= length:
+            return
+        if max_length <= 0:
+            self.reset()
+            return
+        for layer in self._layers:
+            layer.crop(max_length)
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -196,7 +226,7 @@ class FoxCache(Cache):
 
     @property
     def is_croppable(self) -> bool:
-        return False
+        return True
 
     @property
     def is_sliding(self) -> list[bool]:
