@@ -197,9 +197,12 @@ class FoxCache(Cache):
             layer.apply(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def crop(self, max_length: int) -> None:
-        """Drop the tokens past ``max_length`` (negative: drop that many), as HF's assisted decoding does with
-        rejected candidates. In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go."""
+        """Drop rejected tokens, as HF's assisted decoding does: ``-n`` drops the last n tokens (transformers
+        >= 5.24 passes only these, and 0 for nothing), a positive value keeps that many (earlier versions).
+        In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go."""
         length = self.get_seq_length()
+        if max_length == 0:
+            return
         if max_length < 0:
             max_length = length + max_length
         if max_length >= length:
