@@ -67,6 +67,25 @@ def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
     return model, config
 
 
+# Attention kernels of the compared models: foxlm's (``_attn_*``) and those behind SDPA (flash, cuDNN, efficient).
+_ATTENTION_KERNELS = ("_attn_", "flash", "fmha", "sdpa", "attention")
+
+
+def kernel_ms(prof) -> dict:
+    """GPU time of one profiled step, summed over its kernels: in all (``gpu_ms``; less than the step's wall time
+    when the host cannot launch kernels as fast as the GPU runs them) and in attention (``attention_gpu_ms``)."""
+    from torch.autograd import DeviceType
+
+    total = attention = 0.0
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            us = e.time_range.elapsed_us()
+            total += us
+            if any(s in e.name.lower() for s in _ATTENTION_KERNELS):
+                attention += us
+    return {"gpu_ms": total / 1e3, "attention_gpu_ms": attention / 1e3}
+
+
 def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, compile: bool = False,
           profile: Path | None = None) -> dict:
     """Time ``steps`` training steps of one model; ``compile``: torch.compile each decoder block (foxlm's
@@ -112,6 +131,7 @@ def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, 
         profile.mkdir(parents=True, exist_ok=True)
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
         (profile / f"profile-{name.replace('+', '_').replace('@', '_')}{'-compiled' if compile else ''}.txt").write_text(table)
+        gpu = kernel_ms(prof)
     ms = statistics.median(times)
     tps = seq_len / (ms / 1e3)
     fox_config = config or FoxConfig.preset("transformer-llama", "125m")
@@ -119,6 +139,8 @@ def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, 
     result = {"name": name + (" (compiled)" if compile else ""), "ms_per_step": ms, "tokens_per_s": tps, "params_m": num_params / 1e6,
               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item(),
               "mfu": tps * per_token / (peak * 1e12) if peak else None}
+    if profile is not None:
+        result.update(gpu)
     return result
 
 
@@ -130,7 +152,7 @@ def main() -> None:
     p.add_argument("--models", nargs="+",
                    default=["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"])
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block of every model")
-    p.add_argument("--profile", type=Path, help="also write each model's top CUDA kernels of one step here")
+    p.add_argument("--profile", type=Path, help="also write each model's top CUDA kernels of one step here, and record its GPU time")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
@@ -142,7 +164,9 @@ def main() -> None:
         torch.cuda.empty_cache()  # the model and optimizer of one case are gone before the next
         results.append(r)
         print(f"{r['name']:>18}: {r['tokens_per_s']:>9,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step  "
-              f"{r['peak_mem_gib']:5.1f} GiB  MFU {100 * (r['mfu'] or 0):4.1f}%", flush=True)
+              f"{r['peak_mem_gib']:5.1f} GiB  MFU {100 * (r['mfu'] or 0):4.1f}%"
+              + (f"  GPU {r['gpu_ms']:.1f} ms/step, attention {r['attention_gpu_ms']:.1f}" if "gpu_ms" in r else ""),
+              flush=True)
     by_name = {r["name"]: r["tokens_per_s"] for r in results}
     for r in results:
         for peer in ("hf-llama", "transformer-pro"):

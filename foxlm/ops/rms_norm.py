@@ -29,7 +29,7 @@ MAX_DIM = 8192
 
 
 @jit
-def _fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
+def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
                 HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows [pid * BLOCK_R, +BLOCK_R) of head h; all tensors [N, H, D] contiguous, RSTD [N, H]."""
     pid = tl.program_id(0)
@@ -56,7 +56,7 @@ def _fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
 
 
 @jit
-def _bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
+def _rms_norm_bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
                 HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row blocks pid, pid + P, ... of head h (P programs per head): dx (+ upstream ds; written to DX and,
     with a residual, DR), dgate, and this program's weight-gradient partial sum DW[pid, h] (fp32)."""
@@ -116,7 +116,7 @@ class _RMSNorm(torch.autograd.Function):
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(N, H, dtype=torch.float32, device=x.device)
         s = None if residual is None else torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
-        _fwd_kernel[(triton.cdiv(N, block_r), H)](
+        _rms_norm_fwd_kernel[(triton.cdiv(N, block_r), H)](
             x, residual, gate, weight, y, s, rstd, N, H, D, eps, HAS_RES=residual is not None,
             HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
         )
@@ -136,7 +136,7 @@ class _RMSNorm(torch.autograd.Function):
         dres = None if res_dtype is None else torch.empty(x.shape, dtype=res_dtype, device=x.device)
         dgate = None if gate is None else torch.empty_like(gate)
         dw = torch.empty(programs, H, D, dtype=torch.float32, device=x.device)
-        _bwd_kernel[(programs, H)](
+        _rms_norm_bwd_kernel[(programs, H)](
             x, gate, weight, rstd, dy.contiguous(), None if ds is None else ds.contiguous(), dx, dres, dgate, dw,
             N, H, D, HAS_RES=dres is not None, HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d,
             num_warps=warps,
@@ -221,7 +221,7 @@ def rms_norm(
     # Under torch.compile the PyTorch path: the compiler fuses it with its neighbours itself.
     if torch.compiler.is_compiling() or not (use_triton(x) and s_dtype != torch.float64 and 0 < x.numel() and D <= MAX_DIM):
         return _rms_norm_torch(x, weight, eps, residual, gate, out_dtype)
-    if x.device.type == "cpu" and not interpreted(_fwd_kernel):
+    if x.device.type == "cpu" and not interpreted(_rms_norm_fwd_kernel):
         raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.rms_norm is imported")
     H = 1 if weight.dim() == 1 else weight.shape[0]
 

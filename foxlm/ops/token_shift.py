@@ -47,7 +47,7 @@ def _rows(X, A, R, PREV, pid, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, B
 
 
 @jit
-def _fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+def _token_shift_fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                 HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr):
     r, d, _, mask, _, _, _, _, a, x, xp = _rows(
         X, A, R, PREV, tl.program_id(0), N, T, H, D, BLOCK_R, BLOCK_D, HAS_PREV, HAS_RESET
@@ -57,7 +57,7 @@ def _fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexp
 
 
 @jit
-def _bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr,
+def _token_shift_bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr,
                 BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr, NEED_DPREV: tl.constexpr):
     r, d, rmask, mask, t, bt, bh, first, a, x, xp = _rows(
         X, A, R, PREV, tl.program_id(0), N, T, H, D, BLOCK_R, BLOCK_D, HAS_PREV, HAS_RESET
@@ -79,7 +79,7 @@ def _bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.constexpr, BLOC
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = interpreted(_fwd_kernel)
+_INTERPRETED = interpreted(_token_shift_fwd_kernel)
 
 
 def _meta(x: torch.Tensor, prev: torch.Tensor | None, reset: torch.Tensor | None) -> tuple[tuple, dict]:
@@ -101,7 +101,7 @@ class _TokenShift(torch.autograd.Function):
         B, T, H, _ = x.shape
         y = torch.empty_like(x)
         grid, meta = _meta(x, prev, reset)
-        _fwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset, y,
+        _token_shift_fwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset, y,
                           B * T * H, T, H, **meta)
         ctx.save_for_backward(x, alpha_logit, prev, reset)
         return y
@@ -113,7 +113,7 @@ class _TokenShift(torch.autograd.Function):
         dx, dalpha = torch.empty_like(x), torch.empty_like(alpha_logit)
         dprev = torch.empty_like(prev) if prev is not None and ctx.needs_input_grad[2] else None
         grid, meta = _meta(x, prev, reset)
-        _bwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset,
+        _token_shift_bwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset,
                           dy.contiguous(), dx, dalpha, x if dprev is None else dprev, B * T * H, T, H,
                           NEED_DPREV=dprev is not None, **meta)
         return dx, dalpha, dprev, None

@@ -186,7 +186,7 @@ def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
+def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                 Tq, Tk, Hq, G: tl.constexpr, qk_scale, window,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -244,7 +244,7 @@ def _fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
 
 
 @triton.jit
-def _bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
+def _attn_bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
                     DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
     """delta_i = sum_d o_i * do_i - dlse_i: [B, H, T] fp32."""
     pid_m = tl.program_id(0)
@@ -485,7 +485,7 @@ def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0,
 
 
 @triton.jit
-def _bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
+def _attn_bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
                 sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                 Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale, window,
                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -572,17 +572,17 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = interpreted(_fwd_kernel)
+_INTERPRETED = interpreted(_attn_fwd_kernel)
 _TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE", "WINDOWED"]
 _fwd = triton.autotune(
     _configs(_FWD_TILES, ("BLOCK_M", "BLOCK_N")), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
-)(_fwd_kernel)
+)(_attn_fwd_kernel)
 _bwd = triton.autotune(
     _configs(_BWD_TILES, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
     key=[*_TUNE_KEY, "ATOMIC_DQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
     reset_to_zero=["DQ"],  # the atomic dQ accumulator: every timed run of a tile adds into it
-)(_bwd_kernel)
+)(_attn_bwd_kernel)
 
 
 def _launch(kernel, grid, interpret_meta: dict, *args, **kwargs) -> None:
@@ -681,7 +681,7 @@ def _bwd_op(
     thr = threshold.float().contiguous() if threshold is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     pre_block = 64
-    pre = _bwd_preprocess[(triton.cdiv(Tq, pre_block), Hq, B)]
+    pre = _attn_bwd_preprocess[(triton.cdiv(Tq, pre_block), Hq, B)]
     pre(o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *lse.stride()[:2], Tq, Hq,
         DV=Dv, BLOCK_M=pre_block, BLOCK_DV=meta["BLOCK_DV"], HAS_DLSE=dlse is not None)
     if not deterministic and max(meta["BLOCK_D"], meta["BLOCK_DV"]) > 64:
