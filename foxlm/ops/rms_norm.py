@@ -30,7 +30,7 @@ MAX_DIM = 8192
 
 @jit
 def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
-                HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rows [pid * BLOCK_R, +BLOCK_R) of head h; all tensors [N, H, D] contiguous, RSTD [N, H]."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -57,7 +57,7 @@ def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
 
 @jit
 def _rms_norm_bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
-                HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """Row blocks pid, pid + P, ... of head h (P programs per head): dx (+ upstream ds; written to DX and,
     with a residual, DR), dgate, and this program's weight-gradient partial sum DW[pid, h] (fp32)."""
     pid = tl.program_id(0)

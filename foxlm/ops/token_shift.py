@@ -48,7 +48,7 @@ def _rows(X, A, R, PREV, pid, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, B
 
 @jit
 def _token_shift_fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr):
+                            HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr):
     r, d, _, mask, _, _, _, _, a, x, xp = _rows(
         X, A, R, PREV, tl.program_id(0), N, T, H, D, BLOCK_R, BLOCK_D, HAS_PREV, HAS_RESET
     )
@@ -58,7 +58,8 @@ def _token_shift_fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R:
 
 @jit
 def _token_shift_bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr, NEED_DPREV: tl.constexpr):
+                            BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr,
+                            NEED_DPREV: tl.constexpr):
     r, d, rmask, mask, t, bt, bh, first, a, x, xp = _rows(
         X, A, R, PREV, tl.program_id(0), N, T, H, D, BLOCK_R, BLOCK_D, HAS_PREV, HAS_RESET
     )

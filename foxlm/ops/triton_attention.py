@@ -187,12 +187,12 @@ def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_
 
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
-                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                Tq, Tk, Hq, G: tl.constexpr, qk_scale, window,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
+                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
+                     Tq, Tk, Hq, G: tl.constexpr, qk_scale, window,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                     INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     pid_m = tl.program_id(0)
     hq = tl.program_id(1)
     b = tl.program_id(2)
@@ -245,7 +245,7 @@ def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
 
 @triton.jit
 def _attn_bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
-                    DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
+                         DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
     """delta_i = sum_d o_i * do_i - dlse_i: [B, H, T] fp32."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -486,12 +486,12 @@ def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0,
 
 @triton.jit
 def _attn_bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
-                sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale, window,
-                D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
+                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
+                     Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale, window,
+                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                     VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                     ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """Program (pid, hk, b): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
     query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
     With ``ATOMIC_DQ`` (not deterministic), dQ is accumulated atomically in the dK/dV loop instead: 5 matmuls
