@@ -100,6 +100,22 @@ def test_atomic_dq_backward_matches_fp64_reference(name):
     _assert_close(out, _run(*inputs, seed=seed, reference=True, **ref_kwargs), rel=2e-5)
 
 
+@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_grouped_launch_order_matches_fp64_reference(monkeypatch, deterministic, varlen):
+    """The grid runs (head, sequence) pairs in groups that fit in L2: with a tiny L2 budget each pair is its own
+    group (3 x 2 pairs of 4 and 2 query blocks), and every program still finds its head, sequence and block."""
+    monkeypatch.setattr(ta, "L2_SHARE", 1)
+    assert ta._head_group(6, 50, torch.empty(1, 1, 1, 32), torch.empty(1, 1, 1, 32)) == 1
+    if varlen:
+        inputs, cu = _inputs(1, 61, 61, 4, 2, 32, 32), torch.tensor([0, 30, 31, 61], dtype=torch.int32)
+    else:
+        inputs, cu = _inputs(3, 50, 50, 4, 2, 32, 32), None
+    seed = int(torch.randint(1 << 30, ()))
+    out = _run(*inputs, seed=seed, cu_seqlens=cu, deterministic=deterministic)
+    _assert_close(out, _run(*inputs, seed=seed, reference=True, cu_seqlens=cu), rel=2e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_precision(dtype):
     inputs = _inputs(2, 40, 40, 2, 1, 64, 64, dtype=dtype)

@@ -16,6 +16,9 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
   blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
 * varlen: with ``cu_seqlens`` the grid runs over (sequence, block); no program crosses a sequence.
+* launch order: a 1-D grid over groups of (head, sequence) pairs whose tensors fit in L2 together; within a group
+  the heads vary fastest and the longest programs come first (the last query blocks in the forward, the first
+  key blocks in the backward), so that no long program starts in the last wave.
 * sliding window (``WINDOWED``, a constexpr: the full-causal kernels are unchanged): query i sees keys
   j > i - window. Key tiles left of a query block's window are never visited (the first is the later of
   the window's and ACP's boundary); the tiles the window edge crosses are masked. A key block's dK/dV
@@ -113,6 +116,22 @@ def _tensor_batch(b, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def _grid_position(H, HB, HG, LAST_FIRST: tl.constexpr):
+    """(head, sequence, block) of this program in the 1-D grid over HB = heads x sequences and their blocks.
+    The (head, sequence) pairs run in groups of HG (whose tensors fit in L2 together); within a group, the heads
+    vary fastest and the programs with the most tiles to visit (the last query blocks, the first key blocks
+    under the causal mask) come first, so that the short ones fill the last wave."""
+    pid = tl.program_id(0)
+    n_blocks = tl.num_programs(0) // HB
+    in_group = pid % (HG * n_blocks)
+    hb = (pid // (HG * n_blocks)) * HG + in_group % HG
+    block = in_group // HG
+    if LAST_FIRST:
+        block = n_blocks - 1 - block
+    return hb % H, hb // H, block
+
+
+@triton.jit
 def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr, PRUNE: tl.constexpr,
                WINDOWED: tl.constexpr):
     """Key tiles of the query rows at positions [p0, p_last]: (lo, win_hi, mask_lo). Tiles before lo are
@@ -188,14 +207,12 @@ def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_
 @triton.jit
 def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                     Tq, Tk, Hq, G: tl.constexpr, qk_scale, window,
+                     Tq, Tk, Hq, HB, HG, G: tl.constexpr, qk_scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                      INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
-    pid_m = tl.program_id(0)
-    hq = tl.program_id(1)
-    b = tl.program_id(2)
+    hq, b, pid_m = _grid_position(Hq, HB, HG, True)
     hk = hq // G
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
     bt = _tensor_batch(b, VARLEN)
@@ -487,12 +504,12 @@ def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0,
 @triton.jit
 def _attn_bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                     Tq, Tk, Hq, Hk, G: tl.constexpr, qk_scale, scale, window,
+                     Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                      VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                      ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
-    """Program (pid, hk, b): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
+    """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
     query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
     With ``ATOMIC_DQ`` (not deterministic), dQ is accumulated atomically in the dK/dV loop instead: 5 matmuls
     per tile instead of 7, one exp instead of two.
@@ -500,9 +517,7 @@ def _attn_bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
     The query side of the gate gradient, rowsum_j(dS_ij) = dlse_i (the row sums of P are one and
     sum_j P_ij dP_ij = do_i . o_i), needs no kernel: the host adds dlse exactly.
     """
-    pid = tl.program_id(0)
-    hk = tl.program_id(1)
-    b = tl.program_id(2)
+    hk, b, pid = _grid_position(Hk, HB, HG, False)
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
     bt = _tensor_batch(b, VARLEN)
     Q += bt * sqb
@@ -603,6 +618,19 @@ def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.
     return rc - torch.nn.functional.pad(rc, (0, 1))[..., ends]
 
 
+# Bytes of one (head, sequence)'s streamed tensors (K and V in the forward, Q and dO in the backward) that the
+# programs in flight may share: about half the L2 of an H100/H200 (50 MB).
+L2_SHARE = 24 << 20
+
+
+def _head_group(n: int, length: int, q: torch.Tensor, v: torch.Tensor) -> int:
+    """(Head, sequence) pairs scheduled together: the largest divisor of n whose K/V (or Q/dO) fit in L2_SHARE."""
+    g = max(1, min(n, L2_SHARE // max(1, length * (q.shape[-1] + v.shape[-1]) * q.element_size())))
+    while n % g:
+        g -= 1
+    return g
+
+
 def _len_bucket(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), 1 << 15)
 
@@ -644,11 +672,12 @@ def _fwd_op(
     cu = cu_seqlens if cu_seqlens is not None else lse
 
     def grid(m):
-        return (triton.cdiv(len_q, m["BLOCK_M"]), Hq, n_seq)
+        return (triton.cdiv(len_q, m["BLOCK_M"]) * Hq * n_seq,)
 
     _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, thr, o, lse, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-            *lse.stride()[:2], Tq, Tk, Hq, Hq // Hk, scale * LOG2E.value, window or 0, LEN_BUCKET=_len_bucket(len_k),
+            *lse.stride()[:2], Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v), Hq // Hk,
+            scale * LOG2E.value, window or 0, LEN_BUCKET=_len_bucket(len_k),
             **_meta(q, v, cu_seqlens, threshold, window))
     return o, lse, c
 
@@ -696,11 +725,12 @@ def _bwd_op(
 
     def grid(m):
         blocks = triton.cdiv(len_k, m["BLOCK_N1"])
-        return (max(blocks, triton.cdiv(len_q, m["BLOCK_M2"])) if deterministic else blocks, Hk, n_seq)
+        return ((max(blocks, triton.cdiv(len_q, m["BLOCK_M2"])) if deterministic else blocks) * Hk * n_seq,)
 
     _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dck, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-            *lse.stride()[:2], Tq, Tk, Hq, Hk, Hq // Hk, scale * LOG2E.value, scale, window or 0,
+            *lse.stride()[:2], Tq, Tk, Hq, Hk, Hk * n_seq, _head_group(Hk * n_seq, len_q, q, v), Hq // Hk,
+            scale * LOG2E.value, scale, window or 0,
             LEN_BUCKET=_len_bucket(len_k), ATOMIC_DQ=not deterministic, **meta)
     dq = dq.to(q.dtype)
     dc = dck.double()
