@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ import torch
 
 from foxlm.data import TokenDataset, prepare
 from foxlm.data.assets import shakespeare_plays
-from foxlm.models import FoxForCausalLM
+from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
 from foxlm.train.trainer import Trainer, param_groups
 
@@ -83,6 +84,15 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert "bogus: unknown config key" in capsys.readouterr().err
     default = load_config()
     assert (default.arch, default.size, default.data, default.tokenizer) == ("fox-pro", "tiny", "shakespeare", "gpt2")
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_load(path):
+    """The experiment configs in configs/ hold only known keys, and their models build."""
+    cfg = load_config(path)
+    config = FoxConfig.preset(cfg.arch, cfg.size, **cfg.model)
+    assert cfg.seq_len == 16384 and cfg.compile and config.num_hidden_layers == 12
+    assert config.acp == path.stem.endswith("-acp")
 
 
 def test_lr_schedule_and_weight_decay_groups(byte_data, tmp_path):
