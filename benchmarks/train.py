@@ -167,12 +167,14 @@ def main() -> None:
               f"{r['peak_mem_gib']:5.1f} GiB  MFU {100 * (r['mfu'] or 0):4.1f}%"
               + (f"  GPU {r['gpu_ms']:.1f} ms/step, attention {r['attention_gpu_ms']:.1f}" if "gpu_ms" in r else ""),
               flush=True)
-    by_name = {r["name"]: r["tokens_per_s"] for r in results}
+    by_name = {r["name"]: r for r in results}
     for r in results:
         for peer in ("hf-llama", "transformer-pro"):
-            peer_name = peer + (" (compiled)" if args.compile else "")
-            if peer_name in by_name:
-                r[f"vs_{peer}"] = r["tokens_per_s"] / by_name[peer_name]
+            other = by_name.get(peer + (" (compiled)" if args.compile else ""))
+            if other is not None:
+                r[f"vs_{peer}"] = r["tokens_per_s"] / other["tokens_per_s"]
+                if "gpu_ms" in r:  # the same ratio without the host: GPU time per step
+                    r[f"vs_{peer}_by_gpu_time"] = other["gpu_ms"] / r["gpu_ms"]
     import transformers
 
     date = datetime.date.today().isoformat()
@@ -183,8 +185,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"train-{date}{'-compiled' if args.compile else ''}.json").write_text(json.dumps(record, indent=1))
     for r in results:
-        print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ("vs_hf-llama", "vs_transformer-pro")
-                                                if k in r))
+        print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in (
+            "vs_hf-llama", "vs_transformer-pro", "vs_hf-llama_by_gpu_time", "vs_transformer-pro_by_gpu_time") if k in r))
 
 
 if __name__ == "__main__":
