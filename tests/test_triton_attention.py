@@ -8,6 +8,10 @@ reference on fresh random inputs.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -400,3 +404,20 @@ def test_custom_ops_pass_opcheck():
         o, lse, c = ta._fwd_op(*args)
         torch.library.opcheck(ta._bwd_op, (torch.randn_like(o), torch.randn_like(lse), *args[:3], o, lse, c, *args[4:]),
                               test_utils=utils)
+
+
+def test_kernels_compile_for_hopper_with_tensor_core_dots():
+    """benchmarks/kernel_resources.py compiles every shipped d64 tile for sm_90a without a GPU (a subprocess: the
+    kernels here are interpreted): each reports registers and spills, and its dots lower to Hopper's wgmma."""
+    root = Path(__file__).parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(root)
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_resources.py"), "--head-dim", "64"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if "warps" in line]
+    expected = len(ta._FWD_TILES[64]) + 2 * len(ta._BWD_TILES[64])
+    assert len(rows) == expected, out.stdout
+    for row in rows:
+        assert "registers" in row and "spill_stores" in row and "wgmma.mma_async" in row, row
+        assert "mma.sync" not in row, row

@@ -1,0 +1,85 @@
+"""Registers, spills and shared memory of the attention kernels' tuned tiles, read without a GPU.
+
+Triton compiles for a target architecture offline (``triton.compile`` with a ``GPUTarget``) and its wheel ships
+``ptxas``. This builds the forward and both backward kernels of ``foxlm.ops.triton_attention`` at every tile of
+their autotuning lists for one head dim (bf16, full causal, no ACP) and prints what ptxas reports, beside the
+count of tensor-core, exp2 and atomic instructions in the PTX. Register spills in the hot loops cost speed;
+this shows them on a CPU-only machine. It times nothing.
+
+    python benchmarks/kernel_resources.py [--head-dim 64] [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from foxlm.ops import triton_attention as ta
+
+POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV_": "*bf16",
+            "C": "*fp64", "THR": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DCK": "*fp32",
+            "CU": "*i32"}
+FLOATS = {"qk_scale", "scale"}
+INSTRUCTIONS = r"(wgmma\.mma_async|mma\.sync|ex2\.approx|atom\.global|red\.global\.add)"
+
+
+def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, arch: int):
+    """The kernel compiled for sm_``arch`` with these constexprs (other integers i32, tensors as POINTERS)."""
+    names = fn.arg_names
+    signature = {n: POINTERS.get(n) or ("constexpr" if n in constexprs else "fp32" if n in FLOATS else "i32")
+                 for n in names}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def resources(kernel, arch: int) -> dict:
+    """ptxas -v of the kernel's PTX: registers per thread and spill bytes; shared memory; instruction counts."""
+    ptx = kernel.asm["ptx"]
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        report = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", f.name, "-o", "/dev/null"],
+                                capture_output=True, text=True, check=True).stderr
+    counts = collections.Counter(re.findall(INSTRUCTIONS, ptx))
+    return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
+            "spill_stores": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
+            "spill_loads": int(re.search(r"(\d+) bytes spill loads", report).group(1)),
+            "shared": kernel.metadata.shared, **counts}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    args = p.parse_args()
+    if ta._INTERPRETED:
+        raise SystemExit("TRITON_INTERPRET=1 is set: the kernels are interpreted, unset it to compile them")
+    d = args.head_dim
+    block_d = max(16, triton.next_power_of_2(d))
+    bucket = ta._tiles_bucket({"BLOCK_D": block_d, "BLOCK_DV": block_d})
+    common = dict(G=1, D=d, DV=d, BLOCK_D=block_d, BLOCK_DV=block_d, VARLEN=False, PRUNE=False, WINDOWED=False,
+                  PRECISION="tf32", INTERPRET=False, TILES=bucket)
+    cases = [(f"forward {m}x{n}", ta._attn_fwd_kernel, dict(BLOCK_M=m, BLOCK_N=n), w, s)
+             for m, n, w, s in ta._FWD_TILES[bucket]]
+    for m1, n1, m2, n2, w, s in ta._BWD_TILES[bucket]:
+        tiles = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
+        cases.append((f"backward, atomic dQ, {m1}x{n1}", ta._attn_bwd_kernel, dict(tiles, ATOMIC_DQ=True), w, s))
+        cases.append((f"backward, deterministic, {m1}x{n1} + {m2}x{n2}", ta._attn_bwd_kernel,
+                      dict(tiles, ATOMIC_DQ=False), w, s))
+    print(f"sm_{args.arch}a, head dim {d}, bf16")
+    for name, fn, tiles, warps, stages in cases:
+        r = resources(compile_kernel(fn, {**common, **tiles}, warps, stages, args.arch), args.arch)
+        print(f"{name:45s} warps {warps} stages {stages}: " + ", ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
