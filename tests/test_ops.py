@@ -233,6 +233,25 @@ def test_acp_threshold_tightens_with_a_window():
     assert (o - ro).abs().max() < 2e-4 * v.abs().max()
 
 
+def test_acp_threshold_from_host_numbers_equals_tensors():
+    """Key counts and bounds given as host numbers (kept on the host: no copy to the device, a sync on CUDA) give
+    the same delta as the same values as tensors, with and without a window or packed sequences."""
+    from foxlm.ops import acp_threshold
+
+    q, k, _, _ = _inputs(2, 50, 50, 4, 2, 16)
+    bound = torch.rand(2, 4) * 5
+    torch.testing.assert_close(prune_threshold(bound, 50, 1e-3), prune_threshold(bound, torch.tensor([50, 50]), 1e-3))
+    torch.testing.assert_close(prune_threshold(bound, 0, 1e-3), prune_threshold(bound, torch.tensor([1, 1]), 1e-3))
+    for window in (None, 20):
+        from_float = acp_threshold(q, k, scale=0.25, logit_bound=3.5, window=window)
+        from_tensor = acp_threshold(q, k, scale=0.25, logit_bound=torch.full((4,), 3.5), window=window)
+        torch.testing.assert_close(from_float, from_tensor)
+        torch.testing.assert_close(from_float, torch.full((2, 4), -7.0 - math.log(window or 50) - 10.0))
+    cu = torch.tensor([0, 10, 50], dtype=torch.int32)
+    packed = acp_threshold(q[:1], k[:1], scale=0.25, logit_bound=1.0, cu_seqlens=cu, window=20)
+    torch.testing.assert_close(packed, -2.0 - torch.log(torch.tensor([[10.0], [20.0]])).expand(2, 4) - 10.0)
+
+
 def test_unchecked_gates_pass_nan_through_and_cu_seqlens_are_still_checked():
     """check_gates=False (the layers' setting: no host sync on CUDA) lets a NaN gate reach the output, where a
     loss shows it; the other value checks stay."""

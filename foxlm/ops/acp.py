@@ -42,10 +42,13 @@ def prune_threshold(
 
     key_lengths: N, the number of keys a query of the sequence can see (an int, or [B or N]).
     """
-    n = torch.as_tensor(key_lengths, dtype=torch.float32, device=logit_bound.device).clamp_min(1)
-    if n.dim() == 1:
-        n = n[:, None]
-    return -(2.0 * logit_bound.float() + torch.log(n)) + math.log(tolerance)
+    if isinstance(key_lengths, torch.Tensor):
+        log_n = torch.log(key_lengths.to(device=logit_bound.device, dtype=torch.float32).clamp_min(1))
+        if log_n.dim() == 1:
+            log_n = log_n[:, None]
+    else:  # a host number stays one: a tensor made from it would be a host-to-device copy, a sync on CUDA
+        log_n = math.log(max(key_lengths, 1))
+    return -(2.0 * logit_bound.float() + log_n) + math.log(tolerance)
 
 
 def acp_threshold(
@@ -66,10 +69,15 @@ def acp_threshold(
         bound = data_logit_bound(q.detach(), k.detach(), scale, cu_seqlens)
     else:
         rows = q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
-        bound = torch.as_tensor(logit_bound, dtype=torch.float32, device=q.device).expand(rows, q.shape[2])
-    n = k.shape[1] if cu_seqlens is None else (cu_seqlens[1:] - cu_seqlens[:-1])
-    if window is not None:
-        n = torch.as_tensor(n).clamp_max(window)
+        if isinstance(logit_bound, torch.Tensor):
+            bound = logit_bound.float().expand(rows, q.shape[2])
+        else:  # filled on the device: no host-to-device copy
+            bound = torch.full((rows, q.shape[2]), float(logit_bound), dtype=torch.float32, device=q.device)
+    if cu_seqlens is None:
+        n = k.shape[1] if window is None else min(k.shape[1], window)
+    else:
+        n = cu_seqlens[1:] - cu_seqlens[:-1]
+        n = n if window is None else n.clamp_max(window)
     return prune_threshold(bound, n, tolerance)
 
 
