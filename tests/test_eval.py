@@ -145,6 +145,41 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert json.loads((out / "loss.json").read_text())["train_length"] == TRAIN_LENGTH
 
 
+def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path):
+    """--acp both: each checkpoint with and without ACP; the pruned attention (< e^-10 of any row's mass) moves
+    the per-token loss, but only by a hair. A model without a forget gate cannot be pruned: a clear error."""
+    changes = {}
+    for tolerance in ("0.000045", "0.3"):  # e^-10 (the default), and a loose one: it prunes more
+        out = tmp_path / f"loss{tolerance}"
+        rc = main(["eval", "loss", str(trained), "--data", str(corpus), "--labels", "fox", "--acp", "both",
+                   "--acp-tolerance", tolerance, "--train-length", str(TRAIN_LENGTH), "--max-sequences", "3",
+                   "--batch-size", "3", "--out", str(out), "--no-progress"])
+        assert rc == 0
+        header = _read_csv(out / "per_token_loss.csv")[0]
+        assert header == ["position", "fox L", "fox P", "fox + ACP L", "fox + ACP P"]
+        changes[tolerance] = json.loads((out / "loss.json").read_text())["acp_max_abs_loss_change"]["fox"]
+        assert "ACP changes fox's per-token loss by at most" in (out / "summary.md").read_text()
+    assert 0 < changes["0.3"] and changes["0.000045"] <= changes["0.3"] and changes["0.000045"] < 1e-4
+    transformer = tmp_path / "transformer"
+    FoxForCausalLM(_config(gate="none", rope=True)).save_pretrained(transformer)
+    with pytest.raises(ValueError, match="--acp: .* has no forget gate"):
+        main(["eval", "loss", str(transformer), "--data", str(corpus), "--acp", "on", "--train-length", "64",
+              "--out", str(tmp_path / "t"), "--no-progress"])
+
+
+def test_set_acp_switches_every_layer():
+    model = FoxForCausalLM(_config())
+    model.set_acp(True, tolerance=1e-4)
+    layers = [b.attn for b in model.model.layers]
+    assert model.config.acp and all(a.acp and a.acp_tolerance == 1e-4 for a in layers)
+    model.set_acp(False)
+    assert not model.config.acp and not any(a.acp for a in layers) and model.config.acp_tolerance == 1e-4
+    with pytest.raises(ValueError, match="tolerance"):
+        model.set_acp(True, tolerance=2.0)
+    with pytest.raises(ValueError, match="forget gate"):
+        FoxForCausalLM(_config(gate="none", rope=True)).set_acp(True)
+
+
 def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path):
     with pytest.raises(ValueError, match="length: no 'val' document"):
         main(["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",

@@ -55,6 +55,11 @@ def register(subparsers) -> None:
     loss.add_argument("--eval-length", type=int, default=None, help="tokens per sequence (default: 4x training)")
     loss.add_argument("--labels", default=None, help="comma-separated legend labels, one per checkpoint")
     loss.add_argument("--max-sequences", type=int, default=None, help="at most this many sequences")
+    loss.add_argument("--acp", choices=("model", "off", "on", "both"), default="model",
+                      help="ACP in the evaluation: as each checkpoint was trained (default), off, on, or both (each "
+                           "checkpoint with and without it: the FoX paper's no-loss-change check)")
+    loss.add_argument("--acp-tolerance", type=float, default=None,
+                      help="ACP's epsilon, the attention mass it may drop from a row (default: the checkpoint's)")
     loss.add_argument("--windows", choices=("first", "all"), default="first",
                       help="first: each long-enough document's first eval-length + 1 tokens (BOS-led); all: also "
                            "its later non-overlapping windows (which start mid-document)")
@@ -142,15 +147,40 @@ def run_loss(args) -> int:
     train_length = _train_length(args, args.checkpoints[0])
     eval_length = args.eval_length or 4 * train_length
     models, data, _, out = _setup(args, args.checkpoints)
+    if args.acp_tolerance is not None and args.acp == "model":
+        raise ValueError("--acp-tolerance: only with --acp on, off or both")
+    if args.acp_tolerance is not None and not 0.0 < args.acp_tolerance < 1.0:
+        raise ValueError(f"--acp-tolerance: expected a value in (0, 1), got {args.acp_tolerance}")
+    if args.acp in ("on", "both"):
+        for c, m in zip(args.checkpoints, models):
+            if m.config.gate == "none":
+                raise ValueError(f"--acp: {c} has no forget gate (gate='none'); ACP applies to FoX models only")
+    runs = []  # (model, label, ACP on/off or None: as trained)
+    for m, lab in zip(models, labels):
+        if args.acp == "both":
+            runs += [(m, lab, False), (m, f"{lab} + ACP", True)]
+        else:
+            runs.append((m, lab + (" + ACP" if args.acp == "on" else ""), {"on": True, "off": False}.get(args.acp)))
     docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences)
     seqs = _windows(docs, eval_length + 1, args.windows == "all")[:args.max_sequences]
-    curves = [loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
-                                  show_progress=args.progress) for m, lab in zip(models, labels)]
+    curves = []
+    for m, lab, acp in runs:
+        if acp is not None:
+            m.set_acp(acp, tolerance=args.acp_tolerance)
+        curves.append(loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
+                                          show_progress=args.progress))
     loss.write_csv(curves, out / "per_token_loss.csv")
     md = loss.write_summary(curves, train_length, out / "summary.csv", out / "summary.md")
     loss.plot(curves, train_length, out / "per_token_loss.png")
-    _write_json(out / "loss.json", args, {"train_length": train_length, "eval_length": eval_length,
-                                          "sequences": len(seqs), "data": str(data)})
+    extra = {"train_length": train_length, "eval_length": eval_length, "sequences": len(seqs), "data": str(data)}
+    if args.acp == "both":  # per checkpoint: the largest change ACP makes to any position's mean loss
+        extra["acp_max_abs_loss_change"] = {
+            lab: float(np.abs(with_acp.loss - without.loss).max())
+            for lab, without, with_acp in zip(labels, curves[::2], curves[1::2])}
+        md += "\n" + "".join(f"ACP changes {lab}'s per-token loss by at most {d:.2e} nats.\n"
+                             for lab, d in extra["acp_max_abs_loss_change"].items())
+        (out / "summary.md").write_text(md)
+    _write_json(out / "loss.json", args, extra)
     print(md, end="")
     print(f"wrote {out}/per_token_loss.csv, summary.csv, summary.md, per_token_loss.png")
     return 0

@@ -87,6 +87,20 @@ class FoxPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FoxBlock"]
     _supports_sdpa = True
 
+    def set_acp(self, enabled: bool, tolerance: float | None = None) -> None:
+        """Turn Adaptive Computation Pruning on or off in every attention layer's forward (and in ``config``),
+        e.g. to evaluate a model trained without it; ``tolerance``: a new epsilon (default: keep the config's)."""
+        if enabled and self.config.gate == "none":
+            raise ValueError("enabled: ACP needs a forget gate, but this model has gate='none'")
+        if tolerance is not None and not 0.0 < tolerance < 1.0:
+            raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
+        self.config.acp = bool(enabled)
+        if tolerance is not None:
+            self.config.acp_tolerance = float(tolerance)
+        for module in self.modules():
+            if isinstance(module, ForgettingAttention):
+                module.acp, module.acp_tolerance = self.config.acp, self.config.acp_tolerance
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """Normal(0, initializer_range) for linear and embedding weights, zero biases (the forget-gate bias
