@@ -162,6 +162,9 @@ def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path):
     assert 0 < changes["0.3"] and changes["0.000045"] <= changes["0.3"] and changes["0.000045"] < 1e-4
     transformer = tmp_path / "transformer"
     FoxForCausalLM(_config(gate="none", rope=True)).save_pretrained(transformer)
+    with pytest.raises(ValueError, match="--acp-tolerance: only with --acp"):
+        main(["eval", "loss", str(trained), "--data", str(corpus), "--acp-tolerance", "0.1", "--out", str(tmp_path),
+              "--no-progress"])
     with pytest.raises(ValueError, match="--acp: .* has no forget gate"):
         main(["eval", "loss", str(transformer), "--data", str(corpus), "--acp", "on", "--train-length", "64",
               "--out", str(tmp_path / "t"), "--no-progress"])
