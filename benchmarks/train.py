@@ -152,7 +152,8 @@ def main() -> None:
     p.add_argument("--models", nargs="+",
                    default=["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"])
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block of every model")
-    p.add_argument("--profile", type=Path, help="also write each model's top CUDA kernels of one step here, and record its GPU time")
+    p.add_argument("--profile", type=Path,
+                   help="also write each model's top CUDA kernels of one step here, and record its GPU time")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
 
@@ -185,8 +186,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"train-{date}{'-compiled' if args.compile else ''}.json").write_text(json.dumps(record, indent=1))
     for r in results:
-        print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in (
-            "vs_hf-llama", "vs_transformer-pro", "vs_hf-llama_by_gpu_time", "vs_transformer-pro_by_gpu_time") if k in r))
+        ratios = ("vs_hf-llama", "vs_transformer-pro", "vs_hf-llama_by_gpu_time", "vs_transformer-pro_by_gpu_time")
+        print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ratios if k in r))
 
 
 if __name__ == "__main__":
