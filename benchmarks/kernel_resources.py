@@ -1,10 +1,13 @@
-"""Registers, spills and shared memory of the attention kernels' tuned tiles, read without a GPU.
+"""Registers, spills, shared memory and the loops' machine code of the attention kernels' tuned tiles, without a GPU.
 
 Triton compiles for a target architecture offline (``triton.compile`` with a ``GPUTarget``) and its wheel ships
-``ptxas``. This builds the forward and both backward kernels of ``foxlm.ops.triton_attention`` at every tile of
-their autotuning lists for one head dim (bf16, full causal, no ACP) and prints what ptxas reports, beside the
-count of tensor-core, exp2 and atomic instructions in the PTX. Register spills in the hot loops cost speed;
-this shows them on a CPU-only machine. It times nothing.
+``ptxas`` and ``nvdisasm``. This builds the forward and both backward kernels of ``foxlm.ops.triton_attention`` at
+every tile of their autotuning lists for one head dim (bf16, full causal, no ACP), specialized as Triton's launcher
+specializes them at the training shapes (16-byte aligned pointers; strides and lengths multiples of 16: without
+that, loads are not vectorized and the register counts are those of another kernel). It prints what ptxas reports
+(registers, spills, shared memory), then per loop of the SASS (the tile loops: a backward branch each) the
+instruction count, tensor-core (HGMMA), exp2 (MUFU) and spill (LDL/STL) instructions: spills matter in the loops,
+not around them. It times nothing.
 
     python benchmarks/kernel_resources.py [--head-dim 64] [--arch 90]
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import re
 import subprocess
 import tempfile
@@ -28,6 +32,9 @@ POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16
             "C": "*fp64", "THR": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DCK": "*fp32",
             "CU": "*i32"}
 FLOATS = {"qk_scale", "scale"}
+# Integer arguments divisible by 16 at the training shapes (strides, lengths; window 0 when unused); Triton's launcher
+# marks such arguments (and 16-byte aligned pointers) ``tt.divisibility = 16`` and compiles for that.
+ALIGNED_INTS = re.compile(r"s[a-z]{2}|T[qk]|window")
 INSTRUCTIONS = r"(wgmma\.mma_async|mma\.sync|ex2\.approx|atom\.global|red\.global\.add)"
 
 
@@ -36,7 +43,10 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, arch: 
     names = fn.arg_names
     signature = {n: POINTERS.get(n) or ("constexpr" if n in constexprs else "fp32" if n in FLOATS else "i32")
                  for n in names}
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n not in constexprs and (n in POINTERS or ALIGNED_INTS.fullmatch(n))}
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=aligned)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32),
                           options=dict(num_warps=num_warps, num_stages=num_stages))
 
@@ -54,6 +64,34 @@ def resources(kernel, arch: int) -> dict:
             "spill_stores": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
             "spill_loads": int(re.search(r"(\d+) bytes spill loads", report).group(1)),
             "shared": kernel.metadata.shared, **counts}
+
+
+def loops(kernel, arch: int) -> list[dict]:
+    """The SASS loops of the kernel (a backward branch each, innermost last where nested), in code order: instructions,
+    HGMMA (wgmma), MUFU (exp2), LDL/STL (spill loads/stores) in each."""
+    nvdisasm = os.path.join(os.path.dirname(get_ptxas(arch).path), "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kernel.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([nvdisasm, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    code, label_at, pending = [], {}, []
+    for line in sass.splitlines():
+        if m := re.match(r"\s*\.(L_x_\d+):", line):
+            pending.append(m.group(1))
+        elif m := re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line):
+            address = int(m.group(1), 16)
+            label_at.update((name, address) for name in pending)
+            pending = []
+            code.append((address, m.group(2)))
+    found = []
+    for address, text in code:
+        m = re.search(r"\bBRA\b.*\.(L_x_\d+)", text)
+        if m and label_at.get(m.group(1), address) < address:
+            body = [t for a, t in code if label_at[m.group(1)] <= a <= address]
+            count = lambda pattern: sum(bool(re.search(pattern, t)) for t in body)  # noqa: E731
+            found.append({"instructions": len(body), "HGMMA": count(r"\bHGMMA\."), "MUFU": count(r"\bMUFU\."),
+                          "LDL": count(r"\bLDL\b"), "STL": count(r"\bSTL\b")})
+    return found
 
 
 def main() -> None:
@@ -77,8 +115,11 @@ def main() -> None:
                       dict(tiles, ATOMIC_DQ=False), w, s))
     print(f"sm_{args.arch}a, head dim {d}, bf16")
     for name, fn, tiles, warps, stages in cases:
-        r = resources(compile_kernel(fn, {**common, **tiles}, warps, stages, args.arch), args.arch)
+        kernel = compile_kernel(fn, {**common, **tiles}, warps, stages, args.arch)
+        r = resources(kernel, args.arch)
         print(f"{name:45s} warps {warps} stages {stages}: " + ", ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+        for i, loop in enumerate(loops(kernel, args.arch)):
+            print(f"    loop {i}: " + ", ".join(f"{k} {v}" for k, v in loop.items()), flush=True)
 
 
 if __name__ == "__main__":
