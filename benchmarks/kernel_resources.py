@@ -52,7 +52,8 @@ def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, arch: 
 
 
 def resources(kernel, arch: int) -> dict:
-    """ptxas -v of the kernel's PTX: registers per thread and spill bytes; shared memory; instruction counts."""
+    """ptxas -v of the kernel's PTX: registers per thread and spill bytes; shared memory; whether ptxas serialized the
+    wgmma instructions; instruction counts."""
     ptx = kernel.asm["ptx"]
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
@@ -63,7 +64,9 @@ def resources(kernel, arch: int) -> dict:
     return {"registers": int(re.search(r"Used (\d+) registers", report).group(1)),
             "spill_stores": int(re.search(r"(\d+) bytes spill stores", report).group(1)),
             "spill_loads": int(re.search(r"(\d+) bytes spill loads", report).group(1)),
-            "shared": kernel.metadata.shared, **counts}
+            "shared": kernel.metadata.shared,
+            # ptxas C7515: it serializes every wgmma of the kernel (each waited for before the next is issued)
+            "wgmma_serialized": "wgmma.mma_async instructions are serialized" in report, **counts}
 
 
 def loops(kernel, arch: int) -> list[dict]:

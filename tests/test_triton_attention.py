@@ -409,8 +409,8 @@ def test_custom_ops_pass_opcheck():
 
 def test_kernels_compile_for_hopper_with_tensor_core_dots():
     """benchmarks/kernel_resources.py compiles every shipped d64 tile for sm_90a without a GPU (a subprocess: the
-    kernels here are interpreted): each reports registers and spills, its dots lower to Hopper's wgmma, and its tile
-    loops (at least one per kernel, each with tensor-core instructions) spill nothing."""
+    kernels here are interpreted): each reports registers, spills and whether ptxas serialized its wgmma, its dots lower
+    to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions) spill nothing."""
     root = Path(__file__).parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root)
@@ -422,7 +422,7 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
     assert len(rows) == expected, out.stdout
     for row in rows:
         assert "registers" in row and "spill_stores" in row and "wgmma.mma_async" in row, row
-        assert "mma.sync" not in row, row
+        assert "mma.sync" not in row and "wgmma_serialized" in row, row
     kernels = out.stdout.split("warps")[1:]
     for kernel in kernels:
         loops = re.findall(r"loop \d+: instructions (\d+), HGMMA (\d+), MUFU (\d+), LDL (\d+), STL (\d+)", kernel)
