@@ -110,8 +110,10 @@ def test_atomic_dq_backward_matches_fp64_reference(name):
 def test_grouped_launch_order_matches_fp64_reference(monkeypatch, deterministic, varlen):
     """The grid runs (head, sequence) pairs in groups that fit in L2: with a tiny L2 budget each pair is its own
     group (3 x 2 pairs of 4 and 2 query blocks), and every program still finds its head, sequence and block."""
+    x = torch.empty(1, 1, 1, 32)
+    assert ta._head_group(6, 50, x, x) == 6 and ta._head_group(6, 1 << 15, x, x) == 3  # 24 MiB: 3 pairs of 8 MiB
     monkeypatch.setattr(ta, "L2_SHARE", 1)
-    assert ta._head_group(6, 50, torch.empty(1, 1, 1, 32), torch.empty(1, 1, 1, 32)) == 1
+    assert ta._head_group(6, 50, x, x) == 1
     if varlen:
         inputs, cu = _inputs(1, 61, 61, 4, 2, 32, 32), torch.tensor([0, 30, 31, 61], dtype=torch.int32)
     else:
