@@ -5,7 +5,7 @@ Triton compiles for a target architecture offline (``triton.compile`` with a ``G
 every tile of their autotuning lists for one head dim (bf16, full causal, no ACP), specialized as Triton's launcher
 specializes them at the training shapes (16-byte aligned pointers; strides and lengths multiples of 16: without
 that, loads are not vectorized and the register counts are those of another kernel). It prints what ptxas reports
-(registers, spills, shared memory), then per loop of the SASS (the tile loops: a backward branch each) the
+(registers, spills, shared memory, whether it serialized the wgmma instructions), then per loop of the SASS (the tile loops: a backward branch each) the
 instruction count, tensor-core (HGMMA), exp2 (MUFU) and spill (LDL/STL) instructions: spills matter in the loops,
 not around them. It times nothing.
 
@@ -70,8 +70,8 @@ def resources(kernel, arch: int) -> dict:
 
 
 def loops(kernel, arch: int) -> list[dict]:
-    """The SASS loops of the kernel (a backward branch each, innermost last where nested), in code order: instructions,
-    HGMMA (wgmma), MUFU (exp2), LDL/STL (spill loads/stores) in each."""
+    """The SASS loops of the kernel (a backward branch each, in the order of those branches): instructions, HGMMA
+    (wgmma), MUFU (exp2), LDL/STL (spill loads/stores) in each."""
     nvdisasm = os.path.join(os.path.dirname(get_ptxas(arch).path), "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
