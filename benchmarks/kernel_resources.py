@@ -36,6 +36,7 @@ FLOATS = {"qk_scale", "scale"}
 # marks such arguments (and 16-byte aligned pointers) ``tt.divisibility = 16`` and compiles for that.
 ALIGNED_INTS = re.compile(r"s[a-z]{2}|T[qk]|window")
 INSTRUCTIONS = r"(wgmma\.mma_async|mma\.sync|ex2\.approx|atom\.global|red\.global\.add)"
+LOOP_INSTRUCTIONS = {"HGMMA": r"\bHGMMA\.", "MUFU": r"\bMUFU\.", "LDL": r"\bLDL\b", "STL": r"\bSTL\b"}  # SASS
 
 
 def compile_kernel(fn, constexprs: dict, num_warps: int, num_stages: int, arch: int):
@@ -91,9 +92,8 @@ def loops(kernel, arch: int) -> list[dict]:
         m = re.search(r"\bBRA\b.*\.(L_x_\d+)", text)
         if m and label_at.get(m.group(1), address) < address:
             body = [t for a, t in code if label_at[m.group(1)] <= a <= address]
-            count = lambda pattern: sum(bool(re.search(pattern, t)) for t in body)  # noqa: E731
-            found.append({"instructions": len(body), "HGMMA": count(r"\bHGMMA\."), "MUFU": count(r"\bMUFU\."),
-                          "LDL": count(r"\bLDL\b"), "STL": count(r"\bSTL\b")})
+            found.append({"instructions": len(body)} | {name: sum(bool(re.search(pattern, t)) for t in body)
+                                                        for name, pattern in LOOP_INSTRUCTIONS.items()})
     return found
 
 
