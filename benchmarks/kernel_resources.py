@@ -5,9 +5,9 @@ Triton compiles for a target architecture offline (``triton.compile`` with a ``G
 every tile of their autotuning lists for one head dim (bf16, full causal, no ACP), specialized as Triton's launcher
 specializes them at the training shapes (16-byte aligned pointers; strides and lengths multiples of 16: without
 that, loads are not vectorized and the register counts are those of another kernel). It prints what ptxas reports
-(registers, spills, shared memory, whether it serialized the wgmma instructions), then per loop of the SASS (the tile loops: a backward branch each) the
-instruction count, tensor-core (HGMMA), exp2 (MUFU) and spill (LDL/STL) instructions: spills matter in the loops,
-not around them. It times nothing.
+(registers, spills, shared memory, whether it serialized the wgmma instructions), then per loop of the SASS (the
+tile loops: a backward branch each) the instruction count, tensor-core (HGMMA), exp2 (MUFU) and spill (LDL/STL)
+instructions: spills matter in the loops, not around them. It times nothing.
 
     python benchmarks/kernel_resources.py [--head-dim 64] [--arch 90]
 """
