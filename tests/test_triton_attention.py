@@ -411,8 +411,9 @@ def test_custom_ops_pass_opcheck():
 
 def test_kernels_compile_for_hopper_with_tensor_core_dots():
     """benchmarks/kernel_resources.py compiles every shipped d64 tile for sm_90a without a GPU (a subprocess: the
-    kernels here are interpreted): each reports registers, spills and whether ptxas serialized its wgmma, its dots lower
-    to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions) spill nothing."""
+    kernels here are interpreted): each reports registers, spills and whether ptxas serialized its wgmma, its dots
+    lower to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions) spill
+    nothing."""
     root = Path(__file__).parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root)
