@@ -103,7 +103,7 @@ class _TokenShift(torch.autograd.Function):
         y = torch.empty_like(x)
         grid, meta = _meta(x, prev, reset)
         _token_shift_fwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset, y,
-                          B * T * H, T, H, **meta)
+                                      B * T * H, T, H, **meta)
         ctx.save_for_backward(x, alpha_logit, prev, reset)
         return y
 
@@ -115,8 +115,8 @@ class _TokenShift(torch.autograd.Function):
         dprev = torch.empty_like(prev) if prev is not None and ctx.needs_input_grad[2] else None
         grid, meta = _meta(x, prev, reset)
         _token_shift_bwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset,
-                          dy.contiguous(), dx, dalpha, x if dprev is None else dprev, B * T * H, T, H,
-                          NEED_DPREV=dprev is not None, **meta)
+                                      dy.contiguous(), dx, dalpha, x if dprev is None else dprev, B * T * H, T, H,
+                                      NEED_DPREV=dprev is not None, **meta)
         return dx, dalpha, dprev, None
 
 
