@@ -29,7 +29,7 @@ from triton.compiler import ASTSource
 from foxlm.ops import triton_attention as ta
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV_": "*bf16",
-            "C": "*fp64", "THR": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DCK": "*fp32",
+            "C": "*fp64", "CR": "*fp32", "CRK": "*fp32", "CRQ": "*fp32", "THR": "*fp32", "LSE": "*fp32", "DELTA": "*fp32", "DQ": "*fp32", "DCK": "*fp32",
             "CU": "*i32"}
 FLOATS = {"qk_scale", "scale"}
 # Integer arguments divisible by 16 at the training shapes (strides, lengths; window 0 when unused); Triton's launcher
@@ -108,7 +108,7 @@ def main() -> None:
     block_d = max(16, triton.next_power_of_2(d))
     bucket = ta._tiles_bucket({"BLOCK_D": block_d, "BLOCK_DV": block_d})
     common = dict(G=1, D=d, DV=d, BLOCK_D=block_d, BLOCK_DV=block_d, VARLEN=False, PRUNE=False, WINDOWED=False,
-                  PRECISION="tf32", INTERPRET=False, TILES=bucket)
+                  PRECISION="tf32", INTERPRET=False, TILES=bucket, C_BLOCK=ta.C_BLOCK)
     cases = [(f"forward {m}x{n}", ta._attn_fwd_kernel, dict(BLOCK_M=m, BLOCK_N=n), w, s)
              for m, n, w, s in ta._FWD_TILES[bucket]]
     for m1, n1, m2, n2, w, s in ta._BWD_TILES[bucket]:

@@ -170,6 +170,30 @@ def test_gate_precision_at_large_cumsum():
     _check((q, k, v, lf.requires_grad_()), rel=2e-5)
 
 
+@pytest.mark.parametrize("name", ["causal", "tq<tk", "varlen", "window"])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_gate_precision_across_hard_resets(name, deterministic):
+    """Gates that close hard (log f = -1e4) in the middle of c_rel's blocks. The loops add c_rel (fp32 offsets from a
+    block's end or start) to one fp64 difference per tile; a block position on the far side of a reset from the tile
+    would cancel two terms of 1e4 into logits off by ulp(1e4) ~ 1e-3. The resets sit at tile starts (the kernels'
+    references), where the fp32 differences to those references are exact."""
+    T, Tq, cu, window, resets = 110, 110, None, None, [16, 48, 80]
+    if name == "tq<tk":
+        Tq = 62  # query tiles start at key position 48 + 16 m, and their c_rel blocks at 48 + 32 m
+    elif name == "varlen":
+        cu, resets = torch.tensor([0, 3, 60, 110], dtype=torch.int32), [19, 51, 76, 108]  # tiles start at 3 + 16 m...
+    elif name == "window":
+        window = 40
+    assert ta.INTERPRET_TILE == 16 and ta.INTERPRET_C_BLOCK == 32
+    q, k, v, _ = _inputs(1, Tq, T, 2, 2, 16, 16)
+    lf = F.logsigmoid(torch.randn(1, T, 2) + 3.0)
+    lf[:, resets] = -1.0e4
+    inputs, seed, kwargs = (q, k, v, lf.requires_grad_()), int(torch.randint(1 << 30, ())), dict(cu_seqlens=cu,
+                                                                                                window=window)
+    out = _run(*inputs, seed=seed, deterministic=deterministic, **kwargs)
+    _assert_close(out, _run(*inputs, seed=seed, reference=True, **kwargs), rel=2e-5)
+
+
 def _skipped_tiles(c, delta, cu_seqlens, tile):
     """[B, H, T, T] bool: entries of the tile x tile blocks (aligned to each sequence's start) that ACP skips:
     left of the query block, and whose largest decay c[first query] - c[last key] is below delta.

@@ -9,9 +9,11 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   heads of its GQA group in a fixed order (deterministic GQA reduction), and dQ for the query block of
   the same index (balanced work under the causal mask). No atomics: the gate gradient is collected as
   rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64.
-* gate precision: c is an fp64 cumsum; every program subtracts an fp64 reference (c at its first query
-  or key) from the BLOCK-long c vectors before converting them to fp32, so c_i - c_j keeps its precision
-  even when |c| reaches 1e6 (a million tokens).
+* gate precision: c is an fp64 cumsum, and c_i - c_j keeps its precision even when |c| reaches 1e6 (a
+  million tokens): every program takes c relative to an fp64 reference (c at its first query or key). The
+  tile loops read no fp64 vectors: they read c_rel, the fp32 offsets of c from the first position of its
+  C_BLOCK-long block, and add one fp64 difference per tile (that block's c minus the reference), because
+  fp64-to-fp32 conversions share the SM's narrow pipe with exp2 (16/clk/SM), the loops' bottleneck.
 * ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
   blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
@@ -132,12 +134,13 @@ def _grid_position(H, HB, HG, LAST_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr, PRUNE: tl.constexpr,
-               WINDOWED: tl.constexpr):
+def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr,
+               PRUNE: tl.constexpr, WINDOWED: tl.constexpr):
     """Key tiles of the query rows at positions [p0, p_last]: (lo, win_hi, mask_lo). Tiles before lo are
     skipped (left of the window, or pruned by ACP), [lo, win_hi) cross the window's edge (masked), [win_hi,
-    mask_lo) need no mask, and the tiles from mask_lo to p_last cross the diagonal (masked)."""
-    mask_lo = (p0 // BLOCK_N) * BLOCK_N
+    mask_lo) need no mask, and the tiles from mask_lo to p_last (those in p0's C_BLOCK-long block, whose end
+    lies past p0 (see _c_tile), and the diagonal's) are masked."""
+    mask_lo = (p0 // C_BLOCK) * C_BLOCK
     lo = p0 * 0
     if WINDOWED:
         lo = (tl.maximum(p0 - window + 1, 0) // BLOCK_N) * BLOCK_N
@@ -151,21 +154,37 @@ def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, start_n, len_k, window,
-              D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-              INTERPRET: tl.constexpr):
+def _c_tile(c_base, cr_base, c_ref, start, offs, valid, MASK: tl.constexpr, C_BLOCK: tl.constexpr,
+            END: tl.constexpr):
+    """log2(e) * (c[offs] - c_ref) in fp32 for a tile at positions ``offs`` (from ``start``).
+
+    A masked tile converts c[offs] - c_ref from fp64. An unmasked tile, which lies in one C_BLOCK-long block,
+    adds c_rel[offs] (fp32, c relative to the block's end if END, else its first position) and the fp64 difference
+    of that position's c and c_ref: one conversion per tile. The callers mask the tiles for which that position
+    is not between the tile and c_ref's position, so that the two terms share their sign (c is monotone) and the
+    sum is as precise as a conversion of the fp64 difference."""
+    if MASK:
+        ct = (tl.load(c_base + offs, mask=valid, other=0.0) - c_ref).to(tl.float32) * LOG2E
+    else:
+        b = (start // C_BLOCK) * C_BLOCK
+        if END:
+            b += C_BLOCK
+        ct = tl.load(cr_base + offs) + ((tl.load(c_base + b) - c_ref) * LOG2E).to(tl.float32)
+    return ct
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, start_n, len_k,
+              window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+              BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
+              PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N)
     kvalid = kn < len_k
     k = _load_rows(k_base + kn.to(tl.int64)[:, None] * skt + offs_d[None, :], kvalid, offs_d < D,
                    MASK, BLOCK_D != D)
-    if MASK:
-        ck = tl.load(c_base + kn, mask=kvalid, other=0.0)
-    else:
-        ck = tl.load(c_base + kn)
-    ck = (ck - c_ref).to(tl.float32) * LOG2E
+    ck = _c_tile(c_base, cr_base, c_ref, start_n, kn, kvalid, MASK, C_BLOCK, True)
     s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
     if MASK:
         s = tl.where(_visible(pos_m[:, None], kn[None, :], window, WINDOWED) & kvalid[None, :], s, float("-inf"))
@@ -184,32 +203,32 @@ def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_r
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale, lo, hi, len_k,
+def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, lo, hi, len_k,
                window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
+               PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     if INTERPRET:  # Triton 3.6's interpreter cannot run range() over tensor bounds with NumPy >= 2.4
         start_n = lo
         while start_n < hi:
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK,
-                                      WINDOWED, PRECISION, INTERPRET)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
+                                      MASK, WINDOWED, PRECISION, INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK,
-                                      WINDOWED, PRECISION, INTERPRET)
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
+                                      MASK, WINDOWED, PRECISION, INTERPRET)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
+def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                      Tq, Tk, Hq, HB, HG, G: tl.constexpr, qk_scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr,
                      VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                      INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     hq, b, pid_m = _grid_position(Hq, HB, HG, True)
@@ -227,6 +246,7 @@ def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
     q = _load_rows(Q + bt * sqb + hq * sqh + rows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D,
                    True, BLOCK_D != D)
     c_base = C + bt * scb + hq * sch + tok0
+    cr_base = CR + bt * scb + hq * sch + tok0
     k_base = K + bt * skb + hk * skh + tok0.to(tl.int64) * skt
     v_base = V + bt * svb + hk * svh + tok0.to(tl.int64) * svt
     p0 = off + i0
@@ -234,20 +254,21 @@ def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
     cq = (tl.load(c_base + off + offs_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
     pos_m = off + offs_m
     p_last = off + tl.minimum(i0 + BLOCK_M, len_q) - 1
-    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N, PRUNE, WINDOWED)
+    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N, C_BLOCK, PRUNE,
+                                     WINDOWED)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if WINDOWED:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                                   lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, WINDOWED,
-                                   PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                               win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, False, WINDOWED,
-                               PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                               mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, True, WINDOWED,
-                               PRECISION, INTERPRET)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+                                   qk_scale, lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
+                                   True, WINDOWED, PRECISION, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
+                               win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, False,
+                               WINDOWED, PRECISION, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
+                               mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, True,
+                               WINDOWED, PRECISION, INTERPRET)
     if WINDOWED:  # padding rows past the sequence's end may see no key
         l_i = tl.where(mvalid, l_i, 1.0)
     acc = acc / l_i[:, None]
@@ -258,6 +279,27 @@ def _attn_fwd_kernel(Q, K, V, C, THR, O, LSE, CU,
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None])
     lse = (m_i + tl.math.log2(l_i)) * LN2
     tl.store(LSE + bt * slb + hq * slh + tok0 + offs_m, lse, mask=mvalid)
+
+
+@triton.jit
+def _relative_c_kernel(C, START, CRK, CRQ, scb, sch, T, off, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
+                       VARLEN: tl.constexpr):
+    """c_rel for BLOCK positions p of one (batch, head): CRK = log2(e) (c_p - c_b) with b the end of p's C_BLOCK-long
+    block (blocks from each sequence's start: the key side), CRQ the same with b the first position of p's block
+    (blocks from ``off`` = Tk - Tq further on: the query side). b is clamped into the tensor; the kernels never read
+    c_rel where b lies outside p's sequence."""
+    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base = tl.program_id(2).to(tl.int64) * scb + tl.program_id(1).to(tl.int64) * sch
+    valid = p < T
+    if VARLEN:
+        s = tl.load(START + p, mask=valid, other=0)
+    else:
+        s = p * 0
+    end = tl.minimum(s + ((p - s) // C_BLOCK + 1) * C_BLOCK, T - 1)
+    first = tl.minimum(s + off + (tl.maximum(p - s - off, 0) // C_BLOCK) * C_BLOCK, T - 1)
+    c = tl.load(C + base + p, mask=valid, other=0.0)
+    tl.store(CRK + base + p, ((c - tl.load(C + base + end)) * LOG2E).to(tl.float32), mask=valid)
+    tl.store(CRQ + base + p, ((c - tl.load(C + base + first)) * LOG2E).to(tl.float32), mask=valid)
 
 
 @triton.jit
@@ -281,11 +323,11 @@ def _attn_bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
 
 
 @triton.jit
-def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base, l_base, d_base, sqt, sot,
-                   c_ref, qk_scale, scale, start_m, len_q, off, window,
-                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                   BLOCK_M: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                   ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr):
+def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base, l_base, d_base, sqt,
+                   sot, c_ref, qk_scale, scale, start_m, len_q, off, window, D: tl.constexpr, DV: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr,
+                   MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                   INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -296,12 +338,10 @@ def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, 
     if MASK:
         lse = tl.load(l_base + offs_m, mask=mvalid, other=0.0)
         delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
-        cq = tl.load(c_base + off + offs_m, mask=mvalid, other=0.0)
     else:
         lse = tl.load(l_base + offs_m)
         delta = tl.load(d_base + offs_m)
-        cq = tl.load(c_base + off + offs_m)
-    cq = (cq - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
+    cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False) - lse * LOG2E
     st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET) * qk_scale + (cq[None, :] - ck[:, None])
     if MASK:
         st = tl.where(_visible((off + offs_m)[None, :], kn[:, None], window, WINDOWED) & mvalid[None, :]
@@ -320,35 +360,34 @@ def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, 
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base, l_base, d_base, sqt, sot,
-                    c_ref, qk_scale, scale, lo, hi, len_q, off, window,
-                    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                    BLOCK_M: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                    ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr):
+def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base, l_base, d_base, sqt,
+                    sot, c_ref, qk_scale, scale, lo, hi, len_q, off, window, D: tl.constexpr, DV: tl.constexpr,
+                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr,
+                    MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    INTERPRET: tl.constexpr):
     if INTERPRET:
         start_m = lo
         while start_m < hi:
-            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base, l_base,
-                                         d_base, sqt, sot, c_ref, qk_scale, scale, start_m, len_q, off, window,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, WINDOWED, PRECISION, ATOMIC_DQ,
-                                         INTERPRET)
+            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base,
+                                         l_base, d_base, sqt, sot, c_ref, qk_scale, scale, start_m, len_q, off, window,
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, C_BLOCK, MASK, WINDOWED, PRECISION,
+                                         ATOMIC_DQ, INTERPRET)
             start_m += BLOCK_M
     else:
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base, l_base,
-                                         d_base, sqt, sot, c_ref, qk_scale, scale, start_m, len_q, off, window,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, MASK, WINDOWED, PRECISION, ATOMIC_DQ,
-                                         INTERPRET)
+            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base,
+                                         l_base, d_base, sqt, sot, c_ref, qk_scale, scale, start_m, len_q, off, window,
+                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, C_BLOCK, MASK, WINDOWED, PRECISION,
+                                         ATOMIC_DQ, INTERPRET)
     return dk, dv, dck
 
 
 @triton.jit
-def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                 start_n, len_k, window,
-                 D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                 INTERPRET: tl.constexpr):
+def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
+                 start_n, len_k, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr,
+                 WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N)
@@ -356,11 +395,7 @@ def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, sk
     rows = kn.to(tl.int64)
     k = _load_rows(k_base + rows[:, None] * skt + offs_d[None, :], kvalid, offs_d < D, MASK, BLOCK_D != D)
     v = _load_rows(v_base + rows[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV, MASK, BLOCK_DV != DV)
-    if MASK:
-        ck = tl.load(c_base + kn, mask=kvalid, other=0.0)
-    else:
-        ck = tl.load(c_base + kn)
-    ck = (ck - c_ref).to(tl.float32) * LOG2E
+    ck = _c_tile(c_base, cr_base, c_ref, start_n, kn, kvalid, MASK, C_BLOCK, True)
     s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
     if MASK:
         s = tl.where(_visible(pos_m[:, None], kn[None, :], window, WINDOWED) & mvalid[:, None] & kvalid[None, :],
@@ -373,32 +408,31 @@ def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, sk
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                  lo, hi, len_k, window,
-                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+def _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, lo,
+                  hi, len_k, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                  BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
+                  PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     if INTERPRET:
         start_n = lo
         while start_n < hi:
-            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref,
-                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, WINDOWED,
-                              PRECISION, INTERPRET)
+            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, MASK,
+                              WINDOWED, PRECISION, INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref,
-                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, MASK, WINDOWED,
-                              PRECISION, INTERPRET)
+            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, MASK,
+                              WINDOWED, PRECISION, INTERPRET)
     return dq
 
 
 @triton.jit
-def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
+def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
                     sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
                     PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """dK, dV of key block [start_n, start_n + BLOCK_N1), summed over the G query heads of key head hk in a fixed
@@ -414,10 +448,12 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, st
     dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N1, BLOCK_DV], dtype=tl.float32)
     # Query blocks that see this key block start at the one holding position start_n; those whose rows
-    # all lie at or past the block's last key need no causal mask; a partial last block needs a row mask.
+    # all lie at or past the block's last key, and whose C_BLOCK-long block starts at or past start_n (see
+    # _c_tile), need no causal mask; a partial last block needs a row mask.
     k_last = tl.minimum(start_n + BLOCK_N1, len_k) - 1
     lo = (tl.maximum(start_n - off, 0) // BLOCK_M1) * BLOCK_M1
-    unmasked_lo = tl.maximum(tl.cdiv(start_n + BLOCK_N1 - 1 - off, BLOCK_M1) * BLOCK_M1, lo)
+    unmasked_lo = tl.maximum(tl.maximum(tl.cdiv(start_n + BLOCK_N1 - 1 - off, BLOCK_M1) * BLOCK_M1,
+                                        tl.cdiv(start_n - off, C_BLOCK) * C_BLOCK), lo)
     unmasked_hi = tl.maximum((len_q // BLOCK_M1) * BLOCK_M1, unmasked_lo)
     last_q = len_q
     if WINDOWED:  # rows past k_last + window - 1 see none of the block; rows past start_n + window - 1 not all of it
@@ -427,6 +463,7 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, st
     for g in range(G):
         hq = hk * G + g
         c_base = C + hq * sch + tok0
+        cqr_base = CRQ + hq * sch + tok0 + off
         l_base = LSE + hq * slh + tok0
         d_base = DELTA + hq * slh + tok0
         q_base = Q + hq * sqh + tok0.to(tl.int64) * sqt
@@ -440,18 +477,18 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, st
             r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
             hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
         dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
-        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base,
-                                      l_base, d_base, sqt, sot, c_ref, qk_scale, scale, lo, tl.minimum(unmasked_lo, hi),
-                                      len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, WINDOWED,
+        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off,
+                                      cqr_base, l_base, d_base, sqt, sot, c_ref, qk_scale, scale, lo,
+                                      tl.minimum(unmasked_lo, hi), len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
+                                      BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET)
+        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off,
+                                      cqr_base, l_base, d_base, sqt, sot, c_ref, qk_scale, scale, unmasked_lo,
+                                      tl.minimum(unmasked_hi, hi), len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
+                                      BLOCK_M1, C_BLOCK, False, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET)
+        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off,
+                                      cqr_base, l_base, d_base, sqt, sot, c_ref, qk_scale, scale, unmasked_hi, hi,
+                                      len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, C_BLOCK, True, WINDOWED,
                                       PRECISION, ATOMIC_DQ, INTERPRET)
-        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base,
-                                      l_base, d_base, sqt, sot, c_ref, qk_scale, scale, unmasked_lo, tl.minimum(unmasked_hi, hi),
-                                      len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, False, WINDOWED,
-                                      PRECISION, ATOMIC_DQ, INTERPRET)
-        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base,
-                                      l_base, d_base, sqt, sot, c_ref, qk_scale, scale, unmasked_hi, hi, len_q, off, window,
-                                      D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, True, WINDOWED, PRECISION, ATOMIC_DQ,
-                                      INTERPRET)
         tl.store(DCK + hq * sch + tok0 + kn, -dck, mask=kvalid)
     tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
              mask=kvalid[:, None] & (offs_d < D)[None, :])
@@ -460,10 +497,10 @@ def _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, st
 
 
 @triton.jit
-def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
+def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
                   sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                  BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, C_BLOCK: tl.constexpr,
                   PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     """dQ of query block [start_m, start_m + BLOCK_M2) of query head hq."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -473,6 +510,7 @@ def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0,
     mrows = (tok0 + offs_m).to(tl.int64)
     pos_m = off + offs_m
     c_base = C + hq * sch + tok0
+    cr_base = CRK + hq * sch + tok0
     q = _load_rows(Q + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D, True, BLOCK_D != D)
     do = _load_rows(DO + hq * soh + mrows[:, None] * sot + offs_dv[None, :], mvalid, offs_dv < DV,
                     True, BLOCK_DV != DV)
@@ -482,31 +520,32 @@ def _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0,
     delta = tl.load(DELTA + hq * slh + tok0 + offs_m, mask=mvalid, other=0.0)
     cq = (tl.load(c_base + pos_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
     p_last = off + tl.minimum(start_m + BLOCK_M2, len_q) - 1
-    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N2, PRUNE,
-                                     WINDOWED)
+    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N2, C_BLOCK,
+                                     PRUNE, WINDOWED)
     k_base = K + hk * skh + tok0.to(tl.int64) * skt
     v_base = V + hk * svh + tok0.to(tl.int64) * svt
     dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
     if WINDOWED:
-        dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                           lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, WINDOWED,
-                           PRECISION, INTERPRET)
-    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                       win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, False, WINDOWED,
+        dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+                           qk_scale, lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True,
+                           WINDOWED, PRECISION, INTERPRET)
+    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
+                       win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, False, WINDOWED,
                        PRECISION, INTERPRET)
-    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, skt, svt, c_ref, qk_scale,
-                       mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, True, WINDOWED,
+    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
+                       mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True, WINDOWED,
                        PRECISION, INTERPRET)
     tl.store(DQ + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
              mask=mvalid[:, None] & (offs_d < D)[None, :])
 
 
 @triton.jit
-def _attn_bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
+def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                      Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
+                     C_BLOCK: tl.constexpr,
                      VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
                      ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
@@ -528,26 +567,32 @@ def _attn_bwd_kernel(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
     DK += bt * skb
     DV_ += bt * svb
     C += bt * scb
+    CRK += bt * scb
+    CRQ += bt * scb
     DCK += bt * scb
     LSE += bt * slb
     DELTA += bt * slb
     start_n = pid * BLOCK_N1
     if start_n < len_k:
-        _bwd_dkdv_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
+        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
                         sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, PRUNE, WINDOWED, PRECISION, ATOMIC_DQ,
+                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, ATOMIC_DQ,
                         INTERPRET)
     start_m = pid * BLOCK_M2
     if not ATOMIC_DQ and start_m < len_q:
         for g in range(G):
-            _bwd_dq_block(Q, K, V, C, THR, DO, LSE, DELTA, DQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
+            _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
                           sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, PRUNE, WINDOWED, PRECISION, INTERPRET)
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION, INTERPRET)
 
 
 # Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries, and
 # the same 16 x 16 in all three loops, so that ACP skips exactly the same tiles in each (tests compare that).
 INTERPRET_TILE = 16
+# c_rel's block (see _c_tile): a multiple of every loop's tile; on the CPU two tiles, so that small tests see tiles
+# on both sides of the rule that masks the tiles in the block of c_ref's position.
+C_BLOCK = 128
+INTERPRET_C_BLOCK = 2 * INTERPRET_TILE
 _INTERPRET_FWD = {"BLOCK_M": INTERPRET_TILE, "BLOCK_N": INTERPRET_TILE, "TILES": 0}
 _INTERPRET_BWD = {"BLOCK_M1": INTERPRET_TILE, "BLOCK_N1": INTERPRET_TILE, "BLOCK_M2": INTERPRET_TILE,
                   "BLOCK_N2": INTERPRET_TILE, "TILES": 0}
@@ -641,6 +686,18 @@ def _head_group(n: int, length: int, q: torch.Tensor, v: torch.Tensor) -> int:
     return g
 
 
+def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int,
+                off: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loops' c_rel (see _c_tile): c [B, H, T] fp64 -> (key side, query side) [B, H, T] fp32."""
+    B, H, T = c.shape
+    crk, crq = torch.empty_like(c, dtype=torch.float32), torch.empty_like(c, dtype=torch.float32)
+    start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]  # crk: unused
+    block = 1024 if not _INTERPRETED else 64
+    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, start, crk, crq, *c.stride()[:2], T, off, C_BLOCK=c_block,
+                                                        BLOCK=block, VARLEN=cu_seqlens is not None)
+    return crk, crq
+
+
 def _len_bucket(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), 1 << 15)
 
@@ -651,6 +708,7 @@ def _meta(q: torch.Tensor, v: torch.Tensor, cu_seqlens, threshold, window) -> di
         D=D, DV=Dv, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
         VARLEN=cu_seqlens is not None, PRUNE=threshold is not None, WINDOWED=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
+        C_BLOCK=INTERPRET_C_BLOCK if _INTERPRETED else C_BLOCK,
     )
 
 
@@ -684,11 +742,12 @@ def _fwd_op(
     def grid(m):
         return (triton.cdiv(len_q, m["BLOCK_M"]) * Hq * n_seq,)
 
-    _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, thr, o, lse, cu,
+    meta = _meta(q, v, cu_seqlens, threshold, window)
+    crk, _ = _relative_c(c, cu_seqlens, meta["C_BLOCK"], Tk - Tq)
+    _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, crk, thr, o, lse, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v), Hq // Hk,
-            scale * LOG2E.value, window or 0, LEN_BUCKET=_len_bucket(len_k),
-            **_meta(q, v, cu_seqlens, threshold, window))
+            scale * LOG2E.value, window or 0, LEN_BUCKET=_len_bucket(len_k), **meta)
     return o, lse, c
 
 
@@ -732,12 +791,13 @@ def _bwd_op(
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+    crk, crq = _relative_c(c, cu_seqlens, meta["C_BLOCK"], Tk - Tq)
 
     def grid(m):
         blocks = triton.cdiv(len_k, m["BLOCK_N1"])
         return ((max(blocks, triton.cdiv(len_q, m["BLOCK_M2"])) if deterministic else blocks) * Hk * n_seq,)
 
-    _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, thr, do, lse, delta, dq, dk, dv, dck, cu,
+    _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, crk, crq, thr, do, lse, delta, dq, dk, dv, dck, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hk, Hk * n_seq, _head_group(Hk * n_seq, len_q, q, v), Hq // Hk,
             scale * LOG2E.value, scale, window or 0,
