@@ -11,9 +11,10 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64.
 * gate precision: c is an fp64 cumsum, and c_i - c_j keeps its precision even when |c| reaches 1e6 (a
   million tokens): every program takes c relative to an fp64 reference (c at its first query or key). The
-  tile loops read no fp64 vectors: they read c_rel, the fp32 offsets of c from the first position of its
-  C_BLOCK-long block, and add one fp64 difference per tile (that block's c minus the reference), because
-  fp64-to-fp32 conversions share the SM's narrow pipe with exp2 (16/clk/SM), the loops' bottleneck.
+  unmasked tiles read no fp64 vectors: they add c_rel, the fp32 offsets of c from an end of its C_BLOCK-long
+  block, to one fp64 difference per tile (that position's c minus the reference); see _c_tile. Converting a
+  tile's fp64 c instead made the forward 9% and the deterministic backward 14% slower (H200, 4 x 16k tokens x 32
+  heads of 64; docs/benchmarks.md).
 * ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
   blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
