@@ -14,7 +14,9 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   unmasked tiles read no fp64 vectors: they add c_rel, the fp32 offsets of c from an end of its C_BLOCK-long
   block, to one fp64 difference per tile (that position's c minus the reference); see _c_tile. Converting a
   tile's fp64 c instead made the forward 9% and the deterministic backward 14% slower (H200, 4 x 16k tokens x 32
-  heads of 64; docs/benchmarks.md).
+  heads of 64; docs/benchmarks.md). The limit: a logit's error is about an fp32 ulp of the decay between its query
+  or key and the program's reference, so a gate that closes hard (log f = -1e4) inside a tile, past the reference,
+  costs ~1e-3 in the logits behind it (tests/test_triton_attention.py places such resets at tile starts).
 * ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
   blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
