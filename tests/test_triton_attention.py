@@ -170,6 +170,15 @@ def test_gate_precision_at_large_cumsum():
     _check((q, k, v, lf.requires_grad_()), rel=2e-5)
 
 
+def test_loop_tiles_fit_in_c_rel_blocks():
+    """An unmasked tile adds c_rel of one C_BLOCK-long block to one per-tile difference (_c_tile): every loop's tile
+    (the forward's and dQ's key tiles, dK/dV's query tiles) must divide the block, on the GPU and the CPU."""
+    tiles = [(ta.C_BLOCK, t[1]) for ts in ta._FWD_TILES.values() for t in ts]
+    tiles += [(ta.C_BLOCK, t[i]) for ts in ta._BWD_TILES.values() for t in ts for i in (0, 3)]
+    tiles += [(ta.INTERPRET_C_BLOCK, ta.INTERPRET_TILE)]
+    assert all(block % tile == 0 for block, tile in tiles), tiles
+
+
 @pytest.mark.parametrize("name", ["causal", "tq<tk", "varlen", "window"])
 @pytest.mark.parametrize("deterministic", [True, False])
 def test_gate_precision_across_hard_resets(name, deterministic):

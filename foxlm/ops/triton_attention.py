@@ -694,7 +694,7 @@ def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int,
     """The loops' c_rel (see _c_tile): c [B, H, T] fp64 -> (key side, query side) [B, H, T] fp32."""
     B, H, T = c.shape
     crk, crq = torch.empty_like(c, dtype=torch.float32), torch.empty_like(c, dtype=torch.float32)
-    start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]  # crk: unused
+    start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]  # crk: a placeholder
     block = 1024 if not _INTERPRETED else 64
     _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, start, crk, crq, *c.stride()[:2], T, off, C_BLOCK=c_block,
                                                         BLOCK=block, VARLEN=cu_seqlens is not None)
