@@ -170,6 +170,28 @@ def test_gate_precision_at_large_cumsum():
     _check((q, k, v, lf.requires_grad_()), rel=2e-5)
 
 
+@pytest.mark.parametrize("case", ["aligned", "tq<tk", "varlen"])
+def test_relative_c_kernel_matches_its_definition(case):
+    """_relative_c_kernel writes log2(e) (c_p - c_b) in fp32 with b the end (key side) or the first position (query
+    side, blocks from Tk - Tq on) of p's C_BLOCK-long block within its sequence, wherever b lies in that sequence."""
+    T, H, block = 150, 3, ta.INTERPRET_C_BLOCK
+    off, cu = {"aligned": (0, None), "tq<tk": (45, None), "varlen": (0, [0, 7, 8, 100, 150])}[case]
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    c = torch.randn(2 if cu is None else 1, H, T, dtype=torch.float64).mul(3).cumsum(-1) - 1e5
+    crk, crq = ta._relative_c(c, cu, block, off)
+    bounds = [0, T] if cu is None else cu.tolist()
+    checked = 0
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        for p in range(s, e):
+            end, first = s + ((p - s) // block + 1) * block, s + off + (p - s - off) // block * block
+            for side, b in ((crk, end), (crq, first)):
+                if s <= b < e and (side is crk or p >= s + off):
+                    expected = ((c[..., p] - c[..., b]) * math.log2(math.e)).float()
+                    torch.testing.assert_close(side[..., p], expected, rtol=1e-6, atol=0)
+                    checked += 1
+    assert checked > T
+
+
 def test_loop_tiles_fit_in_c_rel_blocks():
     """An unmasked tile adds c_rel of one C_BLOCK-long block to one per-tile difference (_c_tile): every loop's tile
     (the forward's and dQ's key tiles, dK/dV's query tiles) must divide the block, on the GPU and the CPU."""
