@@ -268,14 +268,17 @@ def _masked_reference(q, k, v, log_fgate, skip, seed, cu_seqlens=None, window=No
 
 
 @pytest.mark.parametrize("varlen", [False, True])
-def test_acp_skips_exactly_the_tiles_below_delta(varlen):
+@pytest.mark.parametrize("bias", [1.0, -6.0])
+def test_acp_skips_exactly_the_tiles_below_delta(varlen, bias):
     """With a (deliberately too small) logit bound the skipped tiles carry real mass: the forward and both
-    backward loops must skip exactly the tiles whose largest decay is below delta, no more, no fewer."""
+    backward loops must skip exactly the tiles whose largest decay is below delta, no more, no fewer. Gates of
+    about -0.4 per token skip tiles a tile or more left of the diagonal; about -6 per token, also the tile next to
+    it (which may share c_rel's block with the diagonal, see _key_range)."""
     B, T, Hq, Hk = (1, 70, 4, 2) if varlen else (2, 64, 2, 1)
     cu_seqlens = torch.tensor([0, 1, 40, 41, 70], dtype=torch.int32) if varlen else None
     q, k, v, _ = _inputs(B, T, T, Hq, Hk, 16, 16)
     q = (3 * q).detach().requires_grad_()  # logits spread over +-10: skipped tiles can hold most of a row
-    log_fgate = F.logsigmoid(torch.randn(B, T, Hq) + 1.0).requires_grad_()  # about -0.4 per token
+    log_fgate = F.logsigmoid(torch.randn(B, T, Hq) + bias).requires_grad_()
     kwargs = dict(cu_seqlens=cu_seqlens, logit_bound=0.0, tolerance=0.5)
     out = _run(q, k, v, log_fgate, seed=5, prune=True, **kwargs)
     delta = acp_threshold(q, k, scale=0.25, **kwargs).double()

@@ -141,15 +141,16 @@ def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr
                PRUNE: tl.constexpr, WINDOWED: tl.constexpr):
     """Key tiles of the query rows at positions [p0, p_last]: (lo, win_hi, mask_lo). Tiles before lo are
     skipped (left of the window, or pruned by ACP), [lo, win_hi) cross the window's edge (masked), [win_hi,
-    mask_lo) need no mask, and the tiles from mask_lo to p_last (those in p0's C_BLOCK-long block, whose end
-    lies past p0 (see _c_tile), and the diagonal's) are masked."""
-    mask_lo = (p0 // C_BLOCK) * C_BLOCK
+    mask_lo) need no mask, and the tiles from mask_lo to p_last (the diagonal's, and the others in p0's
+    C_BLOCK-long block, whose end lies past p0: see _c_tile) are masked."""
+    diagonal = (p0 // BLOCK_N) * BLOCK_N
     lo = p0 * 0
     if WINDOWED:
         lo = (tl.maximum(p0 - window + 1, 0) // BLOCK_N) * BLOCK_N
     if PRUNE:  # c is monotone: the first kept key of the block's first row, searched right of lo
         thr = tl.load(thr_ptr).to(tl.float64)
-        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N) * BLOCK_N, mask_lo)
+        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N) * BLOCK_N, diagonal)
+    mask_lo = tl.maximum((p0 // C_BLOCK) * C_BLOCK, lo)
     win_hi = lo
     if WINDOWED:  # a tile needs no window mask once its first key is inside the last row's window
         win_hi = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N, lo), mask_lo)
