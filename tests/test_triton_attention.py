@@ -179,6 +179,8 @@ def test_relative_c_kernel_matches_its_definition(case):
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
     c = torch.randn(2 if cu is None else 1, H, T, dtype=torch.float64).mul(3).cumsum(-1) - 1e5
     crk, crq = ta._relative_c(c, cu, block, off)
+    key_only = ta._relative_c(c, cu, block, None)  # the forward's call: no query side
+    assert key_only[1] is None and torch.equal(key_only[0], crk)
     bounds = [0, T] if cu is None else cu.tolist()
     checked = 0
     for s, e in zip(bounds[:-1], bounds[1:]):

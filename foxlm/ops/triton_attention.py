@@ -287,11 +287,11 @@ def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
 
 @triton.jit
 def _relative_c_kernel(C, START, CRK, CRQ, scb, sch, T, off, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                       VARLEN: tl.constexpr):
+                       VARLEN: tl.constexpr, QUERY_SIDE: tl.constexpr):
     """c_rel for BLOCK positions p of one (batch, head): CRK = log2(e) (c_p - c_b) with b the end of p's C_BLOCK-long
     block (blocks from each sequence's start: the key side), CRQ the same with b the first position of p's block
-    (blocks from ``off`` = Tk - Tq further on: the query side). b is clamped into the tensor; the kernels never read
-    c_rel where b lies outside p's sequence."""
+    (blocks from ``off`` = Tk - Tq further on: the query side, if QUERY_SIDE). b is clamped into the tensor; the
+    kernels never read c_rel where b lies outside p's sequence."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     base = tl.program_id(2).to(tl.int64) * scb + tl.program_id(1).to(tl.int64) * sch
     valid = p < T
@@ -299,11 +299,12 @@ def _relative_c_kernel(C, START, CRK, CRQ, scb, sch, T, off, C_BLOCK: tl.constex
         s = tl.load(START + p, mask=valid, other=0)
     else:
         s = p * 0
-    end = tl.minimum(s + ((p - s) // C_BLOCK + 1) * C_BLOCK, T - 1)
-    first = tl.minimum(s + off + (tl.maximum(p - s - off, 0) // C_BLOCK) * C_BLOCK, T - 1)
     c = tl.load(C + base + p, mask=valid, other=0.0)
+    end = tl.minimum(s + ((p - s) // C_BLOCK + 1) * C_BLOCK, T - 1)
     tl.store(CRK + base + p, ((c - tl.load(C + base + end)) * LOG2E).to(tl.float32), mask=valid)
-    tl.store(CRQ + base + p, ((c - tl.load(C + base + first)) * LOG2E).to(tl.float32), mask=valid)
+    if QUERY_SIDE:
+        first = tl.minimum(s + off + (tl.maximum(p - s - off, 0) // C_BLOCK) * C_BLOCK, T - 1)
+        tl.store(CRQ + base + p, ((c - tl.load(C + base + first)) * LOG2E).to(tl.float32), mask=valid)
 
 
 @triton.jit
@@ -691,14 +692,17 @@ def _head_group(n: int, length: int, q: torch.Tensor, v: torch.Tensor) -> int:
 
 
 def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int,
-                off: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loops' c_rel (see _c_tile): c [B, H, T] fp64 -> (key side, query side) [B, H, T] fp32."""
+                off: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loops' c_rel (see _c_tile): c [B, H, T] fp64 -> key side [B, H, T] fp32, and the query side for queries
+    from key position ``off`` (= Tk - Tq) on, or None without ``off`` (the forward needs none)."""
     B, H, T = c.shape
-    crk, crq = torch.empty_like(c, dtype=torch.float32), torch.empty_like(c, dtype=torch.float32)
+    crk = torch.empty_like(c, dtype=torch.float32)
+    crq = torch.empty_like(crk) if off is not None else None
     start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]  # crk: a placeholder
     block = 1024 if not _INTERPRETED else 64
-    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, start, crk, crq, *c.stride()[:2], T, off, C_BLOCK=c_block,
-                                                        BLOCK=block, VARLEN=cu_seqlens is not None)
+    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, start, crk, crq if crq is not None else crk,
+                                                        *c.stride()[:2], T, off or 0, C_BLOCK=c_block, BLOCK=block,
+                                                        VARLEN=cu_seqlens is not None, QUERY_SIDE=crq is not None)
     return crk, crq
 
 
@@ -747,7 +751,7 @@ def _fwd_op(
         return (triton.cdiv(len_q, m["BLOCK_M"]) * Hq * n_seq,)
 
     meta = _meta(q, v, cu_seqlens, threshold, window)
-    crk, _ = _relative_c(c, cu_seqlens, meta["C_BLOCK"], Tk - Tq)
+    crk, _ = _relative_c(c, cu_seqlens, meta["C_BLOCK"], None)
     _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, crk, thr, o, lse, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v), Hq // Hk,
