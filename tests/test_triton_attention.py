@@ -287,7 +287,9 @@ def test_acp_skips_exactly_the_tiles_below_delta(varlen, bias):
     c = gate_cumsum(log_fgate.detach(), cu_seqlens).transpose(1, 2)
     skip = _skipped_tiles(c, delta, cu_seqlens, ta.INTERPRET_TILE)
     assert skip.any()
-    _assert_close(out, _masked_reference(q, k, v, log_fgate, skip, seed=5, cu_seqlens=cu_seqlens), rel=2e-5)
+    # at -6 per token the gate gradient's reverse cumsum cancels terms of ~1e2 (fp32: up to ~2.3e-5 seen in 25 draws)
+    _assert_close(out, _masked_reference(q, k, v, log_fgate, skip, seed=5, cu_seqlens=cu_seqlens),
+                  rel=2e-5 if bias > 0 else 1e-4)
     unpruned = _run(q, k, v, log_fgate, seed=5, cu_seqlens=cu_seqlens, reference=True)
     assert (out[0].double() - unpruned[0]).abs().max() > 1e-3  # the skipped tiles did matter
     per_head, _ = acp_stats(q, k, log_fgate, block_m=ta.INTERPRET_TILE, block_n=ta.INTERPRET_TILE, **kwargs)
