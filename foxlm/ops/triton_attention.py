@@ -178,7 +178,7 @@ def _c_tile(c_base, cr_base, c_ref, start, offs, valid, MASK: tl.constexpr, C_BL
 
 
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, start_n, len_k,
+def _fwd_tile(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, start_n, len_k,
               window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
               BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
               PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
@@ -189,7 +189,8 @@ def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt,
     k = _load_rows(k_base + kn.to(tl.int64)[:, None] * skt + offs_d[None, :], kvalid, offs_d < D,
                    MASK, BLOCK_D != D)
     ck = _c_tile(c_base, cr_base, c_ref, start_n, kn, kvalid, MASK, C_BLOCK, True)
-    s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
+    # the logits less the query's own c_i (a constant of its softmax row, added to its lse at the end)
+    s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale - ck[None, :]
     if MASK:
         s = tl.where(_visible(pos_m[:, None], kn[None, :], window, WINDOWED) & kvalid[None, :], s, float("-inf"))
     m_ij = tl.maximum(m_i, tl.max(s, 1))
@@ -207,21 +208,21 @@ def _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt,
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, lo, hi, len_k,
+def _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, lo, hi, len_k,
                window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
                PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     if INTERPRET:  # Triton 3.6's interpreter cannot run range() over tensor bounds with NumPy >= 2.4
         start_n = lo
         while start_n < hi:
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
                                       qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
                                       MASK, WINDOWED, PRECISION, INTERPRET)
             start_n += BLOCK_N
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
                                       qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
                                       MASK, WINDOWED, PRECISION, INTERPRET)
     return acc, l_i, m_i
@@ -255,7 +256,6 @@ def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
     v_base = V + bt * svb + hk * svh + tok0.to(tl.int64) * svt
     p0 = off + i0
     c_ref = tl.load(c_base + p0)
-    cq = (tl.load(c_base + off + offs_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
     pos_m = off + offs_m
     p_last = off + tl.minimum(i0 + BLOCK_M, len_q) - 1
     lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N, C_BLOCK, PRUNE,
@@ -264,13 +264,13 @@ def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if WINDOWED:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
                                    qk_scale, lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
                                    True, WINDOWED, PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
                                win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, False,
                                WINDOWED, PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, cq, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
                                mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, True,
                                WINDOWED, PRECISION, INTERPRET)
     if WINDOWED:  # padding rows past the sequence's end may see no key
@@ -281,7 +281,8 @@ def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None] & (offs_dv < DV)[None, :])
     else:
         tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None])
-    lse = (m_i + tl.math.log2(l_i)) * LN2
+    cq = (tl.load(c_base + off + offs_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
+    lse = (m_i + tl.math.log2(l_i) + cq) * LN2
     tl.store(LSE + bt * slb + hq * slh + tok0 + offs_m, lse, mask=mvalid)
 
 
