@@ -173,12 +173,15 @@ def test_gate_precision_at_large_cumsum():
 @pytest.mark.parametrize("case", ["aligned", "tq<tk", "varlen"])
 def test_relative_c_kernel_matches_its_definition(case):
     """_relative_c_kernel writes log2(e) (c_p - c_b) in fp32 with b the end (key side) or the first position (query
-    side, blocks from Tk - Tq on) of p's C_BLOCK-long block within its sequence, wherever b lies in that sequence."""
+    side, blocks from Tk - Tq on, less log2(e) times the lse of query p) of p's C_BLOCK-long block within its sequence,
+    wherever b lies in that sequence."""
     T, H, block = 150, 3, ta.INTERPRET_C_BLOCK
     off, cu = {"aligned": (0, None), "tq<tk": (45, None), "varlen": (0, [0, 7, 8, 100, 150])}[case]
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    c = torch.randn(2 if cu is None else 1, H, T, dtype=torch.float64).mul(3).cumsum(-1) - 1e5
-    crk, crq = ta._relative_c(c, cu, block, off)
+    B = 2 if cu is None else 1
+    c = torch.randn(B, H, T, dtype=torch.float64).mul(3).cumsum(-1) - 1e5
+    lse = torch.randn(B, H, T - off) * 5
+    crk, crq = ta._relative_c(c, cu, block, lse)
     key_only = ta._relative_c(c, cu, block, None)  # the forward's call: no query side
     assert key_only[1] is None and torch.equal(key_only[0], crk)
     bounds = [0, T] if cu is None else cu.tolist()
@@ -186,11 +189,15 @@ def test_relative_c_kernel_matches_its_definition(case):
     for s, e in zip(bounds[:-1], bounds[1:]):
         for p in range(s, e):
             end, first = s + ((p - s) // block + 1) * block, s + off + (p - s - off) // block * block
-            for side, b in ((crk, end), (crq, first)):
-                if s <= b < e and (side is crk or p >= s + off):
-                    expected = ((c[..., p] - c[..., b]) * math.log2(math.e)).float()
-                    torch.testing.assert_close(side[..., p], expected, rtol=1e-6, atol=0)
-                    checked += 1
+            if s <= end < e:
+                expected = ((c[..., p] - c[..., end]) * math.log2(math.e)).float()
+                torch.testing.assert_close(crk[..., p], expected, rtol=1e-6, atol=0)
+                checked += 1
+            if s <= first < e and p >= s + off:
+                expected = ((c[..., p] - c[..., first]) * math.log2(math.e)).float() \
+                    - lse[..., p - off] * math.log2(math.e)
+                torch.testing.assert_close(crq[..., p], expected, rtol=1e-6, atol=1e-5)
+                checked += 1
     assert checked > T
 
 

@@ -287,11 +287,12 @@ def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
 
 
 @triton.jit
-def _relative_c_kernel(C, START, CRK, CRQ, scb, sch, T, off, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr,
-                       VARLEN: tl.constexpr, QUERY_SIDE: tl.constexpr):
+def _relative_c_kernel(C, LSE, START, CRK, CRQ, scb, sch, slb, slh, T, off, C_BLOCK: tl.constexpr,
+                       BLOCK: tl.constexpr, VARLEN: tl.constexpr, QUERY_SIDE: tl.constexpr):
     """c_rel for BLOCK positions p of one (batch, head): CRK = log2(e) (c_p - c_b) with b the end of p's C_BLOCK-long
-    block (blocks from each sequence's start: the key side), CRQ the same with b the first position of p's block
-    (blocks from ``off`` = Tk - Tq further on: the query side, if QUERY_SIDE). b is clamped into the tensor; the
+    block (blocks from each sequence's start: the key side), CRQ = log2(e) (c_p - c_b - lse) with b the first position
+    of p's block (blocks from ``off`` = Tk - Tq further on) and lse that of query p - off: the query side, if
+    QUERY_SIDE (the backward's dK/dV loop reads the two query-side terms as one). b is clamped into the tensor; the
     kernels never read c_rel where b lies outside p's sequence."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     base = tl.program_id(2).to(tl.int64) * scb + tl.program_id(1).to(tl.int64) * sch
@@ -305,7 +306,9 @@ def _relative_c_kernel(C, START, CRK, CRQ, scb, sch, T, off, C_BLOCK: tl.constex
     tl.store(CRK + base + p, ((c - tl.load(C + base + end)) * LOG2E).to(tl.float32), mask=valid)
     if QUERY_SIDE:
         first = tl.minimum(s + off + (tl.maximum(p - s - off, 0) // C_BLOCK) * C_BLOCK, T - 1)
-        tl.store(CRQ + base + p, ((c - tl.load(C + base + first)) * LOG2E).to(tl.float32), mask=valid)
+        lse = tl.load(LSE + tl.program_id(2).to(tl.int64) * slb + tl.program_id(1).to(tl.int64) * slh + p - off,
+                      mask=valid & (p >= off), other=0.0)
+        tl.store(CRQ + base + p, ((c - tl.load(C + base + first)) * LOG2E).to(tl.float32) - lse * LOG2E, mask=valid)
 
 
 @triton.jit
@@ -342,12 +345,12 @@ def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, 
     q = _load_rows(q_base + rows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D, MASK, BLOCK_D != D)
     do = _load_rows(do_base + rows[:, None] * sot + offs_dv[None, :], mvalid, offs_dv < DV, MASK, BLOCK_DV != DV)
     if MASK:
-        lse = tl.load(l_base + offs_m, mask=mvalid, other=0.0)
         delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
-    else:
-        lse = tl.load(l_base + offs_m)
+        cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False) \
+            - tl.load(l_base + offs_m, mask=mvalid, other=0.0) * LOG2E
+    else:  # the query side's c_rel already holds -log2(e) lse (see _relative_c)
         delta = tl.load(d_base + offs_m)
-    cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False) - lse * LOG2E
+        cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False)
     st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET)
     if ATOMIC_DQ:  # dP^T's dot issued beside the logits': it runs during the exp2 (H200: +5%; deterministic: -1.5%)
         dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
@@ -697,17 +700,20 @@ def _head_group(n: int, length: int, q: torch.Tensor, v: torch.Tensor) -> int:
 
 
 def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int,
-                off: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The loops' c_rel (see _c_tile): c [B, H, T] fp64 -> key side [B, H, T] fp32, and the query side for queries
-    from key position ``off`` (= Tk - Tq) on, or None without ``off`` (the forward needs none)."""
+                lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The loops' c_rel (see _c_tile): c [B, H, Tk] fp64 -> key side [B, H, Tk] fp32, and with the forward's lse
+    [B, H, Tq] the query side less log2(e) lse (queries at key positions Tk - Tq on), else None (the forward's call)."""
     B, H, T = c.shape
     crk = torch.empty_like(c, dtype=torch.float32)
-    crq = torch.empty_like(crk) if off is not None else None
+    crq = torch.empty_like(crk) if lse is not None else None
     start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]  # crk: a placeholder
     block = 1024 if not _INTERPRETED else 64
-    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, start, crk, crq if crq is not None else crk,
-                                                        *c.stride()[:2], T, off or 0, C_BLOCK=c_block, BLOCK=block,
-                                                        VARLEN=cu_seqlens is not None, QUERY_SIDE=crq is not None)
+    lse_ = lse if lse is not None else crk  # crk: a placeholder
+    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, lse_, start, crk, crq if crq is not None else crk,
+                                                        *c.stride()[:2], *lse_.stride()[:2], T,
+                                                        T - lse.shape[-1] if lse is not None else 0, C_BLOCK=c_block,
+                                                        BLOCK=block, VARLEN=cu_seqlens is not None,
+                                                        QUERY_SIDE=crq is not None)
     return crk, crq
 
 
@@ -804,7 +810,7 @@ def _bwd_op(
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
-    crk, crq = _relative_c(c, cu_seqlens, meta["C_BLOCK"], Tk - Tq)
+    crk, crq = _relative_c(c, cu_seqlens, meta["C_BLOCK"], lse)
 
     def grid(m):
         blocks = triton.cdiv(len_k, m["BLOCK_N1"])
