@@ -4,11 +4,13 @@ Logits are ``scale * q_i . k_j + c_i - c_j`` with ``c`` the gate cumsum, compute
 log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial (FlashAttention-2):
 
 * forward: one program per (query block, head); key tiles left of the diagonal run without masks, the
-  tiles that cross the diagonal (or the end of the sequence) with them;
+  tiles that cross the diagonal (or the end of the sequence) with them; the loop's logits leave out c_i, a
+  constant of query i's softmax row, which joins its lse at the end;
 * backward: one program per (block, key head) computes dK/dV for its key block, looping over the query
   heads of its GQA group in a fixed order (deterministic GQA reduction), and dQ for the query block of
   the same index (balanced work under the causal mask). No atomics: the gate gradient is collected as
-  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64.
+  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64. The dK/dV loop reads the
+  query side's c_rel with -lse already in it (one vector load a tile fewer).
 * gate precision: c is an fp64 cumsum, and c_i - c_j keeps its precision even when |c| reaches 1e6 (a
   million tokens): every program takes c relative to an fp64 reference (c at its first query or key). The
   unmasked tiles read no fp64 vectors: they add c_rel, the fp32 offsets of c from an end of its C_BLOCK-long
