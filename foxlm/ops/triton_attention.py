@@ -162,7 +162,8 @@ def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr
 @triton.jit
 def _c_tile(c_base, cr_base, c_ref, start, offs, valid, MASK: tl.constexpr, C_BLOCK: tl.constexpr,
             END: tl.constexpr):
-    """log2(e) * (c[offs] - c_ref) in fp32 for a tile at positions ``offs`` (from ``start``).
+    """log2(e) * (c[offs] - c_ref) in fp32 for a tile at positions ``offs`` (from ``start``); an unmasked tile also
+    carries what else c_rel holds (the query side's -log2(e) lse, see _relative_c_kernel).
 
     A masked tile converts c[offs] - c_ref from fp64. An unmasked tile, which lies in one C_BLOCK-long block,
     adds c_rel[offs] (fp32, c relative to the block's end if END, else its first position) and the fp64 difference
@@ -473,8 +474,8 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, h
     last_q = len_q
     if WINDOWED:  # rows past k_last + window - 1 see none of the block; rows past start_n + window - 1 not all of it
         last_q = tl.minimum(last_q, tl.cdiv(tl.maximum(k_last + window - off, 0), BLOCK_M1) * BLOCK_M1)
-        unmasked_hi = tl.minimum(unmasked_hi,
-                                 tl.maximum((tl.maximum(start_n + window - off, 0) // BLOCK_M1) * BLOCK_M1, unmasked_lo))
+        window_hi = (tl.maximum(start_n + window - off, 0) // BLOCK_M1) * BLOCK_M1
+        unmasked_hi = tl.minimum(unmasked_hi, tl.maximum(window_hi, unmasked_lo))
     for g in range(G):
         hq = hk * G + g
         c_base = C + hq * sch + tok0
@@ -707,15 +708,16 @@ def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int,
     [B, H, Tq] the query side less log2(e) lse (queries at key positions Tk - Tq on), else None (the forward's call)."""
     B, H, T = c.shape
     crk = torch.empty_like(c, dtype=torch.float32)
-    crq = torch.empty_like(crk) if lse is not None else None
-    start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]  # crk: a placeholder
+    query_side = lse is not None
+    crq = torch.empty_like(crk) if query_side else None
+    # crk stands in for the pointers that this specialization does not read
+    start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]
+    lse_arg, crq_arg = (lse, crq) if query_side else (crk, crk)
+    off = T - lse.shape[-1] if query_side else 0  # queries sit at the last key positions
     block = 1024 if not _INTERPRETED else 64
-    lse_ = lse if lse is not None else crk  # crk: a placeholder
-    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, lse_, start, crk, crq if crq is not None else crk,
-                                                        *c.stride()[:2], *lse_.stride()[:2], T,
-                                                        T - lse.shape[-1] if lse is not None else 0, C_BLOCK=c_block,
-                                                        BLOCK=block, VARLEN=cu_seqlens is not None,
-                                                        QUERY_SIDE=crq is not None)
+    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, lse_arg, start, crk, crq_arg, *c.stride()[:2],
+                                                        *lse_arg.stride()[:2], T, off, C_BLOCK=c_block, BLOCK=block,
+                                                        VARLEN=cu_seqlens is not None, QUERY_SIDE=query_side)
     return crk, crq
 
 
