@@ -171,19 +171,21 @@ def test_gate_precision_at_large_cumsum():
 
 
 @pytest.mark.parametrize("case", ["aligned", "tq<tk", "varlen"])
-def test_relative_c_kernel_matches_its_definition(case):
-    """_relative_c_kernel writes log2(e) (c_p - c_b) in fp32 with b the end (key side) or the first position (query
-    side, blocks from Tk - Tq on, less log2(e) times the lse of query p) of p's C_BLOCK-long block within its sequence,
-    wherever b lies in that sequence."""
+def test_relative_c_matches_its_definition(case):
+    """The key side's c_rel (_relative_c_kernel) is log2(e) (c_p - c_b) in fp32 with b the end of p's C_BLOCK-long block
+    within its sequence; the query side's (written by the backward's preprocess kernel beside delta) is that with b the
+    first position (blocks from Tk - Tq on), less log2(e) times the lse of query p - (Tk - Tq); wherever b lies in that
+    sequence. The preprocess kernel's delta is sum_d o * do - dlse."""
     T, H, block = 150, 3, ta.INTERPRET_C_BLOCK
     off, cu = {"aligned": (0, None), "tq<tk": (45, None), "varlen": (0, [0, 7, 8, 100, 150])}[case]
     cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
-    B = 2 if cu is None else 1
+    B, Dv = (2 if cu is None else 1), 24
     c = torch.randn(B, H, T, dtype=torch.float64).mul(3).cumsum(-1) - 1e5
-    lse = torch.randn(B, H, T - off) * 5
-    crk, crq = ta._relative_c(c, cu, block, lse)
-    key_only = ta._relative_c(c, cu, block, None)  # the forward's call: no query side
-    assert key_only[1] is None and torch.equal(key_only[0], crk)
+    lse, dlse = torch.randn(B, H, T - off) * 5, torch.randn(B, H, T - off)
+    o, do = torch.randn(B, T - off, H, Dv), torch.randn(B, T - off, H, Dv)
+    crk = ta._relative_c(c, cu, block)
+    delta, crq = ta._bwd_preprocess(o, do, dlse, lse, c, cu, block)
+    torch.testing.assert_close(delta, (o * do).sum(-1).transpose(1, 2) - dlse, rtol=1e-5, atol=1e-5)
     bounds = [0, T] if cu is None else cu.tolist()
     checked = 0
     for s, e in zip(bounds[:-1], bounds[1:]):
@@ -473,9 +475,9 @@ def test_custom_ops_pass_opcheck():
     for args in ((q, k, v, log_fgate, 0.25, None, None, None, None, True),
                  (q[:1], k[:1], v[:1], log_fgate[:1], 0.25, cu, 33, 9, None, False)):
         torch.library.opcheck(ta._fwd_op, args, test_utils=utils)
-        o, lse, c = ta._fwd_op(*args)
-        torch.library.opcheck(ta._bwd_op, (torch.randn_like(o), torch.randn_like(lse), *args[:3], o, lse, c, *args[4:]),
-                              test_utils=utils)
+        o, lse, c, crk = ta._fwd_op(*args)
+        torch.library.opcheck(ta._bwd_op, (torch.randn_like(o), torch.randn_like(lse), *args[:3], o, lse, c, crk,
+                                           *args[4:]), test_utils=utils)
 
 
 def test_kernels_compile_for_hopper_with_tensor_core_dots():

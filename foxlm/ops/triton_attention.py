@@ -163,7 +163,7 @@ def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr
 def _c_tile(c_base, cr_base, c_ref, start, offs, valid, MASK: tl.constexpr, C_BLOCK: tl.constexpr,
             END: tl.constexpr):
     """log2(e) * (c[offs] - c_ref) in fp32 for a tile at positions ``offs`` (from ``start``); an unmasked tile also
-    carries what else c_rel holds (the query side's -log2(e) lse, see _relative_c_kernel).
+    carries what else c_rel holds (the query side's -log2(e) lse, see _attn_bwd_preprocess).
 
     A masked tile converts c[offs] - c_ref from fp64. An unmasked tile, which lies in one C_BLOCK-long block,
     adds c_rel[offs] (fp32, c relative to the block's end if END, else its first position) and the fp64 difference
@@ -290,13 +290,10 @@ def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
 
 
 @triton.jit
-def _relative_c_kernel(C, LSE, START, CRK, CRQ, scb, sch, slb, slh, T, off, C_BLOCK: tl.constexpr,
-                       BLOCK: tl.constexpr, VARLEN: tl.constexpr, QUERY_SIDE: tl.constexpr):
-    """c_rel for BLOCK positions p of one (batch, head): CRK = log2(e) (c_p - c_b) with b the end of p's C_BLOCK-long
-    block (blocks from each sequence's start: the key side), CRQ = log2(e) (c_p - c_b - lse) with b the first position
-    of p's block (blocks from ``off`` = Tk - Tq further on) and lse that of query p - off: the query side, if
-    QUERY_SIDE (the backward's dK/dV loop reads the two query-side terms as one). b is clamped into the tensor; the
-    kernels never read c_rel where b lies outside p's sequence."""
+def _relative_c_kernel(C, START, CRK, scb, sch, T, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+    """The key side's c_rel for BLOCK positions p of one (batch, head): CRK = log2(e) (c_p - c_b) with b the end of p's
+    C_BLOCK-long block (blocks from each sequence's start), clamped into the tensor; the kernels never read c_rel where
+    b lies outside p's sequence."""
     p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     base = tl.program_id(2).to(tl.int64) * scb + tl.program_id(1).to(tl.int64) * sch
     valid = p < T
@@ -307,31 +304,42 @@ def _relative_c_kernel(C, LSE, START, CRK, CRQ, scb, sch, slb, slh, T, off, C_BL
     c = tl.load(C + base + p, mask=valid, other=0.0)
     end = tl.minimum(s + ((p - s) // C_BLOCK + 1) * C_BLOCK, T - 1)
     tl.store(CRK + base + p, ((c - tl.load(C + base + end)) * LOG2E).to(tl.float32), mask=valid)
-    if QUERY_SIDE:
-        first = tl.minimum(s + off + (tl.maximum(p - s - off, 0) // C_BLOCK) * C_BLOCK, T - 1)
-        lse = tl.load(LSE + tl.program_id(2).to(tl.int64) * slb + tl.program_id(1).to(tl.int64) * slh + p - off,
-                      mask=valid & (p >= off), other=0.0)
-        tl.store(CRQ + base + p, ((c - tl.load(C + base + first)) * LOG2E).to(tl.float32) - lse * LOG2E, mask=valid)
 
 
 @triton.jit
-def _attn_bwd_preprocess(O, DO, DLSE, DELTA, sob, sot, soh, slb, slh, T, H,
-                         DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr):
-    """delta_i = sum_d o_i * do_i - dlse_i: [B, H, T] fp32."""
+def _attn_bwd_preprocess(O, DO, DLSE, LSE, C, START, DELTA, CRQ, sob, sot, soh, slb, slh, scb, sch, T, Tk, off,
+                         DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, C_BLOCK: tl.constexpr,
+                         HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr):
+    """For the queries i of one block and head: delta_i = sum_d o_i * do_i - dlse_i ([B, H, T] fp32), and the query
+    side's c_rel at their key positions p = i + off: CRQ_p = log2(e) (c_p - c_b - lse_i) with b the first position of
+    p's C_BLOCK-long block (blocks from ``off`` on within p's sequence, b clamped into the tensor: the kernels never
+    read c_rel where b lies outside p's sequence). The dK/dV loop reads the two query-side terms as one."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    mask = (offs_m < T)[:, None] & (offs_dv < DV)[None, :]
+    valid = offs_m < T
+    mask = valid[:, None] & (offs_dv < DV)[None, :]
     ptrs = b * sob + h * soh + offs_m.to(tl.int64)[:, None] * sot + offs_dv[None, :]
     o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.sum(o * do, 1)
     lptrs = b * slb + h * slh + offs_m
     if HAS_DLSE:
-        delta -= tl.load(DLSE + lptrs, mask=offs_m < T, other=0.0)
-    tl.store(DELTA + lptrs, delta, mask=offs_m < T)
+        delta -= tl.load(DLSE + lptrs, mask=valid, other=0.0)
+    tl.store(DELTA + lptrs, delta, mask=valid)
+    p = offs_m + off
+    if VARLEN:
+        s = tl.load(START + p, mask=valid, other=0)
+    else:
+        s = p * 0
+    first = tl.minimum(s + off + ((p - s - off) // C_BLOCK) * C_BLOCK, Tk - 1)
+    cb = C + b * scb + h * sch
+    c = tl.load(cb + p, mask=valid, other=0.0)
+    crq = ((c - tl.load(cb + first, mask=valid, other=0.0)) * LOG2E).to(tl.float32) \
+        - tl.load(LSE + lptrs, mask=valid, other=0.0) * LOG2E
+    tl.store(CRQ + b * scb + h * sch + p, crq, mask=valid)
 
 
 @triton.jit
@@ -351,7 +359,7 @@ def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, 
         delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
         cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False) \
             - tl.load(l_base + offs_m, mask=mvalid, other=0.0) * LOG2E
-    else:  # the query side's c_rel already holds -log2(e) lse (see _relative_c)
+    else:  # the query side's c_rel already holds -log2(e) lse (see _attn_bwd_preprocess)
         delta = tl.load(d_base + offs_m)
         cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False)
     st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET)
@@ -661,12 +669,24 @@ _bwd = triton.autotune(
 )(_attn_bwd_kernel)
 
 
-def _launch(kernel, grid, interpret_meta: dict, *args, **kwargs) -> None:
+# The config that the autotuner chose per (kernel, device, dtype, tuning key): once it has chosen, the kernel is
+# launched with it directly, without the autotuner's per-call work (it builds its key from every argument: ~80 us of
+# host time a launch on the H200's host, two launches a layer and step).
+_TUNED: dict[tuple, triton.Config] = {}
+
+
+def _launch(kernel, grid, interpret_meta: dict, q: torch.Tensor, *args, **kwargs) -> None:
     """Autotuned launch on the GPU; fixed small tiles under the interpreter (no timing there)."""
     if _INTERPRETED:
-        kernel.fn[grid](*args, **kwargs, **interpret_meta)
+        kernel.fn[grid](q, *args, **kwargs, **interpret_meta)
+        return
+    key = (kernel.fn, q.device.index, q.dtype, *(kwargs[k] for k in kernel.keys))
+    config = _TUNED.get(key)
+    if config is None or config not in kernel.configs:  # not tuned yet, or the configs were replaced
+        kernel[grid](q, *args, **kwargs)
+        _TUNED[key] = kernel.best_config
     else:
-        kernel[grid](*args, **kwargs)
+        kernel.fn[grid](q, *args, **kwargs, **config.all_kwargs())
 
 
 def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
@@ -702,23 +722,40 @@ def _head_group(n: int, length: int, q: torch.Tensor, v: torch.Tensor) -> int:
     return g
 
 
-def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int,
-                lse: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The loops' c_rel (see _c_tile): c [B, H, Tk] fp64 -> key side [B, H, Tk] fp32, and with the forward's lse
-    [B, H, Tq] the query side less log2(e) lse (queries at key positions Tk - Tq on), else None (the forward's call)."""
+def _segment_starts(cu_seqlens: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    """The first token of each position's sequence [T] int32 (packed input), else None."""
+    return None if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]
+
+
+def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int) -> torch.Tensor:
+    """The key side's c_rel of the loops (see _c_tile): c [B, H, Tk] fp64 -> [B, H, Tk] fp32."""
     B, H, T = c.shape
     crk = torch.empty_like(c, dtype=torch.float32)
-    query_side = lse is not None
-    crq = torch.empty_like(crk) if query_side else None
-    # crk stands in for the pointers that this specialization does not read
-    start = crk if cu_seqlens is None else cu_seqlens[:-1].int()[segment_ids(cu_seqlens, T)]
-    lse_arg, crq_arg = (lse, crq) if query_side else (crk, crk)
-    off = T - lse.shape[-1] if query_side else 0  # queries sit at the last key positions
+    start = _segment_starts(cu_seqlens, T)
     block = 1024 if not _INTERPRETED else 64
-    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, lse_arg, start, crk, crq_arg, *c.stride()[:2],
-                                                        *lse_arg.stride()[:2], T, off, C_BLOCK=c_block, BLOCK=block,
-                                                        VARLEN=cu_seqlens is not None, QUERY_SIDE=query_side)
-    return crk, crq
+    # crk stands in for START where this specialization does not read it
+    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, crk if start is None else start, crk, *c.stride()[:2], T,
+                                                        C_BLOCK=c_block, BLOCK=block, VARLEN=start is not None)
+    return crk
+
+
+def _bwd_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor, c: torch.Tensor,
+                    cu_seqlens: torch.Tensor | None, c_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """o, do [B, Tq, H, Dv] (same strides), dlse/lse [B, H, Tq] fp32, c [B, H, Tk] fp64 -> delta [B, H, Tq] fp32 and the
+    query side's c_rel [B, H, Tk] fp32, written at the queries' key positions Tk - Tq on."""
+    B, Tq, H, Dv = o.shape
+    Tk = c.shape[-1]
+    delta = torch.empty_like(lse)
+    crq = torch.empty_like(c, dtype=torch.float32)
+    start = _segment_starts(cu_seqlens, Tk)
+    block = 64
+    # lse stands in for DLSE and START where this specialization does not read them
+    _attn_bwd_preprocess[(triton.cdiv(Tq, block), H, B)](
+        o, do, lse if dlse is None else dlse, lse, c, lse if start is None else start, delta, crq, *o.stride()[:3],
+        *lse.stride()[:2], *c.stride()[:2], Tq, Tk, Tk - Tq, DV=Dv, BLOCK_M=block,
+        BLOCK_DV=max(16, triton.next_power_of_2(Dv)), C_BLOCK=c_block, HAS_DLSE=dlse is not None,
+        VARLEN=start is not None)
+    return delta, crq
 
 
 def _len_bucket(n: int) -> int:
@@ -742,16 +779,17 @@ def _dims(q, k, cu_seqlens, max_seqlen) -> tuple[int, int, int]:
     return q.shape[0], q.shape[1], k.shape[1]
 
 
-# The kernels are wrapped as torch.library custom ops: torch.compile sees them as opaque (no graph break, no
-# attempt to re-trace the Triton code), and autograd is registered on the op.
-@torch.library.custom_op("foxlm::forgetting_attention_fwd", mutates_args=())
-def _fwd_op(
+# The two launchers below are wrapped as torch.library custom ops with autograd registered on them: torch.compile
+# sees them as opaque (no graph break, no attempt to re-trace the Triton code). Eager calls go through _EagerAttention,
+# a torch.autograd.Function over the same two functions: the custom ops' dispatch and autograd wrappers cost ~0.15 ms
+# more host time per forward + backward, and eager training steps at 16k are partly host-bound (docs/benchmarks.md).
+def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor, scale: float,
     cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> o [B, Tq, Hq, Dv], lse [B, Hq, Tq] fp32, c [B, Hq, Tk] fp64 (the gate cumsum, for the backward).
-    ``deterministic`` only travels to the backward."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> o [B, Tq, Hq, Dv], lse [B, Hq, Tq] fp32, and for the backward c [B, Hq, Tk] fp64 (the gate cumsum) and
+    its key side's c_rel [B, Hq, Tk] fp32. ``deterministic`` only travels to the backward."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     B, Tq, Hq, _ = q.shape
     Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -766,12 +804,15 @@ def _fwd_op(
         return (triton.cdiv(len_q, m["BLOCK_M"]) * Hq * n_seq,)
 
     meta = _meta(q, v, cu_seqlens, threshold, window)
-    crk, _ = _relative_c(c, cu_seqlens, meta["C_BLOCK"], None)
+    crk = _relative_c(c, cu_seqlens, meta["C_BLOCK"])
     _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, crk, thr, o, lse, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v), Hq // Hk,
             scale * LOG2E.value, window or 0, LEN_BUCKET=_len_bucket(len_k), **meta)
-    return o, lse, c
+    return o, lse, c, crk
+
+
+_fwd_op = torch.library.custom_op("foxlm::forgetting_attention_fwd", mutates_args=())(_forward_impl)
 
 
 @_fwd_op.register_fake
@@ -779,14 +820,15 @@ def _(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, dete
     B, Tq, Hq, _ = q.shape
     o = q.new_empty(B, Tq, Hq, v.shape[-1])
     lse = q.new_empty(B, Hq, Tq, dtype=torch.float32)
-    return o, lse, q.new_empty(B, Hq, k.shape[1], dtype=torch.float64)
+    return o, lse, q.new_empty(B, Hq, k.shape[1], dtype=torch.float64), q.new_empty(B, Hq, k.shape[1],
+                                                                                 dtype=torch.float32)
 
 
-@torch.library.custom_op("foxlm::forgetting_attention_bwd", mutates_args=())
-def _bwd_op(
+def _backward_impl(
     do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-    o: torch.Tensor, lse: torch.Tensor, c: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None,
-    max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None, deterministic: bool,
+    o: torch.Tensor, lse: torch.Tensor, c: torch.Tensor, crk: torch.Tensor, scale: float,
+    cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
+    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32. Not ``deterministic``: the faster backward for the head dim,
     which at head dims <= 64 accumulates dQ with fp32 atomics (H200: 1.13x at d64, but 0.93x at d128)."""
@@ -797,14 +839,10 @@ def _bwd_op(
     do = do.contiguous() if do.stride() != o.stride() else do
     if dlse is not None and dlse.stride() != lse.stride():  # e.g. the stride-0 gradient of lse.sum()
         dlse = dlse.contiguous()
-    delta = torch.empty_like(lse)
     meta = _meta(q, v, cu_seqlens, threshold, window)
     thr = threshold.float().contiguous() if threshold is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
-    pre_block = 64
-    pre = _attn_bwd_preprocess[(triton.cdiv(Tq, pre_block), Hq, B)]
-    pre(o, do, dlse if dlse is not None else lse, delta, *o.stride()[:3], *lse.stride()[:2], Tq, Hq,
-        DV=Dv, BLOCK_M=pre_block, BLOCK_DV=meta["BLOCK_DV"], HAS_DLSE=dlse is not None)
+    delta, crq = _bwd_preprocess(o, do, dlse, lse, c, cu_seqlens, meta["C_BLOCK"])
     if not deterministic and max(meta["BLOCK_D"], meta["BLOCK_DV"]) > 64:
         deterministic = True
     if deterministic:
@@ -814,7 +852,6 @@ def _bwd_op(
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
-    crk, crq = _relative_c(c, cu_seqlens, meta["C_BLOCK"], lse)
 
     def grid(m):
         blocks = triton.cdiv(len_k, m["BLOCK_N1"])
@@ -833,8 +870,11 @@ def _bwd_op(
     return dq, dk, dv, dlog_fgate
 
 
+_bwd_op = torch.library.custom_op("foxlm::forgetting_attention_bwd", mutates_args=())(_backward_impl)
+
+
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, o, lse, c, scale, cu_seqlens, max_seqlen, window, threshold, deterministic):
+def _(do, dlse, q, k, v, o, lse, c, crk, scale, cu_seqlens, max_seqlen, window, threshold, deterministic):
     B, Tk, Hq = k.shape[0], k.shape[1], q.shape[2]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(B, Tk, Hq, dtype=torch.float32))
@@ -842,19 +882,41 @@ def _(do, dlse, q, k, v, o, lse, c, scale, cu_seqlens, max_seqlen, window, thres
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, _, scale, cu_seqlens, max_seqlen, window, threshold, deterministic = inputs
-    o, lse, c = output
-    ctx.save_for_backward(q, k, v, o, lse, c, cu_seqlens, threshold)
+    o, lse, c, crk = output
+    ctx.save_for_backward(q, k, v, o, lse, c, crk, cu_seqlens, threshold)
     ctx.scale, ctx.max_seqlen, ctx.window, ctx.deterministic = scale, max_seqlen, window, deterministic
 
 
-def _backward(ctx, do, dlse, _dc):
-    q, k, v, o, lse, c, cu_seqlens, threshold = ctx.saved_tensors
-    dq, dk, dv, dlog_fgate = _bwd_op(do, dlse, q, k, v, o, lse, c, ctx.scale, cu_seqlens, ctx.max_seqlen,
+def _backward(ctx, do, dlse, _dc, _crk):
+    q, k, v, o, lse, c, crk, cu_seqlens, threshold = ctx.saved_tensors
+    dq, dk, dv, dlog_fgate = _bwd_op(do, dlse, q, k, v, o, lse, c, crk, ctx.scale, cu_seqlens, ctx.max_seqlen,
                                      ctx.window, threshold, ctx.deterministic)
     return dq, dk, dv, dlog_fgate, None, None, None, None, None, None
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The eager path: the custom ops' two functions under a plain autograd.Function (see above)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic):
+        o, lse, c, crk = _forward_impl(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold,
+                                       deterministic)
+        ctx.save_for_backward(q, k, v, o, lse, c, crk, cu_seqlens, threshold)
+        ctx.scale, ctx.max_seqlen, ctx.window, ctx.deterministic = scale, max_seqlen, window, deterministic
+        ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient to read
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, o, lse, c, crk, cu_seqlens, threshold = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv, dlog_fgate = _backward_impl(do, dlse, q, k, v, o, lse, c, crk, ctx.scale, cu_seqlens,
+                                                ctx.max_seqlen, ctx.window, threshold, ctx.deterministic)
+        return dq, dk, dv, dlog_fgate, None, None, None, None, None, None
 
 
 def triton_forgetting_attention(
@@ -881,5 +943,8 @@ def triton_forgetting_attention(
         raise ValueError("q: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.triton_attention is imported")
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    o, lse, _ = _fwd_op(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic)
-    return o, lse
+    args = (q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic)
+    if torch.compiler.is_compiling():
+        o, lse, *_ = _fwd_op(*args)
+        return o, lse
+    return _EagerAttention.apply(*args)
