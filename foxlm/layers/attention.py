@@ -235,9 +235,12 @@ class ForgettingAttention(nn.Module):
         """
         if self.q_norm is None:
             return None
-        wq = self.q_norm.weight.detach().abs().amax(-1).float()
-        wk = self.k_norm.weight.detach().abs().amax(-1).float()
-        return wq * wk.repeat_interleave(self.num_heads // self.num_kv_heads) * self.head_dim * self.scale
+        # max |w| per head as one kernel each (the inf-norm, exact in any dtype); called per layer and step under ACP
+        wq = torch.linalg.vector_norm(self.q_norm.weight.detach(), math.inf, dim=-1).float()
+        wk = torch.linalg.vector_norm(self.k_norm.weight.detach(), math.inf, dim=-1).float()
+        if self.num_heads != self.num_kv_heads:
+            wk = wk.repeat_interleave(self.num_heads // self.num_kv_heads)
+        return (wq * wk).mul_(self.head_dim * self.scale)
 
     def forward(
         self,

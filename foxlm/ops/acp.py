@@ -46,8 +46,9 @@ def prune_threshold(
         log_n = torch.log(key_lengths.to(device=logit_bound.device, dtype=torch.float32).clamp_min(1))
         if log_n.dim() == 1:
             log_n = log_n[:, None]
-    else:  # a host number stays one: a tensor made from it would be a host-to-device copy, a sync on CUDA
-        log_n = math.log(max(key_lengths, 1))
+    else:  # a host number stays one (a tensor made from it would be a host-to-device copy, a sync on CUDA), folded
+        # into one constant: two kernels
+        return logit_bound.float().mul(-2.0).add_(math.log(tolerance) - math.log(max(key_lengths, 1)))
     return -(2.0 * logit_bound.float() + log_n) + math.log(tolerance)
 
 
