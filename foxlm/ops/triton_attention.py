@@ -881,17 +881,23 @@ def _(do, dlse, q, k, v, o, lse, c, crk, scale, cu_seqlens, max_seqlen, window, 
 
 
 def _setup_context(ctx, inputs, output) -> None:
+    """Save what the backward needs: the inputs, o, lse and the gate cumsum c with its key side's c_rel."""
     q, k, v, _, scale, cu_seqlens, max_seqlen, window, threshold, deterministic = inputs
     o, lse, c, crk = output
     ctx.save_for_backward(q, k, v, o, lse, c, crk, cu_seqlens, threshold)
     ctx.scale, ctx.max_seqlen, ctx.window, ctx.deterministic = scale, max_seqlen, window, deterministic
 
 
-def _backward(ctx, do, dlse, _dc, _crk):
+def _saved_backward(ctx, do, dlse, backward) -> tuple:
+    """The gradients of the ten inputs, by ``backward`` (the custom op or its function) from what was saved."""
     q, k, v, o, lse, c, crk, cu_seqlens, threshold = ctx.saved_tensors
-    dq, dk, dv, dlog_fgate = _bwd_op(do, dlse, q, k, v, o, lse, c, crk, ctx.scale, cu_seqlens, ctx.max_seqlen,
-                                     ctx.window, threshold, ctx.deterministic)
+    dq, dk, dv, dlog_fgate = backward(do, dlse, q, k, v, o, lse, c, crk, ctx.scale, cu_seqlens, ctx.max_seqlen,
+                                      ctx.window, threshold, ctx.deterministic)
     return dq, dk, dv, dlog_fgate, None, None, None, None, None, None
+
+
+def _backward(ctx, do, dlse, _dc, _crk):
+    return _saved_backward(ctx, do, dlse, _bwd_op)
 
 
 _fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -901,22 +907,17 @@ class _EagerAttention(torch.autograd.Function):
     """The eager path: the custom ops' two functions under a plain autograd.Function (see above)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic):
-        o, lse, c, crk = _forward_impl(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold,
-                                       deterministic)
-        ctx.save_for_backward(q, k, v, o, lse, c, crk, cu_seqlens, threshold)
-        ctx.scale, ctx.max_seqlen, ctx.window, ctx.deterministic = scale, max_seqlen, window, deterministic
+    def forward(ctx, *inputs):
+        output = _forward_impl(*inputs)
+        _setup_context(ctx, inputs, output)
         ctx.set_materialize_grads(False)  # an unused lse gets no zero gradient to read
-        return o, lse
+        return output[:2]  # o, lse
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, o, lse, c, crk, cu_seqlens, threshold = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
-        dq, dk, dv, dlog_fgate = _backward_impl(do, dlse, q, k, v, o, lse, c, crk, ctx.scale, cu_seqlens,
-                                                ctx.max_seqlen, ctx.window, threshold, ctx.deterministic)
-        return dq, dk, dv, dlog_fgate, None, None, None, None, None, None
+        if do is None:  # a loss of lse alone
+            do = torch.zeros_like(ctx.saved_tensors[3])  # o's
+        return _saved_backward(ctx, do, dlse, _backward_impl)
 
 
 def triton_forgetting_attention(
