@@ -682,7 +682,8 @@ def _launch(kernel, grid, interpret_meta: dict, q: torch.Tensor, *args, **kwargs
         return
     key = (kernel.fn, q.device.index, q.dtype, *(kwargs[k] for k in kernel.keys))
     config = _TUNED.get(key)
-    if config is None or config not in kernel.configs:  # not tuned yet, or the configs were replaced
+    # not tuned yet, or the configs were replaced (by identity: Config's == rebuilds both kwargs dicts)
+    if config is None or not any(config is listed for listed in kernel.configs):
         kernel[grid](q, *args, **kwargs)
         _TUNED[key] = kernel.best_config
     else:
@@ -753,9 +754,14 @@ def _bwd_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     _attn_bwd_preprocess[(triton.cdiv(Tq, block), H, B)](
         o, do, lse if dlse is None else dlse, lse, c, lse if start is None else start, delta, crq, *o.stride()[:3],
         *lse.stride()[:2], *c.stride()[:2], Tq, Tk, Tk - Tq, DV=Dv, BLOCK_M=block,
-        BLOCK_DV=max(16, triton.next_power_of_2(Dv)), C_BLOCK=c_block, HAS_DLSE=dlse is not None,
+        BLOCK_DV=_block_dim(Dv), C_BLOCK=c_block, HAS_DLSE=dlse is not None,
         VARLEN=start is not None)
     return delta, crq
+
+
+def _block_dim(d: int) -> int:
+    """A head dim padded to the kernels' tile width: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def _len_bucket(n: int) -> int:
@@ -765,7 +771,7 @@ def _len_bucket(n: int) -> int:
 def _meta(q: torch.Tensor, v: torch.Tensor, cu_seqlens, threshold, window) -> dict:
     D, Dv = q.shape[-1], v.shape[-1]
     return dict(
-        D=D, DV=Dv, BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(Dv)),
+        D=D, DV=Dv, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
         VARLEN=cu_seqlens is not None, PRUNE=threshold is not None, WINDOWED=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
         C_BLOCK=INTERPRET_C_BLOCK if _INTERPRETED else C_BLOCK,
@@ -834,8 +840,8 @@ def _backward_impl(
     which at head dims <= 64 accumulates dQ with fp32 atomics (H200: 1.13x at d64, but 0.93x at d128)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
-    B, Tq, Hq = q.shape[:3]
-    Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+    Tq, Hq = q.shape[1:3]
+    Tk, Hk = k.shape[1], k.shape[2]
     do = do.contiguous() if do.stride() != o.stride() else do
     if dlse is not None and dlse.stride() != lse.stride():  # e.g. the stride-0 gradient of lse.sum()
         dlse = dlse.contiguous()
