@@ -15,7 +15,11 @@ gradient clipping, one sequence of ``--seq-len`` (16,384) random tokens per step
 MFU = tokens/s x (6 x non-embedding parameters + 6 x layers x T x heads x head_dim) / peak (989 TF/s bf16 dense
 for H100/H200); ACP runs count the unpruned FLOPs (effective MFU).
 
-    PYTHONPATH=. python benchmarks/train.py [--seq-len 16384] [--steps 10] [--out benchmarks/results]
+``--cuda-graph`` replays each step's forward + backward from a CUDA graph (``foxlm.train.cuda_graph``, the trainer's
+``cuda_graph=true``): eager steps at this size wait on the host that launches their kernels, by an amount that
+varies from machine to machine; replayed ones take their GPU time.
+
+    PYTHONPATH=. python benchmarks/train.py [--seq-len 16384] [--steps 10] [--cuda-graph] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import argparse
 import datetime
 import json
 import math
+import re
 import statistics
 from pathlib import Path
 
 import torch
 
 from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.train.cuda_graph import GraphedMicroStep
 from foxlm.train.trainer import PEAK_TFLOPS, flops_per_token, param_groups
 
 VOCAB = 50304
@@ -86,10 +92,16 @@ def kernel_ms(prof) -> dict:
     return {"gpu_ms": total / 1e3, "attention_gpu_ms": attention / 1e3}
 
 
+def _variant(compile: bool, cuda_graph: bool) -> str:
+    """The name suffix of a run's rows: `` (compiled)``, `` (CUDA graph)``, both, or none."""
+    return (" (compiled)" if compile else "") + (" (CUDA graph)" if cuda_graph else "")
+
+
 def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, compile: bool = False,
-          profile: Path | None = None) -> dict:
+          profile: Path | None = None, cuda_graph: bool = False) -> dict:
     """Time ``steps`` training steps of one model; ``compile``: torch.compile each decoder block (foxlm's
-    ``compile=true``, and the same for the Llama layers); ``profile``: write the step's top CUDA kernels there."""
+    ``compile=true``, and the same for the Llama layers); ``profile``: write the step's top CUDA kernels there;
+    ``cuda_graph``: forward + backward replayed from a CUDA graph, as the trainer's ``cuda_graph=true``."""
     torch.manual_seed(0)
     model, config = build(name, seq_len)
     model = model.cuda().train()
@@ -100,13 +112,21 @@ def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, 
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95), fused=True)
     ids = torch.randint(0, 50257, (1, seq_len), device="cuda")
 
-    def step():
+    def loss_fn(input_ids, labels):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+            return model(input_ids=input_ids, labels=labels).loss
+
+    graphed = GraphedMicroStep(loss_fn, list(model.parameters())) if cuda_graph else None
+
+    def step():
+        if graphed is not None:
+            loss = graphed(ids, ids)
+        else:
+            loss = loss_fn(ids, ids)
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=graphed is None)
         return loss
 
     for _ in range(warmup):
@@ -130,14 +150,19 @@ def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, 
             torch.cuda.synchronize()
         profile.mkdir(parents=True, exist_ok=True)
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45, max_name_column_width=70)
-        (profile / f"profile-{name.replace('+', '_').replace('@', '_')}{'-compiled' if compile else ''}.txt").write_text(table)
+        stem = re.sub(r"[^\w.-]+", "_", name + _variant(compile, cuda_graph)).strip("_")
+        (profile / f"profile-{stem}.txt").write_text(table)
         gpu = kernel_ms(prof)
     ms = statistics.median(times)
     tps = seq_len / (ms / 1e3)
     fox_config = config or FoxConfig.preset("transformer-llama", "125m")
     per_token = flops_per_token(fox_config, num_params, seq_len)
-    result = {"name": name + (" (compiled)" if compile else ""), "ms_per_step": ms, "tokens_per_s": tps, "params_m": num_params / 1e6,
-              "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30, "loss": loss.item(),
+    result = {"name": name + _variant(compile, cuda_graph), "ms_per_step": ms, "tokens_per_s": tps,
+              "params_m": num_params / 1e6,
+              # a replayed graph's tensors live in its private pool, which the allocator counts as reserved only
+              "peak_mem_gib": None if cuda_graph else torch.cuda.max_memory_allocated() / 2**30,
+              "peak_reserved_gib": torch.cuda.max_memory_reserved() / 2**30,
+              "loss": loss.item(),
               "mfu": tps * per_token / (peak * 1e12) if peak else None}
     if profile is not None:
         result.update(gpu)
@@ -152,26 +177,31 @@ def main() -> None:
     p.add_argument("--models", nargs="+",
                    default=["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"])
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block of every model")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay every model's forward + backward from a CUDA graph (no host launch overhead)")
     p.add_argument("--profile", type=Path,
                    help="also write each model's top CUDA kernels of one step here, and record its GPU time")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    if args.compile and args.cuda_graph:
+        p.error("--cuda-graph: not with --compile (as the trainer's cuda_graph=true, it graphs the eager step)")
 
     device = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
     results = []
     for name in args.models:
-        r = bench(name, args.seq_len, args.steps, args.warmup, peak, args.compile, args.profile)
+        r = bench(name, args.seq_len, args.steps, args.warmup, peak, args.compile, args.profile, args.cuda_graph)
         torch.cuda.empty_cache()  # the model and optimizer of one case are gone before the next
         results.append(r)
-        print(f"{r['name']:>18}: {r['tokens_per_s']:>9,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step  "
-              f"{r['peak_mem_gib']:5.1f} GiB  MFU {100 * (r['mfu'] or 0):4.1f}%"
+        memory = f"{r['peak_mem_gib']:5.1f} GiB" if r["peak_mem_gib"] else f"{r['peak_reserved_gib']:5.1f} GiB reserved"
+        print(f"{r['name']:>18}: {r['tokens_per_s']:>9,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step  {memory}  "
+              f"MFU {100 * (r['mfu'] or 0):4.1f}%"
               + (f"  GPU {r['gpu_ms']:.1f} ms/step, attention {r['attention_gpu_ms']:.1f}" if "gpu_ms" in r else ""),
               flush=True)
     by_name = {r["name"]: r for r in results}
     for r in results:
         for peer in ("hf-llama", "transformer-pro"):
-            other = by_name.get(peer + (" (compiled)" if args.compile else ""))
+            other = by_name.get(peer + _variant(args.compile, args.cuda_graph))
             if other is not None:
                 r[f"vs_{peer}"] = r["tokens_per_s"] / other["tokens_per_s"]
                 if "gpu_ms" in r:  # the same ratio without the host: GPU time per step
@@ -184,7 +214,8 @@ def main() -> None:
               "peak_tflops": peak, "results": results}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"train-{date}{'-compiled' if args.compile else ''}.json").write_text(json.dumps(record, indent=1))
+    tag = "".join(t for t, on in (("-compiled", args.compile), ("-cuda-graph", args.cuda_graph)) if on)
+    (out / f"train-{date}{tag}.json").write_text(json.dumps(record, indent=1))
     for r in results:
         ratios = ("vs_hf-llama", "vs_transformer-pro", "vs_hf-llama_by_gpu_time", "vs_transformer-pro_by_gpu_time")
         print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ratios if k in r))

@@ -244,3 +244,70 @@ def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2}
     assert all(compiled[k] == pytest.approx(eager[k], rel=1e-4) for k in eager)
+
+
+def test_cuda_graph_needs_fixed_shapes_and_a_gpu(byte_data, tmp_path):
+    with pytest.raises(ValueError, match="cuda_graph: needs packing=windows"):
+        _cfg(byte_data, tmp_path, "cuda_graph=true", "packing=documents")
+    with pytest.raises(ValueError, match="cuda_graph: needs packing=windows"):
+        _cfg(byte_data, tmp_path, "cuda_graph=true", "compile=true")
+    with pytest.raises(ValueError, match="cuda_graph: needs one CUDA device"):
+        Trainer(_cfg(byte_data, tmp_path, "cuda_graph=true", "device=cpu"))
+    from foxlm.train.cuda_graph import GraphedMicroStep
+
+    with pytest.raises(ValueError, match="cuda_graph: the parameters must be CUDA tensors"):
+        GraphedMicroStep(lambda ids, labels: ids.sum(), [torch.nn.Parameter(torch.randn(3))])
+
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@requires_cuda
+@pytest.mark.triton
+def test_cuda_graph_micro_steps_match_eager():
+    """Replayed forward + backward (the Triton kernels, ACP on): the eager losses and accumulated gradients, over
+    optimizer steps of two micro-batches each; a batch of another shape is refused."""
+    from foxlm.train.cuda_graph import GraphedMicroStep
+
+    config = FoxConfig.preset("fox-pro", "tiny", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=128, acp=True)
+    torch.manual_seed(0)
+    models = [FoxForCausalLM(config).cuda() for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+
+    def loss_fn(model):
+        def f(ids, labels):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                return model(input_ids=ids, labels=labels).loss
+        return f
+
+    graphed = GraphedMicroStep(loss_fn(models[1]), list(models[1].parameters()), warmup=1)
+    for step in range(4):  # step 0: warm-up; step 1: capture, then replays
+        eager_losses, graph_losses = [], []
+        for weight in (0.25, 0.75):
+            ids = torch.randint(0, 128, (2, 96), device="cuda")
+            loss = loss_fn(models[0])(ids, ids)
+            (loss * weight).backward()
+            eager_losses.append(loss.item())
+            graph_losses.append(graphed(ids, ids, weight).item())
+        assert graph_losses == pytest.approx(eager_losses, rel=1e-3)
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(q.grad, p.grad, rtol=2e-2, atol=1e-4 * p.grad.abs().max().item())
+        for opt in opts:
+            opt.step()
+        opts[0].zero_grad(set_to_none=True)
+        opts[1].zero_grad(set_to_none=False)
+    with pytest.raises(ValueError, match="captured for batches of shape"):
+        graphed(ids[:, :64], ids[:, :64])
+
+
+@requires_cuda
+@pytest.mark.triton
+def test_trainer_cuda_graph_keeps_the_losses(byte_data, tmp_path):
+    extra = ["max_steps=4", "eval_every=0", "save_every=0", "micro_batch_size=2", "device=cuda"]
+    train(_cfg(byte_data, tmp_path / "eager", *extra))
+    train(_cfg(byte_data, tmp_path / "graph", *extra, "cuda_graph=true"))
+    eager, graphed = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
+    assert eager.keys() == graphed.keys() == {1, 2, 3, 4}
+    assert all(graphed[k] == pytest.approx(eager[k], rel=1e-3) for k in eager)

@@ -47,6 +47,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile each block
+    cuda_graph: bool = False  # replay each micro-batch's forward + backward from a CUDA graph (one GPU, windows)
     activation_checkpointing: bool = False
     parallel: str = "fsdp"  # under torchrun: fsdp (FSDP2 fully_shard) | ddp
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs only
@@ -82,6 +83,9 @@ class TrainConfig:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
+        if self.cuda_graph and (self.packing != "windows" or self.compile):
+            raise ValueError("cuda_graph: needs packing=windows (packed documents change shape every batch) and "
+                             "compile=false (torch.compile's mode='reduce-overhead' is its compiled form)")
         valid_model_keys = set(inspect.signature(_fox_config_init()).parameters) - {"self", "kwargs"}
         for key in self.model:
             if key not in valid_model_keys:

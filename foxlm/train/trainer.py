@@ -5,7 +5,8 @@ weighted by its share of the step's targets, so the update is that of one big ba
 NaN/Inf check (skip + count), gradient clipping, AdamW with warmup + cosine to ``min_lr``. Validation loss every
 ``eval_every`` steps; JSONL + TensorBoard logs and a progress bar on rank 0; atomic checkpoints every
 ``save_every`` steps and at the end; ``resume="auto"`` continues a run from its latest valid checkpoint and
-reproduces the losses of an uninterrupted run.
+reproduces the losses of an uninterrupted run. ``cuda_graph=true`` replays each micro-batch's forward + backward
+from a CUDA graph (``GraphedMicroStep``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from .checkpoint import latest_valid_checkpoint, load_trainer_state, resolve_model_dir, write_checkpoint
 from .config import TrainConfig
+from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
 
 # Dense bf16 peak TFLOP/s per device, for the MFU estimate.
@@ -230,6 +232,14 @@ class Trainer:
                                            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                            **({"fused": True} if fused else {}))
 
+        # CUDA graph of the micro-step; its gradients stay at fixed addresses (zeroed in place)
+        self.graphed = None
+        if cfg.cuda_graph:
+            if self.device.type != "cuda" or self.d.world > 1:
+                raise ValueError(f"cuda_graph: needs one CUDA device and one process, got {self.device} x "
+                                 f"{self.d.world}")
+            self.graphed = GraphedMicroStep(self._loss, [p for p in self.model.parameters() if p.requires_grad])
+
         # loaders
         micro = cfg.micro_batch_size or cfg.batch_size // self.d.world
         if micro < 1 or cfg.batch_size % self.d.world:
@@ -303,10 +313,13 @@ class Trainer:
         return Path(self.cfg.resume).expanduser()
 
     # --- steps ------------------------------------------------------------------------------------------------
+    def _loss(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            return self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False).loss
+
     def _forward(self, b: Batch) -> torch.Tensor:
         b = b.to(self.device)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.model(input_ids=b.input_ids, labels=b.labels, cu_seqlens=b.cu_seqlens, use_cache=False).loss
+        return self._loss(b.input_ids, b.labels, b.cu_seqlens)
 
     def train_step(self) -> dict:
         """One optimizer step (or a skipped one); returns the step's record."""
@@ -315,13 +328,20 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro = self.loader.batch(step)
-        total = self.d.sum(torch.tensor([float(sum(b.num_targets for b in micro))], device=self.device)).item()
+        total = float(sum(b.num_targets for b in micro))
+        if self.d.world > 1:
+            total = self.d.sum(torch.tensor([total], device=self.device)).item()
         loss_sum = torch.zeros((), device=self.device)
         for i, b in enumerate(micro):
-            with _grad_sync(self.model, sync=i == len(micro) - 1):
-                loss = self._forward(b)
-                # DDP/FSDP average gradients over processes: scale so that the result is the global mean.
-                (loss * (b.num_targets * self.d.world / total)).backward()
+            # DDP/FSDP average gradients over processes: scale so that the result is the global mean.
+            weight = b.num_targets * self.d.world / total
+            if self.graphed is not None:
+                b = b.to(self.device)
+                loss = self.graphed(b.input_ids, b.labels, weight)
+            else:
+                with _grad_sync(self.model, sync=i == len(micro) - 1):
+                    loss = self._forward(b)
+                    (loss * weight).backward()
             loss_sum += loss.detach().float() * b.num_targets
         loss = (self.d.sum(loss_sum) / total).item()
         tokens = sum(b.input_ids.numel() for b in micro) * self.d.world
@@ -340,12 +360,12 @@ class Trainer:
             grad_norm = float(grad_norm)
             record["grad_norm"] = grad_norm
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad(set_to_none=self.graphed is None)
             self.bad_steps += 1
             record["skipped"] = True
             return record
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=self.graphed is None)
         return record
 
     @torch.no_grad()
