@@ -58,3 +58,8 @@ def interpreted(kernel) -> bool:
     """Whether ``kernel`` was built by Triton's interpreter (TRITON_INTERPRET=1 when it was decorated): it then
     runs on CPU tensors, and loops with run-time bounds need the interpreter-safe form."""
     return triton is not None and isinstance(kernel, InterpretedFunction)
+
+
+def block_dim(d: int) -> int:
+    """A head dim padded to the attention kernels' tile width: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(d))

@@ -28,7 +28,7 @@ import math
 import torch
 
 from .acp import prune_threshold
-from .backend import interpreted, jit, tl, triton, use_triton
+from .backend import block_dim, interpreted, jit, tl, triton, use_triton
 
 
 _LOG2E = 1.4426950408889634
@@ -227,14 +227,14 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
         Hk, Tq, num_splits, window or _NO_WINDOW,
         G=G, PAGE=page_size, D=D, DV=DV,
         BLOCK_M=max(16, triton.next_power_of_2(G * Tq)), BLOCK_N=block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(D)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        BLOCK_D=block_dim(D), BLOCK_DV=block_dim(DV),
         DOT_FP32=not q.is_cuda, INTERPRET=_INTERPRETED, num_warps=warps, num_stages=stages,
     )
     _decode_combine_kernel[(B * Hq * Tq,)](
         o_part, lse_part, o, lse,
         o.stride(0), o.stride(1), o.stride(2),
         Hq, Tq, num_splits,
-        DV=DV, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_DV=max(16, triton.next_power_of_2(DV)),
+        DV=DV, BLOCK_S=max(2, triton.next_power_of_2(num_splits)), BLOCK_DV=block_dim(DV),
     )
     return o, lse
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import interpreted
+from .backend import block_dim, interpreted
 from .reference import gate_cumsum, segment_ids
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -754,14 +754,9 @@ def _bwd_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     _attn_bwd_preprocess[(triton.cdiv(Tq, block), H, B)](
         o, do, lse if dlse is None else dlse, lse, c, lse if start is None else start, delta, crq, *o.stride()[:3],
         *lse.stride()[:2], *c.stride()[:2], Tq, Tk, Tk - Tq, DV=Dv, BLOCK_M=block,
-        BLOCK_DV=_block_dim(Dv), C_BLOCK=c_block, HAS_DLSE=dlse is not None,
+        BLOCK_DV=block_dim(Dv), C_BLOCK=c_block, HAS_DLSE=dlse is not None,
         VARLEN=start is not None)
     return delta, crq
-
-
-def _block_dim(d: int) -> int:
-    """A head dim padded to the kernels' tile width: a power of two, at least 16."""
-    return max(16, triton.next_power_of_2(d))
 
 
 def _len_bucket(n: int) -> int:
@@ -771,7 +766,7 @@ def _len_bucket(n: int) -> int:
 def _meta(q: torch.Tensor, v: torch.Tensor, cu_seqlens, threshold, window) -> dict:
     D, Dv = q.shape[-1], v.shape[-1]
     return dict(
-        D=D, DV=Dv, BLOCK_D=_block_dim(D), BLOCK_DV=_block_dim(Dv),
+        D=D, DV=Dv, BLOCK_D=block_dim(D), BLOCK_DV=block_dim(Dv),
         VARLEN=cu_seqlens is not None, PRUNE=threshold is not None, WINDOWED=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
         C_BLOCK=INTERPRET_C_BLOCK if _INTERPRETED else C_BLOCK,
