@@ -304,10 +304,16 @@ def test_cuda_graph_micro_steps_match_eager():
 
 @requires_cuda
 @pytest.mark.triton
-def test_trainer_cuda_graph_keeps_the_losses(byte_data, tmp_path):
-    extra = ["max_steps=4", "eval_every=0", "save_every=0", "micro_batch_size=2", "device=cuda"]
-    train(_cfg(byte_data, tmp_path / "eager", *extra))
-    train(_cfg(byte_data, tmp_path / "graph", *extra, "cuda_graph=true"))
-    eager, graphed = _losses(tmp_path / "eager"), _losses(tmp_path / "graph")
-    assert eager.keys() == graphed.keys() == {1, 2, 3, 4}
+@pytest.mark.parametrize("options", [[], ["activation_checkpointing=true", "model.acp=true"]], ids=["plain", "ckpt-acp"])
+def test_trainer_cuda_graph_keeps_the_losses(byte_data, tmp_path, options):
+    """The trainer's replayed micro-steps (two a step, with validation and a checkpoint in between) give the
+    eager losses, also with recomputed activations and ACP; a replayed run resumed from a checkpoint continues them."""
+    extra = ["eval_every=2", "save_every=2", "micro_batch_size=2", "device=cuda", *options]
+    train(_cfg(byte_data, tmp_path / "eager", *extra, "max_steps=4"))
+    train(_cfg(byte_data, tmp_path / "graph", *extra, "max_steps=4", "cuda_graph=true"))
+    train(_cfg(byte_data, tmp_path / "resumed", *extra, "max_steps=2", "cuda_graph=true"))
+    train(_cfg(byte_data, tmp_path / "resumed", *extra, "max_steps=4", "cuda_graph=true"))
+    eager, graphed, resumed = (_losses(tmp_path / name) for name in ("eager", "graph", "resumed"))
+    assert eager.keys() == graphed.keys() == resumed.keys() == {1, 2, 3, 4}
     assert all(graphed[k] == pytest.approx(eager[k], rel=1e-3) for k in eager)
+    assert all(resumed[k] == pytest.approx(graphed[k], rel=1e-3) for k in eager)
