@@ -251,8 +251,12 @@ def test_cuda_graph_needs_fixed_shapes_and_a_gpu(byte_data, tmp_path):
         _cfg(byte_data, tmp_path, "cuda_graph=true", "packing=documents")
     with pytest.raises(ValueError, match="cuda_graph: needs packing=windows"):
         _cfg(byte_data, tmp_path, "cuda_graph=true", "compile=true")
+    with pytest.raises(ValueError, match="cuda_graph: expected true, false or auto"):
+        _cfg(byte_data, tmp_path, "cuda_graph=sometimes")
     with pytest.raises(ValueError, match="cuda_graph: needs one CUDA device"):
         Trainer(_cfg(byte_data, tmp_path, "cuda_graph=true", "device=cpu"))
+    assert Trainer(_cfg(byte_data, tmp_path, "cuda_graph=auto", "device=cpu")).graphed is None  # auto: eager here
+    assert load_config().cuda_graph == "auto"  # the embedded default job replays its steps on a GPU
     from foxlm.train.cuda_graph import GraphedMicroStep
 
     with pytest.raises(ValueError, match="cuda_graph: the parameters must be CUDA tensors"):

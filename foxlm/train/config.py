@@ -47,7 +47,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile each block
-    cuda_graph: bool = False  # replay each micro-batch's forward + backward from a CUDA graph (one GPU, windows)
+    # replay each micro-batch's forward + backward from a CUDA graph (one GPU, packing=windows, no compile);
+    # auto: whenever those hold
+    cuda_graph: bool | str = False
     activation_checkpointing: bool = False
     parallel: str = "fsdp"  # under torchrun: fsdp (FSDP2 fully_shard) | ddp
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs only
@@ -83,7 +85,9 @@ class TrainConfig:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
-        if self.cuda_graph and (self.packing != "windows" or self.compile):
+        if self.cuda_graph not in (True, False, "auto"):
+            raise ValueError(f"cuda_graph: expected true, false or auto, got {self.cuda_graph!r}")
+        if self.cuda_graph is True and (self.packing != "windows" or self.compile):
             raise ValueError("cuda_graph: needs packing=windows (packed documents change shape every batch) and "
                              "compile=false (torch.compile's mode='reduce-overhead' is its compiled form)")
         valid_model_keys = set(inspect.signature(_fox_config_init()).parameters) - {"self", "kwargs"}
@@ -107,6 +111,8 @@ def _coerce(name: str, value, annotation: str):
     allowed = typing.get_args(hint) or (hint,)
     if value is None and type(None) in allowed:
         return None
+    if bool in allowed and isinstance(value, bool):
+        return value
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if float in allowed and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string

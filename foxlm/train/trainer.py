@@ -234,7 +234,11 @@ class Trainer:
 
         # CUDA graph of the micro-step; its gradients stay at fixed addresses (zeroed in place)
         self.graphed = None
-        if cfg.cuda_graph:
+        use_graph = cfg.cuda_graph
+        if use_graph == "auto":
+            use_graph = (self.device.type == "cuda" and self.d.world == 1 and cfg.packing == "windows"
+                         and not cfg.compile)
+        if use_graph:
             if self.device.type != "cuda" or self.d.world > 1:
                 raise ValueError(f"cuda_graph: needs one CUDA device and one process, got {self.device} x "
                                  f"{self.d.world}")
@@ -433,7 +437,8 @@ class Trainer:
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
-                  f"{self.loader.grad_accum} micro-batches per process")
+                  f"{self.loader.grad_accum} micro-batches per process"
+                  + ("; forward + backward replayed from a CUDA graph" if self.graphed is not None else ""))
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()
         t0, tokens0 = time.perf_counter(), self.tokens_seen  # throughput since the last log line
