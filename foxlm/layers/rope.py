@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.rotary import apply_rotary
+
 
 class RotaryEmbedding(nn.Module):
     """Rotates q and k by position (LLaMA / HF "rotate half" layout), in fp32 (fp64 for fp64 inputs).
@@ -24,16 +26,10 @@ class RotaryEmbedding(nn.Module):
         half = self.head_dim // 2
         dt = torch.promote_types(q.dtype, torch.float32)
         inv_freq = self.theta ** (-torch.arange(half, device=q.device, dtype=dt) / half)
-        angles = positions.to(dt)[..., None] * inv_freq  # [B, T, D/2]
-        cos = torch.cat([angles.cos(), angles.cos()], dim=-1)[..., None, :]  # [B, T, 1, D]
-        sin = torch.cat([angles.sin(), angles.sin()], dim=-1)[..., None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        angles = positions.to(dt).reshape(-1, q.shape[1])[..., None] * inv_freq  # [B or 1, T, D/2]
+        cos, sin = angles.cos(), angles.sin()
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}"
 
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    xf = x.to(cos.dtype)
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)

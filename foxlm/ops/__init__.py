@@ -5,6 +5,7 @@ from .backend import use_backend
 from .forgetting_attention import forgetting_attention
 from .reference import forgetting_attention_reference, gate_cumsum
 from .rms_norm import rms_norm
+from .rotary import apply_rotary
 
 __all__ = [
     "forgetting_attention",
@@ -16,4 +17,5 @@ __all__ = [
     "acp_stats",
     "use_backend",
     "rms_norm",
+    "apply_rotary",
 ]

@@ -1,0 +1,80 @@
+"""apply_rotary: the Triton kernels (interpreter on CPU) and the PyTorch path against an fp64 reference, and the
+RoPE layer's relative-position property."""
+
+import pytest
+import torch
+
+from foxlm.layers import RotaryEmbedding
+from foxlm.ops import apply_rotary, use_backend
+
+F64 = torch.float64
+
+
+def reference(x, cos, sin):
+    """Pairs (x_i, x_{i + D/2}) rotated by each token's angles, in fp64."""
+    half = x.shape[-1] // 2
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+
+def angles(B, T, D):
+    """cos, sin [B, T, D/2] fp32 of random positions up to 5000 (B = 1: shared by every row)."""
+    positions = torch.randint(0, 5000, (B, T)).float()
+    inv_freq = 10000.0 ** (-torch.arange(D // 2) / (D // 2))
+    a = positions[..., None] * inv_freq
+    return a.cos(), a.sin()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("cs_batch", [1, 2], ids=["shared-angles", "per-row-angles"])
+@pytest.mark.triton
+def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch):
+    B, T, H, D = 2, 19, 3, 20  # D/2 = 10: a padded half-row tile
+    cos, sin = angles(cs_batch, T, D)
+    base = torch.randn(B, T, H + 2, D + 4, dtype=dtype)
+    x = base[:, :, 1:H + 1, 2:D + 2].detach().requires_grad_()  # strided: read in place, last dim contiguous
+    dy = torch.randn(B, T, H, D, dtype=dtype)
+    with use_backend(backend):
+        y = apply_rotary(x, cos, sin)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().to(F64).requires_grad_()
+    expected = reference(x64, cos.to(F64), sin.to(F64))
+    (dx64,) = torch.autograd.grad(expected, x64, dy.to(F64))
+    assert y.dtype == dx.dtype == dtype and y.is_contiguous()
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(y.to(F64), expected, atol=tol * scale, rtol=tol)
+    torch.testing.assert_close(dx.to(F64), dx64, atol=tol * scale, rtol=tol)
+
+
+@pytest.mark.triton
+def test_rope_layer_depends_on_relative_position_only():
+    """q_m . k_n after RoPE is the same for (m, n) and (m + s, n + s), on the Triton path; norms are kept."""
+    D = 16
+    rope = RotaryEmbedding(D)
+    q, k = torch.randn(1, 1, 2, D), torch.randn(1, 1, 2, D)
+    m, n, s = 37, 5, int(torch.randint(1, 3000, ()))
+
+    def score(pm, pn):
+        qr, _ = rope(q, q, torch.tensor([[pm]]))
+        _, kr = rope(k, k, torch.tensor([[pn]]))
+        return (qr * kr).sum(-1), qr.norm(dim=-1)
+
+    (a, qn), (b, _) = score(m, n), score(m + s, n + s)
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(qn, q.norm(dim=-1), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(score(m, n)[0], score(m + s, n)[0], atol=1e-3)  # absolute shifts do change it
+
+
+def test_apply_rotary_rejects_bad_inputs():
+    x = torch.randn(2, 5, 3, 8)
+    cos, sin = angles(2, 5, 8)
+    with pytest.raises(ValueError, match="x: expected a 4-D tensor"):
+        apply_rotary(torch.randn(2, 5, 3, 7), cos, sin)
+    with pytest.raises(ValueError, match=r"cos: expected shape \[B or 1, T, D/2\]"):
+        apply_rotary(x, cos[:, :4], sin)
+    with pytest.raises(ValueError, match="sin: expected float32 or float64"):
+        apply_rotary(x, cos, sin.half())
+    with pytest.raises(ValueError, match="x: expected float16"):
+        apply_rotary(x.int(), cos, sin)
