@@ -8,6 +8,7 @@ from foxlm.layers import RotaryEmbedding
 from foxlm.ops import apply_rotary, use_backend
 
 F64 = torch.float64
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the real kernels on a GPU machine, else the interpreter
 
 
 def reference(x, cos, sin):
@@ -32,10 +33,10 @@ def angles(B, T, D):
 @pytest.mark.triton
 def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch):
     B, T, H, D = 2, 19, 3, 20  # D/2 = 10: a padded half-row tile
-    cos, sin = angles(cs_batch, T, D)
-    base = torch.randn(B, T, H + 2, D + 4, dtype=dtype)
+    cos, sin = (t.to(DEV) for t in angles(cs_batch, T, D))
+    base = torch.randn(B, T, H + 2, D + 4, dtype=dtype, device=DEV)
     x = base[:, :, 1:H + 1, 2:D + 2].detach().requires_grad_()  # strided: read in place, last dim contiguous
-    dy = torch.randn(B, T, H, D, dtype=dtype)
+    dy = torch.randn(B, T, H, D, dtype=dtype, device=DEV)
     with use_backend(backend):
         y = apply_rotary(x, cos, sin)
         (dx,) = torch.autograd.grad(y, x, dy)
@@ -53,12 +54,12 @@ def test_rope_layer_depends_on_relative_position_only():
     """q_m . k_n after RoPE is the same for (m, n) and (m + s, n + s), on the Triton path; norms are kept."""
     D = 16
     rope = RotaryEmbedding(D)
-    q, k = torch.randn(1, 1, 2, D), torch.randn(1, 1, 2, D)
+    q, k = torch.randn(1, 1, 2, D, device=DEV), torch.randn(1, 1, 2, D, device=DEV)
     m, n, s = 37, 5, int(torch.randint(1, 3000, ()))
 
     def score(pm, pn):
-        qr, _ = rope(q, q, torch.tensor([[pm]]))
-        _, kr = rope(k, k, torch.tensor([[pn]]))
+        qr, _ = rope(q, q, torch.tensor([[pm]], device=DEV))
+        _, kr = rope(k, k, torch.tensor([[pn]], device=DEV))
         return (qr * kr).sum(-1), qr.norm(dim=-1)
 
     (a, qn), (b, _) = score(m, n), score(m + s, n + s)
