@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ..ops.swiglu import swiglu
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) * up(x)), no biases. x: [..., C] -> [..., C]."""
+    """down(silu(gate(x)) * up(x)), no biases; the activation fused (``foxlm.ops.swiglu``). x: [..., C] -> [..., C]."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -17,4 +18,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

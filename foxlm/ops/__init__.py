@@ -6,6 +6,7 @@ from .forgetting_attention import forgetting_attention
 from .reference import forgetting_attention_reference, gate_cumsum
 from .rms_norm import rms_norm
 from .rotary import apply_rotary
+from .swiglu import swiglu
 
 __all__ = [
     "forgetting_attention",
@@ -18,4 +19,5 @@ __all__ = [
     "use_backend",
     "rms_norm",
     "apply_rotary",
+    "swiglu",
 ]

@@ -1,0 +1,40 @@
+"""swiglu: the Triton kernels (interpreter on CPU, the real ones on a GPU machine) and the PyTorch path against
+fp64, for the output and both gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from foxlm.ops import swiglu, use_backend
+
+F64 = torch.float64
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.triton
+def test_swiglu_matches_fp64(backend, dtype, tol):
+    shape = (3, 7, 2 * 1111)  # not a multiple of the block: a masked tail
+    gate = (3 * torch.randn(shape, dtype=dtype, device=DEV)).requires_grad_()
+    up = torch.randn(shape[::-1], dtype=dtype, device=DEV).transpose(0, 2).detach().requires_grad_()  # strided
+    dh = torch.randn(shape, dtype=dtype, device=DEV)
+    with use_backend(backend):
+        h = swiglu(gate, up)
+        dg, du = torch.autograd.grad(h, (gate, up), dh)
+    g64, u64 = (t.detach().to(F64).requires_grad_() for t in (gate, up))
+    expected = F.silu(g64) * u64
+    dg64, du64 = torch.autograd.grad(expected, (g64, u64), dh.to(F64))
+    assert h.dtype == dg.dtype == du.dtype == dtype
+    for got, want in ((h, expected), (dg, dg64), (du, du64)):
+        torch.testing.assert_close(got.to(F64), want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_swiglu_rejects_bad_inputs():
+    gate = torch.randn(4, 6)
+    with pytest.raises(ValueError, match="up: expected gate's shape"):
+        swiglu(gate, torch.randn(4, 5))
+    with pytest.raises(ValueError, match="up: expected gate's shape"):
+        swiglu(gate, gate.half())
+    with pytest.raises(ValueError, match="gate: expected float16"):
+        swiglu(gate.int(), gate.int())
