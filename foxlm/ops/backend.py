@@ -60,6 +60,13 @@ def interpreted(kernel) -> bool:
     return triton is not None and isinstance(kernel, InterpretedFunction)
 
 
+def require_runnable(kernel, x: torch.Tensor, arg: str) -> None:
+    """Raise for a CPU tensor ``x`` (argument ``arg``) bound for ``kernel`` that Triton built for the GPU: its module
+    was imported before TRITON_INTERPRET=1 was set."""
+    if x.device.type == "cpu" and not interpreted(kernel):
+        raise ValueError(f"{arg}: CPU tensors need TRITON_INTERPRET=1 set before {kernel.fn.__module__} is imported")
+
+
 def block_dim(d: int) -> int:
     """A head dim padded to the attention kernels' tile width: a power of two, at least 16."""
     return max(16, triton.next_power_of_2(d))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import interpreted, jit, tl, triton, use_triton
+from .backend import interpreted, jit, require_runnable, tl, triton, use_triton
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -137,10 +137,7 @@ def _softmax_rows(logits, labels, ignore_index, losses, row_scale=None):
     G = (softmax - onehot(label)) * row_scale (0 at ignored rows) in the logits' dtype, on the Triton path
     written over the logits."""
     if use_triton(logits) and not torch.compiler.is_compiling():
-        if logits.device.type == "cpu" and not _INTERPRETED:
-            raise ValueError(
-                "hidden: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.cross_entropy is imported"
-            )
+        require_runnable(_softmax_rows_kernel, logits, "hidden")
         return _softmax_rows_triton(logits, labels, ignore_index, losses, row_scale)
     return _softmax_rows_torch(logits, labels, ignore_index, losses, row_scale)
 

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from .backend import interpreted, jit, tl, triton, use_triton
+from .backend import jit, require_runnable, tl, triton, use_triton
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -221,8 +221,7 @@ def rms_norm(
     # Under torch.compile the PyTorch path: the compiler fuses it with its neighbours itself.
     if torch.compiler.is_compiling() or not (use_triton(x) and s_dtype != torch.float64 and 0 < x.numel() and D <= MAX_DIM):
         return _rms_norm_torch(x, weight, eps, residual, gate, out_dtype)
-    if x.device.type == "cpu" and not interpreted(_rms_norm_fwd_kernel):
-        raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.rms_norm is imported")
+    require_runnable(_rms_norm_fwd_kernel, x, "x")
     H = 1 if weight.dim() == 1 else weight.shape[0]
 
     def rows(t):

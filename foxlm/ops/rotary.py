@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import interpreted, jit, tl, triton, use_triton
+from .backend import jit, require_runnable, tl, triton, use_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK_ELEMENTS = 2048  # half-rows' elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_HALF rows
@@ -43,7 +43,6 @@ def _rotary_kernel(X, COS, SIN, Y, N, T, H, sxb, sxt, sxh, scb, sct, SIGN: tl.co
     tl.store(y_row + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
 
 
-_INTERPRETED = interpreted(_rotary_kernel)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
@@ -109,7 +108,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     """
     _validate(x, cos, sin)
     if use_triton(x) and cos.dtype == torch.float32 and not torch.compiler.is_compiling():
-        if x.device.type == "cpu" and not _INTERPRETED:
-            raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.rotary is imported")
+        require_runnable(_rotary_kernel, x, "x")
         return _Rotary.apply(x, cos.contiguous(), sin.contiguous())
     return _rotary_torch(x, cos, sin)

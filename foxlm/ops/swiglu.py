@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import interpreted, jit, tl, triton, use_triton
+from .backend import jit, require_runnable, tl, triton, use_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK = 2048
@@ -39,7 +39,6 @@ def _swiglu_bwd_kernel(G, U, DH, DG, DU, N, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dh * silu).to(DU.dtype.element_ty), mask=mask)
 
 
-_INTERPRETED = interpreted(_swiglu_fwd_kernel)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -84,7 +83,6 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"up: expected gate's shape {tuple(gate.shape)}, dtype {gate.dtype} and device "
                          f"{gate.device}, got {tuple(up.shape)}, {up.dtype}, {up.device}")
     if use_triton(gate) and not torch.compiler.is_compiling():  # compiled: the compiler fuses the PyTorch path
-        if gate.device.type == "cpu" and not _INTERPRETED:
-            raise ValueError("gate: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.swiglu is imported")
+        require_runnable(_swiglu_fwd_kernel, gate, "gate")
         return _SwiGLU.apply(gate, up)
     return _swiglu_torch(gate, up)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .backend import interpreted, jit, tl, triton, use_triton
+from .backend import jit, require_runnable, tl, triton, use_triton
 
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -80,7 +80,6 @@ def _token_shift_bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.con
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = interpreted(_token_shift_fwd_kernel)
 
 
 def _meta(x: torch.Tensor, prev: torch.Tensor | None, reset: torch.Tensor | None) -> tuple[tuple, dict]:
@@ -184,7 +183,6 @@ def token_shift(
     """
     _validate(x, alpha_logit, prev, reset)
     if use_triton(x) and not torch.compiler.is_compiling():  # compiled: the compiler fuses the PyTorch path
-        if x.device.type == "cpu" and not _INTERPRETED:
-            raise ValueError("x: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.token_shift is imported")
+        require_runnable(_token_shift_fwd_kernel, x, "x")
         return _TokenShift.apply(x, alpha_logit, prev, reset)
     return _token_shift_torch(x, alpha_logit, prev, reset)

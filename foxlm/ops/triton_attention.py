@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .backend import block_dim, interpreted
+from .backend import block_dim, interpreted, require_runnable
 from .reference import gate_cumsum, segment_ids
 
 LOG2E = tl.constexpr(1.4426950408889634)
@@ -941,8 +941,7 @@ def triton_forgetting_attention(
     threshold: ACP delta [B or N, Hq] fp32, or None; deterministic: False accumulates dQ with atomics.
     Returns o: [B, Tq, Hq, Dv] in q's dtype and lse: [B, Hq, Tq] fp32.
     """
-    if q.device.type == "cpu" and not _INTERPRETED:
-        raise ValueError("q: CPU tensors need TRITON_INTERPRET=1 set before foxlm.ops.triton_attention is imported")
+    require_runnable(_attn_fwd_kernel, q, "q")
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     args = (q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic)
