@@ -23,6 +23,13 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "triton: run on foxlm's Triton kernels (the interpreter on CPU)")
 
 
+@pytest.fixture
+def device() -> str:
+    """Where op tests build their tensors: the GPU when there is one (the real kernels), else the CPU (the
+    interpreter under ``@pytest.mark.triton``)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(autouse=True)
 def _backend(request: pytest.FixtureRequest):
     with use_backend("auto" if request.node.get_closest_marker("triton") else "torch"):

@@ -16,14 +16,14 @@ BACKENDS = [pytest.param("triton", marks=pytest.mark.triton), "torch"]
 SHAPES = [((2, 13, 48), (48,)), ((2, 13, 3, 96), (3, 96))]
 
 
-def _inputs(shape, wshape, dtype, res_dtype=None, gate=False, flat_gate=False, seed=0):
+def _inputs(shape, wshape, dtype, res_dtype=None, gate=False, flat_gate=False, seed=0, device="cpu"):
     """Fresh random x, weight (fp32, away from 1), residual and gate (None where not asked for), requiring grad."""
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g).to(dtype).requires_grad_()
-    w = (1 + 0.5 * torch.randn(wshape, generator=g)).requires_grad_()
-    r = None if res_dtype is None else torch.randn(shape, generator=g).to(res_dtype).requires_grad_()
+    x = torch.randn(shape, generator=g).to(device, dtype).requires_grad_()
+    w = (1 + 0.5 * torch.randn(wshape, generator=g)).to(device).requires_grad_()
+    r = None if res_dtype is None else torch.randn(shape, generator=g).to(device, res_dtype).requires_grad_()
     gshape = (*shape[:-2], shape[-2] * shape[-1]) if flat_gate else shape
-    gt = torch.randn(gshape, generator=g).to(dtype).requires_grad_() if gate else None
+    gt = torch.randn(gshape, generator=g).to(device, dtype).requires_grad_() if gate else None
     return x, w, r, gt
 
 
@@ -40,7 +40,7 @@ def _run(x, w, r, gt, reference=False, seed=1, **kwargs):
         out = rms_norm(x, w, residual=r, gate=gt, **kwargs)
     outs = out if isinstance(out, tuple) else (out,)
     g = torch.Generator().manual_seed(seed)
-    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=F64)).sum() for o in outs)
+    loss = sum((o.double() * torch.randn(o.shape, generator=g, dtype=F64).to(o.device)).sum() for o in outs)
     return [*outs, *torch.autograd.grad(loss, inputs)]
 
 
@@ -66,9 +66,10 @@ def test_reference_is_rmsnorm():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("gate", [False, True])
-def test_matches_reference(backend, shape, wshape, dtype, residual, gate):
+def test_matches_reference(backend, shape, wshape, dtype, residual, gate, device):
     # the autocast case: x (and the gate) in bf16, the residual stream in fp32
-    x, w, r, gt = _inputs(shape, wshape, dtype, torch.float32 if residual else None, gate, flat_gate=len(shape) == 4)
+    x, w, r, gt = _inputs(shape, wshape, dtype, torch.float32 if residual else None, gate, flat_gate=len(shape) == 4,
+                          device=device)
     out = _run(x, w, r, gt)
     _assert_close(out, _run(x, w, r, gt, reference=True), 1e-5 if dtype == torch.float32 else 1e-2)
     assert out[0].dtype == dtype
@@ -79,22 +80,22 @@ def test_matches_reference(backend, shape, wshape, dtype, residual, gate):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_bf16_residual_and_out_dtype(backend):
-    x, w, r, gt = _inputs((2, 13, 3, 96), (3, 96), torch.bfloat16, torch.bfloat16, gate=True)
+def test_bf16_residual_and_out_dtype(backend, device):
+    x, w, r, gt = _inputs((2, 13, 3, 96), (3, 96), torch.bfloat16, torch.bfloat16, gate=True, device=device)
     out = _run(x, w, r, gt, out_dtype=torch.float32)
     _assert_close(out, _run(x, w, r, gt, reference=True), 1e-2)
     assert [t.dtype for t in out] == [torch.float32, torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16,
                                       torch.bfloat16]
-    x, w, _, _ = _inputs((2, 13, 48), (48,), torch.float32)
+    x, w, _, _ = _inputs((2, 13, 48), (48,), torch.float32, device=device)
     out = _run(x, w, None, None, out_dtype=torch.bfloat16)
     assert out[0].dtype == torch.bfloat16
     _assert_close(out, _run(x, w, None, None, reference=True), 1e-2)
 
 
 @pytest.mark.triton
-def test_kernels_match_torch_path():
+def test_kernels_match_torch_path(device):
     """In fp32 the two paths agree to rounding (same math, other summation order)."""
-    x, w, r, gt = _inputs((3, 7, 2, 40), (2, 40), torch.float32, torch.float32, gate=True, seed=3)
+    x, w, r, gt = _inputs((3, 7, 2, 40), (2, 40), torch.float32, torch.float32, gate=True, seed=3, device=device)
     out = _run(x, w, r, gt)
     with use_backend("torch"):
         expected = _run(x, w, r, gt)

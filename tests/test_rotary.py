@@ -8,7 +8,6 @@ from foxlm.layers import RotaryEmbedding
 from foxlm.ops import apply_rotary, use_backend
 
 F64 = torch.float64
-DEV = "cuda" if torch.cuda.is_available() else "cpu"  # the real kernels on a GPU machine, else the interpreter
 
 
 def reference(x, cos, sin):
@@ -31,12 +30,12 @@ def angles(B, T, D):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("cs_batch", [1, 2], ids=["shared-angles", "per-row-angles"])
 @pytest.mark.triton
-def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch):
+def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch, device):
     B, T, H, D = 2, 19, 3, 20  # D/2 = 10: a padded half-row tile
-    cos, sin = (t.to(DEV) for t in angles(cs_batch, T, D))
-    base = torch.randn(B, T, H + 2, D + 4, dtype=dtype, device=DEV)
+    cos, sin = (t.to(device) for t in angles(cs_batch, T, D))
+    base = torch.randn(B, T, H + 2, D + 4, dtype=dtype, device=device)
     x = base[:, :, 1:H + 1, 2:D + 2].detach().requires_grad_()  # strided: read in place, last dim contiguous
-    dy = torch.randn(B, T, H, D, dtype=dtype, device=DEV)
+    dy = torch.randn(B, T, H, D, dtype=dtype, device=device)
     with use_backend(backend):
         y = apply_rotary(x, cos, sin)
         (dx,) = torch.autograd.grad(y, x, dy)
@@ -50,16 +49,16 @@ def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch):
 
 
 @pytest.mark.triton
-def test_rope_layer_depends_on_relative_position_only():
+def test_rope_layer_depends_on_relative_position_only(device):
     """q_m . k_n after RoPE is the same for (m, n) and (m + s, n + s), on the Triton path; norms are kept."""
     D = 16
     rope = RotaryEmbedding(D)
-    q, k = torch.randn(1, 1, 2, D, device=DEV), torch.randn(1, 1, 2, D, device=DEV)
+    q, k = torch.randn(1, 1, 2, D, device=device), torch.randn(1, 1, 2, D, device=device)
     m, n, s = 37, 5, int(torch.randint(1, 3000, ()))
 
     def score(pm, pn):
-        qr, _ = rope(q, q, torch.tensor([[pm]], device=DEV))
-        _, kr = rope(k, k, torch.tensor([[pn]], device=DEV))
+        qr, _ = rope(q, q, torch.tensor([[pm]], device=device))
+        _, kr = rope(k, k, torch.tensor([[pn]], device=device))
         return (qr * kr).sum(-1), qr.norm(dim=-1)
 
     (a, qn), (b, _) = score(m, n), score(m + s, n + s)

@@ -8,17 +8,16 @@ import torch.nn.functional as F
 from foxlm.ops import swiglu, use_backend
 
 F64 = torch.float64
-DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.triton
-def test_swiglu_matches_fp64(backend, dtype, tol):
+def test_swiglu_matches_fp64(backend, dtype, tol, device):
     shape = (3, 7, 2 * 1111)  # not a multiple of the block: a masked tail
-    gate = (3 * torch.randn(shape, dtype=dtype, device=DEV)).requires_grad_()
-    up = torch.randn(shape[::-1], dtype=dtype, device=DEV).transpose(0, 2).detach().requires_grad_()  # strided
-    dh = torch.randn(shape, dtype=dtype, device=DEV)
+    gate = (3 * torch.randn(shape, dtype=dtype, device=device)).requires_grad_()
+    up = torch.randn(shape[::-1], dtype=dtype, device=device).transpose(0, 2).detach().requires_grad_()  # strided
+    dh = torch.randn(shape, dtype=dtype, device=device)
     with use_backend(backend):
         h = swiglu(gate, up)
         dg, du = torch.autograd.grad(h, (gate, up), dh)

@@ -21,7 +21,7 @@ def reference(x, alpha_logit, prev, reset):
     return torch.stack(rows, 1)
 
 
-def inputs(D, with_prev, seed=0):
+def inputs(D, with_prev, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, T, H, D, dtype=F64, generator=g)
     alpha_logit = 2 * torch.randn(B, T, H, dtype=F64, generator=g)
@@ -30,15 +30,15 @@ def inputs(D, with_prev, seed=0):
     reset[0, 0] = True  # reset at t = 0 (prev must not leak) ...
     reset[1, 0] = False
     reset[1, 5:7] = True  # ... and consecutive resets
-    return x, alpha_logit, prev, reset
+    return tuple(None if t is None else t.to(device) for t in (x, alpha_logit, prev, reset))
 
 
-def check(dtype, D, with_prev, atol, rtol):
-    x, alpha_logit, prev, reset = inputs(D, with_prev)
+def check(dtype, D, with_prev, atol, rtol, device):
+    x, alpha_logit, prev, reset = inputs(D, with_prev, device=device)
     leaves = [x, alpha_logit] + ([prev] if with_prev else [])
     ref_leaves = [t.clone().requires_grad_() for t in leaves]
     expected = reference(ref_leaves[0], ref_leaves[1], ref_leaves[2] if with_prev else None, reset)
-    dy = torch.randn(expected.shape, dtype=F64, generator=torch.Generator().manual_seed(1))
+    dy = torch.randn(expected.shape, dtype=F64, generator=torch.Generator().manual_seed(1)).to(device)
     expected_grads = torch.autograd.grad(expected, ref_leaves, dy)
 
     low = [t.to(dtype).requires_grad_() for t in leaves]
@@ -58,19 +58,19 @@ TOL = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-5), torch.bfloat1
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [48, 64])
 @pytest.mark.parametrize("with_prev", [False, True])
-def test_triton_matches_reference(dtype, D, with_prev):
-    check(dtype, D, with_prev, *TOL[dtype])
+def test_triton_matches_reference(dtype, D, with_prev, device):
+    check(dtype, D, with_prev, *TOL[dtype], device)
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("with_prev", [False, True])
-def test_torch_path_matches_reference(dtype, with_prev):
-    check(dtype, 48, with_prev, *TOL[dtype])
+def test_torch_path_matches_reference(dtype, with_prev, device):
+    check(dtype, 48, with_prev, *TOL[dtype], device)
 
 
 @pytest.mark.triton
-def test_triton_without_reset_and_prev_needing_no_grad():
-    x, alpha_logit, prev, _ = inputs(48, True)
+def test_triton_without_reset_and_prev_needing_no_grad(device):
+    x, alpha_logit, prev, _ = inputs(48, True, device=device)
     xf, af = x.float().requires_grad_(), alpha_logit.float().requires_grad_()
     y = token_shift(xf, af, prev=prev.float())
     with use_backend("torch"):
