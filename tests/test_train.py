@@ -321,3 +321,20 @@ def test_trainer_cuda_graph_keeps_the_losses(byte_data, tmp_path, options):
     assert eager.keys() == graphed.keys() == resumed.keys() == {1, 2, 3, 4}
     assert all(graphed[k] == pytest.approx(eager[k], rel=1e-3) for k in eager)
     assert all(resumed[k] == pytest.approx(graphed[k], rel=1e-3) for k in eager)
+
+
+def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):
+    """benchmarks/trained_gates.py at a tiny size on the CPU: trains through the CLI, reads the trainer's logs and
+    the evaluations' reports into one summary (its timings mean nothing here)."""
+    script = Path(__file__).parents[1] / "benchmarks" / "trained_gates.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--data", str(byte_data), "--size", "tiny",
+                    "--seq-len", "64", "--steps", "4", "--models", "transformer-pro", "fox-pro+acp",
+                    "--eval-sequences", "1"], check=True, env=_subprocess_env(), capture_output=True, timeout=600)
+    (summary,) = tmp_path.glob("trained-gates-*.json")
+    runs = json.loads(summary.read_text())["runs"]
+    assert list(runs) == ["transformer-pro", "fox-pro+acp"]
+    assert runs["transformer-pro"]["vs_transformer-pro"] == 1.0 and "acp_skipped_overall" not in runs["transformer-pro"]
+    fox = runs["fox-pro+acp"]
+    assert fox["tokens_per_s"] > 0 and math.isfinite(fox["val_loss"])
+    assert 0.0 <= fox["acp_skipped_overall"] <= 1.0 and len(fox["acp_skipped_per_layer"]) == 4  # tiny: 4 layers
+    assert 0.0 <= fox["acp_max_abs_loss_change"] < 1e-3
