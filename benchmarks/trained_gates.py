@@ -53,7 +53,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--log-every", type=int, default=None, help="default: steps / 20")
     p.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: at the end only)")
-    p.add_argument("--tail", type=float, default=0.2, help="share of the logged steps, at the end, that tokens/s averages")
+    p.add_argument("--tail", type=float, default=0.2, help="share of the logged steps, at the end, for tokens/s")
     p.add_argument("--eval-sequences", type=int, default=4, help="held-out sequences for the gate and loss evaluations")
     args = p.parse_args()
     if not args.models or any(m.split("+")[0] == "" for m in args.models):
@@ -93,7 +93,8 @@ def main() -> None:
             loss = json.loads((ev / "loss" / "loss.json").read_text())
             run["acp_max_abs_loss_change"] = next(iter(loss["acp_max_abs_loss_change"].values()))
     date = datetime.date.today().isoformat()
-    summary = {"benchmark": "trained_gates", "date": date, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    summary = {"benchmark": "trained_gates", "date": date, "device": device,
                "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}
     path = args.out / f"trained-gates-{date}.json"
     path.write_text(json.dumps(summary, indent=1))

@@ -308,7 +308,8 @@ def test_cuda_graph_micro_steps_match_eager():
 
 @requires_cuda
 @pytest.mark.triton
-@pytest.mark.parametrize("options", [[], ["activation_checkpointing=true", "model.acp=true"]], ids=["plain", "ckpt-acp"])
+@pytest.mark.parametrize("options", [[], ["activation_checkpointing=true", "model.acp=true"]],
+                         ids=["plain", "ckpt-acp"])
 def test_trainer_cuda_graph_keeps_the_losses(byte_data, tmp_path, options):
     """The trainer's replayed micro-steps (two a step, with validation and a checkpoint in between) give the
     eager losses, also with recomputed activations and ACP; a replayed run resumed from a checkpoint continues them."""
