@@ -191,6 +191,29 @@ def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path):
         main(["eval", "loss", str(untrained), "--data", str(corpus), "--out", str(tmp_path), "--no-progress"])
 
 
+def _run_of(model_dir, tmp_path, name, **train_config):
+    """A run folder, laid out as `foxlm train` does, holding the model of ``model_dir`` and this training config."""
+    run = tmp_path / name
+    run.mkdir()
+    (run / "train_config.yaml").write_text(yaml.safe_dump(TrainConfig(**train_config).to_dict()))
+    model = FoxForCausalLM.from_pretrained(model_dir)
+    return write_checkpoint(run, 1, model.save_pretrained, {"step": 1}, keep_last=1)
+
+
+def test_eval_defaults_to_the_data_a_run_trained_on(untrained, corpus, tmp_path):
+    ckpt = _run_of(untrained, tmp_path, "run", data=str(corpus), seq_len=64)
+    assert main(["eval", "loss", str(ckpt), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert json.loads((tmp_path / "out" / "loss.json").read_text())["data"] == str(corpus)
+    other = _run_of(untrained, tmp_path, "other", data=str(tmp_path / "elsewhere"), seq_len=64)
+    with pytest.raises(ValueError, match="--data: the checkpoints were trained on different data"):
+        main(["eval", "loss", str(ckpt), str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+    with pytest.raises(ValueError, match="--data: the checkpoints were trained on .*elsewhere, which is not here"):
+        main(["eval", "loss", str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+    # --data overrides what the run recorded
+    assert main(["eval", "loss", str(other), "--data", str(corpus), "--out", str(tmp_path / "out"),
+                 "--no-progress"]) == 0
+
+
 # ---------------------------------------------------------------- needle in a haystack
 
 

@@ -32,7 +32,8 @@ def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
     p.add_argument("checkpoints" if many else "checkpoint", nargs="+" if many else None, metavar="CHECKPOINT",
                    help="run dir, checkpoint dir or save_pretrained dir" + (" (several are overlaid)" if many else ""))
     p.add_argument("--data", default=None,
-                   help="prepared token folder (`foxlm data prepare`); default: the embedded Shakespeare corpus")
+                   help="prepared token folder (`foxlm data prepare`); default: the data the checkpoints were trained "
+                        "on, as their run recorded it, else the embedded Shakespeare corpus")
     p.add_argument("--split", default="val", help="held-out split to read (default: val)")
     p.add_argument("--out", required=True, help="output folder for CSV, PNG and JSON files")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
@@ -103,14 +104,14 @@ def register(subparsers) -> None:
 
 def _setup(args, checkpoints: list[str]):
     """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder."""
-    from foxlm.data import TokenDataset, ensure_default_corpus
+    from foxlm.data import TokenDataset
 
     from .utils import load_model, resolve_device
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
     device = resolve_device(args.device)
-    data = Path(args.data) if args.data else ensure_default_corpus(progress=args.progress)
+    data = Path(args.data) if args.data else _training_data(checkpoints, args.progress)
     tok = TokenDataset(data, args.split).tokenizer()
     models = [load_model(c, device) for c in checkpoints]
     for c, m in zip(checkpoints, models):
@@ -120,6 +121,32 @@ def _setup(args, checkpoints: list[str]):
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     return models, data, tok, out
+
+
+def _training_data(checkpoints: list[str], progress: bool) -> Path:
+    """The held-out data without ``--data``: the dataset the checkpoints' runs recorded (one for all of them), else the
+    embedded Shakespeare corpus."""
+    from foxlm.data import ensure_default_corpus
+
+    from .utils import run_train_data
+
+    recorded = set()  # (data, tokenizer): the embedded corpus comes in one version per tokenizer, a folder in one
+    for c in checkpoints:
+        if (run := run_train_data(c)) is not None:
+            recorded.add(("shakespeare", run[1] or "gpt2") if run[0] == "shakespeare" else (run[0], None))
+    if len(recorded) > 1:
+        names = sorted(d if t is None else f"{d} ({t})" for d, t in recorded)
+        raise ValueError(f"--data: the checkpoints were trained on different data ({', '.join(names)}); "
+                         "pass the prepared folder to evaluate them on")
+    if not recorded:
+        return ensure_default_corpus(progress=progress)
+    ((data, tokenizer),) = recorded
+    if data == "shakespeare":
+        return ensure_default_corpus(tokenizer, progress=progress)
+    if not Path(data).expanduser().exists():
+        raise ValueError(f"--data: the checkpoints were trained on {data}, which is not here (a path relative to where "
+                         "training ran?); pass the prepared folder to evaluate on")
+    return Path(data).expanduser()
 
 
 def _train_length(args, checkpoint: str) -> int:

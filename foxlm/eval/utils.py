@@ -47,18 +47,33 @@ def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module
     return load_checkpoint_model(path).to(device).eval()
 
 
-def run_train_length(checkpoint: str | os.PathLike) -> int | None:
-    """The training context (``seq_len``) recorded in the run a checkpoint belongs to (``<run>/train_config.yaml``
-    written by ``foxlm train``), found from a run, checkpoint or ``save_pretrained`` dir; None if there is none."""
+def _run_config(checkpoint: str | os.PathLike) -> dict | None:
+    """The training config of the run a checkpoint belongs to (``<run>/train_config.yaml`` written by ``foxlm train``),
+    found from a run, checkpoint or ``save_pretrained`` dir; None if there is none."""
     path = Path(checkpoint).expanduser().resolve()
     for folder in (path, *list(path.parents)[:3]):
         try:
             cfg = yaml.safe_load((folder / "train_config.yaml").read_text())
         except (OSError, yaml.YAMLError):
             continue
-        if isinstance(cfg, dict) and isinstance(cfg.get("seq_len"), int):
-            return cfg["seq_len"]
+        if isinstance(cfg, dict):
+            return cfg
     return None
+
+
+def run_train_length(checkpoint: str | os.PathLike) -> int | None:
+    """The training context (``seq_len``) recorded in a checkpoint's run; None if there is none."""
+    cfg = _run_config(checkpoint)
+    return cfg["seq_len"] if cfg is not None and isinstance(cfg.get("seq_len"), int) else None
+
+
+def run_train_data(checkpoint: str | os.PathLike) -> tuple[str, str | None] | None:
+    """The dataset (``data``: a prepared folder as it was given, or "shakespeare") and the tokenizer recorded in a
+    checkpoint's run; None if there is none."""
+    cfg = _run_config(checkpoint)
+    if cfg is None or not isinstance(cfg.get("data"), str):
+        return None
+    return cfg["data"], cfg.get("tokenizer")
 
 
 def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
