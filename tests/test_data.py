@@ -57,6 +57,20 @@ def test_gpt2_matches_hf_tokenizer(gpt2, plays):
         assert gpt2.encode(text) == hf.encode(text).ids
 
 
+def test_gpt2_saved_for_hf_autotokenizer(gpt2, plays, tmp_path):
+    """save_pretrained writes a folder AutoTokenizer loads offline, with the same ids and the separator as EOS."""
+    from transformers import AutoTokenizer
+
+    gpt2.save_pretrained(tmp_path)
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf.eos_token_id == hf.bos_token_id == gpt2.eot_id
+    rng = random.Random()
+    for _ in range(3):
+        text = _random_text(rng, plays, 2000) + " héllo — 東京 🦊\n\n  x"
+        assert hf(text).input_ids == gpt2.encode(text)
+        assert hf.decode(gpt2.encode(text)) == text
+
+
 def test_byte_tokenizer():
     tok = get_tokenizer("byte")
     text = "forget gate é 🦊"

@@ -324,6 +324,23 @@ def test_trainer_cuda_graph_keeps_the_losses(byte_data, tmp_path, options):
     assert all(resumed[k] == pytest.approx(graphed[k], rel=1e-3) for k in eager)
 
 
+def test_checkpoint_holds_an_hf_tokenizer_for_gpt2_data(tmp_path):
+    """A GPT-2 BPE run's checkpoint loads with the Auto classes alone: model and tokenizer from one folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "gpt2"
+    prepare(random.Random().sample(shakespeare_plays(), 2), data, tokenizer="gpt2", val_fraction=0.5, workers=0,
+            progress=False)
+    run = tmp_path / "run"
+    train(load_config(None, [*TINY, "tokenizer=gpt2", f"data={data}", f"out_dir={run}", "max_steps=2"]))
+    folder = latest_valid_checkpoint(run) / "model"  # the manifest, tokenizer files included, verified
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = tok("To be, or not to be", return_tensors="pt").input_ids
+    assert ids.tolist()[0] == TokenDataset(data, "val").tokenizer().encode("To be, or not to be")
+    assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+
+
 def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):
     """benchmarks/trained_gates.py at a tiny size on the CPU: trains through the CLI, reads the trainer's logs and
     the evaluations' reports into one summary (its timings mean nothing here)."""

@@ -39,7 +39,8 @@ class BPETokenizer:
         import tiktoken
         from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-        hashes = {p.name: sha256_file(p) for p in (Path(encoder_json), Path(vocab_bpe))}
+        self.files = (Path(encoder_json), Path(vocab_bpe))
+        hashes = {p.name: sha256_file(p) for p in self.files}
         self.fingerprint = hashlib.sha256("".join(hashes[k] for k in sorted(hashes)).encode()).hexdigest()
         is_gpt2 = hashes == GPT2_FILES
         self.name = name or ("gpt2" if is_gpt2 else f"bpe:{Path(encoder_json).resolve().parent}")
@@ -59,6 +60,17 @@ class BPETokenizer:
     def spec(self) -> dict:
         return {"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
                 "fingerprint": self.fingerprint}
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """Write it in Hugging Face's format (``tokenizer.json``), for ``AutoTokenizer.from_pretrained(folder)``
+        offline. It gives the same ids, except that ``<|endoftext|>`` written in a text is the special token there."""
+        from tokenizers import ByteLevelBPETokenizer
+        from transformers import PreTrainedTokenizerFast
+
+        bpe = ByteLevelBPETokenizer.from_file(str(self.files[0]), str(self.files[1]))
+        bpe.add_special_tokens([_ENDOFTEXT])
+        PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=_ENDOFTEXT, eos_token=_ENDOFTEXT,
+                                unk_token=_ENDOFTEXT).save_pretrained(folder)
 
 
 class ByteTokenizer:

@@ -3,7 +3,8 @@
 Layout::
 
     <run>/checkpoints/step_0000100/
-        model/            save_pretrained folder (config.json + safetensors): FoxForCausalLM.from_pretrained works
+        model/            save_pretrained folder (config.json + safetensors, and tokenizer.json for GPT-2 BPE data):
+                          AutoModelForCausalLM / AutoTokenizer.from_pretrained work on it
         trainer.pt        optimizer, scheduler, loader, RNG, counters (torch.load(weights_only=True))
         manifest.json     sha256 of every file above, written last
     <run>/checkpoints/latest      name of the newest complete checkpoint

@@ -283,11 +283,17 @@ class Trainer:
                 "world_size": self.d.world,
                 "config": self.cfg.to_dict(),
             }
-            path = write_checkpoint(self.run_dir, self.step,
-                                    lambda folder: module.save_pretrained(folder, state_dict=model_sd),
+            path = write_checkpoint(self.run_dir, self.step, lambda folder: self._save_model(module, model_sd, folder),
                                     state, self.cfg.keep_last)
         self.d.barrier()
         return path
+
+    def _save_model(self, module: torch.nn.Module, state_dict: dict, folder: Path) -> None:
+        """The model's ``save_pretrained`` folder, with the tokenizer in Hugging Face's format where there is one (GPT-2
+        BPE), so that ``AutoTokenizer`` loads it from the same folder."""
+        module.save_pretrained(folder, state_dict=state_dict)
+        if hasattr(self.tokenizer, "save_pretrained"):
+            self.tokenizer.save_pretrained(folder)
 
     def load(self, ckpt: Path) -> None:
         """Restore model, optimizer, counters and RNG from a verified checkpoint."""
