@@ -58,6 +58,8 @@ def test_two_processes_match_one(tmp_path):
         for a, b in zip(got, ref):
             key = "loss" if "loss" in b else "val_loss"
             assert a["step"] == b["step"] and a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (parallel, a, b)
+            if "val_acp_skipped" in b:  # the ranks' shares of the validation batches, averaged
+                assert a["val_acp_skipped"] == pytest.approx(b["val_acp_skipped"], abs=1e-6), (parallel, a, b)
         model = load_checkpoint_model(tmp_path / parallel)  # FSDP shards gathered into one safetensors file
         for (name, x), y in zip(model.state_dict().items(), ref_model.state_dict().values()):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"{parallel}: {name}")

@@ -330,3 +330,52 @@ def test_model_on_the_triton_kernels_matches_the_torch_path():
             torch_out = [model(ids, attention_mask=mask).logits, model(ids[:1], cu_seqlens=cu).logits]
     for a, b in zip(triton_out, torch_out):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "fox-llama"])  # the QK-norm bound, and the data bound
+def test_probe_acp_records_what_acp_skips(arch):
+    from foxlm.ops import acp_stats
+
+    model = _model(arch)
+    with torch.no_grad():  # fast-forgetting gates, so that some tiles fall below the threshold
+        for layer in model.model.layers:
+            layer.attn.fgate_proj.bias.fill_(-4.0)
+    ids = _ids(2, 40)
+    kept = {}
+    hooks = [layer.attn.q_proj.register_forward_hook(lambda m, i, o, n=n: kept.__setitem__(("q", n), o))
+             for n, layer in enumerate(model.model.layers)]
+    hooks += [(layer.attn.k_shift or layer.attn.k_proj).register_forward_hook(
+        lambda m, i, o, n=n: kept.__setitem__(("k", n), o)) for n, layer in enumerate(model.model.layers)]
+    with model.probe_acp(block_m=8, block_n=4) as share:
+        with pytest.raises(RuntimeError, match="no forward was recorded"):
+            share.per_head()
+        out = model(ids, output_log_fgates=True)
+    for h in hooks:
+        h.remove()
+    got = share.per_head()
+    assert got.shape == (2, 4) and got.max() > 0
+    for n, (layer, g) in enumerate(zip(model.model.layers, out.log_fgates)):  # against the op on the same q, k
+        attn = layer.attn
+        q, k = kept[("q", n)].view(2, 40, 4, -1), kept[("k", n)].view(2, 40, 4, -1)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        want, _ = acp_stats(q, k, g, scale=attn.scale, logit_bound=attn.logit_bound(), tolerance=attn.acp_tolerance,
+                            block_m=8, block_n=4)
+        torch.testing.assert_close(got[n], want)
+    model.set_acp(True)  # the same share with ACP on: it records, it does not change what is skipped
+    with model.probe_acp(block_m=8, block_n=4) as again:
+        model(ids)
+        model(ids[:, :20], cache=FoxCache(), use_cache=True)  # decoding through a cache is not recorded
+    torch.testing.assert_close(again.per_head(), got)
+    assert all(not layer.attn.acp_probe.active for layer in model.model.layers)
+
+
+def test_probe_acp_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="no forget gates"):
+        with _model("transformer-pro").probe_acp():
+            pass
+    model = _model("fox-pro")
+    for kwargs, match in ((dict(tolerance=1.5), "tolerance"), (dict(block_m=0), "block_m")):
+        with pytest.raises(ValueError, match=match):
+            with model.probe_acp(**kwargs):
+                pass

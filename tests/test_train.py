@@ -229,11 +229,13 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
 
     rc = main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30",
                "batch_size=8", "seq_len=64", "model.acp=true", "sample_tokens=8"])
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert rc == 0 and "--- sample (step 60) ---" in out
-    val = [json.loads(line)["val_loss"] for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()
-           if "val_loss" in line]
+    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in records if "val_loss" in r]
     assert len(val) == 2 and val[-1] < 0.6 * math.log(257)
+    skipped = [r["val_acp_skipped"] for r in records if "val_loss" in r]  # what ACP skipped in validation
+    assert all(0.0 <= x <= 1.0 for x in skipped) and "of the attention tiles" in err + out
 
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
@@ -244,6 +246,11 @@ def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2}
     assert all(compiled[k] == pytest.approx(eager[k], rel=1e-4) for k in eager)
+    # the final validation, whose ACP probe runs inside the compiled blocks
+    (ev,), (cv,) = ([json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()
+                     if "val_loss" in line] for run in ("eager", "compiled"))
+    assert cv["val_loss"] == pytest.approx(ev["val_loss"], rel=1e-4)
+    assert cv["val_acp_skipped"] == pytest.approx(ev["val_acp_skipped"], abs=1e-6)
 
 
 def test_cuda_graph_needs_fixed_shapes_and_a_gpu(byte_data, tmp_path):

@@ -16,8 +16,6 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from foxlm.ops import acp_stats
-
 from .utils import autocast, progress, pyplot
 
 
@@ -54,65 +52,29 @@ class ACPReport:
         return float(self.per_head.mean())
 
 
-class _QKRecorder:
-    """Forward hooks that keep each attention layer's q and k (after the token shift) for the data logit bound."""
-
-    def __init__(self, model):
-        self.q, self.k, self.handles = {}, {}, []
-        for i, layer in enumerate(model.model.layers):
-            attn = layer.attn
-            self.handles.append(attn.q_proj.register_forward_hook(self._keep(self.q, i)))
-            k_mod = attn.k_shift if attn.k_shift is not None else attn.k_proj
-            self.handles.append(k_mod.register_forward_hook(self._keep(self.k, i)))
-
-    @staticmethod
-    def _keep(store, i):
-        def hook(module, inputs, output):
-            store[i] = output.detach()
-        return hook
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 @torch.no_grad()
 def collect(model, sequences: list[np.ndarray], *, block_m: int = 128, block_n: int = 64,
             tolerance: float = math.exp(-10), batch_size: int = 1, dtype: str = "auto", show_progress: bool = True
             ) -> tuple[list[torch.Tensor], ACPReport]:
     """One pass over equally long ``sequences``: per layer the log forget gates [N, T, H] fp32 (CPU), and the
-    ACP report. The ACP logit bound is the layer's own: from the QK-norm weights, else scale * max||q|| * max||k||
-    (RoPE keeps norms, so q and k are taken before it).
+    ACP report (``FoxPreTrainedModel.probe_acp``: each layer's own logit bound, from the QK-norm weights, else
+    scale * max||q|| * max||k||).
 
     Raises ``ValueError`` for a model without forget gates (a Transformer baseline).
     """
     if model.config.gate == "none":
         raise ValueError("model: it has no forget gates (gate='none'); gate analysis needs a FoX model")
-    if block_m < 1 or block_n < 1:
-        raise ValueError(f"block_m, block_n: expected tile sizes >= 1, got {block_m} and {block_n}")
     device = next(model.parameters()).device
-    layers = [blk.attn for blk in model.model.layers]
-    per_layer: list[list[torch.Tensor]] = [[] for _ in layers]
+    per_layer: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
     skipped: list[torch.Tensor] = []
-    recorder = _QKRecorder(model)
     batches = range(0, len(sequences), batch_size)
-    try:
-        for a in progress(batches, total=len(batches), desc="gates", enabled=show_progress):
-            ids = torch.as_tensor(np.stack(sequences[a:a + batch_size]).astype(np.int64), device=device)
-            B, T = ids.shape
-            with autocast(device, dtype):
-                out = model(input_ids=ids, output_log_fgates=True, use_cache=False, logits_to_keep=1)
-            fractions = []
-            for i, (attn, g) in enumerate(zip(layers, out.log_fgates)):
-                per_layer[i].append(g.float().cpu())
-                q = recorder.q[i].view(B, T, attn.num_heads, attn.head_dim)
-                k = recorder.k[i].view(B, T, attn.num_kv_heads, attn.head_dim)
-                per_head, _ = acp_stats(q, k, g, scale=attn.scale, tolerance=tolerance, logit_bound=attn.logit_bound(),
-                                        block_m=block_m, block_n=block_n)
-                fractions.append(per_head.double().cpu() * B)  # batches of B sequences weigh B
-            skipped.append(torch.stack(fractions))  # [layers, H]
-    finally:
-        recorder.remove()
+    for a in progress(batches, total=len(batches), desc="gates", enabled=show_progress):
+        ids = torch.as_tensor(np.stack(sequences[a:a + batch_size]).astype(np.int64), device=device)
+        with autocast(device, dtype), model.probe_acp(tolerance, block_m, block_n) as share:
+            out = model(input_ids=ids, output_log_fgates=True, use_cache=False, logits_to_keep=1)
+        for i, g in enumerate(out.log_fgates):
+            per_layer[i].append(g.float().cpu())
+        skipped.append(share.per_head().double().cpu() * ids.shape[0])  # [layers, H]; batches of B weigh B
     per_head = (torch.stack(skipped).sum(0) / len(sequences)).numpy()
     report = ACPReport(per_head, block_m, block_n, tolerance, len(sequences[0]), len(sequences))
     return [torch.cat(acc) for acc in per_layer], report

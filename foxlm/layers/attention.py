@@ -14,13 +14,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import forgetting_attention, gate_cumsum
+from ..ops import acp_stats, forgetting_attention, gate_cumsum
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 from .segments import Segments
 from .token_shift import TokenShift
 
 GATES = ("data", "bias", "alibi", "none")
+
+
+class ACPProbe:
+    """What ACP skips (or, with ACP off, would skip) in the cache-less forwards of one attention layer while
+    ``active``: per forward, the share of attention tiles per head (``foxlm.ops.acp_stats`` with the layer's logit
+    bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``.
+    Turned on by ``FoxPreTrainedModel.probe_acp``; one object per layer for its lifetime, so that a compiled block
+    sees only two values of ``active``."""
+
+    def __init__(self):
+        self.active, self.tolerance, self.block_m, self.block_n = False, None, 128, 64
+        self.records: list[torch.Tensor] = []
+
+    @torch.compiler.disable  # bookkeeping outside any compiled graph
+    def record(self, attn: "ForgettingAttention", q, k, log_fgate, segments: "Segments | None") -> None:
+        tolerance = attn.acp_tolerance if self.tolerance is None else self.tolerance
+        per_head, _ = acp_stats(q.detach(), k.detach(), log_fgate.detach(), scale=attn.scale,
+                                cu_seqlens=None if segments is None else segments.cu_seqlens, tolerance=tolerance,
+                                logit_bound=attn.logit_bound(), block_m=self.block_m, block_n=self.block_n)
+        self.records.append(per_head)
 # Upper bound on the elements of one query chunk's [B, H, rows, keys] score matrix in the dense path.
 _CHUNK_ELEMENTS = 1 << 24
 
@@ -209,6 +229,7 @@ class ForgettingAttention(nn.Module):
         self.rope = RotaryEmbedding(head_dim, rope_theta) if rope else None
         self.o_norm = RMSNorm((num_heads, head_dim), norm_eps) if output_norm else None
         self.g_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False) if output_gate else None
+        self.acp_probe = ACPProbe() if gate != "none" else None
 
     @staticmethod
     def bias_gate_init(num_heads: int) -> torch.Tensor:
@@ -276,6 +297,8 @@ class ForgettingAttention(nn.Module):
         log_fgate = self.log_fgate(x)
         acp = dict(prune=self.acp, logit_bound=self.logit_bound() if self.acp else None, tolerance=self.acp_tolerance)
         probs = None
+        if cache is None and self.acp_probe is not None and self.acp_probe.active:
+            self.acp_probe.record(self, q, k, log_fgate, segments)
         if cache is None:
             o, probs = attend_sequence(
                 q, k, v, log_fgate, scale=self.scale, segments=segments, window=self.window,

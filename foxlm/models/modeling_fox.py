@@ -8,6 +8,8 @@ the token shift; decoding goes through a KV cache that follows the protocol of `
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
 
@@ -42,6 +44,19 @@ class FoxCausalLMOutput(CausalLMOutputWithPast):
 
     per_token_loss: torch.Tensor | None = None
     log_fgates: tuple[torch.Tensor, ...] | None = None
+
+
+@dataclass
+class ACPShare:
+    """What ``probe_acp`` recorded: per layer, one [H] share of skipped tiles per forward."""
+
+    records: list[list[torch.Tensor]]
+
+    def per_head(self) -> torch.Tensor:
+        """[layers, H] fp32: the mean over the recorded forwards (no host sync)."""
+        if not all(self.records):
+            raise RuntimeError("probe_acp: no forward was recorded (a cache-less forward inside the block)")
+        return torch.stack([torch.stack(r).mean(0) for r in self.records])
 
 
 class FoxBlock(nn.Module):
@@ -100,6 +115,29 @@ class FoxPreTrainedModel(PreTrainedModel):
         for module in self.modules():
             if isinstance(module, ForgettingAttention):
                 module.acp, module.acp_tolerance = self.config.acp, self.config.acp_tolerance
+
+    @contextlib.contextmanager
+    def probe_acp(self, tolerance: float | None = None, block_m: int = 128, block_n: int = 64
+                  ) -> Iterator[ACPShare]:
+        """Within the block, every cache-less forward records what ACP skips in each layer (or, with ACP off, would
+        skip): the share of attention tiles of ``block_m`` queries x ``block_n`` keys (the forward kernel's) whose
+        mass is below ``tolerance`` (default: the config's). Yields an ``ACPShare``, read after the forwards."""
+        if self.config.gate == "none":
+            raise ValueError("probe_acp: the model has no forget gates (gate='none'); ACP applies to FoX models only")
+        if tolerance is not None and not 0.0 < tolerance < 1.0:
+            raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
+        if block_m < 1 or block_n < 1:
+            raise ValueError(f"block_m, block_n: expected tile sizes >= 1, got {block_m} and {block_n}")
+        probes = [m.acp_probe for m in self.modules() if isinstance(m, ForgettingAttention)]
+        share = ACPShare([[] for _ in probes])
+        for probe, records in zip(probes, share.records):
+            probe.active, probe.tolerance, probe.block_m, probe.block_n, probe.records = (
+                True, tolerance, block_m, block_n, records)
+        try:
+            yield share
+        finally:
+            for probe in probes:
+                probe.active, probe.records = False, []
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

@@ -379,22 +379,29 @@ class Trainer:
         return record
 
     @torch.no_grad()
-    def evaluate(self) -> float | None:
-        """Mean validation loss over fixed batches: ``eval_batches``, or fewer to read the split at most once
-        (None without a validation split)."""
+    def evaluate(self) -> dict | None:
+        """Over fixed validation batches (``eval_batches``, or fewer to read the split at most once): the mean loss
+        ``val_loss`` and, for a model with forget gates, ``val_acp_skipped``, the share of attention tiles ACP skips
+        there (or, with ACP off, would skip). None without a validation split."""
         if self.val_loader is None:
             return None
+        module = _unwrap(self.model)
+        gated = module.config.gate != "none"
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
         count = 0.0
         per_batch = self.cfg.batch_size * self.cfg.seq_len
-        for k in range(max(1, min(self.cfg.eval_batches, len(self.val_ds.tokens) // per_batch))):
-            for b in self.val_loader.batch(k):
-                loss_sum += self._forward(b).float() * b.num_targets
-                count += b.num_targets
+        with module.probe_acp() if gated else contextlib.nullcontext() as share:
+            for k in range(max(1, min(self.cfg.eval_batches, len(self.val_ds.tokens) // per_batch))):
+                for b in self.val_loader.batch(k):
+                    loss_sum += self._forward(b).float() * b.num_targets
+                    count += b.num_targets
         self.model.train()
         total = self.d.sum(torch.tensor([count], device=self.device)).item()
-        return (self.d.sum(loss_sum) / total).item()
+        out = {"val_loss": (self.d.sum(loss_sum) / total).item()}
+        if gated:
+            out["val_acp_skipped"] = (self.d.sum(share.per_head().mean().reshape(1)) / self.d.world).item()
+        return out
 
     @torch.no_grad()
     def sample(self) -> str:
@@ -477,9 +484,12 @@ class Trainer:
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
                     val = self.evaluate()
                     if val is not None:
-                        summary["val_loss"] = val
-                        log.log({"step": self.step, "val_loss": val})
-                        log.write(f"step {self.step}: val loss {val:.4f}")
+                        summary["val_loss"] = val["val_loss"]
+                        log.log({"step": self.step, **val})
+                        acp = val.get("val_acp_skipped")
+                        log.write(f"step {self.step}: val loss {val['val_loss']:.4f}" + (
+                            "" if acp is None else f", ACP {'skips' if _unwrap(self.model).config.acp else 'would skip'} "
+                                                   f"{acp:.1%} of the attention tiles"))
                 if (cfg.save_every and self.step % cfg.save_every == 0) or last:
                     path = self.save()
                     if path is not None:
