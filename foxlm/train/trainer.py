@@ -486,10 +486,11 @@ class Trainer:
                     if val is not None:
                         summary["val_loss"] = val["val_loss"]
                         log.log({"step": self.step, **val})
-                        acp = val.get("val_acp_skipped")
-                        log.write(f"step {self.step}: val loss {val['val_loss']:.4f}" + (
-                            "" if acp is None else f", ACP {'skips' if _unwrap(self.model).config.acp else 'would skip'} "
-                                                   f"{acp:.1%} of the attention tiles"))
+                        line = f"step {self.step}: val loss {val['val_loss']:.4f}"
+                        if "val_acp_skipped" in val:
+                            verb = "skips" if _unwrap(self.model).config.acp else "would skip"
+                            line += f", ACP {verb} {val['val_acp_skipped']:.1%} of the attention tiles"
+                        log.write(line)
                 if (cfg.save_every and self.step % cfg.save_every == 0) or last:
                     path = self.save()
                     if path is not None:
