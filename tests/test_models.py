@@ -333,7 +333,9 @@ def test_model_on_the_triton_kernels_matches_the_torch_path():
 
 
 @pytest.mark.parametrize("arch", ["fox-pro", "fox-llama"])  # the QK-norm bound, and the data bound
-def test_probe_acp_records_what_acp_skips(arch):
+@pytest.mark.parametrize("padded", [False, True])
+def test_probe_acp_records_what_acp_skips(arch, padded):
+    from foxlm.layers import Segments
     from foxlm.ops import acp_stats
 
     model = _model(arch)
@@ -346,10 +348,13 @@ def test_probe_acp_records_what_acp_skips(arch):
              for n, layer in enumerate(model.model.layers)]
     hooks += [(layer.attn.k_shift or layer.attn.k_proj).register_forward_hook(
         lambda m, i, o, n=n: kept.__setitem__(("k", n), o)) for n, layer in enumerate(model.model.layers)]
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 29:] = 0  # right padding: the rows are segments of one flattened row
+    kwargs = dict(attention_mask=mask) if padded else {}
     with model.probe_acp(block_m=8, block_n=4) as share:
         with pytest.raises(RuntimeError, match="no forward was recorded"):
             share.per_head()
-        out = model(ids, output_log_fgates=True)
+        out = model(ids, output_log_fgates=True, **kwargs)
     for h in hooks:
         h.remove()
     got = share.per_head()
@@ -359,12 +364,16 @@ def test_probe_acp_records_what_acp_skips(arch):
         q, k = kept[("q", n)].view(2, 40, 4, -1), kept[("k", n)].view(2, 40, 4, -1)
         if attn.q_norm is not None:
             q, k = attn.q_norm(q), attn.k_norm(k)
+        cu = None
+        if padded:
+            q, k, g = (x.reshape(1, 80, *x.shape[2:]) for x in (q, k, g))
+            cu = Segments.from_mask(mask).cu_seqlens
         want, _ = acp_stats(q, k, g, scale=attn.scale, logit_bound=attn.logit_bound(), tolerance=attn.acp_tolerance,
-                            block_m=8, block_n=4)
+                            block_m=8, block_n=4, cu_seqlens=cu)
         torch.testing.assert_close(got[n], want)
     model.set_acp(True)  # the same share with ACP on: it records, it does not change what is skipped
     with model.probe_acp(block_m=8, block_n=4) as again:
-        model(ids)
+        model(ids, **kwargs)
         model(ids[:, :20], cache=FoxCache(), use_cache=True)  # decoding through a cache is not recorded
     torch.testing.assert_close(again.per_head(), got)
     assert all(not layer.attn.acp_probe.active for layer in model.model.layers)

@@ -37,7 +37,10 @@ class ACPProbe:
     @torch.compiler.disable  # bookkeeping outside any compiled graph
     def record(self, attn: "ForgettingAttention", q, k, log_fgate, segments: "Segments | None") -> None:
         tolerance = attn.acp_tolerance if self.tolerance is None else self.tolerance
-        per_head, _ = acp_stats(q.detach(), k.detach(), log_fgate.detach(), scale=attn.scale,
+        q, k, log_fgate = q.detach(), k.detach(), log_fgate.detach()
+        if segments is not None:  # as attend_sequence: the segments index the flattened batch
+            q, k, log_fgate = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, log_fgate))
+        per_head, _ = acp_stats(q, k, log_fgate, scale=attn.scale,
                                 cu_seqlens=None if segments is None else segments.cu_seqlens, tolerance=tolerance,
                                 logit_bound=attn.logit_bound(), block_m=self.block_m, block_n=self.block_n)
         self.records.append(per_head)
