@@ -388,3 +388,29 @@ def test_probe_acp_rejects_bad_arguments():
         with pytest.raises(ValueError, match=match):
             with model.probe_acp(**kwargs):
                 pass
+
+
+def test_transformer_llama_is_hf_llama():
+    """transformer-llama with Hugging Face's Llama's weights gives its logits: the RoPE baseline is Llama, its
+    rotary layout included. In fp64 both, but Llama computes its rotary angles in fp32 (~3e-7 of difference)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ours = _model("transformer-llama", num_key_value_heads=2)
+    cfg = ours.config
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, rms_norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)).double().eval()
+    names = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", ".attn.": ".self_attn."}
+    weights = {}
+    for key, value in ours.state_dict().items():
+        for a, b in names.items():
+            key = key.replace(a, b)
+        weights[key] = value
+    llama.load_state_dict(weights, strict=True)
+    ids = _ids(2, 23)
+    torch.testing.assert_close(ours(ids).logits, llama(ids).logits, rtol=1e-5, atol=2e-6)
+    positions = torch.arange(5, 28).expand(2, 23)  # shifted positions, as in a continued sequence
+    torch.testing.assert_close(ours(ids, position_ids=positions).logits, llama(ids, position_ids=positions).logits,
+                               rtol=1e-5, atol=2e-6)
