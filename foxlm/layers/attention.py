@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import acp_stats, forgetting_attention, gate_cumsum
+from ..ops import acp_stats, apply_rotary, forgetting_attention, gate_cumsum
 from .norm import RMSNorm
-from .rope import RotaryEmbedding
 from .segments import Segments
 from .token_shift import TokenShift
 
@@ -172,7 +171,8 @@ class ForgettingAttention(nn.Module):
         qk_norm: per-head RMSNorm of q and k (one weight vector per head).
         output_norm: per-head RMSNorm of the attention output; output_gate: multiply it by sigmoid(W_g x).
         k_shift, v_shift: data-dependent token shift of the key / value projections (before QK-norm).
-        rope: rotary position embedding (the Transformer baselines); rope_theta: its base.
+        rope: rotary position embedding (the Transformer baselines): the forward rotates q and k by the cos and sin
+            it is given (``RotaryEmbedding``, computed once per model forward).
         window: sliding-window attention over the last ``window`` tokens (None: full causal).
         acp: Adaptive Computation Pruning in the forward pass; the logit bound comes from the QK-norm
             weights when ``qk_norm`` is on, from the data otherwise; acp_tolerance: its epsilon.
@@ -194,7 +194,6 @@ class ForgettingAttention(nn.Module):
         k_shift: bool = False,
         v_shift: bool = False,
         rope: bool = False,
-        rope_theta: float = 10000.0,
         window: int | None = None,
         acp: bool = False,
         acp_tolerance: float = math.exp(-10),
@@ -229,7 +228,7 @@ class ForgettingAttention(nn.Module):
         self.k_norm = RMSNorm((num_kv_heads, head_dim), norm_eps) if qk_norm else None
         self.k_shift = TokenShift(hidden_size, num_kv_heads) if k_shift else None
         self.v_shift = TokenShift(hidden_size, num_kv_heads) if v_shift else None
-        self.rope = RotaryEmbedding(head_dim, rope_theta) if rope else None
+        self.rope = rope
         self.o_norm = RMSNorm((num_heads, head_dim), norm_eps) if output_norm else None
         self.g_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False) if output_gate else None
         self.acp_probe = ACPProbe() if gate != "none" else None
@@ -271,7 +270,7 @@ class ForgettingAttention(nn.Module):
         x: torch.Tensor,
         *,
         segments: Segments | None = None,
-        positions: torch.Tensor | None = None,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
         reset: torch.Tensor | None = None,
         cache=None,
         valid: torch.Tensor | None = None,
@@ -279,7 +278,8 @@ class ForgettingAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """x: [B, T, C] -> (y [B, T, C], log_fgate [B, T, H] fp32 or None, probs [B, H, T, T] or None).
 
-        segments: packed documents / padding of a cache-less forward. positions: [B, T] RoPE positions.
+        segments: packed documents / padding of a cache-less forward. rotary: RoPE's cos, sin [B or 1, T, D/2]
+            (``RotaryEmbedding`` of the positions), needed with ``rope``.
         reset: [B, T] bool, where the token shift must not look back (segment starts, after padding).
         cache: a KV cache (see ``foxlm.models.cache``): the new tokens attend to everything cached.
         valid: [B, T] bool, False at left padding (with a cache only).
@@ -295,8 +295,10 @@ class ForgettingAttention(nn.Module):
             v = self._shift(self.v_shift, "v", v, x, reset, cache, valid)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rope is not None:
-            q, k = self.rope(q, k, positions)
+        if self.rope:
+            if rotary is None:
+                raise ValueError("rotary: this layer applies RoPE and needs the (cos, sin) of its positions")
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         log_fgate = self.log_fgate(x)
         acp = dict(prune=self.acp, logit_bound=self.logit_bound() if self.acp else None, tolerance=self.acp_tolerance)
         probs = None

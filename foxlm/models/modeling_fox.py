@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
-from ..layers import ForgettingAttention, RMSNorm, Segments, SwiGLU
+from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
 from ..ops.cross_entropy import linear_cross_entropy
 from .cache import FoxCache
 from .configuration_fox import FoxConfig
@@ -77,7 +77,6 @@ class FoxBlock(nn.Module):
             k_shift=config.k_shift,
             v_shift=config.v_shift,
             rope=config.rope,
-            rope_theta=config.rope_theta,
             window=config.window,
             acp=config.acp,
             acp_tolerance=config.acp_tolerance,
@@ -163,6 +162,7 @@ class FoxModel(FoxPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(FoxBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope else None  # once a forward
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -208,8 +208,8 @@ class FoxModel(FoxPreTrainedModel):
             raise ValueError("output_attentions: not available while decoding with a KV cache")
 
         attn_kwargs = dict(
-            segments=segments, positions=positions, reset=reset, cache=cache, valid=valid,
-            output_attentions=output_attentions,
+            segments=segments, rotary=None if self.rotary is None else self.rotary(positions, x.dtype), reset=reset,
+            cache=cache, valid=valid, output_attentions=output_attentions,
         )
         hidden_states, attentions, log_fgates = [], [], []
         for block in self.layers:
