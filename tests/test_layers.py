@@ -6,6 +6,7 @@ import torch
 from foxlm.layers import (
     ForgettingAttention,
     RMSNorm,
+    RotaryEmbedding,
     Segments,
     TokenShift,
     alibi_slopes,
@@ -194,3 +195,18 @@ def test_token_shift_does_not_leak_across_segments():
     y2, _, _ = layer(x2, segments=seg, reset=seg.starts)
     torch.testing.assert_close(y2[:, 4:], y[:, 4:], rtol=0, atol=1e-13)  # fp64 rounding of the shared cumsum only
     assert not torch.equal(y2[:, 3], y[:, 3])
+
+
+def test_rope_layer_rotates_by_the_given_cos_sin():
+    """A rope layer takes the (cos, sin) its model computes once; without them it names the argument."""
+    layer = ForgettingAttention(32, 4, gate="none", rope=True).double()
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    with pytest.raises(ValueError, match="rotary"):
+        layer(x)
+    positions = torch.arange(9).expand(2, 9)
+    y, _, _ = layer(x, rotary=RotaryEmbedding(8)(positions, torch.float64))
+    y_shifted, _, _ = layer(x, rotary=RotaryEmbedding(8)(positions + 100, torch.float64))
+    torch.testing.assert_close(y, y_shifted)  # relative positions only
+    plain = ForgettingAttention(32, 4, gate="none").double()
+    plain.load_state_dict(layer.state_dict())
+    assert not torch.allclose(plain(x)[0], y)  # and the rotation changes the output
