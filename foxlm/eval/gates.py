@@ -60,10 +60,8 @@ def collect(model, sequences: list[np.ndarray], *, block_m: int = 128, block_n: 
     ACP report (``FoxPreTrainedModel.probe_acp``: each layer's own logit bound, from the QK-norm weights, else
     scale * max||q|| * max||k||).
 
-    Raises ``ValueError`` for a model without forget gates (a Transformer baseline).
+    Raises ``ValueError`` for a model without forget gates (a Transformer baseline), from ``probe_acp``.
     """
-    if model.config.gate == "none":
-        raise ValueError("model: it has no forget gates (gate='none'); gate analysis needs a FoX model")
     device = next(model.parameters()).device
     per_layer: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
     skipped: list[torch.Tensor] = []
