@@ -620,6 +620,13 @@ INTERPRET_C_BLOCK = 2 * INTERPRET_TILE
 _INTERPRET_FWD = {"BLOCK_M": INTERPRET_TILE, "BLOCK_N": INTERPRET_TILE, "TILES": 0}
 _INTERPRET_BWD = {"BLOCK_M1": INTERPRET_TILE, "BLOCK_N1": INTERPRET_TILE, "BLOCK_M2": INTERPRET_TILE,
                   "BLOCK_N2": INTERPRET_TILE, "TILES": 0}
+# Tests' switch: the interpreter's tiles (and c_rel block) for the compiled kernels on the GPU too, so that the tests
+# written for them (tile counts, gate resets at tile starts, many tiles at small sizes) run the real kernels there.
+SMALL_TILES = False
+
+
+def _small_tiles() -> bool:
+    return _INTERPRETED or SMALL_TILES
 
 
 # Autotuned tiles per padded head dim (the larger of D and Dv): FWD (BLOCK_M, BLOCK_N, warps, stages),
@@ -676,8 +683,8 @@ _TUNED: dict[tuple, triton.Config] = {}
 
 
 def _launch(kernel, grid, interpret_meta: dict, q: torch.Tensor, *args, **kwargs) -> None:
-    """Autotuned launch on the GPU; fixed small tiles under the interpreter (no timing there)."""
-    if _INTERPRETED:
+    """Autotuned launch on the GPU; fixed small tiles under the interpreter (no timing there) or SMALL_TILES."""
+    if _small_tiles():
         kernel.fn[grid](q, *args, **kwargs, **interpret_meta)
         return
     key = (kernel.fn, q.device.index, q.dtype, *(kwargs[k] for k in kernel.keys))
@@ -769,7 +776,7 @@ def _meta(q: torch.Tensor, v: torch.Tensor, cu_seqlens, threshold, window) -> di
         D=D, DV=Dv, BLOCK_D=block_dim(D), BLOCK_DV=block_dim(Dv),
         VARLEN=cu_seqlens is not None, PRUNE=threshold is not None, WINDOWED=window is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", INTERPRET=_INTERPRETED,
-        C_BLOCK=INTERPRET_C_BLOCK if _INTERPRETED else C_BLOCK,
+        C_BLOCK=INTERPRET_C_BLOCK if _small_tiles() else C_BLOCK,
     )
 
 
