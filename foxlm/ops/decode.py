@@ -41,6 +41,7 @@ def _decode_tile(
     stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
     PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Keys [n0, min(n0 + BLOCK_N, hi)) into the running max m_i, sum l_i and output acc of the query rows."""
     offs_d = tl.arange(0, BLOCK_D)
@@ -64,7 +65,7 @@ def _decode_tile(
         C + page[None, :] * stride_cp + slot[None, :] * stride_cs + g[:, None],
         mask=row_ok[:, None] & n_ok[None, :], other=0.0,
     )
-    s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale_log2e
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION).to(tl.float32) * scale_log2e
     s += ((c_q[:, None] - c_k) * 1.4426950408889634).to(tl.float32)
     ok = row_ok[:, None] & n_ok[None, :] & (offs_n[None, :] <= qpos[:, None])
     ok &= offs_n[None, :] > qpos[:, None] - window
@@ -74,7 +75,7 @@ def _decode_tile(
     p = tl.exp2(s - m_safe[:, None])
     alpha = tl.exp2(m_i - m_safe)
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION).to(tl.float32)
     return m_new, l_i, acc
 
 
@@ -90,12 +91,13 @@ def _decode_split_kernel(
     Hk, Tq, num_splits, window,
     G: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    DOT_FP32: tl.constexpr, INTERPRET: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One (sequence, kv head, key range): all G*Tq query rows against keys [lo, hi).
 
-    DOT_FP32 upcasts the dot operands (Triton 3.6's interpreter gets bf16 dots wrong); INTERPRET walks the
-    key tiles with a while loop (kernel built by the interpreter).
+    DOT_FP32 upcasts the dot operands (Triton 3.6's interpreter gets bf16 dots wrong); PRECISION is the dots'
+    input precision ("ieee" for fp32 operands: fp32 queries are not rounded to tf32); INTERPRET walks the key
+    tiles with a while loop (kernel built by the interpreter).
     """
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -134,7 +136,7 @@ def _decode_split_kernel(
             m_i, l_i, acc = _decode_tile(
                 m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
                 stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
-                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32,
+                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32, PRECISION,
             )
             n0 += BLOCK_N
     else:
@@ -142,7 +144,7 @@ def _decode_split_kernel(
             m_i, l_i, acc = _decode_tile(
                 m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
                 stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
-                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32,
+                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32, PRECISION,
             )
 
     # Partial results: normalised output and log2-sum-exp2 per (row, split); -inf marks "no key".
@@ -228,7 +230,8 @@ def _triton_decode(q, k_cache, v_cache, c_cache, page_table, cache_start, length
         G=G, PAGE=page_size, D=D, DV=DV,
         BLOCK_M=max(16, triton.next_power_of_2(G * Tq)), BLOCK_N=block_n,
         BLOCK_D=block_dim(D), BLOCK_DV=block_dim(DV),
-        DOT_FP32=not q.is_cuda, INTERPRET=_INTERPRETED, num_warps=warps, num_stages=stages,
+        DOT_FP32=not q.is_cuda, PRECISION="ieee" if not q.is_cuda or q.dtype == torch.float32 else "tf32",
+        INTERPRET=_INTERPRETED, num_warps=warps, num_stages=stages,
     )
     _decode_combine_kernel[(B * Hq * Tq,)](
         o_part, lse_part, o, lse,
