@@ -1,5 +1,5 @@
-"""linear_cross_entropy against plain logits + F.cross_entropy in fp64 (the PyTorch path, and the Triton kernel in
-Triton's interpreter), and the fused loss in FoxForCausalLM."""
+"""linear_cross_entropy against plain logits + F.cross_entropy in fp64 (the PyTorch path, and the Triton kernel:
+compiled on a GPU, else in Triton's interpreter), and the fused loss in FoxForCausalLM."""
 
 from functools import partial
 
@@ -20,13 +20,14 @@ N, C, V = 37, 24, 101  # 37 rows: chunks of 8 leave a partial one; V not a power
 BACKENDS = [pytest.param("triton", marks=pytest.mark.triton), "torch"]
 
 
-def _inputs(dtype, seed=0, n=N, v=V, c=C):
+def _inputs(dtype, seed=0, n=N, v=V, c=C, device="cpu"):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, c, generator=gen, dtype=torch.float64)
     weight = torch.randn(v, c, generator=gen, dtype=torch.float64) / c**0.5
     labels = torch.randint(0, v, (n,), generator=gen)
     labels[torch.rand(n, generator=gen) < 0.3] = -100
-    return hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_(), labels
+    return (hidden.to(device, dtype).requires_grad_(), weight.to(device, dtype).requires_grad_(),
+            labels.to(device))
 
 
 def _loss_and_grads(fn, hidden, weight, labels, reduction, upstream):
@@ -80,8 +81,8 @@ def test_grad_of_one_input_only():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_all_ignored_gives_zero_loss_and_zero_grads(backend, reduction):
-    hidden, weight, labels = _inputs(torch.float32)
+def test_all_ignored_gives_zero_loss_and_zero_grads(backend, reduction, device):
+    hidden, weight, labels = _inputs(torch.float32, device=device if backend == "triton" else "cpu")
     labels = torch.full_like(labels, -100)
     loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_size=8)
     assert torch.equal(loss, torch.zeros_like(loss))
@@ -142,17 +143,17 @@ def test_bad_inputs_raise_naming_the_argument():
             linear_cross_entropy(**args)
 
 
-# --- the Triton kernel (Triton's interpreter on CPU) -------------------------------------------------------
+# --- the Triton kernel (on the GPU, else Triton's interpreter on CPU) -------------------------------------------------
 TN, TC, TV = 40, 32, 1000  # V: several blocks of BLOCK_V_INTERPRETED and a partial one
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_triton_loss_and_grads_match_fp64_reference(reduction, dtype, tol):
+def test_triton_loss_and_grads_match_fp64_reference(reduction, dtype, tol, device):
     assert TV % BLOCK_V_INTERPRETED and TV > 2 * BLOCK_V_INTERPRETED
-    hidden, weight, labels = _inputs(dtype, seed=3, n=TN, v=TV, c=TC)
-    upstream = torch.randn(TN if reduction == "none" else (), generator=torch.Generator().manual_seed(5))
+    hidden, weight, labels = _inputs(dtype, seed=3, n=TN, v=TV, c=TC, device=device)
+    upstream = torch.randn(TN if reduction == "none" else (), generator=torch.Generator().manual_seed(5)).to(device)
     exact = [x.detach().double().requires_grad_() for x in (hidden, weight)]
     ref, ref_grads = _loss_and_grads(_reference, *exact, labels, reduction, upstream)
     fused = partial(linear_cross_entropy, chunk_size=16)  # 40 rows: two chunks of 16 and one of 8
@@ -169,15 +170,16 @@ def test_triton_loss_and_grads_match_fp64_reference(reduction, dtype, tol):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("v", [TV, 101])  # 101: a single partial block
-def test_triton_rows_equal_the_torch_path_in_place(dtype, v):
+def test_triton_rows_equal_the_torch_path_in_place(dtype, v, device):
     gen = torch.Generator().manual_seed(7)
-    logits = (4 * torch.randn(TN, v, generator=gen)).to(dtype)
-    labels = torch.randint(0, v, (TN,), generator=gen)
+    logits = (4 * torch.randn(TN, v, generator=gen)).to(device, dtype)
+    labels = torch.randint(0, v, (TN,), generator=gen).to(device)
     labels[::3] = -100
-    for row_scale in (torch.rand(TN, generator=gen) + 0.5, torch.tensor(0.1).expand(TN), None):
+    for row_scale in ((torch.rand(TN, generator=gen) + 0.5).to(device), torch.tensor(0.1, device=device).expand(TN),
+                      None):
         results = []
         for backend in ("torch", "triton"):
-            buffer, losses = logits.clone(), torch.full((TN,), float("nan"))
+            buffer, losses = logits.clone(), torch.full((TN,), float("nan"), device=device)
             with use_backend(backend):
                 g = _softmax_rows(buffer, labels, -100, losses, row_scale)
             results.append((g, losses))
