@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_decode import interpret, one_thread  # noqa: F401 - fixtures
+from test_decode import one_thread, small_tiles  # noqa: F401 - fixtures
 
 from foxlm.generate import CachedDecoder, PagedFoxCache, generate, sample_next
 from foxlm.models import FoxConfig, FoxForCausalLM
@@ -38,7 +38,7 @@ def _left_pad(prompts):
 
 
 def _prefill(model, cache, prompts, chunk):
-    ids, mask = _left_pad(prompts)
+    ids, mask = (t.to(model.device) for t in _left_pad(prompts))
     for a in range(0, ids.shape[1], chunk):
         out = model(input_ids=ids[:, a:a + chunk], attention_mask=mask[:, :a + chunk], cache=cache, use_cache=True)
     return out.logits[:, -1]
@@ -160,10 +160,10 @@ def test_sample_next_top_p():
     assert set(picks.tolist()) == {0, 1, 2, 3}
 
 
-@pytest.mark.usefixtures("interpret")
-def test_decode_steps_through_triton_kernel():
-    """The model's decode steps through the Triton kernel (interpreted) match the PyTorch path."""
-    model = _model("fox-pro", seed=9, dtype=torch.float32)
+@pytest.mark.usefixtures("small_tiles")
+def test_decode_steps_through_triton_kernel(device):
+    """The model's decode steps through the Triton kernel (on the GPU, else interpreted) match the PyTorch path."""
+    model = _model("fox-pro", seed=9, dtype=torch.float32).to(device)
     prompts = _prompts(torch.Generator().manual_seed(4), (10, 17))
     outs = []
     for backend in ("torch", "triton"):
@@ -172,7 +172,8 @@ def test_decode_steps_through_triton_kernel():
             _prefill(model, cache, prompts, 32)  # the PyTorch path (the conftest's default)
             decoder = CachedDecoder(model, cache)
             with use_backend(backend):
-                outs.append(torch.stack([decoder.step(torch.tensor([3, 4])), decoder.step(torch.tensor([5, 6]))]))
+                outs.append(torch.stack([decoder.step(torch.tensor([3, 4], device=device)),
+                                         decoder.step(torch.tensor([5, 6], device=device))]))
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 

@@ -315,15 +315,16 @@ def test_bad_preset_and_input_errors():
 
 
 @pytest.mark.triton
-def test_model_on_the_triton_kernels_matches_the_torch_path():
-    """Layer -> fused op integration (strides, packed and padded rows, GQA), in the interpreter on CPU."""
+def test_model_on_the_triton_kernels_matches_the_torch_path(device):
+    """Layer -> fused op integration (strides, packed and padded rows, GQA): on the GPU, else in the interpreter."""
     from foxlm.ops import use_backend
 
     torch.manual_seed(0)
-    model = FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", **{**SMALL, "num_key_value_heads": 2})).eval()
-    ids = _ids(2, 12)
-    mask = torch.tensor([[0, 0, 0] + [1] * 9, [1] * 12])
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    config = FoxConfig.preset("fox-pro", "tiny", **{**SMALL, "num_key_value_heads": 2})
+    model = FoxForCausalLM(config).eval().to(device)
+    ids = _ids(2, 12).to(device)
+    mask = torch.tensor([[0, 0, 0] + [1] * 9, [1] * 12], device=device)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32, device=device)
     with torch.no_grad():
         triton_out = [model(ids, attention_mask=mask).logits, model(ids[:1], cu_seqlens=cu).logits]
         with use_backend("torch"):
