@@ -162,7 +162,8 @@ def test_sample_next_top_p():
 
 @pytest.mark.usefixtures("small_tiles")
 def test_decode_steps_through_triton_kernel(device):
-    """The model's decode steps through the Triton kernel (on the GPU, else interpreted) match the PyTorch path."""
+    """The model's decode steps through the Triton kernel (on the GPU, else interpreted) match the PyTorch path;
+    on the GPU the Triton steps replay a CUDA graph (the second step) and the PyTorch ones stay eager."""
     model = _model("fox-pro", seed=9, dtype=torch.float32).to(device)
     prompts = _prompts(torch.Generator().manual_seed(4), (10, 17))
     outs = []
@@ -174,6 +175,7 @@ def test_decode_steps_through_triton_kernel(device):
             with use_backend(backend):
                 outs.append(torch.stack([decoder.step(torch.tensor([3, 4], device=device)),
                                          decoder.step(torch.tensor([5, 6], device=device))]))
+            assert (decoder._graph is not None) == (backend == "triton" and device == "cuda")
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 

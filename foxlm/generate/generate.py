@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ops.backend import use_triton
 from .cache import PagedFoxCache
 
 
@@ -60,6 +61,8 @@ class CachedDecoder:
     ``step(tokens [B]) -> logits [B, V]`` feeds one token per row at each row's own position. With
     ``cuda_graph`` the first step runs eagerly (compiles the kernels, warms the allocator) on a side stream,
     the second is captured and every later one replays it; a pool reallocation (``cache.version``) recaptures.
+    Steps on the PyTorch decode path (``use_backend("torch")``, float64) stay eager: it sizes its gather from
+    the cache lengths on the host, which a graph cannot capture.
     """
 
     def __init__(self, model, cache: PagedFoxCache, cuda_graph: bool | None = None):
@@ -85,7 +88,7 @@ class CachedDecoder:
         self._ids.copy_(tokens.view(-1, 1))
         self._pos.copy_(cache.write_pos.view(-1, 1))
         self._steps += 1
-        if not self.cuda_graph:
+        if not (self.cuda_graph and use_triton(self.cache.k_pool)):
             return self._forward()
         if self._steps == 1:  # warm-up, on a side stream as graph capture wants
             stream = torch.cuda.Stream(device=cache.device)
