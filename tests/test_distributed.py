@@ -17,7 +17,7 @@ import torch
 from foxlm.data import prepare
 from foxlm.data.assets import shakespeare_plays
 
-ARGS = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+ARGS = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
         "model.intermediate_size=128", "tokenizer=byte", "seq_len=32", "batch_size=4", "micro_batch_size=1",
         "max_steps=5", "warmup_steps=1", "lr=3e-3", "min_lr=3e-4", "eval_every=5", "eval_batches=2",
         "save_every=5", "log_every=1", "progress=false", "tensorboard=false", "resume=never", "sample_tokens=0"]

@@ -18,11 +18,13 @@ import torch
 from foxlm.data import TokenDataset, prepare
 from foxlm.data.assets import shakespeare_plays
 from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
 from foxlm.train.trainer import Trainer, param_groups
 
-# A very small model on byte-level Shakespeare: steps take milliseconds.
-TINY = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+# A very small model on byte-level Shakespeare, on the CPU also where there is a GPU (the GPU tests add
+# device=cuda): steps take milliseconds.
+TINY = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
         "model.intermediate_size=128", "tokenizer=byte", "seq_len=32", "batch_size=4", "warmup_steps=2",
         "lr=3e-3", "min_lr=3e-4", "eval_batches=2", "log_every=1", "progress=false", "tensorboard=false",
         "sample_tokens=0"]
@@ -270,7 +272,23 @@ def test_cuda_graph_needs_fixed_shapes_and_a_gpu(byte_data, tmp_path):
         GraphedMicroStep(lambda ids, labels: ids.sum(), [torch.nn.Parameter(torch.randn(3))])
 
 
+def test_missing_gpu_is_a_clear_error(byte_data, tmp_path):
+    """(torchrun with more processes than GPUs asks for cuda:LOCAL_RANK: named here, not a CUDA error later.)"""
+    with pytest.raises(ValueError, match=r"device: cuda:99 is not one of the \d+ visible GPUs"):
+        Trainer(_cfg(byte_data, tmp_path, "device=cuda:99"))
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@requires_cuda
+def test_cuda_graph_needs_the_triton_kernels(byte_data, tmp_path):
+    """On the PyTorch path (which sizes its work on the host) auto stays eager and true is a clear error."""
+    assert Trainer(_cfg(byte_data, tmp_path, "cuda_graph=auto", "device=cuda")).graphed is None  # conftest: torch
+    with pytest.raises(ValueError, match="cuda_graph: needs foxlm's Triton kernels"):
+        Trainer(_cfg(byte_data, tmp_path, "cuda_graph=true", "device=cuda"))
+    with use_backend("auto"):
+        assert Trainer(_cfg(byte_data, tmp_path, "cuda_graph=auto", "device=cuda")).graphed is not None
 
 
 @requires_cuda

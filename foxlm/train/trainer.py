@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
+from ..ops.backend import use_triton
 from .checkpoint import latest_valid_checkpoint, load_trainer_state, resolve_model_dir, write_checkpoint
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
@@ -91,6 +92,9 @@ def _setup_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
         if device.type == "cuda" and device.index is None:
             device = torch.device(f"cuda:{local_rank}")
     if device.type == "cuda":
+        if device.index >= torch.cuda.device_count():
+            where = f" for LOCAL_RANK={local_rank} (one process per GPU, or device=cpu)" if world > 1 else ""
+            raise ValueError(f"device: {device} is not one of the {torch.cuda.device_count()} visible GPUs{where}")
         torch.cuda.set_device(device)
     owns_group = world > 1 and not dist.is_initialized()
     if owns_group:
@@ -105,11 +109,14 @@ def _wrap(model: FoxForCausalLM, cfg: TrainConfig, d: _Dist, device: torch.devic
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    # the mesh on the trainer's device: fully_shard's default takes the GPU whenever one is visible, even for gloo
+    mesh = init_device_mesh(device.type, (d.world,))
     for block in model.model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model
 
 
@@ -235,13 +242,18 @@ class Trainer:
         # CUDA graph of the micro-step; its gradients stay at fixed addresses (zeroed in place)
         self.graphed = None
         use_graph = cfg.cuda_graph
+        # the PyTorch paths of the ops size their work on the host (not capturable): graphs need the Triton kernels
+        kernels = self.device.type == "cuda" and use_triton(torch.empty(0, device=self.device))
         if use_graph == "auto":
             use_graph = (self.device.type == "cuda" and self.d.world == 1 and cfg.packing == "windows"
-                         and not cfg.compile)
+                         and not cfg.compile and kernels)
         if use_graph:
             if self.device.type != "cuda" or self.d.world > 1:
                 raise ValueError(f"cuda_graph: needs one CUDA device and one process, got {self.device} x "
                                  f"{self.d.world}")
+            if not kernels:
+                raise ValueError("cuda_graph: needs foxlm's Triton kernels (the PyTorch paths sync with the host), "
+                                 "got use_backend('torch')")
             self.graphed = GraphedMicroStep(self._loss, [p for p in self.model.parameters() if p.requires_grad])
 
         # loaders
