@@ -333,6 +333,38 @@ def test_cuda_graph_micro_steps_match_eager():
 
 @requires_cuda
 @pytest.mark.triton
+def test_capture_is_not_broken_by_a_dead_graph():
+    """A finished run's graph left in a dead reference cycle (as a Trainer and its GraphedMicroStep form) is not
+    destroyed by the cyclic GC in the middle of the next capture, which would invalidate that capture."""
+    import gc
+
+    from foxlm.train.cuda_graph import GraphedMicroStep
+
+    config = FoxConfig.preset("fox-pro", "tiny", vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=128)
+    ids = torch.randint(0, 128, (2, 64), device="cuda")
+
+    def graphed_step() -> GraphedMicroStep:
+        model = FoxForCausalLM(config).cuda()
+        step = GraphedMicroStep(lambda i, labels: model(input_ids=i, labels=labels).loss, list(model.parameters()),
+                                warmup=1)
+        step.cycle = step
+        step(ids, ids)  # warm-up
+        step(ids, ids)  # capture and replay
+        return step
+
+    graphed_step()  # now garbage that only the cyclic GC frees
+    threshold = gc.get_threshold()
+    gc.set_threshold(1)  # a collection at (nearly) every allocation, the capture's included
+    try:
+        loss = graphed_step()(ids, ids)
+    finally:
+        gc.set_threshold(*threshold)
+    assert torch.isfinite(loss)
+
+
+@requires_cuda
+@pytest.mark.triton
 @pytest.mark.parametrize("options", [[], ["activation_checkpointing=true", "model.acp=true"]],
                          ids=["plain", "ckpt-acp"])
 def test_trainer_cuda_graph_keeps_the_losses(byte_data, tmp_path, options):

@@ -13,6 +13,7 @@ fixed addresses: they are created before the capture and must be zeroed in place
 
 from __future__ import annotations
 
+import gc
 from typing import Callable
 
 import torch
@@ -81,8 +82,17 @@ class GraphedMicroStep:
                              f"graph needs every gradient at a fixed address")
         grads = [p.grad.data_ptr() for p in self.params]
         # The capture records the work without running it: keep the gradients, replay once to run it.
-        self._graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self._graph):
-            self._loss = self._micro_step()
+        # A dead reference cycle holding an earlier graph (a finished Trainer and its GraphedMicroStep) is collected
+        # now, not by the cyclic GC during the capture: destroying a graph there invalidates the capture.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self._graph):
+                self._loss = self._micro_step()
+        finally:
+            if collecting:
+                gc.enable()
         if [p.grad.data_ptr() for p in self.params] != grads:
             raise RuntimeError("cuda_graph: the captured backward replaced a gradient instead of adding into it")
