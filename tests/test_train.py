@@ -334,8 +334,8 @@ def test_cuda_graph_micro_steps_match_eager():
 @requires_cuda
 @pytest.mark.triton
 def test_capture_is_not_broken_by_a_dead_graph():
-    """A finished run's graph left in a dead reference cycle (as a Trainer and its GraphedMicroStep form) is not
-    destroyed by the cyclic GC in the middle of the next capture, which would invalidate that capture."""
+    """A finished run's graph left in a dead reference cycle (as a Trainer and its GraphedMicroStep form) is freed
+    before the next capture, not by a garbage collection in the middle of it (which invalidates that capture)."""
     import gc
 
     from foxlm.train.cuda_graph import GraphedMicroStep
@@ -344,22 +344,31 @@ def test_capture_is_not_broken_by_a_dead_graph():
                               num_attention_heads=2, intermediate_size=128)
     ids = torch.randint(0, 128, (2, 64), device="cuda")
 
-    def graphed_step() -> GraphedMicroStep:
+    def graphed_step(collect_in_capture: bool = False) -> GraphedMicroStep:
         model = FoxForCausalLM(config).cuda()
-        step = GraphedMicroStep(lambda i, labels: model(input_ids=i, labels=labels).loss, list(model.parameters()),
-                                warmup=1)
-        step.cycle = step
-        step(ids, ids)  # warm-up
-        step(ids, ids)  # capture and replay
+
+        def loss_fn(input_ids, labels):
+            if collect_in_capture and torch.cuda.is_current_stream_capturing():
+                gc.collect()  # what the cyclic GC may do at any allocation
+            return model(input_ids=input_ids, labels=labels).loss
+
+        step = GraphedMicroStep(loss_fn, list(model.parameters()), warmup=1)
+        step.cycle = step  # only the cyclic GC frees it
         return step
 
-    graphed_step()  # now garbage that only the cyclic GC frees
-    threshold = gc.get_threshold()
-    gc.set_threshold(1)  # a collection at (nearly) every allocation, the capture's included
+    collecting = gc.isenabled()
+    gc.disable()  # no collection but the explicit ones
     try:
-        loss = graphed_step()(ids, ids)
+        live = graphed_step(collect_in_capture=True)
+        live(ids, ids)  # warm-up
+        dead = graphed_step()
+        dead(ids, ids)  # warm-up
+        dead(ids, ids)  # capture and replay
+        del dead
+        loss = live(ids, ids)  # capture and replay
     finally:
-        gc.set_threshold(*threshold)
+        if collecting:
+            gc.enable()
     assert torch.isfinite(loss)
 
 
