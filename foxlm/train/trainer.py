@@ -12,6 +12,7 @@ from a CUDA graph (``GraphedMicroStep``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -80,6 +81,13 @@ class _Dist:
         if self.world > 1:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
+
+
+def _causal_lm_loss(model: torch.nn.Module, autocast: bool, input_ids: torch.Tensor, labels: torch.Tensor,
+                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's mean next-token loss on input_ids / labels [B, T], under bf16 autocast when ``autocast``."""
+    with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        return model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False).loss
 
 
 def _setup_distributed(cfg: TrainConfig) -> tuple[_Dist, torch.device]:
@@ -239,6 +247,8 @@ class Trainer:
                                            betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                            **({"fused": True} if fused else {}))
 
+        self._loss = functools.partial(_causal_lm_loss, self.model, self.autocast)
+
         # CUDA graph of the micro-step; its gradients stay at fixed addresses (zeroed in place)
         self.graphed = None
         use_graph = cfg.cuda_graph
@@ -254,6 +264,7 @@ class Trainer:
             if not kernels:
                 raise ValueError("cuda_graph: needs foxlm's Triton kernels (the PyTorch paths sync with the host), "
                                  "got use_backend('torch')")
+            # the loss does not hold the Trainer: no reference cycle keeps a finished run's graph for the GC to free
             self.graphed = GraphedMicroStep(self._loss, [p for p in self.model.parameters() if p.requires_grad])
 
         # loaders
@@ -335,10 +346,6 @@ class Trainer:
         return Path(self.cfg.resume).expanduser()
 
     # --- steps ------------------------------------------------------------------------------------------------
-    def _loss(self, input_ids: torch.Tensor, labels: torch.Tensor, cu_seqlens: torch.Tensor | None = None):
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            return self.model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False).loss
-
     def _forward(self, b: Batch) -> torch.Tensor:
         b = b.to(self.device)
         return self._loss(b.input_ids, b.labels, b.cu_seqlens)
