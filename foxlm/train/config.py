@@ -47,8 +47,8 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     compile: bool = False  # torch.compile each block
-    # replay each micro-batch's forward + backward from a CUDA graph (one GPU, packing=windows, no compile);
-    # auto: whenever those hold
+    # replay each micro-batch's forward + backward from a CUDA graph (one GPU, packing=windows, no compile, the
+    # Triton kernels); auto: whenever those hold
     cuda_graph: bool | str = False
     activation_checkpointing: bool = False
     parallel: str = "fsdp"  # under torchrun: fsdp (FSDP2 fully_shard) | ddp
