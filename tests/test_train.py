@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -53,6 +54,16 @@ def _subprocess_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     return env
+
+
+@pytest.fixture
+def no_automatic_gc():
+    """Python's cyclic GC runs only when called: a test sees whether something waits for it."""
+    collecting = gc.isenabled()
+    gc.disable()
+    yield
+    if collecting:
+        gc.enable()
 
 
 def _cfg(data, run, *extra):
@@ -278,27 +289,21 @@ def test_missing_gpu_is_a_clear_error(byte_data, tmp_path):
         Trainer(_cfg(byte_data, tmp_path, "device=cuda:99"))
 
 
+@pytest.mark.usefixtures("no_automatic_gc")
 def test_a_finished_trainer_is_freed_without_the_cyclic_gc(byte_data, tmp_path):
     """No reference cycle holds a Trainer: its CUDA graph (GraphedMicroStep) goes with its last reference, not at a
     garbage collection that might fall inside a later capture."""
-    import gc
     import weakref
 
     gpu = torch.cuda.is_available()  # there: a captured and replayed step (warm-up steps 1 and 2, capture at 3)
     extra = ["device=cuda", "cuda_graph=true"] if gpu else []
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        with use_backend("auto" if gpu else "torch"):
-            trainer = Trainer(_cfg(byte_data, tmp_path, "max_steps=4", "eval_every=2", "save_every=2", *extra))
-            trainer.run()
-        assert (trainer.graphed is not None) == gpu
-        ref = weakref.ref(trainer)
-        del trainer
-        assert ref() is None
-    finally:
-        if collecting:
-            gc.enable()
+    with use_backend("auto" if gpu else "torch"):
+        trainer = Trainer(_cfg(byte_data, tmp_path, "max_steps=4", "eval_every=2", "save_every=2", *extra))
+        trainer.run()
+    assert (trainer.graphed is not None) == gpu
+    ref = weakref.ref(trainer)
+    del trainer
+    assert ref() is None
 
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -356,11 +361,10 @@ def test_cuda_graph_micro_steps_match_eager():
 
 @requires_cuda
 @pytest.mark.triton
+@pytest.mark.usefixtures("no_automatic_gc")  # no collection but the explicit ones
 def test_capture_is_not_broken_by_a_dead_graph():
     """A finished run's graph left in a dead reference cycle (as a Trainer and its GraphedMicroStep form) is freed
     before the next capture, not by a garbage collection in the middle of it (which invalidates that capture)."""
-    import gc
-
     from foxlm.train.cuda_graph import GraphedMicroStep
 
     config = FoxConfig.preset("fox-pro", "tiny", vocab_size=128, hidden_size=64, num_hidden_layers=2,
@@ -379,20 +383,13 @@ def test_capture_is_not_broken_by_a_dead_graph():
         step.cycle = step  # only the cyclic GC frees it
         return step
 
-    collecting = gc.isenabled()
-    gc.disable()  # no collection but the explicit ones
-    try:
-        live = graphed_step(collect_in_capture=True)
-        live(ids, ids)  # warm-up
-        dead = graphed_step()
-        dead(ids, ids)  # warm-up
-        dead(ids, ids)  # capture and replay
-        del dead
-        loss = live(ids, ids)  # capture and replay
-    finally:
-        if collecting:
-            gc.enable()
-    assert torch.isfinite(loss)
+    live = graphed_step(collect_in_capture=True)
+    live(ids, ids)  # warm-up
+    dead = graphed_step()
+    dead(ids, ids)  # warm-up
+    dead(ids, ids)  # capture and replay
+    del dead
+    assert torch.isfinite(live(ids, ids))  # capture and replay
 
 
 @requires_cuda
