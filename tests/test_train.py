@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -205,6 +206,36 @@ def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
     direct = load_checkpoint_model(run / "checkpoints" / "step_0000002" / "model")
     assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), direct.state_dict().values()))
     assert model.config.foxlm_tokenizer["name"] == "byte"
+
+
+def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp_path):
+    """Another run's checkpoints, later ones than the resume point, or another model's are refused before anything
+    is written (pruning by step would delete them or the new run's own); a checkpoint starts a run in a new out_dir."""
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=4", "save_every=2", "eval_every=0"))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    cases = {("resume=never",): "another run's checkpoints",
+             (f"resume={run / 'checkpoints' / 'step_0000002'}",): "after step_0000002, which this run resumes from",
+             ("model.hidden_size=32",): r"trained as fox-pro tiny with model=\{'hidden_size': 64, .*\{'hidden_size': 32",
+             ("arch=transformer-pro",): "fgate_proj"}
+    for extra, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            train(_cfg(byte_data, run, "max_steps=6", "save_every=2", "eval_every=0", *extra))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written or pruned
+
+    branch = tmp_path / "branch"
+    summary = train(_cfg(byte_data, branch, "max_steps=6", "save_every=2", "eval_every=0",
+                         f"resume={run / 'checkpoints' / 'step_0000002'}"))
+    assert summary["step"] == 6 and min(_losses(branch)) == 3
+    assert sorted(p.name for p in (branch / "checkpoints").iterdir()) == \
+        ["latest", "step_0000004", "step_0000006"]  # keep_last=3 of this run's own saves; none of the other run's
+    with pytest.raises(ValueError, match="checkpoints of another run than"):
+        train(_cfg(byte_data, branch, "max_steps=8", f"resume={run / 'checkpoints' / 'step_0000004'}"))
+    damaged = tmp_path / "damaged" / "checkpoints" / "step_0000004"
+    shutil.copytree(run / "checkpoints" / "step_0000004", damaged)
+    (damaged / "trainer.pt").write_bytes(b"not the saved state")
+    with pytest.raises(ValueError, match="only checkpoints that do not verify"), pytest.warns(UserWarning):
+        train(_cfg(byte_data, tmp_path / "damaged", "max_steps=8"))
 
 
 def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):

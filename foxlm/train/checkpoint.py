@@ -78,7 +78,24 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(ckpt: str | os.PathLike) -> int:
+    """The step of a checkpoint folder ``step_NNNNNNN``."""
+    match = STEP_DIR.match(Path(ckpt).name)
+    if match is None:
+        raise ValueError(f"checkpoint: {ckpt} is not a step_NNNNNNN folder")
+    return int(match.group(1))
+
+
+def conflicting_checkpoints(run_dir: str | os.PathLike, start: str | os.PathLike | None) -> list[Path]:
+    """The checkpoints of ``run_dir`` that a run starting from checkpoint ``start`` (None: from scratch) would mix
+    its own with, and prune by step: all of them, unless ``start`` is one of them; then those after it."""
+    found = list_checkpoints(run_dir)
+    if start is None or Path(start).resolve().parent != (Path(run_dir) / "checkpoints").resolve():
+        return found
+    return [p for p in found if checkpoint_step(p) > checkpoint_step(start)]
 
 
 def verify_checkpoint(ckpt: str | os.PathLike) -> str | None:

@@ -60,7 +60,8 @@ class TrainConfig:
     save_every: int = 500  # 0: only at the end
     keep_last: int = 3
     out_dir: str = "runs/default"
-    resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path
+    resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
+    # out_dir may hold no checkpoint this run does not continue from
     seed: int = 0
     progress: bool = True
     tensorboard: bool = True

@@ -29,7 +29,8 @@ from safetensors.torch import load_file
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
-from .checkpoint import latest_valid_checkpoint, load_trainer_state, resolve_model_dir, write_checkpoint
+from .checkpoint import (conflicting_checkpoints, latest_valid_checkpoint, load_trainer_state, resolve_model_dir,
+                         write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -327,9 +328,23 @@ class Trainer:
         if state["tokenizer"] != self.tok_spec:
             raise ValueError(f"tokenizer: the checkpoint was trained with {state['tokenizer']}, the data is "
                              f"{self.tok_spec}")
-        self.loader.load_state_dict(state["loader"])
         module = _unwrap(self.model)
         weights = load_file(str(resolve_model_dir(ckpt) / "model.safetensors"))
+        expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+        found = {name: tuple(t.shape) for name, t in weights.items()}
+        if found != expected:
+            differ = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
+            was = state["config"]
+
+            def name(arch: str, size: str, model: dict) -> str:
+                return f"{arch} {size}" + (f" with model={model}" if model else "")
+
+            raise ValueError(
+                f"resume: {ckpt} was trained as {name(was['arch'], was['size'], was['model'])}, this config is "
+                f"{name(self.cfg.arch, self.cfg.size, self.cfg.model)}: {len(differ)} weights differ (e.g. "
+                f"{differ[0]}: {found.get(differ[0], 'absent')} in the checkpoint, {expected.get(differ[0], 'absent')}"
+                f" here). Train into a new out_dir to start this model")
+        self.loader.load_state_dict(state["loader"])
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(module, weights, options=options)
         set_optimizer_state_dict(module, self.optimizer, state["optimizer"], options=options)
@@ -337,6 +352,26 @@ class Trainer:
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+
+    def _check_out_dir(self, ckpt: Path | None) -> None:
+        """Refuse to train into checkpoints this run does not continue from: its saves would interleave with them,
+        and keeping the last ``keep_last`` by step would delete them, or this run's own."""
+        in_the_way = conflicting_checkpoints(self.run_dir, ckpt)
+        if not in_the_way:
+            return
+        names = ", ".join(p.name for p in in_the_way[:3]) + (", ..." if len(in_the_way) > 3 else "")
+        where = f"out_dir: {self.run_dir} holds"
+        if ckpt is None and self.cfg.resume == "auto":
+            problem, fix = f"{where} only checkpoints that do not verify ({names})", "move them away"
+        elif ckpt is None:
+            problem, fix = f"{where} another run's checkpoints ({names})", "resume=auto to continue that run"
+        elif in_the_way[0].parent.resolve() != ckpt.parent.resolve():
+            problem, fix = f"{where} checkpoints of another run than {ckpt}'s ({names})", "move them away"
+        else:
+            problem, fix = f"{where} checkpoints after {ckpt.name}, which this run resumes from ({names})", \
+                f"move them away to go on from {ckpt.name}"
+        raise ValueError(f"{problem}: this run's saves would be mixed with them and pruned by step. Train into a new "
+                         f"out_dir, or {fix}")
 
     def _resume_point(self) -> Path | None:
         if self.cfg.resume == "never":
@@ -458,6 +493,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.d.barrier()
         ckpt = self._resume_point()
+        self._check_out_dir(ckpt)
         if ckpt is not None:
             self.load(ckpt)
         if self.d.main:
