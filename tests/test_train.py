@@ -177,8 +177,11 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):
     ckpt = latest_valid_checkpoint(run)
     assert ckpt is not None and 6 <= int(ckpt.name.split("_")[1]) < 30
 
+    leftover = run / "checkpoints" / ".step_0000009.tmp-123"  # what a kill during a save leaves
+    leftover.mkdir(exist_ok=True)
+    (leftover / "trainer.pt").write_bytes(b"half-written")
     summary = train(_cfg(byte_data, run, *extra))
-    assert summary["step"] == 30
+    assert summary["step"] == 30 and not leftover.exists()
     assert _losses(run) == _losses(ref)  # exactly, step by step
     a, b = load_checkpoint_model(run), load_checkpoint_model(ref / "checkpoints" / "step_0000030")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))

@@ -10,7 +10,8 @@ Layout::
     <run>/checkpoints/latest      name of the newest complete checkpoint
 
 A checkpoint is written into a temporary folder and renamed into place, so a killed run leaves no
-``step_*`` folder half-written; ``manifest.json`` is checked before loading, so a damaged one is never used.
+``step_*`` folder half-written (the next save removes its temporary folder); ``manifest.json`` is checked before
+loading, so a damaged one is never used.
 """
 
 from __future__ import annotations
@@ -41,8 +42,9 @@ def write_checkpoint(run_dir: Path, step: int, save_model, trainer_state: dict, 
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(step)
+    for stale in root.glob(".step_*.tmp-*"):  # saves of a killed run: one process writes a run's checkpoints
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     save_model(tmp / "model")
     torch.save(trainer_state, tmp / "trainer.pt")
