@@ -191,3 +191,5 @@ def test_generate_cli(tmp_path, capsys):
     assert code == 0
     assert "=== 0 ===\nThe forget gate" in out and "=== 1 ===\nHi" in out
     assert "tokens/s" in err and "pages" in err
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--device", "tpu"]) == 2
+    assert "device: expected e.g. 'cpu'" in capsys.readouterr().err

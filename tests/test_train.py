@@ -89,6 +89,12 @@ def test_config_errors_name_the_key(tmp_path, capsys):
         load_config(None, ["max_steps=many"])
     with pytest.raises(ValueError, match="packing"):
         load_config(None, ["packing=ragged"])
+    with pytest.raises(ValueError, match="device: expected e.g. 'cpu'"):
+        load_config(None, ["device=tpu"])
+    with pytest.raises(ValueError, match="device: expected auto, cpu, cuda or cuda:N, got 'meta'"):
+        load_config(None, ["device=meta"])
+    with pytest.raises(ValueError, match="lr: expected a positive learning rate, got 0.0"):
+        load_config(None, ["lr=0"])
     (tmp_path / "c.yaml").write_text("arch: fox-llama\nmodel: {acp: true}\nlr: 2.0e-3\n")
     cfg = load_config(tmp_path / "c.yaml", ["max_steps=7", "model.window=64"])
     assert (cfg.arch, cfg.model, cfg.lr, cfg.max_steps) == ("fox-llama", {"acp": True, "window": 64}, 2e-3, 7)

@@ -105,8 +105,9 @@ def register(subparsers) -> None:
 def _setup(args, checkpoints: list[str]):
     """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder."""
     from foxlm.data import TokenDataset
+    from foxlm.ops.backend import resolve_device
 
-    from .utils import load_model, resolve_device
+    from .utils import load_model
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")

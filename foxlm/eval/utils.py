@@ -17,16 +17,6 @@ import yaml
 _LOGIT_CHUNK_TOKENS = 2048
 
 
-def resolve_device(device: str | None) -> torch.device:
-    """``None``/``"auto"`` -> CUDA when available, else CPU."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'auto', got {device!r}") from e
-
-
 def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractContextManager:
     """Mixed precision as in training: fp32 weights, bf16 autocast on CUDA (``"auto"``), fp32 on the CPU."""
     if dtype not in ("auto", "float32", "bfloat16", "float16"):

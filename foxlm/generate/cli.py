@@ -39,6 +39,7 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from foxlm.data import get_tokenizer
+    from foxlm.ops.backend import resolve_device
     from foxlm.train import load_checkpoint_model
 
     from .generate import generate
@@ -50,7 +51,11 @@ def run(args: argparse.Namespace) -> int:
     if not prompts:
         print("foxlm generate: give at least one --prompt or --prompt-file", file=sys.stderr)
         return 2
-    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as e:
+        print(f"foxlm generate: {e}", file=sys.stderr)
+        return 2
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     tok = get_tokenizer(args.tokenizer)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import yaml
 
+from ..ops.backend import resolve_device
+
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -84,6 +86,10 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
+        if self.device != "auto" and resolve_device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: expected a positive learning rate, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
         if self.cuda_graph not in (True, False, "auto"):
