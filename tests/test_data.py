@@ -238,7 +238,19 @@ def test_cli_prepare(tmp_path, plays, capsys):
     args = parser.parse_args(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out"), "--tokenizer",
                               "byte", "--val-fraction", "0.34", "--workers", "0", "--glob", "*.txt", "--no-progress"])
     assert args.func(args) == 0 and "3 documents" in capsys.readouterr().out
-    assert TokenDataset(tmp_path / "out", "val").num_docs == 1
+    val = TokenDataset(tmp_path / "out", "val")
+    assert val.num_docs == 1
+    # again over the whole folder, which now holds the output: its shards and meta.json are not read as text
+    args = parser.parse_args(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out"), "--tokenizer",
+                              "byte", "--val-fraction", "0.01", "--workers", "0", "--no-progress", "--overwrite"])
+    assert args.func(args) == 0
+    out, err = capsys.readouterr()
+    assert "3 documents" in out and f"skipped {tmp_path / 'out'}: prepared token shards" in err
+    assert "no document held out: val_fraction=0.01 of 3 documents" in err
+    train = TokenDataset(tmp_path / "out", "train")
+    assert train.num_docs == 3 and len(train.tokens) == sum(1 + (tmp_path / f"{i}.txt").stat().st_size for i in range(3))
+    with pytest.raises(ValueError, match="holds prepared token shards, not text"):
+        prepare([tmp_path / "out"], tmp_path / "again", tokenizer="byte", workers=0, progress=False)
 
 
 def test_default_corpus(tmp_path, monkeypatch, gpt2):

@@ -10,7 +10,7 @@ from typing import Iterator
 import numpy as np
 
 from .assets import sha256_file
-from .prepare import FORMAT
+from .sources import FORMAT
 from .tokenizer import Tokenizer, tokenizer_from_spec
 
 

@@ -29,10 +29,9 @@ from typing import Iterator
 import numpy as np
 
 from .assets import sha256_file
-from .sources import PIECE_CHARS, Source, find_sources, source_events, source_size
+from .sources import FORMAT, PIECE_CHARS, Source, find_sources, source_events, source_size
 from .tokenizer import Tokenizer, get_tokenizer
 
-FORMAT = "foxlm.tokens/1"
 BATCH_CHARS = 1 << 18
 MAX_SKIP_EXAMPLES = 100
 
@@ -259,6 +258,9 @@ def prepare(
     if meta["num_docs"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: {dict(skipped)})")
+    if val_fraction > 0 and splits["val"]["num_docs"] == 0:
+        print(f"no document held out: val_fraction={val_fraction} of {meta['num_docs']} documents rounds to none, so "
+              f"training reports no validation loss (raise --val-fraction)", file=sys.stderr)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     if out_dir.exists():
         shutil.rmtree(out_dir)

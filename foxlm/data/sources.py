@@ -23,6 +23,7 @@ import io
 import json
 import os
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -32,6 +33,7 @@ Event = tuple[str, "str | tuple[str, str] | None"]
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 PIECE_CHARS = 1 << 20
+FORMAT = "foxlm.tokens/1"  # the meta.json format of what `prepare` writes: never read back as text
 # Unicode White_Space, what the tokenizer's regex calls \s (Python's str.isspace() also takes \x1c-\x1f).
 _WS_CLASS = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
 _WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | frozenset(
@@ -125,16 +127,31 @@ def _is_hf_dataset(path: Path) -> bool:
     return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
 
 
+def is_token_dataset(path: Path) -> bool:
+    """Whether folder ``path`` holds token shards written by ``prepare``."""
+    try:
+        return json.loads((path / "meta.json").read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def find_sources(inputs: list[str | os.PathLike], pattern: str = "**/*") -> list[Source]:
-    """Expand files and folders (recursively, hidden entries skipped, sorted) into sources."""
+    """Expand files and folders (recursively, hidden entries and prepared token datasets skipped, sorted) into
+    sources."""
     sources: list[Source] = []
     for raw in inputs:
         path = Path(raw).expanduser()
+        if path.is_dir() and is_token_dataset(path):
+            raise ValueError(f"inputs: {path} holds prepared token shards, not text (its `foxlm data prepare` output)")
         if path.is_dir() and _is_hf_dataset(path):
             sources.append(Source(path, "hf"))
         elif path.is_dir():
+            datasets = {m.parent for m in path.glob("**/meta.json") if is_token_dataset(m.parent)}
+            for folder in sorted(datasets):
+                print(f"skipped {folder}: prepared token shards, not text", file=sys.stderr)
             files = sorted(p for p in path.glob(pattern)
-                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
+                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+                           and not datasets.intersection(p.parents))
             sources.extend(Source(p, _kind(p)) for p in files)
         elif path.exists():
             sources.append(Source(path, _kind(path)))
