@@ -259,6 +259,15 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
                                      for r in skipped)
 
 
+def test_data_without_a_val_split_trains_and_says_so(tmp_path, capsys):
+    data = tmp_path / "data"
+    prepare(random.Random().sample(shakespeare_plays(), 1), data, tokenizer="byte", val_fraction=0.0, workers=0,
+            progress=False)
+    summary = train(_cfg(data, tmp_path / "run", "max_steps=2", "eval_every=1"))
+    assert summary["step"] == 2 and summary["val_loss"] is None
+    assert "no validation loss: the val split of" in capsys.readouterr().err
+
+
 def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tmp_path):
     """Recomputing activations, or splitting the batch into micro-batches, changes no loss."""
     extra = ["max_steps=3", "eval_every=0", "save_every=0", "packing=documents"]

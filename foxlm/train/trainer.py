@@ -507,6 +507,9 @@ class Trainer:
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
                   f"{self.loader.grad_accum} micro-batches per process"
                   + ("; forward + backward replayed from a CUDA graph" if self.graphed is not None else ""))
+        if self.val_loader is None and cfg.eval_every:
+            log.write(f"no validation loss: the val split of {self.data_path} has {len(self.val_ds.tokens):,} tokens, "
+                      f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()
         t0, tokens0 = time.perf_counter(), self.tokens_seen  # throughput since the last log line
