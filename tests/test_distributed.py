@@ -1,4 +1,5 @@
-"""`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch.
+"""`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
+FSDP2 also when resumed from one of its checkpoints.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
 """
@@ -52,12 +53,14 @@ def test_two_processes_match_one(tmp_path):
     ref = _records(tmp_path / "single")
     assert [r["step"] for r in ref if "loss" in r] == [1, 2, 3, 4, 5]
     ref_model = load_checkpoint_model(tmp_path / "single")
-    for parallel in ("fsdp", "ddp"):
-        got = _records(tmp_path / parallel)
-        assert len(got) == len(ref)
-        for a, b in zip(got, ref):
+    for parallel, first in (("fsdp", 1), ("ddp", 1), ("fsdp-resumed", 4)):  # resumed from FSDP2's step 3
+        got = {(r["step"], "loss" in r): r for r in _records(tmp_path / parallel)}
+        expected = [r for r in ref if r["step"] >= first]
+        assert set(got) == {(r["step"], "loss" in r) for r in expected}
+        for b in expected:
+            a = got[b["step"], "loss" in b]
             key = "loss" if "loss" in b else "val_loss"
-            assert a["step"] == b["step"] and a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (parallel, a, b)
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (parallel, a, b)
             if "val_acp_skipped" in b:  # the ranks' shares of the validation batches, averaged
                 assert a["val_acp_skipped"] == pytest.approx(b["val_acp_skipped"], abs=1e-6), (parallel, a, b)
         model = load_checkpoint_model(tmp_path / parallel)  # FSDP shards gathered into one safetensors file
@@ -72,7 +75,8 @@ if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP,
 
     root, args = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
-    for parallel in ("fsdp", "ddp"):
-        rc = main(["train", *args, f"parallel={parallel}", f"out_dir={os.path.join(root, parallel)}"])
-        assert rc == 0
+    assert main(["train", *args, "parallel=fsdp", "save_every=3", f"out_dir={os.path.join(root, 'fsdp')}"]) == 0
+    assert main(["train", *args, "parallel=fsdp", f"out_dir={os.path.join(root, 'fsdp-resumed')}",
+                 f"resume={os.path.join(root, 'fsdp', 'checkpoints', 'step_0000003')}"]) == 0
+    assert main(["train", *args, "parallel=ddp", f"out_dir={os.path.join(root, 'ddp')}"]) == 0
     dist.destroy_process_group()
