@@ -52,20 +52,27 @@ def link_files(files: list[Path], dest: Path, base: Path) -> int:
     return len(files)
 
 
-def bible_books(root: Path, dest: Path) -> int:
-    """The KJV through the package's binary, one file per book, verse numbers stripped."""
-    out = subprocess.run([str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-l100000", "gen1:1-rev22:21"],
-                         capture_output=True, text=True, check=True).stdout
+def split_books(out: str) -> dict[str, str]:
+    """The ``bible`` binary's output -> {book: text}: chapter headers ("Genesis 1", "1 Samuel 3") start chapters,
+    verse numbers are stripped."""
     books: dict[str, list[str]] = {}
     book = None
     for line in out.splitlines():
-        if m := re.fullmatch(r"(\S.*) (\d+)", line):  # "Genesis 1", "1 Samuel 3": a chapter header
+        if m := re.fullmatch(r"(\S.*) (\d+)", line):
             book = m.group(1)
             books.setdefault(book, []).append(f"\nChapter {m.group(2)}\n" if books.get(book) else f"{book}\n")
         elif book is not None and line.strip():
             books[book].append(re.sub(r"^\s*\d+ ", "", line))
-    for i, (name, lines) in enumerate(books.items()):
-        (dest / f"{i:02d}-{name.replace(' ', '-')}.txt").write_text("\n".join(lines) + "\n")
+    return {name: "\n".join(lines) + "\n" for name, lines in books.items()}
+
+
+def bible_books(root: Path, dest: Path) -> int:
+    """The KJV through the package's binary, one file per book."""
+    out = subprocess.run([str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-l100000", "gen1:1-rev22:21"],
+                         capture_output=True, text=True, check=True).stdout
+    books = split_books(out)
+    for i, (name, text) in enumerate(books.items()):
+        (dest / f"{i:02d}-{name.replace(' ', '-')}.txt").write_text(text)
     return len(books)
 
 
