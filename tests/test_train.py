@@ -163,7 +163,7 @@ def test_loader_deterministic_and_split_over_processes(byte_data, packing):
         assert (seen == eot).sum() >= ds.num_docs - 1
 
 
-def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):
+def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
     """SIGKILL a real `foxlm train` process after a checkpoint, resume it, compare with an uninterrupted run."""
     extra = ["max_steps=30", "save_every=3", "keep_last=2", "eval_every=10", "packing=documents"]
     ref = tmp_path / "ref"
@@ -188,6 +188,8 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path):
     (leftover / "trainer.pt").write_bytes(b"half-written")
     summary = train(_cfg(byte_data, run, *extra))
     assert summary["step"] == 30 and not leftover.exists()
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "changed settings" not in err
     assert _losses(run) == _losses(ref)  # exactly, step by step
     a, b = load_checkpoint_model(run), load_checkpoint_model(ref / "checkpoints" / "step_0000030")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
@@ -217,7 +219,7 @@ def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
     assert model.config.foxlm_tokenizer["name"] == "byte"
 
 
-def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp_path):
+def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp_path, capsys):
     """Another run's checkpoints, later ones than the resume point, or another model's are refused before anything
     is written (pruning by step would delete them or the new run's own); a checkpoint starts a run in a new out_dir."""
     run = tmp_path / "run"
@@ -233,9 +235,12 @@ def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written or pruned
 
     branch = tmp_path / "branch"
+    capsys.readouterr()
     summary = train(_cfg(byte_data, branch, "max_steps=6", "save_every=2", "eval_every=0",
                          f"resume={run / 'checkpoints' / 'step_0000002'}"))
     assert summary["step"] == 6 and min(_losses(branch)) == 3
+    assert f"at step 2, with changed settings: max_steps: 4 -> 6; out_dir: '{run}' -> '{branch}'\n" in \
+        capsys.readouterr().err
     assert sorted(p.name for p in (branch / "checkpoints").iterdir()) == \
         ["latest", "step_0000004", "step_0000006"]  # keep_last=3 of this run's own saves; none of the other run's
     with pytest.raises(ValueError, match="checkpoints of another run than"):

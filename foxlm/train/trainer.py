@@ -319,8 +319,9 @@ class Trainer:
         if hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(folder)
 
-    def load(self, ckpt: Path) -> None:
-        """Restore model, optimizer, counters and RNG from a verified checkpoint."""
+    def load(self, ckpt: Path) -> list[str]:
+        """Restore model, optimizer, counters and RNG from a verified checkpoint; return the settings this run
+        changes from the checkpoint's run ("key: old -> new")."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
@@ -352,6 +353,9 @@ class Trainer:
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        now = self.cfg.to_dict()
+        return [f"{key}: {was!r} -> {now[key]!r}" for key, was in state["config"].items()
+                if key != "resume" and key in now and now[key] != was]
 
     def _check_out_dir(self, ckpt: Path | None) -> None:
         """Refuse to train into checkpoints this run does not continue from: its saves would interleave with them,
@@ -494,13 +498,13 @@ class Trainer:
         self.d.barrier()
         ckpt = self._resume_point()
         self._check_out_dir(ckpt)
-        if ckpt is not None:
-            self.load(ckpt)
+        changed = self.load(ckpt) if ckpt is not None else []
         if self.d.main:
             (self.run_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         log = _Logger(cfg, self.run_dir, self.step, self.d.main)
         if ckpt is not None:
-            log.write(f"resumed from {ckpt} at step {self.step}")
+            log.write(f"resumed from {ckpt} at step {self.step}"
+                      + (f", with changed settings: {'; '.join(changed)}" if changed else ""))
         log.write(f"{cfg.arch} {cfg.size}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
