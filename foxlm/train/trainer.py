@@ -142,6 +142,11 @@ def _grad_sync(model: torch.nn.Module, sync: bool):
     return contextlib.nullcontext()
 
 
+def _model_name(cfg: dict) -> str:
+    """"fox-pro tiny", with the config's model overrides."""
+    return f"{cfg['arch']} {cfg['size']}" + (f" with model={cfg['model']}" if cfg["model"] else "")
+
+
 class _Logger:
     """JSONL + TensorBoard + progress bar, on the main process only."""
 
@@ -335,14 +340,9 @@ class Trainer:
         found = {name: tuple(t.shape) for name, t in weights.items()}
         if found != expected:
             differ = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
-            was = state["config"]
-
-            def name(arch: str, size: str, model: dict) -> str:
-                return f"{arch} {size}" + (f" with model={model}" if model else "")
-
             raise ValueError(
-                f"resume: {ckpt} was trained as {name(was['arch'], was['size'], was['model'])}, this config is "
-                f"{name(self.cfg.arch, self.cfg.size, self.cfg.model)}: {len(differ)} weights differ (e.g. "
+                f"resume: {ckpt} was trained as {_model_name(state['config'])}, this config is "
+                f"{_model_name(self.cfg.to_dict())}: {len(differ)} weights differ (e.g. "
                 f"{differ[0]}: {found.get(differ[0], 'absent')} in the checkpoint, {expected.get(differ[0], 'absent')}"
                 f" here). Train into a new out_dir to start this model")
         self.loader.load_state_dict(state["loader"])
