@@ -264,6 +264,24 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
                                      for r in skipped)
 
 
+def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
+    """A second `foxlm train` in a run folder while another holds it (here: a lock taken by this process through
+    another open file, as another process would) stops before writing; the folder is free again once released."""
+    from foxlm.train.checkpoint import lock_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    held = lock_run(run)
+    try:
+        assert lock_run(run) is None
+        with pytest.raises(ValueError, match=rf"out_dir: .* is in use by another foxlm train \(pid {os.getpid()}\)"):
+            train(_cfg(byte_data, run, "max_steps=2"))
+        assert sorted(p.name for p in run.iterdir()) == [".lock"]
+    finally:
+        held.close()
+    assert train(_cfg(byte_data, run, "max_steps=2"))["step"] == 2
+
+
 def test_data_without_a_val_split_trains_and_says_so(tmp_path, capsys):
     data = tmp_path / "data"
     prepare(random.Random().sample(shakespeare_plays(), 1), data, tokenizer="byte", val_fraction=0.0, workers=0,

@@ -22,8 +22,14 @@ import re
 import shutil
 import warnings
 from pathlib import Path
+from typing import IO
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None
 
 from ..data.assets import sha256_file
 
@@ -59,6 +65,24 @@ def write_checkpoint(run_dir: Path, step: int, save_model, trainer_state: dict, 
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
+    """An exclusive lock on a run folder (its ``.lock`` file, which records the holder's pid), held while the
+    returned file stays open, or None if another process holds it. The OS releases it with its process, killed or
+    not. Where ``fcntl`` is missing (not POSIX) the file is returned unlocked."""
+    f = open(Path(run_dir) / ".lock", "a+")
+    if fcntl is not None:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.close()
+            return None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
-from .checkpoint import (conflicting_checkpoints, latest_valid_checkpoint, load_trainer_state, resolve_model_dir,
-                         write_checkpoint)
+from .checkpoint import (conflicting_checkpoints, latest_valid_checkpoint, load_trainer_state, lock_run,
+                         resolve_model_dir, write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -491,11 +491,25 @@ class Trainer:
         return tokens_per_s * per_token / (peak * 1e12 * self.d.world)
 
     def run(self) -> dict:
-        """Train to ``max_steps`` (resuming if asked), with validation, logs and checkpoints; return a summary."""
-        cfg = self.cfg
+        """Train to ``max_steps`` (resuming if asked), with validation, logs and checkpoints; return a summary.
+        ``out_dir`` is locked meanwhile: a second run there (a requeued job while the first still runs) is refused."""
+        lock = None
         if self.d.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.d.barrier()
+            lock = lock_run(self.run_dir)
+        busy = self.d.sum(torch.tensor([float(self.d.main and lock is None)], device=self.device))
+        try:
+            if busy.item():
+                holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
+                raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
+                                 f"it to end, or train into a new out_dir")
+            return self._run()
+        finally:
+            if lock is not None:
+                lock.close()
+
+    def _run(self) -> dict:
+        cfg = self.cfg
         ckpt = self._resume_point()
         self._check_out_dir(ckpt)
         changed = self.load(ckpt) if ckpt is not None else []
