@@ -247,6 +247,7 @@ def test_cli_prepare(tmp_path, plays, capsys):
     out, err = capsys.readouterr()
     assert "3 documents" in out and f"skipped {tmp_path / 'out'}: prepared token shards" in err
     assert "no document held out: val_fraction=0.01 of 3 documents" in err
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the replaced dataset is gone
     train = TokenDataset(tmp_path / "out", "train")
     assert train.num_docs == 3 and len(train.tokens) == sum(1 + (tmp_path / f"{i}.txt").stat().st_size for i in range(3))
     with pytest.raises(ValueError, match="holds prepared token shards, not text"):

@@ -198,6 +198,22 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
     assert (run / "checkpoints" / "latest").read_text() == "step_0000030"
 
 
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    from foxlm.train.checkpoint import verify_checkpoint, write_checkpoint
+
+    def save(text: str):
+        def write(folder: Path) -> None:
+            folder.mkdir()
+            (folder / "weights.txt").write_text(text)
+        return write
+
+    state = {"step": 3, "x": torch.randn(5)}
+    write_checkpoint(tmp_path, 3, save("first"), state, keep_last=2)
+    path = write_checkpoint(tmp_path, 3, save("second"), state, keep_last=2)
+    assert (path / "model" / "weights.txt").read_text() == "second" and verify_checkpoint(path) is None
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000003"]
+
+
 def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
     run = tmp_path / "run"
     train(_cfg(byte_data, run, "max_steps=4", "save_every=2", "eval_every=0"))

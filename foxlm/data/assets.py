@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,19 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def replace_folder(new: Path, dest: Path) -> None:
+    """Move folder ``new`` to ``dest``, replacing what is there by a swap (rename the old copy aside, rename the new
+    one in, delete the old one): a kill at any point leaves a complete copy, never none."""
+    if not dest.exists():
+        new.rename(dest)
+        return
+    old = dest.with_name(f".{dest.name}.old-{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    dest.rename(old)
+    new.rename(dest)
+    shutil.rmtree(old)
 
 
 def package_dir(asset: WheelAsset, local: str | os.PathLike | None = None) -> Path:

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .assets import sha256_file
+from .assets import replace_folder, sha256_file
 from .sources import FORMAT, PIECE_CHARS, Source, find_sources, source_events, source_size
 from .tokenizer import Tokenizer, get_tokenizer
 
@@ -262,8 +262,6 @@ def prepare(
         print(f"no document held out: val_fraction={val_fraction} of {meta['num_docs']} documents rounds to none, so "
               f"training reports no validation loss (raise --val-fraction)", file=sys.stderr)
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp.rename(out_dir)
+    replace_folder(tmp, out_dir)
     return meta

@@ -31,7 +31,7 @@ try:
 except ImportError:  # not POSIX
     fcntl = None
 
-from ..data.assets import sha256_file
+from ..data.assets import replace_folder, sha256_file
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 
@@ -58,9 +58,7 @@ def write_checkpoint(run_dir: Path, step: int, save_model, trainer_state: dict, 
     manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     _fsync_tree(tmp)
-    if final.exists():  # re-saving the same step (e.g. the final save of a resumed, finished run)
-        shutil.rmtree(final)
-    tmp.rename(final)
+    replace_folder(tmp, final)  # a step saved again (Trainer.save called twice) is swapped, never lost
     _write_atomic(root / "latest", final.name)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
