@@ -165,7 +165,7 @@ def test_loader_deterministic_and_split_over_processes(byte_data, packing):
 
 def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
     """SIGKILL a real `foxlm train` process after a checkpoint, resume it, compare with an uninterrupted run."""
-    extra = ["max_steps=30", "save_every=3", "keep_last=2", "eval_every=10", "packing=documents"]
+    extra = ["max_steps=30", "save_every=3", "keep_last=2", "eval_every=10", "packing=documents", "tensorboard=true"]
     ref = tmp_path / "ref"
     train(_cfg(byte_data, ref, *extra))
 
@@ -191,6 +191,12 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "resumed from" in err and "changed settings" not in err
     assert _losses(run) == _losses(ref)  # exactly, step by step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()  # each step once, with the resumed run's loss (the reader purges what the killed run logged after)
+    assert {e.step: e.value for e in tb.Scalars("train/loss")} == pytest.approx(_losses(ref), rel=1e-6)
+    assert len(tb.Scalars("train/loss")) == 30
     a, b = load_checkpoint_model(run), load_checkpoint_model(ref / "checkpoints" / "step_0000030")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == \
