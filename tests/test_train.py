@@ -304,6 +304,20 @@ def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
     assert train(_cfg(byte_data, run, "max_steps=2"))["step"] == 2
 
 
+def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeypatch):
+    """Where flock fails (ENOLCK on some network or FUSE mounts; simulated here) training goes on, with a warning."""
+    import errno
+
+    from foxlm.train import checkpoint
+
+    def no_flock(f, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(checkpoint.fcntl, "flock", no_flock)
+    with pytest.warns(UserWarning, match="cannot lock .*No locks available"):
+        assert train(_cfg(byte_data, tmp_path / "run", "max_steps=2"))["step"] == 2
+
+
 def test_data_without_a_val_split_trains_and_says_so(tmp_path, capsys):
     data = tmp_path / "data"
     prepare(random.Random().sample(shakespeare_plays(), 1), data, tokenizer="byte", val_fraction=0.0, workers=0,

@@ -68,7 +68,7 @@ def write_checkpoint(run_dir: Path, step: int, save_model, trainer_state: dict, 
 def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
     """An exclusive lock on a run folder (its ``.lock`` file, which records the holder's pid), held while the
     returned file stays open, or None if another process holds it. The OS releases it with its process, killed or
-    not. Where ``fcntl`` is missing (not POSIX) the file is returned unlocked."""
+    not. Where ``fcntl`` is missing (not POSIX) or the filesystem has no ``flock``, the file is returned unlocked."""
     f = open(Path(run_dir) / ".lock", "a+")
     if fcntl is not None:
         try:
@@ -76,6 +76,9 @@ def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
         except BlockingIOError:
             f.close()
             return None
+        except OSError as e:  # a filesystem without flock (some FUSE or network mounts): run unlocked
+            warnings.warn(f"out_dir: cannot lock {run_dir} ({e}); a second run there would not be detected",
+                          stacklevel=2)
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()}\n")
