@@ -28,7 +28,8 @@ def _train(args: argparse.Namespace) -> int:
         print(f"foxlm train: error: {e}", file=sys.stderr)
         return 2
     summary = train(cfg)
-    print(f"step {summary['step']}: train loss {summary.get('loss', float('nan')):.4f}"
+    trained = (f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained")
+    print(f"step {summary['step']}: {trained}"
           + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
           + f"; checkpoints in {summary['run_dir']}/checkpoints")
     return 0

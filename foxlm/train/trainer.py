@@ -142,6 +142,10 @@ def _grad_sync(model: torch.nn.Module, sync: bool):
     return contextlib.nullcontext()
 
 
+# Settings that change what a run shows, not what it trains: not reported as changed on resume.
+_DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens"}
+
+
 def _model_name(cfg: dict) -> str:
     """"fox-pro tiny", with the config's model overrides."""
     return f"{cfg['arch']} {cfg['size']}" + (f" with model={cfg['model']}" if cfg["model"] else "")
@@ -355,7 +359,7 @@ class Trainer:
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         now = self.cfg.to_dict()
         return [f"{key}: {was!r} -> {now[key]!r}" for key, was in state["config"].items()
-                if key != "resume" and key in now and now[key] != was]
+                if key not in _DISPLAY_KEYS and key in now and now[key] != was]
 
     def _check_out_dir(self, ckpt: Path | None) -> None:
         """Refuse to train into checkpoints this run does not continue from: its saves would interleave with them,
@@ -525,6 +529,9 @@ class Trainer:
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
                   f"{self.loader.grad_accum} micro-batches per process"
                   + ("; forward + backward replayed from a CUDA graph" if self.graphed is not None else ""))
+        if self.step >= cfg.max_steps:
+            log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise max_steps to "
+                      f"continue it)")
         if self.val_loader is None and cfg.eval_every:
             log.write(f"no validation loss: the val split of {self.data_path} has {len(self.val_ds.tokens):,} tokens, "
                       f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
