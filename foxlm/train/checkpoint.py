@@ -116,11 +116,16 @@ def checkpoint_step(ckpt: str | os.PathLike) -> int:
     return int(match.group(1))
 
 
+def is_run_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike) -> bool:
+    """Whether checkpoint folder ``ckpt`` is one of ``run_dir``'s."""
+    return Path(ckpt).resolve().parent == (Path(run_dir) / "checkpoints").resolve()
+
+
 def conflicting_checkpoints(run_dir: str | os.PathLike, start: str | os.PathLike | None) -> list[Path]:
     """The checkpoints of ``run_dir`` that a run starting from checkpoint ``start`` (None: from scratch) would mix
     its own with, and prune by step: all of them, unless ``start`` is one of them; then those after it."""
     found = list_checkpoints(run_dir)
-    if start is None or Path(start).resolve().parent != (Path(run_dir) / "checkpoints").resolve():
+    if start is None or not is_run_checkpoint(run_dir, start):
         return found
     return [p for p in found if checkpoint_step(p) > checkpoint_step(start)]
 

@@ -29,8 +29,8 @@ from safetensors.torch import load_file
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
-from .checkpoint import (conflicting_checkpoints, latest_valid_checkpoint, load_trainer_state, lock_run,
-                         resolve_model_dir, write_checkpoint)
+from .checkpoint import (conflicting_checkpoints, is_run_checkpoint, latest_valid_checkpoint, load_trainer_state,
+                         lock_run, resolve_model_dir, write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -373,7 +373,7 @@ class Trainer:
             problem, fix = f"{where} only checkpoints that do not verify ({names})", "move them away"
         elif ckpt is None:
             problem, fix = f"{where} another run's checkpoints ({names})", "resume=auto to continue that run"
-        elif in_the_way[0].parent.resolve() != ckpt.parent.resolve():
+        elif not is_run_checkpoint(self.run_dir, ckpt):
             problem, fix = f"{where} checkpoints of another run than {ckpt}'s ({names})", "move them away"
         else:
             problem, fix = f"{where} checkpoints after {ckpt.name}, which this run resumes from ({names})", \
