@@ -270,6 +270,54 @@ def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp
         train(_cfg(byte_data, tmp_path / "damaged", "max_steps=8"))
 
 
+def test_init_from_starts_a_new_run_from_trained_weights(byte_data, tmp_path, capsys):
+    """init_from: a new run (step 0, its own optimizer and schedule) from another run's weights, bitwise; the model
+    settings it changes are reported; resuming the new run uses its own checkpoint, not init_from again."""
+    src = tmp_path / "src"
+    trained = train(_cfg(byte_data, src, "max_steps=30", "eval_every=0"))
+    fresh = train(_cfg(byte_data, tmp_path / "fresh", "max_steps=1", "eval_every=0"))
+    tuned = tmp_path / "tuned"
+    args = ("eval_every=0", "seq_len=64", "lr=1e-3", "model.window=48")
+
+    trainer = Trainer(_cfg(byte_data, tuned, "max_steps=2", *args))
+    folder, changed = trainer.initialize(src)
+    assert folder == src / "checkpoints" / "step_0000030" / "model" and changed == ["window: None -> 48"]
+    saved = load_checkpoint_model(src).state_dict()
+    assert all(torch.equal(t, saved[name]) for name, t in trainer.model.state_dict().items())
+
+    capsys.readouterr()
+    summary = train(_cfg(byte_data, tuned, "max_steps=2", f"init_from={src}", *args))
+    err = capsys.readouterr().err
+    assert f"initialized from {folder}, with changed model settings: window: None -> 48\n" in err
+    assert sorted(_losses(tuned)) == [1, 2] and summary["step"] == 2
+    assert summary["first_loss"] < fresh["first_loss"] - 1 and abs(summary["first_loss"] - trained["loss"]) < 0.5
+
+    summary = train(_cfg(byte_data, tuned, "max_steps=4", f"init_from={tmp_path / 'gone'}", *args))
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "initialized from" not in err and summary["step"] == 4
+
+
+def test_init_from_refuses_what_does_not_fit(byte_data, tmp_path):
+    src = tmp_path / "src"
+    train(_cfg(byte_data, src, "max_steps=1", "eval_every=0"))
+    model = src / "checkpoints" / "step_0000001" / "model"
+    with pytest.raises(FileNotFoundError, match="init_from: .*nothing is not a run folder, a checkpoint folder"):
+        train(_cfg(byte_data, tmp_path / "new", f"init_from={tmp_path / 'nothing'}"))
+    for extra, message in [("model.hidden_size=32", r"another model than this config's fox-pro tiny with model=\{'hid"),
+                           ("arch=transformer-pro", "fgate_proj")]:
+        with pytest.raises(ValueError, match=f"init_from: {model}.*{message}"):
+            train(_cfg(byte_data, tmp_path / "new", f"init_from={src}", extra))
+    for key, value, message in [("foxlm_tokenizer", {"name": "gpt2"}, "was trained with the tokenizer"),
+                                ("model_type", "llama", "holds a 'llama' model, not a foxlm model")]:
+        other = tmp_path / key
+        shutil.copytree(model, other)
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=message):
+            train(_cfg(byte_data, tmp_path / "new", f"init_from={other}"))
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
 def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
     run = tmp_path / "nan"
     cfg = _cfg(byte_data, run, "lr=1e30", "min_lr=1e30", "warmup_steps=0",

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 import torch
+from safetensors.torch import load_file
 
 try:
     import fcntl
@@ -166,23 +167,35 @@ def load_trainer_state(ckpt: str | os.PathLike) -> dict:
     return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=True)
 
 
-def resolve_model_dir(path: str | os.PathLike) -> Path:
+def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
     """A ``save_pretrained`` folder from a run folder (its latest valid checkpoint), a checkpoint folder, or
-    a ``save_pretrained`` folder itself."""
+    a ``save_pretrained`` folder itself; errors name the argument ``arg``."""
     path = Path(path).expanduser()
     if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
         return path
     if (path / "model" / "config.json").is_file():
         problem = verify_checkpoint(path) if (path / "manifest.json").exists() else "no manifest.json"
         if problem is not None:
-            raise ValueError(f"checkpoint {path}: {problem}; refusing to load it")
+            raise ValueError(f"{arg}: checkpoint {path}: {problem}; refusing to load it")
         return path / "model"
     if (path / "checkpoints").is_dir():
         ckpt = latest_valid_checkpoint(path)
         if ckpt is None:
-            raise FileNotFoundError(f"path: run {path} has no complete checkpoint")
+            raise FileNotFoundError(f"{arg}: run {path} has no complete checkpoint")
         return ckpt / "model"
-    raise FileNotFoundError(f"path: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+    raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+
+
+def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The weights of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index names."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    weights = {}
+    for name in files:
+        weights.update(load_file(str(folder / name)))
+    return weights
 
 
 def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):

@@ -27,6 +27,10 @@ class TrainConfig:
     arch: str = "fox-pro"  # fox-llama | fox-pro | transformer-llama | transformer-pro
     size: str = "tiny"  # tiny | 125m | 360m | 760m
     model: dict = field(default_factory=dict)  # FoxConfig overrides, e.g. {acp: true, hidden_size: 256}
+    # start from a trained model's weights (a run folder, a checkpoint or a save_pretrained folder), with a new
+    # optimizer, schedule and step count: fine-tuning, or training on at a longer seq_len; the weights must fit the
+    # model that arch, size and model.* build. A checkpoint of this run in out_dir takes precedence (resume).
+    init_from: str | None = None
     # data
     data: str = "shakespeare"  # a `foxlm data prepare` folder, or "shakespeare" (the embedded corpus)
     tokenizer: str | None = None  # expected tokenizer name; None: whatever the data was prepared with
@@ -97,19 +101,19 @@ class TrainConfig:
         if self.cuda_graph is True and (self.packing != "windows" or self.compile):
             raise ValueError("cuda_graph: needs packing=windows (packed documents change shape every batch) and "
                              "compile=false (torch.compile's mode='reduce-overhead' is its compiled form)")
-        valid_model_keys = set(inspect.signature(_fox_config_init()).parameters) - {"self", "kwargs"}
         for key in self.model:
-            if key not in valid_model_keys:
-                raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(valid_model_keys)})")
+            if key not in model_fields():
+                raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(model_fields())})")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
 
-def _fox_config_init():
+def model_fields() -> set[str]:
+    """The fields of ``FoxConfig`` (its constructor's arguments): what ``model.*`` may set."""
     from ..models import FoxConfig
 
-    return FoxConfig.__init__
+    return set(inspect.signature(FoxConfig.__init__).parameters) - {"self", "kwargs"}
 
 
 def _coerce(name: str, value, annotation: str):

@@ -24,14 +24,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import yaml
-from safetensors.torch import load_file
 
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
 from .checkpoint import (conflicting_checkpoints, is_run_checkpoint, latest_valid_checkpoint, load_trainer_state,
-                         lock_run, resolve_model_dir, write_checkpoint)
-from .config import TrainConfig
+                         lock_run, read_model_weights, resolve_model_dir, write_checkpoint)
+from .config import TrainConfig, model_fields
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
 
@@ -149,6 +148,17 @@ _DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops"
 def _model_name(cfg: dict) -> str:
     """"fox-pro tiny", with the config's model overrides."""
     return f"{cfg['arch']} {cfg['size']}" + (f" with model={cfg['model']}" if cfg["model"] else "")
+
+
+def _weights_differ(weights: dict[str, torch.Tensor], module: torch.nn.Module) -> str | None:
+    """None if ``weights`` has exactly ``module``'s names and shapes, else how they differ."""
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    if found == expected:
+        return None
+    differ = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
+    return (f"{len(differ)} weights differ (e.g. {differ[0]}: {found.get(differ[0], 'absent')} there, "
+            f"{expected.get(differ[0], 'absent')} here)")
 
 
 class _Logger:
@@ -339,16 +349,12 @@ class Trainer:
             raise ValueError(f"tokenizer: the checkpoint was trained with {state['tokenizer']}, the data is "
                              f"{self.tok_spec}")
         module = _unwrap(self.model)
-        weights = load_file(str(resolve_model_dir(ckpt) / "model.safetensors"))
-        expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
-        found = {name: tuple(t.shape) for name, t in weights.items()}
-        if found != expected:
-            differ = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
-            raise ValueError(
-                f"resume: {ckpt} was trained as {_model_name(state['config'])}, this config is "
-                f"{_model_name(self.cfg.to_dict())}: {len(differ)} weights differ (e.g. "
-                f"{differ[0]}: {found.get(differ[0], 'absent')} in the checkpoint, {expected.get(differ[0], 'absent')}"
-                f" here). Train into a new out_dir to start this model")
+        weights = read_model_weights(resolve_model_dir(ckpt, "resume"))
+        problem = _weights_differ(weights, module)
+        if problem is not None:
+            raise ValueError(f"resume: {ckpt} was trained as {_model_name(state['config'])}, this config is "
+                             f"{_model_name(self.cfg.to_dict())}: {problem}. Train into a new out_dir to start this "
+                             f"model")
         self.loader.load_state_dict(state["loader"])
         options = StateDictOptions(full_state_dict=True)
         set_model_state_dict(module, weights, options=options)
@@ -360,6 +366,30 @@ class Trainer:
         now = self.cfg.to_dict()
         return [f"{key}: {was!r} -> {now[key]!r}" for key, was in state["config"].items()
                 if key not in _DISPLAY_KEYS and key in now and now[key] != was]
+
+    def initialize(self, path: str | os.PathLike) -> tuple[Path, list[str]]:
+        """Load the weights of a trained model (a run folder, a checkpoint or a ``save_pretrained`` folder) into this
+        run's model; return its folder and the model settings this config changes from it ("key: old -> new")."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        folder = resolve_model_dir(path, "init_from")
+        saved = json.loads((folder / "config.json").read_text())
+        if saved.get("model_type") != FoxConfig.model_type:
+            raise ValueError(f"init_from: {folder} holds a {saved.get('model_type')!r} model, not a foxlm model")
+        tokenizer = saved.get("foxlm_tokenizer")
+        if tokenizer is not None and tokenizer != self.tok_spec:
+            raise ValueError(f"init_from: {folder} was trained with the tokenizer {tokenizer}, the data "
+                             f"{self.data_path} was prepared with {self.tok_spec}")
+        module = _unwrap(self.model)
+        weights = read_model_weights(folder)
+        problem = _weights_differ(weights, module)
+        if problem is not None:
+            raise ValueError(f"init_from: {folder} holds another model than this config's "
+                             f"{_model_name(self.cfg.to_dict())}: {problem}. Set arch, size and model.* to build it")
+        set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+        now = self.model_config.to_dict()
+        return folder, [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(model_fields())
+                        if key in saved and saved[key] != now[key]]
 
     def _check_out_dir(self, ckpt: Path | None) -> None:
         """Refuse to train into checkpoints this run does not continue from: its saves would interleave with them,
@@ -517,12 +547,17 @@ class Trainer:
         ckpt = self._resume_point()
         self._check_out_dir(ckpt)
         changed = self.load(ckpt) if ckpt is not None else []
+        init = self.initialize(cfg.init_from) if ckpt is None and cfg.init_from is not None else None
         if self.d.main:
             (self.run_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         log = _Logger(cfg, self.run_dir, self.step, self.d.main)
         if ckpt is not None:
             log.write(f"resumed from {ckpt} at step {self.step}"
                       + (f", with changed settings: {'; '.join(changed)}" if changed else ""))
+        if init is not None:
+            folder, differ = init
+            log.write(f"initialized from {folder}" + (f", with changed model settings: {'; '.join(differ)}"
+                                                      if differ else ""))
         log.write(f"{cfg.arch} {cfg.size}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
