@@ -102,6 +102,19 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert (default.arch, default.size, default.data, default.tokenizer) == ("fox-pro", "tiny", "shakespeare", "gpt2")
 
 
+def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
+    from foxlm.cli import main
+
+    config = Path(__file__).parents[1] / "configs" / "fox-pro-125m.yaml"
+    overrides = ["lr=2e-3", "model.acp=true", f"init_from={tmp_path / 'run'}", "cuda_graph=auto"]
+    assert main(["train", "--config", str(config), "--print-config", *overrides]) == 0
+    printed = capsys.readouterr().out
+    (tmp_path / "printed.yaml").write_text(printed)
+    assert load_config(tmp_path / "printed.yaml") == load_config(config, overrides)
+    assert "lr: 0.002\n" in printed and f"init_from: {tmp_path / 'run'}\n" in printed
+    assert not (tmp_path / "run").exists()  # printing trains nothing
+
+
 @pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_load(path):
     """The experiment configs in configs/ hold only known keys, and their models build."""

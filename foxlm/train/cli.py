@@ -13,6 +13,9 @@ def register(subparsers) -> None:
                     "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.")
     p.add_argument("--config", default=None,
                    help="YAML file, or a packaged config name (default: 'default', the Shakespeare demo)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config (every key, with the overrides applied) as YAML and exit; "
+                        "the output is a valid --config file")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. lr=2e-3 max_steps=500 model.acp=true sample_tokens=0")
     p.set_defaults(func=_train)
@@ -27,6 +30,11 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"foxlm train: error: {e}", file=sys.stderr)
         return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
     summary = train(cfg)
     trained = (f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained")
     print(f"step {summary['step']}: {trained}"
