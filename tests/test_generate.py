@@ -108,10 +108,11 @@ def test_eviction_matches_full_cache():
     assert 0 < worst < 10 * tol, worst
 
 
-def test_eviction_needs_qk_norm():
-    model = _model("fox-llama")
-    with pytest.raises(ValueError, match="evict"):
-        generate(model, [[1, 2, 3]], 2, evict=True)
+def test_eviction_needs_qk_norm_and_a_forget_gate():
+    with pytest.raises(ValueError, match="evict: needs a QK-norm model"):
+        generate(_model("fox-llama"), [[1, 2, 3]], 2, evict=True)
+    with pytest.raises(ValueError, match="evict: needs a forget gate, and this model has gate='none'"):
+        generate(_model("transformer-pro"), [[1, 2, 3]], 2, evict=True)  # QK-norm, but no key ever decays
 
 
 def test_generate_equals_hf_generate():

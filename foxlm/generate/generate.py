@@ -143,7 +143,7 @@ def generate(
     """Generate up to ``max_new_tokens`` tokens for every prompt with foxlm's fast path.
 
     Args:
-        model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm: fox-pro / transformer-pro).
+        model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro).
         prompts: token-id lists of any lengths (or a [B, T] / [T] tensor).
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``) instead of greedy decoding.
         eos_token_id: a row stops at this token (the step loop ends when all rows have).
@@ -167,6 +167,9 @@ def generate(
         raise ValueError(f"top_p, top_k: expected top_p in (0, 1] and top_k >= 0, got {top_p}, {top_k}")
     if prefill_chunk < 1:
         raise ValueError(f"prefill_chunk: expected >= 1, got {prefill_chunk}")
+    if evict and model.config.gate == "none":
+        raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "
+                         "so eviction would free nothing")
     model.eval()
     device = next(model.parameters()).device
     B, width = len(prompts), max(len(p) for p in prompts)
