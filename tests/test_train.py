@@ -394,6 +394,15 @@ def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tm
     assert all(ckpt[k] == pytest.approx(plain[k], rel=1e-5) for k in plain)
 
 
+def test_data_must_be_a_prepared_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data: .*missing does not exist; prepare text with `foxlm data"):
+        Trainer(_cfg(tmp_path / "missing", tmp_path / "run"))
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("Words, not tokens.")
+    with pytest.raises(FileNotFoundError, match="data: .*text is not a `foxlm data prepare` folder"):
+        Trainer(_cfg(tmp_path / "text", tmp_path / "run"))
+
+
 def test_tokenizer_is_checked_against_the_data(byte_data, tmp_path):
     with pytest.raises(ValueError, match="tokenizer: the config expects 'gpt2'"):
         Trainer(_cfg(byte_data, tmp_path, "tokenizer=gpt2"))

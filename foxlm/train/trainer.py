@@ -237,6 +237,11 @@ class Trainer:
             data_path = ensure_default_corpus(cfg.tokenizer or "gpt2", progress=False)
         else:
             data_path = Path(cfg.data).expanduser()
+            if not (data_path / "meta.json").is_file():
+                problem = "is not a `foxlm data prepare` folder (no meta.json)" if data_path.exists() else \
+                    "does not exist"
+                raise FileNotFoundError(f"data: {data_path} {problem}; prepare text with `foxlm data prepare "
+                                        f"FILES_OR_DIRS --out DIR`, then train with data=DIR")
         self.train_ds, self.val_ds = TokenDataset(data_path, "train"), TokenDataset(data_path, "val")
         self.data_path = data_path
         self.tok_spec = self.train_ds.meta["tokenizer"]
@@ -565,8 +570,8 @@ class Trainer:
                   f"{self.loader.grad_accum} micro-batches per process"
                   + ("; forward + backward replayed from a CUDA graph" if self.graphed is not None else ""))
         if self.step >= cfg.max_steps:
-            log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise max_steps to "
-                      f"continue it)")
+            log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise "
+                      f"max_steps to continue it)")
         if self.val_loader is None and cfg.eval_every:
             log.write(f"no validation loss: the val split of {self.data_path} has {len(self.val_ds.tokens):,} tokens, "
                       f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
