@@ -29,7 +29,8 @@ class TrainConfig:
     model: dict = field(default_factory=dict)  # FoxConfig overrides, e.g. {acp: true, hidden_size: 256}
     # start from a trained model's weights (a run folder, a checkpoint or a save_pretrained folder), with a new
     # optimizer, schedule and step count: fine-tuning, or training on at a longer seq_len; the weights must fit the
-    # model that arch, size and model.* build. A checkpoint of this run in out_dir takes precedence (resume).
+    # model that arch, size and model.* build. Unused when the run resumes (resume=auto finding a checkpoint in out_dir,
+    # or resume=PATH).
     init_from: str | None = None
     # data
     data: str = "shakespeare"  # a `foxlm data prepare` folder, or "shakespeare" (the embedded corpus)
