@@ -1,5 +1,5 @@
 """`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
-FSDP2 also when resumed from one of its checkpoints.
+FSDP2 also when resumed from one of its checkpoints; SIGTERM to one process stops both after the same step, saved.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
 """
@@ -9,8 +9,11 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -30,7 +33,7 @@ def _records(run) -> list[dict]:
 
 def test_two_processes_match_one(tmp_path):
     from foxlm.cli import main
-    from foxlm.train import load_checkpoint_model
+    from foxlm.train import latest_valid_checkpoint, load_checkpoint_model
 
     data = tmp_path / "bytes"
     prepare(random.Random().sample(shakespeare_plays(), 2), data, tokenizer="byte", val_fraction=0.5, workers=0,
@@ -67,6 +70,18 @@ def test_two_processes_match_one(tmp_path):
         for (name, x), y in zip(model.state_dict().items(), ref_model.state_dict().values()):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"{parallel}: {name}")
 
+    steps = [r["step"] for r in _records(tmp_path / "fsdp-sigterm")]
+    assert len(steps) >= 2 and steps == list(range(1, len(steps) + 1))
+    assert latest_valid_checkpoint(tmp_path / "fsdp-sigterm").name == f"step_{len(steps):07d}"
+
+
+def _sigterm_once_training(run: str) -> None:
+    """SIGTERM this process once the run has logged two steps (its handler is installed by then)."""
+    log = os.path.join(run, "log.jsonl")
+    while not (os.path.exists(log) and len(open(log).read().splitlines()) >= 2):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
 
 if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP, in one process group
     import torch.distributed as dist
@@ -78,5 +93,10 @@ if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP,
     assert main(["train", *args, "parallel=fsdp", "save_every=3", f"out_dir={os.path.join(root, 'fsdp')}"]) == 0
     assert main(["train", *args, "parallel=fsdp", f"out_dir={os.path.join(root, 'fsdp-resumed')}",
                  f"resume={os.path.join(root, 'fsdp', 'checkpoints', 'step_0000003')}"]) == 0
+    stopped = os.path.join(root, "fsdp-sigterm")
+    if dist.get_rank() == 1:  # only one process receives the signal
+        threading.Thread(target=_sigterm_once_training, args=(stopped,), daemon=True).start()
+    assert main(["train", *args, "parallel=fsdp", "max_steps=1000000", "save_every=0", "eval_every=0",
+                 f"out_dir={stopped}"]) == 128 + signal.SIGTERM
     assert main(["train", *args, "parallel=ddp", f"out_dir={os.path.join(root, 'ddp')}"]) == 0
     dist.destroy_process_group()

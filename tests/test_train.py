@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,33 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == \
         ["step_0000027", "step_0000030"]
     assert (run / "checkpoints" / "latest").read_text() == "step_0000030"
+
+
+def test_sigterm_saves_and_stops_then_resumes_exactly(byte_data, tmp_path):
+    """A preempted job (SIGTERM) ends after the current step with a checkpoint and exit status 143; resumed, it trains
+    the losses of an uninterrupted run. The learning rate is constant, so a longer max_steps does not change it."""
+    extra = ["max_steps=1000000", "warmup_steps=0", "min_lr=3e-3", "save_every=0", "eval_every=0"]
+    run = tmp_path / "preempted"
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}", *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_subprocess_env())
+    log = run / "log.jsonl"
+    while not (log.exists() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    stopped = max(_losses(run))
+    assert f"stopped by SIGTERM after step {stopped}; the same command resumes the run" in err
+    assert f"step {stopped}: stopped by SIGTERM" in out and "sample" not in out
+    assert sorted(_losses(run)) == list(range(1, stopped + 1))
+    assert latest_valid_checkpoint(run).name == f"step_{stopped:07d}"
+
+    more = [*extra[1:], f"max_steps={stopped + 3}"]
+    summary = train(_cfg(byte_data, run, *more))
+    assert summary["step"] == stopped + 3 and "stopped" not in summary
+    train(_cfg(byte_data, tmp_path / "ref", *more))
+    assert _losses(run) == _losses(tmp_path / "ref")  # exactly, step by step
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 
@@ -36,6 +37,10 @@ def _train(args: argparse.Namespace) -> int:
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
     summary = train(cfg)
+    if summary.get("stopped"):  # the exit status of a process ended by the signal: the job did not finish
+        print(f"step {summary['step']}: stopped by {summary['stopped']}; checkpoints in "
+              f"{summary['run_dir']}/checkpoints")
+        return 128 + signal.SIGTERM
     trained = (f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained")
     print(f"step {summary['step']}: {trained}"
           + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")

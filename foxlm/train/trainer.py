@@ -5,8 +5,9 @@ weighted by its share of the step's targets, so the update is that of one big ba
 NaN/Inf check (skip + count), gradient clipping, AdamW with warmup + cosine to ``min_lr``. Validation loss every
 ``eval_every`` steps; JSONL + TensorBoard logs and a progress bar on rank 0; atomic checkpoints every
 ``save_every`` steps and at the end; ``resume="auto"`` continues a run from its latest valid checkpoint and
-reproduces the losses of an uninterrupted run. ``cuda_graph=true`` replays each micro-batch's forward + backward
-from a CUDA graph (``GraphedMicroStep``).
+reproduces the losses of an uninterrupted run. SIGTERM (a scheduler preempting the job; torchrun passes it on)
+ends the run after the current step, with a checkpoint. ``cuda_graph=true`` replays each micro-batch's forward +
+backward from a CUDA graph (``GraphedMicroStep``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import functools
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,6 +85,10 @@ class _Dist:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` holds on any process (one all-reduce; none in a single process)."""
+        return flag if self.world == 1 else bool(self.sum(torch.tensor([float(flag)], device=device)).item())
+
 
 def _causal_lm_loss(model: torch.nn.Module, autocast: bool, input_ids: torch.Tensor, labels: torch.Tensor,
                     cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
@@ -139,6 +146,27 @@ def _grad_sync(model: torch.nn.Module, sync: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
     return contextlib.nullcontext()
+
+
+class _Preemption:
+    """While entered, SIGTERM is recorded instead of killing the process, so that the loop can save and stop after
+    the current step (where Python lets a handler be installed: the main thread)."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self) -> "_Preemption":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
@@ -531,23 +559,26 @@ class Trainer:
 
     def run(self) -> dict:
         """Train to ``max_steps`` (resuming if asked), with validation, logs and checkpoints; return a summary.
-        ``out_dir`` is locked meanwhile: a second run there (a requeued job while the first still runs) is refused."""
+        ``out_dir`` is locked meanwhile: a second run there (a requeued job while the first still runs) is refused.
+        On SIGTERM the run stops after the current step with a checkpoint (the same command resumes it), and the
+        summary has ``stopped="SIGTERM"``."""
         lock = None
         if self.d.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             lock = lock_run(self.run_dir)
-        busy = self.d.sum(torch.tensor([float(self.d.main and lock is None)], device=self.device))
+        busy = self.d.any(self.d.main and lock is None, self.device)
         try:
-            if busy.item():
+            if busy:
                 holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
                 raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
                                  f"it to end, or train into a new out_dir")
-            return self._run()
+            with _Preemption() as preemption:
+                return self._run(preemption)
         finally:
             if lock is not None:
                 lock.close()
 
-    def _run(self) -> dict:
+    def _run(self, preemption: _Preemption) -> dict:
         cfg = self.cfg
         ckpt = self._resume_point()
         self._check_out_dir(ckpt)
@@ -591,7 +622,9 @@ class Trainer:
                 if record.get("skipped"):
                     log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
                               f"({self.bad_steps}/{cfg.max_bad_steps})")
-                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or record.get("skipped"):
+                # SIGTERM: every process stops after the same step (the save is collective), whichever received it
+                stop = self.step < cfg.max_steps and self.d.any(preemption.requested, self.device)
+                if self.step % cfg.log_every == 0 or self.step == cfg.max_steps or record.get("skipped") or stop:
                     log.log(record)
                     t0, tokens0 = now, self.tokens_seen
                 if self.bad_steps > cfg.max_bad_steps:
@@ -604,7 +637,7 @@ class Trainer:
                     postfix["mfu"] = f"{100 * mfu:.1f}%"
                 log.progress(postfix)
                 last = self.step == cfg.max_steps
-                if (cfg.eval_every and self.step % cfg.eval_every == 0) or last:
+                if ((cfg.eval_every and self.step % cfg.eval_every == 0) or last) and not stop:
                     val = self.evaluate()
                     if val is not None:
                         summary["val_loss"] = val["val_loss"]
@@ -614,10 +647,14 @@ class Trainer:
                             verb = "skips" if _unwrap(self.model).config.acp else "would skip"
                             line += f", ACP {verb} {val['val_acp_skipped']:.1%} of the attention tiles"
                         log.write(line)
-                if (cfg.save_every and self.step % cfg.save_every == 0) or last:
+                if (cfg.save_every and self.step % cfg.save_every == 0) or last or stop:
                     path = self.save()
                     if path is not None:
                         log.write(f"saved {path}")
+                if stop:
+                    log.write(f"stopped by SIGTERM after step {self.step}; the same command resumes the run")
+                    summary["stopped"] = "SIGTERM"
+                    break
                 if (cfg.eval_every and self.step % cfg.eval_every == 0) or \
                         (cfg.save_every and self.step % cfg.save_every == 0):  # not training time
                     t0, tokens0 = time.perf_counter(), self.tokens_seen
@@ -635,7 +672,7 @@ def train(cfg: TrainConfig) -> dict:
     trainer = Trainer(cfg)
     try:
         summary = trainer.run()
-        if cfg.sample_tokens:
+        if cfg.sample_tokens and not summary.get("stopped"):  # a preempted job has seconds left: no sample
             text = trainer.sample()
             if trainer.d.main:
                 print(f"\n--- sample (step {trainer.step}) ---\n{text}\n---", flush=True)
