@@ -214,6 +214,10 @@ def prepare(
                         examples.append({"source": str(src.path), "reason": category, "detail": detail})
                         bar.write(f"skipped {src.path}: {category} ({detail})", file=sys.stderr)
 
+        def show_counts(refresh: bool) -> None:
+            bar.set_postfix(docs=sum(s.documents for s in sources), tokens=sum(w.num_tokens for w in writers.values()),
+                            refresh=refresh)
+
         for batch in _batches(sources, text_key, bar.update, piece_chars):
             texts = [p for _, kind, p in batch if kind == "piece"]
             if pool is None:
@@ -223,12 +227,11 @@ def prepare(
                 while len(in_flight) > 4 * workers:
                     b, res = in_flight.popleft()
                     consume(b, res.get())
-            bar.set_postfix(docs=sum(s.documents for s in sources),
-                            tokens=sum(w.num_tokens for w in writers.values()),
-                            refresh=False)
+            show_counts(refresh=False)
         while in_flight:
             b, res = in_flight.popleft()
             consume(b, res.get())
+        show_counts(refresh=True)  # the batches still in flight at the end are counted too
         splits = {name: w.finish() for name, w in writers.items()}
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
