@@ -286,7 +286,8 @@ def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     cases = {("resume=never",): "another run's checkpoints",
              (f"resume={run / 'checkpoints' / 'step_0000002'}",): "after step_0000002, which this run resumes from",
-             ("model.hidden_size=32",): r"trained as fox-pro tiny with model=\{'hidden_size': 64, .*\{'hidden_size': 32",
+             ("model.hidden_size=32",):
+                 r"trained as fox-pro tiny with model=\{'hidden_size': 64, .*\{'hidden_size': 32",
              ("arch=transformer-pro",): "fgate_proj"}
     for extra, message in cases.items():
         with pytest.raises(ValueError, match=message):

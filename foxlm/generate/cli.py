@@ -23,7 +23,8 @@ def register(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: all)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
-    p.add_argument("--evict", action="store_true", help="forget-gate cache eviction (FoX models with QK-norm, e.g. fox-pro)")
+    p.add_argument("--evict", action="store_true",
+                   help="forget-gate cache eviction (FoX models with QK-norm, e.g. fox-pro)")
     p.add_argument("--tolerance", type=float, default=math.exp(-10),
                    help="attention mass an evicted key may still carry (default e^-10)")
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
