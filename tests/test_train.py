@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -421,6 +422,25 @@ def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tm
     plain, ckpt = _losses(tmp_path / "plain"), _losses(tmp_path / "ckpt")
     assert plain.keys() == ckpt.keys() == {1, 2, 3}
     assert all(ckpt[k] == pytest.approx(plain[k], rel=1e-5) for k in plain)
+
+
+def test_cli_reports_a_run_that_cannot_start_in_one_line(byte_data, tmp_path, capsys):
+    """Data, model, out_dir and init_from errors come before the first step: `foxlm train` prints them as one line and
+    exits 2 (a traceback only for what fails while training); a refused run leaves out_dir unlocked."""
+    from foxlm.cli import main
+
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=2", "eval_every=0"))
+    cases = {(f"data={tmp_path / 'missing'}", f"out_dir={tmp_path / 'new'}"): "data: .*missing does not exist",
+             (f"data={byte_data}", f"out_dir={run}", "model.hidden_size=32"): "resume: .* was trained as fox-pro",
+             (f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"init_from={tmp_path / 'nothing'}"):
+                 "init_from: .*nothing is not a run folder"}
+    capsys.readouterr()
+    for args, message in cases.items():
+        assert main(["train", *TINY, *args]) == 2
+        err = capsys.readouterr().err
+        assert re.match(f"foxlm train: error: {message}", err) and "Traceback" not in err, err
+    assert main(["train", *TINY, f"data={byte_data}", f"out_dir={run}", "max_steps=3", "eval_every=0"]) == 0
 
 
 def test_data_must_be_a_prepared_folder(tmp_path):

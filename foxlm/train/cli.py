@@ -24,19 +24,22 @@ def register(subparsers) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .trainer import train
+    from .trainer import Trainer, train
 
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.print_config:
+            import yaml
+
+            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+            return 0
+        # what can refuse the run (its data, model, out_dir, resume point, init_from) before the first step
+        trainer = Trainer(cfg)
+        trainer.start()
     except (ValueError, FileNotFoundError) as e:
         print(f"foxlm train: error: {e}", file=sys.stderr)
         return 2
-    if args.print_config:
-        import yaml
-
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-        return 0
-    summary = train(cfg)
+    summary = train(trainer)
     if summary.get("stopped"):  # the exit status of a process ended by the signal: the job did not finish
         print(f"step {summary['step']}: stopped by {summary['stopped']}; checkpoints in "
               f"{summary['run_dir']}/checkpoints")

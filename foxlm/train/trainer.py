@@ -23,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 import torch.distributed as dist
@@ -330,6 +331,8 @@ class Trainer:
         self.val_loader = TokenLoader(self.val_ds, shuffle=False, **common) if len(self.val_ds.tokens) > cfg.seq_len \
             else None
         self.step, self.bad_steps, self.tokens_seen = 0, 0, 0
+        self._lock: IO[str] | None = None  # out_dir's lock while the run holds it (rank 0)
+        self._started: list[str] | None = None  # after start(): what it did, for the log ("resumed from ...")
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def _state_dict_options(self):
@@ -557,43 +560,59 @@ class Trainer:
         per_token = flops_per_token(self.model_config, self.num_params, self.cfg.seq_len)
         return tokens_per_s * per_token / (peak * 1e12 * self.d.world)
 
-    def run(self) -> dict:
-        """Train to ``max_steps`` (resuming if asked), with validation, logs and checkpoints; return a summary.
-        ``out_dir`` is locked meanwhile: a second run there (a requeued job while the first still runs) is refused.
-        On SIGTERM the run stops after the current step with a checkpoint (the same command resumes it), and the
-        summary has ``stopped="SIGTERM"``."""
-        lock = None
+    def start(self) -> None:
+        """Lock ``out_dir`` (a second run there, e.g. a requeued job while the first still runs, is refused), then
+        resume or initialize the model as configured: all that can refuse the run (ValueError, FileNotFoundError),
+        before anything is written. ``run()`` calls it when it was not called."""
+        if self._started is not None:
+            return
         if self.d.main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            lock = lock_run(self.run_dir)
-        busy = self.d.any(self.d.main and lock is None, self.device)
+            self._lock = lock_run(self.run_dir)
         try:
-            if busy:
+            if self.d.any(self.d.main and self._lock is None, self.device):
                 holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
                 raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
                                  f"it to end, or train into a new out_dir")
+            ckpt = self._resume_point()
+            self._check_out_dir(ckpt)
+            notes = []
+            if ckpt is not None:
+                changed = self.load(ckpt)
+                notes.append(f"resumed from {ckpt} at step {self.step}"
+                             + (f", with changed settings: {'; '.join(changed)}" if changed else ""))
+            elif self.cfg.init_from is not None:
+                folder, differ = self.initialize(self.cfg.init_from)
+                notes.append(f"initialized from {folder}"
+                             + (f", with changed model settings: {'; '.join(differ)}" if differ else ""))
+        except BaseException:
+            self._unlock()
+            raise
+        self._started = notes
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def run(self) -> dict:
+        """Train to ``max_steps`` (after ``start()``), with validation, logs and checkpoints; return a summary. On
+        SIGTERM the run stops after the current step with a checkpoint (the same command resumes it), and the summary
+        has ``stopped="SIGTERM"``. ``out_dir`` is unlocked at the end."""
+        try:
+            self.start()
             with _Preemption() as preemption:
                 return self._run(preemption)
         finally:
-            if lock is not None:
-                lock.close()
+            self._unlock()
 
     def _run(self, preemption: _Preemption) -> dict:
         cfg = self.cfg
-        ckpt = self._resume_point()
-        self._check_out_dir(ckpt)
-        changed = self.load(ckpt) if ckpt is not None else []
-        init = self.initialize(cfg.init_from) if ckpt is None and cfg.init_from is not None else None
         if self.d.main:
             (self.run_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         log = _Logger(cfg, self.run_dir, self.step, self.d.main)
-        if ckpt is not None:
-            log.write(f"resumed from {ckpt} at step {self.step}"
-                      + (f", with changed settings: {'; '.join(changed)}" if changed else ""))
-        if init is not None:
-            folder, differ = init
-            log.write(f"initialized from {folder}" + (f", with changed model settings: {'; '.join(differ)}"
-                                                      if differ else ""))
+        for note in self._started:
+            log.write(note)
         log.write(f"{cfg.arch} {cfg.size}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
@@ -665,14 +684,15 @@ class Trainer:
         return summary
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train with ``cfg``; print a sample at the end on rank 0 (unless ``sample_tokens=0``).
+def train(cfg: TrainConfig | Trainer) -> dict:
+    """Train with ``cfg`` (or a ``Trainer`` built from it, maybe started); print a sample at the end on rank 0 (unless
+    ``sample_tokens=0``); tear down the process group the trainer made.
 
     Returns the summary: first/last training loss, last validation loss, steps, tokens, run folder, sample."""
-    trainer = Trainer(cfg)
+    trainer = cfg if isinstance(cfg, Trainer) else Trainer(cfg)
     try:
         summary = trainer.run()
-        if cfg.sample_tokens and not summary.get("stopped"):  # a preempted job has seconds left: no sample
+        if trainer.cfg.sample_tokens and not summary.get("stopped"):  # a preempted job has seconds left: no sample
             text = trainer.sample()
             if trainer.d.main:
                 print(f"\n--- sample (step {trainer.step}) ---\n{text}\n---", flush=True)
