@@ -27,6 +27,7 @@ from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from foxlm.ops import triton_attention as ta
+from foxlm.ops import triton_attention_kernels as tk
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV_": "*bf16",
             "C": "*fp64", "CR": "*fp32", "CRK": "*fp32", "CRQ": "*fp32", "THR": "*fp32", "LSE": "*fp32",
@@ -109,12 +110,12 @@ def main() -> None:
     bucket = ta._tiles_bucket({"BLOCK_D": block_d, "BLOCK_DV": block_d})
     common = dict(G=1, D=d, DV=d, BLOCK_D=block_d, BLOCK_DV=block_d, VARLEN=False, PRUNE=False, WINDOWED=False,
                   PRECISION="tf32", INTERPRET=False, TILES=bucket, C_BLOCK=ta.C_BLOCK)
-    cases = [(f"forward {m}x{n}", ta._attn_fwd_kernel, dict(BLOCK_M=m, BLOCK_N=n), w, s)
+    cases = [(f"forward {m}x{n}", tk.attn_fwd_kernel, dict(BLOCK_M=m, BLOCK_N=n), w, s)
              for m, n, w, s in ta._FWD_TILES[bucket]]
     for m1, n1, m2, n2, w, s in ta._BWD_TILES[bucket]:
         tiles = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
-        cases.append((f"backward, atomic dQ, {m1}x{n1}", ta._attn_bwd_kernel, dict(tiles, ATOMIC_DQ=True), w, s))
-        cases.append((f"backward, deterministic, {m1}x{n1} + {m2}x{n2}", ta._attn_bwd_kernel,
+        cases.append((f"backward, atomic dQ, {m1}x{n1}", tk.attn_bwd_kernel, dict(tiles, ATOMIC_DQ=True), w, s))
+        cases.append((f"backward, deterministic, {m1}x{n1} + {m2}x{n2}", tk.attn_bwd_kernel,
                       dict(tiles, ATOMIC_DQ=False), w, s))
     print(f"sm_{args.arch}a, head dim {d}, bf16")
     for name, fn, tiles, warps, stages in cases:

@@ -67,7 +67,7 @@ def use_triton(x: torch.Tensor) -> bool:
 
 def interpreted(kernel) -> bool:
     """Whether ``kernel`` was built by Triton's interpreter (TRITON_INTERPRET=1 when it was decorated): it then
-    runs on CPU tensors, and loops with run-time bounds need the interpreter-safe form."""
+    runs on CPU tensors, and its loops with run-time bounds need ``tile_loop``'s interpreter form."""
     return triton is not None and isinstance(kernel, InterpretedFunction)
 
 
@@ -76,6 +76,23 @@ def require_runnable(kernel, x: torch.Tensor, arg: str) -> None:
     was imported before TRITON_INTERPRET=1 was set."""
     if x.device.type == "cpu" and not interpreted(kernel):
         raise ValueError(f"{arg}: CPU tensors need TRITON_INTERPRET=1 set before {kernel.fn.__module__} is imported")
+
+
+@jit
+def tile_loop(tile, state, lo, hi, STEP: tl.constexpr, INTERPRET: tl.constexpr, args):
+    """``state = tile(state, start, *args)`` for ``start`` in range(lo, hi, STEP): a kernel's loop over tiles between
+    run-time bounds. A ``for`` loop where Triton compiles the kernel (it software-pipelines those), a ``while`` loop
+    for the interpreter (INTERPRET), whose range() rejects tensor bounds with NumPy >= 2.4. Pass ``args`` as a tuple
+    literal: a tuple held in a variable loses its constexprs."""
+    if INTERPRET:
+        start = lo
+        while start < hi:
+            state = tile(state, start, *args)
+            start += STEP
+    else:
+        for start in range(lo, hi, STEP):
+            state = tile(state, start, *args)
+    return state
 
 
 def block_dim(d: int) -> int:

@@ -28,7 +28,7 @@ import math
 import torch
 
 from .acp import prune_threshold
-from .backend import block_dim, interpreted, jit, tl, triton, use_triton
+from .backend import block_dim, interpreted, jit, tile_loop, tl, triton, use_triton
 
 
 _LOG2E = 1.4426950408889634
@@ -37,13 +37,14 @@ _NO_WINDOW = 1 << 30
 
 @jit
 def _decode_tile(
-    m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
+    state, n0, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, hi, window,
     stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
     PAGE: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, DOT_FP32: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
     """Keys [n0, min(n0 + BLOCK_N, hi)) into the running max m_i, sum l_i and output acc of the query rows."""
+    m_i, l_i, acc = state
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -96,8 +97,8 @@ def _decode_split_kernel(
     """One (sequence, kv head, key range): all G*Tq query rows against keys [lo, hi).
 
     DOT_FP32 upcasts the dot operands (Triton 3.6's interpreter gets bf16 dots wrong); PRECISION is the dots'
-    input precision ("ieee" for fp32 operands: fp32 queries are not rounded to tf32); INTERPRET walks the key
-    tiles with a while loop (kernel built by the interpreter).
+    input precision ("ieee" for fp32 operands: fp32 queries are not rounded to tf32); INTERPRET: the kernel was
+    built by the interpreter (see ``tile_loop``).
     """
     pid_bh = tl.program_id(0)
     split = tl.program_id(1)
@@ -130,22 +131,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    if INTERPRET:  # Triton 3.6's interpreter cannot run range() over tensor bounds with NumPy >= 2.4
-        n0 = lo
-        while n0 < hi:
-            m_i, l_i, acc = _decode_tile(
-                m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
-                stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
-                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32, PRECISION,
-            )
-            n0 += BLOCK_N
-    else:
-        for n0 in range(lo, hi, BLOCK_N):
-            m_i, l_i, acc = _decode_tile(
-                m_i, l_i, acc, q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, n0, hi, window,
-                stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
-                PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32, PRECISION,
-            )
+    m_i, l_i, acc = tile_loop(
+        _decode_tile, (m_i, l_i, acc), lo, hi, BLOCK_N, INTERPRET,
+        (q, c_q, qpos, row_ok, g, pt, K, V, C, scale_log2e, hi, window,
+         stride_kp, stride_ks, stride_vp, stride_vs, stride_cp, stride_cs,
+         PAGE, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, DOT_FP32, PRECISION),
+    )
 
     # Partial results: normalised output and log2-sum-exp2 per (row, split); -inf marks "no key".
     has = l_i > 0
@@ -192,7 +183,7 @@ _INTERPRETED = interpreted(_decode_split_kernel)
 
 # Launch tuning of the split kernel: key tile, warps, pipeline stages, and the longest key range one program
 # takes (short ranges keep programs of equal length when eviction leaves heads with very different live
-# lengths). Best of 12 variants on an H200, 2026-12-02 (benchmarks/decode.py --sweep; results/decode-2026-12-02.json).
+# lengths). The fastest of `benchmarks/decode.py --sweep` (docs/benchmarks.md, "Decoding").
 _TILE = (128, 4, 3)
 _SPLIT_KEYS = 2048
 

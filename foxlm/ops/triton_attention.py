@@ -1,614 +1,15 @@
-"""Fused Triton kernels of Forgetting Attention: forward and a deterministic backward.
-
-Logits are ``scale * q_i . k_j + c_i - c_j`` with ``c`` the gate cumsum, computed in base 2 (exp2 with
-log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial (FlashAttention-2):
-
-* forward: one program per (query block, head); key tiles left of the diagonal run without masks, the
-  tiles that cross the diagonal (or the end of the sequence) with them; the loop's logits leave out c_i, a
-  constant of query i's softmax row, which joins its lse at the end;
-* backward: one program per (block, key head) computes dK/dV for its key block, looping over the query
-  heads of its GQA group in a fixed order (deterministic GQA reduction), and dQ for the query block of
-  the same index (balanced work under the causal mask). No atomics: the gate gradient is collected as
-  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64. The dK/dV loop reads the
-  query side's c_rel with -lse already in it (one vector load a tile fewer).
-* gate precision: c is an fp64 cumsum, and c_i - c_j keeps its precision even when |c| reaches 1e6 (a
-  million tokens): every program takes c relative to an fp64 reference (c at its first query or key). The
-  unmasked tiles read no fp64 vectors: they add c_rel, the fp32 offsets of c from an end of its C_BLOCK-long
-  block, to one fp64 difference per tile (that position's c minus the reference); see _c_tile. Converting a
-  tile's fp64 c instead made the forward 9% and the deterministic backward 14% slower (H200, 4 x 16k tokens x 32
-  heads of 64; docs/benchmarks.md). The limit: a logit's error is about an fp32 ulp of the decay between its query
-  or key and the program's reference, so a gate that closes hard (log f = -1e4) inside a tile, past the reference,
-  costs ~1e-3 in the logits behind it (tests/test_triton_attention.py places such resets at tile starts).
-* ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
-  the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
-  blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
-* varlen: with ``cu_seqlens`` the grid runs over (sequence, block); no program crosses a sequence.
-* launch order: a 1-D grid over groups of (head, sequence) pairs whose tensors fit in L2 together; within a group
-  the heads vary fastest and the longest programs come first (the last query blocks in the forward, the first
-  key blocks in the backward), so that no long program starts in the last wave.
-* sliding window (``WINDOWED``, a constexpr: the full-causal kernels are unchanged): query i sees keys
-  j > i - window. Key tiles left of a query block's window are never visited (the first is the later of
-  the window's and ACP's boundary); the tiles the window edge crosses are masked. A key block's dK/dV
-  loop stops at the query block of its last key + window - 1.
-
-Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels run on CPU tensors.
-"""
+"""The host side of Forgetting Attention's Triton kernels (``triton_attention_kernels``): tiles, autotuning, launches,
+the ``torch.library`` custom ops with their autograd, and the eager path."""
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from .backend import block_dim, interpreted, require_runnable
 from .reference import gate_cumsum, segment_ids
-
-LOG2E = tl.constexpr(1.4426950408889634)
-LN2 = tl.constexpr(0.6931471805599453)
-
-
-@triton.jit
-def _search(c_base, lo, hi, target, STRICT: tl.constexpr):
-    """First j in [lo, hi) with c[j] < target (STRICT) or c[j] <= target, else hi; c is non-increasing."""
-    while lo < hi:
-        mid = (lo + hi) // 2
-        cm = tl.load(c_base + mid)
-        if STRICT:
-            right = cm >= target
-        else:
-            right = cm > target
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
-
-
-@triton.jit
-def _load_rows(ptrs, rmask, cmask, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Load a [rows, cols] tile, masking rows and/or columns only where needed."""
-    if ROWS and COLS:
-        x = tl.load(ptrs, mask=rmask[:, None] & cmask[None, :], other=0.0)
-    elif ROWS:
-        x = tl.load(ptrs, mask=rmask[:, None], other=0.0)
-    elif COLS:
-        x = tl.load(ptrs, mask=cmask[None, :], other=0.0)
-    else:
-        x = tl.load(ptrs)
-    return x
-
-
-@triton.jit
-def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """a @ b (+ acc) with fp32 accumulation. Triton 3.6's interpreter multiplies bf16 wrongly: there the
-    same (bf16-valued) operands are multiplied in fp32."""
-    if INTERPRET:
-        out = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    else:
-        out = tl.dot(a, b, acc, input_precision=PRECISION)
-    return out
-
-
-@triton.jit
-def _visible(pos_q, pos_k, window, WINDOWED: tl.constexpr):
-    """Whether query position pos_q sees key position pos_k: causal, and within the window if WINDOWED."""
-    ok = pos_q >= pos_k
-    if WINDOWED:
-        ok = ok & (pos_q - window < pos_k)
-    return ok
-
-
-@triton.jit
-def _seq_bounds(CU, b, Tq, Tk, VARLEN: tl.constexpr):
-    """(first token, query length, key length, query offset in key positions) of sequence/batch b."""
-    if VARLEN:
-        tok0 = tl.load(CU + b)
-        len_q = tl.load(CU + b + 1) - tok0
-        len_k = len_q
-        off = len_q * 0
-    else:
-        tok0 = b * 0
-        len_q = tok0 + Tq
-        len_k = tok0 + Tk
-        off = len_k - len_q
-    return tok0, len_q, len_k, off
-
-
-@triton.jit
-def _tensor_batch(b, VARLEN: tl.constexpr):
-    """Batch index into the tensors (int64): packed varlen input is one batch row [1, total, ...]."""
-    if VARLEN:
-        bt = b.to(tl.int64) * 0
-    else:
-        bt = b.to(tl.int64)
-    return bt
-
-
-@triton.jit
-def _grid_position(H, HB, HG, LAST_FIRST: tl.constexpr):
-    """(head, sequence, block) of this program in the 1-D grid over HB = heads x sequences and their blocks.
-    The (head, sequence) pairs run in groups of HG (whose tensors fit in L2 together); within a group, the heads
-    vary fastest and the programs with the most tiles to visit (the last query blocks, the first key blocks
-    under the causal mask) come first, so that the short ones fill the last wave."""
-    pid = tl.program_id(0)
-    n_blocks = tl.num_programs(0) // HB
-    in_group = pid % (HG * n_blocks)
-    hb = (pid // (HG * n_blocks)) * HG + in_group % HG
-    block = in_group // HG
-    if LAST_FIRST:
-        block = n_blocks - 1 - block
-    return hb % H, hb // H, block
-
-
-@triton.jit
-def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr,
-               PRUNE: tl.constexpr, WINDOWED: tl.constexpr):
-    """Key tiles of the query rows at positions [p0, p_last]: (lo, win_hi, mask_lo). Tiles before lo are
-    skipped (left of the window, or pruned by ACP), [lo, win_hi) cross the window's edge (masked), [win_hi,
-    mask_lo) need no mask, and the tiles from mask_lo to p_last (the diagonal's, and the others in p0's
-    C_BLOCK-long block, whose end lies past p0: see _c_tile) are masked."""
-    diagonal = (p0 // BLOCK_N) * BLOCK_N
-    lo = p0 * 0
-    if WINDOWED:
-        lo = (tl.maximum(p0 - window + 1, 0) // BLOCK_N) * BLOCK_N
-    if PRUNE:  # c is monotone: the first kept key of the block's first row, searched right of lo
-        thr = tl.load(thr_ptr).to(tl.float64)
-        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N) * BLOCK_N, diagonal)
-    mask_lo = tl.maximum((p0 // C_BLOCK) * C_BLOCK, lo)
-    win_hi = lo
-    if WINDOWED:  # a tile needs no window mask once its first key is inside the last row's window
-        win_hi = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(p_last - window + 1, 0), BLOCK_N) * BLOCK_N, lo), mask_lo)
-    return lo, win_hi, mask_lo
-
-
-@triton.jit
-def _c_tile(c_base, cr_base, c_ref, start, offs, valid, MASK: tl.constexpr, C_BLOCK: tl.constexpr,
-            END: tl.constexpr):
-    """log2(e) * (c[offs] - c_ref) in fp32 for a tile at positions ``offs`` (from ``start``); an unmasked tile also
-    carries what else c_rel holds (the query side's -log2(e) lse, see _attn_bwd_preprocess).
-
-    A masked tile converts c[offs] - c_ref from fp64. An unmasked tile, which lies in one C_BLOCK-long block,
-    adds c_rel[offs] (fp32, c relative to the block's end if END, else its first position) and the fp64 difference
-    of that position's c and c_ref: one conversion per tile. The callers mask the tiles for which that position
-    is not between the tile and c_ref's position, so that the two terms share their sign (c is monotone) and the
-    sum is as precise as a conversion of the fp64 difference."""
-    if MASK:
-        ct = (tl.load(c_base + offs, mask=valid, other=0.0) - c_ref).to(tl.float32) * LOG2E
-    else:
-        b = (start // C_BLOCK) * C_BLOCK
-        if END:
-            b += C_BLOCK
-        ct = tl.load(cr_base + offs) + ((tl.load(c_base + b) - c_ref) * LOG2E).to(tl.float32)
-    return ct
-
-
-@triton.jit
-def _fwd_tile(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, start_n, len_k,
-              window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-              BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
-              PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    kn = start_n + tl.arange(0, BLOCK_N)
-    kvalid = kn < len_k
-    k = _load_rows(k_base + kn.to(tl.int64)[:, None] * skt + offs_d[None, :], kvalid, offs_d < D,
-                   MASK, BLOCK_D != D)
-    ck = _c_tile(c_base, cr_base, c_ref, start_n, kn, kvalid, MASK, C_BLOCK, True)
-    # the logits less the query's own c_i (a constant of its softmax row, added to its lse at the end)
-    s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale - ck[None, :]
-    if MASK:
-        s = tl.where(_visible(pos_m[:, None], kn[None, :], window, WINDOWED) & kvalid[None, :], s, float("-inf"))
-    m_ij = tl.maximum(m_i, tl.max(s, 1))
-    m_sub = m_ij
-    if MASK:
-        if WINDOWED:  # a row may have no visible key yet: subtract 0 from its -inf logits, not -inf
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-    p = tl.math.exp2(s - m_sub[:, None])
-    alpha = tl.math.exp2(m_i - m_sub)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_base + kn.to(tl.int64)[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV,
-                   MASK, BLOCK_DV != DV)
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, INTERPRET)
-    return acc, l_i, m_ij
-
-
-@triton.jit
-def _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, lo, hi, len_k,
-               window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-               BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
-               PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    if INTERPRET:  # Triton 3.6's interpreter cannot run range() over tensor bounds with NumPy >= 2.4
-        start_n = lo
-        while start_n < hi:
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
-                                      MASK, WINDOWED, PRECISION, INTERPRET)
-            start_n += BLOCK_N
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
-                                      qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
-                                      MASK, WINDOWED, PRECISION, INTERPRET)
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
-                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                     Tq, Tk, Hq, HB, HG, G: tl.constexpr, qk_scale, window,
-                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr,
-                     VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                     INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
-    hq, b, pid_m = _grid_position(Hq, HB, HG, True)
-    hk = hq // G
-    tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
-    bt = _tensor_batch(b, VARLEN)
-    i0 = pid_m * BLOCK_M
-    if i0 >= len_q:
-        return
-    offs_m = i0 + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mvalid = offs_m < len_q
-    rows = (tok0 + offs_m).to(tl.int64)
-    q = _load_rows(Q + bt * sqb + hq * sqh + rows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D,
-                   True, BLOCK_D != D)
-    c_base = C + bt * scb + hq * sch + tok0
-    cr_base = CR + bt * scb + hq * sch + tok0
-    k_base = K + bt * skb + hk * skh + tok0.to(tl.int64) * skt
-    v_base = V + bt * svb + hk * svh + tok0.to(tl.int64) * svt
-    p0 = off + i0
-    c_ref = tl.load(c_base + p0)
-    pos_m = off + offs_m
-    p_last = off + tl.minimum(i0 + BLOCK_M, len_q) - 1
-    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N, C_BLOCK, PRUNE,
-                                     WINDOWED)
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if WINDOWED:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
-                                   qk_scale, lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK,
-                                   True, WINDOWED, PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
-                               win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, False,
-                               WINDOWED, PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, pos_m, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
-                               mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, True,
-                               WINDOWED, PRECISION, INTERPRET)
-    if WINDOWED:  # padding rows past the sequence's end may see no key
-        l_i = tl.where(mvalid, l_i, 1.0)
-    acc = acc / l_i[:, None]
-    o_ptrs = O + bt * sob + hq * soh + rows[:, None] * sot + offs_dv[None, :]
-    if BLOCK_DV != DV:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None] & (offs_dv < DV)[None, :])
-    else:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None])
-    cq = (tl.load(c_base + off + offs_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
-    lse = (m_i + tl.math.log2(l_i) + cq) * LN2
-    tl.store(LSE + bt * slb + hq * slh + tok0 + offs_m, lse, mask=mvalid)
-
-
-@triton.jit
-def _relative_c_kernel(C, START, CRK, scb, sch, T, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
-    """The key side's c_rel for BLOCK positions p of one (batch, head): CRK = log2(e) (c_p - c_b) with b the end of p's
-    C_BLOCK-long block (blocks from each sequence's start), clamped into the tensor; the kernels never read c_rel where
-    b lies outside p's sequence."""
-    p = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    base = tl.program_id(2).to(tl.int64) * scb + tl.program_id(1).to(tl.int64) * sch
-    valid = p < T
-    if VARLEN:
-        s = tl.load(START + p, mask=valid, other=0)
-    else:
-        s = p * 0
-    c = tl.load(C + base + p, mask=valid, other=0.0)
-    end = tl.minimum(s + ((p - s) // C_BLOCK + 1) * C_BLOCK, T - 1)
-    tl.store(CRK + base + p, ((c - tl.load(C + base + end)) * LOG2E).to(tl.float32), mask=valid)
-
-
-@triton.jit
-def _attn_bwd_preprocess(O, DO, DLSE, LSE, C, START, DELTA, CRQ, sob, sot, soh, slb, slh, scb, sch, T, Tk, off,
-                         DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, C_BLOCK: tl.constexpr,
-                         HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr):
-    """For the queries i of one block and head: delta_i = sum_d o_i * do_i - dlse_i ([B, H, T] fp32), and the query
-    side's c_rel at their key positions p = i + off: CRQ_p = log2(e) (c_p - c_b - lse_i) with b the first position of
-    p's C_BLOCK-long block (blocks from ``off`` on within p's sequence, b clamped into the tensor: the kernels never
-    read c_rel where b lies outside p's sequence). The dK/dV loop reads the two query-side terms as one."""
-    pid_m = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    valid = offs_m < T
-    mask = valid[:, None] & (offs_dv < DV)[None, :]
-    ptrs = b * sob + h * soh + offs_m.to(tl.int64)[:, None] * sot + offs_dv[None, :]
-    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, 1)
-    lptrs = b * slb + h * slh + offs_m
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + lptrs, mask=valid, other=0.0)
-    tl.store(DELTA + lptrs, delta, mask=valid)
-    p = offs_m + off
-    if VARLEN:
-        s = tl.load(START + p, mask=valid, other=0)
-    else:
-        s = p * 0
-    first = tl.minimum(s + off + ((p - s - off) // C_BLOCK) * C_BLOCK, Tk - 1)
-    cb = C + b * scb + h * sch
-    c = tl.load(cb + p, mask=valid, other=0.0)
-    crq = ((c - tl.load(cb + first, mask=valid, other=0.0)) * LOG2E).to(tl.float32) \
-        - tl.load(LSE + lptrs, mask=valid, other=0.0) * LOG2E
-    tl.store(CRQ + b * scb + h * sch + p, crq, mask=valid)
-
-
-@triton.jit
-def _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base, l_base, d_base, sqt,
-                   sot, c_ref, qk_scale, scale, start_m, len_q, off, window, D: tl.constexpr, DV: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr,
-                   MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    mvalid = offs_m < len_q
-    rows = offs_m.to(tl.int64)
-    q = _load_rows(q_base + rows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D, MASK, BLOCK_D != D)
-    do = _load_rows(do_base + rows[:, None] * sot + offs_dv[None, :], mvalid, offs_dv < DV, MASK, BLOCK_DV != DV)
-    if MASK:
-        delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
-        cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False) \
-            - tl.load(l_base + offs_m, mask=mvalid, other=0.0) * LOG2E
-    else:  # the query side's c_rel already holds -log2(e) lse (see _attn_bwd_preprocess)
-        delta = tl.load(d_base + offs_m)
-        cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False)
-    st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET)
-    if ATOMIC_DQ:  # dP^T's dot issued beside the logits': it runs during the exp2 (H200: +5%; deterministic: -1.5%)
-        dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
-    st = st * qk_scale + (cq[None, :] - ck[:, None])
-    if MASK:
-        st = tl.where(_visible((off + offs_m)[None, :], kn[:, None], window, WINDOWED) & mvalid[None, :]
-                      & kvalid[:, None], st, float("-inf"))
-    pt = tl.math.exp2(st)
-    dv = _dot(pt.to(do.dtype), do, dv, PRECISION, INTERPRET)
-    if not ATOMIC_DQ:
-        dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
-    dst = pt * (dpt - delta[None, :])
-    dk = _dot(dst.to(q.dtype), q, dk, PRECISION, INTERPRET)
-    dck += tl.sum(dst, 1)
-    if ATOMIC_DQ:  # this tile's share of dQ, added into the fp32 accumulator (FlashAttention-2's backward)
-        dq = _dot(tl.trans(dst).to(k.dtype), k, None, PRECISION, INTERPRET) * scale
-        tl.atomic_add(dq_base + rows[:, None] * sqt + offs_d[None, :], dq,
-                      mask=mvalid[:, None] & (offs_d < D)[None, :], sem="relaxed")
-    return dk, dv, dck
-
-
-@triton.jit
-def _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base, l_base, d_base, sqt,
-                    sot, c_ref, qk_scale, scale, lo, hi, len_q, off, window, D: tl.constexpr, DV: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr,
-                    MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    if INTERPRET:
-        start_m = lo
-        while start_m < hi:
-            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base,
-                                         l_base, d_base, sqt, sot, c_ref, qk_scale, scale, start_m, len_q, off, window,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, C_BLOCK, MASK, WINDOWED, PRECISION,
-                                         ATOMIC_DQ, INTERPRET)
-            start_m += BLOCK_M
-    else:
-        for start_m in range(lo, hi, BLOCK_M):
-            start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv, dck = _bwd_dkdv_tile(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base,
-                                         l_base, d_base, sqt, sot, c_ref, qk_scale, scale, start_m, len_q, off, window,
-                                         D, DV, BLOCK_D, BLOCK_DV, BLOCK_M, C_BLOCK, MASK, WINDOWED, PRECISION,
-                                         ATOMIC_DQ, INTERPRET)
-    return dk, dv, dck
-
-
-@triton.jit
-def _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
-                 start_n, len_k, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr,
-                 WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    kn = start_n + tl.arange(0, BLOCK_N)
-    kvalid = kn < len_k
-    rows = kn.to(tl.int64)
-    k = _load_rows(k_base + rows[:, None] * skt + offs_d[None, :], kvalid, offs_d < D, MASK, BLOCK_D != D)
-    v = _load_rows(v_base + rows[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV, MASK, BLOCK_DV != DV)
-    ck = _c_tile(c_base, cr_base, c_ref, start_n, kn, kvalid, MASK, C_BLOCK, True)
-    s = _dot(q, tl.trans(k), None, PRECISION, INTERPRET) * qk_scale + (cq[:, None] - ck[None, :])
-    if MASK:
-        s = tl.where(_visible(pos_m[:, None], kn[None, :], window, WINDOWED) & mvalid[:, None] & kvalid[None, :],
-                     s, float("-inf"))
-    p = tl.math.exp2(s)
-    dp = _dot(do, tl.trans(v), None, PRECISION, INTERPRET)
-    ds = p * (dp - delta[:, None])
-    dq = _dot(ds.to(k.dtype), k, dq, PRECISION, INTERPRET)
-    return dq
-
-
-@triton.jit
-def _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale, lo,
-                  hi, len_k, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr, WINDOWED: tl.constexpr,
-                  PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    if INTERPRET:
-        start_n = lo
-        while start_n < hi:
-            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
-                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, MASK,
-                              WINDOWED, PRECISION, INTERPRET)
-            start_n += BLOCK_N
-    else:
-        for start_n in range(lo, hi, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            dq = _bwd_dq_tile(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
-                              qk_scale, start_n, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N, C_BLOCK, MASK,
-                              WINDOWED, PRECISION, INTERPRET)
-    return dq
-
-
-@triton.jit
-def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
-                    sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                    G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
-                    PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """dK, dV of key block [start_n, start_n + BLOCK_N1), summed over the G query heads of key head hk in a fixed
-    order (a deterministic GQA reduction), and -colsum(dS) per query head into DCK; with ``ATOMIC_DQ`` also
-    every tile's dQ share, atomically added into DQ (fp32)."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    kn = start_n + tl.arange(0, BLOCK_N1)
-    kvalid = kn < len_k
-    krows = (tok0 + kn).to(tl.int64)
-    k = _load_rows(K + hk * skh + krows[:, None] * skt + offs_d[None, :], kvalid, offs_d < D, True, BLOCK_D != D)
-    v = _load_rows(V + hk * svh + krows[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV, True, BLOCK_DV != DV)
-    dk = tl.zeros([BLOCK_N1, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N1, BLOCK_DV], dtype=tl.float32)
-    # Query blocks that see this key block start at the one holding position start_n; those whose rows
-    # all lie at or past the block's last key, and whose C_BLOCK-long block starts at or past start_n (see
-    # _c_tile), need no causal mask; a partial last block needs a row mask.
-    k_last = tl.minimum(start_n + BLOCK_N1, len_k) - 1
-    lo = (tl.maximum(start_n - off, 0) // BLOCK_M1) * BLOCK_M1
-    unmasked_lo = tl.maximum(tl.maximum(tl.cdiv(start_n + BLOCK_N1 - 1 - off, BLOCK_M1) * BLOCK_M1,
-                                        tl.cdiv(start_n - off, C_BLOCK) * C_BLOCK), lo)
-    unmasked_hi = tl.maximum((len_q // BLOCK_M1) * BLOCK_M1, unmasked_lo)
-    last_q = len_q
-    if WINDOWED:  # rows past k_last + window - 1 see none of the block; rows past start_n + window - 1 not all of it
-        last_q = tl.minimum(last_q, tl.cdiv(tl.maximum(k_last + window - off, 0), BLOCK_M1) * BLOCK_M1)
-        window_hi = (tl.maximum(start_n + window - off, 0) // BLOCK_M1) * BLOCK_M1
-        unmasked_hi = tl.minimum(unmasked_hi, tl.maximum(window_hi, unmasked_lo))
-    for g in range(G):
-        hq = hk * G + g
-        c_base = C + hq * sch + tok0
-        cqr_base = CRQ + hq * sch + tok0 + off
-        l_base = LSE + hq * slh + tok0
-        d_base = DELTA + hq * slh + tok0
-        q_base = Q + hq * sqh + tok0.to(tl.int64) * sqt
-        do_base = DO + hq * soh + tok0.to(tl.int64) * sot
-        dq_base = DQ + hq * sqh + tok0.to(tl.int64) * sqt
-        c_ref = tl.load(c_base + start_n)
-        ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
-        hi = last_q
-        if PRUNE:  # kept query blocks: a prefix, up to the last whose first row decays less than delta
-            thr = tl.load(THR + b * Hq + hq).to(tl.float64)
-            r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
-            hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
-        dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
-        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off,
-                                      cqr_base, l_base, d_base, sqt, sot, c_ref, qk_scale, scale, lo,
-                                      tl.minimum(unmasked_lo, hi), len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
-                                      BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET)
-        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off,
-                                      cqr_base, l_base, d_base, sqt, sot, c_ref, qk_scale, scale, unmasked_lo,
-                                      tl.minimum(unmasked_hi, hi), len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
-                                      BLOCK_M1, C_BLOCK, False, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET)
-        dk, dv, dck = _bwd_dkdv_inner(dk, dv, dck, k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off,
-                                      cqr_base, l_base, d_base, sqt, sot, c_ref, qk_scale, scale, unmasked_hi, hi,
-                                      len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, C_BLOCK, True, WINDOWED,
-                                      PRECISION, ATOMIC_DQ, INTERPRET)
-        tl.store(DCK + hq * sch + tok0 + kn, -dck, mask=kvalid)
-    tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
-             mask=kvalid[:, None] & (offs_d < D)[None, :])
-    tl.store(DV_ + hk * svh + krows[:, None] * svt + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
-             mask=kvalid[:, None] & (offs_dv < DV)[None, :])
-
-
-@triton.jit
-def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
-                  sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                  D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, C_BLOCK: tl.constexpr,
-                  PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """dQ of query block [start_m, start_m + BLOCK_M2) of query head hq."""
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    offs_m = start_m + tl.arange(0, BLOCK_M2)
-    mvalid = offs_m < len_q
-    mrows = (tok0 + offs_m).to(tl.int64)
-    pos_m = off + offs_m
-    c_base = C + hq * sch + tok0
-    cr_base = CRK + hq * sch + tok0
-    q = _load_rows(Q + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], mvalid, offs_d < D, True, BLOCK_D != D)
-    do = _load_rows(DO + hq * soh + mrows[:, None] * sot + offs_dv[None, :], mvalid, offs_dv < DV,
-                    True, BLOCK_DV != DV)
-    p0 = off + start_m
-    c_ref = tl.load(c_base + p0)
-    lse = tl.load(LSE + hq * slh + tok0 + offs_m, mask=mvalid, other=float("inf"))
-    delta = tl.load(DELTA + hq * slh + tok0 + offs_m, mask=mvalid, other=0.0)
-    cq = (tl.load(c_base + pos_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
-    p_last = off + tl.minimum(start_m + BLOCK_M2, len_q) - 1
-    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N2, C_BLOCK,
-                                     PRUNE, WINDOWED)
-    k_base = K + hk * skh + tok0.to(tl.int64) * skt
-    v_base = V + hk * svh + tok0.to(tl.int64) * svt
-    dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
-    if WINDOWED:
-        dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
-                           qk_scale, lo, win_hi, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True,
-                           WINDOWED, PRECISION, INTERPRET)
-    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
-                       win_hi, mask_lo, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, False, WINDOWED,
-                       PRECISION, INTERPRET)
-    dq = _bwd_dq_inner(dq, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
-                       mask_lo, p_last + 1, len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True, WINDOWED,
-                       PRECISION, INTERPRET)
-    tl.store(DQ + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
-             mask=mvalid[:, None] & (offs_d < D)[None, :])
-
-
-@triton.jit
-def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
-                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                     Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
-                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                     C_BLOCK: tl.constexpr,
-                     VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
-    """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
-    query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
-    With ``ATOMIC_DQ`` (not deterministic), dQ is accumulated atomically in the dK/dV loop instead: 5 matmuls
-    per tile instead of 7, one exp instead of two.
-
-    The query side of the gate gradient, rowsum_j(dS_ij) = dlse_i (the row sums of P are one and
-    sum_j P_ij dP_ij = do_i . o_i), needs no kernel: the host adds dlse exactly.
-    """
-    hk, b, pid = _grid_position(Hk, HB, HG, False)
-    tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
-    bt = _tensor_batch(b, VARLEN)
-    Q += bt * sqb
-    K += bt * skb
-    V += bt * svb
-    DO += bt * sob
-    DQ += bt * sqb
-    DK += bt * skb
-    DV_ += bt * svb
-    C += bt * scb
-    CRK += bt * scb
-    CRQ += bt * scb
-    DCK += bt * scb
-    LSE += bt * slb
-    DELTA += bt * slb
-    start_n = pid * BLOCK_N1
-    if start_n < len_k:
-        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
-                        sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, ATOMIC_DQ,
-                        INTERPRET)
-    start_m = pid * BLOCK_M2
-    if not ATOMIC_DQ and start_m < len_q:
-        for g in range(G):
-            _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
-                          sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION, INTERPRET)
-
+from .triton_attention_kernels import LOG2E, attn_bwd_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel, \
+    relative_c_kernel
 
 # Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries, and
 # the same 16 x 16 in all three loops, so that ACP skips exactly the same tiles in each (tests compare that).
@@ -630,8 +31,8 @@ def _small_tiles() -> bool:
 
 
 # Autotuned tiles per padded head dim (the larger of D and Dv): FWD (BLOCK_M, BLOCK_N, warps, stages),
-# BWD (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages). Chosen from H200 timings (benchmarks/results)
-# and ptxas register reports (no spills where the tile allows); the first of each list is the usual winner.
+# BWD (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages). Chosen by timing (docs/benchmarks.md) and ptxas
+# register reports (no spills where the tile allows); the first of each list is the usual winner.
 _FWD_TILES = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3)],
     128: [(128, 128, 8, 3), (128, 64, 8, 3)],
@@ -663,22 +64,22 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = interpreted(_attn_fwd_kernel)
+_INTERPRETED = interpreted(attn_fwd_kernel)
 _TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE", "WINDOWED"]
 _fwd = triton.autotune(
     _configs(_FWD_TILES, ("BLOCK_M", "BLOCK_N")), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
-)(_attn_fwd_kernel)
+)(attn_fwd_kernel)
 _bwd = triton.autotune(
     _configs(_BWD_TILES, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
     key=[*_TUNE_KEY, "ATOMIC_DQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
     reset_to_zero=["DQ"],  # the atomic dQ accumulator: every timed run of a tile adds into it
-)(_attn_bwd_kernel)
+)(attn_bwd_kernel)
 
 
 # The config that the autotuner chose per (kernel, device, dtype, tuning key): once it has chosen, the kernel is
-# launched with it directly, without the autotuner's per-call work (it builds its key from every argument: ~80 us of
-# host time a launch on the H200's host, two launches a layer and step).
+# launched with it directly, without the autotuner's per-call work (it builds its key from every argument, in host
+# time that eager training steps feel: docs/benchmarks.md, "Host time").
 _TUNED: dict[tuple, triton.Config] = {}
 
 
@@ -708,8 +109,8 @@ def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.
 
 
 # Bytes of the streamed tensors (K and V in the forward, Q and dO in the backward) that the programs in flight may
-# share: None is half the GPU's L2 (the H200 reports 60 MiB; 8 and 24 MiB shares timed alike there, and 24 and 30 MiB
-# group the benchmarked shapes the same), and 24 MiB for the interpreter's CPU tensors.
+# share: None is half the GPU's L2 (smaller shares timed alike: docs/benchmarks.md, "Launch order"), and 24 MiB for the
+# interpreter's CPU tensors.
 L2_SHARE: int | None = None
 
 
@@ -742,7 +143,7 @@ def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int) 
     start = _segment_starts(cu_seqlens, T)
     block = 1024 if not _INTERPRETED else 64
     # crk stands in for START where this specialization does not read it
-    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, crk if start is None else start, crk, *c.stride()[:2], T,
+    relative_c_kernel[(triton.cdiv(T, block), H, B)](c, crk if start is None else start, crk, *c.stride()[:2], T,
                                                         C_BLOCK=c_block, BLOCK=block, VARLEN=start is not None)
     return crk
 
@@ -758,7 +159,7 @@ def _bwd_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     start = _segment_starts(cu_seqlens, Tk)
     block = 64
     # lse stands in for DLSE and START where this specialization does not read them
-    _attn_bwd_preprocess[(triton.cdiv(Tq, block), H, B)](
+    attn_bwd_preprocess_kernel[(triton.cdiv(Tq, block), H, B)](
         o, do, lse if dlse is None else dlse, lse, c, lse if start is None else start, delta, crq, *o.stride()[:3],
         *lse.stride()[:2], *c.stride()[:2], Tq, Tk, Tk - Tq, DV=Dv, BLOCK_M=block,
         BLOCK_DV=block_dim(Dv), C_BLOCK=c_block, HAS_DLSE=dlse is not None,
@@ -789,8 +190,8 @@ def _dims(q, k, cu_seqlens, max_seqlen) -> tuple[int, int, int]:
 
 # The two launchers below are wrapped as torch.library custom ops with autograd registered on them: torch.compile
 # sees them as opaque (no graph break, no attempt to re-trace the Triton code). Eager calls go through _EagerAttention,
-# a torch.autograd.Function over the same two functions: the custom ops' dispatch and autograd wrappers cost ~0.15 ms
-# more host time per forward + backward, and eager training steps at 16k are partly host-bound (docs/benchmarks.md).
+# a torch.autograd.Function over the same two functions: the custom ops' dispatch and autograd wrappers cost host time
+# that eager training steps feel (docs/benchmarks.md, "Host time").
 def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor, scale: float,
     cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
@@ -839,7 +240,7 @@ def _backward_impl(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32. Not ``deterministic``: the faster backward for the head dim,
-    which at head dims <= 64 accumulates dQ with fp32 atomics (H200: 1.13x at d64, but 0.93x at d128)."""
+    which at head dims <= 64 accumulates dQ with fp32 atomics (slower than the deterministic one at d128)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
     Tq, Hq = q.shape[1:3]
@@ -948,7 +349,7 @@ def triton_forgetting_attention(
     threshold: ACP delta [B or N, Hq] fp32, or None; deterministic: False accumulates dQ with atomics.
     Returns o: [B, Tq, Hq, Dv] in q's dtype and lse: [B, Hq, Tq] fp32.
     """
-    require_runnable(_attn_fwd_kernel, q, "q")
+    require_runnable(attn_fwd_kernel, q, "q")
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     args = (q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic)
