@@ -1,10 +1,11 @@
-"""Forgetting Attention speed on the GPU, following the protocol of ../shared/ANCHORS.md section 1.
+"""Forgetting Attention speed on the GPU, with the protocol of the peers' published kernel figures.
 
 q, k, v: [B, T, H, D] bf16 randn with B*T = 65,536 and H*D = 2048; the "standard" gate profile (per-head decay
 times log-spaced from 16 to 16,384 tokens); FLOPs = 4*B*H*T^2*D/2 forward, 3.5x that forward+backward; median
 of 10 timed runs after 3 warm-ups, CUDA events. Compared in the same run: foxlm, foxlm with ACP (effective
-TF/s: the unpruned FLOPs over the pruned time), both also with ``deterministic=True`` ("-det"), PyTorch SDPA flash and cuDNN (no gate), fla's
-parallel_forgetting_attn when importable. Before timing, the kernels are checked against the fp64 reference.
+TF/s: the unpruned FLOPs over the pruned time), both also with ``deterministic=True`` ("-det"), PyTorch SDPA
+flash and cuDNN (no gate), fla's parallel_forgetting_attn when importable. Before timing, the kernels are checked
+against the fp64 reference.
 
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--dims 64 128] [--seqlens 2048 8192 16384]
 """
@@ -217,7 +218,8 @@ def main() -> None:
 
 def table(rows: list[dict], env: dict) -> str:
     """Markdown table of fwd+bwd TF/s (ratio to SDPA flash) per implementation and shape."""
-    names = [n for n in ("foxlm", "foxlm+acp", "foxlm-det", "foxlm+acp-det", "sdpa-flash", "sdpa-cudnn", "fla") if any(n in r for r in rows)]
+    names = [n for n in ("foxlm", "foxlm+acp", "foxlm-det", "foxlm+acp-det", "sdpa-flash", "sdpa-cudnn", "fla")
+             if any(n in r for r in rows)]
     head = "| impl | " + " | ".join(f"d{r['D']} T={r['T'] // 1024}k" for r in rows) + " |"
     lines = [f"fwd+bwd TF/s (x SDPA flash), {env['device']}, {env['date']}", head, "|---" * (len(rows) + 1) + "|"]
     for n in names:

@@ -1,15 +1,16 @@
 """Decoding speed: foxlm's generation path against transformers' LlamaForCausalLM (SDPA) with HF generate.
 
-Protocol (ANCHORS.md 1b, extended): greedy decoding, tokens/s = batch * steps / time of ``steps`` decode steps
-after a cache of ``ctx`` tokens (4k / 32k / 128k; batch 1 and 16), 125m models in bf16 on one GPU:
+Protocol (that of the peers' published decoding figures, extended): greedy decoding, tokens/s = batch * steps /
+time of ``steps`` decode steps after a cache of ``ctx`` tokens (4k / 32k / 128k; batch 1 and 16), 125m models in
+bf16 on one GPU:
 - foxlm fox-pro and transformer-pro through ``foxlm.generate.CachedDecoder`` (paged cache, Triton decode
   kernel, CUDA graph), with and without forget-gate eviction (fox-pro);
-- transformers ``LlamaForCausalLM`` (SDPA) through ``model.generate``, the ANCHORS baseline.
+- transformers ``LlamaForCausalLM`` (SDPA) through ``model.generate``, the peers' baseline.
 A decode step costs the same whatever the cached values, so the caches are filled with random keys and values
 (RMS-normalised, as QK-norm makes them) instead of running a prefill; the gate cumsums follow the standard
-gate profile (ANCHORS.md 1: tau_h log-spaced 16..16384, log f = logsigmoid(b_h + 0.5 randn)), and the fox-pro's
-gate biases are set to b_h so the gates of the new tokens follow it too. The eviction cache size is reported
-against the full cache at the same lengths (N of the bound = the final length).
+gate profile (as in benchmarks/attention.py: tau_h log-spaced 16..16384, log f = logsigmoid(b_h + 0.5 randn)), and
+the fox-pro's gate biases are set to b_h so the gates of the new tokens follow it too. The eviction cache size is
+reported against the full cache at the same lengths (N of the bound = the final length).
 Correctness first: the decode kernel against the fp64 PyTorch path, graph replay against eager steps, and
 foxlm's generate() against HF generate on real prompts (which also exercises the prefill through the op).
 
@@ -45,7 +46,7 @@ def _peak_gib() -> float:
 
 
 def standard_bias(num_heads: int) -> torch.Tensor:
-    """b_h = -log(expm1(1/tau_h)), tau_h log-spaced from 16 to 16384 tokens (ANCHORS.md, standard profile)."""
+    """b_h = -log(expm1(1/tau_h)), tau_h log-spaced from 16 to 16384 tokens (the standard profile)."""
     tau = torch.logspace(math.log10(16), math.log10(16384), num_heads, dtype=torch.float64)
     return (-torch.log(torch.expm1(1.0 / tau))).float()
 

@@ -548,25 +548,6 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
         assert all(ldl == stl == "0" for *_, ldl, stl in loops), kernel
 
 
-@pytest.mark.skipif(not (Path(__file__).parents[1] / ".git").exists(), reason="needs the project's git history")
-def test_attention_ab_loads_a_revision_beside_the_tree():
-    """benchmarks/attention_ab.py's loader gives a committed revision's kernels as their own module, with their own
-    custom ops, that runs beside the working tree's: HEAD's forward and backward agree with the tree's here."""
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
-    from attention_ab import load_revision
-
-    rev = load_revision("HEAD", name="foxlm_test_rev")
-    assert rev is not ta and rev._fwd_op is not ta._fwd_op and rev._INTERPRETED == ta._INTERPRETED
-    rev.SMALL_TILES = True
-    q, k, v, log_fgate = _inputs(1, 40, 40, 2, 1, 16, 16)
-    outs = []
-    for module in (ta, rev):
-        o, lse = module.triton_forgetting_attention(q, k, v, log_fgate, scale=0.25, cu_seqlens=None, max_seqlen=None)
-        outs.append((o, lse, *torch.autograd.grad((o * o).sum() + lse.sum(), (q, k, v, log_fgate))))
-    for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
 @pytest.mark.parametrize("used", ["o", "lse"])
 def test_gradients_when_one_output_is_unused(used):
     """A loss of o alone (no lse gradient reaches the backward) or of lse alone (no o gradient): the kernels' gradients
