@@ -109,7 +109,7 @@ def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.
 
 
 # Bytes of the streamed tensors (K and V in the forward, Q and dO in the backward) that the programs in flight may
-# share: None is half the GPU's L2 (smaller shares timed alike: docs/benchmarks.md, "Launch order"), and 24 MiB for the
+# share: None is half the GPU's L2 (smaller shares timed alike: docs/benchmarks.md, "launch order"), and 24 MiB for the
 # interpreter's CPU tensors.
 L2_SHARE: int | None = None
 
