@@ -1,5 +1,9 @@
-"""The host side of Forgetting Attention's Triton kernels (``triton_attention_kernels``): tiles, autotuning, launches,
-the ``torch.library`` custom ops with their autograd, and the eager path."""
+"""The host side of Forgetting Attention's Triton kernels (the kernels are in ``triton_attention_kernels``).
+
+Tile tables and autotuning, the launchers (``_forward_impl``, ``_backward_impl``), the ``torch.library`` custom ops
+that torch.compile traces, the eager ``autograd.Function`` over the same launchers, and the entry point
+``triton_forgetting_attention`` that ``forgetting_attention`` calls.
+"""
 
 from __future__ import annotations
 
@@ -8,13 +12,18 @@ import triton
 
 from .backend import block_dim, interpreted, require_runnable
 from .reference import gate_cumsum, segment_ids
-from .triton_attention_kernels import LOG2E, attn_bwd_kernel, attn_bwd_preprocess_kernel, attn_fwd_kernel, \
-    relative_c_kernel
+from .triton_attention_kernels import (
+    LOG2E,
+    attn_bwd_kernel,
+    attn_bwd_preprocess_kernel,
+    attn_fwd_kernel,
+    relative_c_kernel,
+)
 
 # Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries, and
 # the same 16 x 16 in all three loops, so that ACP skips exactly the same tiles in each (tests compare that).
 INTERPRET_TILE = 16
-# c_rel's block (see _c_tile): a multiple of every loop's tile; on the CPU two tiles, so that small tests see tiles
+# c_rel's block (see the kernels' _c_tile): a multiple of every loop's tile; on the CPU two tiles, so that small tests see tiles
 # on both sides of the rule that masks the tiles in the block of c_ref's position.
 C_BLOCK = 128
 INTERPRET_C_BLOCK = 2 * INTERPRET_TILE

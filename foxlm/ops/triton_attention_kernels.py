@@ -32,6 +32,7 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   loop stops at the query block of its last key + window - 1.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels run on CPU tensors.
+Only the ``@triton.jit`` code lives here; ``triton_attention`` tiles, launches and differentiates it.
 """
 
 from __future__ import annotations
