@@ -110,12 +110,12 @@ def main() -> None:
     bucket = ta._tiles_bucket({"BLOCK_D": block_d, "BLOCK_DV": block_d})
     common = dict(G=1, D=d, DV=d, BLOCK_D=block_d, BLOCK_DV=block_d, VARLEN=False, PRUNE=False, WINDOWED=False,
                   PRECISION="tf32", INTERPRET=False, TILES=bucket, C_BLOCK=ta.C_BLOCK)
-    cases = [(f"forward {m}x{n}", tk.attn_fwd_kernel, dict(BLOCK_M=m, BLOCK_N=n), w, s)
+    cases = [(f"forward {m}x{n}", tk._attn_fwd_kernel, dict(BLOCK_M=m, BLOCK_N=n), w, s)
              for m, n, w, s in ta._FWD_TILES[bucket]]
     for m1, n1, m2, n2, w, s in ta._BWD_TILES[bucket]:
         tiles = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
-        cases.append((f"backward, atomic dQ, {m1}x{n1}", tk.attn_bwd_kernel, dict(tiles, ATOMIC_DQ=True), w, s))
-        cases.append((f"backward, deterministic, {m1}x{n1} + {m2}x{n2}", tk.attn_bwd_kernel,
+        cases.append((f"backward, atomic dQ, {m1}x{n1}", tk._attn_bwd_kernel, dict(tiles, ATOMIC_DQ=True), w, s))
+        cases.append((f"backward, deterministic, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel,
                       dict(tiles, ATOMIC_DQ=False), w, s))
     print(f"sm_{args.arch}a, head dim {d}, bf16")
     for name, fn, tiles, warps, stages in cases:

@@ -14,17 +14,17 @@ from .backend import block_dim, interpreted, require_runnable
 from .reference import gate_cumsum, segment_ids
 from .triton_attention_kernels import (
     LOG2E,
-    attn_bwd_kernel,
-    attn_bwd_preprocess_kernel,
-    attn_fwd_kernel,
-    relative_c_kernel,
+    _attn_bwd_kernel,
+    _attn_bwd_preprocess,
+    _attn_fwd_kernel,
+    _relative_c_kernel,
 )
 
 # Interpreter (CPU) tiles: small, so that tests at small sizes cross many tiles and ACP boundaries, and
 # the same 16 x 16 in all three loops, so that ACP skips exactly the same tiles in each (tests compare that).
 INTERPRET_TILE = 16
-# c_rel's block (see the kernels' _c_tile): a multiple of every loop's tile; on the CPU two tiles, so that small tests see tiles
-# on both sides of the rule that masks the tiles in the block of c_ref's position.
+# c_rel's block (see the kernels' _c_tile): a multiple of every loop's tile; on the CPU two tiles, so that small tests
+# see tiles on both sides of the rule that masks the tiles in the block of c_ref's position.
 C_BLOCK = 128
 INTERPRET_C_BLOCK = 2 * INTERPRET_TILE
 _INTERPRET_FWD = {"BLOCK_M": INTERPRET_TILE, "BLOCK_N": INTERPRET_TILE, "TILES": 0}
@@ -73,17 +73,17 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
-_INTERPRETED = interpreted(attn_fwd_kernel)
+_INTERPRETED = interpreted(_attn_fwd_kernel)
 _TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE", "WINDOWED"]
 _fwd = triton.autotune(
     _configs(_FWD_TILES, ("BLOCK_M", "BLOCK_N")), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
-)(attn_fwd_kernel)
+)(_attn_fwd_kernel)
 _bwd = triton.autotune(
     _configs(_BWD_TILES, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
     key=[*_TUNE_KEY, "ATOMIC_DQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
     reset_to_zero=["DQ"],  # the atomic dQ accumulator: every timed run of a tile adds into it
-)(attn_bwd_kernel)
+)(_attn_bwd_kernel)
 
 
 # The config that the autotuner chose per (kernel, device, dtype, tuning key): once it has chosen, the kernel is
@@ -152,7 +152,7 @@ def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int) 
     start = _segment_starts(cu_seqlens, T)
     block = 1024 if not _INTERPRETED else 64
     # crk stands in for START where this specialization does not read it
-    relative_c_kernel[(triton.cdiv(T, block), H, B)](c, crk if start is None else start, crk, *c.stride()[:2], T,
+    _relative_c_kernel[(triton.cdiv(T, block), H, B)](c, crk if start is None else start, crk, *c.stride()[:2], T,
                                                         C_BLOCK=c_block, BLOCK=block, VARLEN=start is not None)
     return crk
 
@@ -168,7 +168,7 @@ def _bwd_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     start = _segment_starts(cu_seqlens, Tk)
     block = 64
     # lse stands in for DLSE and START where this specialization does not read them
-    attn_bwd_preprocess_kernel[(triton.cdiv(Tq, block), H, B)](
+    _attn_bwd_preprocess[(triton.cdiv(Tq, block), H, B)](
         o, do, lse if dlse is None else dlse, lse, c, lse if start is None else start, delta, crq, *o.stride()[:3],
         *lse.stride()[:2], *c.stride()[:2], Tq, Tk, Tk - Tq, DV=Dv, BLOCK_M=block,
         BLOCK_DV=block_dim(Dv), C_BLOCK=c_block, HAS_DLSE=dlse is not None,
@@ -358,7 +358,7 @@ def triton_forgetting_attention(
     threshold: ACP delta [B or N, Hq] fp32, or None; deterministic: False accumulates dQ with atomics.
     Returns o: [B, Tq, Hq, Dv] in q's dtype and lse: [B, Hq, Tq] fp32.
     """
-    require_runnable(attn_fwd_kernel, q, "q")
+    require_runnable(_attn_fwd_kernel, q, "q")
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     args = (q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic)

@@ -162,7 +162,7 @@ def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr
 def _c_tile(c_base, cr_base, c_ref, start, offs, valid, MASK: tl.constexpr, C_BLOCK: tl.constexpr,
             END: tl.constexpr):
     """log2(e) * (c[offs] - c_ref) in fp32 for a tile at positions ``offs`` (from ``start``); an unmasked tile also
-    carries what else c_rel holds (the query side's -log2(e) lse, see attn_bwd_preprocess_kernel).
+    carries what else c_rel holds (the query side's -log2(e) lse, see _attn_bwd_preprocess).
 
     A masked tile converts c[offs] - c_ref from fp64. An unmasked tile, which lies in one C_BLOCK-long block,
     adds c_rel[offs] (fp32, c relative to the block's end if END, else its first position) and the fp64 difference
@@ -213,7 +213,7 @@ def _fwd_tile(state, start_n, q, pos_m, k_base, v_base, c_base, cr_base, skt, sv
 
 
 @triton.jit
-def attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
+def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                      Tq, Tk, Hq, HB, HG, G: tl.constexpr, qk_scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -272,7 +272,7 @@ def attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
 
 
 @triton.jit
-def relative_c_kernel(C, START, CRK, scb, sch, T, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
+def _relative_c_kernel(C, START, CRK, scb, sch, T, C_BLOCK: tl.constexpr, BLOCK: tl.constexpr, VARLEN: tl.constexpr):
     """The key side's c_rel for BLOCK positions p of one (batch, head): CRK = log2(e) (c_p - c_b) with b the end of p's
     C_BLOCK-long block (blocks from each sequence's start), clamped into the tensor; the kernels never read c_rel where
     b lies outside p's sequence."""
@@ -289,7 +289,7 @@ def relative_c_kernel(C, START, CRK, scb, sch, T, C_BLOCK: tl.constexpr, BLOCK: 
 
 
 @triton.jit
-def attn_bwd_preprocess_kernel(O, DO, DLSE, LSE, C, START, DELTA, CRQ, sob, sot, soh, slb, slh, scb, sch, T, Tk, off,
+def _attn_bwd_preprocess(O, DO, DLSE, LSE, C, START, DELTA, CRQ, sob, sot, soh, slb, slh, scb, sch, T, Tk, off,
                          DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, C_BLOCK: tl.constexpr,
                          HAS_DLSE: tl.constexpr, VARLEN: tl.constexpr):
     """For the queries i of one block and head: delta_i = sum_d o_i * do_i - dlse_i ([B, H, T] fp32), and the query
@@ -344,7 +344,7 @@ def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, dq_bas
         delta = tl.load(d_base + offs_m, mask=mvalid, other=0.0)
         cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False) \
             - tl.load(l_base + offs_m, mask=mvalid, other=0.0) * LOG2E
-    else:  # the query side's c_rel already holds -log2(e) lse (see attn_bwd_preprocess_kernel)
+    else:  # the query side's c_rel already holds -log2(e) lse (see _attn_bwd_preprocess)
         delta = tl.load(d_base + offs_m)
         cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False)
     st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET)
@@ -507,7 +507,7 @@ def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, 
 
 
 @triton.jit
-def attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
+def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                      Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
