@@ -456,3 +456,27 @@ def test_trained_model_exported_and_converted_back_gives_the_same_per_token_loss
         losses.append(np.array([r.split(",") for r in rows], dtype=float))
     assert losses[0][:, 1].mean() < math.log(257) - 1  # it learned something (a uniform guess: ln 257)
     np.testing.assert_array_equal(losses[0], losses[1])
+
+
+def test_converted_model_generates_and_evaluates_with_its_recorded_tokenizer(tmp_path, capsys):
+    """The authors' models read JSON-escaped text: `foxlm generate` uses the json-gpt2 tokenizer convert recorded
+    without a flag, and `foxlm eval` refuses data prepared with another tokenizer."""
+    gen = torch.Generator().manual_seed(1)
+    cfg = authors_config(**{**AUTHORS_ARCHS["fox-llama"], "vocab_size": 50304, "num_hidden_layers": 1})
+    sd = {k: v for k, v in authors_weights({**cfg, "num_hidden_layers": L}, gen).items() if "layers.1." not in k}
+    sd["model.embeddings.weight"], sd["lm_head.weight"] = torch.randn(50304, C, generator=gen), \
+        torch.randn(50304, C, generator=gen) * 0.5
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "dst")
+    outputs = {}
+    for flag in ([], ["--tokenizer", "json-gpt2"], ["--tokenizer", "gpt2"]):
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "dst"), "--prompt", 'She said "no"\nand', "--max-new-tokens", "4",
+                     "--device", "cpu", "--no-eos", *flag]) == 0
+        outputs[tuple(flag)] = capsys.readouterr().out
+    assert outputs[()] == outputs[("--tokenizer", "json-gpt2")] != outputs[("--tokenizer", "gpt2")]
+    data = tmp_path / "bytes"
+    prepare(shakespeare_plays()[:3], data, tokenizer="byte", val_fraction=0.34, workers=0, progress=False)
+    with pytest.raises(ValueError, match="--data: prepared with the tokenizer byte, but .* reads json-gpt2"):
+        main(["eval", "loss", str(tmp_path / "dst"), "--data", str(data), "--train-length", "16", "--out",
+              str(tmp_path / "out"), "--no-progress", "--device", "cpu"])
