@@ -422,7 +422,8 @@ def _fla_greedy_with_cache(fla_model, ids: torch.Tensor, n: int) -> torch.Tensor
 def test_json_gpt2_tokenizer_round_trips_and_escapes_like_the_authors():
     tok = get_tokenizer("json-gpt2")
     gpt2 = get_tokenizer("gpt2")
-    for text in ['He said "hi"\n\tthen left.', "naïve café — 日本語 🦊", "back\\slash {\"json\": [1, 2]}\r\n", ""]:
+    texts = ['He said "hi"\n\tthen left.', "naïve café — 日本語 🦊", "back\\slash {\"json\": [1, 2]}\r\n", ""]
+    for text in texts:
         ids = tok.encode(text)
         assert tok.decode(ids) == text
         assert ids == gpt2.encode(json.dumps(text)[1:-1])  # what the authors' prepare_for_tokenization feeds BPE
@@ -480,3 +481,24 @@ def test_converted_model_generates_and_evaluates_with_its_recorded_tokenizer(tmp
     with pytest.raises(ValueError, match="--data: prepared with the tokenizer byte, but .* reads json-gpt2"):
         main(["eval", "loss", str(tmp_path / "dst"), "--data", str(data), "--train-length", "16", "--out",
               str(tmp_path / "out"), "--no-progress", "--device", "cpu"])
+
+
+def test_init_from_a_converted_model_trains_on_json_gpt2_data_only(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    cfg = authors_config(**{**AUTHORS_ARCHS["fox-llama"], "vocab_size": 50304, "num_hidden_layers": 1,
+                            "intermediate_size": 128, "bos_token_id": 50256, "eos_token_id": 50256})
+    sd = {k: v for k, v in authors_weights({**cfg, "num_hidden_layers": L}, gen).items() if "layers.1." not in k}
+    sd["model.embeddings.weight"], sd["lm_head.weight"] = (torch.randn(50304, C, generator=gen) for _ in range(2))
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "dst")
+    assert FoxConfig.from_pretrained(tmp_path / "dst").eos_token_id == 50256
+    plays = shakespeare_plays()[:3]
+    args = ["train", "device=cpu", "arch=fox-llama", "model.hidden_size=64", "model.num_hidden_layers=1",
+            "model.num_attention_heads=4", "model.intermediate_size=128", "seq_len=32", "batch_size=2",
+            "max_steps=2", "eval_every=0", "save_every=0", "progress=false", "tensorboard=false", "sample_tokens=0",
+            f"init_from={tmp_path / 'dst'}"]
+    for tokenizer, code in (("gpt2", 2), ("json-gpt2", 0)):  # (the embedded default config says tokenizer=gpt2)
+        prepare(plays, tmp_path / tokenizer, tokenizer=tokenizer, val_fraction=0.34, workers=0, progress=False)
+        assert main([*args, f"tokenizer={tokenizer}", f"data={tmp_path / tokenizer}",
+                     f"out_dir={tmp_path / ('run-' + tokenizer)}"]) == code, tokenizer
+    assert (tmp_path / "run-json-gpt2" / "checkpoints").is_dir()

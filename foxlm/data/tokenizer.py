@@ -75,9 +75,10 @@ class BPETokenizer:
 
 
 class JSONGPT2Tokenizer:
-    """GPT-2 BPE on JSON-escaped text, as the FoX authors' LongCrawl64 models were trained (their ``JSONGPT2Tokenizer``):
-    ``encode`` BPE-encodes ``json.dumps(text)`` without its quotes (non-ASCII as ``\\uXXXX``, newlines as ``\\n``),
-    ``decode`` undoes it. Offline, from GPT-2's files; same ids and ``eot_id`` as ``"gpt2"``."""
+    """GPT-2 BPE on JSON-escaped text, as the FoX authors' LongCrawl64 models were trained (their
+    ``JSONGPT2Tokenizer``): ``encode`` BPE-encodes ``json.dumps(text)`` without its quotes (non-ASCII as
+    ``\\uXXXX``, newlines as ``\\n``), ``decode`` undoes it. Offline, from GPT-2's files; the ids and
+    ``eot_id`` of ``"gpt2"``."""
 
     name = "json-gpt2"
 
@@ -136,7 +137,8 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
         if not (folder / "encoder.json").is_file() or not (folder / "vocab.bpe").is_file():
             raise ValueError(f"tokenizer: folder {path} holds no encoder.json + vocab.bpe")
         return BPETokenizer(folder / "encoder.json", folder / "vocab.bpe")
-    raise ValueError(f"tokenizer: expected 'gpt2', 'json-gpt2', 'byte' or a folder with encoder.json + vocab.bpe, got {name!r}")
+    raise ValueError(f"tokenizer: expected 'gpt2', 'json-gpt2', 'byte' or a folder with encoder.json + vocab.bpe, "
+                     f"got {name!r}")
 
 
 def tokenizer_from_spec(spec: dict) -> Tokenizer:

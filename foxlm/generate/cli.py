@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     model = load_checkpoint_model(args.model).to(device=device, dtype=dtype).eval()
     recorded = getattr(model.config, "foxlm_tokenizer", None)  # written by foxlm train and foxlm convert
-    tok = get_tokenizer(args.tokenizer) if args.tokenizer or not recorded else tokenizer_from_spec(recorded)
+    tok = tokenizer_from_spec(recorded) if recorded and not args.tokenizer else get_tokenizer(args.tokenizer or "gpt2")
     ids = [tok.encode(p) or [tok.eot_id] for p in prompts]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(

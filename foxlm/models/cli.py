@@ -1,4 +1,5 @@
-"""``foxlm convert SRC DST``: the FoX authors' and fla's checkpoints as foxlm folders, and back (``foxlm.models.convert``)."""
+"""``foxlm convert SRC DST``: the FoX authors' and fla's checkpoints as foxlm folders, and back
+(``foxlm.models.convert``)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import sys
 def register(subparsers) -> None:
     p = subparsers.add_parser(
         "convert", help="convert the FoX paper's / fla's checkpoints to foxlm, or foxlm to the paper's format",
-        description="Convert a save_pretrained folder (config.json + safetensors, sharded or not, or pytorch_model.bin) "
-                    "between formats. Every config field is mapped or the conversion stops naming it.",
+        description="Convert a save_pretrained folder (config.json + safetensors, sharded or not, or "
+                    "pytorch_model.bin) between formats. Every config field is mapped or the conversion stops "
+                    "naming it.",
     )
     p.add_argument("src", metavar="SRC", help="source save_pretrained folder")
     p.add_argument("dst", metavar="DST", help="destination folder (not replaced unless --overwrite)")

@@ -22,7 +22,8 @@ from .configuration_fox import FoxConfig
 AUTHORS_FOX = "forgetting_transformer-project_fox"  # their FoX class (also their Pro Transformer: fgate_type "none")
 AUTHORS_TRANSFORMER = "transformer-project_fox"  # their LLaMA Transformer class
 FLA_FOX = "forgetting_transformer"
-FORMATS = {AUTHORS_FOX: "fox-authors", AUTHORS_TRANSFORMER: "fox-authors", FLA_FOX: "fla", FoxConfig.model_type: "foxlm"}
+FORMATS = {AUTHORS_FOX: "fox-authors", AUTHORS_TRANSFORMER: "fox-authors", FLA_FOX: "fla",
+           FoxConfig.model_type: "foxlm"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The QK-norm epsilon the authors' and fla's QK-norms use (their norm modules' default; config.norm_eps is not passed).
 PEER_QK_NORM_EPS = 1e-5
@@ -30,8 +31,9 @@ PEER_QK_NORM_EPS = 1e-5
 # Keys transformers writes into any config.json (bookkeeping, generation defaults, label maps): no architecture.
 _HF_KEYS = {
     "_name_or_path", "architectures", "auto_map", "transformers_version", "model_type", "torch_dtype", "dtype",
-    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript", "chunk_size_feed_forward",
-    "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder", "cross_attention_hidden_size",
+    "output_attentions", "output_hidden_states", "return_dict", "use_return_dict", "torchscript",
+    "chunk_size_feed_forward", "is_encoder_decoder", "is_decoder", "add_cross_attention", "tie_encoder_decoder",
+    "cross_attention_hidden_size",
     "id2label", "label2id", "problem_type", "finetuning_task", "tokenizer_class", "prefix", "task_specific_params",
     "tf_legacy_loss", "use_bfloat16", "sep_token_id", "decoder_start_token_id", "max_length", "min_length",
     "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty", "temperature", "top_k", "top_p",
@@ -113,11 +115,10 @@ class _Fields:
 
     def __call__(self, key: str, required: bool = False):
         self.read.add(key)
-        if key in self.raw and self.raw[key] is not None:
-            return self.raw[key]
-        if required and self.defaults.get(key) is None:
+        value = self.raw[key] if key in self.raw else self.defaults.get(key)  # an explicit null stays null
+        if required and value is None:
             raise ValueError(f"config.json: {key} is missing (needed to build the model)")
-        return self.defaults.get(key)
+        return value
 
     def expect(self, key: str, allowed: tuple, why: str):
         value = self(key)
@@ -218,7 +219,8 @@ def to_authors_config(cfg: FoxConfig) -> dict:
         if not ok:
             raise ValueError(f"--to fox-authors: {what}")
 
-    need(cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size, "head_dim must be hidden_size / num_attention_heads")
+    need(cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size,
+         "head_dim must be hidden_size / num_attention_heads")
     need(cfg.gate in ("data", "bias", "none"), f"gate={cfg.gate!r} has no counterpart (data, bias or none)")
     need(not cfg.qk_norm or cfg.qk_norm_eps == PEER_QK_NORM_EPS,
          f"their QK-norm epsilon is {PEER_QK_NORM_EPS}; this model's is {cfg.qk_norm_eps or cfg.rms_norm_eps}")
@@ -242,7 +244,8 @@ def to_authors_config(cfg: FoxConfig) -> dict:
     return {
         **out, "num_kv_heads": None, "window_size": None, "use_output_gate": cfg.output_gate, "ogate_act": "sigmoid",
         "fgate_type": {"data": "full", "bias": "bias_only", "none": "none"}[cfg.gate],
-        "use_output_norm": cfg.output_norm, "qk_norm": cfg.qk_norm, "qk_norm_share_param_across_head": cfg.qk_norm_shared,
+        "use_output_norm": cfg.output_norm, "qk_norm": cfg.qk_norm,
+        "qk_norm_share_param_across_head": cfg.qk_norm_shared,
         "use_k_shift": cfg.k_shift, "use_v_shift": cfg.v_shift,
         "log_pruning_tolerance": math.log(cfg.acp_tolerance) if cfg.acp else None,
     }
@@ -282,7 +285,7 @@ def _name_pairs(cfg: FoxConfig, fmt: str) -> list[tuple[str, str, str]]:
             pairs.append((a + "output_norm.weight", a + "o_norm.weight", "heads"))
         if cfg.qk_norm:
             kind = "same" if cfg.qk_norm_shared else "heads"
-            pairs += [(a + "q_norm.weight", a + "q_norm.weight", kind), (a + "k_norm.weight", a + "k_norm.weight", kind)]
+            pairs += [(a + f"{n}_norm.weight", a + f"{n}_norm.weight", kind) for n in ("q", "k")]
     return pairs
 
 
@@ -370,7 +373,8 @@ def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> di
             tokenizer = raw["foxlm_tokenizer"]["name"]
         elif (src / "tokenizer_config.json").is_file():
             cls = json.loads((src / "tokenizer_config.json").read_text()).get("tokenizer_class")
-            tokenizer = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}.get(cls)
+            names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
+            tokenizer = names.get(cls)
         elif fmt == "fox-authors":
             tokenizer = "json-gpt2"
     return None if tokenizer is None else get_tokenizer(tokenizer).spec()
