@@ -1,9 +1,10 @@
 """foxlm convert: the FoX authors' four released architectures and fla's FoX, as foxlm models, and back.
 
-The authors' code (zhixuan-lin/forgetting-transformer) is not installable here (not on PyPI, its kernels are CUDA-only
-Triton); its checkpoints are built from its documented state-dict names and config keys, and its forward pass is
+The authors' code (zhixuan-lin/forgetting-transformer) is not installable in CI (not on PyPI, its kernels are CUDA-only
+Triton and jiterator); its checkpoints are built from its state-dict names and config keys, and its forward pass is
 ``authors_forward`` below: a transcription of its modeling code in plain PyTorch, written for this test and sharing
-nothing with foxlm. fla runs for real (``pip install flash-linear-attention``), with its Triton-only pieces replaced by
+nothing with foxlm. ``test_transcription_matches_the_authors_code`` (opt-in: FOXLM_FOX_AUTHORS_SRC=their src/) runs
+their own model classes on the CPU against it. fla runs for real (``pip install flash-linear-attention``), with its Triton-only pieces replaced by
 the same math in PyTorch, each checked against fla's own reference function first.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 
 import numpy as np
@@ -72,10 +74,12 @@ def authors_config(**fields) -> dict:
 
 
 def authors_weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random weights under the authors' state-dict names (norm weights away from 1, gate biases spread out)."""
+    """Random weights under the authors' state-dict names (norm weights away from 1, gate biases spread out; under
+    QK-norm, q and k small enough that the norm's epsilon matters)."""
     D = C // H
     inter = cfg["intermediate_size"] or 256 * math.ceil(int(C * cfg["hidden_ratio"] * 2 / 3) / 256)
     fox = cfg["model_type"] == AUTHORS_FOX
+    qk = 0.003 if fox and cfg["qk_norm"] else 0.15
 
     def w(*shape, std=0.15):
         return torch.randn(*shape, generator=gen) * std
@@ -86,14 +90,15 @@ def authors_weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     sd = {"model.embeddings.weight": w(V, C, std=1.0), "model.norm.weight": norm(C), "lm_head.weight": w(V, C)}
     for i in range(L):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.attn."
-        sd.update({p + "attn_norm.weight": norm(C), p + "mlp_norm.weight": norm(C), a + "q_proj.weight": w(C, C),
-                   a + "o_proj.weight": w(C, C), p + "mlp.gate_proj.weight": w(2 * inter, C),
+        sd.update({p + "attn_norm.weight": norm(C), p + "mlp_norm.weight": norm(C),
+                   a + "q_proj.weight": w(C, C, std=qk), a + "o_proj.weight": w(C, C), p + "mlp.gate_proj.weight": w(2 * inter, C),
                    p + "mlp.down_proj.weight": w(C, inter)})
         for n in ("k", "v"):
             if fox and cfg[f"use_{n}_shift"]:
-                sd[a + f"{n}_proj.linear.weight"], sd[a + f"{n}_proj.shift_proj.weight"] = w(C, C), w(H, C, std=0.5)
+                sd[a + f"{n}_proj.linear.weight"] = w(C, C, std=qk if n == "k" else 0.15)
+                sd[a + f"{n}_proj.shift_proj.weight"] = w(H, C, std=0.5)
             else:
-                sd[a + f"{n}_proj.weight"] = w(C, C)
+                sd[a + f"{n}_proj.weight"] = w(C, C, std=qk if n == "k" else 0.15)
         if fox and cfg["fgate_type"] == "full":
             sd[a + "fgate_proj.weight"], sd[a + "fgate_proj.bias"] = w(H, C), 2 + w(H, std=1.5)
         if fox and cfg["fgate_type"] == "bias_only":
@@ -128,6 +133,7 @@ def authors_forward(sd: dict[str, torch.Tensor], cfg: dict, ids: torch.Tensor) -
     (GroupNorm per head, or one RMSNorm over head_dim when shared; eps 1e-5), RoPE after it, logsigmoid gates summed
     into c_i - c_j, output RMSNorm times sigmoid(ogate), fused gate/up MLP (gate first)."""
     fox = cfg["model_type"] == AUTHORS_FOX
+    qk = 0.003 if fox and cfg["qk_norm"] else 0.15
     B, T_ = ids.shape
     D = C // H
     eps = cfg["norm_eps"]
@@ -170,6 +176,81 @@ def authors_forward(sd: dict[str, torch.Tensor], cfg: dict, ids: torch.Tensor) -
         gate, up = (_rms(x, sd[p + "mlp_norm.weight"], eps) @ sd[p + "mlp.gate_proj.weight"].T).chunk(2, -1)
         x = x + (F.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
     return _rms(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
+
+
+@pytest.mark.skipif(not os.environ.get("FOXLM_FOX_AUTHORS_SRC"), reason="FOXLM_FOX_AUTHORS_SRC: their src/ folder")
+def test_transcription_matches_the_authors_code(monkeypatch):
+    """Opt-in (their repository is not installable in CI): the authors' modeling code, run on the CPU with its Triton
+    and CUDA-jiterator pieces replaced by their own PyTorch references (rms_norm_ref, group_norm_ref,
+    group_norm_gated_ref, apply_rotary_emb_torch, the token shift of their test_op) and plain attention, loads the
+    test's state dicts with every name matching and gives ``authors_forward``'s logits."""
+    import sys
+
+    monkeypatch.syspath_prepend(os.environ["FOXLM_FOX_AUTHORS_SRC"])
+    monkeypatch.setattr(torch.cuda.jiterator, "_create_jit_fn", lambda *a, **k: None)  # built at their import time
+    monkeypatch.setattr(torch.cuda.jiterator, "_create_multi_output_jit_fn", lambda *a, **k: None)
+    fox = pytest.importorskip("forgetting_transformer.model.forgetting_transformer.modeling_forgetting_transformer")
+    llama = pytest.importorskip("forgetting_transformer.model.transformer.modeling_transformer")
+    ln = sys.modules["forgetting_transformer.model.forgetting_transformer.layernorm"]
+    gated = sys.modules["forgetting_transformer.model.forgetting_transformer.fuse_norm_gate"]
+    rot = sys.modules["forgetting_transformer.model.forgetting_transformer.rotary"]
+    from fla.modules.norm.layernorm import rms_norm_ref as fla_rms_norm_ref
+
+    def attention(q, k, v, log_fgate, head_first=True, sm_scale=None, seq_start=None, adaptive_threshold=None):
+        c = log_fgate.float().cumsum(-1)  # [B, H, T]
+        s = q @ k.transpose(-1, -2) * sm_scale + c[..., :, None] - c[..., None, :]
+        return s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf).softmax(-1) @ v
+
+    def rope_table(dim, base):
+        inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        return torch.outer(torch.arange(T, dtype=torch.float32), inv)
+
+    class Rotary(torch.nn.Module):  # fla's RotaryEmbedding (their LLaMA class) with their torch rotary
+        def __init__(self, dim, base):
+            super().__init__()
+            self.dim, self.base = dim, base
+
+        def forward(self, q, k, seqlen_offset=0, max_seqlen=None):
+            ang = rope_table(self.dim, self.base)[: q.shape[1]]
+            return tuple(rot.apply_rotary_emb_torch(x, ang.cos(), ang.sin()) for x in (q, k))
+
+    def norm(ref, kw):
+        return lambda self, x, residual=None, prenorm=False, *a, **k: ref(
+            x, self.weight, self.bias, residual=residual, eps=self.eps, prenorm=prenorm, upcast=True, **kw(self))
+
+    monkeypatch.setattr(ln.RMSNorm, "forward", norm(ln.rms_norm_ref, kw=lambda m: {}))
+    monkeypatch.setattr(ln.GroupNorm, "forward", norm(ln.group_norm_ref, kw=lambda m: dict(
+        num_groups=m.num_groups, is_rms_norm=m.is_rms_norm)))
+    monkeypatch.setattr(gated.FusedGroupNormGated, "forward", lambda self, x, g, *a, **k: gated.group_norm_gated_ref(
+        x, g, self.weight, self.bias, num_groups=self.num_groups, eps=self.eps, is_rms_norm=True, upcast=True))
+    monkeypatch.setattr(llama.RMSNorm, "forward", norm(fla_rms_norm_ref, kw=lambda m: {}))
+    monkeypatch.setattr(rot, "apply_rotary_emb_func", lambda x, cos, sin, interleaved=False, seqlen_offsets=0, **k:
+                        rot.apply_rotary_emb_torch(x, cos[: x.shape[1]], sin[: x.shape[1]], interleaved))
+    monkeypatch.setattr(fox, "token_shift", lambda x, prev_w, curr_w: F.pad(x, (0, 0, 0, 0, 1, 0))[:, : x.shape[1]]
+                        * prev_w[..., None] + x * curr_w[..., None])
+    monkeypatch.setattr(fox, "glu_linear", lambda x, y, w, b: F.linear(torch.sigmoid(x) * y, w, b))
+    monkeypatch.setattr(fox, "forgetting_attention", attention)
+    for module in (fox, llama):
+        monkeypatch.setattr(module, "swiglu_linear", lambda x, y, w, b: F.linear(F.silu(x) * y, w, b))
+    monkeypatch.setattr(llama, "RotaryEmbedding", Rotary)
+    monkeypatch.setattr(llama, "flash_attn_func", lambda q, k, v, causal, window_size: attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q.new_zeros(q.shape[0], q.shape[2], q.shape[1]),
+        sm_scale=q.shape[-1] ** -0.5).transpose(1, 2))
+    from forgetting_transformer.model.forgetting_transformer import (ForgettingTransformerConfig,
+                                                                     ForgettingTransformerForCausalLM)
+    from forgetting_transformer.model.transformer.configuration_transformer import TransformerConfig
+
+    classes = {AUTHORS_FOX: (ForgettingTransformerConfig, ForgettingTransformerForCausalLM),
+               AUTHORS_TRANSFORMER: (TransformerConfig, llama.TransformerForCausalLM)}
+    for arch, fields in AUTHORS_ARCHS.items():
+        cfg = authors_config(**fields)
+        sd = authors_weights(cfg, torch.Generator().manual_seed(0))
+        config_cls, model_cls = classes[cfg["model_type"]]
+        model = model_cls(config_cls(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}))
+        model.float().eval().load_state_dict(sd, strict=True)
+        ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert _rel(authors_forward(sd, cfg, ids), model(ids, use_cache=False).logits) < RTOL, arch
 
 
 def _greedy(logits_fn, ids: torch.Tensor, n: int) -> torch.Tensor:
