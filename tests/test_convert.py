@@ -4,8 +4,8 @@ The authors' code (zhixuan-lin/forgetting-transformer) is not installable in CI 
 Triton and jiterator); its checkpoints are built from its state-dict names and config keys, and its forward pass is
 ``authors_forward`` below: a transcription of its modeling code in plain PyTorch, written for this test and sharing
 nothing with foxlm. ``test_transcription_matches_the_authors_code`` (opt-in: FOXLM_FOX_AUTHORS_SRC=their src/) runs
-their own model classes on the CPU against it. fla runs for real (``pip install flash-linear-attention``), with its Triton-only pieces replaced by
-the same math in PyTorch, each checked against fla's own reference function first.
+their own model classes on the CPU against it. fla runs for real (``pip install flash-linear-attention``), with its
+Triton-only pieces replaced by the same math in PyTorch, each checked against fla's own reference function first.
 """
 
 from __future__ import annotations
@@ -91,7 +91,8 @@ def authors_weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
     for i in range(L):
         p, a = f"model.layers.{i}.", f"model.layers.{i}.attn."
         sd.update({p + "attn_norm.weight": norm(C), p + "mlp_norm.weight": norm(C),
-                   a + "q_proj.weight": w(C, C, std=qk), a + "o_proj.weight": w(C, C), p + "mlp.gate_proj.weight": w(2 * inter, C),
+                   a + "q_proj.weight": w(C, C, std=qk), a + "o_proj.weight": w(C, C),
+                   p + "mlp.gate_proj.weight": w(2 * inter, C),
                    p + "mlp.down_proj.weight": w(C, inter)})
         for n in ("k", "v"):
             if fox and cfg[f"use_{n}_shift"]:
