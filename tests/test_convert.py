@@ -320,6 +320,19 @@ def test_foxlm_to_authors_to_foxlm_gives_identical_tensors(arch, tmp_path):
         FoxConfig.from_pretrained(tmp_path / "fox").to_diff_dict()
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(), "their QK-norm epsilon is 1e-05; this model's is 1e-06"),
+    (dict(qk_norm_eps=1e-5, gate="alibi"), "gate='alibi' has no counterpart"),
+    (dict(qk_norm_eps=1e-5, num_key_value_heads=2), "num_key_value_heads: their FoX class has no GQA"),
+    (dict(qk_norm_eps=1e-5, window=16), "window: their FoX class has no sliding window"),
+])
+def test_foxlm_models_the_authors_classes_cannot_express_are_errors(change, message, tmp_path):
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=V, **change)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=f"--to fox-authors: {message}"):
+        convert(tmp_path / "m", tmp_path / "authors", to="fox-authors")
+    assert not (tmp_path / "authors").exists()
+
+
 def test_sharded_bin_and_old_config_fields(tmp_path):
     """A pytorch_model.bin (read with weights_only) split over two shards, with no dtype field and a null
     max_position_embeddings; --dtype bfloat16 casts."""
@@ -475,7 +488,8 @@ def test_fla_forgetting_transformer_converts_with_equal_logits_and_greedy_tokens
     with torch.no_grad():  # move the norms and gate biases off their initial values
         for name, p in fla_model.named_parameters():
             p.add_(torch.randn_like(p) * (0.2 if "norm" in name or name.endswith("bias") else 0.05))
-    fla_model.save_pretrained(tmp_path / "fla")
+    fla_model.save_pretrained(tmp_path / "fla", max_shard_size="100KB")  # sharded safetensors
+    assert (tmp_path / "fla" / "model.safetensors.index.json").is_file()
     assert main(["convert", str(tmp_path / "fla"), str(tmp_path / "dst"), "--from", "fla"]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
     assert getattr(model.config, "foxlm_tokenizer", None) is None  # fla records no tokenizer foxlm knows
