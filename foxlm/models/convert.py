@@ -130,7 +130,7 @@ class _Fields:
         return sorted(set(self.raw) - self.read - _HF_KEYS - set(_INERT))
 
 
-def _intermediate_size(f: _Fields, weights: dict[str, torch.Tensor], hidden: int, fused_glu: bool) -> int:
+def _intermediate_size(f: _Fields, weights: dict[str, torch.Tensor], hidden: int) -> int:
     """The MLP width from the weights, checked against intermediate_size / hidden_ratio when the config has them."""
     key = "model.layers.0.mlp.down_proj.weight"
     if key not in weights:
@@ -146,13 +146,14 @@ def _intermediate_size(f: _Fields, weights: dict[str, torch.Tensor], hidden: int
     return size
 
 
-def _common_config(f: _Fields, weights: dict[str, torch.Tensor], fused_glu: bool) -> dict:
+def _common_config(f: _Fields, weights: dict[str, torch.Tensor]) -> dict:
+    """The FoxConfig fields both peers' configs share."""
     hidden, heads = f("hidden_size", True), f("num_heads", True)
     if hidden % heads:
         raise ValueError(f"config.json: num_heads={heads} does not divide hidden_size={hidden}")
-    vocab = weights["model.embeddings.weight"].shape[0] if "model.embeddings.weight" in weights else None
-    if vocab is None:
+    if "model.embeddings.weight" not in weights:
         raise ValueError("weights: model.embeddings.weight is missing")
+    vocab = weights["model.embeddings.weight"].shape[0]
     if f("vocab_size") not in (None, vocab):
         raise ValueError(f"config.json: vocab_size={f('vocab_size')}, but the embedding has {vocab} rows")
     f.expect("tie_word_embeddings", (False,), "foxlm models have an untied LM head")
@@ -162,7 +163,7 @@ def _common_config(f: _Fields, weights: dict[str, torch.Tensor], fused_glu: bool
     return dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=f("num_kv_heads") or heads, head_dim=hidden // heads,
-        intermediate_size=_intermediate_size(f, weights, hidden, fused_glu), rms_norm_eps=f("norm_eps"),
+        intermediate_size=_intermediate_size(f, weights, hidden), rms_norm_eps=f("norm_eps"),
         bos_token_id=f("bos_token_id"), eos_token_id=f("eos_token_id"),
     )
 
@@ -171,7 +172,7 @@ def authors_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
     """FoxConfig fields of the FoX authors' ``ForgettingTransformerConfig`` / ``TransformerConfig``."""
     mtype = raw["model_type"]
     f = _Fields(raw, _peer_defaults(mtype))
-    out = _common_config(f, weights, fused_glu=True)
+    out = _common_config(f, weights)
     f.expect("attention_bias", (False,), "foxlm's projections have no bias")
     out.update(rope=bool(f("use_rope")), rope_theta=float(f("rope_base")))
     window = f("window_size")
@@ -185,14 +186,13 @@ def authors_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
         gates = {"full": "data", "bias_only": "bias", "none": "none"}
         fgate = f.expect("fgate_type", tuple(gates), "foxlm has no fixed forget gate of arbitrary values")
         tolerance = f("log_pruning_tolerance")
-        qk_norm = bool(f("qk_norm"))
+        qk_norm, shared = bool(f("qk_norm")), bool(f("qk_norm_share_param_across_head"))
         out.update(
-            gate=gates[fgate], qk_norm=qk_norm, qk_norm_shared=qk_norm and bool(f("qk_norm_share_param_across_head")),
+            gate=gates[fgate], qk_norm=qk_norm, qk_norm_shared=qk_norm and shared,
             qk_norm_eps=PEER_QK_NORM_EPS if qk_norm else None, output_gate=bool(f("use_output_gate")),
             output_norm=bool(f("use_output_norm")), k_shift=bool(f("use_k_shift")), v_shift=bool(f("use_v_shift")),
             acp=tolerance is not None, **({} if tolerance is None else {"acp_tolerance": math.exp(tolerance)}),
         )
-        f("qk_norm_share_param_across_head")
     if (left := f.leftover()):
         raise ValueError(f"config.json: {', '.join(left)}: unknown to foxlm's converter; refusing to drop it")
     return out
@@ -201,7 +201,7 @@ def authors_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
 def fla_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
     """FoxConfig fields of fla's ``ForgettingTransformerConfig``."""
     f = _Fields(raw, _peer_defaults(FLA_FOX))
-    out = _common_config(f, weights, fused_glu=False)
+    out = _common_config(f, weights)
     f.expect("qkv_bias", (False,), "foxlm's projections have no bias")
     f.expect("window_size", (None,), "fla's attention ignores it in the forward pass but truncates its cache")
     f.expect("attnres_block_size", (None,), "foxlm has no attention residuals")
