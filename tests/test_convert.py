@@ -366,6 +366,7 @@ def test_sharded_bin_and_old_config_fields(tmp_path):
     (dict(some_new_flag=1), "some_new_flag: unknown to foxlm's converter"),
     (dict(intermediate_size=100), "intermediate_size=100, but the weights have 256"),
     (dict(hidden_ratio=3), "hidden_ratio=3 gives an MLP of 256"),
+    (dict(num_heads=None), "num_heads is missing"),
 ])
 def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tmp_path):
     gen = torch.Generator().manual_seed(0)
