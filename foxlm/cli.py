@@ -1,4 +1,4 @@
-"""``foxlm`` command line: ``foxlm {train,data,eval,generate} ...``.
+"""``foxlm`` command line: ``foxlm {train,data,eval,generate,convert} ...``.
 
 Each subcommand lives beside the code it drives (``foxlm/<area>/cli.py``) and registers itself here
 through ``register(subparsers)``; this module only dispatches.
@@ -10,7 +10,7 @@ import argparse
 import importlib
 import sys
 
-_AREAS = ("train", "data", "eval", "generate")
+_AREAS = ("train", "data", "eval", "generate", "models")  # models: convert
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -415,3 +415,28 @@ def test_transformer_llama_is_hf_llama():
     positions = torch.arange(5, 28).expand(2, 23)  # shifted positions, as in a continued sequence
     torch.testing.assert_close(ours(ids, position_ids=positions).logits, llama(ids, position_ids=positions).logits,
                                rtol=1e-5, atol=2e-6)
+
+
+def test_shared_qk_norm_is_the_per_head_norm_with_one_weight_vector():
+    """qk_norm_shared (the FoX authors' released Pro models): one [head_dim] weight for every head computes what the
+    per-head norm computes with that vector in every row, ACP's logit bound included; qk_norm_eps is used."""
+    torch.manual_seed(0)
+    kw = dict(vocab_size=64, acp=True, qk_norm_eps=1e-5)
+    shared = FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", qk_norm_shared=True, **kw)).eval()
+    per_head = FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", **kw)).eval()
+    state = {k: v + 0.3 * torch.randn_like(v) if "_norm" in k else v for k, v in shared.state_dict().items()}
+    shared.load_state_dict(state)
+    heads = shared.config.num_attention_heads
+    per_head.load_state_dict({k: v.expand(heads, -1) if k.endswith(("q_norm.weight", "k_norm.weight")) else v
+                              for k, v in state.items()})
+    attn = shared.model.layers[0].attn
+    assert attn.q_norm.weight.shape == (shared.config.head_dim,) and attn.q_norm.eps == 1e-5
+    torch.testing.assert_close(attn.logit_bound(), per_head.model.layers[0].attn.logit_bound())
+    assert attn.logit_bound().shape == (heads,)
+    ids = torch.randint(0, 64, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(shared(ids).logits, per_head(ids).logits)
+    with pytest.raises(ValueError, match="qk_norm_shared: a shared QK-norm weight needs qk_norm=True"):
+        FoxConfig.preset("fox-llama", "tiny", qk_norm_shared=True)
+    with pytest.raises(ValueError, match="qk_norm_eps: expected a positive number or None"):
+        FoxConfig.preset("fox-pro", "tiny", qk_norm_eps=0.0)

@@ -3,11 +3,13 @@
 from .corpus import ensure_default_corpus
 from .dataset import ShardedTokens, TokenDataset
 from .prepare import prepare
-from .tokenizer import ByteTokenizer, BPETokenizer, Tokenizer, check_tokenizer, get_tokenizer, tokenizer_from_spec
+from .tokenizer import (BPETokenizer, ByteTokenizer, JSONGPT2Tokenizer, Tokenizer, check_tokenizer, get_tokenizer,
+                        tokenizer_from_spec)
 
 __all__ = [
     "BPETokenizer",
     "ByteTokenizer",
+    "JSONGPT2Tokenizer",
     "ShardedTokens",
     "TokenDataset",
     "Tokenizer",

@@ -1,4 +1,4 @@
-"""Tokenizers: GPT-2 BPE (tiktoken, from offline files) and a byte-level tokenizer.
+"""Tokenizers: GPT-2 BPE (tiktoken, from offline files), its JSON-escaped variant and a byte-level tokenizer.
 
 Both follow one small interface: ``encode(str) -> list[int]`` (special tokens in the text are plain text),
 ``decode(list[int]) -> str``, ``vocab_size``, ``eot_id`` (the ``<|endoftext|>`` separator, used as BOS of every
@@ -8,6 +8,7 @@ document) and ``name``. ``spec()`` is what is recorded in a dataset's ``meta.jso
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from functools import lru_cache
 from pathlib import Path
@@ -73,6 +74,32 @@ class BPETokenizer:
                                 unk_token=_ENDOFTEXT).save_pretrained(folder)
 
 
+class JSONGPT2Tokenizer:
+    """GPT-2 BPE on JSON-escaped text, as the FoX authors' LongCrawl64 models were trained (their
+    ``JSONGPT2Tokenizer``): ``encode`` BPE-encodes ``json.dumps(text)`` without its quotes (non-ASCII as
+    ``\\uXXXX``, newlines as ``\\n``), ``decode`` undoes it. Offline, from GPT-2's files; the ids and
+    ``eot_id`` of ``"gpt2"``."""
+
+    name = "json-gpt2"
+
+    def __init__(self):
+        self._bpe = BPETokenizer(*gpt2_files(), name="gpt2")
+        self.vocab_size, self.eot_id = self._bpe.vocab_size, self._bpe.eot_id
+
+    def encode(self, text: str) -> list[int]:
+        return self._bpe.encode(json.dumps(text)[1:-1])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text = self._bpe.decode(ids)
+        try:
+            return json.loads(f'"{text}"')
+        except json.JSONDecodeError:  # a cut escape (e.g. generation stopped inside \\u00e9): unescape what is whole
+            return text.encode("utf-8").decode("unicode_escape", "ignore")
+
+    def spec(self) -> dict:
+        return {**self._bpe.spec(), "name": self.name}
+
+
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, plus ``eot_id = 256``; ``vocab_size = 257``."""
 
@@ -92,7 +119,8 @@ class ByteTokenizer:
 
 @lru_cache(maxsize=8)
 def get_tokenizer(name: str = "gpt2") -> Tokenizer:
-    """A tokenizer by name: ``"gpt2"`` (offline GPT-2 BPE), ``"byte"``, or a local folder path.
+    """A tokenizer by name: ``"gpt2"`` (offline GPT-2 BPE), ``"json-gpt2"`` (the same on JSON-escaped text, the FoX
+    authors' released models), ``"byte"``, or a local folder path.
 
     A folder holds ``encoder.json`` and ``vocab.bpe`` (GPT-2 format), directly or under ``data/``; if its files
     are GPT-2's, the tokenizer is named ``"gpt2"``.
@@ -101,13 +129,16 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
         return ByteTokenizer()
     if name == "gpt2":
         return BPETokenizer(*gpt2_files(), name="gpt2")
+    if name == JSONGPT2Tokenizer.name:
+        return JSONGPT2Tokenizer()
     path = Path(name).expanduser()
     if path.is_dir():
         folder = path if (path / "encoder.json").is_file() else path / "data"
         if not (folder / "encoder.json").is_file() or not (folder / "vocab.bpe").is_file():
             raise ValueError(f"tokenizer: folder {path} holds no encoder.json + vocab.bpe")
         return BPETokenizer(folder / "encoder.json", folder / "vocab.bpe")
-    raise ValueError(f"tokenizer: expected 'gpt2', 'byte' or a folder with encoder.json + vocab.bpe, got {name!r}")
+    raise ValueError(f"tokenizer: expected 'gpt2', 'json-gpt2', 'byte' or a folder with encoder.json + vocab.bpe, "
+                     f"got {name!r}")
 
 
 def tokenizer_from_spec(spec: dict) -> Tokenizer:

@@ -116,6 +116,10 @@ def _setup(args, checkpoints: list[str]):
     tok = TokenDataset(data, args.split).tokenizer()
     models = [load_model(c, device) for c in checkpoints]
     for c, m in zip(checkpoints, models):
+        recorded = getattr(m.config, "foxlm_tokenizer", None)  # written by foxlm train and foxlm convert
+        if recorded and recorded["name"] != tok.name:
+            raise ValueError(f"--data: prepared with the tokenizer {tok.name}, but {c} reads {recorded['name']}; "
+                             f"prepare the data with --tokenizer {recorded['name']}")
         if m.config.vocab_size < tok.vocab_size:
             raise ValueError(f"--data: its tokenizer ({tok.name}, {tok.vocab_size} ids) does not fit {c}'s "
                              f"vocabulary of {m.config.vocab_size}")
@@ -139,8 +143,9 @@ def _training_data(checkpoints: list[str], progress: bool) -> Path:
         names = sorted(d if t is None else f"{d} ({t})" for d, t in recorded)
         raise ValueError(f"--data: the checkpoints were trained on different data ({', '.join(names)}); "
                          "pass the prepared folder to evaluate them on")
-    if not recorded:
-        return ensure_default_corpus(progress=progress)
+    if not recorded:  # the embedded corpus, in the tokenizer the models record (a converted model's json-gpt2)
+        names = {_model_tokenizer(c) for c in checkpoints}
+        return ensure_default_corpus(names.pop() if len(names) == 1 else "gpt2", progress=progress)
     ((data, tokenizer),) = recorded
     if data == "shakespeare":
         return ensure_default_corpus(tokenizer, progress=progress)
@@ -148,6 +153,14 @@ def _training_data(checkpoints: list[str], progress: bool) -> Path:
         raise ValueError(f"--data: the checkpoints were trained on {data}, which is not here (a path relative to where "
                          "training ran?); pass the prepared folder to evaluate on")
     return Path(data).expanduser()
+
+
+def _model_tokenizer(checkpoint: str) -> str:
+    """The named tokenizer a model folder records (``foxlm_tokenizer``), else "gpt2"."""
+    from foxlm.train.checkpoint import resolve_model_dir
+
+    spec = json.loads((resolve_model_dir(checkpoint, "checkpoint") / "config.json").read_text()).get("foxlm_tokenizer")
+    return spec["name"] if spec and spec["name"] in ("gpt2", "json-gpt2", "byte") else "gpt2"
 
 
 def _train_length(args, checkpoint: str) -> int:

@@ -28,8 +28,9 @@ def register(subparsers) -> None:
     p.add_argument("--tolerance", type=float, default=math.exp(-10),
                    help="attention mass an evicted key may still carry (default e^-10)")
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
-    p.add_argument("--tokenizer", default="gpt2",
-                   help="gpt2 (default), byte, or a folder with encoder.json + vocab.bpe")
+    p.add_argument("--tokenizer", default=None,
+                   help="gpt2, json-gpt2, byte, or a folder with encoder.json + vocab.bpe (default: the one the model "
+                        "records, else gpt2)")
     p.add_argument("--no-eos", dest="stop_at_eos", action="store_false", help="do not stop at <|endoftext|>")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -39,7 +40,7 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from foxlm.data import get_tokenizer
+    from foxlm.data import get_tokenizer, tokenizer_from_spec
     from foxlm.ops.backend import resolve_device
     from foxlm.train import load_checkpoint_model
 
@@ -59,8 +60,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
-    tok = get_tokenizer(args.tokenizer)
     model = load_checkpoint_model(args.model).to(device=device, dtype=dtype).eval()
+    recorded = getattr(model.config, "foxlm_tokenizer", None)  # written by foxlm train and foxlm convert
+    tok = tokenizer_from_spec(recorded) if recorded and not args.tokenizer else get_tokenizer(args.tokenizer or "gpt2")
     ids = [tok.encode(p) or [tok.eot_id] for p in prompts]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(

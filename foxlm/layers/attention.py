@@ -168,7 +168,9 @@ class ForgettingAttention(nn.Module):
         num_heads: query heads H; num_kv_heads: key/value heads (GQA, default H); head_dim: D (default C / H).
         gate: "data" (f_t = sigmoid(w . x_t + b) per head, FoX), "bias" (a learned per-head constant,
             initialised at the ALiBi slopes), "alibi" (fixed ALiBi slopes) or "none" (plain softmax attention).
-        qk_norm: per-head RMSNorm of q and k (one weight vector per head).
+        qk_norm: per-head RMSNorm of q and k (one weight vector per head); qk_norm_shared: one weight vector
+            [head_dim] for all heads instead (the FoX authors' released models); qk_norm_eps: its epsilon
+            (default norm_eps).
         output_norm: per-head RMSNorm of the attention output; output_gate: multiply it by sigmoid(W_g x).
         k_shift, v_shift: data-dependent token shift of the key / value projections (before QK-norm).
         rope: rotary position embedding (the Transformer baselines): the forward rotates q and k by the cos and sin
@@ -189,6 +191,8 @@ class ForgettingAttention(nn.Module):
         *,
         gate: str = "data",
         qk_norm: bool = False,
+        qk_norm_shared: bool = False,
+        qk_norm_eps: float | None = None,
         output_gate: bool = False,
         output_norm: bool = False,
         k_shift: bool = False,
@@ -224,8 +228,9 @@ class ForgettingAttention(nn.Module):
         self.fgate_bias = None
         if gate == "bias":
             self.fgate_bias = nn.Parameter(self.bias_gate_init(num_heads).to(torch.get_default_dtype()))
-        self.q_norm = RMSNorm((num_heads, head_dim), norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm((num_kv_heads, head_dim), norm_eps) if qk_norm else None
+        qk_eps = norm_eps if qk_norm_eps is None else qk_norm_eps
+        self.q_norm = RMSNorm(head_dim if qk_norm_shared else (num_heads, head_dim), qk_eps) if qk_norm else None
+        self.k_norm = RMSNorm(head_dim if qk_norm_shared else (num_kv_heads, head_dim), qk_eps) if qk_norm else None
         self.k_shift = TokenShift(hidden_size, num_kv_heads) if k_shift else None
         self.v_shift = TokenShift(hidden_size, num_kv_heads) if v_shift else None
         self.rope = rope
@@ -261,7 +266,9 @@ class ForgettingAttention(nn.Module):
         # max |w| per head as one kernel each (the inf-norm, exact in any dtype); called per layer and step under ACP
         wq = torch.linalg.vector_norm(self.q_norm.weight.detach(), math.inf, dim=-1).float()
         wk = torch.linalg.vector_norm(self.k_norm.weight.detach(), math.inf, dim=-1).float()
-        if self.num_heads != self.num_kv_heads:
+        if wq.dim() == 0:  # qk_norm_shared: one weight vector, one bound for every head
+            wq, wk = wq.expand(self.num_heads), wk.expand(self.num_heads)
+        elif self.num_heads != self.num_kv_heads:
             wk = wk.repeat_interleave(self.num_heads // self.num_kv_heads)
         return (wq * wk).mul_(self.head_dim * self.scale)
 

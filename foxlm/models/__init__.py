@@ -1,9 +1,11 @@
-"""foxlm.models: FoxConfig, FoxModel, FoxForCausalLM and the KV cache, registered with the HF Auto classes."""
+"""foxlm.models: FoxConfig, FoxModel, FoxForCausalLM and the KV cache, registered with the HF Auto classes;
+``convert`` for the FoX authors' and fla's checkpoints."""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import PAD_DECAY, FoxCache
 from .configuration_fox import ARCHS, SIZES, FoxConfig
+from .convert import convert
 from .modeling_fox import FoxCausalLMOutput, FoxForCausalLM, FoxModel, FoxModelOutput, FoxPreTrainedModel
 
 
@@ -20,6 +22,7 @@ __all__ = [
     "ARCHS",
     "PAD_DECAY",
     "SIZES",
+    "convert",
     "FoxCache",
     "FoxCausalLMOutput",
     "FoxConfig",

@@ -37,6 +37,8 @@ class FoxConfig(PretrainedConfig):
         rms_norm_eps, initializer_range: RMSNorm epsilon, std of the normal init (LM head untied).
         gate: "data" (FoX), "bias" (data-independent learned per head), "alibi" (fixed), "none" (Transformer).
         qk_norm, output_gate, output_norm, k_shift, v_shift: the Pro block parts.
+        qk_norm_shared: one QK-norm weight vector [head_dim] for all heads (the FoX authors' released Pro models)
+            instead of one per head; qk_norm_eps: the QK-norm epsilon (default rms_norm_eps; theirs and fla's: 1e-5).
         rope, rope_theta: rotary embedding (Transformer baselines).
         window: sliding-window attention length (None: full causal).
         acp, acp_tolerance: Adaptive Computation Pruning in training/eval forwards, and its epsilon.
@@ -63,6 +65,8 @@ class FoxConfig(PretrainedConfig):
         initializer_range: float = 0.02,
         gate: str = "data",
         qk_norm: bool = False,
+        qk_norm_shared: bool = False,
+        qk_norm_eps: float | None = None,
         output_gate: bool = False,
         output_norm: bool = False,
         k_shift: bool = False,
@@ -95,6 +99,8 @@ class FoxConfig(PretrainedConfig):
         self.initializer_range = initializer_range
         self.gate = gate
         self.qk_norm = qk_norm
+        self.qk_norm_shared = qk_norm_shared
+        self.qk_norm_eps = qk_norm_eps
         self.output_gate = output_gate
         self.output_norm = output_norm
         self.k_shift = k_shift
@@ -139,10 +145,14 @@ class FoxConfig(PretrainedConfig):
             )
         if self.gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {self.gate!r}")
-        for name in ("qk_norm", "output_gate", "output_norm", "k_shift", "v_shift", "rope", "acp",
+        for name in ("qk_norm", "qk_norm_shared", "output_gate", "output_norm", "k_shift", "v_shift", "rope", "acp",
                      "fuse_cross_entropy", "deterministic_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        if self.qk_norm_shared and not self.qk_norm:
+            raise ValueError("qk_norm_shared: a shared QK-norm weight needs qk_norm=True")
+        if self.qk_norm_eps is not None and not (isinstance(self.qk_norm_eps, (int, float)) and self.qk_norm_eps > 0):
+            raise ValueError(f"qk_norm_eps: expected a positive number or None, got {self.qk_norm_eps!r}")
         if self.rope and self.head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {self.head_dim}")
         if self.window is not None:

@@ -72,6 +72,8 @@ class FoxBlock(nn.Module):
             config.head_dim,
             gate=config.gate,
             qk_norm=config.qk_norm,
+            qk_norm_shared=config.qk_norm_shared,
+            qk_norm_eps=config.qk_norm_eps,
             output_gate=config.output_gate,
             output_norm=config.output_norm,
             k_shift=config.k_shift,

@@ -1,0 +1,601 @@
+"""foxlm convert: the FoX authors' four released architectures and fla's FoX, as foxlm models, and back.
+
+The authors' code (zhixuan-lin/forgetting-transformer) is not installable in CI (not on PyPI, its kernels are CUDA-only
+Triton and jiterator); its checkpoints are built from its state-dict names and config keys, and its forward pass is
+``authors_forward`` below: a transcription of its modeling code in plain PyTorch, written for this test and sharing
+nothing with foxlm. ``test_transcription_matches_the_authors_code`` (opt-in: FOXLM_FOX_AUTHORS_SRC=their src/) runs
+their own model classes on the CPU against it. fla runs for real (``pip install flash-linear-attention``), with its
+Triton-only pieces replaced by the same math in PyTorch, each checked against fla's own reference function first.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+import foxlm  # noqa: F401  (registers model_type "fox" with the Auto classes)
+from foxlm.cli import main
+from foxlm.data import get_tokenizer, prepare
+from foxlm.data.assets import shakespeare_plays
+from foxlm.models import FoxConfig, FoxForCausalLM, convert
+from foxlm.models.convert import AUTHORS_FOX, AUTHORS_TRANSFORMER, read_folder
+
+RTOL = 1e-4
+PRO = dict(use_k_shift=True, use_v_shift=True, qk_norm=True, use_output_gate=True, use_output_norm=True)
+# The authors' four released architectures (REPRODUCE.md; their configs/experiment/longcrawl64/*/*_760m_48b.yaml),
+# at a tiny size. Their Pro Transformer is their FoX class with fgate_type "none" and RoPE.
+AUTHORS_ARCHS = {
+    "fox-pro": dict(model_type=AUTHORS_FOX, qk_norm_share_param_across_head=True, **PRO),
+    "fox-llama": dict(model_type=AUTHORS_FOX),
+    "transformer-pro": dict(model_type=AUTHORS_FOX, fgate_type="none", use_rope=True, **PRO),
+    "transformer-llama": dict(model_type=AUTHORS_TRANSFORMER, use_rope=True),
+}
+C, H, L, V, T = 64, 4, 2, 96, 20
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+# ------------------------------------------------------------------------------------------ the authors' format
+def authors_config(**fields) -> dict:
+    """config.json as the authors' classes save it (their __init__ keys), tiny."""
+    cfg = dict(vocab_size=V, hidden_size=C, hidden_ratio=4, intermediate_size=None, num_hidden_layers=L, num_heads=H,
+               num_kv_heads=None, hidden_act="swish", window_size=None, max_position_embeddings=None,
+               initializer_range=0.02, elementwise_affine=True, norm_eps=1e-6, use_cache=True, pad_token_id=None,
+               bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, attention_bias=False, fuse_norm=True,
+               fuse_cross_entropy=True, rope_base=500000.0, torch_dtype="float32", transformers_version="4.44.0")
+    if fields.get("model_type") == AUTHORS_FOX:
+        cfg.update(use_rope=False, use_output_gate=False, ogate_act="sigmoid", fgate_type="full",
+                   fgate_bias_init=False, decay_time_min=None, decay_time_max=None, use_output_norm=False,
+                   qk_norm=False, qk_norm_share_param_across_head=False, use_k_shift=False, use_v_shift=False,
+                   log_pruning_tolerance=None, architectures=["ForgettingTransformerForCausalLM"])
+    else:
+        cfg.update(use_rope=True, architectures=["TransformerForCausalLM"])
+    cfg.update(fields)
+    return cfg
+
+
+def authors_weights(cfg: dict, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random weights under the authors' state-dict names (norm weights away from 1, gate biases spread out; under
+    QK-norm, q and k small enough that the norm's epsilon matters)."""
+    D = C // H
+    inter = cfg["intermediate_size"] or 256 * math.ceil(int(C * cfg["hidden_ratio"] * 2 / 3) / 256)
+    fox = cfg["model_type"] == AUTHORS_FOX
+    qk = 0.003 if fox and cfg["qk_norm"] else 0.15
+
+    def w(*shape, std=0.15):
+        return torch.randn(*shape, generator=gen) * std
+
+    def norm(n):
+        return 1 + w(n, std=0.2)
+
+    sd = {"model.embeddings.weight": w(V, C, std=1.0), "model.norm.weight": norm(C), "lm_head.weight": w(V, C)}
+    for i in range(L):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.attn."
+        sd.update({p + "attn_norm.weight": norm(C), p + "mlp_norm.weight": norm(C),
+                   a + "q_proj.weight": w(C, C, std=qk), a + "o_proj.weight": w(C, C),
+                   p + "mlp.gate_proj.weight": w(2 * inter, C),
+                   p + "mlp.down_proj.weight": w(C, inter)})
+        for n in ("k", "v"):
+            if fox and cfg[f"use_{n}_shift"]:
+                sd[a + f"{n}_proj.linear.weight"] = w(C, C, std=qk if n == "k" else 0.15)
+                sd[a + f"{n}_proj.shift_proj.weight"] = w(H, C, std=0.5)
+            else:
+                sd[a + f"{n}_proj.weight"] = w(C, C, std=qk if n == "k" else 0.15)
+        if fox and cfg["fgate_type"] == "full":
+            sd[a + "fgate_proj.weight"], sd[a + "fgate_proj.bias"] = w(H, C), 2 + w(H, std=1.5)
+        if fox and cfg["fgate_type"] == "bias_only":
+            sd[a + "fgate_bias"] = 2 + w(H, std=1.5)
+        if fox and cfg["use_output_gate"]:
+            sd[a + "ogate_proj.weight"] = w(C, C)
+        if fox and cfg["use_output_norm"]:
+            sd[a + "output_norm.weight"] = norm(C)
+        if fox and cfg["qk_norm"]:
+            n = D if cfg["qk_norm_share_param_across_head"] else C
+            sd[a + "q_norm.weight"], sd[a + "k_norm.weight"] = norm(n), norm(n)
+    return sd
+
+
+def _rms(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def _rope(x, base):
+    """Rotate-half RoPE (the authors' Tri Dao rotary, interleaved=False) of x: [B, T, H, D]."""
+    D = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    ang = torch.arange(x.shape[1], dtype=torch.float64)[:, None] * inv
+    cos, sin = ang.cos().float()[None, :, None], ang.sin().float()[None, :, None]
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1)
+
+
+def authors_forward(sd: dict[str, torch.Tensor], cfg: dict, ids: torch.Tensor) -> torch.Tensor:
+    """Logits [B, T, V] of the authors' ForgettingTransformerForCausalLM / TransformerForCausalLM, transcribed from
+    their modeling code: ShiftLinear (alpha = sigmoid(shift_proj(x)) weighs the previous token's projection), QK-norm
+    (GroupNorm per head, or one RMSNorm over head_dim when shared; eps 1e-5), RoPE after it, logsigmoid gates summed
+    into c_i - c_j, output RMSNorm times sigmoid(ogate), fused gate/up MLP (gate first)."""
+    fox = cfg["model_type"] == AUTHORS_FOX
+    qk = 0.003 if fox and cfg["qk_norm"] else 0.15
+    B, T_ = ids.shape
+    D = C // H
+    eps = cfg["norm_eps"]
+    x = sd["model.embeddings.weight"][ids]
+    causal = torch.ones(T_, T_, dtype=torch.bool).tril()
+    for i in range(L):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.attn."
+        h = _rms(x, sd[p + "attn_norm.weight"], eps)
+
+        def proj(n):
+            if fox and cfg[f"use_{n}_shift"]:
+                out = (h @ sd[a + f"{n}_proj.linear.weight"].T).view(B, T_, H, D)
+                alpha = torch.sigmoid(h @ sd[a + f"{n}_proj.shift_proj.weight"].T)[..., None]
+                prev = F.pad(out, (0, 0, 0, 0, 1, 0))[:, :T_]
+                return alpha * prev + (1 - alpha) * out
+            return (h @ sd[a + f"{n}_proj.weight"].T).view(B, T_, H, D)
+
+        q, k, v = (h @ sd[a + "q_proj.weight"].T).view(B, T_, H, D), proj("k"), proj("v")
+        if fox and cfg["qk_norm"]:
+            shape = (D,) if cfg["qk_norm_share_param_across_head"] else (H, D)
+            q = _rms(q, sd[a + "q_norm.weight"].view(shape), 1e-5)
+            k = _rms(k, sd[a + "k_norm.weight"].view(shape), 1e-5)
+        if cfg["use_rope"]:
+            q, k = _rope(q, cfg["rope_base"]), _rope(k, cfg["rope_base"])
+        if fox and cfg["fgate_type"] == "full":
+            log_f = F.logsigmoid(h @ sd[a + "fgate_proj.weight"].T + sd[a + "fgate_proj.bias"])
+        elif fox and cfg["fgate_type"] == "bias_only":
+            log_f = F.logsigmoid(sd[a + "fgate_bias"]).expand(B, T_, H)
+        else:
+            log_f = torch.zeros(B, T_, H)
+        c = log_f.cumsum(1).transpose(1, 2)  # [B, H, T]
+        s = torch.einsum("bihd,bjhd->bhij", q, k) / math.sqrt(D) + c[..., :, None] - c[..., None, :]
+        o = torch.einsum("bhij,bjhd->bihd", s.masked_fill(~causal, -math.inf).softmax(-1), v)
+        if fox and cfg["use_output_norm"]:
+            o = _rms(o, sd[a + "output_norm.weight"].view(H, D), eps)
+        o = o.reshape(B, T_, C)
+        if fox and cfg["use_output_gate"]:
+            o = o * torch.sigmoid(h @ sd[a + "ogate_proj.weight"].T)
+        x = x + o @ sd[a + "o_proj.weight"].T
+        gate, up = (_rms(x, sd[p + "mlp_norm.weight"], eps) @ sd[p + "mlp.gate_proj.weight"].T).chunk(2, -1)
+        x = x + (F.silu(gate) * up) @ sd[p + "mlp.down_proj.weight"].T
+    return _rms(x, sd["model.norm.weight"], eps) @ sd["lm_head.weight"].T
+
+
+@pytest.mark.skipif(not os.environ.get("FOXLM_FOX_AUTHORS_SRC"), reason="FOXLM_FOX_AUTHORS_SRC: their src/ folder")
+def test_transcription_matches_the_authors_code(monkeypatch):
+    """Opt-in (their repository is not installable in CI): the authors' modeling code, run on the CPU with its Triton
+    and CUDA-jiterator pieces replaced by their own PyTorch references (rms_norm_ref, group_norm_ref,
+    group_norm_gated_ref, apply_rotary_emb_torch, the token shift of their test_op) and plain attention, loads the
+    test's state dicts with every name matching and gives ``authors_forward``'s logits."""
+    import sys
+
+    monkeypatch.syspath_prepend(os.environ["FOXLM_FOX_AUTHORS_SRC"])
+    monkeypatch.setattr(torch.cuda.jiterator, "_create_jit_fn", lambda *a, **k: None)  # built at their import time
+    monkeypatch.setattr(torch.cuda.jiterator, "_create_multi_output_jit_fn", lambda *a, **k: None)
+    fox = pytest.importorskip("forgetting_transformer.model.forgetting_transformer.modeling_forgetting_transformer")
+    llama = pytest.importorskip("forgetting_transformer.model.transformer.modeling_transformer")
+    ln = sys.modules["forgetting_transformer.model.forgetting_transformer.layernorm"]
+    gated = sys.modules["forgetting_transformer.model.forgetting_transformer.fuse_norm_gate"]
+    rot = sys.modules["forgetting_transformer.model.forgetting_transformer.rotary"]
+    from fla.modules.norm.layernorm import rms_norm_ref as fla_rms_norm_ref
+
+    def attention(q, k, v, log_fgate, head_first=True, sm_scale=None, seq_start=None, adaptive_threshold=None):
+        c = log_fgate.float().cumsum(-1)  # [B, H, T]
+        s = q @ k.transpose(-1, -2) * sm_scale + c[..., :, None] - c[..., None, :]
+        return s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf).softmax(-1) @ v
+
+    def rope_table(dim, base):
+        inv = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        return torch.outer(torch.arange(T, dtype=torch.float32), inv)
+
+    class Rotary(torch.nn.Module):  # fla's RotaryEmbedding (their LLaMA class) with their torch rotary
+        def __init__(self, dim, base):
+            super().__init__()
+            self.dim, self.base = dim, base
+
+        def forward(self, q, k, seqlen_offset=0, max_seqlen=None):
+            ang = rope_table(self.dim, self.base)[: q.shape[1]]
+            return tuple(rot.apply_rotary_emb_torch(x, ang.cos(), ang.sin()) for x in (q, k))
+
+    def norm(ref, kw):
+        return lambda self, x, residual=None, prenorm=False, *a, **k: ref(
+            x, self.weight, self.bias, residual=residual, eps=self.eps, prenorm=prenorm, upcast=True, **kw(self))
+
+    monkeypatch.setattr(ln.RMSNorm, "forward", norm(ln.rms_norm_ref, kw=lambda m: {}))
+    monkeypatch.setattr(ln.GroupNorm, "forward", norm(ln.group_norm_ref, kw=lambda m: dict(
+        num_groups=m.num_groups, is_rms_norm=m.is_rms_norm)))
+    monkeypatch.setattr(gated.FusedGroupNormGated, "forward", lambda self, x, g, *a, **k: gated.group_norm_gated_ref(
+        x, g, self.weight, self.bias, num_groups=self.num_groups, eps=self.eps, is_rms_norm=True, upcast=True))
+    monkeypatch.setattr(llama.RMSNorm, "forward", norm(fla_rms_norm_ref, kw=lambda m: {}))
+    monkeypatch.setattr(rot, "apply_rotary_emb_func", lambda x, cos, sin, interleaved=False, seqlen_offsets=0, **k:
+                        rot.apply_rotary_emb_torch(x, cos[: x.shape[1]], sin[: x.shape[1]], interleaved))
+    monkeypatch.setattr(fox, "token_shift", lambda x, prev_w, curr_w: F.pad(x, (0, 0, 0, 0, 1, 0))[:, : x.shape[1]]
+                        * prev_w[..., None] + x * curr_w[..., None])
+    monkeypatch.setattr(fox, "glu_linear", lambda x, y, w, b: F.linear(torch.sigmoid(x) * y, w, b))
+    monkeypatch.setattr(fox, "forgetting_attention", attention)
+    for module in (fox, llama):
+        monkeypatch.setattr(module, "swiglu_linear", lambda x, y, w, b: F.linear(F.silu(x) * y, w, b))
+    monkeypatch.setattr(llama, "RotaryEmbedding", Rotary)
+    monkeypatch.setattr(llama, "flash_attn_func", lambda q, k, v, causal, window_size: attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q.new_zeros(q.shape[0], q.shape[2], q.shape[1]),
+        sm_scale=q.shape[-1] ** -0.5).transpose(1, 2))
+    from forgetting_transformer.model.forgetting_transformer import (ForgettingTransformerConfig,
+                                                                     ForgettingTransformerForCausalLM)
+    from forgetting_transformer.model.transformer.configuration_transformer import TransformerConfig
+
+    classes = {AUTHORS_FOX: (ForgettingTransformerConfig, ForgettingTransformerForCausalLM),
+               AUTHORS_TRANSFORMER: (TransformerConfig, llama.TransformerForCausalLM)}
+    for arch, fields in AUTHORS_ARCHS.items():
+        cfg = authors_config(**fields)
+        sd = authors_weights(cfg, torch.Generator().manual_seed(0))
+        config_cls, model_cls = classes[cfg["model_type"]]
+        model = model_cls(config_cls(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures")}))
+        model.float().eval().load_state_dict(sd, strict=True)
+        ids = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            assert _rel(authors_forward(sd, cfg, ids), model(ids, use_cache=False).logits) < RTOL, arch
+
+
+def _greedy(logits_fn, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy continuation by recomputing the whole prefix each step (no cache)."""
+    for _ in range(n):
+        ids = torch.cat([ids, logits_fn(ids)[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def _write(folder, cfg: dict, sd: dict[str, torch.Tensor]) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file(sd, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("arch", sorted(AUTHORS_ARCHS))
+def test_authors_architectures_convert_with_equal_logits_and_greedy_tokens(arch, tmp_path):
+    gen = torch.Generator().manual_seed(sorted(AUTHORS_ARCHS).index(arch))
+    cfg = authors_config(**AUTHORS_ARCHS[arch])
+    sd = authors_weights(cfg, gen)
+    _write(tmp_path / "src", cfg, sd)
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert isinstance(model, FoxForCausalLM) and model.config.foxlm_tokenizer["name"] == "json-gpt2"
+    ids = torch.randint(0, V, (2, T), generator=gen)
+    with torch.no_grad():
+        want = authors_forward(sd, cfg, ids)
+        assert _rel(model(ids).logits, want) < RTOL
+        prompt = ids[:1, :6]
+        expected = _greedy(lambda x: authors_forward(sd, cfg, x), prompt, 8)
+    got = model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)  # through the FoxCache
+    assert torch.equal(got, expected)
+
+
+def test_authors_per_head_qk_norm_and_bias_gate_convert(tmp_path):
+    """The other variants the authors' FoX class has: per-head QK-norm weights and the data-independent gate."""
+    gen = torch.Generator().manual_seed(7)
+    cfg = authors_config(model_type=AUTHORS_FOX, fgate_type="bias_only", intermediate_size=96, **PRO)
+    sd = authors_weights(cfg, gen)
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "dst")
+    model = FoxForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert model.config.gate == "bias" and not model.config.qk_norm_shared
+    ids = torch.randint(0, V, (2, T), generator=gen)
+    with torch.no_grad():
+        assert _rel(model(ids).logits, authors_forward(sd, cfg, ids)) < RTOL
+
+
+@pytest.mark.parametrize("arch", sorted(AUTHORS_ARCHS))
+def test_foxlm_to_authors_to_foxlm_gives_identical_tensors(arch, tmp_path):
+    gen = torch.Generator().manual_seed(11)
+    cfg = authors_config(**AUTHORS_ARCHS[arch])
+    sd = authors_weights(cfg, gen)
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "fox")
+    convert(tmp_path / "fox", tmp_path / "authors", to="fox-authors")
+    convert(tmp_path / "authors", tmp_path / "fox2")
+    back = load_file(tmp_path / "authors" / "model.safetensors")
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+    a, b = load_file(tmp_path / "fox" / "model.safetensors"), load_file(tmp_path / "fox2" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    written = json.loads((tmp_path / "authors" / "config.json").read_text())
+    for key in ("model_type", "fgate_type", "use_rope", "qk_norm_share_param_across_head", "use_k_shift", "rope_base"):
+        assert written.get(key) == cfg.get(key), key
+    assert FoxConfig.from_pretrained(tmp_path / "fox2").to_diff_dict() == \
+        FoxConfig.from_pretrained(tmp_path / "fox").to_diff_dict()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(), "their QK-norm epsilon is 1e-05; this model's is 1e-06"),
+    (dict(qk_norm_eps=1e-5, gate="alibi"), "gate='alibi' has no counterpart"),
+    (dict(qk_norm_eps=1e-5, num_key_value_heads=2), "num_key_value_heads: their FoX class has no GQA"),
+    (dict(qk_norm_eps=1e-5, window=16), "window: their FoX class has no sliding window"),
+])
+def test_foxlm_models_the_authors_classes_cannot_express_are_errors(change, message, tmp_path):
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=V, **change)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=f"--to fox-authors: {message}"):
+        convert(tmp_path / "m", tmp_path / "authors", to="fox-authors")
+    assert not (tmp_path / "authors").exists()
+
+
+def test_sharded_bin_and_old_config_fields(tmp_path):
+    """A pytorch_model.bin (read with weights_only) split over two shards, with no dtype field and a null
+    max_position_embeddings; --dtype bfloat16 casts."""
+    gen = torch.Generator().manual_seed(3)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    del cfg["torch_dtype"]
+    sd = authors_weights(cfg, gen)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(cfg))
+    names = sorted(sd)
+    shards = {"pytorch_model-1.bin": names[: len(names) // 2], "pytorch_model-2.bin": names[len(names) // 2:]}
+    for file, keys in shards.items():
+        torch.save({k: sd[k] for k in keys}, src / file)
+    (src / "pytorch_model.bin.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+    assert read_folder(src)[1].keys() == sd.keys()
+    convert(src, tmp_path / "f32")
+    convert(src, tmp_path / "bf16", dtype="bfloat16")
+    assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "f32" / "model.safetensors").values())
+    assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "bf16" / "model.safetensors").values())
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(fgate_type="fixed", fgate_bias_init=True, decay_time_min=1.0, decay_time_max=9.0), "fgate_type='fixed'"),
+    (dict(ogate_act="silu", use_output_gate=True), "ogate_act='silu'"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(window_size=8), "window_size=8"),
+    (dict(attention_bias=True), "attention_bias=True"),
+    (dict(tie_word_embeddings=True), "tie_word_embeddings=True"),
+    (dict(some_new_flag=1), "some_new_flag: unknown to foxlm's converter"),
+    (dict(intermediate_size=100), "intermediate_size=100, but the weights have 256"),
+    (dict(hidden_ratio=3), "hidden_ratio=3 gives an MLP of 256"),
+    (dict(num_heads=None), "num_heads is missing"),
+])
+def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    base = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(base, gen)
+    if change.get("hidden_ratio") == 3:  # weights of a 4x MLP under a config that says 3x (2*64 -> 256 as well)
+        sd = authors_weights(authors_config(model_type=AUTHORS_FOX, intermediate_size=192), gen)
+    _write(tmp_path / "src", {**base, **change}, sd)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        convert(tmp_path / "src", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_weights_that_do_not_fit_the_config_are_errors(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(cfg, gen)
+    _write(tmp_path / "extra", cfg, {**sd, "model.layers.0.attn.ogate_proj.weight": torch.randn(C, C)})
+    with pytest.raises(ValueError, match="ogate_proj.weight: not part of the model"):
+        convert(tmp_path / "extra", tmp_path / "dst")
+    del sd["model.layers.1.attn.fgate_proj.bias"]
+    _write(tmp_path / "missing", cfg, sd)
+    with pytest.raises(ValueError, match=r"model.layers.1.attn.fgate_proj.bias is missing"):
+        convert(tmp_path / "missing", tmp_path / "dst")
+
+
+def test_dst_is_never_clobbered_without_overwrite(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    _write(tmp_path / "src", cfg, authors_weights(cfg, gen))
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "thesis.txt").write_text("irreplaceable")
+    with pytest.raises(ValueError, match="not a foxlm or FoX-authors model folder"):
+        convert(tmp_path / "src", notes, overwrite=True)
+    assert (notes / "thesis.txt").read_text() == "irreplaceable"
+    convert(tmp_path / "src", tmp_path / "dst")
+    with pytest.raises(ValueError, match="pass overwrite=True"):
+        convert(tmp_path / "src", tmp_path / "dst")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--overwrite"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "notes", "src"]  # no temporary folder left
+    with pytest.raises(ValueError, match="is the source folder"):
+        convert(tmp_path / "src", tmp_path / "src", overwrite=True)
+    with pytest.raises(ValueError, match="src_format: .* holds a 'fox-authors' model"):
+        convert(tmp_path / "src", tmp_path / "d2", src_format="fla")
+
+
+# --------------------------------------------------------------------------------------------------------- fla
+def _fla_on_cpu(monkeypatch):
+    """fla's model code with its Triton-only kernels replaced by PyTorch: its GroupNorm by fla's group_norm_ref, its
+    SwiGLU by silu(g) * y, its attention by fla's naive_forgetting_attn (prefill) and ``_decode_step`` (one query
+    per sequence against its cache). ``test_fla_cpu_replacements_match_fla_references`` checks these."""
+    fla_attn = pytest.importorskip("fla.layers.forgetting_attn")
+    from fla.modules import GroupNorm
+    from fla.modules.norm.layernorm import group_norm_ref
+    from fla.ops.forgetting_attn.naive import naive_forgetting_attn
+    import fla.modules.mlp as fla_mlp
+
+    def prefill(q, k, v, g, scale=None, window_size=None, cu_seqlens=None):
+        if cu_seqlens is not None:  # a padded batch, unpadded to one row: attend within each sequence
+            outs = [naive_forgetting_attn(q[:, s:e], k[:, s:e], v[:, s:e], g[:, s:e], scale)
+                    for s, e in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())]
+            return torch.cat(outs, 1).to(q.dtype)
+        return naive_forgetting_attn(q, k, v, g, scale, window_size).to(q.dtype)
+
+    monkeypatch.setattr(fla_attn, "parallel_forgetting_attn", prefill)
+    monkeypatch.setattr(fla_attn, "attn_decoding_one_step", _decode_step)
+    monkeypatch.setattr(fla_mlp, "swiglu", lambda g, y: F.silu(g) * y)
+    monkeypatch.setattr(GroupNorm, "forward", lambda self, x, *args, **kw: group_norm_ref(
+        x, self.weight, self.bias, num_groups=self.num_groups, eps=self.eps, is_rms_norm=self.is_rms_norm))
+
+
+def _decode_step(q, k, v, g, scale=None, cu_seqlens=None, **kw):
+    """fla's attn_decoding_one_step in PyTorch: q [1, B, HQ, D], k/v [1, sum T, H, D], g [1, sum T, HQ]; query b
+    is the last token of sequence b (cu_seqlens)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    outs = []
+    for b, (s, e) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+        c = g[0, s:e].float().cumsum(0)  # [T, HQ]
+        rep = q.shape[2] // k.shape[2]
+        kk, vv = k[0, s:e].repeat_interleave(rep, 1).float(), v[0, s:e].repeat_interleave(rep, 1).float()
+        logits = torch.einsum("hd,thd->ht", q[0, b].float() * scale, kk) + (c[-1][:, None] - c.T)
+        outs.append(torch.einsum("ht,thd->hd", logits.softmax(-1), vv))
+    return torch.stack(outs)[None].to(q.dtype)
+
+
+def test_fla_cpu_replacements_match_fla_references():
+    pytest.importorskip("fla")
+    from fla.modules.activations import swiglu  # noqa: F401  (the Triton op replaced; its math is silu(x) * y)
+    from fla.modules.norm.layernorm import group_norm_ref
+    from fla.ops.forgetting_attn.naive import naive_forgetting_attn
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 9, 4, 8, generator=gen) for _ in range(3))
+    g = F.logsigmoid(torch.randn(1, 9, 4, generator=gen) + 2)
+    full = naive_forgetting_attn(q, k, v, g)
+    # the decoding step of every prefix equals the last row of fla's reference on that prefix
+    for t in (1, 5, 9):
+        step = _decode_step(q[:, t - 1: t], k[:, :t], v[:, :t], g[:, :t], cu_seqlens=torch.tensor([0, t]))
+        torch.testing.assert_close(step[0, 0], naive_forgetting_attn(q[:, :t], k[:, :t], v[:, :t], g[:, :t])[0, -1])
+    torch.testing.assert_close(full[0, -1], _decode_step(q[:, -1:], k, v, g, cu_seqlens=torch.tensor([0, 9]))[0, 0])
+    # group_norm_ref with is_rms_norm is a per-group RMSNorm: the math the model's GroupNorm kernel computes
+    x, w = torch.randn(3, 32, generator=gen), torch.randn(32, generator=gen)
+    y = group_norm_ref(x, w, None, num_groups=4, eps=1e-5, is_rms_norm=True)
+    xs = x.view(3, 4, 8)
+    torch.testing.assert_close(y, (xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-5)).reshape(3, 32) * w)
+
+
+@pytest.mark.parametrize("variant", [dict(), dict(qk_norm=True, use_output_gate=True, num_kv_heads=2)])
+def test_fla_forgetting_transformer_converts_with_equal_logits_and_greedy_tokens(variant, tmp_path, monkeypatch):
+    _fla_on_cpu(monkeypatch)
+    from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+
+    torch.manual_seed(5)
+    cfg = ForgettingTransformerConfig(hidden_size=C, num_hidden_layers=L, num_heads=H, vocab_size=V,
+                                      intermediate_size=96, fuse_norm=False, fuse_swiglu=False,
+                                      fuse_cross_entropy=False, **variant)
+    fla_model = ForgettingTransformerForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # move the norms and gate biases off their initial values
+        for name, p in fla_model.named_parameters():
+            p.add_(torch.randn_like(p) * (0.2 if "norm" in name or name.endswith("bias") else 0.05))
+    fla_model.save_pretrained(tmp_path / "fla", max_shard_size="100KB")  # sharded safetensors
+    assert (tmp_path / "fla" / "model.safetensors.index.json").is_file()
+    assert main(["convert", str(tmp_path / "fla"), str(tmp_path / "dst"), "--from", "fla"]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert getattr(model.config, "foxlm_tokenizer", None) is None  # fla records no tokenizer foxlm knows
+    ids = torch.randint(0, V, (2, T))
+    with torch.no_grad():
+        assert _rel(model(ids).logits, fla_model(ids).logits) < RTOL
+    prompt = ids[:1, :6]
+    with torch.no_grad():
+        want = _fla_greedy_with_cache(fla_model, prompt, 8)
+        assert torch.equal(want, _greedy(lambda x: fla_model(x).logits, prompt, 8))
+    assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want)
+
+
+def _fla_greedy_with_cache(fla_model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy decoding through fla's own cache, one token a step. (fla 0.6's ``generate`` passes its cache as
+    ``past_key_values``, which transformers 5.25 renamed to ``cache``; its model would start afresh each step.)"""
+    out = fla_model(ids, use_cache=True, attention_mask=torch.ones_like(ids))
+    for _ in range(n):
+        ids = torch.cat([ids, out.logits[:, -1].argmax(-1, keepdim=True)], 1)
+        out = fla_model(ids[:, -1:], past_key_values=out.past_key_values, use_cache=True,
+                        attention_mask=torch.ones_like(ids))
+    return ids
+
+
+# ------------------------------------------------------------------------------------------------- tokenizer
+def test_json_gpt2_tokenizer_round_trips_and_escapes_like_the_authors():
+    tok = get_tokenizer("json-gpt2")
+    gpt2 = get_tokenizer("gpt2")
+    texts = ['He said "hi"\n\tthen left.', "naïve café — 日本語 🦊", "back\\slash {\"json\": [1, 2]}\r\n", ""]
+    for text in texts:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text
+        assert ids == gpt2.encode(json.dumps(text)[1:-1])  # what the authors' prepare_for_tokenization feeds BPE
+    assert tok.encode('a"b\n') == gpt2.encode('a\\"b\\n')
+    assert (tok.vocab_size, tok.eot_id) == (gpt2.vocab_size, gpt2.eot_id)
+    assert tok.spec()["name"] == "json-gpt2" and tok.spec()["fingerprint"] == gpt2.spec()["fingerprint"]
+    cut = tok.encode("é!")[:-1]  # decoding stops inside an escape: whatever is whole comes back
+    assert tok.decode(cut) in ("é", "")
+
+
+# ---------------------------------------------------------------------------- a trained model, there and back
+def test_trained_model_exported_and_converted_back_gives_the_same_per_token_losses(tmp_path):
+    data = tmp_path / "bytes"
+    prepare(random.Random(0).sample(shakespeare_plays(), 3), data, tokenizer="byte", val_fraction=0.34, workers=0,
+            progress=False)
+    run = tmp_path / "run"
+    assert main(["train", "device=cpu", "arch=fox-pro", "model.hidden_size=64", "model.num_hidden_layers=2",
+                 "model.num_attention_heads=2", "model.intermediate_size=128", "model.qk_norm_eps=0.00001",
+                 "tokenizer=byte", "seq_len=32", "batch_size=4", "warmup_steps=2", "lr=3e-3", "min_lr=3e-4",
+                 "max_steps=30", "eval_every=0", "save_every=30", "progress=false", "tensorboard=false",
+                 "sample_tokens=0", f"data={data}", f"out_dir={run}"]) == 0
+    model_dir = sorted((run / "checkpoints").iterdir())[-1] / "model"
+    assert main(["convert", str(model_dir), str(tmp_path / "authors"), "--to", "fox-authors"]) == 0
+    assert main(["convert", str(tmp_path / "authors"), str(tmp_path / "back")]) == 0
+    assert FoxConfig.from_pretrained(tmp_path / "back").foxlm_tokenizer["name"] == "byte"
+    losses = []
+    for name, ckpt in (("orig", model_dir), ("back", tmp_path / "back")):
+        assert main(["eval", "loss", str(ckpt), "--data", str(data), "--train-length", "32", "--max-sequences", "2",
+                     "--out", str(tmp_path / name), "--no-progress", "--device", "cpu"]) == 0
+        rows = (tmp_path / name / "per_token_loss.csv").read_text().splitlines()[1:]
+        losses.append(np.array([r.split(",") for r in rows], dtype=float))
+    assert losses[0][:, 1].mean() < math.log(257) - 1  # it learned something (a uniform guess: ln 257)
+    np.testing.assert_array_equal(losses[0], losses[1])
+
+
+def test_converted_model_generates_and_evaluates_with_its_recorded_tokenizer(tmp_path, capsys):
+    """The authors' models read JSON-escaped text: `foxlm generate` uses the json-gpt2 tokenizer convert recorded
+    without a flag, and `foxlm eval` refuses data prepared with another tokenizer."""
+    gen = torch.Generator().manual_seed(1)
+    cfg = authors_config(**{**AUTHORS_ARCHS["fox-llama"], "vocab_size": 50304, "num_hidden_layers": 1})
+    sd = {k: v for k, v in authors_weights({**cfg, "num_hidden_layers": L}, gen).items() if "layers.1." not in k}
+    sd["model.embeddings.weight"], sd["lm_head.weight"] = torch.randn(50304, C, generator=gen), \
+        torch.randn(50304, C, generator=gen) * 0.5
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "dst")
+    outputs = {}
+    for flag in ([], ["--tokenizer", "json-gpt2"], ["--tokenizer", "gpt2"]):
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "dst"), "--prompt", 'She said "no"\nand', "--max-new-tokens", "4",
+                     "--device", "cpu", "--no-eos", *flag]) == 0
+        outputs[tuple(flag)] = capsys.readouterr().out
+    assert outputs[()] == outputs[("--tokenizer", "json-gpt2")] != outputs[("--tokenizer", "gpt2")]
+    data = tmp_path / "bytes"
+    prepare(shakespeare_plays()[:3], data, tokenizer="byte", val_fraction=0.34, workers=0, progress=False)
+    with pytest.raises(ValueError, match="--data: prepared with the tokenizer byte, but .* reads json-gpt2"):
+        main(["eval", "loss", str(tmp_path / "dst"), "--data", str(data), "--train-length", "16", "--out",
+              str(tmp_path / "out"), "--no-progress", "--device", "cpu"])
+
+
+def test_init_from_a_converted_model_trains_on_json_gpt2_data_only(tmp_path):
+    gen = torch.Generator().manual_seed(2)
+    cfg = authors_config(**{**AUTHORS_ARCHS["fox-llama"], "vocab_size": 50304, "num_hidden_layers": 1,
+                            "intermediate_size": 128, "bos_token_id": 50256, "eos_token_id": 50256})
+    sd = {k: v for k, v in authors_weights({**cfg, "num_hidden_layers": L}, gen).items() if "layers.1." not in k}
+    sd["model.embeddings.weight"], sd["lm_head.weight"] = (torch.randn(50304, C, generator=gen) for _ in range(2))
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "dst")
+    assert FoxConfig.from_pretrained(tmp_path / "dst").eos_token_id == 50256
+    plays = shakespeare_plays()[:3]
+    args = ["train", "device=cpu", "arch=fox-llama", "model.hidden_size=64", "model.num_hidden_layers=1",
+            "model.num_attention_heads=4", "model.intermediate_size=128", "seq_len=32", "batch_size=2",
+            "max_steps=2", "eval_every=0", "save_every=0", "progress=false", "tensorboard=false", "sample_tokens=0",
+            f"init_from={tmp_path / 'dst'}"]
+    for tokenizer, code in (("gpt2", 2), ("json-gpt2", 0)):  # (the embedded default config says tokenizer=gpt2)
+        prepare(plays, tmp_path / tokenizer, tokenizer=tokenizer, val_fraction=0.34, workers=0, progress=False)
+        assert main([*args, f"tokenizer={tokenizer}", f"data={tmp_path / tokenizer}",
+                     f"out_dir={tmp_path / ('run-' + tokenizer)}"]) == code, tokenizer
+    assert (tmp_path / "run-json-gpt2" / "checkpoints").is_dir()
