@@ -1,9 +1,11 @@
-"""foxlm.models: FoxConfig, FoxModel, FoxForCausalLM and the KV cache, registered with the HF Auto classes."""
+"""foxlm.models: FoxConfig, FoxModel, FoxForCausalLM and the KV cache, registered with the HF Auto classes, and
+``load_checkpoint_model`` for a trained one."""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import PAD_DECAY, FoxCache
 from .configuration_fox import ARCHS, SIZES, FoxConfig
+from .loading import load_checkpoint_model
 from .modeling_fox import FoxCausalLMOutput, FoxForCausalLM, FoxModel, FoxModelOutput, FoxPreTrainedModel
 
 
@@ -27,5 +29,6 @@ __all__ = [
     "FoxModel",
     "FoxModelOutput",
     "FoxPreTrainedModel",
+    "load_checkpoint_model",
     "register_auto_classes",
 ]

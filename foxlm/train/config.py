@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from ..ops.backend import resolve_device
+from ..device import resolve_device
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
