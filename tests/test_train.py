@@ -107,23 +107,33 @@ def test_config_errors_name_the_key(tmp_path, capsys):
 def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
     from foxlm.cli import main
 
-    config = Path(__file__).parents[1] / "configs" / "fox-pro-125m.yaml"
     overrides = ["lr=2e-3", "model.acp=true", f"init_from={tmp_path / 'run'}", "cuda_graph=auto"]
-    assert main(["train", "--config", str(config), "--print-config", *overrides]) == 0
+    assert main(["train", "--config", "fox-pro-125m", "--print-config", *overrides]) == 0
     printed = capsys.readouterr().out
     (tmp_path / "printed.yaml").write_text(printed)
-    assert load_config(tmp_path / "printed.yaml") == load_config(config, overrides)
+    assert load_config(tmp_path / "printed.yaml") == load_config("fox-pro-125m", overrides)
     assert "lr: 0.002\n" in printed and f"init_from: {tmp_path / 'run'}\n" in printed
     assert not (tmp_path / "run").exists()  # printing trains nothing
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_configs_load(path):
-    """The experiment configs in configs/ hold only known keys, and their models build."""
-    cfg = load_config(path)
+@pytest.mark.parametrize("name", ["fox-pro-125m", "fox-pro-125m-acp", "transformer-pro-125m"])
+def test_shipped_configs_load_by_name_from_any_folder(name, tmp_path, monkeypatch):
+    """The experiment configs shipped in the package hold only known keys, their models build, and `--config NAME`
+    finds them wherever the command runs."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(name)
     config = FoxConfig.preset(cfg.arch, cfg.size, **cfg.model)
     assert cfg.seq_len == 16384 and cfg.compile and config.num_hidden_layers == 12
-    assert config.acp == path.stem.endswith("-acp")
+    assert config.acp == name.endswith("-acp")
+
+
+def test_the_shipped_configs_are_the_ones_tested():
+    from foxlm.train.config import PACKAGED
+
+    assert sorted(p.stem for p in PACKAGED.glob("*.yaml")) == \
+        ["default", "fox-pro-125m", "fox-pro-125m-acp", "transformer-pro-125m"]
+    with pytest.raises(FileNotFoundError, match=r"config: nope is neither a file nor a shipped config \(\['default'"):
+        load_config("nope")
 
 
 def test_lr_schedule_and_weight_decay_groups(byte_data, tmp_path):

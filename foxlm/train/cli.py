@@ -13,7 +13,8 @@ def register(subparsers) -> None:
         description="Train a FoX / Transformer model. Without arguments: a tiny fox-pro on Shakespeare "
                     "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.")
     p.add_argument("--config", default=None,
-                   help="YAML file, or a packaged config name (default: 'default', the Shakespeare demo)")
+                   help="YAML file, or the name of a config shipped in foxlm/configs (default: 'default', the "
+                        "Shakespeare demo; fox-pro-125m, ...)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, with the overrides applied) as YAML and exit; "
                         "the output is a valid --config file")

@@ -1,8 +1,9 @@
 """``TrainConfig``: one YAML file plus ``key=value`` overrides; unknown keys are errors.
 
-``foxlm train --config configs/NAME.yaml lr=2e-3 model.acp=true`` — top-level keys are the fields below;
-``model.*`` keys override fields of ``FoxConfig`` (on top of ``arch`` / ``size``). ``--config`` also takes the
-name of a packaged config (``default``: the embedded Shakespeare job).
+``foxlm train --config NAME_OR_YAML lr=2e-3 model.acp=true`` — top-level keys are the fields below;
+``model.*`` keys override fields of ``FoxConfig`` (on top of ``arch`` / ``size``). ``--config`` takes a YAML file or
+the name of a config shipped in ``foxlm/configs/`` (``default``: the embedded Shakespeare job; ``fox-pro-125m``, ...),
+which works from any folder.
 """
 
 from __future__ import annotations
@@ -141,7 +142,7 @@ def _coerce(name: str, value, annotation: str):
 
 
 def resolve_config_path(config: str | os.PathLike) -> Path:
-    """A YAML path, or the name of a packaged config (``foxlm/configs/NAME.yaml``)."""
+    """A YAML path, or the name of a shipped config (``foxlm/configs/NAME.yaml``)."""
     path = Path(config).expanduser()
     if path.is_file():
         return path
@@ -149,11 +150,11 @@ def resolve_config_path(config: str | os.PathLike) -> Path:
     if packaged.is_file():
         return packaged
     names = sorted(p.stem for p in PACKAGED.glob("*.yaml"))
-    raise FileNotFoundError(f"config: {config} is neither a file nor a packaged config ({names})")
+    raise FileNotFoundError(f"config: {config} is neither a file nor a shipped config ({names})")
 
 
 def load_config(config: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Build a ``TrainConfig`` from a YAML file (or packaged name; None: ``default``) and ``key=value`` strings."""
+    """Build a ``TrainConfig`` from a YAML file (or shipped name; None: ``default``) and ``key=value`` strings."""
     path = resolve_config_path(config or "default")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
