@@ -89,7 +89,12 @@ def test_config_errors_name_the_key(tmp_path, capsys):
               "packing=ragged": "packing",
               "device=tpu": "device: expected e.g. 'cpu'",
               "device=meta": "device: expected auto, cpu, cuda or cuda:N, got 'meta'",
-              "lr=0": "lr: expected a positive learning rate, got 0.0"}
+              "lr=0": "lr: expected a positive, finite learning rate, got 0.0",
+              "lr=inf": "lr: expected a positive, finite learning rate, got inf",
+              "lr=.nan": "lr: expected a positive, finite learning rate, got nan",
+              "grad_clip=-1": r"grad_clip: expected a non-negative, finite number \(0: no clipping\), got -1.0",
+              "weight_decay=-0.1": "weight_decay: expected a non-negative, finite number, got -0.1",
+              "weight_decay=.inf": "weight_decay: expected a non-negative, finite number, got inf"}
     for override, message in errors.items():
         with pytest.raises(ValueError, match=message):
             load_config(None, [override])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -94,10 +95,14 @@ class TrainConfig:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
         if self.device != "auto" and resolve_device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: expected a positive learning rate, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr: expected a positive, finite learning rate, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
+        for name in ("weight_decay", "grad_clip"):  # NaN fails too
+            if not 0 <= getattr(self, name) < math.inf:
+                off = " (0: no clipping)" if name == "grad_clip" else ""
+                raise ValueError(f"{name}: expected a non-negative, finite number{off}, got {getattr(self, name)}")
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph: expected true, false or auto, got {self.cuda_graph!r}")
         if self.cuda_graph is True and (self.packing != "windows" or self.compile):
