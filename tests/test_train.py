@@ -380,12 +380,28 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
     run = tmp_path / "nan"
     cfg = _cfg(byte_data, run, "lr=1e30", "min_lr=1e30", "warmup_steps=0",
                "max_steps=20", "max_bad_steps=2", "grad_clip=0")
-    with pytest.raises(FloatingPointError, match="max_bad_steps=2"):
+    with pytest.raises(FloatingPointError, match=f"max_bad_steps=2.*; no checkpoint was saved in {run}$"):
         train(cfg)
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     skipped = [r for r in records if r.get("skipped")]
     assert len(skipped) == 3 and all(not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0))
                                      for r in skipped)
+
+
+def test_cli_reports_the_nan_limit_in_one_line_naming_the_last_checkpoint(byte_data, tmp_path):
+    """A run that diverges after a checkpoint: `foxlm train` says so in one line (no traceback), naming the checkpoint
+    that exists to go back to."""
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=2", "eval_every=0"))
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}", "max_steps=30",
+           "lr=1e30", "min_lr=1e30", "grad_clip=0", "max_bad_steps=1", "eval_every=0", "save_every=0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_subprocess_env(), timeout=300)
+    last = run / "checkpoints" / "step_0000002"
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert re.search(rf"^foxlm train: error: loss/gradient was NaN or Inf at 2 steps \(max_bad_steps=1\), last at step "
+                     rf"\d+; lower lr \(now 1e\+30\) or check the data; the last checkpoint is {last}$", done.stderr,
+                     re.M), done.stderr
+    assert last.is_dir() and latest_valid_checkpoint(run) == last
 
 
 def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):

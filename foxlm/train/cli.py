@@ -40,7 +40,12 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"foxlm train: error: {e}", file=sys.stderr)
         return 2
-    summary = train(trainer)
+    try:
+        summary = train(trainer)
+    except FloatingPointError as e:  # the run's own failure, not a bug: one line says what to do
+        if trainer.d.main:
+            print(f"foxlm train: error: {e}", file=sys.stderr)
+        return 1
     if summary.get("stopped"):  # the exit status of a process ended by the signal: the job did not finish
         print(f"step {summary['step']}: stopped by {summary['stopped']}; checkpoints in "
               f"{summary['run_dir']}/checkpoints")

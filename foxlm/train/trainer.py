@@ -28,7 +28,8 @@ from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
 from . import parallel
 from .checkpoint import (conflicting_checkpoints, full_state_dicts, initialize_model, is_run_checkpoint,
-                         latest_valid_checkpoint, lock_run, model_name, restore_checkpoint, write_checkpoint)
+                         latest_valid_checkpoint, list_checkpoints, lock_run, model_name, restore_checkpoint,
+                         write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -481,10 +482,11 @@ class Trainer:
     def _check_bad_steps(self) -> None:
         if self.bad_steps <= self.cfg.max_bad_steps:
             return
+        ckpts = list_checkpoints(self.run_dir)
+        kept = f"the last checkpoint is {ckpts[-1]}" if ckpts else f"no checkpoint was saved in {self.run_dir}"
         raise FloatingPointError(
             f"loss/gradient was NaN or Inf at {self.bad_steps} steps (max_bad_steps={self.cfg.max_bad_steps}), last at "
-            f"step {self.step}; lower lr (now {self.cfg.lr}) or check the data. Checkpoints before it are in "
-            f"{self.run_dir / 'checkpoints'}")
+            f"step {self.step}; lower lr (now {self.cfg.lr}) or check the data; {kept}")
 
 
 def train(cfg: TrainConfig | Trainer) -> dict:
