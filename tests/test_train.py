@@ -503,12 +503,16 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
     assert len(val) == 2 and val[-1] < 0.6 * math.log(257)
     skipped = [r["val_acp_skipped"] for r in records if "val_loss" in r]  # what ACP skipped in validation
     assert all(0.0 <= x <= 1.0 for x in skipped) and "of the attention tiles" in err + out
-    # again: the run is finished, so nothing is trained and no loss is made up; display settings are not "changes"
-    assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30",
-                 "batch_size=8", "seq_len=64", "model.acp=true", "sample_tokens=0", "progress=true"]) == 0
-    out, err = capsys.readouterr()
-    assert "nothing to train: the run is at step 60, max_steps=60" in err and "changed settings" not in err
-    assert out.strip() == f"step 60: no step trained; checkpoints in {tmp_path / 'run'}/checkpoints"
+    # again: the run is finished, so nothing is trained, no loss is made up and no sample made again (the default
+    # job's took a minute on a CPU); display settings are not "changes"
+    again = subprocess.run([sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}",
+                            f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30", "batch_size=8", "seq_len=64",
+                            "model.acp=true", "sample_tokens=20", "progress=true"],
+                           capture_output=True, text=True, env=_subprocess_env(), timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to train: the run is at step 60, max_steps=60" in again.stderr
+    assert "changed settings" not in again.stderr
+    assert again.stdout.strip() == f"step 60: no step trained; checkpoints in {tmp_path / 'run'}/checkpoints"
 
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):

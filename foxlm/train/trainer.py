@@ -491,13 +491,14 @@ class Trainer:
 
 def train(cfg: TrainConfig | Trainer) -> dict:
     """Train with ``cfg`` (or a ``Trainer`` built from it, maybe started); print a sample at the end on rank 0 (unless
-    ``sample_tokens=0``); tear down the process group the trainer made.
+    ``sample_tokens=0``, or no step was trained); tear down the process group the trainer made.
 
     Returns the summary: first/last training loss, last validation loss, steps, tokens, run folder, sample."""
     trainer = cfg if isinstance(cfg, Trainer) else Trainer(cfg)
     try:
         summary = trainer.run()
-        if trainer.cfg.sample_tokens and not summary.get("stopped"):  # a preempted job has seconds left: no sample
+        # a preempted job has seconds left; a finished run printed its sample when it finished
+        if trainer.cfg.sample_tokens and not summary.get("stopped") and "loss" in summary:
             text = trainer.sample()
             if trainer.d.main:
                 print(f"\n--- sample (step {trainer.step}) ---\n{text}\n---", flush=True)
