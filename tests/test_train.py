@@ -257,6 +257,21 @@ def test_sigterm_saves_and_stops_then_resumes_exactly(byte_data, tmp_path):
     assert _losses(run) == _losses(tmp_path / "ref")  # exactly, step by step
 
 
+def test_resume_tolerates_a_torn_last_log_line(byte_data, tmp_path):
+    """A write of log.jsonl cut off (full disk, power loss) leaves a torn last line: resuming drops it and goes on; a
+    damaged line before the last is an error naming it."""
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=2", "eval_every=0"))
+    log = run / "log.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 3, "loss": 4.1')
+    assert train(_cfg(byte_data, run, "max_steps=3", "eval_every=0"))["step"] == 3
+    assert sorted(_losses(run)) == [1, 2, 3]
+    log.write_text('{"step": 1, "lo\n' + whole)
+    with pytest.raises(ValueError, match=f"{log}: line 1 is not a JSON record"):
+        train(_cfg(byte_data, run, "max_steps=4", "eval_every=0"))
+
+
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
     from foxlm.train.checkpoint import verify_checkpoint, write_checkpoint
 

@@ -7,6 +7,22 @@ import sys
 from pathlib import Path
 
 
+def read_log(path: Path) -> list[dict]:
+    """The records of a ``log.jsonl``. A torn last line (a write cut off by a full disk or a power loss) is dropped;
+    a damaged line before it is an error naming the line."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a JSON record ({e}); move the file away to resume the "
+                             f"run without its log") from None
+    return records
+
+
 class RunLog:
     """JSONL + TensorBoard + progress bar, on the main process only (``main``); ``write`` prints a line."""
 
@@ -18,9 +34,8 @@ class RunLog:
         log_path = run_dir / "log.jsonl"
         kept = []
         if start_step > 0 and log_path.exists():  # resuming: drop what the killed run logged after the checkpoint
-            kept = [line for line in log_path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= start_step]
-        log_path.write_text("".join(line + "\n" for line in kept))
+            kept = [record for record in read_log(log_path) if record.get("step", 0) <= start_step]
+        log_path.write_text("".join(json.dumps(record) + "\n" for record in kept))
         self.file = open(log_path, "a")
         if tensorboard:
             try:
