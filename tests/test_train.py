@@ -419,6 +419,29 @@ def test_cli_reports_the_nan_limit_in_one_line_naming_the_last_checkpoint(byte_d
     assert last.is_dir() and latest_valid_checkpoint(run) == last
 
 
+def test_cli_reports_a_full_disk_in_one_line(byte_data, tmp_path):
+    """A disk that fills up during a save (a 1 MiB tmpfs, mounted in a user namespace: the model's weights fit, the
+    optimizer state does not) is one line naming the checkpoint, not torch.save's inline_container.cc message; the
+    partial save is removed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = f"mount -t tmpfs -o size=1m none {disk}"
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "sh", "-c", mount]).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs unshare and user namespaces)")
+    run = disk / "run"
+    train_cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}",
+                 "max_steps=1", "eval_every=0"]
+    script = f'{mount} && "$@"; status=$?; ls -A {run / "checkpoints"}; exit $status'
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *train_cmd], capture_output=True, text=True,
+                          env=_subprocess_env(), timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "inline_container" not in done.stderr, \
+        done.stderr
+    assert re.search(rf"^foxlm train: error: checkpoint: cannot save {run}/checkpoints/step_0000001: the disk is "
+                     rf"full; free space there, or train into an out_dir on another disk$", done.stderr, re.M), \
+        done.stderr
+    assert done.stdout == ""  # the checkpoints folder the `ls` lists is empty: no partial save left
+
+
 def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
     """A second `foxlm train` in a run folder while another holds it (here: a lock taken by this process through
     another open file, as another process would) stops before writing; the folder is free again once released."""

@@ -16,6 +16,7 @@ loading, so a damaged one is never used. Reading models back lives in ``foxlm.mo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -37,13 +38,17 @@ from ..models.loading import (checkpoint_step, latest_valid_checkpoint, list_che
                               resolve_model_dir, verify_checkpoint)
 from .config import model_fields
 
-__all__ = ["checkpoint_name", "checkpoint_step", "conflicting_checkpoints", "full_state_dicts",
+__all__ = ["DiskFullError", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints", "full_state_dicts",
            "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
            "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir", "restore_checkpoint",
            "verify_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
 DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens"}
+
+
+class DiskFullError(OSError):
+    """A checkpoint could not be written because its disk is full."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -54,7 +59,7 @@ def write_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], None
                      keep_last: int) -> Path:
     """Write checkpoint ``step`` atomically (``save_model(folder)`` writes the model), update ``latest``, prune.
 
-    Called on the process that writes (rank 0).
+    Called on the process that writes (rank 0). A full disk raises ``DiskFullError`` and leaves no partial save.
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -63,17 +68,33 @@ def write_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], None
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    save_model(tmp / "model")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-    manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    _fsync_tree(tmp)
+    try:
+        save_model(tmp / "model")
+        torch.save(trainer_state, tmp / "trainer.pt")
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _fsync_tree(tmp)
+    except (OSError, RuntimeError) as e:
+        full = _disk_full(e, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # what was written would only fill the disk further
+        if not full:
+            raise
+        raise DiskFullError(f"checkpoint: cannot save {final}: the disk is full; free space there, or train into an "
+                            f"out_dir on another disk") from None
     replace_folder(tmp, final)  # a step saved again (Trainer.save called twice) is swapped, never lost
     _write_atomic(root / "latest", final.name)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _disk_full(error: BaseException, folder: Path) -> bool:
+    """Whether a failed write was a full disk. torch.save reports one as an ``inline_container.cc`` enforce failure
+    without the errno; the partial file is still there, so the disk has next to no space left."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left on device" in str(error):
+        return True
+    return "inline_container.cc" in str(error) and shutil.disk_usage(folder).free < (16 << 20)
 
 
 def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:

@@ -24,6 +24,7 @@ def register(subparsers) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .checkpoint import DiskFullError
     from .config import load_config
     from .trainer import Trainer, train
 
@@ -42,7 +43,7 @@ def _train(args: argparse.Namespace) -> int:
         return 2
     try:
         summary = train(trainer)
-    except FloatingPointError as e:  # the run's own failure, not a bug: one line says what to do
+    except (FloatingPointError, DiskFullError) as e:  # the run's own failures, not bugs: one line says what to do
         if trainer.d.main:
             print(f"foxlm train: error: {e}", file=sys.stderr)
         return 1
