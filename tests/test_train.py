@@ -544,8 +544,8 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
     # again: the run is finished, so nothing is trained, no loss is made up and no sample made again (the default
     # job's took a minute on a CPU); display settings are not "changes"
     again = subprocess.run([sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}",
-                            f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30", "batch_size=8", "seq_len=64",
-                            "model.acp=true", "sample_tokens=20", "progress=true"],
+                            f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30", "batch_size=8",
+                            "seq_len=64", "model.acp=true", "sample_tokens=20", "progress=true"],
                            capture_output=True, text=True, env=_subprocess_env(), timeout=300)
     assert again.returncode == 0, again.stderr
     assert "nothing to train: the run is at step 60, max_steps=60" in again.stderr
