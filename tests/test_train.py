@@ -541,6 +541,7 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
     assert len(val) == 2 and val[-1] < 0.6 * math.log(257)
     skipped = [r["val_acp_skipped"] for r in records if "val_loss" in r]  # what ACP skipped in validation
     assert all(0.0 <= x <= 1.0 for x in skipped) and "of the attention tiles" in err + out
+    assert "8 x 64 tokens per step, 1 micro-batch per process" in err
     # again: the run is finished, so nothing is trained, no loss is made up and no sample made again (the default
     # job's took a minute on a CPU); display settings are not "changes"
     again = subprocess.run([sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}",

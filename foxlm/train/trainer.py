@@ -409,7 +409,7 @@ class Trainer:
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
-                  f"{micro} micro-batches per process"
+                  f"{micro} micro-batch{'es' if micro > 1 else ''} per process"
                   + ("; forward + backward replayed from a CUDA graph" if self.graphed is not None else ""))
         if self.finished:
             log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise "
