@@ -47,12 +47,16 @@ def _train(args: argparse.Namespace) -> int:
         if trainer.d.main:
             print(f"foxlm train: error: {e}", file=sys.stderr)
         return 1
-    if summary.get("stopped"):  # the exit status of a process ended by the signal: the job did not finish
-        print(f"step {summary['step']}: stopped by {summary['stopped']}; checkpoints in "
-              f"{summary['run_dir']}/checkpoints")
-        return 128 + signal.SIGTERM
-    trained = (f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained")
-    print(f"step {summary['step']}: {trained}"
-          + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
-          + f"; checkpoints in {summary['run_dir']}/checkpoints")
-    return 0
+    if trainer.d.main:  # one summary for the job, as for its log lines
+        print(_summary_line(summary))
+    # a stopped job exits as a process ended by the signal does: it did not finish
+    return 128 + signal.SIGTERM if summary.get("stopped") else 0
+
+
+def _summary_line(summary: dict) -> str:
+    where = f"checkpoints in {summary['run_dir']}/checkpoints"
+    if summary.get("stopped"):
+        return f"step {summary['step']}: stopped by {summary['stopped']}; {where}"
+    trained = f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained"
+    val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
+    return f"step {summary['step']}: {trained}{val}; {where}"
