@@ -272,6 +272,35 @@ def test_resume_tolerates_a_torn_last_log_line(byte_data, tmp_path):
         train(_cfg(byte_data, run, "max_steps=4", "eval_every=0"))
 
 
+def test_a_second_sigterm_stops_inside_a_long_step(byte_data, tmp_path):
+    """A step of many micro-batches (a CPU step can take minutes): the first SIGTERM asks for a stop after it, a second
+    one stops the run inside it, saving the last whole step, which resumes exactly."""
+    extra = ["max_steps=1000000", "warmup_steps=0", "min_lr=3e-3", "save_every=0", "eval_every=0", "batch_size=128",
+             "micro_batch_size=1"]
+    run = tmp_path / "preempted"
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}", *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_subprocess_env())
+    log = run / "log.jsonl"
+    while not (log.exists() and log.read_text().endswith("\n")):  # step 1 is done: step 2 runs for a second or so
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    for line in proc.stderr:
+        if line.startswith("SIGTERM: stopping after this step"):  # the handler counted the first one
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert f"stopped by a second SIGTERM during step 2: saved {run / 'checkpoints' / 'step_0000001'};" in err, err
+    assert out.strip() == f"step 1: stopped by SIGTERM; checkpoints in {run}/checkpoints"
+    assert sorted(_losses(run)) == [1] and latest_valid_checkpoint(run).name == "step_0000001"
+
+    more = [*extra[1:], "max_steps=2"]
+    assert train(_cfg(byte_data, run, *more))["step"] == 2
+    train(_cfg(byte_data, tmp_path / "ref", *more))
+    assert _losses(run) == _losses(tmp_path / "ref")  # exactly, step by step
+
+
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
     from foxlm.train.checkpoint import verify_checkpoint, write_checkpoint
 

@@ -5,8 +5,8 @@ weighted by its share of the step's targets, so the update is that of one big ba
 NaN/Inf check (skip + count), gradient clipping, AdamW with warmup + cosine to ``min_lr``. Validation loss every
 ``eval_every`` steps; logs (``logging.py``) on rank 0; atomic checkpoints (``checkpoint.py``) every ``save_every``
 steps and at the end; ``resume="auto"`` continues a run from its latest valid checkpoint and reproduces the losses
-of an uninterrupted run. SIGTERM ends the run after the current step, with a checkpoint (``preemption.py``).
-``cuda_graph=true`` replays each micro-batch's forward + backward from a CUDA graph.
+of an uninterrupted run. SIGTERM ends the run after the current step, with a checkpoint; a second one at once
+(``preemption.py``). ``cuda_graph=true`` replays each micro-batch's forward + backward from a CUDA graph.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
 from . import parallel
-from .checkpoint import (conflicting_checkpoints, full_state_dicts, initialize_model, is_run_checkpoint,
-                         latest_valid_checkpoint, list_checkpoints, lock_run, model_name, restore_checkpoint,
-                         write_checkpoint)
+from .checkpoint import (checkpoint_step, conflicting_checkpoints, full_state_dicts, initialize_model,
+                         is_run_checkpoint, latest_valid_checkpoint, list_checkpoints, lock_run, model_name,
+                         restore_checkpoint, write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
 from .logging import RunLog
-from .preemption import Preemption
+from .preemption import Preempted, Preemption
 
 # Dense bf16 peak TFLOP/s per device, for the MFU estimate.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
@@ -275,12 +275,15 @@ class Trainer:
         return float(norm)
 
     def train_step(self) -> dict:
-        """One optimizer step (or a skipped one); returns the step's record."""
+        """One optimizer step (or a skipped one); returns the step's record. A second SIGTERM may cut the forward and
+        backward short (``Preempted``): the model, optimizer and counters then hold the last whole step."""
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         micro = self.loader.batch(self.step)
-        loss = self._forward_backward(micro)
+        # a CUDA graph's capture must not be cut short; GPU steps are short anyway
+        with self.preemption.interruptible() if self.graphed is None else contextlib.nullcontext():
+            loss = self._forward_backward(micro)
         self.tokens_seen += sum(b.input_ids.numel() for b in micro) * self.d.dp_size
         self.step += 1
         record = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
@@ -308,12 +311,14 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         count = 0.0
         per_batch = self.cfg.batch_size * self.cfg.seq_len
-        with module.probe_acp() if gated else contextlib.nullcontext() as share:
-            for k in range(max(1, min(self.cfg.eval_batches, len(self.val_ds.tokens) // per_batch))):
-                for b in self.val_loader.batch(k):
-                    loss_sum += self._forward(b).float() * b.num_targets
-                    count += b.num_targets
-        self.model.train()
+        try:
+            with module.probe_acp() if gated else contextlib.nullcontext() as share, self.preemption.interruptible():
+                for k in range(max(1, min(self.cfg.eval_batches, len(self.val_ds.tokens) // per_batch))):
+                    for b in self.val_loader.batch(k):
+                        loss_sum += self._forward(b).float() * b.num_targets
+                        count += b.num_targets
+        finally:
+            self.model.train()
         total = self.d.sum(torch.tensor([count], device=self.device)).item()
         out = {"val_loss": (self.d.sum(loss_sum) / total).item()}
         if gated:
@@ -392,11 +397,11 @@ class Trainer:
 
     def run(self) -> dict:
         """Train to ``max_steps`` (after ``start()``), with validation, logs and checkpoints; return a summary. On
-        SIGTERM the run stops after the current step with a checkpoint (the same command resumes it), and the summary
-        has ``stopped="SIGTERM"``. ``out_dir`` is unlocked at the end."""
+        SIGTERM the run stops after the current step with a checkpoint (the same command resumes it), on a second one
+        at once, and the summary has ``stopped="SIGTERM"``. ``out_dir`` is unlocked at the end."""
         try:
             self.start()
-            with Preemption() as self.preemption:
+            with Preemption(announce=self.d.main) as self.preemption:
                 return self._run()
         finally:
             self._unlock()
@@ -462,6 +467,9 @@ class Trainer:
                     break
                 if every(cfg.eval_every) or every(cfg.save_every):  # not training time
                     t0, tokens0 = time.perf_counter(), self.tokens_seen
+        except Preempted:
+            self._stop_at_once(log)
+            summary["stopped"] = "SIGTERM"
         finally:
             log.close()
         summary.update(step=self.step, bad_steps=self.bad_steps, tokens=self.tokens_seen, run_dir=str(self.run_dir))
@@ -487,6 +495,19 @@ class Trainer:
         raise FloatingPointError(
             f"loss/gradient was NaN or Inf at {self.bad_steps} steps (max_bad_steps={self.cfg.max_bad_steps}), last at "
             f"step {self.step}; lower lr (now {self.cfg.lr}) or check the data; {kept}")
+
+    def _stop_at_once(self, log: RunLog) -> None:
+        """After a second SIGTERM: keep the last whole step (saved unless out_dir's newest checkpoint is of it). With
+        several processes there is no save: the others may be inside the step's collectives, which a save needs."""
+        self.optimizer.zero_grad(set_to_none=self.graphed is None)
+        saved = list_checkpoints(self.run_dir)
+        if self.d.world > 1:
+            kept = "no save (it needs every process)"
+        elif self.step == 0 or (saved and checkpoint_step(saved[-1]) == self.step):
+            kept = f"step {self.step} is saved" if self.step else "no step to save"
+        else:
+            kept = f"saved {self.save()}"
+        log.write(f"stopped by a second SIGTERM during step {self.step + 1}: {kept}; the same command resumes the run")
 
 
 def train(cfg: TrainConfig | Trainer) -> dict:
