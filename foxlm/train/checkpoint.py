@@ -38,10 +38,10 @@ from ..models.loading import (checkpoint_step, latest_valid_checkpoint, list_che
                               resolve_model_dir, verify_checkpoint)
 from .config import model_fields
 
-__all__ = ["DiskFullError", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints", "full_state_dicts",
-           "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
+__all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
+           "full_state_dicts", "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
            "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir", "restore_checkpoint",
-           "verify_checkpoint", "write_checkpoint"]
+           "resume_point", "verify_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
 DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens"}
@@ -143,6 +143,36 @@ def conflicting_checkpoints(run_dir: str | os.PathLike, start: str | os.PathLike
     if start is None or not is_run_checkpoint(run_dir, start):
         return found
     return [p for p in found if checkpoint_step(p) > checkpoint_step(start)]
+
+def resume_point(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint a run resumes from, as ``resume`` (auto | never | a checkpoint path) says; None: none."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_valid_checkpoint(run_dir)
+    return Path(resume).expanduser()
+
+
+def check_out_dir(run_dir: Path, ckpt: Path | None, resume: str) -> None:
+    """Refuse to train into checkpoints a run starting from ``ckpt`` (found as ``resume`` says) does not continue
+    from: its saves would interleave with them, and keeping the last ``keep_last`` by step would delete them, or the
+    run's own."""
+    in_the_way = conflicting_checkpoints(run_dir, ckpt)
+    if not in_the_way:
+        return
+    names = ", ".join(p.name for p in in_the_way[:3]) + (", ..." if len(in_the_way) > 3 else "")
+    where = f"out_dir: {run_dir} holds"
+    if ckpt is None and resume == "auto":
+        problem, fix = f"{where} only checkpoints that do not verify ({names})", "move them away"
+    elif ckpt is None:
+        problem, fix = f"{where} another run's checkpoints ({names})", "resume=auto to continue that run"
+    elif not is_run_checkpoint(run_dir, ckpt):
+        problem, fix = f"{where} checkpoints of another run than {ckpt}'s ({names})", "move them away"
+    else:
+        problem, fix = f"{where} checkpoints after {ckpt.name}, which this run resumes from ({names})", \
+            f"move them away to go on from {ckpt.name}"
+    raise ValueError(f"{problem}: this run's saves would be mixed with them and pruned by step. Train into a new "
+                     f"out_dir, or {fix}")
 
 
 def load_trainer_state(ckpt: str | os.PathLike) -> dict:

@@ -27,9 +27,8 @@ from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
 from . import parallel
-from .checkpoint import (checkpoint_step, conflicting_checkpoints, full_state_dicts, initialize_model,
-                         is_run_checkpoint, latest_valid_checkpoint, list_checkpoints, lock_run, model_name,
-                         restore_checkpoint, write_checkpoint)
+from .checkpoint import (check_out_dir, checkpoint_step, full_state_dicts, initialize_model, list_checkpoints,
+                         lock_run, model_name, restore_checkpoint, resume_point, write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -212,33 +211,6 @@ class Trainer:
         return initialize_model(path, parallel.unwrap(self.model), self.model_config, self.tok_spec, self.data_path,
                                 model_name(self.cfg.to_dict()))
 
-    def _check_out_dir(self, ckpt: Path | None) -> None:
-        """Refuse to train into checkpoints this run does not continue from: its saves would interleave with them,
-        and keeping the last ``keep_last`` by step would delete them, or this run's own."""
-        in_the_way = conflicting_checkpoints(self.run_dir, ckpt)
-        if not in_the_way:
-            return
-        names = ", ".join(p.name for p in in_the_way[:3]) + (", ..." if len(in_the_way) > 3 else "")
-        where = f"out_dir: {self.run_dir} holds"
-        if ckpt is None and self.cfg.resume == "auto":
-            problem, fix = f"{where} only checkpoints that do not verify ({names})", "move them away"
-        elif ckpt is None:
-            problem, fix = f"{where} another run's checkpoints ({names})", "resume=auto to continue that run"
-        elif not is_run_checkpoint(self.run_dir, ckpt):
-            problem, fix = f"{where} checkpoints of another run than {ckpt}'s ({names})", "move them away"
-        else:
-            problem, fix = f"{where} checkpoints after {ckpt.name}, which this run resumes from ({names})", \
-                f"move them away to go on from {ckpt.name}"
-        raise ValueError(f"{problem}: this run's saves would be mixed with them and pruned by step. Train into a new "
-                         f"out_dir, or {fix}")
-
-    def _resume_point(self) -> Path | None:
-        if self.cfg.resume == "never":
-            return None
-        if self.cfg.resume == "auto":
-            return latest_valid_checkpoint(self.run_dir)
-        return Path(self.cfg.resume).expanduser()
-
     # --- steps ------------------------------------------------------------------------------------------------
     def _forward(self, b: Batch) -> torch.Tensor:
         b = b.to(self.device)
@@ -369,8 +341,8 @@ class Trainer:
                 holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
                 raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
                                  f"it to end, or train into a new out_dir")
-            ckpt = self._resume_point()
-            self._check_out_dir(ckpt)
+            ckpt = resume_point(self.run_dir, self.cfg.resume)
+            check_out_dir(self.run_dir, ckpt, self.cfg.resume)
             notes = []
             if ckpt is not None:
                 changed = self.load(ckpt)
