@@ -11,11 +11,15 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ..device import resolve_device
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 MESH_DIMS = ("dp",)
 
@@ -28,7 +32,7 @@ class Dist:
     local_rank: int = 0
     world: int = 1
     owns_group: bool = False  # this trainer initialized the process group (and so tears it down)
-    mesh: "torch.distributed.device_mesh.DeviceMesh | None" = None  # dims MESH_DIMS; None in one process
+    mesh: DeviceMesh | None = None  # dims MESH_DIMS; None in one process
 
     @property
     def main(self) -> bool:
@@ -82,7 +86,7 @@ def setup(device: str) -> tuple[Dist, torch.device]:
     return Dist(rank, local_rank, world, owns_group, build_mesh(where, world)), where
 
 
-def build_mesh(device: torch.device, world: int):
+def build_mesh(device: torch.device, world: int) -> DeviceMesh | None:
     """The processes as a ``DeviceMesh`` with dims ``MESH_DIMS`` (None in one process), on the trainer's device type:
     FSDP2's default mesh takes the GPU whenever one is visible, even for gloo."""
     if world == 1:
