@@ -1,5 +1,6 @@
 """`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
-FSDP2 also when resumed from one of its checkpoints; SIGTERM to one process stops both after the same step, saved.
+FSDP2 also when resumed from one of its checkpoints; SIGTERM to one process stops both after the same step, saved;
+the job prints one summary.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
 """
@@ -46,6 +47,8 @@ def test_two_processes_match_one(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            __file__, str(tmp_path), *common], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    for run in ("fsdp", "fsdp-resumed", "fsdp-sigterm", "ddp"):  # the main process alone prints the summary
+        assert done.stdout.count(f"; checkpoints in {tmp_path / run}/checkpoints\n") == 1, done.stdout
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

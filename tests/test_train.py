@@ -89,7 +89,12 @@ def test_config_errors_name_the_key(tmp_path, capsys):
               "packing=ragged": "packing",
               "device=tpu": "device: expected e.g. 'cpu'",
               "device=meta": "device: expected auto, cpu, cuda or cuda:N, got 'meta'",
-              "lr=0": "lr: expected a positive learning rate, got 0.0"}
+              "lr=0": "lr: expected a positive, finite learning rate, got 0.0",
+              "lr=inf": "lr: expected a positive, finite learning rate, got inf",
+              "lr=.nan": "lr: expected a positive, finite learning rate, got nan",
+              "grad_clip=-1": r"grad_clip: expected a non-negative, finite number \(0: no clipping\), got -1.0",
+              "weight_decay=-0.1": "weight_decay: expected a non-negative, finite number, got -0.1",
+              "weight_decay=.inf": "weight_decay: expected a non-negative, finite number, got inf"}
     for override, message in errors.items():
         with pytest.raises(ValueError, match=message):
             load_config(None, [override])
@@ -107,23 +112,33 @@ def test_config_errors_name_the_key(tmp_path, capsys):
 def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
     from foxlm.cli import main
 
-    config = Path(__file__).parents[1] / "configs" / "fox-pro-125m.yaml"
     overrides = ["lr=2e-3", "model.acp=true", f"init_from={tmp_path / 'run'}", "cuda_graph=auto"]
-    assert main(["train", "--config", str(config), "--print-config", *overrides]) == 0
+    assert main(["train", "--config", "fox-pro-125m", "--print-config", *overrides]) == 0
     printed = capsys.readouterr().out
     (tmp_path / "printed.yaml").write_text(printed)
-    assert load_config(tmp_path / "printed.yaml") == load_config(config, overrides)
+    assert load_config(tmp_path / "printed.yaml") == load_config("fox-pro-125m", overrides)
     assert "lr: 0.002\n" in printed and f"init_from: {tmp_path / 'run'}\n" in printed
     assert not (tmp_path / "run").exists()  # printing trains nothing
 
 
-@pytest.mark.parametrize("path", sorted((Path(__file__).parents[1] / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_shipped_configs_load(path):
-    """The experiment configs in configs/ hold only known keys, and their models build."""
-    cfg = load_config(path)
+@pytest.mark.parametrize("name", ["fox-pro-125m", "fox-pro-125m-acp", "transformer-pro-125m"])
+def test_shipped_configs_load_by_name_from_any_folder(name, tmp_path, monkeypatch):
+    """The experiment configs shipped in the package hold only known keys, their models build, and `--config NAME`
+    finds them wherever the command runs."""
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(name)
     config = FoxConfig.preset(cfg.arch, cfg.size, **cfg.model)
     assert cfg.seq_len == 16384 and cfg.compile and config.num_hidden_layers == 12
-    assert config.acp == path.stem.endswith("-acp")
+    assert config.acp == name.endswith("-acp")
+
+
+def test_the_shipped_configs_are_the_ones_tested():
+    from foxlm.train.config import PACKAGED
+
+    assert sorted(p.stem for p in PACKAGED.glob("*.yaml")) == \
+        ["default", "fox-pro-125m", "fox-pro-125m-acp", "transformer-pro-125m"]
+    with pytest.raises(FileNotFoundError, match=r"config: nope is neither a file nor a shipped config \(\['default'"):
+        load_config("nope")
 
 
 def test_lr_schedule_and_weight_decay_groups(byte_data, tmp_path):
@@ -238,6 +253,50 @@ def test_sigterm_saves_and_stops_then_resumes_exactly(byte_data, tmp_path):
     more = [*extra[1:], f"max_steps={stopped + 3}"]
     summary = train(_cfg(byte_data, run, *more))
     assert summary["step"] == stopped + 3 and "stopped" not in summary
+    train(_cfg(byte_data, tmp_path / "ref", *more))
+    assert _losses(run) == _losses(tmp_path / "ref")  # exactly, step by step
+
+
+def test_resume_tolerates_a_torn_last_log_line(byte_data, tmp_path):
+    """A write of log.jsonl cut off (full disk, power loss) leaves a torn last line: resuming drops it and goes on; a
+    damaged line before the last is an error naming it."""
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=2", "eval_every=0"))
+    log = run / "log.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 3, "loss": 4.1')
+    assert train(_cfg(byte_data, run, "max_steps=3", "eval_every=0"))["step"] == 3
+    assert sorted(_losses(run)) == [1, 2, 3]
+    log.write_text('{"step": 1, "lo\n' + whole)
+    with pytest.raises(ValueError, match=f"{log}: line 1 is not a JSON record"):
+        train(_cfg(byte_data, run, "max_steps=4", "eval_every=0"))
+
+
+def test_a_second_sigterm_stops_inside_a_long_step(byte_data, tmp_path):
+    """A step of many micro-batches (a CPU step can take minutes): the first SIGTERM asks for a stop after it, a second
+    one stops the run inside it, saving the last whole step, which resumes exactly."""
+    extra = ["max_steps=1000000", "warmup_steps=0", "min_lr=3e-3", "save_every=0", "eval_every=0", "batch_size=128",
+             "micro_batch_size=1"]
+    run = tmp_path / "preempted"
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}", *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_subprocess_env())
+    log = run / "log.jsonl"
+    while not (log.exists() and log.read_text().endswith("\n")):  # step 1 is done: step 2 runs for a second or so
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    for line in proc.stderr:
+        if line.startswith("SIGTERM: stopping after this step"):  # the handler counted the first one
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert f"stopped by a second SIGTERM during step 2: saved {run / 'checkpoints' / 'step_0000001'};" in err, err
+    assert out.strip() == f"step 1: stopped by SIGTERM; checkpoints in {run}/checkpoints"
+    assert sorted(_losses(run)) == [1] and latest_valid_checkpoint(run).name == "step_0000001"
+
+    more = [*extra[1:], "max_steps=2"]
+    assert train(_cfg(byte_data, run, *more))["step"] == 2
     train(_cfg(byte_data, tmp_path / "ref", *more))
     assert _losses(run) == _losses(tmp_path / "ref")  # exactly, step by step
 
@@ -365,12 +424,51 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
     run = tmp_path / "nan"
     cfg = _cfg(byte_data, run, "lr=1e30", "min_lr=1e30", "warmup_steps=0",
                "max_steps=20", "max_bad_steps=2", "grad_clip=0")
-    with pytest.raises(FloatingPointError, match="max_bad_steps=2"):
+    with pytest.raises(FloatingPointError, match=f"max_bad_steps=2.*; no checkpoint was saved in {run}$"):
         train(cfg)
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     skipped = [r for r in records if r.get("skipped")]
     assert len(skipped) == 3 and all(not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0))
                                      for r in skipped)
+
+
+def test_cli_reports_the_nan_limit_in_one_line_naming_the_last_checkpoint(byte_data, tmp_path):
+    """A run that diverges after a checkpoint: `foxlm train` says so in one line (no traceback), naming the checkpoint
+    that exists to go back to."""
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=2", "eval_every=0"))
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}", "max_steps=30",
+           "lr=1e30", "min_lr=1e30", "grad_clip=0", "max_bad_steps=1", "eval_every=0", "save_every=0"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=_subprocess_env(), timeout=300)
+    last = run / "checkpoints" / "step_0000002"
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert re.search(rf"^foxlm train: error: loss/gradient was NaN or Inf at 2 steps \(max_bad_steps=1\), last at step "
+                     rf"\d+; lower lr \(now 1e\+30\) or check the data; the last checkpoint is {last}$", done.stderr,
+                     re.M), done.stderr
+    assert last.is_dir() and latest_valid_checkpoint(run) == last
+
+
+def test_cli_reports_a_full_disk_in_one_line(byte_data, tmp_path):
+    """A disk that fills up during a save (a 1 MiB tmpfs, mounted in a user namespace: the model's weights fit, the
+    optimizer state does not) is one line naming the checkpoint, not torch.save's inline_container.cc message; the
+    partial save is removed."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = f"mount -t tmpfs -o size=1m none {disk}"
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "sh", "-c", mount]).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs unshare and user namespaces)")
+    run = disk / "run"
+    train_cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}",
+                 "max_steps=1", "eval_every=0"]
+    script = f'{mount} && "$@"; status=$?; ls -A {run / "checkpoints"}; exit $status'
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *train_cmd], capture_output=True, text=True,
+                          env=_subprocess_env(), timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "inline_container" not in done.stderr, \
+        done.stderr
+    assert re.search(rf"^foxlm train: error: checkpoint: cannot save {run}/checkpoints/step_0000001: the disk is "
+                     rf"full; free space there, or train into an out_dir on another disk$", done.stderr, re.M), \
+        done.stderr
+    assert done.stdout == ""  # the checkpoints folder the `ls` lists is empty: no partial save left
 
 
 def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
@@ -472,12 +570,17 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
     assert len(val) == 2 and val[-1] < 0.6 * math.log(257)
     skipped = [r["val_acp_skipped"] for r in records if "val_loss" in r]  # what ACP skipped in validation
     assert all(0.0 <= x <= 1.0 for x in skipped) and "of the attention tiles" in err + out
-    # again: the run is finished, so nothing is trained and no loss is made up; display settings are not "changes"
-    assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30",
-                 "batch_size=8", "seq_len=64", "model.acp=true", "sample_tokens=0", "progress=true"]) == 0
-    out, err = capsys.readouterr()
-    assert "nothing to train: the run is at step 60, max_steps=60" in err and "changed settings" not in err
-    assert out.strip() == f"step 60: no step trained; checkpoints in {tmp_path / 'run'}/checkpoints"
+    assert "8 x 64 tokens per step, 1 micro-batch per process" in err
+    # again: the run is finished, so nothing is trained, no loss is made up and no sample made again (the default
+    # job's took a minute on a CPU); display settings are not "changes"
+    again = subprocess.run([sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}",
+                            f"out_dir={tmp_path / 'run'}", "max_steps=60", "eval_every=30", "batch_size=8",
+                            "seq_len=64", "model.acp=true", "sample_tokens=20", "progress=true"],
+                           capture_output=True, text=True, env=_subprocess_env(), timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "nothing to train: the run is at step 60, max_steps=60" in again.stderr
+    assert "changed settings" not in again.stderr
+    assert again.stdout.strip() == f"step 60: no step trained; checkpoints in {tmp_path / 'run'}/checkpoints"
 
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):

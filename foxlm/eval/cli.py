@@ -105,7 +105,7 @@ def register(subparsers) -> None:
 def _setup(args, checkpoints: list[str]):
     """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder."""
     from foxlm.data import TokenDataset
-    from foxlm.ops.backend import resolve_device
+    from foxlm.device import resolve_device
 
     from .utils import load_model
 

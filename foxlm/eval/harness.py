@@ -73,7 +73,7 @@ class FoxLM(HFLM):
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
                  dtype: str | None = None, **kwargs):
-        from foxlm.train import load_checkpoint_model
+        from foxlm.models import load_checkpoint_model
 
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")

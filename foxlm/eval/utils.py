@@ -30,7 +30,7 @@ def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractCo
 
 def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module:
     """A foxlm model from a run dir, a checkpoint dir or a ``save_pretrained`` dir, in eval mode on ``device``."""
-    from foxlm.train import load_checkpoint_model
+    from foxlm.models import load_checkpoint_model
 
     if not Path(path).exists():
         raise ValueError(f"checkpoint: {path} does not exist (expected a run, checkpoint or save_pretrained dir)")

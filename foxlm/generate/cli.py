@@ -41,8 +41,8 @@ def register(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from foxlm.data import get_tokenizer, tokenizer_from_spec
-    from foxlm.ops.backend import resolve_device
-    from foxlm.train import load_checkpoint_model
+    from foxlm.device import resolve_device
+    from foxlm.models import load_checkpoint_model
 
     from .generate import generate
 

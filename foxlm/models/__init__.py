@@ -1,11 +1,12 @@
 """foxlm.models: FoxConfig, FoxModel, FoxForCausalLM and the KV cache, registered with the HF Auto classes;
-``convert`` for the FoX authors' and fla's checkpoints."""
+``load_checkpoint_model`` for a trained one, and ``convert`` for the FoX authors' and fla's checkpoints."""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .cache import PAD_DECAY, FoxCache
 from .configuration_fox import ARCHS, SIZES, FoxConfig
 from .convert import convert
+from .loading import load_checkpoint_model
 from .modeling_fox import FoxCausalLMOutput, FoxForCausalLM, FoxModel, FoxModelOutput, FoxPreTrainedModel
 
 
@@ -30,5 +31,6 @@ __all__ = [
     "FoxModel",
     "FoxModelOutput",
     "FoxPreTrainedModel",
+    "load_checkpoint_model",
     "register_auto_classes",
 ]

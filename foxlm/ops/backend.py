@@ -2,8 +2,7 @@
 
 By default (``"auto"``) CUDA tensors take the Triton kernels and CPU tensors the PyTorch path, except
 under ``TRITON_INTERPRET=1``, where CPU tensors go through the Triton kernels in Triton's interpreter.
-``use_backend`` overrides that for a block of code, like ``torch.nn.attention.sdpa_kernel``. ``resolve_device``
-turns the commands' ``device`` argument into a ``torch.device`` (``auto``: CUDA when there is one).
+``use_backend`` overrides that for a block of code, like ``torch.nn.attention.sdpa_kernel``.
 """
 
 from __future__ import annotations
@@ -42,16 +41,6 @@ def use_backend(name: str) -> Iterator[None]:
         yield
     finally:
         _backend = previous
-
-
-def resolve_device(device: str | None) -> torch.device:
-    """``None``/``"auto"`` -> CUDA when available, else CPU; otherwise ``device`` parsed (e.g. "cpu", "cuda:1")."""
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'auto', got {device!r}") from e
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -1,4 +1,4 @@
-"""Atomic, verified training checkpoints.
+"""Atomic, verified training checkpoints: writing them, and resuming or initializing a run from them.
 
 Layout::
 
@@ -11,21 +11,21 @@ Layout::
 
 A checkpoint is written into a temporary folder and renamed into place, so a killed run leaves no
 ``step_*`` folder half-written (the next save removes its temporary folder); ``manifest.json`` is checked before
-loading, so a damaged one is never used.
+loading, so a damaged one is never used. Reading models back lives in ``foxlm.models.loading``.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 import torch
-from safetensors.torch import load_file
 
 try:
     import fcntl
@@ -33,18 +33,33 @@ except ImportError:  # not POSIX
     fcntl = None
 
 from ..data.assets import replace_folder, sha256_file
+from ..models import FoxConfig
+from ..models.loading import (checkpoint_step, latest_valid_checkpoint, list_checkpoints, read_model_weights,
+                              resolve_model_dir, verify_checkpoint)
+from .config import model_fields
 
-STEP_DIR = re.compile(r"^step_(\d{7,})$")
+__all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
+           "full_state_dicts", "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
+           "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir", "restore_checkpoint",
+           "resume_point", "verify_checkpoint", "write_checkpoint"]
+
+# Settings that change what a run shows, not what it trains: not reported as changed on resume.
+DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens"}
+
+
+class DiskFullError(OSError):
+    """A checkpoint could not be written because its disk is full."""
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def write_checkpoint(run_dir: Path, step: int, save_model, trainer_state: dict, keep_last: int) -> Path:
+def write_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], None], trainer_state: dict,
+                     keep_last: int) -> Path:
     """Write checkpoint ``step`` atomically (``save_model(folder)`` writes the model), update ``latest``, prune.
 
-    Called on the process that writes (rank 0).
+    Called on the process that writes (rank 0). A full disk raises ``DiskFullError`` and leaves no partial save.
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
@@ -53,17 +68,33 @@ def write_checkpoint(run_dir: Path, step: int, save_model, trainer_state: dict, 
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".{final.name}.tmp-{os.getpid()}"
     tmp.mkdir()
-    save_model(tmp / "model")
-    torch.save(trainer_state, tmp / "trainer.pt")
-    files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-    manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
-    (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    _fsync_tree(tmp)
+    try:
+        save_model(tmp / "model")
+        torch.save(trainer_state, tmp / "trainer.pt")
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+        manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        _fsync_tree(tmp)
+    except (OSError, RuntimeError) as e:
+        full = _disk_full(e, tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # what was written would only fill the disk further
+        if not full:
+            raise
+        raise DiskFullError(f"checkpoint: cannot save {final}: the disk is full; free space there, or train into an "
+                            f"out_dir on another disk") from None
     replace_folder(tmp, final)  # a step saved again (Trainer.save called twice) is swapped, never lost
     _write_atomic(root / "latest", final.name)
     for old in list_checkpoints(run_dir)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _disk_full(error: BaseException, folder: Path) -> bool:
+    """Whether a failed write was a full disk. torch.save reports one as an ``inline_container.cc`` enforce failure
+    without the errno; the partial file is still there, so the disk has next to no space left."""
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC or "No space left on device" in str(error):
+        return True
+    return "inline_container.cc" in str(error) and shutil.disk_usage(folder).free < (16 << 20)
 
 
 def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
@@ -100,23 +131,6 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
-    """Complete-looking checkpoint folders of a run, oldest first (temporary folders excluded)."""
-    root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
-    return sorted(found, key=checkpoint_step)
-
-
-def checkpoint_step(ckpt: str | os.PathLike) -> int:
-    """The step of a checkpoint folder ``step_NNNNNNN``."""
-    match = STEP_DIR.match(Path(ckpt).name)
-    if match is None:
-        raise ValueError(f"checkpoint: {ckpt} is not a step_NNNNNNN folder")
-    return int(match.group(1))
-
-
 def is_run_checkpoint(run_dir: str | os.PathLike, ckpt: str | os.PathLike) -> bool:
     """Whether checkpoint folder ``ckpt`` is one of ``run_dir``'s."""
     return Path(ckpt).resolve().parent == (Path(run_dir) / "checkpoints").resolve()
@@ -130,33 +144,35 @@ def conflicting_checkpoints(run_dir: str | os.PathLike, start: str | os.PathLike
         return found
     return [p for p in found if checkpoint_step(p) > checkpoint_step(start)]
 
-
-def verify_checkpoint(ckpt: str | os.PathLike) -> str | None:
-    """None if ``ckpt`` is complete and every file matches its manifest, else what is wrong."""
-    ckpt = Path(ckpt)
-    try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        return f"no readable manifest.json ({e})"
-    for name, digest in manifest.get("files", {}).items():
-        path = ckpt / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if sha256_file(path) != digest:
-            return f"{name} does not match its sha256"
-    if not manifest.get("files"):
-        return "empty manifest"
-    return None
+def resume_point(run_dir: Path, resume: str) -> Path | None:
+    """The checkpoint a run resumes from, as ``resume`` (auto | never | a checkpoint path) says; None: none."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_valid_checkpoint(run_dir)
+    return Path(resume).expanduser()
 
 
-def latest_valid_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The newest checkpoint of a run that verifies; damaged ones are reported and skipped, never loaded."""
-    for ckpt in reversed(list_checkpoints(run_dir)):
-        problem = verify_checkpoint(ckpt)
-        if problem is None:
-            return ckpt
-        warnings.warn(f"skipping damaged checkpoint {ckpt}: {problem}", stacklevel=2)
-    return None
+def check_out_dir(run_dir: Path, ckpt: Path | None, resume: str) -> None:
+    """Refuse to train into checkpoints a run starting from ``ckpt`` (found as ``resume`` says) does not continue
+    from: its saves would interleave with them, and keeping the last ``keep_last`` by step would delete them, or the
+    run's own."""
+    in_the_way = conflicting_checkpoints(run_dir, ckpt)
+    if not in_the_way:
+        return
+    names = ", ".join(p.name for p in in_the_way[:3]) + (", ..." if len(in_the_way) > 3 else "")
+    where = f"out_dir: {run_dir} holds"
+    if ckpt is None and resume == "auto":
+        problem, fix = f"{where} only checkpoints that do not verify ({names})", "move them away"
+    elif ckpt is None:
+        problem, fix = f"{where} another run's checkpoints ({names})", "resume=auto to continue that run"
+    elif not is_run_checkpoint(run_dir, ckpt):
+        problem, fix = f"{where} checkpoints of another run than {ckpt}'s ({names})", "move them away"
+    else:
+        problem, fix = f"{where} checkpoints after {ckpt.name}, which this run resumes from ({names})", \
+            f"move them away to go on from {ckpt.name}"
+    raise ValueError(f"{problem}: this run's saves would be mixed with them and pruned by step. Train into a new "
+                     f"out_dir, or {fix}")
 
 
 def load_trainer_state(ckpt: str | os.PathLike) -> dict:
@@ -167,39 +183,77 @@ def load_trainer_state(ckpt: str | os.PathLike) -> dict:
     return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=True)
 
 
-def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
-    """A ``save_pretrained`` folder from a run folder (its latest valid checkpoint), a checkpoint folder, or
-    a ``save_pretrained`` folder itself; errors name the argument ``arg``."""
-    path = Path(path).expanduser()
-    if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
-        return path
-    if (path / "model" / "config.json").is_file():
-        problem = verify_checkpoint(path) if (path / "manifest.json").exists() else "no manifest.json"
-        if problem is not None:
-            raise ValueError(f"{arg}: checkpoint {path}: {problem}; refusing to load it")
-        return path / "model"
-    if (path / "checkpoints").is_dir():
-        ckpt = latest_valid_checkpoint(path)
-        if ckpt is None:
-            raise FileNotFoundError(f"{arg}: run {path} has no complete checkpoint")
-        return ckpt / "model"
-    raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model's and optimizer's state dicts on the CPU, gathered from FSDP2 shards where there are some
+    (collective: every process calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(module, options=options), get_optimizer_state_dict(module, optimizer, options=options)
 
 
-def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The weights of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index names."""
-    folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
-    weights = {}
-    for name in files:
-        weights.update(load_file(str(folder / name)))
-    return weights
+def model_name(cfg: dict) -> str:
+    """"fox-pro tiny", with the training config's model overrides."""
+    return f"{cfg['arch']} {cfg['size']}" + (f" with model={cfg['model']}" if cfg["model"] else "")
 
 
-def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
-    """``FoxForCausalLM`` from a run folder, a checkpoint folder or a ``save_pretrained`` folder."""
-    from ..models import FoxForCausalLM
+def _weights_differ(weights: dict[str, torch.Tensor], module: torch.nn.Module) -> str | None:
+    """None if ``weights`` has exactly ``module``'s names and shapes, else how they differ."""
+    found = {name: tuple(t.shape) for name, t in weights.items()}
+    expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    if found == expected:
+        return None
+    differ = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
+    return (f"{len(differ)} weights differ (e.g. {differ[0]}: {found.get(differ[0], 'absent')} there, "
+            f"{expected.get(differ[0], 'absent')} here)")
 
-    return FoxForCausalLM.from_pretrained(resolve_model_dir(path), **from_pretrained_kwargs)
+
+def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, tok_spec: dict,
+                       config: dict) -> tuple[dict, list[str]]:
+    """Load a verified checkpoint's weights and optimizer state into ``module`` (unwrapped) and ``optimizer``, after
+    checking that it was trained on ``tok_spec`` data as the same model. Returns its trainer state (counters, loader,
+    RNG) and the settings of training config ``config`` that differ from the checkpoint's ("key: old -> new")."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    state = load_trainer_state(ckpt)  # verifies the manifest first
+    if state["tokenizer"] != tok_spec:
+        raise ValueError(f"tokenizer: the checkpoint was trained with {state['tokenizer']}, the data is {tok_spec}")
+    weights = read_model_weights(resolve_model_dir(ckpt, "resume"))
+    problem = _weights_differ(weights, module)
+    if problem is not None:
+        raise ValueError(f"resume: {ckpt} was trained as {model_name(state['config'])}, this config is "
+                         f"{model_name(config)}: {problem}. Train into a new out_dir to start this model")
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(module, weights, options=options)
+    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=options)
+    changed = [f"{key}: {was!r} -> {config[key]!r}" for key, was in state["config"].items()
+               if key not in DISPLAY_KEYS and key in config and config[key] != was]
+    return state, changed
+
+
+def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_config: FoxConfig, tok_spec: dict,
+                     data: Path, name: str) -> tuple[Path, list[str]]:
+    """Load the weights of a trained model (a run folder, a checkpoint or a ``save_pretrained`` folder) into
+    ``module`` (unwrapped; ``name`` in errors), built as ``model_config`` for ``data`` prepared with ``tok_spec``.
+    Returns its folder and the model settings ``model_config`` changes from it ("key: old -> new")."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    folder = resolve_model_dir(path, "init_from")
+    saved = json.loads((folder / "config.json").read_text())
+    if saved.get("model_type") != FoxConfig.model_type:
+        raise ValueError(f"init_from: {folder} holds a {saved.get('model_type')!r} model, not a foxlm model")
+    tokenizer = saved.get("foxlm_tokenizer")
+    if tokenizer is not None and tokenizer != tok_spec:
+        raise ValueError(f"init_from: {folder} was trained with the tokenizer {tokenizer}, the data {data} was "
+                         f"prepared with {tok_spec}")
+    weights = read_model_weights(folder)
+    problem = _weights_differ(weights, module)
+    if problem is not None:
+        raise ValueError(f"init_from: {folder} holds another model than this config's {name}: {problem}. Set arch, "
+                         f"size and model.* to build it")
+    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+    now = model_config.to_dict()
+    return folder, [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(model_fields())
+                    if key in saved and saved[key] != now[key]]

@@ -13,7 +13,8 @@ def register(subparsers) -> None:
         description="Train a FoX / Transformer model. Without arguments: a tiny fox-pro on Shakespeare "
                     "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.")
     p.add_argument("--config", default=None,
-                   help="YAML file, or a packaged config name (default: 'default', the Shakespeare demo)")
+                   help="YAML file, or the name of a config shipped in foxlm/configs (default: 'default', the "
+                        "Shakespeare demo; fox-pro-125m, ...)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, with the overrides applied) as YAML and exit; "
                         "the output is a valid --config file")
@@ -23,6 +24,7 @@ def register(subparsers) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from .checkpoint import DiskFullError
     from .config import load_config
     from .trainer import Trainer, train
 
@@ -39,13 +41,22 @@ def _train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"foxlm train: error: {e}", file=sys.stderr)
         return 2
-    summary = train(trainer)
-    if summary.get("stopped"):  # the exit status of a process ended by the signal: the job did not finish
-        print(f"step {summary['step']}: stopped by {summary['stopped']}; checkpoints in "
-              f"{summary['run_dir']}/checkpoints")
-        return 128 + signal.SIGTERM
-    trained = (f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained")
-    print(f"step {summary['step']}: {trained}"
-          + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
-          + f"; checkpoints in {summary['run_dir']}/checkpoints")
-    return 0
+    try:
+        summary = train(trainer)
+    except (FloatingPointError, DiskFullError) as e:  # the run's own failures, not bugs: one line says what to do
+        if trainer.d.main:
+            print(f"foxlm train: error: {e}", file=sys.stderr)
+        return 1
+    if trainer.d.main:  # one summary for the job, as for its log lines
+        print(_summary_line(summary))
+    # a stopped job exits as a process ended by the signal does: it did not finish
+    return 128 + signal.SIGTERM if summary.get("stopped") else 0
+
+
+def _summary_line(summary: dict) -> str:
+    where = f"checkpoints in {summary['run_dir']}/checkpoints"
+    if summary.get("stopped"):
+        return f"step {summary['step']}: stopped by {summary['stopped']}; {where}"
+    trained = f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained"
+    val = f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else ""
+    return f"step {summary['step']}: {trained}{val}; {where}"

@@ -1,14 +1,16 @@
 """``TrainConfig``: one YAML file plus ``key=value`` overrides; unknown keys are errors.
 
-``foxlm train --config configs/NAME.yaml lr=2e-3 model.acp=true`` — top-level keys are the fields below;
-``model.*`` keys override fields of ``FoxConfig`` (on top of ``arch`` / ``size``). ``--config`` also takes the
-name of a packaged config (``default``: the embedded Shakespeare job).
+``foxlm train --config NAME_OR_YAML lr=2e-3 model.acp=true`` — top-level keys are the fields below;
+``model.*`` keys override fields of ``FoxConfig`` (on top of ``arch`` / ``size``). ``--config`` takes a YAML file or
+the name of a config shipped in ``foxlm/configs/`` (``default``: the embedded Shakespeare job; ``fox-pro-125m``, ...),
+which works from any folder.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from ..ops.backend import resolve_device
+from ..device import resolve_device
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
@@ -93,10 +95,14 @@ class TrainConfig:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
         if self.device != "auto" and resolve_device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr: expected a positive learning rate, got {self.lr}")
+        if not 0 < self.lr < math.inf:
+            raise ValueError(f"lr: expected a positive, finite learning rate, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
+        for name in ("weight_decay", "grad_clip"):  # NaN fails too
+            if not 0 <= getattr(self, name) < math.inf:
+                off = " (0: no clipping)" if name == "grad_clip" else ""
+                raise ValueError(f"{name}: expected a non-negative, finite number{off}, got {getattr(self, name)}")
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph: expected true, false or auto, got {self.cuda_graph!r}")
         if self.cuda_graph is True and (self.packing != "windows" or self.compile):
@@ -141,7 +147,7 @@ def _coerce(name: str, value, annotation: str):
 
 
 def resolve_config_path(config: str | os.PathLike) -> Path:
-    """A YAML path, or the name of a packaged config (``foxlm/configs/NAME.yaml``)."""
+    """A YAML path, or the name of a shipped config (``foxlm/configs/NAME.yaml``)."""
     path = Path(config).expanduser()
     if path.is_file():
         return path
@@ -149,11 +155,11 @@ def resolve_config_path(config: str | os.PathLike) -> Path:
     if packaged.is_file():
         return packaged
     names = sorted(p.stem for p in PACKAGED.glob("*.yaml"))
-    raise FileNotFoundError(f"config: {config} is neither a file nor a packaged config ({names})")
+    raise FileNotFoundError(f"config: {config} is neither a file nor a shipped config ({names})")
 
 
 def load_config(config: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
-    """Build a ``TrainConfig`` from a YAML file (or packaged name; None: ``default``) and ``key=value`` strings."""
+    """Build a ``TrainConfig`` from a YAML file (or shipped name; None: ``default``) and ``key=value`` strings."""
     path = resolve_config_path(config or "default")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):

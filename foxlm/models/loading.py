@@ -1,0 +1,107 @@
+"""Reading trained models back: from a run folder, a checkpoint folder or a ``save_pretrained`` folder.
+
+The read side of the checkpoint layout ``foxlm train`` writes (``foxlm/train/checkpoint.py``)::
+
+    <run>/checkpoints/step_0000100/{model/, trainer.pt, manifest.json}
+
+A checkpoint is used only once every file matches the sha256 its ``manifest.json`` records; weights are read from
+safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from ..data.assets import sha256_file
+
+STEP_DIR = re.compile(r"^step_(\d{7,})$")
+
+
+def checkpoint_step(ckpt: str | os.PathLike) -> int:
+    """The step of a checkpoint folder ``step_NNNNNNN``."""
+    match = STEP_DIR.match(Path(ckpt).name)
+    if match is None:
+        raise ValueError(f"checkpoint: {ckpt} is not a step_NNNNNNN folder")
+    return int(match.group(1))
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Complete-looking checkpoint folders of a run, oldest first (temporary folders excluded)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and STEP_DIR.match(p.name)]
+    return sorted(found, key=checkpoint_step)
+
+
+def verify_checkpoint(ckpt: str | os.PathLike) -> str | None:
+    """None if ``ckpt`` is complete and every file matches its manifest, else what is wrong."""
+    ckpt = Path(ckpt)
+    try:
+        manifest = json.loads((ckpt / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"no readable manifest.json ({e})"
+    for name, digest in manifest.get("files", {}).items():
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if sha256_file(path) != digest:
+            return f"{name} does not match its sha256"
+    if not manifest.get("files"):
+        return "empty manifest"
+    return None
+
+
+def latest_valid_checkpoint(run_dir: str | os.PathLike) -> Path | None:
+    """The newest checkpoint of a run that verifies; damaged ones are reported and skipped, never loaded."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        problem = verify_checkpoint(ckpt)
+        if problem is None:
+            return ckpt
+        warnings.warn(f"skipping damaged checkpoint {ckpt}: {problem}", stacklevel=2)
+    return None
+
+
+def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
+    """A ``save_pretrained`` folder from a run folder (its latest valid checkpoint), a checkpoint folder, or
+    a ``save_pretrained`` folder itself; errors name the argument ``arg``."""
+    path = Path(path).expanduser()
+    if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
+        return path
+    if (path / "model" / "config.json").is_file():
+        problem = verify_checkpoint(path) if (path / "manifest.json").exists() else "no manifest.json"
+        if problem is not None:
+            raise ValueError(f"{arg}: checkpoint {path}: {problem}; refusing to load it")
+        return path / "model"
+    if (path / "checkpoints").is_dir():
+        ckpt = latest_valid_checkpoint(path)
+        if ckpt is None:
+            raise FileNotFoundError(f"{arg}: run {path} has no complete checkpoint")
+        return ckpt / "model"
+    raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+
+
+def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The weights of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index names."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+        else ["model.safetensors"]
+    weights = {}
+    for name in files:
+        weights.update(load_file(str(folder / name)))
+    return weights
+
+
+def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
+    """``FoxForCausalLM`` from a run folder, a checkpoint folder or a ``save_pretrained`` folder."""
+    from .modeling_fox import FoxForCausalLM
+
+    return FoxForCausalLM.from_pretrained(resolve_model_dir(path), **from_pretrained_kwargs)

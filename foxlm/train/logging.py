@@ -1,0 +1,83 @@
+"""A run's logs on the main process: ``log.jsonl`` (one record per line), TensorBoard scalars, a progress bar."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def read_log(path: Path) -> list[dict]:
+    """The records of a ``log.jsonl``. A torn last line (a write cut off by a full disk or a power loss) is dropped;
+    a damaged line before it is an error naming the line."""
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for i, line in enumerate(lines):
+        try:
+            records.append(json.loads(line))
+        except ValueError as e:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a JSON record ({e}); move the file away to resume the "
+                             f"run without its log") from None
+    return records
+
+
+class RunLog:
+    """JSONL + TensorBoard + progress bar, on the main process only (``main``); ``write`` prints a line."""
+
+    def __init__(self, run_dir: Path, start_step: int, max_steps: int, *, main: bool, tensorboard: bool,
+                 progress: bool):
+        self.main, self.bar, self.tb, self.file = main, None, None, None
+        if not main:
+            return
+        log_path = run_dir / "log.jsonl"
+        kept = []
+        if start_step > 0 and log_path.exists():  # resuming: drop what the killed run logged after the checkpoint
+            kept = [record for record in read_log(log_path) if record.get("step", 0) <= start_step]
+        log_path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        self.file = open(log_path, "a")
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except ImportError:
+                print("tensorboard is not installed: no TensorBoard logs", file=sys.stderr)
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=max_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+
+    def log(self, record: dict) -> None:
+        """Append ``record`` (with its ``step``) to the JSONL file, and its numbers to TensorBoard."""
+        if not self.main:
+            return
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)) and value is not None:
+                    self.tb.add_scalar(f"train/{key}" if not key.startswith("val") else key, value, record["step"])
+
+    def progress(self, postfix: dict) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+
+    def write(self, text: str) -> None:
+        if not self.main:
+            return
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stderr)
+        else:
+            print(text, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.file is not None:
+            self.file.close()

@@ -1,0 +1,129 @@
+"""The trainer's processes: device choice, process group and ``DeviceMesh``, FSDP2 / DDP wrapping, gradient sync.
+
+One process, or one per device under ``torchrun`` (``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``). The processes form a
+``DeviceMesh`` whose dimensions are named in ``MESH_DIMS``: today only ``"dp"`` (data parallel: each process trains on
+its share of the global batch). Another dimension (context parallel, ``"cp"``) is one more name and size there; the
+data split and gradient reduction already go through the ``"dp"`` dimension alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ..device import resolve_device
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+MESH_DIMS = ("dp",)
+
+
+@dataclass
+class Dist:
+    """This process's place among the trainer's processes."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world: int = 1
+    owns_group: bool = False  # this trainer initialized the process group (and so tears it down)
+    mesh: DeviceMesh | None = None  # dims MESH_DIMS; None in one process
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_rank(self) -> int:
+        """Which share of the global batch this process trains on."""
+        return 0 if self.mesh is None else self.mesh.get_local_rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        """Over how many processes the global batch is split."""
+        return 1 if self.mesh is None else self.mesh.size(MESH_DIMS.index("dp"))
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the data-parallel processes, in place."""
+        if self.mesh is not None:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"))
+        return t
+
+    def any(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` holds on any process (one all-reduce; none in a single process)."""
+        if self.world == 1:
+            return flag
+        t = torch.tensor([float(flag)], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return bool(t.item())
+
+
+def setup(device: str) -> tuple[Dist, torch.device]:
+    """This process's ``Dist`` and device (``device``: auto | cpu | cuda | cuda:N; auto and cuda take the GPU of
+    ``LOCAL_RANK``); under ``torchrun`` the process group (NCCL on GPUs, gloo on the CPU) and the mesh."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    where = resolve_device(device)
+    if where.type == "cuda" and where.index is None:
+        where = torch.device(f"cuda:{local_rank}")
+    if where.type == "cuda":
+        if where.index >= torch.cuda.device_count():
+            hint = f" for LOCAL_RANK={local_rank} (one process per GPU, or device=cpu)" if world > 1 else ""
+            raise ValueError(f"device: {where} is not one of the {torch.cuda.device_count()} visible GPUs{hint}")
+        torch.cuda.set_device(where)
+    owns_group = world > 1 and not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend="nccl" if where.type == "cuda" else "gloo")
+    return Dist(rank, local_rank, world, owns_group, build_mesh(where, world)), where
+
+
+def build_mesh(device: torch.device, world: int) -> DeviceMesh | None:
+    """The processes as a ``DeviceMesh`` with dims ``MESH_DIMS`` (None in one process), on the trainer's device type:
+    FSDP2's default mesh takes the GPU whenever one is visible, even for gloo."""
+    if world == 1:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (world,), mesh_dim_names=MESH_DIMS)
+
+
+def wrap(model: torch.nn.Module, parallel: str, d: Dist, device: torch.device) -> torch.nn.Module:
+    """``model`` for training over ``d``'s processes: FSDP2 (``fully_shard`` per block, then the whole) or DDP
+    (``parallel``: fsdp | ddp); unchanged in one process."""
+    if d.mesh is None:
+        return model
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       process_group=d.mesh.get_group("dp"))
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = d.mesh["dp"]
+    for block in model.model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (FSDP2 shards it in place)."""
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
+def grad_sync(model: torch.nn.Module, sync: bool):
+    """Context for one micro-batch's backward: reduce gradients over processes only when ``sync``."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if sync else model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
