@@ -2,7 +2,7 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .cache import PAD_DECAY, FoxCache
+from .cache import PAD_DECAY, FoxCache, KVCache
 from .configuration_fox import ARCHS, SIZES, FoxConfig
 from .modeling_fox import FoxCausalLMOutput, FoxForCausalLM, FoxModel, FoxModelOutput, FoxPreTrainedModel
 
@@ -21,6 +21,7 @@ __all__ = [
     "PAD_DECAY",
     "SIZES",
     "FoxCache",
+    "KVCache",
     "FoxCausalLMOutput",
     "FoxConfig",
     "FoxForCausalLM",

@@ -1,10 +1,12 @@
-"""``forgetting_attention``: the one entry point of Forgetting Attention, on every device."""
+"""``forgetting_attention``: the one entry point of Forgetting Attention, on every device, and
+``sequence_attention``, the dispatch a model layer needs around it (no gate, padded batches, probabilities)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .acp import acp_threshold, check_logit_bound, check_tolerance
 from .backend import use_triton
@@ -165,3 +167,69 @@ def forgetting_attention(
             cu_seqlens=cu_seqlens,
         )
     return (o, lse) if return_lse else o
+
+
+def sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor | None,
+    *,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    window: int | None = None,
+    prune: bool = False,
+    tolerance: float = math.exp(-10),
+    logit_bound: float | torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of the whole sequences of a batch, as a model layer needs it, choosing the path:
+    ``forgetting_attention``, SDPA (no gate, no packing, no window), or ``attention_from_cumsum`` to return the
+    probabilities.
+
+    q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv]; log_fgate: [B, T, Hq] fp32 log gates that are
+    logsigmoids (or fixed negative slopes) by construction, so not value-checked (no host sync; a NaN from the
+    data reaches the loss), or None: plain softmax attention. cu_seqlens: [N+1] int32 offsets of the segments
+    (packed documents, padding) in the flattened B * T tokens, each row starting one; no token sees another
+    segment. The other arguments are ``forgetting_attention``'s.
+    Returns o: [B, T, Hq, Dv] and, with ``return_probs``, the probabilities [B, Hq, T, T] fp32 (else None).
+    """
+    B, T, Hq, _ = q.shape
+    if return_probs:
+        return _o_and_probs(q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, window=window)
+    if log_fgate is None and cu_seqlens is None and window is None:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=k.shape[2] != Hq,
+        )
+        return o.transpose(1, 2), None
+    if log_fgate is None:
+        log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
+    kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance,
+                  deterministic=deterministic, check_gates=False)
+    if cu_seqlens is None:
+        return forgetting_attention(q, k, v, log_fgate, **kwargs), None
+    q, k, v, log_fgate = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, log_fgate))
+    o = forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kwargs)
+    return o.reshape(B, T, *o.shape[2:]), None
+
+
+def _o_and_probs(q, k, v, log_fgate, *, scale, cu_seqlens, window) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_attention`` with the probabilities, row by row: [B, Hq, T, T], not [1, Hq, B*T, B*T]."""
+    B, T, Hq, _ = q.shape
+    c = q.new_zeros(B, T, Hq, dtype=torch.float64) if log_fgate is None else gate_cumsum(log_fgate)
+    window = None if window is not None and window >= T else window
+    bounds = None if cu_seqlens is None else cu_seqlens.tolist()  # host sync: for inspection only
+    outs, probs = [], []
+    for b in range(B):
+        cu = None
+        if bounds is not None:  # the row's segment offsets, shifted to the row's start
+            cu = torch.tensor([x - b * T for x in bounds if b * T <= x <= (b + 1) * T], dtype=torch.int32,
+                              device=q.device)
+        o, _, p = attention_from_cumsum(q[b:b + 1], k[b:b + 1], v[b:b + 1], c[b:b + 1], c[b:b + 1], scale=scale,
+                                        window=window, cu_seqlens=cu, return_probs=True)
+        outs.append(o)
+        probs.append(p)
+    return torch.cat(outs), torch.cat(probs)

@@ -26,3 +26,20 @@ def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None)
         seg = segment_ids(cu_seqlens, c.shape[1])
         c = c - before[:, seg]
     return c
+
+
+def continue_cumsum(
+    c_last: torch.Tensor, log_fgate: torch.Tensor | None, length: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The gate cumsum of ``length`` new tokens, continued from a cache's running sum: one add per token, so the
+    cache is never re-summed.
+
+    c_last: [B, H] fp64, c of the last cached token (0 before the first); log_fgate: [B, T, H], or None (no gate:
+    c stays constant); valid: [B, T] bool, False at padding, which adds nothing. Returns c: [B, T, H] fp64.
+    """
+    if log_fgate is None:
+        return c_last[:, None].expand(-1, length, -1).clone()
+    log_f = log_fgate.to(torch.float64)
+    if valid is not None:
+        log_f = log_f.masked_fill(~valid[..., None], 0.0)
+    return c_last[:, None] + log_f.cumsum(1)
