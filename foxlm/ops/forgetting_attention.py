@@ -133,7 +133,8 @@ def forgetting_attention(
             head dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
             ``torch.use_deterministic_algorithms(True)``; the PyTorch path is always deterministic.
         check_gates: raise a ValueError for log gates that are positive, infinite or NaN (and for a tensor
-            ``logit_bound`` that is negative, infinite or NaN); on CUDA this reads a flag back (a host sync). Callers whose gates are a logsigmoid by construction (the FoX layers)
+            ``logit_bound`` that is negative, infinite or NaN); on CUDA this reads a flag back (a host sync).
+            Callers whose gates are a logsigmoid by construction (the FoX layers, through ``sequence_attention``)
             turn it off: a NaN then reaches the loss, where the trainer counts and skips the step.
         return_lse: also return the row log-sum-exp [B, Hq, Tq] (fp32).
 
