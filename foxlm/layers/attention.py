@@ -2,8 +2,8 @@
 
 Data flows: x -> q, k~, v~ projections -> token shift (k, v) -> QK-norm -> RoPE -> attention with the
 forget gate -> output norm -> output gate -> o_proj. Attention of a whole sequence goes through
-``foxlm.ops.sequence_attention``; a KV cache (``foxlm.models.cache``) is
-talked to only through ``cache.attend`` and the token-shift state methods.
+``foxlm.ops.sequence_attention``; a KV cache is talked to only through ``foxlm.models.cache.KVCache``
+(``attend`` and the token-shift state methods). The layer holds no attention math.
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ class ACPProbe:
                                 cu_seqlens=None if segments is None else segments.cu_seqlens, tolerance=tolerance,
                                 logit_bound=attn.logit_bound(), block_m=self.block_m, block_n=self.block_n)
         self.records.append(per_head)
+
+
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """ALiBi slopes m_h = 2^(-8h/H), h = 1..H (fp32 [H]); log f_h = -m_h is the matching fixed gate."""
     return torch.exp2(-8.0 * torch.arange(1, num_heads + 1, dtype=torch.float32) / num_heads)
