@@ -97,7 +97,10 @@ class _ChunkedAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
         dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
+        # Row sums of dS are dlse exactly (sum_j p_ij = 1): no rounding noise from summing terms that cancel.
         dc_q = torch.zeros(c_q.shape, dtype=cdt, device=q.device)
+        if dlse is not None:
+            dc_q = dlse.to(cdt).masked_fill(lse == float("-inf"), 0.0)
         dc_k = torch.zeros(c_k.shape, dtype=cdt, device=q.device)
         do = do.to(cdt)
         delta = (do * o.to(cdt)).sum(-1)  # [B, H, Tq]
@@ -111,7 +114,6 @@ class _ChunkedAttention(torch.autograd.Function):
             ds = p * (do[:, :, a:b] @ vv.transpose(-1, -2) - delta[:, :, a:b, None])
             dq[:, :, a:b] = scale * ds @ kk
             dk[:, :, ks:ke] += scale * ds.transpose(-1, -2) @ qa
-            dc_q[:, :, a:b] = ds.sum(-1)
             dc_k[:, :, ks:ke] -= ds.sum(-2)
         return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dc_q.to(c_q.dtype), dc_k.to(c_k.dtype),
                 None, None, None, None)
