@@ -175,9 +175,10 @@ def test_set_acp_switches_every_layer():
     model = FoxForCausalLM(_config())
     model.set_acp(True, tolerance=1e-4)
     layers = [b.attn for b in model.model.layers]
-    assert model.config.acp and all(a.acp and a.acp_tolerance == 1e-4 for a in layers)
+    assert all(a.acp_config is model.config for a in layers)  # the layers read the config: one source of truth
+    assert model.config.acp and model.config.acp_tolerance == 1e-4
     model.set_acp(False)
-    assert not model.config.acp and not any(a.acp for a in layers) and model.config.acp_tolerance == 1e-4
+    assert not model.config.acp and model.config.acp_tolerance == 1e-4
     with pytest.raises(ValueError, match="tolerance"):
         model.set_acp(True, tolerance=2.0)
     with pytest.raises(ValueError, match="forget gate"):

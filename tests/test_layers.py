@@ -10,10 +10,9 @@ from foxlm.layers import (
     Segments,
     TokenShift,
     alibi_slopes,
-    attend_sequence,
-    dense_forgetting_attention,
 )
-from foxlm.ops import forgetting_attention_reference, gate_cumsum
+from foxlm.layers.attention import ACPConfig
+from foxlm.ops import forgetting_attention_reference, sequence_attention
 
 F64 = torch.float64
 
@@ -25,46 +24,26 @@ def _qkvg(B=2, T=24, Hq=4, Hk=2, D=8, seed=0):
     return q, k, v, log_fgate
 
 
-def _windowed_reference(q, k, v, log_fgate, window, scale):
-    """Materialised T x T attention with a band mask: the oracle of the sliding-window path."""
-    B, T, Hq, D = q.shape
-    group = Hq // k.shape[2]
-    kh, vh = k.repeat_interleave(group, 2), v.repeat_interleave(group, 2)
-    c = gate_cumsum(log_fgate)
-    s = scale * torch.einsum("bqhd,bkhd->bhqk", q, kh) + (c[:, :, None, :] - c[:, None, :, :]).permute(0, 3, 1, 2)
-    i, j = torch.arange(T)[:, None], torch.arange(T)[None, :]
-    s = s.masked_fill(~((j <= i) & (j > i - window)), float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vh)
-
-
-def test_attend_sequence_paths_match_reference():
+def test_sequence_attention_paths_match_reference():
     q, k, v, log_fgate = _qkvg()
     scale = 0.3
     ref = forgetting_attention_reference(q, k, v, log_fgate, scale=scale)
-    op, _ = attend_sequence(q, k, v, log_fgate, scale=scale)
-    dense, probs = attend_sequence(q, k, v, log_fgate, scale=scale, return_probs=True)
+    op, _ = sequence_attention(q, k, v, log_fgate, scale=scale)
+    dense, probs = sequence_attention(q, k, v, log_fgate, scale=scale, return_probs=True)
     torch.testing.assert_close(op, ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(dense, ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(probs.sum(-1), torch.ones_like(probs.sum(-1)), rtol=1e-6, atol=1e-6)
     assert probs.triu(1).abs().max() == 0  # causal
     # gate "none": SDPA equals the reference with zero gates
-    sdpa, _ = attend_sequence(q, k, v, None, scale=scale)
+    sdpa, _ = sequence_attention(q, k, v, None, scale=scale)
     torch.testing.assert_close(sdpa, forgetting_attention_reference(q, k, v, torch.zeros_like(log_fgate), scale=scale))
 
 
 @pytest.mark.parametrize("window", [1, 5, 64])
 def test_sliding_window_matches_banded_reference(window):
     q, k, v, log_fgate = _qkvg(T=40)
-    out, _ = attend_sequence(q, k, v, log_fgate, scale=0.25, window=window)
-    torch.testing.assert_close(out, _windowed_reference(q, k, v, log_fgate, window, 0.25), rtol=1e-10, atol=1e-10)
-
-
-def test_dense_attention_with_cache_offsets_matches_reference():
-    """Tq < Tk (the last Tq positions), as when new tokens attend to a KV cache."""
-    q, k, v, log_fgate = _qkvg(T=30)
-    c = gate_cumsum(log_fgate)
-    out, _ = dense_forgetting_attention(q[:, -7:], k, v, c[:, -7:], c, scale=0.4)
-    ref = forgetting_attention_reference(q[:, -7:], k, v, log_fgate, scale=0.4)
+    out, _ = sequence_attention(q, k, v, log_fgate, scale=0.25, window=window)
+    ref = forgetting_attention_reference(q, k, v, log_fgate, scale=0.25, window=window)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
 
 
@@ -87,12 +66,31 @@ def test_packed_segments_equal_separate_sequences():
     q, k, v, log_fgate = _qkvg(B=1, T=20)
     cu = torch.tensor([0, 6, 13, 20], dtype=torch.int32)
     seg = Segments.from_cu_seqlens(cu, 20)
-    packed, _ = attend_sequence(q, k, v, log_fgate, scale=0.3, segments=seg)
-    dense, _ = attend_sequence(q, k, v, log_fgate, scale=0.3, segments=seg, return_probs=True)
+    packed, _ = sequence_attention(q, k, v, log_fgate, scale=0.3, cu_seqlens=seg.cu_seqlens)
+    dense, _ = sequence_attention(q, k, v, log_fgate, scale=0.3, cu_seqlens=seg.cu_seqlens, return_probs=True)
     for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
         alone = forgetting_attention_reference(q[:, a:b], k[:, a:b], v[:, a:b], log_fgate[:, a:b], scale=0.3)
         torch.testing.assert_close(packed[:, a:b], alone, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(dense[:, a:b], alone, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_padded_batch_probabilities_are_per_row(window):
+    """Segments of a padded batch (cu_seqlens over the flattened B*T tokens): the probabilities are [B, H, T, T],
+    zero across segments, and o equals the op's and each segment alone."""
+    q, k, v, log_fgate = _qkvg(B=3, T=10)
+    seg = Segments.from_mask(torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1, 1, 1], [1] * 10, [1] * 6 + [0] * 4]))
+    kw = dict(scale=0.3, cu_seqlens=seg.cu_seqlens, max_seqlen=seg.max_seqlen, window=window)
+    o, none = sequence_attention(q, k, v, log_fgate, **kw)
+    dense, probs = sequence_attention(q, k, v, log_fgate, **kw, return_probs=True)
+    assert none is None and probs.shape == (3, 4, 10, 10)
+    torch.testing.assert_close(dense, o, rtol=1e-10, atol=1e-10)
+    across = (seg.ids[:, :, None] != seg.ids[:, None, :])[:, None].expand_as(probs)
+    assert (probs[across] == 0).all() and probs[~across].gt(0).any()
+    a, b = 0, 3  # the left padding of row 0 is a segment of its own
+    alone = forgetting_attention_reference(q[:1, a:b], k[:1, a:b], v[:1, a:b], log_fgate[:1, a:b], scale=0.3,
+                                           window=window)
+    torch.testing.assert_close(o[:1, a:b], alone, rtol=1e-10, atol=1e-10)
 
 
 def test_token_shift_formula_and_reset():
@@ -133,7 +131,7 @@ def test_gates_bias_alibi_none():
 @pytest.mark.parametrize(
     "kwargs,match",
     [(dict(gate="sigmoid"), "gate"), (dict(num_kv_heads=3), "num_kv_heads"), (dict(window=0), "window"),
-     (dict(gate="none", acp=True), "acp")],
+     (dict(gate="none", acp_config=ACPConfig(acp=True)), "acp")],
 )
 def test_layer_rejects_bad_arguments(kwargs, match):
     num_kv_heads = kwargs.pop("num_kv_heads", None)
@@ -143,7 +141,8 @@ def test_layer_rejects_bad_arguments(kwargs, match):
 
 def test_qk_norm_logit_bound_holds_and_acp_changes_little():
     torch.manual_seed(0)
-    layer = ForgettingAttention(64, 4, 2, qk_norm=True, acp=True).double()
+    acp = ACPConfig(acp=True)
+    layer = ForgettingAttention(64, 4, 2, qk_norm=True, acp_config=acp).double()
     for norm in (layer.q_norm, layer.k_norm):
         torch.nn.init.uniform_(norm.weight, -2, 2)
     x = 3 * torch.randn(2, 256, 64, dtype=F64)
@@ -156,7 +155,7 @@ def test_qk_norm_logit_bound_holds_and_acp_changes_little():
     with torch.no_grad():
         layer.fgate_proj.bias.fill_(-1.0)
         pruned, _, _ = layer(x)
-        layer.acp = False
+        acp.acp = False  # the layer reads its ACP config at every forward
         exact, _, _ = layer(x)
     assert 0 < (pruned - exact).abs().max() < 1e-3
 

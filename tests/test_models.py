@@ -5,7 +5,7 @@ import torch
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache
 
 import foxlm  # noqa: F401  (registers the Auto classes)
-from foxlm.models import ARCHS, FoxCache, FoxConfig, FoxForCausalLM, FoxModel
+from foxlm.models import ARCHS, FoxCache, FoxConfig, FoxForCausalLM, FoxModel, KVCache
 
 VOCAB = 97
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
@@ -187,8 +187,27 @@ def test_any_cache_with_the_protocol_plugs_in():
     logits = [model(ids[:, :5], past_key_values=cache).logits]
     logits += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(5, 8)]
     torch.testing.assert_close(torch.cat(logits, 1), model(ids).logits, rtol=1e-9, atol=1e-9)
-    kwargs = ["logit_bound", "prune", "scale", "tolerance", "valid", "window"]
+    assert isinstance(cache, KVCache)
+    kwargs = ["acp", "acp_tolerance", "logit_bound", "scale", "valid", "window"]
     assert cache.calls[:2] == [(0, 5, kwargs), (1, 5, kwargs)] and len(cache.calls) == 8
+
+
+def test_both_caches_implement_the_kv_cache_protocol():
+    """FoxCache and PagedFoxCache are KVCaches, with attend's parameters exactly the protocol's (names, kinds,
+    defaults), so the layer's keyword arguments reach either unchanged; an HF cache without ``attend`` is not one."""
+    import inspect
+
+    from foxlm.generate.cache import PagedFoxCache
+
+    paged = PagedFoxCache(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, batch_size=1, max_length=8,
+                          device="cpu", dtype=torch.float32)
+    assert isinstance(FoxCache(), KVCache) and isinstance(paged, KVCache) and not isinstance(DynamicCache(), KVCache)
+    for name in ("attend", "get_shift_state", "set_shift_state", "get_seq_length"):
+        want = inspect.signature(getattr(KVCache, name)).parameters
+        for cls in (FoxCache, PagedFoxCache):
+            got = inspect.signature(getattr(cls, name)).parameters
+            assert [(p.name, p.kind, p.default) for p in got.values()] == \
+                [(p.name, p.kind, p.default) for p in want.values()], (cls.__name__, name)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -369,7 +388,8 @@ def test_probe_acp_records_what_acp_skips(arch, padded):
         if padded:
             q, k, g = (x.reshape(1, 80, *x.shape[2:]) for x in (q, k, g))
             cu = Segments.from_mask(mask).cu_seqlens
-        want, _ = acp_stats(q, k, g, scale=attn.scale, logit_bound=attn.logit_bound(), tolerance=attn.acp_tolerance,
+        want, _ = acp_stats(q, k, g, scale=attn.scale, logit_bound=attn.logit_bound(),
+                            tolerance=attn.acp_config.acp_tolerance,
                             block_m=8, block_n=4, cu_seqlens=cu)
         torch.testing.assert_close(got[n], want)
     model.set_acp(True)  # the same share with ACP on: it records, it does not change what is skipped

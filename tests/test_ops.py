@@ -100,11 +100,11 @@ def test_sliding_window_with_acp(small_chunks):
     assert (o - ro).abs().max() < 2 * tol * v.abs().max()
     threshold = prune_threshold(data_logit_bound(q, k, 0.25), 200, tol)
     c = torch.cumsum(log_f, 1)
-    starts = chunked.row_starts(c, 200, None, threshold, window)
+    starts = chunked.row_starts(c, c, 0, None, threshold, window)
     pos = torch.arange(200)
     assert (starts[0, 1] == (pos - window + 1).clamp_min(0)).all()  # the window binds
     assert (starts[0, 0, 100:] > pos[100:] - window + 1).all()  # ACP binds
-    assert torch.equal(starts, torch.maximum(chunked.row_starts(c, 200, None, threshold), pos - window + 1))
+    assert torch.equal(starts, torch.maximum(chunked.row_starts(c, c, 0, None, threshold), pos - window + 1))
 
 
 def test_bf16_inputs_compute_in_fp32():
@@ -143,7 +143,8 @@ def test_acp_pruned_mass_below_tolerance(small_chunks, varlen):
     # The pruning really happened: the first kept key of late rows is well past their sequence start.
     bound = data_logit_bound(q, k, 0.25, cu)
     n = 200 if cu is None else cu[1:] - cu[:-1]
-    starts = chunked.row_starts(torch.cumsum(log_f, 1), 200, cu, prune_threshold(bound, n, tol))
+    c = torch.cumsum(log_f, 1)
+    starts = chunked.row_starts(c, c, 0, cu, prune_threshold(bound, n, tol))
     assert (starts[..., -1] > 100).all()
 
 
@@ -262,3 +263,147 @@ def test_unchecked_gates_pass_nan_through_and_cu_seqlens_are_still_checked():
     assert o[:, 5:, 1].isnan().all() and not o[:, :, 0].isnan().any()
     with pytest.raises(ValueError, match="cu_seqlens"):
         forgetting_attention(q, k, v, log_f, check_gates=False, cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32))
+
+
+def _cumsum_case(B, Tq, Tk, Hq, q_offset, seed, cu_seqlens=None):
+    """Random monotone gate cumsums c_q [B, Tq, Hq], c_k [B, Tk, Hq] (fp64) for queries at q_offset (default
+    Tk - Tq), with a common offset (only differences matter) and, with cu_seqlens, restarted per sequence."""
+    from foxlm.ops import gate_cumsum
+
+    g = torch.Generator().manual_seed(seed)
+    q_offset = Tk - Tq if q_offset is None else q_offset
+    n = max(Tk, q_offset + Tq)
+    log_f = F.logsigmoid(2.0 * torch.randn(B, n, Hq, generator=g, dtype=torch.float64) + 1.0)
+    c = gate_cumsum(log_f, cu_seqlens) + 123.0
+    return c[:, q_offset:q_offset + Tq].clone(), c[:, :Tk].clone()
+
+
+_CASES = {  # name: (B, Tq, Tk, Hq, Hk, q_offset, window, threshold, packed)
+    "gqa": (2, 37, 37, 4, 2, None, None, None, False),
+    "prefill": (2, 13, 41, 4, 1, None, None, None, False),
+    "offset_past_keys": (1, 19, 29, 2, 2, 35, None, None, False),
+    "offset_window_empty_rows": (1, 19, 29, 2, 2, 25, 8, None, False),
+    "window": (2, 41, 41, 2, 1, None, 7, None, False),
+    "threshold": (2, 41, 41, 4, 2, None, None, -2.0, False),
+    "threshold_prefill_window": (1, 17, 45, 2, 2, None, 20, -1.5, False),
+    "packed": (1, 50, 50, 4, 2, None, None, None, True),
+    "packed_threshold_window": (1, 50, 50, 2, 2, None, 9, -2.0, True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", list(_CASES))
+def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case, dtype):
+    """Outputs, lse and the gradients of q, k, v, c_q and c_k (through o and lse) against the fp64 oracle."""
+    from foxlm.ops import attention_from_cumsum
+    from foxlm.ops.reference import attention_from_cumsum_reference
+
+    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 2 * 4 * 8 * 50)  # several chunks, some with no visible key
+    B, Tq, Tk, Hq, Hk, q_offset, window, thr, packed = _CASES[case]
+    cu = torch.tensor([0, 11, 12, 30, 50], dtype=torch.int32) if packed else None
+    q, k, v, _ = _inputs(B, Tq, Tk, Hq, Hk, 16, 12, dtype=dtype, seed=len(case))
+    c_q, c_k = _cumsum_case(B, Tq, Tk, Hq, q_offset, seed=len(case), cu_seqlens=cu)
+    rows = B if cu is None else len(cu) - 1
+    threshold = None if thr is None else thr - torch.rand(rows, Hq, generator=torch.Generator().manual_seed(2))
+    kw = dict(scale=0.3, q_offset=q_offset, window=window, threshold=threshold, cu_seqlens=cu)
+    inputs = [t.requires_grad_() for t in (q, k, v, c_q, c_k)]
+    o, lse = attention_from_cumsum(q, k, v, c_q, c_k, **kw)
+    ref = [t.detach().double().requires_grad_() for t in inputs]
+    ro, rlse = attention_from_cumsum_reference(*ref, **kw)
+    assert o.dtype == dtype and lse.dtype == torch.float32 and o.shape == (B, Tq, Hq, 12)
+    assert torch.equal(lse.isinf(), rlse.isinf())
+    if case == "offset_window_empty_rows":
+        assert lse.isinf().any() and (o[lse.transpose(1, 2).isinf()] == 0).all()
+    tol = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 3e-2}[dtype]
+    torch.testing.assert_close(o.double(), ro, rtol=tol, atol=tol)
+    finite = ~rlse.isinf()
+    torch.testing.assert_close(lse.double()[finite], rlse[finite], rtol=max(tol, 1e-6), atol=max(tol, 1e-6))
+    g = torch.Generator().manual_seed(3)
+    do, dl = torch.randn(ro.shape, generator=g, dtype=torch.float64), torch.randn(rlse.shape, generator=g).double()
+    dl = dl.masked_fill(~finite, 0.0)
+    got = torch.autograd.grad((o.double() * do).sum() + (lse.double() * dl).sum(), inputs)
+    want = torch.autograd.grad((ro * do).sum() + (rlse.masked_fill(~finite, 0.0) * dl).sum(), ref)
+    for name, a, b in zip(("q", "k", "v", "c_q", "c_k"), got, want):
+        assert a.dtype == b.dtype if name.startswith("c") else a.dtype == dtype
+        scale = 10 if dtype == torch.bfloat16 else 1  # bf16 gradients: a few ulps of bf16 over the row
+        torch.testing.assert_close(a.double(), b, rtol=scale * tol, atol=scale * tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_attention_from_cumsum_returns_probabilities():
+    """probs [B, Hq, Tq, Tk] fp32: the rows of the softmax (summing to 1), zero outside the visible keys."""
+    from foxlm.ops import attention_from_cumsum
+
+    q, k, v, _ = _inputs(2, 9, 21, 4, 2, 8)
+    c_q, c_k = _cumsum_case(2, 9, 21, 4, None, seed=4)
+    o, lse, probs = attention_from_cumsum(q, k, v, c_q, c_k, scale=0.5, window=5, return_probs=True)
+    assert probs.shape == (2, 4, 9, 21) and probs.dtype == torch.float32
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4, 9))
+    pos, keys = torch.arange(12, 21)[:, None], torch.arange(21)[None, :]
+    assert (probs[..., (keys > pos) | (keys <= pos - 5)] == 0).all()
+    vh = v.repeat_interleave(2, dim=2).transpose(1, 2)
+    torch.testing.assert_close(o, (probs.double() @ vh).transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(c_q=torch.zeros(1, 5, 2)), "c_q"),
+        (dict(c_k=torch.zeros(1, 8, 2, dtype=torch.float16)), "c_k"),
+        (dict(q_offset=1.5), "q_offset"),
+        (dict(window=0), "window"),
+        (dict(threshold=torch.zeros(2, 2)), "threshold"),
+        (dict(cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32)), "cu_seqlens"),
+        (dict(k=torch.zeros(1, 8, 0, 4), v=torch.zeros(1, 8, 0, 4)), "heads"),
+    ],
+)
+def test_attention_from_cumsum_bad_input_names_the_argument(change, match):
+    from foxlm.ops import attention_from_cumsum
+
+    args = dict(q=torch.zeros(1, 4, 2, 4), k=torch.zeros(1, 8, 1, 4), v=torch.zeros(1, 8, 1, 4),
+                c_q=torch.zeros(1, 4, 2), c_k=torch.zeros(1, 8, 2), scale=0.5)
+    with pytest.raises(ValueError, match=match):
+        attention_from_cumsum(**{**args, **change})
+
+
+def test_reference_agrees_with_the_production_gate_cumsum():
+    """The oracle sums the gates itself; fed the production gate_cumsum's c it gives the same attention."""
+    from foxlm.ops.reference import attention_from_cumsum_reference
+
+    cu = torch.tensor([0, 7, 30, 40], dtype=torch.int32)
+    q, k, v, log_f = _inputs(1, 40, 40, 2, 2, 8)
+    c = gate_cumsum(log_f, cu)
+    want = attention_from_cumsum_reference(q, k, v, c, c, scale=0.25, cu_seqlens=cu)[0]
+    torch.testing.assert_close(forgetting_attention_reference(q, k, v, log_f, scale=0.25, cu_seqlens=cu), want,
+                               rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bound", [float("nan"), float("-inf"), -1.0, float("inf")])
+def test_prune_rejects_a_bad_logit_bound(bound):
+    """Issue 23: a NaN, infinite or negative bound gives no valid delta; it used to prune silently and wrongly."""
+    q, k, v, log_f = _inputs(1, 16, 16, 2, 2, 8)
+    with pytest.raises(ValueError, match="logit_bound"):
+        forgetting_attention(q, k, v, log_f, prune=True, logit_bound=bound)
+    with pytest.raises(ValueError, match="logit_bound"):
+        forgetting_attention(q, k, v, log_f, prune=True, logit_bound=torch.full((1, 2), bound, dtype=torch.float64))
+
+
+def test_prune_with_a_nan_key_leaves_earlier_rows_as_without_prune():
+    """Issue 23: a NaN in k at position 5 must not reach rows 0-4, which cannot see it, through the data's bound."""
+    q, k, v, log_f = _inputs(1, 32, 32, 2, 2, 8)
+    k[0, 5, 1, 3] = float("nan")
+    plain = forgetting_attention(q, k, v, log_f)
+    pruned = forgetting_attention(q, k, v, log_f, prune=True)
+    assert plain[0, :5].isfinite().all()
+    torch.testing.assert_close(pruned, plain, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dim", [0, 2, 3])
+def test_empty_batch_heads_or_head_dim_raise_value_error(dim):
+    """Issue 23: B, H or D of 0 used to end in a RuntimeError or ZeroDivisionError."""
+    q, k, v, log_f = _inputs(2, 8, 8, 2, 2, 4)
+    shape = list(q.shape)
+    shape[dim] = 0
+    empty = torch.zeros(shape, dtype=q.dtype)
+    log_f = log_f[:, :, :0] if dim == 2 else log_f[:0] if dim == 0 else log_f
+    with pytest.raises(ValueError, match="q, k, v"):
+        forgetting_attention(empty, empty, empty, log_f)

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from foxlm.ops import acp_stats, acp_threshold, forgetting_attention
 from foxlm.ops import triton_attention as ta
-from foxlm.ops.reference import forgetting_attention_reference, gate_cumsum, segment_ids
+from foxlm.ops.gate import gate_cumsum, segment_ids
+from foxlm.ops.reference import forgetting_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [

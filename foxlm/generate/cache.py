@@ -1,7 +1,7 @@
 """``PagedFoxCache``: the paged KV cache of foxlm's generation path, with forget-gate eviction.
 
-It speaks the cache protocol of ``foxlm.models.cache`` (``attend``, token-shift state, ``get_seq_length``),
-so ``FoxForCausalLM`` decodes with it unchanged. Layout (see ``foxlm.ops.decode``): one pool of pages shared
+It implements ``foxlm.models.cache.KVCache`` (``attend``, token-shift state, ``get_seq_length``), so
+``FoxForCausalLM`` decodes with it unchanged. Layout (see ``foxlm.ops.decode``): one pool of pages shared
 by all layers, k [P, page_size, D], v [P, page_size, Dv], gate cumsum c [P, page_size, G] fp64; a page table
 [L, B, Hk, max_pages] maps every (layer, row, kv head) logical page to a pool page; ``cache_start``
 [L, B, Hk] is the first live page. Only real tokens are stored (left padding is dropped), so rows have
@@ -10,7 +10,8 @@ their own lengths.
 Steps: the first call of a forward (layer 0) books the new tokens' pages on the host (no device sync when
 the batch is unpadded) and moves the device-side ``write_pos`` / ``lengths``; every layer then writes its
 k, v, c and attends. Decode steps (T <= ``DECODE_MAX_TQ`` new tokens per row) go through the Triton
-flash-decoding kernel; prefill goes through the fused op row by row (Tq < Tk once the row has a cache).
+flash-decoding kernel; prefill goes row by row through the fused op for a fresh row, and attends from the
+cached c (``attention_from_cumsum``, Tq < Tk) once the row has a cache.
 A decode step is free of host syncs and fixed in shape, so ``foxlm.generate`` captures it in a CUDA graph.
 
 Eviction (``evict()``): with the per-head logit bound U of a QK-norm model, pages whose keys have decayed
@@ -24,9 +25,10 @@ import math
 import numpy as np
 import torch
 
-from ..layers import dense_forgetting_attention
-from ..ops import forgetting_attention
+from ..ops import acp_threshold, attention_from_cumsum, sequence_attention
+from ..ops.acp import check_tolerance
 from ..ops.decode import default_num_splits, evictable_pages, forgetting_attention_decode
+from ..ops.gate import continue_cumsum
 
 # New tokens per row up to which a forward is a decode step (the decode kernel) rather than prefill.
 DECODE_MAX_TQ = 16
@@ -34,7 +36,7 @@ _TRASH_PAGE = 0  # padding is written here and never read
 
 
 class PagedFoxCache:
-    """Paged KV cache with per-row lengths and forget-gate eviction (protocol: ``foxlm.models.cache``).
+    """Paged KV cache with per-row lengths and forget-gate eviction; implements ``foxlm.models.cache.KVCache``.
 
     Args:
         num_layers, num_heads (Hq), num_kv_heads (Hk), head_dim (D): the model's attention shape.
@@ -67,8 +69,7 @@ class PagedFoxCache:
         if page_size < 1 or max_length < 1 or batch_size < 1:
             raise ValueError(f"page_size, max_length, batch_size: expected positive integers, "
                              f"got {page_size}, {max_length}, {batch_size}")
-        if not 0.0 < tolerance < 1.0:
-            raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
+        check_tolerance(tolerance)
         self.num_layers, self.batch_size, self.max_length = num_layers, batch_size, max_length
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -209,11 +210,11 @@ class PagedFoxCache:
         scale: float,
         valid: torch.Tensor | None = None,
         window: int | None = None,
-        prune: bool = False,
+        acp: bool = False,
+        acp_tolerance: float = math.exp(-10),
         logit_bound: torch.Tensor | float | None = None,
-        tolerance: float = math.exp(-10),
     ) -> torch.Tensor:
-        """Store the new tokens' k, v and gate cumsum, and return their attention over the cache.
+        """``KVCache.attend``: store the new tokens' k, v and gate cumsum, and return their attention over the cache.
 
         q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None,
         valid: [B, T] bool, False at left padding. Returns o: [B, T, Hq, Dv] (zeros at padding).
@@ -228,14 +229,14 @@ class PagedFoxCache:
             else:
                 self.begin(T, valid)
                 self._begun = False
-        c = self.store(layer_idx, k, v, log_fgate, valid)
+        self.store(layer_idx, k, v, log_fgate, valid)
         if T <= DECODE_MAX_TQ and valid is None and bool(self._len_before.min() > 0):
             return forgetting_attention_decode(
                 q.to(self.dtype), self.k_pool, self.v_pool, self.c_pool, self.page_table[layer_idx],
                 self.cache_start[layer_idx], self.lengths, scale=scale, window=window, num_splits=self.num_splits,
             )
-        return self._prefill(layer_idx, q, k, v, log_fgate, c, valid, scale, window,
-                             dict(prune=prune, logit_bound=logit_bound, tolerance=tolerance))
+        return self._prefill(layer_idx, q, k, v, log_fgate, scale, window,
+                             dict(prune=acp, tolerance=acp_tolerance, logit_bound=logit_bound))
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor | None,
               valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,13 +245,8 @@ class PagedFoxCache:
         k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] or None. Returns c [B, T, Hq] fp64.
         """
         B, T, Hk, D = k.shape
-        log_f = (torch.zeros(B, T, self.num_heads, dtype=torch.float64, device=k.device) if log_fgate is None
-                 else log_fgate.to(torch.float64))
-        offset = torch.arange(T, device=k.device)
-        if valid is not None:
-            log_f = log_f.masked_fill(~valid[..., None], 0.0)
-            offset = valid.long().cumsum(1) - 1
-        c = self.c_last[layer][:, None] + log_f.cumsum(1)  # the running sum: one add per token
+        offset = torch.arange(T, device=k.device) if valid is None else valid.long().cumsum(1) - 1
+        c = continue_cumsum(self.c_last[layer], log_fgate, T, valid)
         self.c_last[layer].copy_(c[:, -1])
         pos = (self.write_pos.long()[:, None] + offset).clamp_min(0)  # [B, T]
         page = self.page_table[layer].long().gather(2, (pos // self.page_size)[:, None].expand(B, Hk, T))
@@ -265,8 +261,8 @@ class PagedFoxCache:
         self.c_pool.view(-1, self.group).index_copy_(0, slot, cg)
         return c
 
-    def _prefill(self, layer, q, k, v, log_fgate, c, valid, scale, window, acp) -> torch.Tensor:
-        """Attention of new tokens row by row: the fused op (Tq <= Tk), or the dense path for windows."""
+    def _prefill(self, layer, q, k, v, log_fgate, scale, window, acp) -> torch.Tensor:
+        """Attention of new tokens row by row: the op for a fresh row, else from the cached keys and c."""
         B, T = q.shape[:2]
         o = q.new_zeros(*q.shape[:3], v.shape[-1])
         n_new = self._len - self._len_before
@@ -275,31 +271,25 @@ class PagedFoxCache:
             if n == 0:
                 continue
             new = slice(T - n, T)
-            if window is None and n == total:  # a fresh row: everything is in hand
+            if n == total:  # a fresh row: everything is in hand
                 lf = log_fgate[b:b + 1, new] if log_fgate is not None else None
-                o[b:b + 1, new] = self._op(q[b:b + 1, new], k[b:b + 1, new], v[b:b + 1, new], lf, scale, acp)
+                o[b:b + 1, new] = sequence_attention(q[b:b + 1, new], k[b:b + 1, new], v[b:b + 1, new], lf,
+                                                     scale=scale, window=window, **acp)[0]
                 continue
             for h in self._head_groups(layer, b):
                 heads = slice(h.start * self.group, h.stop * self.group)
                 first = int(self._start[layer, b, h.start]) * self.page_size
                 kk, vv, cc = self._gather(layer, b, h, first, total)
                 qq = q[b:b + 1, new, heads].to(self.dtype)
-                bound = acp["logit_bound"]
-                sub = dict(acp, logit_bound=bound[heads] if isinstance(bound, torch.Tensor) and bound.dim() else bound)
-                if window is not None:
-                    out, _ = dense_forgetting_attention(qq, kk, vv, cc[:, -n:], cc, scale=scale, window=window)
-                else:
-                    lf = torch.cat([torch.zeros_like(cc[:, :1]), cc[:, 1:] - cc[:, :-1]], dim=1)
-                    out = self._op(qq, kk, vv, None if log_fgate is None else lf, scale, sub)
-                o[b:b + 1, new, heads] = out
+                threshold = None
+                if acp["prune"]:
+                    bound = acp["logit_bound"]
+                    bound = bound[heads] if isinstance(bound, torch.Tensor) and bound.dim() else bound
+                    threshold = acp_threshold(qq, kk, scale=scale, tolerance=acp["tolerance"], logit_bound=bound,
+                                              window=window)
+                o[b:b + 1, new, heads] = attention_from_cumsum(qq, kk, vv, cc[:, -n:], cc, scale=scale,
+                                                               window=window, threshold=threshold)[0]
         return o
-
-    @staticmethod
-    def _op(q, k, v, log_fgate, scale, acp) -> torch.Tensor:
-        dt = torch.promote_types(q.dtype, torch.float32)  # fp32 gates, fp64 for an fp64 model
-        if log_fgate is None:  # no gate: plain causal attention, through the same op with zero decay
-            log_fgate = torch.zeros(*k.shape[:2], q.shape[2], dtype=dt, device=q.device)
-        return forgetting_attention(q, k, v, log_fgate.to(dt), scale=scale, **acp)
 
     def _head_groups(self, layer: int, b: int) -> list[slice]:
         """kv heads of row b with the same live start (one op call each; all of them when nothing was evicted)."""

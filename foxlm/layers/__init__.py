@@ -1,6 +1,6 @@
 """foxlm.layers: Forgetting Attention and the blocks around it (RMSNorm, SwiGLU, RoPE, token shift)."""
 
-from .attention import GATES, ForgettingAttention, alibi_slopes, attend_sequence, dense_forgetting_attention
+from .attention import GATES, ACPConfig, ForgettingAttention, alibi_slopes
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -9,6 +9,7 @@ from .token_shift import TokenShift
 
 __all__ = [
     "GATES",
+    "ACPConfig",
     "ForgettingAttention",
     "RMSNorm",
     "RotaryEmbedding",
@@ -16,6 +17,4 @@ __all__ = [
     "SwiGLU",
     "TokenShift",
     "alibi_slopes",
-    "attend_sequence",
-    "dense_forgetting_attention",
 ]

@@ -2,24 +2,34 @@
 
 Data flows: x -> q, k~, v~ projections -> token shift (k, v) -> QK-norm -> RoPE -> attention with the
 forget gate -> output norm -> output gate -> o_proj. Attention of a whole sequence goes through
-``foxlm.ops.forgetting_attention`` (or SDPA without a gate); a KV cache (``foxlm.models.cache``) is
-talked to only through ``cache.attend`` and the token-shift state methods.
+``foxlm.ops.sequence_attention``; a KV cache is talked to only through ``foxlm.models.cache.KVCache``
+(``attend`` and the token-shift state methods). The layer holds no attention math.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import acp_stats, apply_rotary, forgetting_attention, gate_cumsum
+from ..ops import acp_stats, apply_rotary, sequence_attention
 from .norm import RMSNorm
 from .segments import Segments
 from .token_shift import TokenShift
 
 GATES = ("data", "bias", "alibi", "none")
+
+
+@dataclass
+class ACPConfig:
+    """ACP's switch and epsilon, read by the layer at every forward. ``FoxConfig`` has the same two fields and
+    is what a model's layers read, so that the config is the one place ACP is set."""
+
+    acp: bool = False
+    acp_tolerance: float = math.exp(-10)
 
 
 class ACPProbe:
@@ -35,129 +45,19 @@ class ACPProbe:
 
     @torch.compiler.disable  # bookkeeping outside any compiled graph
     def record(self, attn: "ForgettingAttention", q, k, log_fgate, segments: "Segments | None") -> None:
-        tolerance = attn.acp_tolerance if self.tolerance is None else self.tolerance
+        tolerance = attn.acp_config.acp_tolerance if self.tolerance is None else self.tolerance
         q, k, log_fgate = q.detach(), k.detach(), log_fgate.detach()
-        if segments is not None:  # as attend_sequence: the segments index the flattened batch
+        if segments is not None:  # as sequence_attention: the segments index the flattened batch
             q, k, log_fgate = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, log_fgate))
         per_head, _ = acp_stats(q, k, log_fgate, scale=attn.scale,
                                 cu_seqlens=None if segments is None else segments.cu_seqlens, tolerance=tolerance,
                                 logit_bound=attn.logit_bound(), block_m=self.block_m, block_n=self.block_n)
         self.records.append(per_head)
-# Upper bound on the elements of one query chunk's [B, H, rows, keys] score matrix in the dense path.
-_CHUNK_ELEMENTS = 1 << 24
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
     """ALiBi slopes m_h = 2^(-8h/H), h = 1..H (fp32 [H]); log f_h = -m_h is the matching fixed gate."""
     return torch.exp2(-8.0 * torch.arange(1, num_heads + 1, dtype=torch.float32) / num_heads)
-
-
-def dense_forgetting_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    c_q: torch.Tensor | None,
-    c_k: torch.Tensor | None,
-    *,
-    scale: float,
-    window: int | None = None,
-    seg_q: torch.Tensor | None = None,
-    seg_k: torch.Tensor | None = None,
-    return_probs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Attention with logits ``scale * q_i . k_j + c_i - c_j`` from a given gate cumsum, by query chunks.
-
-    For what the fused op does not cover: attention probabilities for inspection and attention of new
-    queries against a KV cache that holds c rather than log gates. Plain autograd.
-
-    q: [B, Tq, Hq, D] (the last Tq positions), k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv],
-    c_q: [B, Tq, Hq], c_k: [B, Tk, Hq] gate cumsums (fp64 or fp32; None: no gate),
-    window: query i sees keys j with i - window < j <= i; seg_q: [B, Tq], seg_k: [B, Tk] segment ids
-    (keys of another segment are masked). Returns o: [B, Tq, Hq, Dv] and, with ``return_probs``,
-    the attention probabilities [B, Hq, Tq, Tk] (fp32).
-    """
-    B, Tq, Hq, _ = q.shape
-    Tk, Hk = k.shape[1], k.shape[2]
-    group = Hq // Hk
-    cdt = torch.promote_types(q.dtype, torch.float32)
-    probs = q.new_zeros(B, Hq, Tq, Tk, dtype=torch.float32) if return_probs else None
-    span = Tk if window is None else min(Tk, window)
-    rows = max(1, min(Tq, _CHUNK_ELEMENTS // max(1, B * Hq * span)))
-    chunks = []
-    for a in range(0, Tq, rows):
-        b = min(Tq, a + rows)
-        qa, qb = Tk - Tq + a, Tk - Tq + b  # absolute positions of the chunk's queries
-        ks = 0 if window is None else max(0, qa - window + 1)
-        kk = k[:, ks:qb].repeat_interleave(group, dim=2) if group > 1 else k[:, ks:qb]
-        vv = v[:, ks:qb].repeat_interleave(group, dim=2) if group > 1 else v[:, ks:qb]
-        s = scale * torch.einsum("bqhd,bkhd->bhqk", q[:, a:b].to(cdt), kk.to(cdt))
-        if c_q is not None:
-            s = s + (c_q[:, a:b, None, :] - c_k[:, None, ks:qb, :]).permute(0, 3, 1, 2).to(cdt)
-        qpos = torch.arange(qa, qb, device=q.device)[:, None]
-        kpos = torch.arange(ks, qb, device=q.device)[None, :]
-        allowed = kpos <= qpos
-        if window is not None:
-            allowed = allowed & (kpos > qpos - window)
-        allowed = allowed.expand(B, 1, b - a, qb - ks)
-        if seg_q is not None:
-            allowed = allowed & (seg_q[:, None, a:b, None] == seg_k[:, None, None, ks:qb])
-        p = torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1)
-        chunks.append(torch.einsum("bhqk,bkhd->bqhd", p, vv.to(cdt)).to(q.dtype))
-        if probs is not None:
-            probs[:, :, a:b, ks:qb] = p.detach().float()
-    return torch.cat(chunks, dim=1), probs
-
-
-def attend_sequence(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    log_fgate: torch.Tensor | None,
-    *,
-    scale: float,
-    segments: Segments | None = None,
-    window: int | None = None,
-    prune: bool = False,
-    logit_bound: torch.Tensor | float | None = None,
-    tolerance: float = math.exp(-10),
-    deterministic: bool = False,
-    return_probs: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Causal attention of whole sequences, choosing the path: the fused op, SDPA, or (only to return the
-    probabilities) the dense path.
-
-    q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 (None: no gate,
-    plain softmax attention). ``segments`` (packed documents, padding) keeps every segment to itself;
-    ``window``: query i sees keys j with i - window < j <= i.
-    Returns o: [B, T, Hq, Dv] and the probabilities [B, Hq, T, T] when ``return_probs``.
-    """
-    B, T, Hq, _ = q.shape
-    if return_probs:
-        c = None if log_fgate is None else gate_cumsum(log_fgate)
-        seg = None if segments is None else segments.ids
-        return dense_forgetting_attention(
-            q, k, v, c, c, scale=scale, window=window, seg_q=seg, seg_k=seg, return_probs=return_probs
-        )
-    if log_fgate is None and segments is None and window is None:
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
-            enable_gqa=k.shape[2] != Hq,
-        )
-        return o.transpose(1, 2), None
-    if log_fgate is None:
-        log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
-    # The layers' gates are logsigmoids (or fixed negative slopes) by construction: no host sync to check them;
-    # a NaN from the data reaches the loss instead, where the trainer counts and skips the step.
-    kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance,
-                  deterministic=deterministic, check_gates=False)
-    if segments is None:
-        return forgetting_attention(q, k, v, log_fgate, **kwargs), None
-    # the segments index the flattened batch: rows become packed sequences of one long row
-    q, k, v, log_fgate = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, log_fgate))
-    o = forgetting_attention(
-        q, k, v, log_fgate, cu_seqlens=segments.cu_seqlens, max_seqlen=segments.max_seqlen, **kwargs
-    )
-    return o.reshape(B, T, *o.shape[2:]), None
 
 
 class ForgettingAttention(nn.Module):
@@ -176,8 +76,9 @@ class ForgettingAttention(nn.Module):
         rope: rotary position embedding (the Transformer baselines): the forward rotates q and k by the cos and sin
             it is given (``RotaryEmbedding``, computed once per model forward).
         window: sliding-window attention over the last ``window`` tokens (None: full causal).
-        acp: Adaptive Computation Pruning in the forward pass; the logit bound comes from the QK-norm
-            weights when ``qk_norm`` is on, from the data otherwise; acp_tolerance: its epsilon.
+        acp_config: where the layer reads ``acp`` (Adaptive Computation Pruning in the forward pass) and
+            ``acp_tolerance`` (its epsilon) at every forward: a ``FoxConfig`` in a model, default ``ACPConfig()``
+            (off). The logit bound comes from the QK-norm weights when ``qk_norm`` is on, from the data otherwise.
         deterministic: the fused attention backward without atomics (see ``forgetting_attention``).
         layer_idx: the index under which the layer talks to a KV cache.
     """
@@ -199,8 +100,7 @@ class ForgettingAttention(nn.Module):
         v_shift: bool = False,
         rope: bool = False,
         window: int | None = None,
-        acp: bool = False,
-        acp_tolerance: float = math.exp(-10),
+        acp_config: ACPConfig | None = None,
         deterministic: bool = False,
         norm_eps: float = 1e-6,
         layer_idx: int = 0,
@@ -214,11 +114,12 @@ class ForgettingAttention(nn.Module):
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
         if window is not None and window < 1:
             raise ValueError(f"window: expected a positive number of tokens or None, got {window}")
-        if acp and gate == "none":
-            raise ValueError("acp: pruning needs a forget gate, but gate='none'")
+        acp_config = ACPConfig() if acp_config is None else acp_config
+        if acp_config.acp and gate == "none":
+            raise ValueError("acp_config: pruning needs a forget gate, but gate='none'")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.gate, self.window, self.layer_idx = gate, window, layer_idx
-        self.acp, self.acp_tolerance, self.deterministic = acp, acp_tolerance, deterministic
+        self.acp_config, self.deterministic = acp_config, deterministic
         self.scale = head_dim**-0.5
         self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
@@ -288,7 +189,7 @@ class ForgettingAttention(nn.Module):
         segments: packed documents / padding of a cache-less forward. rotary: RoPE's cos, sin [B or 1, T, D/2]
             (``RotaryEmbedding`` of the positions), needed with ``rope``.
         reset: [B, T] bool, where the token shift must not look back (segment starts, after padding).
-        cache: a KV cache (see ``foxlm.models.cache``): the new tokens attend to everything cached.
+        cache: a KV cache (``foxlm.models.cache.KVCache``): the new tokens attend to everything cached.
         valid: [B, T] bool, False at left padding (with a cache only).
         """
         B, T, _ = x.shape
@@ -307,17 +208,21 @@ class ForgettingAttention(nn.Module):
                 raise ValueError("rotary: this layer applies RoPE and needs the (cos, sin) of its positions")
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         log_fgate = self.log_fgate(x)
-        acp = dict(prune=self.acp, logit_bound=self.logit_bound() if self.acp else None, tolerance=self.acp_tolerance)
+        acp, tolerance = self.acp_config.acp, self.acp_config.acp_tolerance
+        bound = self.logit_bound() if acp else None
         probs = None
         if cache is None and self.acp_probe is not None and self.acp_probe.active:
             self.acp_probe.record(self, q, k, log_fgate, segments)
         if cache is None:
-            o, probs = attend_sequence(
-                q, k, v, log_fgate, scale=self.scale, segments=segments, window=self.window,
-                deterministic=self.deterministic, return_probs=output_attentions, **acp,
+            o, probs = sequence_attention(
+                q, k, v, log_fgate, scale=self.scale, cu_seqlens=None if segments is None else segments.cu_seqlens,
+                max_seqlen=None if segments is None else segments.max_seqlen, window=self.window, prune=acp,
+                tolerance=tolerance, logit_bound=bound, deterministic=self.deterministic,
+                return_probs=output_attentions,
             )
         else:
-            o = cache.attend(self.layer_idx, q, k, v, log_fgate, scale=self.scale, valid=valid, window=self.window, **acp)
+            o = cache.attend(self.layer_idx, q, k, v, log_fgate, scale=self.scale, valid=valid, window=self.window,
+                             acp=acp, acp_tolerance=tolerance, logit_bound=bound)
         gate = None if self.g_proj is None else self.g_proj(x)
         if self.o_norm is not None:  # the output norm and the output gate in one fused op
             o, gate = self.o_norm(o, gate=None if gate is None else gate.view(B, T, H, D)), None

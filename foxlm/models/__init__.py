@@ -3,7 +3,7 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-from .cache import PAD_DECAY, FoxCache
+from .cache import PAD_DECAY, FoxCache, KVCache
 from .configuration_fox import ARCHS, SIZES, FoxConfig
 from .convert import convert
 from .loading import load_checkpoint_model
@@ -25,6 +25,7 @@ __all__ = [
     "SIZES",
     "convert",
     "FoxCache",
+    "KVCache",
     "FoxCausalLMOutput",
     "FoxConfig",
     "FoxForCausalLM",

@@ -1,54 +1,79 @@
-"""KV cache for decoding FoX models, and the protocol every cache implementation follows.
+"""KV caches for decoding FoX models: the ``KVCache`` protocol every cache implements, and ``FoxCache``.
 
-The cache protocol
-------------------
-``ForgettingAttention`` never touches cache tensors; it talks to a cache only through these methods, so a
-different implementation (e.g. ``foxlm.generate``'s paged cache with forget-gate eviction and a Triton
-decode kernel) plugs in without changing the layer or the model:
+``ForgettingAttention`` never touches cache tensors; it talks to a cache only through ``KVCache``, so a different
+implementation (e.g. ``foxlm.generate``'s paged cache with forget-gate eviction and a Triton decode kernel) plugs
+in without changing the layer or the model. Caches store; the attention itself is ``foxlm.ops``'.
 
-``attend(layer_idx, q, k, v, log_fgate, *, scale, valid=None, window=None, prune=False, logit_bound=None,
-tolerance=e^-10) -> o``
-    q: [B, T, Hq, D] queries of T new tokens; k: [B, T, Hk, D], v: [B, T, Hk, Dv] their keys and values,
-    already token-shifted, QK-normed and rotated (exactly what is to be cached); log_fgate: [B, T, Hq]
-    fp32 log forget gates, or None for a model without a gate (gate="none": attention without decay).
-    The cache appends k, v and the gate cumsum c of the new tokens, c_t = c_{t-1} + log f_t, carried as a
-    running fp64 sum per (row, head): one add per token, never re-summed over the cache. It returns
-    o: [B, T, Hq, Dv], the attention of every new query i over all cached keys j <= i with logits
-    ``scale * q_i . k_j + c_i - c_j`` (T > 1 with a non-empty cache is chunked prefill: Tq < Tk).
-    valid: [B, T] bool, False at padding. Padding only ever precedes a row's real tokens (left padding),
-    and a padded key must never be seen by a real query; FoxCache stores c = +PAD_DECAY for padding, so
-    c_i - c_j = -1e30 cuts it out exactly. Outputs at padded queries are finite but meaningless.
-    window: sliding-window attention (keys j > i - window). prune / logit_bound / tolerance: the layer's
-    ACP setting. ``logit_bound`` ([Hq] fp32, from the QK-norm weights; None without QK-norm) bounds
-    |scale * q . k| for every token now and later, which is what makes evicting a key safe once
-    c_t - c_j < delta = -(2U + log N) + log(tolerance) (``foxlm.ops.prune_threshold``): decay only grows.
-    FoxCache uses it only for ACP in the first prefill and never evicts.
-
-``get_shift_state(layer_idx, name) -> Tensor | None`` and ``set_shift_state(layer_idx, name, x)``
-    The token-shift state of stream ``name`` ("k" or "v"): the pre-shift projection [B, Hk, D] of the
-    last token seen (zeros after padding), or None before the first token. The layer reads it before
-    shifting the new tokens, then hands over the new tokens' projections x: [B, T, Hk, D] (zeros at
-    padding); a cache keeps at least the last (FoxCache keeps ``SHIFT_HISTORY`` of them, for ``crop``).
-
-``get_seq_length(layer_idx=0) -> int``
-    Tokens cached so far (padding included), as HF ``generate`` expects.
-
-Plus, for HF ``generate`` with beams or several sequences per prompt: ``reorder_cache(beam_idx)``,
-``batch_select_indices(indices)``, ``batch_repeat_interleave(repeats)``; ``reset()``.
-
-FoxCache, the default implementation, is a contiguous per-layer cache: the first call per layer runs the
-whole prompt through ``foxlm.layers.attend_sequence`` (the fused op on GPU, with ACP if asked), later calls
-attend from the cached c with ``dense_forgetting_attention`` in PyTorch.
+FoxCache, the default implementation, is a contiguous per-layer cache: the first call per layer runs the whole
+prompt through ``foxlm.ops.sequence_attention`` (the fused op on GPU, with ACP if asked), later calls attend from
+the cached c with ``foxlm.ops.attention_from_cumsum``.
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..layers import Segments, attend_sequence, dense_forgetting_attention
+from ..layers import Segments
+from ..ops import attention_from_cumsum, sequence_attention
+from ..ops.gate import continue_cumsum
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What a KV cache offers ``ForgettingAttention``. Caches for HF ``generate`` with beams or several sequences
+    per prompt also have ``reorder_cache(beam_idx)``, ``batch_select_indices(indices)``,
+    ``batch_repeat_interleave(repeats)`` and ``reset()``."""
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        log_fgate: torch.Tensor | None,
+        *,
+        scale: float,
+        valid: torch.Tensor | None = None,
+        window: int | None = None,
+        acp: bool = False,
+        acp_tolerance: float = math.exp(-10),
+        logit_bound: torch.Tensor | float | None = None,
+    ) -> torch.Tensor:
+        """Append the new tokens and return their attention over everything cached: o [B, T, Hq, Dv].
+
+        q: [B, T, Hq, D] queries of T new tokens; k: [B, T, Hk, D], v: [B, T, Hk, Dv] their keys and values,
+        already token-shifted, QK-normed and rotated (exactly what is to be cached); log_fgate: [B, T, Hq] fp32
+        log forget gates, or None for a model without a gate (attention without decay). The cache appends k, v
+        and the gate cumsum c of the new tokens, c_t = c_{t-1} + log f_t, a running fp64 sum per (row, head)
+        (``foxlm.ops.gate.continue_cumsum``). Query i sees the cached keys j <= i with logits
+        ``scale * q_i . k_j + c_i - c_j`` (T > 1 with a non-empty cache is chunked prefill: Tq < Tk).
+        valid: [B, T] bool, False at padding. Padding only ever precedes a row's real tokens (left padding), and a
+        padded key must never be seen by a real query; outputs at padded queries are finite but meaningless.
+        window: sliding-window attention (keys j > i - window). acp / acp_tolerance / logit_bound: the layer's
+        ACP setting; ``logit_bound`` ([Hq] fp32, from the QK-norm weights; None without QK-norm) bounds
+        |scale * q . k| for every token now and later, which is what makes evicting a key safe once
+        c_t - c_j < delta = -(2U + log N) + log(acp_tolerance) (``foxlm.ops.prune_threshold``): decay only grows.
+        """
+        ...
+
+    def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
+        """The token-shift state of stream ``name`` ("k" or "v"): the pre-shift projection [B, Hk, D] of the last
+        token seen (zeros after padding), or None before the first token."""
+        ...
+
+    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
+        """Hand over the new tokens' pre-shift projections x: [B, T, Hk, D] (zeros at padding); the layer reads
+        the state before shifting them. A cache keeps at least the last."""
+        ...
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached so far (padding included), as HF ``generate`` expects."""
+        ...
+
 
 # Gate cumsum stored for padded keys: every real query has c_i - c_j <= -1e30 against them.
 PAD_DECAY = 1e30
@@ -102,7 +127,7 @@ class _LayerCache:
 
 
 class FoxCache(Cache):
-    """The default, contiguous KV cache of FoX models (see the module docstring for the protocol).
+    """The default, contiguous KV cache of FoX models; implements ``KVCache``.
 
     Created by ``FoxForCausalLM`` when ``use_cache=True`` (HF ``generate`` does this), or by hand:
     ``cache = FoxCache(); out = model(ids, cache=cache, use_cache=True)``.
@@ -128,23 +153,21 @@ class FoxCache(Cache):
         scale: float,
         valid: torch.Tensor | None = None,
         window: int | None = None,
-        prune: bool = False,
+        acp: bool = False,
+        acp_tolerance: float = math.exp(-10),
         logit_bound: torch.Tensor | float | None = None,
-        tolerance: float = math.exp(-10),
     ) -> torch.Tensor:
-        """Cache k, v and the gate cumsum of T new tokens; return their attention over the cache.
+        """``KVCache.attend``: ACP applies to the first prefill only; padded keys get c = +PAD_DECAY, so that
+        c_i - c_j = -1e30 cuts them out of every real query's row exactly.
 
         q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None,
         valid: [B, T] bool (False at left padding). Returns o: [B, T, Hq, Dv].
         """
         layer = self._layer(layer_idx)
         B, T, Hq, _ = q.shape
-        log_f = q.new_zeros(B, T, Hq, dtype=torch.float64) if log_fgate is None else log_fgate.to(torch.float64)
-        if valid is not None:
-            log_f = log_f.masked_fill(~valid[..., None], 0.0)
         if layer.c_last is None:
-            layer.c_last = log_f.new_zeros(B, Hq)
-        c = layer.c_last[:, None] + log_f.cumsum(1)  # the running sum: the cache is never re-summed
+            layer.c_last = q.new_zeros(B, Hq, dtype=torch.float64)
+        c = continue_cumsum(layer.c_last, log_fgate, T, valid)
         layer.c_last = c[:, -1]
         if valid is not None:
             c = c.masked_fill(~valid[..., None], PAD_DECAY)
@@ -152,16 +175,15 @@ class FoxCache(Cache):
         layer.append(k, v, c)
         if first:
             segments = None if valid is None or bool(valid.all()) else Segments.from_mask(valid)
-            o, _ = attend_sequence(
-                q, k, v, log_fgate, scale=scale, segments=segments, window=window,
-                prune=prune, logit_bound=logit_bound, tolerance=tolerance,
+            o, _ = sequence_attention(
+                q, k, v, log_fgate, scale=scale, cu_seqlens=None if segments is None else segments.cu_seqlens,
+                max_seqlen=None if segments is None else segments.max_seqlen, window=window, prune=acp,
+                tolerance=acp_tolerance, logit_bound=logit_bound,
             )
             return o
         n = layer.length
         ck = layer.c[:, :n]
-        o, _ = dense_forgetting_attention(
-            q, layer.k[:, :n], layer.v[:, :n], ck[:, n - T:], ck, scale=scale, window=window
-        )
+        o, _ = attention_from_cumsum(q, layer.k[:, :n], layer.v[:, :n], ck[:, n - T:], ck, scale=scale, window=window)
         return o
 
     def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:

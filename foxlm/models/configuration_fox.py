@@ -7,6 +7,7 @@ import math
 from transformers import PretrainedConfig
 
 from ..layers import GATES
+from ..ops.acp import check_tolerance
 
 ARCHS: dict[str, dict] = {
     "fox-llama": dict(gate="data"),
@@ -130,6 +131,20 @@ class FoxConfig(PretrainedConfig):
             raise ValueError(f"size: expected one of {sorted(SIZES)}, got {size!r}")
         return cls(**{**SIZES[size], **ARCHS[arch], **overrides})
 
+    def set_acp(self, acp: bool, tolerance: float | None = None) -> None:
+        """Turn ACP on or off and (unless None) set its epsilon, checked as in the constructor; the attention
+        layers of a model read both fields at every forward."""
+        tolerance = self.acp_tolerance if tolerance is None else float(tolerance)
+        self._check_acp(acp, tolerance)
+        self.acp, self.acp_tolerance = acp, tolerance
+
+    def _check_acp(self, acp: bool, tolerance: float) -> None:
+        if not isinstance(acp, bool):
+            raise ValueError(f"acp: expected a bool, got {acp!r}")
+        if acp and self.gate == "none":
+            raise ValueError("acp: pruning needs a forget gate, but gate='none'")
+        check_tolerance(tolerance, "acp_tolerance")
+
     def _check(self) -> None:
         def positive_int(name: str, value) -> None:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -145,7 +160,7 @@ class FoxConfig(PretrainedConfig):
             )
         if self.gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {self.gate!r}")
-        for name in ("qk_norm", "qk_norm_shared", "output_gate", "output_norm", "k_shift", "v_shift", "rope", "acp",
+        for name in ("qk_norm", "qk_norm_shared", "output_gate", "output_norm", "k_shift", "v_shift", "rope",
                      "fuse_cross_entropy", "deterministic_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
@@ -157,10 +172,7 @@ class FoxConfig(PretrainedConfig):
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {self.head_dim}")
         if self.window is not None:
             positive_int("window", self.window)
-        if self.acp and self.gate == "none":
-            raise ValueError("acp: pruning needs a forget gate, but gate='none'")
-        if not 0.0 < self.acp_tolerance < 1.0:
-            raise ValueError(f"acp_tolerance: expected a value in (0, 1), got {self.acp_tolerance}")
+        self._check_acp(self.acp, self.acp_tolerance)
         for name in ("rms_norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")

@@ -21,8 +21,9 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
+from ..ops.acp import check_tolerance
 from ..ops.cross_entropy import linear_cross_entropy
-from .cache import FoxCache
+from .cache import FoxCache, KVCache
 from .configuration_fox import FoxConfig
 
 
@@ -80,8 +81,7 @@ class FoxBlock(nn.Module):
             v_shift=config.v_shift,
             rope=config.rope,
             window=config.window,
-            acp=config.acp,
-            acp_tolerance=config.acp_tolerance,
+            acp_config=config,  # the layer reads acp and acp_tolerance here: set_acp changes only the config
             deterministic=config.deterministic_attention,
             norm_eps=config.rms_norm_eps,
             layer_idx=layer_idx,
@@ -104,18 +104,10 @@ class FoxPreTrainedModel(PreTrainedModel):
     _supports_sdpa = True
 
     def set_acp(self, enabled: bool, tolerance: float | None = None) -> None:
-        """Turn Adaptive Computation Pruning on or off in every attention layer's forward (and in ``config``),
-        e.g. to evaluate a model trained without it; ``tolerance``: a new epsilon (default: keep the config's)."""
-        if enabled and self.config.gate == "none":
-            raise ValueError("enabled: ACP needs a forget gate, but this model has gate='none'")
-        if tolerance is not None and not 0.0 < tolerance < 1.0:
-            raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
-        self.config.acp = bool(enabled)
-        if tolerance is not None:
-            self.config.acp_tolerance = float(tolerance)
-        for module in self.modules():
-            if isinstance(module, ForgettingAttention):
-                module.acp, module.acp_tolerance = self.config.acp, self.config.acp_tolerance
+        """Turn Adaptive Computation Pruning on or off in every attention layer's forward, e.g. to evaluate a model
+        trained without it; ``tolerance``: a new epsilon (default: keep the config's). The layers read the config
+        (``FoxConfig.set_acp``)."""
+        self.config.set_acp(bool(enabled), tolerance)
 
     @contextlib.contextmanager
     def probe_acp(self, tolerance: float | None = None, block_m: int = 128, block_n: int = 64
@@ -125,8 +117,8 @@ class FoxPreTrainedModel(PreTrainedModel):
         mass is below ``tolerance`` (default: the config's). Yields an ``ACPShare``, read after the forwards."""
         if self.config.gate == "none":
             raise ValueError("probe_acp: the model has no forget gates (gate='none'); ACP applies to FoX models only")
-        if tolerance is not None and not 0.0 < tolerance < 1.0:
-            raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
+        if tolerance is not None:
+            check_tolerance(tolerance)
         if block_m < 1 or block_n < 1:
             raise ValueError(f"block_m, block_n: expected tile sizes >= 1, got {block_m} and {block_n}")
         probes = [m.acp_probe for m in self.modules() if isinstance(m, ForgettingAttention)]
@@ -180,8 +172,8 @@ class FoxModel(FoxPreTrainedModel):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
-        past_key_values: FoxCache | None = None,
-        cache: FoxCache | None = None,
+        past_key_values: KVCache | None = None,
+        cache: KVCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool = False,
@@ -197,7 +189,7 @@ class FoxModel(FoxPreTrainedModel):
         position_ids: [B, T] RoPE positions (default: from the mask / document starts / cache length).
         cu_seqlens: [N+1] int32 offsets of documents packed into one row (B == 1): documents never see
             each other, the gate cumsum and the token shift restart, RoPE positions restart.
-        past_key_values / cache: a KV cache (``FoxCache`` or any cache with its protocol); the new tokens
+        past_key_values / cache: a KV cache (``FoxCache`` or any ``KVCache``); the new tokens
             are appended. use_cache: create a FoxCache when none is given (default: only if one is given).
         """
         if (input_ids is None) == (inputs_embeds is None):
@@ -266,8 +258,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         position_ids: torch.LongTensor | None = None,
         labels: torch.LongTensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
-        past_key_values: FoxCache | None = None,
-        cache: FoxCache | None = None,
+        past_key_values: KVCache | None = None,
+        cache: KVCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
         output_attentions: bool = False,
@@ -334,11 +326,11 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
         return None
     if cache is None:
         return FoxCache(num_layers)
-    if hasattr(cache, "attend"):
+    if isinstance(cache, KVCache):
         return cache
     if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
         return FoxCache(num_layers)
-    raise ValueError(f"past_key_values: expected a FoxCache (or a cache with its protocol), got {type(cache).__name__}")
+    raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 
 def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):

@@ -2,14 +2,18 @@
 
 from .acp import acp_stats, acp_threshold, data_logit_bound, prune_threshold
 from .backend import use_backend
-from .forgetting_attention import forgetting_attention
-from .reference import forgetting_attention_reference, gate_cumsum
+from .chunked import attention_from_cumsum
+from .forgetting_attention import forgetting_attention, sequence_attention
+from .gate import gate_cumsum
+from .reference import forgetting_attention_reference
 from .rms_norm import rms_norm
 from .rotary import apply_rotary
 from .swiglu import swiglu
 
 __all__ = [
     "forgetting_attention",
+    "attention_from_cumsum",
+    "sequence_attention",
     "forgetting_attention_reference",
     "gate_cumsum",
     "data_logit_bound",

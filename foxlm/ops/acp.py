@@ -11,7 +11,19 @@ import math
 
 import torch
 
-from .reference import gate_cumsum, segment_ids
+from .gate import gate_cumsum, segment_ids
+
+
+def check_tolerance(tolerance: float, name: str = "tolerance") -> None:
+    """ACP's epsilon must be a mass in (0, 1): log(tolerance) is finite and negative."""
+    if not 0.0 < tolerance < 1.0:
+        raise ValueError(f"{name}: expected a value in (0, 1), got {tolerance}")
+
+
+def check_logit_bound(logit_bound: float | torch.Tensor | None) -> None:
+    """A host-number bound must be finite and >= 0 (a tensor's values are checked with the op's value checks)."""
+    if logit_bound is not None and not isinstance(logit_bound, torch.Tensor) and not 0.0 <= logit_bound < math.inf:
+        raise ValueError(f"logit_bound: expected a finite bound >= 0 on |scale * q . k|, got {logit_bound}")
 
 
 def data_logit_bound(
@@ -42,6 +54,7 @@ def prune_threshold(
 
     key_lengths: N, the number of keys a query of the sequence can see (an int, or [B or N]).
     """
+    check_tolerance(tolerance)
     if isinstance(key_lengths, torch.Tensor):
         log_n = torch.log(key_lengths.to(device=logit_bound.device, dtype=torch.float32).clamp_min(1))
         if log_n.dim() == 1:
@@ -64,8 +77,11 @@ def acp_threshold(
 ) -> torch.Tensor:
     """ACP's delta per (sequence, query head): [B or N, Hq] fp32, from the data's norms or ``logit_bound``.
 
-    With a sliding ``window`` a row sees at most ``window`` keys, so N = min(sequence length, window).
+    With a sliding ``window`` a row sees at most ``window`` keys, so N = min(sequence length, window). A bound
+    that is NaN or negative (a NaN or inf in q or k, or an unchecked tensor ``logit_bound``) prunes nothing:
+    the row gets delta = -inf, so that what it cannot see never changes it.
     """
+    check_logit_bound(logit_bound)
     if logit_bound is None:
         bound = data_logit_bound(q.detach(), k.detach(), scale, cu_seqlens)
     else:
@@ -79,6 +95,7 @@ def acp_threshold(
     else:
         n = cu_seqlens[1:] - cu_seqlens[:-1]
         n = n if window is None else n.clamp_max(window)
+    bound = bound.masked_fill(~(bound >= 0), math.inf)
     return prune_threshold(bound, n, tolerance)
 
 
@@ -106,8 +123,8 @@ def acp_stats(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     threshold = acp_threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound)
     tq, tk = q.shape[1], k.shape[1]
-    c_global = gate_cumsum(log_fgate.detach())
-    first_kept = row_starts(c_global, tq, cu_seqlens, threshold)
+    c = gate_cumsum(log_fgate.detach())
+    first_kept = row_starts(c[:, tk - tq:], c, tk - tq, cu_seqlens, threshold)
     pos = torch.arange(tk - tq, tk, device=q.device)  # key-coordinate position of every query row
     if cu_seqlens is None:
         start, end, row = torch.zeros_like(pos), torch.full_like(pos, tk), pos - (tk - tq)

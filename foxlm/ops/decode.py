@@ -181,9 +181,8 @@ def _decode_combine_kernel(
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
 _INTERPRETED = interpreted(_decode_split_kernel)
 
-# Launch tuning of the split kernel: key tile, warps, pipeline stages, and the longest key range one program
-# takes (short ranges keep programs of equal length when eviction leaves heads with very different live
-# lengths). The fastest of `benchmarks/decode.py --sweep` (docs/benchmarks.md, "Decoding").
+# Split kernel launch: key tile, warps, stages (tuned with benchmarks/decode.py --sweep), and the longest key
+# range one program takes: short ranges keep programs even when eviction leaves heads of very different lengths.
 _TILE = (128, 4, 3)
 _SPLIT_KEYS = 2048
 

@@ -1,14 +1,17 @@
-"""``forgetting_attention``: the one entry point of Forgetting Attention, on every device."""
+"""``forgetting_attention``: the one entry point of Forgetting Attention, on every device, and
+``sequence_attention``, the dispatch a model layer needs around it (no gate, padded batches, probabilities)."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
-from .acp import acp_threshold
+from .acp import acp_threshold, check_logit_bound, check_tolerance
 from .backend import use_triton
-from .chunked import chunked_forgetting_attention
+from .chunked import attention_from_cumsum
+from .gate import gate_cumsum
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -30,6 +33,9 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
     for name, t in (("k", k), ("v", v), ("log_fgate", log_fgate)):
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}; all inputs must share a device")
+    if 0 in (q.shape[0], q.shape[2], q.shape[3], k.shape[2], v.shape[3]):
+        raise ValueError(f"q, k, v: expected at least one batch row, head and head dim, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
     B, Tq, Hq, D = q.shape
@@ -50,8 +56,8 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
         raise ValueError(f"log_fgate: expected float32 (gate math is fp32), got {log_fgate.dtype}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
-    if not 0.0 < tolerance < 1.0:
-        raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
+    check_tolerance(tolerance)
+    check_logit_bound(logit_bound)
     if isinstance(logit_bound, torch.Tensor) and logit_bound.device != q.device:
         raise ValueError(f"logit_bound: on {logit_bound.device}, but q is on {q.device}")
     if cu_seqlens is None:
@@ -64,10 +70,13 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
             raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but q is on {q.device}")
         if B != 1 or Tq != Tk:
             raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
+    bound_tensor = isinstance(logit_bound, torch.Tensor)
     if not _checking_values() or (cu_seqlens is None and not check_gates):
         return
     # Every value check in one device tensor, read back with a single host sync.
-    flags = [(~(log_fgate <= 0) | log_fgate.isinf()).any() if check_gates else cu_seqlens.new_zeros((), dtype=torch.bool)]
+    no = torch.zeros((), dtype=torch.bool, device=q.device)
+    flags = [(~(log_fgate <= 0) | log_fgate.isinf()).any() if check_gates else no,
+             (~(logit_bound >= 0) | logit_bound.isinf()).any() if bound_tensor else no]
     if cu_seqlens is not None:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
         flags.append((cu_seqlens[0] != 0) | (cu_seqlens[-1] != Tk) | (lengths < 0).any())
@@ -76,9 +85,11 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
     bad = torch.stack(flags).tolist()
     if bad[0]:
         raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
-    if len(bad) > 1 and bad[1]:
-        raise ValueError(f"cu_seqlens: expected sorted offsets from 0 to T={Tk}, got {cu_seqlens.tolist()}")
+    if bad[1]:
+        raise ValueError("logit_bound: expected finite bounds >= 0 on |scale * q . k|, without NaN")
     if len(bad) > 2 and bad[2]:
+        raise ValueError(f"cu_seqlens: expected sorted offsets from 0 to T={Tk}, got {cu_seqlens.tolist()}")
+    if len(bad) > 3 and bad[3]:
         raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence, {int(lengths.max())}")
 
 
@@ -121,8 +132,9 @@ def forgetting_attention(
             logits for dQ). False (FlashAttention's default) takes the faster backward for the head dim: at
             head dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
             ``torch.use_deterministic_algorithms(True)``; the PyTorch path is always deterministic.
-        check_gates: raise a ValueError for log gates that are positive, infinite or NaN; on CUDA this reads
-            a flag back (a host sync). Callers whose gates are a logsigmoid by construction (the FoX layers)
+        check_gates: raise a ValueError for log gates that are positive, infinite or NaN (and for a tensor
+            ``logit_bound`` that is negative, infinite or NaN); on CUDA this reads a flag back (a host sync).
+            Callers whose gates are a logsigmoid by construction (the FoX layers, through ``sequence_attention``)
             turn it off: a NaN then reaches the loss, where the trainer counts and skips the step.
         return_lse: also return the row log-sum-exp [B, Hq, Tq] (fp32).
 
@@ -150,7 +162,75 @@ def forgetting_attention(
             threshold=threshold, deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
         )
     else:
-        o, lse = chunked_forgetting_attention(
-            q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, window=window, threshold=threshold
+        c = gate_cumsum(log_fgate)  # not restarted per sequence: differences within a sequence are what matter
+        o, lse = attention_from_cumsum(
+            q, k, v, c[:, k.shape[1] - q.shape[1]:], c, scale=scale, window=window, threshold=threshold,
+            cu_seqlens=cu_seqlens,
         )
     return (o, lse) if return_lse else o
+
+
+def sequence_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    log_fgate: torch.Tensor | None,
+    *,
+    scale: float,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    window: int | None = None,
+    prune: bool = False,
+    tolerance: float = math.exp(-10),
+    logit_bound: float | torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Causal attention of the whole sequences of a batch, as a model layer needs it, choosing the path:
+    ``forgetting_attention``, SDPA (no gate, no packing, no window), or ``attention_from_cumsum`` to return the
+    probabilities.
+
+    q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv]; log_fgate: [B, T, Hq] fp32 log gates that are
+    logsigmoids (or fixed negative slopes) by construction, so not value-checked (no host sync; a NaN from the
+    data reaches the loss), or None: plain softmax attention. cu_seqlens: [N+1] int32 offsets of the segments
+    (packed documents, padding) in the flattened B * T tokens, each row starting one; no token sees another
+    segment. The other arguments are ``forgetting_attention``'s.
+    Returns o: [B, T, Hq, Dv] and, with ``return_probs``, the probabilities [B, Hq, T, T] fp32 (else None).
+    """
+    B, T, Hq, _ = q.shape
+    if return_probs:
+        return _o_and_probs(q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, window=window)
+    if log_fgate is None and cu_seqlens is None and window is None:
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
+            enable_gqa=k.shape[2] != Hq,
+        )
+        return o.transpose(1, 2), None
+    if log_fgate is None:
+        log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
+    kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance,
+                  deterministic=deterministic, check_gates=False)
+    if cu_seqlens is None:
+        return forgetting_attention(q, k, v, log_fgate, **kwargs), None
+    q, k, v, log_fgate = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, log_fgate))
+    o = forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, **kwargs)
+    return o.reshape(B, T, *o.shape[2:]), None
+
+
+def _o_and_probs(q, k, v, log_fgate, *, scale, cu_seqlens, window) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sequence_attention`` with the probabilities, row by row: [B, Hq, T, T], not [1, Hq, B*T, B*T]."""
+    B, T, Hq, _ = q.shape
+    c = q.new_zeros(B, T, Hq, dtype=torch.float64) if log_fgate is None else gate_cumsum(log_fgate)
+    window = None if window is not None and window >= T else window
+    bounds = None if cu_seqlens is None else cu_seqlens.tolist()  # host sync: for inspection only
+    outs, probs = [], []
+    for b in range(B):
+        cu = None
+        if bounds is not None:  # the row's segment offsets, shifted to the row's start
+            cu = torch.tensor([x - b * T for x in bounds if b * T <= x <= (b + 1) * T], dtype=torch.int32,
+                              device=q.device)
+        o, _, p = attention_from_cumsum(q[b:b + 1], k[b:b + 1], v[b:b + 1], c[b:b + 1], c[b:b + 1], scale=scale,
+                                        window=window, cu_seqlens=cu, return_probs=True)
+        outs.append(o)
+        probs.append(p)
+    return torch.cat(outs), torch.cat(probs)

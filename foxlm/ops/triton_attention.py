@@ -11,7 +11,7 @@ import torch
 import triton
 
 from .backend import block_dim, interpreted, require_runnable
-from .reference import gate_cumsum, segment_ids
+from .gate import gate_cumsum, segment_ids
 from .triton_attention_kernels import (
     LOG2E,
     _attn_bwd_kernel,

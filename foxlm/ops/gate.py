@@ -1,0 +1,45 @@
+"""The forget gate's cumulative sum c and the packed-sequence index, shared by every attention path."""
+
+from __future__ import annotations
+
+import torch
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Sequence index of every packed position: ``cu_seqlens [N+1] -> [total]`` (int64)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
+
+
+def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """c_t = sum_{l <= t} log f_l in fp64, restarting at every sequence of ``cu_seqlens``.
+
+    log_fgate: [B, T, H] -> c: [B, T, H] float64. The fp64 sum keeps c_i - c_j exact to ~1e-12 even
+    when |c| grows to 1e6 over a million tokens, which an fp32 cumsum cannot (see tests).
+    """
+    # Scan along the contiguous dim: CUDA's cumsum over a strided dim is one thread per column.
+    c = torch.cumsum(log_fgate.transpose(1, 2).to(torch.float64).contiguous(), dim=-1).transpose(1, 2)
+    if cu_seqlens is not None:
+        starts = cu_seqlens[:-1].long()
+        # c just before each sequence start (0 for the first); subtracting it restarts the sum.
+        before = torch.cat([c.new_zeros(c.shape[0], 1, c.shape[2]), c[:, :-1]], dim=1)[:, starts]
+        seg = segment_ids(cu_seqlens, c.shape[1])
+        c = c - before[:, seg]
+    return c
+
+
+def continue_cumsum(
+    c_last: torch.Tensor, log_fgate: torch.Tensor | None, length: int, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The gate cumsum of ``length`` new tokens, continued from a cache's running sum: one add per token, so the
+    cache is never re-summed.
+
+    c_last: [B, H] fp64, c of the last cached token (0 before the first); log_fgate: [B, T, H], or None (no gate:
+    c stays constant); valid: [B, T] bool, False at padding, which adds nothing. Returns c: [B, T, H] fp64.
+    """
+    if log_fgate is None:
+        return c_last[:, None].expand(-1, length, -1).clone()
+    log_f = log_fgate.to(torch.float64)
+    if valid is not None:
+        log_f = log_f.masked_fill(~valid[..., None], 0.0)
+    return c_last[:, None] + log_f.cumsum(1)
