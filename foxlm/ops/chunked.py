@@ -139,3 +139,165 @@ def chunked_forgetting_attention(
         q.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), c_global.transpose(1, 2), row_start, scale
     )
     return o.transpose(1, 2), lse.float()
+
+
+class _BlockAttention(torch.autograd.Function):
+    """One (queries x keys) block of Forgetting Attention from given gate cumsums, chunked over queries."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, c_q, c_k, q_offset, scale, window, threshold, seg):
+        # q: [B, H, Tq, D], k: [B, H, Tk, D], v: [B, H, Tk, Dv], c_q: [B, H, Tq], c_k: [B, H, Tk]
+        B, H, Tq, _ = q.shape
+        Tk = k.shape[2]
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        chunk = max(16, _CHUNK_ELEMENTS // max(1, B * H * Tk))
+        o = q.new_zeros(B, H, Tq, v.shape[-1])
+        lse = torch.full((B, H, Tq), float("-inf"), dtype=cdt, device=q.device)
+        for a, b, ks, ke, allowed in _block_chunks(c_q, c_k, Tq, Tk, q_offset, window, threshold, seg, chunk):
+            s = _block_scores(q[:, :, a:b], k[:, :, ks:ke], c_q[:, :, a:b], c_k[:, :, ks:ke], scale, cdt, allowed)
+            m = torch.logsumexp(s, dim=-1)
+            lse[:, :, a:b] = m
+            p = torch.exp(s - m.masked_fill(m.isinf(), 0.0)[..., None])  # a row that sees no key: p = 0, o = 0
+            o[:, :, a:b] = (p @ v[:, :, ks:ke].to(cdt)).to(o.dtype)
+        ctx.save_for_backward(q, k, v, c_q, c_k, o, lse, threshold, seg)
+        ctx.args = (q_offset, scale, window, chunk)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):
+        q, k, v, c_q, c_k, o, lse, threshold, seg = ctx.saved_tensors
+        q_offset, scale, window, chunk = ctx.args
+        Tq, Tk = q.shape[2], k.shape[2]
+        cdt = lse.dtype
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        dk = torch.zeros(k.shape, dtype=cdt, device=q.device)
+        dv = torch.zeros(v.shape, dtype=cdt, device=q.device)
+        dc_q = torch.zeros(c_q.shape, dtype=cdt, device=q.device)
+        dc_k = torch.zeros(c_k.shape, dtype=cdt, device=q.device)
+        do = do.to(cdt)
+        delta = (do * o.to(cdt)).sum(-1)  # [B, H, Tq]
+        if dlse is not None:
+            delta = delta - dlse.to(cdt)
+        for a, b, ks, ke, allowed in _block_chunks(c_q, c_k, Tq, Tk, q_offset, window, threshold, seg, chunk):
+            qa, kk, vv = q[:, :, a:b].to(cdt), k[:, :, ks:ke].to(cdt), v[:, :, ks:ke].to(cdt)
+            s = _block_scores(qa, kk, c_q[:, :, a:b], c_k[:, :, ks:ke], scale, cdt, allowed)
+            m = lse[:, :, a:b]
+            p = torch.exp(s - m.masked_fill(m.isinf(), 0.0)[..., None])
+            dv[:, :, ks:ke] += p.transpose(-1, -2) @ do[:, :, a:b]
+            ds = p * (do[:, :, a:b] @ vv.transpose(-1, -2) - delta[:, :, a:b, None])
+            dq[:, :, a:b] = scale * ds @ kk
+            dk[:, :, ks:ke] += scale * ds.transpose(-1, -2) @ qa
+            dc_q[:, :, a:b] = ds.sum(-1)
+            dc_k[:, :, ks:ke] -= ds.sum(-2)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dc_q.to(c_q.dtype), dc_k.to(c_k.dtype),
+                None, None, None, None, None)
+
+
+def _block_chunks(c_q, c_k, tq, tk, q_offset, window, threshold, seg, chunk):
+    """Yield (first row, end row, first key, end key, allowed [B, H, rows, keys]) per query chunk that sees a key.
+
+    The key range is narrowed to the columns some row of the chunk keeps, so pruned and masked keys cost no FLOPs.
+    """
+    for a in range(0, tq, chunk):
+        b = min(tq, a + chunk)
+        ke = min(tk, q_offset + b)  # one past the last key the chunk's last row can see
+        if ke <= 0:
+            continue
+        keys = torch.arange(ke, device=c_q.device)
+        qpos = torch.arange(q_offset + a, q_offset + b, device=c_q.device)
+        allowed = (keys <= qpos[:, None])[None, None]  # [1, 1, rows, keys]
+        if window is not None:
+            allowed = allowed & (keys > qpos[:, None] - window)
+        if seg is not None:
+            allowed = allowed & (seg[qpos][:, None] == seg[keys][None, :])
+        if threshold is not None:  # ACP: keep key j iff its decay c_q[i] - c_k[j] reaches delta
+            decay = c_q[:, :, a:b, None] - c_k[:, :, None, :ke]
+            thr = threshold[:, :, None, None] if seg is None else threshold[seg[qpos]].T[None, :, :, None]
+            allowed = allowed & (decay >= thr.to(decay.dtype))
+        cols = allowed.flatten(0, 2).any(0).nonzero()
+        if cols.numel() == 0:
+            continue
+        ks, ke = int(cols[0]), int(cols[-1]) + 1
+        yield a, b, ks, ke, allowed[..., ks:ke]
+
+
+def _block_scores(q, k, c_q, c_k, scale, cdt, allowed):
+    s = scale * (q.to(cdt) @ k.to(cdt).transpose(-1, -2))
+    s = s + (c_q[:, :, :, None] - c_k[:, :, None, :]).to(cdt)  # the difference in c's precision (fp64), then cdt
+    return s.masked_fill(~allowed, float("-inf"))
+
+
+def attention_from_cumsum(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    c_q: torch.Tensor,
+    c_k: torch.Tensor,
+    *,
+    scale: float,
+    q_offset: int | None = None,
+    window: int | None = None,
+    threshold: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    return_probs: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Forgetting Attention of a block of queries against a block of keys, from the gate cumsums.
+
+    q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv] (Hq a multiple of Hk). c_q: [B, Tq, Hq] and
+    c_k: [B, Tk, Hq] (fp64 or fp32): the logit of query i and key j is scale * q_i . k_j + c_q[i] - c_k[j];
+    only differences matter. Query i sits at key position q_offset + i (default Tk - Tq) and sees keys
+    j <= q_offset + i (q_offset >= Tk: every key), and j > q_offset + i - window with a ``window``.
+    threshold: ACP delta [B or N, Hq]; keys whose decay c_q[i] - c_k[j] is below it are not computed.
+    cu_seqlens: packed sequences (B == 1, Tq == Tk, q_offset 0): no query sees another sequence's keys.
+    Returns o: [B, Tq, Hq, Dv] in q's dtype and lse: [B, Hq, Tq] fp32 (-inf, with o = 0, for a row that sees
+    no key), and with ``return_probs`` probs: [B, Hq, Tq, Tk] fp32 (not differentiable; O(Tq * Tk) memory).
+    Differentiable in q, k, v, c_q and c_k, also through lse, in O(T * chunk) memory.
+    """
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v: expected 4-D tensors [B, T, H, D], got {q.dim()}, {k.dim()} and {v.dim()} dims")
+    B, Tq, Hq, D = q.shape
+    Tk, Hk = k.shape[1], k.shape[2]
+    if k.shape[0] != B or k.shape[3] != D or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"k, v: expected [B={B}, Tk, Hk, D={D}] and [B, Tk, Hk, Dv], got {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if Hq % Hk:
+        raise ValueError(f"q: its {Hq} heads must be a multiple of k's {Hk} heads (GQA)")
+    if tuple(c_q.shape) != (B, Tq, Hq) or tuple(c_k.shape) != (B, Tk, Hq):
+        raise ValueError(f"c_q, c_k: expected [B, Tq, Hq] = {(B, Tq, Hq)} and [B, Tk, Hq] = {(B, Tk, Hq)}, "
+                         f"got {tuple(c_q.shape)} and {tuple(c_k.shape)}")
+    q_offset = Tk - Tq if q_offset is None else int(q_offset)
+    if q_offset < 0:
+        raise ValueError(f"q_offset: expected a key position >= 0, got {q_offset}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
+    seg = None
+    if cu_seqlens is not None:
+        if B != 1 or Tq != Tk or q_offset != 0:
+            raise ValueError(f"cu_seqlens: packed input needs B == 1, Tq == Tk and q_offset 0, got B={B}, Tq={Tq}, "
+                             f"Tk={Tk}, q_offset={q_offset}")
+        seg = segment_ids(cu_seqlens, Tk)
+    if threshold is not None:
+        rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        if threshold.dim() != 2 or threshold.shape[1] != Hq or threshold.shape[0] not in (1, rows):
+            raise ValueError(f"threshold: expected [B or N, Hq] = [{rows}, {Hq}], got {tuple(threshold.shape)}")
+    group = Hq // Hk
+    kh = k.repeat_interleave(group, dim=2) if group > 1 else k
+    vh = v.repeat_interleave(group, dim=2) if group > 1 else v
+    o, lse = _BlockAttention.apply(
+        q.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2), c_q.transpose(1, 2), c_k.transpose(1, 2),
+        q_offset, float(scale), window, None if threshold is None else threshold.detach(), seg,
+    )
+    o, lse = o.transpose(1, 2), lse.float()
+    if not return_probs:
+        return o, lse
+    with torch.no_grad():
+        probs = torch.zeros(B, Hq, Tq, Tk, dtype=torch.float32, device=q.device)
+        qt, kt, cq, ck = q.transpose(1, 2), kh.transpose(1, 2), c_q.transpose(1, 2), c_k.transpose(1, 2)
+        chunk = max(16, _CHUNK_ELEMENTS // max(1, B * Hq * Tk))
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        thr = None if threshold is None else threshold.detach()
+        for a, b, ks, ke, allowed in _block_chunks(cq, ck, Tq, Tk, q_offset, window, thr, seg, chunk):
+            s = _block_scores(qt[:, :, a:b], kt[:, :, ks:ke], cq[:, :, a:b], ck[:, :, ks:ke], scale, cdt, allowed)
+            m = lse[:, :, a:b, None].to(cdt)
+            probs[:, :, a:b, ks:ke] = torch.exp(s - m.masked_fill(m.isinf(), 0.0)).float()
+    return o, lse, probs
