@@ -54,17 +54,25 @@ def record_traffic():
         _RECORDERS.remove(traffic)
 
 
-def _isend(t: torch.Tensor, peer: int, group, tag: int):
-    for rec in _RECORDERS:
-        rec.sent_bytes += t.numel() * t.element_size()
-        rec.messages += 1
-    return dist.isend(t, group=group, group_dst=peer, tag=tag) if group is not None else dist.isend(t, peer, tag=tag)
+def _p2p(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group, tag: int) -> list:
+    """Post sends and receives of (tensor, group rank) as one batch (NCCL needs a step's pairs grouped)."""
+    ops = []
+    for i, (t, peer) in enumerate(sends):
+        for rec in _RECORDERS:
+            rec.sent_bytes += t.numel() * t.element_size()
+            rec.messages += 1
+        ops.append(_op(dist.isend, t, peer, group, tag + i))
+    for i, (t, peer) in enumerate(recvs):
+        for rec in _RECORDERS:
+            rec.recv_bytes += t.numel() * t.element_size()
+        ops.append(_op(dist.irecv, t, peer, group, tag + i))
+    return dist.batch_isend_irecv(ops) if ops else []
 
 
-def _irecv(t: torch.Tensor, peer: int, group, tag: int):
-    for rec in _RECORDERS:
-        rec.recv_bytes += t.numel() * t.element_size()
-    return dist.irecv(t, group=group, group_src=peer, tag=tag) if group is not None else dist.irecv(t, peer, tag=tag)
+def _op(fn, t: torch.Tensor, peer: int, group, tag: int) -> dist.P2POp:
+    if group is None:
+        return dist.P2POp(fn, t, peer=peer, tag=tag)
+    return dist.P2POp(fn, t, group=group, group_peer=peer, tag=tag)
 
 
 @dataclass
@@ -194,18 +202,15 @@ class _Exchange:
         P, r = plan.world, plan.rank
         self.src, dst = (r - step) % P, (r + step) % P
         self.units = plan.units(r, self.src)
-        self.handles, self.keep = [], []
         send_units = plan.units(dst, r)
-        if send_units:
-            kv, cc = _pack(k, v, c, plan, send_units)
-            self.keep = [kv, cc]
-            self.handles += [_isend(kv, dst, plan.group, tag), _isend(cc, dst, plan.group, tag + 1)]
+        self.keep = list(_pack(k, v, c, plan, send_units)) if send_units else []
         self.kv = self.c = None
         if self.units:
             B, n = k.shape[0], len(self.units)
             self.kv = k.new_empty(n, B, plan.L, k.shape[-1] + v.shape[-1])
             self.c = c.new_empty(n, B, plan.L, plan.G)
-            self.handles += [_irecv(self.kv, self.src, plan.group, tag), _irecv(self.c, self.src, plan.group, tag + 1)]
+        recvs = [(self.kv, self.src), (self.c, self.src)] if self.units else []
+        self.handles = _p2p([(t, dst) for t in self.keep], recvs, plan.group, tag)
 
     def wait(self) -> None:
         for handle in self.handles:
@@ -213,8 +218,21 @@ class _Exchange:
         self.handles, self.keep = [], []
 
 
+def _steps(plan: _Plan, k, v, c):
+    """(source rank, its units, their K|V and c) per step, this rank's own first; each step's transfers are
+    posted before the previous step's blocks are computed, so they overlap."""
+    local = plan.units(plan.rank, plan.rank)
+    nxt = _Exchange(plan, 1, k, v, c, tag=4) if plan.world > 1 else None
+    yield (plan.rank, local, *_pack(k, v, c, plan, local))  # a copy of this rank's keys: one code path for all
+    for step in range(1, plan.world):
+        cur = nxt
+        nxt = _Exchange(plan, step + 1, k, v, c, tag=4 * (step + 1)) if step + 1 < plan.world else None
+        cur.wait()
+        yield cur.src, cur.units, cur.kv, cur.c
+
+
 def _blocks(plan: _Plan, src: int, units):
-    """(local query chunk index, key position in the units' chunk, q_offset, query heads, unit positions)."""
+    """(local query chunk index, q_offset, query heads, positions in units) of the blocks of src's keys."""
     index = {u: i for i, u in enumerate(units)}
     G = plan.G
     for ia, gq in enumerate(plan.chunks[plan.rank]):
@@ -247,22 +265,12 @@ class _CPForgettingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, log_fgate, plan: _Plan, scale: float):
         B, Tl, Hq, D = q.shape
-        L, P, Dv = plan.L, plan.world, v.shape[-1]
+        L, Dv = plan.L, v.shape[-1]
         cdt = torch.promote_types(q.dtype, torch.float32)
         c = plan.local_c(log_fgate)
         o = torch.zeros(B, Tl, Hq, Dv, dtype=cdt, device=q.device)
         lse = torch.full((B, Hq, Tl), float("-inf"), dtype=cdt, device=q.device)
-        local = plan.units(plan.rank, plan.rank)
-        nxt = _Exchange(plan, 1, k, v, c, tag=0) if P > 1 else None
-        for step in range(P):
-            if step == 0:
-                src, units = plan.rank, local
-                kv, cc = _pack(k, v, c, plan, local)
-            else:
-                cur = nxt
-                nxt = _Exchange(plan, step + 1, k, v, c, tag=4 * (step + 1)) if step + 1 < P else None
-                cur.wait()
-                src, units, kv, cc = cur.src, cur.units, cur.kv, cur.c
+        for src, units, kv, cc in _steps(plan, k, v, c):
             for ia, q_offset, qheads, pos in _blocks(plan, src, units):
                 qb, kb, vb, cqb, ckb = _block_inputs(q, c, plan, kv, cc, ia, qheads, pos, D)
                 thr = None if plan.threshold is None else plan.threshold[:, qheads]
@@ -276,23 +284,13 @@ class _CPForgettingAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, c, o, lse = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale
-        B, Tl, Hq, D = q.shape
+        B, _, _, D = q.shape
         L, P = plan.L, plan.world
         do = do.to(o.dtype)
         dq, dk, dv = (torch.zeros(t.shape, dtype=o.dtype, device=q.device) for t in (q, k, v))
         dc = torch.zeros_like(c)
-        local = plan.units(plan.rank, plan.rank)
-        nxt = _Exchange(plan, 1, k, v, c, tag=0) if P > 1 else None
         returns = []  # gradient transfers in flight: (handles, buffers, units)
-        for step in range(P):
-            if step == 0:
-                src, units = plan.rank, local
-                kv, cc = _pack(k, v, c, plan, local)
-            else:
-                cur = nxt
-                nxt = _Exchange(plan, step + 1, k, v, c, tag=4 * (step + 1)) if step + 1 < P else None
-                cur.wait()
-                src, units, kv, cc = cur.src, cur.units, cur.kv, cur.c
+        for step, (src, units, kv, cc) in enumerate(_steps(plan, k, v, c)):
             gkv = torch.zeros(kv.shape, dtype=o.dtype, device=q.device) if units else None
             gc = torch.zeros_like(cc) if units else None
             for ia, q_offset, qheads, pos in _blocks(plan, src, units):
@@ -313,16 +311,15 @@ class _CPForgettingAttention(torch.autograd.Function):
                     _unpack_add(dk, dv, dc, gkv, gc, plan, units)
                 continue
             tag = 4 * step + 2
-            handles = []
-            if units:  # this rank's gradients for src's keys go back to src
-                handles += [_isend(gkv, src, plan.group, tag), _isend(gc, src, plan.group, tag + 1)]
+            # this rank's gradients for src's keys go back to src; rank + s returns those of this rank's keys
             owner_units = plan.units((plan.rank + step) % P, plan.rank)
             bufs = None
-            if owner_units:  # the gradients rank + s computed for this rank's keys
-                peer = (plan.rank + step) % P
+            if owner_units:
                 bufs = (torch.empty(len(owner_units), B, L, D + v.shape[-1], dtype=o.dtype, device=q.device),
                         torch.empty(len(owner_units), B, L, plan.G, dtype=c.dtype, device=q.device))
-                handles += [_irecv(bufs[0], peer, plan.group, tag), _irecv(bufs[1], peer, plan.group, tag + 1)]
+            sends = [(gkv, src), (gc, src)] if units else []
+            recvs = [(t, (plan.rank + step) % P) for t in bufs] if bufs else []
+            handles = _p2p(sends, recvs, plan.group, tag)
             returns.append((handles, (gkv, gc), bufs, owner_units))
             if len(returns) > 1:  # the previous step's returns have had a step's compute to arrive
                 _finish_return(returns.pop(0), dk, dv, dc, plan)
