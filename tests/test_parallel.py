@@ -26,18 +26,18 @@ def _inputs(B, T, Hq, Hk, D, Dv, dtype, seed, gate_bias=(3.0,)):
 
 
 def _check(layout, world, *, B=2, Hq=4, Hk=2, D=16, Dv=8, L=8, dtype=torch.float64, prune=False, gate_bias=(3.0,),
-           seed=0, tol=1e-5):
+           seed=0, tol=1e-5, logit_bound=None):
     from foxlm.ops import forgetting_attention
     from foxlm.parallel import cp_forgetting_attention, gather_sequence, record_traffic, shard_sequence
 
     T = L * world * (2 if layout == "zigzag" else 1)
     q, k, v, log_f, do = _inputs(B, T, Hq, Hk, D, Dv, dtype, seed, gate_bias)
     full = [t.clone().requires_grad_() for t in (q, k, v, log_f)]
-    ref = forgetting_attention(*full, prune=prune)
+    ref = forgetting_attention(*full, prune=prune, logit_bound=logit_bound)
     ref_grads = torch.autograd.grad((ref.float() * do.float()).sum(), full)
     local = [shard_sequence(t, dim=1, layout=layout).requires_grad_() for t in (q, k, v, log_f)]
     with record_traffic() as fwd:
-        o = cp_forgetting_attention(*local, layout=layout, prune=prune)
+        o = cp_forgetting_attention(*local, layout=layout, prune=prune, logit_bound=logit_bound)
     with record_traffic() as bwd:
         grads = torch.autograd.grad((o.float() * shard_sequence(do, dim=1, layout=layout).float()).sum(), local)
     case = f"{layout} P={world} {dtype} prune={prune}"
@@ -84,8 +84,8 @@ def _acp(rank, world):
     the ranks, match the plan's bytes), and nothing is skipped for the remembering heads."""
     from foxlm.parallel import cp_acp_stats, shard_sequence
 
-    for layout in ("zigzag", "contiguous"):
-        bias = (6.0, 6.0, -4.0, -4.0)
+    bias = (6.0, 6.0, -4.0, -4.0)
+    for layout in ("contiguous", "zigzag"):
         sent = {}
         for prune in (False, True):
             fwd, bwd = _check(layout, world, prune=prune, gate_bias=bias, seed=4)
@@ -103,6 +103,10 @@ def _acp(rank, world):
         assert stats.bytes_skipped[0] == 0 and stats.bytes_skipped[1] > 0, stats
         assert stats.flops_skipped[:2].eq(0).all() and stats.flops_skipped[2:].gt(0).all(), stats
         assert (stats.flops_fraction < 1).all()
+    fwd, _ = _check("zigzag", world, prune=True, gate_bias=bias, seed=5, logit_bound=2.0)  # a given U, as QK-norm's
+    given = torch.tensor([fwd.sent_bytes], dtype=torch.float64)
+    dist.all_reduce(given)
+    assert given[0] < sent[True][0]  # U = 2 is below the data's bound: more is skipped
 
 
 def _errors(rank, world):
