@@ -109,6 +109,34 @@ def _acp(rank, world):
     assert given[0] < sent[True][0]  # U = 2 is below the data's bound: more is skipped
 
 
+def _halo(rank, world):
+    """FoX Pro's token shift on the shards, each chunk given the token before it by ``previous_tokens``, is the
+    shift of the whole sequence, gradients included; ``sequence_positions`` are the shard's global positions."""
+    from foxlm.ops.token_shift import token_shift
+    from foxlm.parallel import previous_tokens, sequence_positions, shard_sequence
+
+    g = torch.Generator().manual_seed(7)
+    B, H, D, L = 2, 3, 4, 3
+    for layout in ("zigzag", "contiguous"):
+        per = 2 if layout == "zigzag" else 1
+        T = L * per * world
+        x, alpha = torch.randn(B, T, H, D, generator=g, dtype=torch.float64), torch.randn(B, T, H, generator=g)
+        dy = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+        full = [x.clone().requires_grad_(), alpha.clone().requires_grad_()]
+        ref = token_shift(*full)
+        ref_grads = torch.autograd.grad((ref * dy).sum(), full)
+        local = [shard_sequence(t, dim=1, layout=layout).requires_grad_() for t in (x, alpha)]
+        prev = previous_tokens(local[0], layout=layout)
+        y = torch.cat([token_shift(local[0][:, a * L:(a + 1) * L], local[1][:, a * L:(a + 1) * L], prev=prev[a])
+                       for a in range(per)], dim=1)
+        torch.testing.assert_close(y, shard_sequence(ref, dim=1, layout=layout), rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad((y * shard_sequence(dy, dim=1, layout=layout)).sum(), local)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, shard_sequence(want, dim=1, layout=layout), rtol=1e-12, atol=1e-12)
+        assert torch.equal(sequence_positions(T // world, layout=layout),
+                           shard_sequence(torch.arange(T), dim=0, layout=layout))
+
+
 def _errors(rank, world):
     from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
 
@@ -132,6 +160,10 @@ def test_two_processes(tmp_path):
 
 def test_four_processes_acp_skips_sends(tmp_path):
     _spawn(tmp_path, 4, "_acp")
+
+
+def test_four_processes_token_shift_and_positions(tmp_path):
+    _spawn(tmp_path, 4, "_halo")
 
 
 def test_errors_are_named(tmp_path):
