@@ -1,0 +1,17 @@
+"""Context parallelism: one sequence split over the ranks of a process group, attention computed across them."""
+
+from .attention import CPAcpStats, Traffic, cp_acp_stats, cp_forgetting_attention, record_traffic
+from .halo import previous_tokens, sequence_positions
+from .layout import gather_sequence, shard_sequence
+
+__all__ = [
+    "shard_sequence",
+    "gather_sequence",
+    "cp_forgetting_attention",
+    "cp_acp_stats",
+    "CPAcpStats",
+    "record_traffic",
+    "previous_tokens",
+    "sequence_positions",
+    "Traffic",
+]

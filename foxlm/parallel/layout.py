@@ -1,0 +1,73 @@
+"""How a sequence is split over the ranks of a context-parallel group, and the two ops that move it.
+
+``zigzag`` cuts the sequence into 2P chunks and gives rank r chunks r and 2P-1-r, so every rank holds as much
+causal work; ``contiguous`` gives rank r the r-th of P equal chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def chunks_per_rank(layout: str) -> int:
+    """How many chunks of the sequence one rank holds."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return 2 if layout == "zigzag" else 1
+
+
+def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
+    """Global chunk indices of ``rank``'s shard, in the order it holds them."""
+    return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
+
+
+def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        raise RuntimeError("foxlm.parallel: torch.distributed is not initialised (call init_process_group first)")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_sequence(
+    x: torch.Tensor, *, dim: int, group: dist.ProcessGroup | None = None, layout: str = "zigzag"
+) -> torch.Tensor:
+    """This rank's shard of the whole sequence ``x`` along ``dim`` (e.g. [B, T, H, D] -> [B, T/P, H, D], dim=1).
+
+    The length must divide into P chunks (``contiguous``) or 2P chunks (``zigzag``). Differentiable.
+    """
+    rank, world = _world(group)
+    n = chunks_per_rank(layout) * world
+    if x.shape[dim] % n:
+        raise ValueError(f"x: its length {x.shape[dim]} along dim {dim} must be a multiple of {n} "
+                         f"({layout} layout over {world} ranks)")
+    size = x.shape[dim] // n
+    return torch.cat([x.narrow(dim, c * size, size) for c in rank_chunks(rank, world, layout)], dim=dim)
+
+
+def gather_sequence(
+    x_local: torch.Tensor, *, dim: int, group: dist.ProcessGroup | None = None, layout: str = "zigzag"
+) -> torch.Tensor:
+    """The whole sequence on every rank from the ranks' shards of it (the inverse of ``shard_sequence``).
+
+    Not differentiable: it is for outputs and evaluation, and a gradient through it would depend on whether
+    the ranks then compute the same loss or different ones.
+    """
+    rank, world = _world(group)
+    if torch.is_grad_enabled() and x_local.requires_grad:
+        raise ValueError("x_local: gather_sequence is not differentiable; call it under torch.no_grad() or on a "
+                         "detached tensor")
+    per = chunks_per_rank(layout)
+    if x_local.shape[dim] % per:
+        raise ValueError(f"x_local: its length {x_local.shape[dim]} along dim {dim} must be a multiple of {per} "
+                         f"({layout} layout)")
+    x_local = x_local.contiguous()
+    shards = [torch.empty_like(x_local) for _ in range(world)]
+    dist.all_gather(shards, x_local, group=group)
+    size = x_local.shape[dim] // per
+    chunks: dict[int, torch.Tensor] = {}
+    for r, shard in enumerate(shards):
+        for a, c in enumerate(rank_chunks(r, world, layout)):
+            chunks[c] = shard.narrow(dim, a * size, size)
+    return torch.cat([chunks[c] for c in range(per * world)], dim=dim)

@@ -1,0 +1,175 @@
+"""Context parallelism on real torch.distributed (gloo, 2 and 4 CPU processes) against the single-process op.
+
+Each test spawns its processes once and runs several cases in them: every rank builds the same whole-sequence
+inputs, runs ``forgetting_attention`` on all of it, and compares its shard of the outputs and of all four
+gradients with ``cp_forgetting_attention`` on the shards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+
+def _inputs(B, T, Hq, Hk, D, Dv, dtype, seed, gate_bias=(3.0,)):
+    """Random inputs; gate_bias per query head (cycled): low biases forget fast, high ones remember."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, Hq, D, generator=g).to(dtype)
+    k = torch.randn(B, T, Hk, D, generator=g).to(dtype)
+    v = torch.randn(B, T, Hk, Dv, generator=g).to(dtype)
+    bias = torch.tensor([gate_bias[h % len(gate_bias)] for h in range(Hq)])
+    log_f = F.logsigmoid(torch.randn(B, T, Hq, generator=g) + bias)
+    return q, k, v, log_f, torch.randn(B, T, Hq, Dv, generator=g).to(dtype)
+
+
+def _check(layout, world, *, B=2, Hq=4, Hk=2, D=16, Dv=8, L=8, dtype=torch.float64, prune=False, gate_bias=(3.0,),
+           seed=0, tol=1e-5, logit_bound=None):
+    from foxlm.ops import forgetting_attention
+    from foxlm.parallel import cp_forgetting_attention, gather_sequence, record_traffic, shard_sequence
+
+    T = L * world * (2 if layout == "zigzag" else 1)
+    q, k, v, log_f, do = _inputs(B, T, Hq, Hk, D, Dv, dtype, seed, gate_bias)
+    full = [t.clone().requires_grad_() for t in (q, k, v, log_f)]
+    ref = forgetting_attention(*full, prune=prune, logit_bound=logit_bound)
+    ref_grads = torch.autograd.grad((ref.float() * do.float()).sum(), full)
+    local = [shard_sequence(t, dim=1, layout=layout).requires_grad_() for t in (q, k, v, log_f)]
+    with record_traffic() as fwd:
+        o = cp_forgetting_attention(*local, layout=layout, prune=prune, logit_bound=logit_bound)
+    with record_traffic() as bwd:
+        grads = torch.autograd.grad((o.float() * shard_sequence(do, dim=1, layout=layout).float()).sum(), local)
+    case = f"{layout} P={world} {dtype} prune={prune}"
+    assert o.dtype == dtype and o.shape == (B, T // world, Hq, Dv)
+    torch.testing.assert_close(o, shard_sequence(ref, dim=1, layout=layout), rtol=tol, atol=tol, msg=case)
+    torch.testing.assert_close(gather_sequence(o.detach(), dim=1, layout=layout), ref.detach(), rtol=tol, atol=tol)
+    for name, got, want in zip(("dq", "dk", "dv", "dlog_f"), grads, ref_grads):
+        torch.testing.assert_close(got, shard_sequence(want, dim=1, layout=layout), rtol=tol, atol=tol,
+                                   msg=f"{case}: {name}")
+    return fwd, bwd
+
+
+def _worker(rank: int, world: int, init: str, body: str) -> None:
+    from foxlm.ops import use_backend
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        with use_backend("torch"):  # the reference: the single-process op's CPU path
+            globals()[body](rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, world: int, body: str) -> None:
+    # fork: the workers start with torch and foxlm already imported (seconds each under spawn); one intra-op
+    # thread in each, as DataLoader workers do, keeps OpenMP safe after the fork
+    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), body), nprocs=world, join=True,
+                       start_method="fork")
+
+
+def _exact(rank, world):
+    """Outputs and all four gradients equal the single-process op's: both layouts, GQA and MHA, low precision."""
+    import foxlm.ops.chunked as chunked
+
+    for layout in ("zigzag", "contiguous"):
+        _check(layout, world)
+        _check(layout, world, Hq=2, Hk=2, D=8, Dv=16, L=5, seed=1)
+    _check("zigzag", world, dtype=torch.float32, seed=2, tol=1e-4)
+    chunked._CHUNK_ELEMENTS = 1  # 16-row query chunks: several per block (this forked worker's copy only)
+    _check("zigzag", world, B=1, L=40, seed=5)
+    _check("contiguous", world, dtype=torch.bfloat16, seed=3, tol=3e-2)
+
+
+def _acp(rank, world):
+    """ACP on a gate profile where KV head 1's query heads forget fast and KV head 0's remember: the pruned op
+    equals the single-process pruned op, the skipped chunks are really not sent (the P2P counters, summed over
+    the ranks, match the plan's bytes), and nothing is skipped for the remembering heads."""
+    from foxlm.parallel import cp_acp_stats, shard_sequence
+
+    bias = (6.0, 6.0, -4.0, -4.0)
+    for layout in ("contiguous", "zigzag"):
+        sent = {}
+        for prune in (False, True):
+            fwd, bwd = _check(layout, world, prune=prune, gate_bias=bias, seed=4)
+            counts = torch.tensor([fwd.sent_bytes, fwd.recv_bytes, bwd.sent_bytes], dtype=torch.float64)
+            dist.all_reduce(counts)
+            sent[prune] = counts
+            # fp64: the backward receives the keys again and returns gradients of the same size
+            assert counts[0] == counts[1] and counts[2] == 2 * counts[0], (layout, prune, counts)
+        q, k, _, log_f, _ = _inputs(2, 8 * world * (2 if layout == "zigzag" else 1), 4, 2, 16, 8, torch.float64, 4,
+                                    bias)
+        stats = cp_acp_stats(*(shard_sequence(t, dim=1, layout=layout) for t in (q, k, log_f)), layout=layout,
+                             value_dim=8)
+        assert sent[False][0] == stats.bytes_total.sum()
+        assert sent[True][0] == stats.bytes_total.sum() - stats.bytes_skipped.sum()
+        assert stats.bytes_skipped[0] == 0 and stats.bytes_skipped[1] > 0, stats
+        assert stats.flops_skipped[:2].eq(0).all() and stats.flops_skipped[2:].gt(0).all(), stats
+        assert (stats.flops_fraction < 1).all()
+    fwd, _ = _check("zigzag", world, prune=True, gate_bias=bias, seed=5, logit_bound=2.0)  # a given U, as QK-norm's
+    given = torch.tensor([fwd.sent_bytes], dtype=torch.float64)
+    dist.all_reduce(given)
+    assert given[0] < sent[True][0]  # U = 2 is below the data's bound: more is skipped
+
+
+def _halo(rank, world):
+    """FoX Pro's token shift on the shards, each chunk given the token before it by ``previous_tokens``, is the
+    shift of the whole sequence, gradients included; ``sequence_positions`` are the shard's global positions."""
+    from foxlm.ops.token_shift import token_shift
+    from foxlm.parallel import previous_tokens, sequence_positions, shard_sequence
+
+    g = torch.Generator().manual_seed(7)
+    B, H, D, L = 2, 3, 4, 3
+    for layout in ("zigzag", "contiguous"):
+        per = 2 if layout == "zigzag" else 1
+        T = L * per * world
+        x, alpha = torch.randn(B, T, H, D, generator=g, dtype=torch.float64), torch.randn(B, T, H, generator=g)
+        dy = torch.randn(B, T, H, D, generator=g, dtype=torch.float64)
+        full = [x.clone().requires_grad_(), alpha.clone().requires_grad_()]
+        ref = token_shift(*full)
+        ref_grads = torch.autograd.grad((ref * dy).sum(), full)
+        local = [shard_sequence(t, dim=1, layout=layout).requires_grad_() for t in (x, alpha)]
+        prev = previous_tokens(local[0], layout=layout)
+        y = torch.cat([token_shift(local[0][:, a * L:(a + 1) * L], local[1][:, a * L:(a + 1) * L], prev=prev[a])
+                       for a in range(per)], dim=1)
+        torch.testing.assert_close(y, shard_sequence(ref, dim=1, layout=layout), rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad((y * shard_sequence(dy, dim=1, layout=layout)).sum(), local)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, shard_sequence(want, dim=1, layout=layout), rtol=1e-12, atol=1e-12)
+        assert torch.equal(sequence_positions(T // world, layout=layout),
+                           shard_sequence(torch.arange(T), dim=0, layout=layout))
+
+
+def _errors(rank, world):
+    from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
+
+    x = torch.randn(1, 6, 2, 4)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        shard_sequence(x, dim=1)  # zigzag over 2 ranks: 4 chunks
+    with pytest.raises(ValueError, match="layout"):
+        shard_sequence(x, dim=1, layout="striped")
+    with pytest.raises(ValueError, match="not differentiable"):
+        gather_sequence(x.requires_grad_(), dim=1, layout="contiguous")
+    q = torch.randn(1, 3, 2, 4)
+    with pytest.raises(ValueError, match="T/P=3 must be a multiple of 2"):
+        cp_forgetting_attention(q, q, q, torch.full((1, 3, 2), -0.1))
+    with pytest.raises(ValueError, match="log_fgate"):
+        cp_forgetting_attention(q, q, q, torch.full((1, 3, 2), 0.5), layout="contiguous")
+
+
+def test_two_processes(tmp_path):
+    _spawn(tmp_path, 2, "_exact")
+
+
+def test_four_processes_acp_skips_sends(tmp_path):
+    _spawn(tmp_path, 4, "_acp")
+
+
+def test_four_processes_token_shift_and_positions(tmp_path):
+    _spawn(tmp_path, 4, "_halo")
+
+
+def test_errors_are_named(tmp_path):
+    _spawn(tmp_path, 2, "_errors")
+
