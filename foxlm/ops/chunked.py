@@ -159,8 +159,8 @@ def _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens) -> Non
         if tuple(c.shape) != shape or c.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"{name}: expected a float32 or float64 gate cumsum {list(shape)}, "
                              f"got {c.dtype} {tuple(c.shape)}")
-    if q_offset is not None and (isinstance(q_offset, bool) or not isinstance(q_offset, int)):
-        raise ValueError(f"q_offset: expected an int or None, got {q_offset!r}")
+    if q_offset is not None and (isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0):
+        raise ValueError(f"q_offset: expected a non-negative int (a key position) or None, got {q_offset!r}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
     rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
