@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 
 
 def register(subparsers) -> None:
@@ -24,7 +23,6 @@ def register(subparsers) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from .config import load_config
-    from .trainer import Trainer, train
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -33,12 +31,15 @@ def _train(args: argparse.Namespace) -> int:
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
+        from .trainer import Trainer, train  # not before --print-config, which needs no trainer
+
         # what can refuse the run (its data, model, out_dir, resume point, init_from) before the first step
         trainer = Trainer(cfg)
         trainer.start()
     except (ValueError, FileNotFoundError) as e:
-        print(f"foxlm train: error: {e}", file=sys.stderr)
-        return 2
+        from foxlm.cli import user_error
+
+        return user_error("train", e)
     summary = train(trainer)
     if summary.get("stopped"):  # the exit status of a process ended by the signal: the job did not finish
         print(f"step {summary['step']}: stopped by {summary['stopped']}; checkpoints in "
