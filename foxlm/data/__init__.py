@@ -3,7 +3,8 @@
 from .corpus import ensure_default_corpus
 from .dataset import ShardedTokens, TokenDataset
 from .prepare import prepare
-from .tokenizer import ByteTokenizer, BPETokenizer, Tokenizer, check_tokenizer, get_tokenizer, tokenizer_from_spec
+from .tokenizer import (BPETokenizer, ByteTokenizer, Tokenizer, check_tokenizer, get_tokenizer, model_tokenizer,
+                        tokenizer_from_spec)
 
 __all__ = [
     "BPETokenizer",
@@ -14,6 +15,7 @@ __all__ = [
     "check_tokenizer",
     "ensure_default_corpus",
     "get_tokenizer",
+    "model_tokenizer",
     "prepare",
     "tokenizer_from_spec",
 ]
