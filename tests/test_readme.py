@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -25,3 +27,24 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     assert 1 <= len(namespace["out"].sequences[0]) <= 64 and 0 < cache["live_pages"] <= cache["full_pages"]
     assert (tmp_path / "fox-pro-tiny" / "model.safetensors").is_file()
     assert all(torch.isfinite(p).all() for p in namespace["model"].parameters())
+
+
+def test_import_foxlm_registers_the_auto_classes_without_loading_torch(tmp_path):
+    """`import foxlm` is cheap (the command line's --help stays instant) and still makes the Auto classes load a
+    foxlm folder, in a fresh process as a user runs it."""
+    code = f"""
+import sys
+import foxlm, foxlm.cli
+foxlm.cli.build_parser()
+assert "torch" not in sys.modules and "transformers" not in sys.modules, "imported at start-up"
+from foxlm.models import FoxConfig, FoxForCausalLM
+FoxForCausalLM(FoxConfig.preset("fox-llama", "tiny", num_hidden_layers=1)).save_pretrained({str(tmp_path)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    load = f"""
+import foxlm
+from transformers import AutoModelForCausalLM
+print(type(AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})).__name__)
+"""
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "FoxForCausalLM", proc.stderr

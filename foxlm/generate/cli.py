@@ -6,8 +6,6 @@ import argparse
 import math
 import sys
 
-import torch
-
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -39,11 +37,13 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from foxlm.data import get_tokenizer
     from foxlm.ops.backend import resolve_device
     from foxlm.train import load_checkpoint_model
 
-    from .generate import generate
+    from .decoding import generate
 
     prompts = list(args.prompt)
     if args.prompt_file:
