@@ -1,4 +1,4 @@
-"""``foxlm generate MODEL --prompt TEXT``: text generation with foxlm's fast path (GPT-2 BPE by default)."""
+"""``foxlm generate MODEL --prompt TEXT``: text generation with foxlm's fast path, in the model's own tokenizer."""
 
 from __future__ import annotations
 
@@ -26,8 +26,9 @@ def register(subparsers) -> None:
     p.add_argument("--tolerance", type=float, default=math.exp(-10),
                    help="attention mass an evicted key may still carry (default e^-10)")
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
-    p.add_argument("--tokenizer", default="gpt2",
-                   help="gpt2 (default), byte, or a folder with encoder.json + vocab.bpe")
+    p.add_argument("--tokenizer", default=None,
+                   help="gpt2, byte, or a folder with encoder.json + vocab.bpe (default: the one the model was trained "
+                        "with, as its config records it; GPT-2 BPE for a model that records none)")
     p.add_argument("--no-eos", dest="stop_at_eos", action="store_false", help="do not stop at <|endoftext|>")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -39,28 +40,25 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from foxlm.data import get_tokenizer
+    from foxlm.data import model_tokenizer
     from foxlm.ops.backend import resolve_device
     from foxlm.train import load_checkpoint_model
 
     from .decoding import generate
 
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: expected a positive number of tokens, got {args.max_new_tokens}")
     prompts = list(args.prompt)
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
             prompts.append(f.read())
     if not prompts:
-        print("foxlm generate: give at least one --prompt or --prompt-file", file=sys.stderr)
-        return 2
-    try:
-        device = resolve_device(args.device)
-    except ValueError as e:
-        print(f"foxlm generate: {e}", file=sys.stderr)
-        return 2
+        raise ValueError("--prompt: give at least one --prompt or --prompt-file")
+    device = resolve_device(args.device)
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
-    tok = get_tokenizer(args.tokenizer)
     model = load_checkpoint_model(args.model).to(device=device, dtype=dtype).eval()
+    tok = model_tokenizer(model.config, args.tokenizer, what=args.model)
     ids = [tok.encode(p) or [tok.eot_id] for p in prompts]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(
