@@ -233,6 +233,25 @@ def test_prepare_streams_with_flat_memory(tmp_path):
     assert peak < size / 4, f"peak {peak} bytes for a {size}-byte file"
 
 
+def test_a_long_run_without_whitespace_is_cut(tmp_path):
+    """A run of text with no whitespace is cut into bounded pieces (the tokenizer holds a whole pre-token), in files
+    and in in-memory documents, and no character is lost."""
+    rng = np.random.default_rng()
+    run = rng.integers(ord("a"), ord("z") + 1, 12_000_000, dtype=np.uint8).tobytes().decode()
+    (tmp_path / "run.txt").write_text("start " + run + " end")
+    limit = 1 << 15
+    pieces = list(split_pieces(run, limit))
+    assert "".join(pieces) == run and max(map(len, pieces)) <= limit
+    tracemalloc.start()
+    meta = prepare([tmp_path / "run.txt"], tmp_path / "out", tokenizer="byte", workers=0, progress=False,
+                   piece_chars=limit, val_fraction=0.0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    doc = next(TokenDataset(tmp_path / "out").documents())
+    assert meta["num_tokens"] == len(run) + 11 and bytes(doc[1:].astype(np.uint8)) == ("start " + run + " end").encode()
+    assert peak < len(run) / 4, f"peak {peak} bytes for a {len(run)}-character run"
+
+
 def test_cli_prepare(tmp_path, plays, capsys):
     rng = random.Random()
     docs = tmp_path / "docs"

@@ -41,6 +41,7 @@ _WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u
     chr(c) for c in range(0x2000, 0x200B))
 _SAFE_CUT = re.compile(f"[^{_WS_CLASS}](?=[{_WS_CLASS}])")
 _CUT_SEARCH = 4096
+RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
 
 
 def safe_cut(text: str, limit: int) -> int:
@@ -58,16 +59,22 @@ def safe_cut(text: str, limit: int) -> int:
 
 
 def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
-    """Cut ``text`` into pieces of about ``piece_chars`` at safe places (see ``safe_cut``)."""
+    """Cut ``text`` into pieces of about ``piece_chars`` at safe places (see ``safe_cut``); a run with no safe place
+    within ``RUN_PIECES`` pieces is cut where it is (see ``forced_cut``)."""
     while len(text) > piece_chars:
-        cut = safe_cut(text, piece_chars)
-        if cut == 0:  # a long run without a safe place: take the first one after the limit
-            if (m := _SAFE_CUT.search(text, piece_chars)) is None:
-                break
-            cut = m.end()
-        yield text[:cut]
+        yield text[:(cut := safe_cut(text, piece_chars) or forced_cut(text, piece_chars))]
         text = text[cut:]
     yield text
+
+
+def forced_cut(text: str, piece_chars: int) -> int:
+    """Where to cut ``text`` that has no safe place near ``piece_chars``: the first safe place after it, or, in a run
+    of more than ``RUN_PIECES * piece_chars`` characters without whitespace, ``piece_chars`` itself.
+
+    The tokenizer holds a whole pre-token in memory (a 100 MB run took GBs), so such runs are split as tiktoken's
+    users do; the ids differ from the unsplit run's only at the cut."""
+    m = _SAFE_CUT.search(text, piece_chars, RUN_PIECES * piece_chars)
+    return m.end() if m is not None else min(piece_chars, len(text))
 
 
 def document_events(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[Event]:
@@ -196,7 +203,11 @@ def _text_file_events(src: Source, on_bytes, piece_chars: int) -> Iterator[Event
         while block := stream.read(piece_chars):
             buf += decoder.decode(block)
             seen_text = seen_text or bool(buf.strip())
-            while len(buf) > piece_chars and (cut := safe_cut(buf, piece_chars)):
+            while len(buf) > piece_chars:
+                if not (cut := safe_cut(buf, piece_chars)):
+                    if len(buf) <= RUN_PIECES * piece_chars:  # the run may end in the next block
+                        break
+                    cut = forced_cut(buf, piece_chars)
                 yield "piece", buf[:cut]
                 buf = buf[cut:]
         buf += decoder.decode(b"", final=True)
