@@ -43,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' "Loading weights" / "Writing model shards" bars on every checkpoint: not what a command shows
+    # (read when transformers is first imported, which the command line does only later; =0 brings them back)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "func", None):

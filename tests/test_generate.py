@@ -201,6 +201,13 @@ def test_generate_cli(tmp_path, capsys):
     assert "error: --prompt: give at least one" in capsys.readouterr().err
 
 
+def test_generate_cli_prints_only_what_was_asked(tmp_path):
+    """No progress bars of transformers' loading in a command's output."""
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", num_hidden_layers=1)).save_pretrained(tmp_path / "m")
+    proc = foxlm("generate", tmp_path / "m", "--prompt", "Hi", "--max-new-tokens", "2", "--device", "cpu")
+    assert proc.returncode == 0 and proc.stdout.startswith("Hi") and "Loading weights" not in proc.stderr, proc.stderr
+
+
 def test_generate_cli_mistakes_are_one_line(tmp_path):
     missing = foxlm("generate", tmp_path / "nothing", "--prompt", "Hi")
     assert f"{tmp_path / 'nothing'} is not a run folder" in one_line_error(missing, "generate")
