@@ -8,8 +8,10 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
+import time
 import tracemalloc
 
 import numpy as np
@@ -339,6 +341,32 @@ def test_prepare_removes_what_killed_runs_left(tmp_path):
     prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
     assert not any(f.exists() for f in stale)
     assert TokenDataset(tmp_path / "out").num_docs == 1
+
+
+def test_ctrl_c_stops_prepare_and_leaves_nothing(tmp_path, plays):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) ends a prepare with worker processes promptly:
+    status 130, one line, no temporary folder (the workers used to die mid-reply and leave the parent waiting)."""
+    text = "".join(p.read_text() for p in plays[:8])
+    (tmp_path / "docs").mkdir()
+    for i in range(30):
+        (tmp_path / "docs" / f"{i}.txt").write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "FOXLM_DEBUG"}
+    proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "data", "prepare", str(tmp_path / "docs"), "--out",
+                             str(tmp_path / "out"), "--workers", "2", "--no-progress"], env=env,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # tokenizing in the pool
+    assert proc.poll() is None, "finished before the interrupt: give it more text"
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("prepare hung after Ctrl-C") from None
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "foxlm data prepare: interrupted", err
+    assert not list(tmp_path.glob(".out*")) and not (tmp_path / "out").exists()
 
 
 def test_unreadable_subfolder_is_reported(tmp_path, monkeypatch, capsys):
