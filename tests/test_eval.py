@@ -396,6 +396,18 @@ def test_harness_device_is_resolved_as_foxlm_does():
             with_device(["--model", "hf", "--device", "cuda"])
 
 
+def test_harness_model_uses_the_recorded_tokenizer(tmp_path):
+    """A byte-level run's model has no transformers tokenizer: said at once, not scored with GPT-2 ids."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    cfg = _config(num_hidden_layers=1)
+    cfg.foxlm_tokenizer = get_tokenizer("byte").spec()
+    FoxForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="the byte tokenizer has none"):
+        FoxLM(pretrained=str(tmp_path / "m"), device="cpu")
+
+
 def test_harness_without_lm_eval_names_the_extra(tmp_path):
     """Where lm-eval is not installed (the README's first command does not install it), one line says how."""
     (tmp_path / "lm_eval").mkdir()  # shadows the installed package as an absent one

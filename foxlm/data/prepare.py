@@ -179,19 +179,20 @@ def remove_stale_temporaries(out_dir: Path) -> None:
 
 def _alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
+        os.kill(pid, 0)  # signal 0: only whether the process exists (PermissionError: another user's, alive)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's process
-        return True
+    except PermissionError:
+        pass
     return True
 
 
 class _Documents:
     """Routes tokenized events into documents: the train/val split, the writers, and the skipped documents."""
 
-    def __init__(self, sources: list[Source], writers: dict[str, _SplitWriter], val_fraction: float, report):
-        self.sources, self.writers, self.val_fraction, self.report = sources, writers, val_fraction, report
+    def __init__(self, sources: list[Source], writers: dict[str, _SplitWriter], val_fraction: float):
+        self.sources, self.writers, self.val_fraction = sources, writers, val_fraction
+        self.report = lambda line: print(line, file=sys.stderr)  # _tokenize routes it through its progress bar
         self.doc_index, self.open_split = 0, None
         self.skipped: collections.Counter = collections.Counter()
         self.examples: list[dict] = []
@@ -315,7 +316,7 @@ def prepare(
     tmp.mkdir(parents=True)
     try:
         writers = {s: _SplitWriter(tmp, s, dtype, tok.eot_id, shard_tokens) for s in ("train", "val")}
-        docs = _Documents(sources, writers, val_fraction, report=print)
+        docs = _Documents(sources, writers, val_fraction)
         _tokenize(sources, docs, tokenizer, dtype, text_key, workers, piece_chars, progress)
         meta = _meta(tok, dtype, val_fraction, text_key, {name: w.finish() for name, w in writers.items()}, docs)
         if meta["num_docs"] == 0:

@@ -68,7 +68,8 @@ class FoxLM(HFLM):
 
     model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...); ``device``
     (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
-    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or BPE folder) defaults to GPT-2 BPE.
+    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or BPE folder) defaults to the one
+    the model's config records, else GPT-2 BPE.
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
@@ -82,7 +83,8 @@ class FoxLM(HFLM):
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
         model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
-        tok = hf_tokenizer(tokenizer or "gpt2")
+        recorded = getattr(model.config, "foxlm_tokenizer", None)  # what `foxlm train` trained it with
+        tok = hf_tokenizer(tokenizer or (recorded["name"].removeprefix("bpe:") if recorded else "gpt2"))
         super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
 
 
