@@ -1,20 +1,41 @@
-"""``foxlm`` command line: ``foxlm {train,data,eval,generate,convert} ...``.
+"""``foxlm`` command line: ``foxlm [--debug] {train,data,eval,generate,convert} ...``.
 
 Each subcommand lives beside the code it drives (``foxlm/<area>/cli.py``) and registers itself here
-through ``register(subparsers)``; this module only dispatches.
+through ``register(subparsers)``; this module dispatches and turns a user's mistake into one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 _AREAS = ("train", "data", "eval", "generate", "models")  # models: convert
+# What a user's input causes (a bad argument or device, a missing or existing path); any other
+# exception is a bug and keeps its traceback.
+USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+               PermissionError)
+
+
+def debug_enabled() -> bool:
+    """Whether tracebacks are wanted for user errors too (``foxlm --debug`` or ``FOXLM_DEBUG=1``)."""
+    return os.environ.get("FOXLM_DEBUG", "") not in ("", "0")
+
+
+def user_error(command: str, exc: BaseException) -> int:
+    """Report ``exc`` as ``foxlm COMMAND: error: ...`` on stderr and return the exit status 2; under ``--debug``
+    re-raise it with its traceback."""
+    if debug_enabled():
+        raise exc
+    print(f"foxlm {command}: error: {exc}", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foxlm", description="The Forgetting Transformer toolkit.")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (also: FOXLM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for area in _AREAS:
         importlib.import_module(f"foxlm.{area}.cli").register(sub)
@@ -22,12 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers' "Loading weights" / "Writing model shards" bars on every checkpoint: not what a command shows
+    # (read when transformers is first imported, which the command line does only later; =0 brings them back)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    if args.debug:
+        os.environ["FOXLM_DEBUG"] = "1"  # torchrun's workers and other subprocesses see it too
+    command = " ".join(x for x in (args.command, getattr(args, f"{args.command}_command", None)) if x)
+    try:
+        return int(args.func(args) or 0)
+    except USER_ERRORS as e:
+        return user_error(command, e)
+    except KeyboardInterrupt:
+        print(f"foxlm {command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

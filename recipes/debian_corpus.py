@@ -149,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.update:
         subprocess.run(["apt-get", "update", "-qq"], check=True)
+    unknown = [p for p in PACKAGES if subprocess.run(["apt-cache", "show", p], capture_output=True).returncode != 0]
+    if unknown:
+        hint = ("check that your apt sources hold them (Debian 13 / Ubuntu names)" if args.update else
+                "run the recipe once with --update (apt-get update: this machine's package lists may be empty)")
+        print(f"apt knows no package {', '.join(unknown)}: {hint}", file=sys.stderr)
+        return 2
     work = Path(args.work)
     root = download(PACKAGES, work)
     counts = collect(root, work / "text")

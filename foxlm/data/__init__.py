@@ -4,6 +4,7 @@ from .corpus import ensure_default_corpus
 from .dataset import ShardedTokens, TokenDataset
 from .prepare import prepare
 from .tokenizer import (BPETokenizer, ByteTokenizer, JSONGPT2Tokenizer, Tokenizer, check_tokenizer, get_tokenizer,
+                        model_tokenizer,
                         tokenizer_from_spec)
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "check_tokenizer",
     "ensure_default_corpus",
     "get_tokenizer",
+    "model_tokenizer",
     "prepare",
     "tokenizer_from_spec",
 ]

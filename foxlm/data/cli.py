@@ -16,10 +16,12 @@ def register(subparsers) -> None:
     p.add_argument("--tokenizer", default="gpt2", help="'gpt2', 'byte' or a folder with encoder.json + vocab.bpe")
     p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out (default 0.01)")
     p.add_argument("--text-key", default="text", help="field/column holding the text (jsonl, parquet, datasets)")
-    p.add_argument("--glob", default="**/*", help="which files to take inside folders (default: all, recursively)")
+    p.add_argument("--glob", default="*", help="file-name pattern to take inside folders, at any depth, e.g. '*.md' "
+                                               "(default: all files; a pattern with '/' globs paths)")
     p.add_argument("--workers", type=int, default=None, help="tokenizer processes (default: all CPUs; 0: in-process)")
     p.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard before starting a new one")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset in --out")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the dataset in --out (only a folder holding nothing but a foxlm dataset)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_prepare)
 

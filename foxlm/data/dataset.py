@@ -83,6 +83,7 @@ class TokenDataset:
             offsets.append(idx[1:] + base)
             base += shard["num_tokens"]
         self.doc_offsets = np.concatenate(offsets)
+        self._shard_tokens = arrays
         if not arrays:
             self.tokens = np.zeros(0, dtype=dtype)
         else:
@@ -106,6 +107,15 @@ class TokenDataset:
 
     def tokenizer(self) -> Tokenizer:
         return tokenizer_from_spec(self.meta["tokenizer"])
+
+    def check_ids(self, vocab_size: int) -> None:
+        """Raise ``ValueError`` naming the shard if a token id is ``>= vocab_size`` (an embedding lookup would fail
+        mid-training). Cheap: each shard's largest id is in ``meta.json`` (read from the shard if it is not)."""
+        for shard, tokens in zip(self.meta["splits"][self.split]["shards"], self._shard_tokens):
+            largest = shard["max_id"] if "max_id" in shard else int(tokens.max(initial=0))
+            if largest >= vocab_size:
+                raise ValueError(f"data: {self.path / shard['tokens']} holds token id {largest}, outside the model's "
+                                 f"vocabulary of {vocab_size}; prepare the data with the model's tokenizer")
 
     def verify(self) -> None:
         """Check every shard's sha256 against ``meta.json`` (reads all the data)."""

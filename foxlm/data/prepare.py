@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import collections
 import datetime
+import glob
 import json
 import multiprocessing as mp
 import os
+import re
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Iterator
@@ -29,11 +32,12 @@ from typing import Iterator
 import numpy as np
 
 from .assets import replace_folder, sha256_file
-from .sources import FORMAT, PIECE_CHARS, Source, find_sources, source_events, source_size
+from .sources import FORMAT, PIECE_CHARS, Source, find_sources, is_token_dataset, source_events, source_size
 from .tokenizer import Tokenizer, get_tokenizer
 
 BATCH_CHARS = 1 << 18
 MAX_SKIP_EXAMPLES = 100
+_SHARD_FILE = re.compile(r"(train|val)-\d{5}\.(bin|idx)")
 
 _worker_tok: Tokenizer | None = None
 
@@ -62,6 +66,7 @@ class _SplitWriter:
         self._bin = None
         self._offsets: list[int] = []
         self._pos = self._doc_start = 0
+        self._max_id = -1
 
     @property
     def num_tokens(self) -> int:
@@ -78,6 +83,8 @@ class _SplitWriter:
     def write(self, ids: np.ndarray) -> None:
         self._bin.write(ids.astype(self.dtype, copy=False).tobytes())
         self._pos += len(ids)
+        if len(ids):
+            self._max_id = max(self._max_id, int(ids.max()))
 
     def end(self) -> int:
         """Close the current document; return its length in tokens (with the leading eot)."""
@@ -99,9 +106,9 @@ class _SplitWriter:
         idx = Path(name).with_suffix(".idx")
         np.asarray(self._offsets, dtype=np.int64).tofile(idx)
         self.shards.append({"tokens": Path(name).name, "offsets": idx.name, "num_tokens": self._pos,
-                            "num_docs": len(self._offsets) - 1,
+                            "num_docs": len(self._offsets) - 1, "max_id": self._max_id,
                             "sha256": {"tokens": sha256_file(name), "offsets": sha256_file(idx)}})
-        self._bin, self._pos = None, 0
+        self._bin, self._pos, self._max_id = None, 0, -1
 
     def finish(self) -> dict:
         if self._bin is not None:
@@ -129,6 +136,147 @@ def _batches(sources: list[Source], text_key: str, on_bytes, piece_chars: int) -
         yield batch
 
 
+def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: bool) -> None:
+    """Refuse an ``out_dir`` that is, or lies inside, an input, and one that holds anything but a foxlm dataset.
+
+    ``overwrite`` replaces only a folder that is recognizably a dataset ``prepare`` wrote and holds nothing else,
+    so no user file is ever deleted.
+    """
+    resolved = out_dir.resolve()
+    for raw in inputs:
+        src = Path(raw).expanduser().resolve()
+        if resolved == src or src in resolved.parents:
+            raise ValueError(f"out_dir (--out): {out_dir} is or lies inside the input {raw}; write the dataset to a "
+                             "folder outside the inputs")
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise FileExistsError(f"out_dir (--out): {out_dir} is a file; expected a new or empty folder")
+    entries = sorted(e.name for e in out_dir.iterdir())
+    if not entries:
+        return
+    if not is_token_dataset(out_dir):
+        raise FileExistsError(f"out_dir (--out): {out_dir} holds files and is not a foxlm dataset; "
+                              "choose a new or empty folder")
+    if not overwrite:
+        raise FileExistsError(f"out_dir (--out): {out_dir} already holds a dataset; pass overwrite=True / --overwrite "
+                              "to replace it")
+    foreign = [name for name in entries if name != "meta.json" and not _SHARD_FILE.fullmatch(name)]
+    if foreign:
+        raise FileExistsError(f"out_dir (--out): {out_dir} holds a dataset and other files ({', '.join(foreign[:5])})"
+                              "; --overwrite replaces only a folder that holds nothing but a dataset")
+
+
+def remove_stale_temporaries(out_dir: Path) -> None:
+    """Delete the ``.NAME.tmp-PID`` / ``.NAME.old-PID`` folders that killed runs left beside ``out_dir``."""
+    if not out_dir.parent.is_dir():
+        return
+    for entry in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"):
+        kind, _, pid = entry.name[len(out_dir.name) + 2:].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and entry.is_dir() and not _alive(int(pid)):
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only whether the process exists (PermissionError: another user's, alive)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+class _Documents:
+    """Routes tokenized events into documents: the train/val split, the writers, and the skipped documents."""
+
+    def __init__(self, sources: list[Source], writers: dict[str, _SplitWriter], val_fraction: float):
+        self.sources, self.writers, self.val_fraction = sources, writers, val_fraction
+        self.report = lambda line: print(line, file=sys.stderr)  # _tokenize routes it through its progress bar
+        self.doc_index, self.open_split = 0, None
+        self.skipped: collections.Counter = collections.Counter()
+        self.examples: list[dict] = []
+
+    def consume(self, batch: list, arrays: list[np.ndarray]) -> None:
+        """Apply one batch of events, with the token arrays of its pieces in order."""
+        it = iter(arrays)
+        for si, kind, payload in batch:
+            src = self.sources[si]
+            if kind == "piece":
+                if self.open_split is None:
+                    i, f = self.doc_index, self.val_fraction
+                    self.open_split = "val" if int((i + 1) * f) > int(i * f) else "train"
+                    self.doc_index += 1
+                    self.writers[self.open_split].begin()
+                self.writers[self.open_split].write(next(it))
+            elif kind == "end":
+                src.documents += 1
+                src.tokens += self.writers[self.open_split].end()
+                self.open_split = None
+            else:
+                self._skip(src, *payload)
+
+    def _skip(self, src: Source, category: str, detail: str) -> None:
+        if self.open_split is not None:  # its index goes to the next document
+            self.writers[self.open_split].abort()
+            self.open_split, self.doc_index = None, self.doc_index - 1
+        src.skipped += 1
+        self.skipped[category] += 1
+        if len(self.examples) < MAX_SKIP_EXAMPLES:
+            self.examples.append({"source": str(src.path), "reason": category, "detail": detail})
+            self.report(f"skipped {src.path}: {category} ({detail})")
+
+    def counts(self) -> dict:
+        """Documents and tokens so far, for the progress bar."""
+        return {"docs": sum(s.documents for s in self.sources),
+                "tokens": sum(w.num_tokens for w in self.writers.values())}
+
+
+def _ignore_sigint(name: str) -> None:
+    """Pool initializer: Ctrl-C is the parent's to handle (it terminates the pool); a worker that raised
+    KeyboardInterrupt itself could leave the pool's result pipe half-read and the parent waiting forever."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(name)
+
+
+def _tokenize(sources: list[Source], docs: _Documents, tokenizer: str, dtype: str, text_key: str, workers: int,
+              piece_chars: int, progress: bool) -> None:
+    """Read every source, tokenize its pieces in ``workers`` processes (0: here) and hand them to ``docs``."""
+    from tqdm.auto import tqdm
+
+    total_bytes = sum(source_size(s) for s in sources if s.error is None and s.path.exists())
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
+               file=sys.stderr, dynamic_ncols=True)
+    docs.report = lambda line: bar.write(line, file=sys.stderr)
+    pool = None
+    if workers > 0:
+        ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
+        pool = ctx.Pool(workers, initializer=_ignore_sigint, initargs=(tokenizer,))
+    else:
+        _init_worker(tokenizer)
+    try:
+        in_flight: collections.deque = collections.deque()
+        for batch in _batches(sources, text_key, bar.update, piece_chars):
+            texts = [p for _, kind, p in batch if kind == "piece"]
+            if pool is None:
+                docs.consume(batch, _encode_batch(texts, dtype))
+            else:
+                in_flight.append((batch, pool.apply_async(_encode_batch, (texts, dtype))))
+                while len(in_flight) > 4 * workers:
+                    b, res = in_flight.popleft()
+                    docs.consume(b, res.get())
+            bar.set_postfix(docs.counts(), refresh=False)
+        while in_flight:
+            b, res = in_flight.popleft()
+            docs.consume(b, res.get())
+        bar.set_postfix(docs.counts(), refresh=True)  # the batches still in flight at the end are counted too
+    finally:
+        bar.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+
 def prepare(
     inputs: list[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -136,7 +284,7 @@ def prepare(
     tokenizer: str = "gpt2",
     val_fraction: float = 0.01,
     text_key: str = "text",
-    pattern: str = "**/*",
+    pattern: str = "*",
     workers: int | None = None,
     shard_tokens: int = 1 << 28,
     piece_chars: int = PIECE_CHARS,
@@ -146,18 +294,16 @@ def prepare(
     """Tokenize ``inputs`` (files, folders, ``datasets`` folders) into shards under ``out_dir``; return the meta.
 
     ``workers``: tokenizer processes (default: all CPUs; 0 tokenizes in this process). ``pattern`` selects files
-    inside folders. Skipped documents (bad UTF-8, empty, unreadable, bad JSON) are reported on stderr and listed
-    in ``meta.json``.
+    inside folders, at any depth (see ``find_sources``). Skipped documents (bad UTF-8, empty, unreadable, bad JSON)
+    are reported on stderr and listed in ``meta.json``. ``overwrite`` replaces only a previous dataset.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction: expected a value in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens: expected a positive count, got {shard_tokens}")
     out_dir = Path(out_dir).expanduser()
-    if (out_dir / "meta.json").exists() and not overwrite:
-        raise FileExistsError(f"out_dir: {out_dir} already holds a dataset (pass overwrite=True / --overwrite)")
-    if out_dir.exists() and not (out_dir / "meta.json").exists() and any(out_dir.iterdir()):
-        raise FileExistsError(f"out_dir: {out_dir} exists and is not a foxlm dataset; refusing to replace it")
+    check_out_dir(out_dir, inputs, overwrite)
+    remove_stale_temporaries(out_dir)
     tok = get_tokenizer(tokenizer)
     sources = find_sources(inputs, pattern)
     if not sources:
@@ -166,83 +312,31 @@ def prepare(
     workers = (os.cpu_count() or 1) if workers is None else workers
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's, whose PID this process has now
     tmp.mkdir(parents=True)
-    writers = {s: _SplitWriter(tmp, s, dtype, tok.eot_id, shard_tokens) for s in ("train", "val")}
-    skipped: collections.Counter = collections.Counter()
-    examples: list[dict] = []
-
-    from tqdm.auto import tqdm
-
-    total_bytes = sum(source_size(s) for s in sources if s.path.exists())
-    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
-    pool = None
-    if workers > 0:
-        ctx = mp.get_context("fork" if sys.platform == "linux" else "spawn")
-        pool = ctx.Pool(workers, initializer=_init_worker, initargs=(tokenizer,))
-    else:
-        _init_worker(tokenizer)
     try:
-        in_flight: collections.deque = collections.deque()
-        doc_index, open_split = 0, None
-
-        def consume(batch: list, arrays: list[np.ndarray]) -> None:
-            nonlocal doc_index, open_split
-            it = iter(arrays)
-            for si, kind, payload in batch:
-                src = sources[si]
-                if kind == "piece":
-                    if open_split is None:
-                        is_val = int((doc_index + 1) * val_fraction) > int(doc_index * val_fraction)
-                        open_split = "val" if is_val else "train"
-                        doc_index += 1
-                        writers[open_split].begin()
-                    writers[open_split].write(next(it))
-                elif kind == "end":
-                    src.documents += 1
-                    src.tokens += writers[open_split].end()
-                    open_split = None
-                else:  # skip
-                    if open_split is not None:  # its index goes to the next document
-                        writers[open_split].abort()
-                        open_split, doc_index = None, doc_index - 1
-                    category, detail = payload
-                    src.skipped += 1
-                    skipped[category] += 1
-                    if len(examples) < MAX_SKIP_EXAMPLES:
-                        examples.append({"source": str(src.path), "reason": category, "detail": detail})
-                        bar.write(f"skipped {src.path}: {category} ({detail})", file=sys.stderr)
-
-        def show_counts(refresh: bool) -> None:
-            bar.set_postfix(docs=sum(s.documents for s in sources), tokens=sum(w.num_tokens for w in writers.values()),
-                            refresh=refresh)
-
-        for batch in _batches(sources, text_key, bar.update, piece_chars):
-            texts = [p for _, kind, p in batch if kind == "piece"]
-            if pool is None:
-                consume(batch, _encode_batch(texts, dtype))
-            else:
-                in_flight.append((batch, pool.apply_async(_encode_batch, (texts, dtype))))
-                while len(in_flight) > 4 * workers:
-                    b, res = in_flight.popleft()
-                    consume(b, res.get())
-            show_counts(refresh=False)
-        while in_flight:
-            b, res = in_flight.popleft()
-            consume(b, res.get())
-        show_counts(refresh=True)  # the batches still in flight at the end are counted too
-        splits = {name: w.finish() for name, w in writers.items()}
+        writers = {s: _SplitWriter(tmp, s, dtype, tok.eot_id, shard_tokens) for s in ("train", "val")}
+        docs = _Documents(sources, writers, val_fraction)
+        _tokenize(sources, docs, tokenizer, dtype, text_key, workers, piece_chars, progress)
+        meta = _meta(tok, dtype, val_fraction, text_key, {name: w.finish() for name, w in writers.items()}, docs)
+        if meta["num_docs"] == 0:
+            raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: "
+                             f"{meta['skipped']['by_reason']})")
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        bar.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
+    if docs.skipped:
+        print(f"skipped {sum(docs.skipped.values())} documents: {dict(docs.skipped)}", file=sys.stderr)
+    if val_fraction > 0 and meta["splits"]["val"]["num_docs"] == 0:
+        print(f"no document held out: val_fraction={val_fraction} of {meta['num_docs']} documents rounds to none, so "
+              f"training reports no validation loss (raise --val-fraction)", file=sys.stderr)
+    replace_folder(tmp, out_dir)
+    return meta
 
-    meta = {
+
+def _meta(tok: Tokenizer, dtype: str, val_fraction: float, text_key: str, splits: dict, docs: _Documents) -> dict:
+    return {
         "format": FORMAT,
         "tokenizer": tok.spec(),
         "dtype": dtype,
@@ -252,19 +346,7 @@ def prepare(
         "num_tokens": sum(s["num_tokens"] for s in splits.values()),
         "num_docs": sum(s["num_docs"] for s in splits.values()),
         "splits": splits,
-        "sources": [s.record() for s in sources],
-        "skipped": {"count": sum(skipped.values()), "by_reason": dict(skipped), "examples": examples},
+        "sources": [s.record() for s in docs.sources],
+        "skipped": {"count": sum(docs.skipped.values()), "by_reason": dict(docs.skipped), "examples": docs.examples},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    if skipped:
-        print(f"skipped {sum(skipped.values())} documents: {dict(skipped)}", file=sys.stderr)
-    if meta["num_docs"] == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: {dict(skipped)})")
-    if val_fraction > 0 and splits["val"]["num_docs"] == 0:
-        print(f"no document held out: val_fraction={val_fraction} of {meta['num_docs']} documents rounds to none, so "
-              f"training reports no validation loss (raise --val-fraction)", file=sys.stderr)
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    replace_folder(tmp, out_dir)
-    return meta

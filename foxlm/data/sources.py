@@ -17,6 +17,7 @@ A document opens with its first event. ``Source`` keeps per-input statistics and
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import gzip
 import hashlib
 import io
@@ -40,6 +41,7 @@ _WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u
     chr(c) for c in range(0x2000, 0x200B))
 _SAFE_CUT = re.compile(f"[^{_WS_CLASS}](?=[{_WS_CLASS}])")
 _CUT_SEARCH = 4096
+RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
 
 
 def safe_cut(text: str, limit: int) -> int:
@@ -57,16 +59,22 @@ def safe_cut(text: str, limit: int) -> int:
 
 
 def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
-    """Cut ``text`` into pieces of about ``piece_chars`` at safe places (see ``safe_cut``)."""
+    """Cut ``text`` into pieces of about ``piece_chars`` at safe places (see ``safe_cut``); a run with no safe place
+    within ``RUN_PIECES`` pieces is cut where it is (see ``forced_cut``)."""
     while len(text) > piece_chars:
-        cut = safe_cut(text, piece_chars)
-        if cut == 0:  # a long run without a safe place: take the first one after the limit
-            if (m := _SAFE_CUT.search(text, piece_chars)) is None:
-                break
-            cut = m.end()
-        yield text[:cut]
+        yield text[:(cut := safe_cut(text, piece_chars) or forced_cut(text, piece_chars))]
         text = text[cut:]
     yield text
+
+
+def forced_cut(text: str, piece_chars: int) -> int:
+    """Where to cut ``text`` that has no safe place near ``piece_chars``: the first safe place after it, or, in a run
+    of more than ``RUN_PIECES * piece_chars`` characters without whitespace, ``piece_chars`` itself.
+
+    The tokenizer holds a whole pre-token in memory (a 100 MB run took GBs), so such runs are split as tiktoken's
+    users do; the ids differ from the unsplit run's only at the cut."""
+    m = _SAFE_CUT.search(text, piece_chars, RUN_PIECES * piece_chars)
+    return m.end() if m is not None else min(piece_chars, len(text))
 
 
 def document_events(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[Event]:
@@ -135,9 +143,13 @@ def is_token_dataset(path: Path) -> bool:
         return False
 
 
-def find_sources(inputs: list[str | os.PathLike], pattern: str = "**/*") -> list[Source]:
-    """Expand files and folders (recursively, hidden entries and prepared token datasets skipped, sorted) into
-    sources."""
+def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[Source]:
+    """Expand files and folders into sources, sorted within each folder.
+
+    Inside folders: the files whose name matches ``pattern`` (e.g. ``*.md``) at any depth, or, for a pattern with a
+    ``/``, the files it globs; hidden entries and prepared token datasets are skipped, and a subfolder that cannot be
+    listed becomes an ``unreadable`` source (reported and counted like an unreadable file).
+    """
     sources: list[Source] = []
     for raw in inputs:
         path = Path(raw).expanduser()
@@ -146,18 +158,33 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "**/*") -> list
         if path.is_dir() and _is_hf_dataset(path):
             sources.append(Source(path, "hf"))
         elif path.is_dir():
-            datasets = {m.parent for m in path.glob("**/meta.json") if is_token_dataset(m.parent)}
-            for folder in sorted(datasets):
-                print(f"skipped {folder}: prepared token shards, not text", file=sys.stderr)
-            files = sorted(p for p in path.glob(pattern)
-                           if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                           and not datasets.intersection(p.parents))
-            sources.extend(Source(p, _kind(p)) for p in files)
+            sources.extend(_folder_sources(path, pattern))
         elif path.exists():
             sources.append(Source(path, _kind(path)))
         else:
             raise FileNotFoundError(f"inputs: {path} does not exist")
     return sources
+
+
+def _folder_sources(root: Path, pattern: str) -> list[Source]:
+    found: list[Source] = []
+    def unreadable(e: OSError) -> None:
+        found.append(Source(Path(e.filename), "text", error=f"{type(e).__name__}: {e.strerror}"))
+
+    walked: list[Path] = []
+    for folder, dirs, files in os.walk(root, onerror=unreadable):
+        here = Path(folder)
+        if here != root and is_token_dataset(here):
+            print(f"skipped {here}: prepared token shards, not text", file=sys.stderr)
+            dirs.clear()
+            continue
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        walked += [here / f for f in files if not f.startswith(".") and ("/" in pattern or fnmatch.fnmatch(f, pattern))]
+    if "/" in pattern:  # a path pattern: what it globs, among the files the walk admitted
+        globbed = set(root.glob(pattern))
+        walked = [f for f in walked if f in globbed]
+    found += [Source(p, _kind(p)) for p in walked if p.is_file()]
+    return sorted(found, key=lambda s: s.path)
 
 
 def _open_binary(path: Path, on_bytes: Callable[[int], None]) -> tuple[io.BufferedReader, _HashingReader]:
@@ -176,7 +203,11 @@ def _text_file_events(src: Source, on_bytes, piece_chars: int) -> Iterator[Event
         while block := stream.read(piece_chars):
             buf += decoder.decode(block)
             seen_text = seen_text or bool(buf.strip())
-            while len(buf) > piece_chars and (cut := safe_cut(buf, piece_chars)):
+            while len(buf) > piece_chars:
+                if not (cut := safe_cut(buf, piece_chars)):
+                    if len(buf) <= RUN_PIECES * piece_chars:  # the run may end in the next block
+                        break
+                    cut = forced_cut(buf, piece_chars)
                 yield "piece", buf[:cut]
                 buf = buf[cut:]
         buf += decoder.decode(b"", final=True)
@@ -279,6 +310,9 @@ def source_events(src: Source, text_key: str, on_bytes: Callable[[int], None],
                "jsonl": lambda: _jsonl_events(src, text_key, on_bytes, piece_chars),
                "parquet": lambda: _parquet_events(src, text_key, on_bytes, piece_chars),
                "hf": lambda: _hf_events(src, text_key, on_bytes, piece_chars)}
+    if src.error is not None:  # found unreadable (a folder that could not be listed)
+        yield "skip", ("unreadable", src.error)
+        return
     try:
         src.bytes = source_size(src)
         yield from readers[src.kind]()

@@ -153,3 +153,24 @@ def check_tokenizer(tok: Tokenizer, spec: dict, what: str = "tokenizer") -> None
     """Raise ``ValueError`` unless ``tok`` matches a recorded ``spec`` (name, vocabulary, eot id, files)."""
     if tok.spec() != spec:
         raise ValueError(f"{what}: {tok.spec()} does not match the data's recorded tokenizer {spec}")
+
+
+def model_tokenizer(config, name: str | None = None, what: str = "model") -> Tokenizer:
+    """The tokenizer of a model: the one ``foxlm train`` recorded in its config (``foxlm_tokenizer``), else GPT-2 BPE.
+
+    ``name`` asks for a tokenizer explicitly; it must then be the recorded one. Raises ``ValueError`` when the
+    tokenizer's ids do not fit the model's vocabulary (``config.vocab_size``).
+    """
+    spec = getattr(config, "foxlm_tokenizer", None)
+    if name is not None:
+        tok = get_tokenizer(name)
+        if spec is not None and tok.spec() != spec:
+            raise ValueError(f"tokenizer: {what} was trained with {spec['name']!r}; {name!r} would give it ids it "
+                             "never saw (leave --tokenizer out to use the recorded one)")
+    else:
+        tok = tokenizer_from_spec(spec) if spec is not None else get_tokenizer("gpt2")
+    if tok.vocab_size > config.vocab_size:
+        raise ValueError(f"tokenizer: {what} records no tokenizer and {tok.name} ({tok.vocab_size} ids) does not fit "
+                         f"its vocabulary of {config.vocab_size}; pass --tokenizer"
+                         if spec is None else f"tokenizer: {tok.name} does not fit {what}'s vocabulary")
+    return tok

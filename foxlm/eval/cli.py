@@ -10,6 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+MIN_SEQUENCES = 16  # fewer sequences than this give a noisy per-token curve (e.g. one held-out play)
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -61,9 +63,10 @@ def register(subparsers) -> None:
                            "checkpoint with and without it: the FoX paper's no-loss-change check)")
     loss.add_argument("--acp-tolerance", type=float, default=None,
                       help="ACP's epsilon, the attention mass it may drop from a row (default: the checkpoint's)")
-    loss.add_argument("--windows", choices=("first", "all"), default="first",
+    loss.add_argument("--windows", choices=("auto", "first", "all"), default="auto",
                       help="first: each long-enough document's first eval-length + 1 tokens (BOS-led); all: also "
-                           "its later non-overlapping windows (which start mid-document)")
+                           f"its later non-overlapping windows (which start mid-document); auto (default): first when "
+                           f"that gives at least {MIN_SEQUENCES} sequences, else all")
     loss.set_defaults(func=run_loss)
 
     niah = sub.add_parser("niah", help="needle in a haystack over context lengths x needle depths",
@@ -112,14 +115,14 @@ def _setup(args, checkpoints: list[str]):
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
     device = resolve_device(args.device)
-    data = Path(args.data) if args.data else _training_data(checkpoints, args.progress)
-    tok = TokenDataset(data, args.split).tokenizer()
     models = [load_model(c, device) for c in checkpoints]
-    for c, m in zip(checkpoints, models):
-        recorded = getattr(m.config, "foxlm_tokenizer", None)  # written by foxlm train and foxlm convert
-        if recorded and recorded["name"] != tok.name:
-            raise ValueError(f"--data: prepared with the tokenizer {tok.name}, but {c} reads {recorded['name']}; "
-                             f"prepare the data with --tokenizer {recorded['name']}")
+    specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
+    data = Path(args.data) if args.data else _training_data(checkpoints, specs, args.progress)
+    tok = TokenDataset(data, args.split).tokenizer()
+    for c, m, spec in zip(checkpoints, models, specs):
+        if spec is not None and spec != tok.spec():
+            raise ValueError(f"--data: {data} was prepared with {tok.name}, but {c} was trained with "
+                             f"{spec['name']}; pass data prepared with the model's tokenizer")
         if m.config.vocab_size < tok.vocab_size:
             raise ValueError(f"--data: its tokenizer ({tok.name}, {tok.vocab_size} ids) does not fit {c}'s "
                              f"vocabulary of {m.config.vocab_size}")
@@ -128,47 +131,49 @@ def _setup(args, checkpoints: list[str]):
     return models, data, tok, out
 
 
-def _training_data(checkpoints: list[str], progress: bool) -> Path:
+def _training_data(checkpoints: list[str], specs: list[dict | None], progress: bool) -> Path:
     """The held-out data without ``--data``: the dataset the checkpoints' runs recorded (one for all of them), else the
-    embedded Shakespeare corpus."""
+    embedded Shakespeare corpus in the tokenizer the models record (GPT-2 BPE if none)."""
     from foxlm.data import ensure_default_corpus
 
     from .utils import run_train_data
 
     recorded = set()  # (data, tokenizer): the embedded corpus comes in one version per tokenizer, a folder in one
-    for c in checkpoints:
-        if (run := run_train_data(c)) is not None:
-            recorded.add(("shakespeare", run[1] or "gpt2") if run[0] == "shakespeare" else (run[0], None))
+    for c, spec in zip(checkpoints, specs):
+        run = run_train_data(c)
+        if run is not None and run[0] != "shakespeare":
+            recorded.add((run[0], None))
+        else:
+            recorded.add(("shakespeare", spec["name"] if spec else (run[1] if run else None) or "gpt2"))
     if len(recorded) > 1:
         names = sorted(d if t is None else f"{d} ({t})" for d, t in recorded)
         raise ValueError(f"--data: the checkpoints were trained on different data ({', '.join(names)}); "
                          "pass the prepared folder to evaluate them on")
-    if not recorded:  # the embedded corpus, in the tokenizer the models record (a converted model's json-gpt2)
-        names = {_model_tokenizer(c) for c in checkpoints}
-        return ensure_default_corpus(names.pop() if len(names) == 1 else "gpt2", progress=progress)
     ((data, tokenizer),) = recorded
     if data == "shakespeare":
-        return ensure_default_corpus(tokenizer, progress=progress)
+        return ensure_default_corpus(tokenizer.removeprefix("bpe:"), progress=progress)
     if not Path(data).expanduser().exists():
         raise ValueError(f"--data: the checkpoints were trained on {data}, which is not here (a path relative to where "
                          "training ran?); pass the prepared folder to evaluate on")
     return Path(data).expanduser()
 
 
-def _model_tokenizer(checkpoint: str) -> str:
-    """The named tokenizer a model folder records (``foxlm_tokenizer``), else "gpt2"."""
-    from foxlm.train.checkpoint import resolve_model_dir
-
-    spec = json.loads((resolve_model_dir(checkpoint, "checkpoint") / "config.json").read_text()).get("foxlm_tokenizer")
-    return spec["name"] if spec and spec["name"] in ("gpt2", "json-gpt2", "byte") else "gpt2"
+def _check_exist(checkpoints: list[str]) -> None:
+    for c in checkpoints:
+        if not Path(c).expanduser().exists():
+            raise FileNotFoundError(f"CHECKPOINT: {c} does not exist (expected a run, checkpoint or save_pretrained "
+                                    "folder)")
 
 
 def _train_length(args, checkpoint: str) -> int:
     from .utils import run_train_length
 
+    if args.train_length is not None and args.train_length < 1:
+        raise ValueError(f"--train-length: expected a positive number of tokens, got {args.train_length}")
     n = args.train_length or run_train_length(checkpoint)
     if not n:
-        raise ValueError(f"--train-length: {checkpoint} is not inside a `foxlm train` run that records it; pass it")
+        raise ValueError(f"--train-length: {checkpoint} is not inside a `foxlm train` run, so its training length is "
+                         "not recorded; pass --train-length N (the seq_len it was trained at)")
     return n
 
 
@@ -182,11 +187,16 @@ def run_loss(args) -> int:
     from . import loss
     from .utils import heldout_documents
 
+    _check_exist(args.checkpoints)
     labels = args.labels.split(",") if args.labels else [Path(c).name for c in args.checkpoints]
     if len(labels) != len(args.checkpoints):
         raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
+    if args.eval_length is not None and args.eval_length < 1:
+        raise ValueError(f"--eval-length: expected a positive number of tokens, got {args.eval_length}")
+    if args.max_sequences is not None and args.max_sequences < 1:
+        raise ValueError(f"--max-sequences: expected a positive count, got {args.max_sequences}")
     train_length = _train_length(args, args.checkpoints[0])
-    eval_length = args.eval_length or 4 * train_length
+    eval_length = args.eval_length if args.eval_length is not None else 4 * train_length
     models, data, _, out = _setup(args, args.checkpoints)
     if args.acp_tolerance is not None and args.acp == "model":
         raise ValueError("--acp-tolerance: only with --acp on, off or both")
@@ -203,7 +213,14 @@ def run_loss(args) -> int:
         else:
             runs.append((m, lab + (" + ACP" if args.acp == "on" else ""), {"on": True, "off": False}.get(args.acp)))
     docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences)
-    seqs = _windows(docs, eval_length + 1, args.windows == "all")[:args.max_sequences]
+    every = args.windows == "all" or (args.windows == "auto" and len(docs) < MIN_SEQUENCES)
+    seqs = _windows(docs, eval_length + 1, every)[:args.max_sequences]
+    if args.windows == "auto" and every:
+        print(f"--windows auto: {len(docs)} held-out documents have {eval_length + 1} tokens, so all their "
+              f"non-overlapping windows are used ({len(seqs)} sequences)", file=sys.stderr)
+    if len(seqs) < MIN_SEQUENCES and args.max_sequences is None:
+        print(f"warning: only {len(seqs)} sequences of {eval_length + 1} tokens: L(l) and P(l) are noisy (more "
+              "held-out text, or a shorter --eval-length)", file=sys.stderr)
     curves = []
     for m, lab, acp in runs:
         if acp is not None:
@@ -234,6 +251,7 @@ def run_niah(args) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
         raise ValueError(f"--modes: expected a comma-separated subset of {niah.MODES}, got {args.modes!r}")
+    _check_exist([args.checkpoint])
     (model,), data, tok, out = _setup(args, [args.checkpoint])
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
@@ -252,6 +270,7 @@ def run_gates(args) -> int:
     from . import gates
     from .utils import heldout_documents
 
+    _check_exist([args.checkpoint])
     (model,), data, _, out = _setup(args, [args.checkpoint])
     docs = heldout_documents(data, args.split, args.length, None)
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
@@ -279,6 +298,11 @@ def run_gates(args) -> int:
 
 
 def run_harness(args) -> int:
+    try:
+        import lm_eval  # noqa: F401
+    except ModuleNotFoundError:
+        raise ValueError("lm_eval: lm-evaluation-harness is not installed; it comes with foxlm's [eval] extra: "
+                         "pip install -e '.[eval]' (from the foxlm checkout)") from None
     from .harness import main
 
     return main(args.lm_eval_args)

@@ -67,28 +67,51 @@ class FoxLM(HFLM):
     """lm-eval's HF causal-LM wrapper around a foxlm checkpoint (run, checkpoint or ``save_pretrained`` dir).
 
     model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...); ``device``
-    (default CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
-    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or BPE folder) defaults to GPT-2 BPE.
+    (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
+    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or BPE folder) defaults to the one
+    the model's config records, else GPT-2 BPE.
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
                  dtype: str | None = None, **kwargs):
         from foxlm.models import load_checkpoint_model
 
-        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        from foxlm.device import resolve_device
+
+        dev = resolve_device(device)
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
         model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
-        tok = hf_tokenizer(tokenizer or "gpt2")
+        recorded = getattr(model.config, "foxlm_tokenizer", None)  # what `foxlm train` trained it with
+        tok = hf_tokenizer(tokenizer or (recorded["name"].removeprefix("bpe:") if recorded else "gpt2"))
         super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+
+
+def with_device(argv: list[str]) -> list[str]:
+    """lm_eval arguments with ``--device`` resolved as foxlm does (lm-eval's own default is cuda:0, also on a
+    machine without CUDA): absent or ``auto``, CUDA when there is a GPU, else the CPU; a GPU that is not here is a
+    ``ValueError``."""
+    from foxlm.device import resolve_device
+
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--device" and i + 1 < len(argv):
+            argv[i + 1] = str(resolve_device(argv[i + 1]))
+            return argv
+        if arg.startswith("--device="):
+            argv[i] = f"--device={resolve_device(arg.split('=', 1)[1])}"
+            return argv
+    if "--model" in argv or any(a.startswith("--model=") for a in argv):  # an evaluation, not `lm_eval ls` or -h
+        argv += ["--device", str(resolve_device("auto"))]
+    return argv
 
 
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's command line, run with foxlm imported (``foxlm`` model and ``fox`` Auto classes registered)."""
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm_eval", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["lm_eval", *with_device(sys.argv[1:] if argv is None else argv)]
     cli_evaluate()
     return 0
 

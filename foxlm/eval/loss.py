@@ -124,8 +124,11 @@ def _log_binned(x: np.ndarray, bins_per_decade: int = 24) -> tuple[np.ndarray, n
     return np.array(centers), np.array(means)
 
 
-def plot(curves: list[LossCurve], train_length: int, path: str | os.PathLike, title: str = "") -> None:
-    """Two panels, every model overlaid: L(l) (log-binned) and P(l), with the training length marked."""
+def figure(curves: list[LossCurve], train_length: int, title: str = ""):
+    """Two panels, every model overlaid: L(l) (log-binned) and P(l), with the training length marked.
+
+    P(l)'s axis is logarithmic: P(1), one token of context, is about the vocabulary's size and would otherwise
+    flatten the rest of the curve."""
     plt = pyplot()
     fig, (ax_l, ax_p) = plt.subplots(1, 2, figsize=(12, 4.5))
     for c in curves:
@@ -139,10 +142,17 @@ def plot(curves: list[LossCurve], train_length: int, path: str | os.PathLike, ti
         ax.set_ylabel(name)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
+    ax_p.set_yscale("log")
     T = len(curves[0].loss)
     ax_l.set_title("Per-token loss")
     ax_p.set_title("Cumulative perplexity")
     fig.suptitle(title or f"Held-out loss by position ({curves[0].num_sequences} sequences of {T} tokens)")
     fig.tight_layout()
+    return fig
+
+
+def plot(curves: list[LossCurve], train_length: int, path: str | os.PathLike, title: str = "") -> None:
+    """``figure`` saved to ``path``."""
+    fig = figure(curves, train_length, title)
     fig.savefig(path, dpi=120)
-    plt.close(fig)
+    pyplot().close(fig)

@@ -1,12 +1,10 @@
-"""``foxlm generate MODEL --prompt TEXT``: text generation with foxlm's fast path (GPT-2 BPE by default)."""
+"""``foxlm generate MODEL --prompt TEXT``: text generation with foxlm's fast path, in the model's own tokenizer."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import sys
-
-import torch
 
 
 def register(subparsers) -> None:
@@ -30,7 +28,7 @@ def register(subparsers) -> None:
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
     p.add_argument("--tokenizer", default=None,
                    help="gpt2, json-gpt2, byte, or a folder with encoder.json + vocab.bpe (default: the one the model "
-                        "records, else gpt2)")
+                        "was trained or converted with, as its config records it; GPT-2 BPE for a model that records none)")
     p.add_argument("--no-eos", dest="stop_at_eos", action="store_false", help="do not stop at <|endoftext|>")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
@@ -40,29 +38,27 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from foxlm.data import get_tokenizer, tokenizer_from_spec
+    import torch
+
+    from foxlm.data import model_tokenizer
     from foxlm.device import resolve_device
     from foxlm.models import load_checkpoint_model
 
-    from .generate import generate
+    from .decoding import generate
 
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens: expected a positive number of tokens, got {args.max_new_tokens}")
     prompts = list(args.prompt)
     if args.prompt_file:
         with open(args.prompt_file, encoding="utf-8") as f:
             prompts.append(f.read())
     if not prompts:
-        print("foxlm generate: give at least one --prompt or --prompt-file", file=sys.stderr)
-        return 2
-    try:
-        device = resolve_device(args.device)
-    except ValueError as e:
-        print(f"foxlm generate: {e}", file=sys.stderr)
-        return 2
+        raise ValueError("--prompt: give at least one --prompt or --prompt-file")
+    device = resolve_device(args.device)
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     model = load_checkpoint_model(args.model).to(device=device, dtype=dtype).eval()
-    recorded = getattr(model.config, "foxlm_tokenizer", None)  # written by foxlm train and foxlm convert
-    tok = tokenizer_from_spec(recorded) if recorded and not args.tokenizer else get_tokenizer(args.tokenizer or "gpt2")
+    tok = model_tokenizer(model.config, args.tokenizer, what=args.model)
     ids = [tok.encode(p) or [tok.eot_id] for p in prompts]
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(

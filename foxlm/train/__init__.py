@@ -1,19 +1,26 @@
-"""foxlm.train: ``foxlm train`` — config, deterministic loader, atomic checkpoints, the training loop."""
+"""foxlm.train: ``foxlm train`` — config, deterministic loader, atomic checkpoints, the training loop.
 
-from ..models.loading import latest_valid_checkpoint, load_checkpoint_model, verify_checkpoint
-from .config import TrainConfig, load_config
-from .loader import Batch, TokenLoader
-from .trainer import Trainer, lr_at, train
+Names load on first access, so that ``foxlm train --help`` and ``--print-config`` do not import torch.
+"""
 
-__all__ = [
-    "Batch",
-    "TokenLoader",
-    "TrainConfig",
-    "Trainer",
-    "latest_valid_checkpoint",
-    "load_checkpoint_model",
-    "load_config",
-    "lr_at",
-    "train",
-    "verify_checkpoint",
-]
+import importlib
+
+_EXPORTS = {
+    "Batch": "loader",
+    "TokenLoader": "loader",
+    "TrainConfig": "config",
+    "Trainer": "trainer",
+    "latest_valid_checkpoint": "checkpoint",
+    "load_checkpoint_model": "checkpoint",
+    "load_config": "config",
+    "lr_at": "trainer",
+    "train": "trainer",
+    "verify_checkpoint": "checkpoint",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 
 
 def register(subparsers) -> None:
@@ -26,7 +25,6 @@ def register(subparsers) -> None:
 def _train(args: argparse.Namespace) -> int:
     from .checkpoint import DiskFullError
     from .config import load_config
-    from .trainer import Trainer, train
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -35,12 +33,15 @@ def _train(args: argparse.Namespace) -> int:
 
             print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
             return 0
+        from .trainer import Trainer, train  # not before --print-config, which needs no trainer
+
         # what can refuse the run (its data, model, out_dir, resume point, init_from) before the first step
         trainer = Trainer(cfg)
         trainer.start()
     except (ValueError, FileNotFoundError) as e:
-        print(f"foxlm train: error: {e}", file=sys.stderr)
-        return 2
+        from foxlm.cli import user_error
+
+        return user_error("train", e)
     try:
         summary = train(trainer)
     except (FloatingPointError, DiskFullError) as e:  # the run's own failures, not bugs: one line says what to do

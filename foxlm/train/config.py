@@ -18,8 +18,6 @@ from pathlib import Path
 
 import yaml
 
-from ..device import resolve_device
-
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
 
@@ -93,6 +91,8 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
+        from ..device import resolve_device  # here: torch is not needed to read or print a config
+
         if self.device != "auto" and resolve_device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 < self.lr < math.inf:

@@ -110,6 +110,8 @@ class Trainer:
         if self.model_config.vocab_size < self.tok_spec["vocab_size"]:
             raise ValueError(f"model.vocab_size: {self.model_config.vocab_size} is smaller than the tokenizer's "
                              f"{self.tok_spec['vocab_size']}")
+        for ds in (self.train_ds, self.val_ds):  # an id past the embedding would be an IndexError mid-run
+            ds.check_ids(self.model_config.vocab_size)
         self.model_config.foxlm_tokenizer = self.tok_spec
         torch.manual_seed(cfg.seed)
         model = FoxForCausalLM(self.model_config).to(self.device)
