@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import os
 import sys
+from pathlib import Path
 
 _AREAS = ("train", "data", "eval", "generate", "models")  # models: convert
 # What a user's input causes (a bad argument or device, a missing or existing path); any other
@@ -38,8 +40,22 @@ def build_parser() -> argparse.ArgumentParser:
                         help="show the full traceback of an error (also: FOXLM_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for area in _AREAS:
-        importlib.import_module(f"foxlm.{area}.cli").register(sub)
+        _area_cli(area).register(sub)
     return parser
+
+
+def _area_cli(area: str):
+    """The ``cli`` module of an area. Importing foxlm.models registers the HF classes (torch and transformers:
+    seconds), so its cli module, which needs neither to build its parser, is read from its file instead."""
+    if area != "models":
+        return importlib.import_module(f"foxlm.{area}.cli")
+    name = "foxlm._models_cli"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("models") / "cli.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
 
 
 def main(argv: list[str] | None = None) -> int:

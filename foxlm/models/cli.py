@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def register(subparsers) -> None:
@@ -28,13 +27,9 @@ def register(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .convert import convert
+    from foxlm.models.convert import convert  # absolute: foxlm.cli reads this module from its file
 
-    try:
-        dst = convert(args.src, args.dst, src_format=args.src_format, to=args.to, dtype=args.dtype,
-                      tokenizer=args.tokenizer, overwrite=args.overwrite)
-    except ValueError as e:
-        print(f"foxlm convert: {e}", file=sys.stderr)
-        return 2
+    dst = convert(args.src, args.dst, src_format=args.src_format, to=args.to, dtype=args.dtype,
+                  tokenizer=args.tokenizer, overwrite=args.overwrite)
     print(f"{dst}: written ({args.to})")
     return 0
