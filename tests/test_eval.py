@@ -170,7 +170,9 @@ def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path, capsy
         assert header == ["position", "fox L", "fox P", "fox + ACP L", "fox + ACP P"]
         changes[tolerance] = json.loads((out / "loss.json").read_text())["acp_max_abs_loss_change"]["fox"]
         assert "ACP changes fox's per-token loss by at most" in (out / "summary.md").read_text()
-    assert 0 < changes["0.3"] and changes["0.000045"] <= changes["0.3"] and changes["0.000045"] < 1e-4
+    # The pruned path differs (> 0) but by a hair at either tolerance; their order is not asserted: at this size
+    # both are at fp32 rounding (~1e-6), where skipping a key range changes only the summation order.
+    assert 0 < changes["0.3"] < 1e-4 and changes["0.000045"] < 1e-4
     transformer = tmp_path / "transformer"
     FoxForCausalLM(_config(gate="none", rope=True)).save_pretrained(transformer)
     _refused(capsys, "--acp-tolerance: only with --acp",

@@ -54,7 +54,7 @@ print(type(AutoModelForCausalLM.from_pretrained({str(tmp_path)!r})).__name__)
 def _commands(prefix: str) -> list[list[str]]:
     """The README's shell commands that start with ``prefix``, comments dropped, as argument lists."""
     lines = [line for block in re.findall(r"```bash\n(.*?)```", README.read_text(), re.S)
-             for line in block.splitlines()]
+             for line in block.replace("\\\n", " ").splitlines()]  # continued lines joined
     return [shlex.split(line, comments=True) for line in lines if line.startswith(prefix)]
 
 
