@@ -14,6 +14,7 @@ import json
 import math
 import os
 import random
+import re
 
 import numpy as np
 import pytest
@@ -567,17 +568,20 @@ def test_converted_model_generates_and_evaluates_with_its_recorded_tokenizer(tmp
     _write(tmp_path / "src", cfg, sd)
     convert(tmp_path / "src", tmp_path / "dst")
     outputs = {}
-    for flag in ([], ["--tokenizer", "json-gpt2"], ["--tokenizer", "gpt2"]):
+    for flag in ([], ["--tokenizer", "json-gpt2"]):
         capsys.readouterr()
         assert main(["generate", str(tmp_path / "dst"), "--prompt", 'She said "no"\nand', "--max-new-tokens", "4",
                      "--device", "cpu", "--no-eos", *flag]) == 0
         outputs[tuple(flag)] = capsys.readouterr().out
-    assert outputs[()] == outputs[("--tokenizer", "json-gpt2")] != outputs[("--tokenizer", "gpt2")]
+    assert outputs[()] == outputs[("--tokenizer", "json-gpt2")]
+    assert main(["generate", str(tmp_path / "dst"), "--prompt", "x", "--device", "cpu", "--tokenizer", "gpt2"]) == 2
+    assert "was trained with 'json-gpt2'" in capsys.readouterr().err  # another tokenizer's ids: refused
     data = tmp_path / "bytes"
     prepare(shakespeare_plays()[:3], data, tokenizer="byte", val_fraction=0.34, workers=0, progress=False)
-    with pytest.raises(ValueError, match="--data: prepared with the tokenizer byte, but .* reads json-gpt2"):
-        main(["eval", "loss", str(tmp_path / "dst"), "--data", str(data), "--train-length", "16", "--out",
-              str(tmp_path / "out"), "--no-progress", "--device", "cpu"])
+    capsys.readouterr()
+    assert main(["eval", "loss", str(tmp_path / "dst"), "--data", str(data), "--train-length", "16", "--out",
+                 str(tmp_path / "out"), "--no-progress", "--device", "cpu"]) == 2
+    assert re.search(r"--data: .* was prepared with byte, but .* was trained with json-gpt2", capsys.readouterr().err)
 
 
 def test_init_from_a_converted_model_trains_on_json_gpt2_data_only(tmp_path):
