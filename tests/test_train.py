@@ -797,3 +797,20 @@ def test_tensorboard_after_resume_holds_each_step_once_in_one_tag_scheme(tmp_pat
     assert sorted(tb.Tags()["scalars"]) == ["train/loss", "train/lr", "val/acp_skipped", "val/loss"]
     assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (4, 1.5)]
     assert [(e.step, e.value) for e in tb.Scalars("val/loss")] == [(2, 9.0), (4, 1.25)]
+
+
+def test_python_m_foxlm_train_help_lists_every_config_key():
+    """`python -m foxlm` is the CLI (as `torchrun -m foxlm` runs it); `train --help` lists each key, its default and
+    the meaning the config's source gives it."""
+    import dataclasses
+
+    from foxlm.train import TrainConfig
+
+    done = subprocess.run([sys.executable, "-m", "foxlm", "train", "--help"], capture_output=True, text=True,
+                          env=_subprocess_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("config keys (key=value")[1].splitlines()[1:]
+    assert [line.split("=")[0].strip() for line in lines] == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert "  seq_len=256  (tokens per training sequence)" in lines
+    assert "  sample_prompt=null  (printed sample at the end; None: the data's first tokens)" in lines
+    assert any(line.startswith("  cuda_graph=false  (replay each micro-batch's forward + backward") for line in lines)

@@ -8,10 +8,17 @@ import sys
 
 
 def register(subparsers) -> None:
+    from .config import config_keys_help
+
     p = subparsers.add_parser(
         "train", help="train a model (no arguments: the embedded Shakespeare demo)",
         description="Train a FoX / Transformer model. Without arguments: a tiny fox-pro on Shakespeare "
-                    "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.")
+                    "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.",
+        # config keys are key=value (like the YAML they override); options of the command itself are --kebab-case
+        epilog="config keys (key=value; model.FIELD=value sets a FoxConfig field), with the defaults that --config's "
+               "YAML overrides (--print-config shows the resolved values):\n"
+               + config_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help="YAML file, or the name of a config shipped in foxlm/configs (default: 'default', the "
                         "Shakespeare demo; fox-pro-125m, ...)")
