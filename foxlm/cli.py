@@ -12,6 +12,10 @@ import sys
 
 _AREAS = ("train", "data", "eval", "generate", "models")  # models: convert
 
+# Optional dependencies (pyproject.toml's extras) by the module a command imports when it needs one.
+EXTRAS = {"matplotlib": "plot", "tensorboard": "tensorboard", "triton": "triton", "datasets": "data",
+          "pyarrow": "data", "lm_eval": "eval"}
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foxlm", description="The Forgetting Transformer toolkit.")
@@ -27,7 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"foxlm {args.command}: error: this needs {e.name.partition('.')[0]}, which is not installed: "
+              f"pip install 'foxlm[{extra}]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
