@@ -1,4 +1,5 @@
-"""``foxlm train [--config NAME_OR_YAML] [key=value ...]``; under ``torchrun`` the same command trains in parallel."""
+"""``foxlm train [--config NAME_OR_YAML] [key=value ...]`` (under ``torchrun`` the same command trains in parallel),
+and ``foxlm export RUN_OR_CHECKPOINT DST``."""
 
 from __future__ import annotations
 
@@ -29,6 +30,15 @@ def register(subparsers) -> None:
                    help="config overrides, e.g. lr=2e-3 max_steps=500 model.acp=true sample_tokens=0")
     p.set_defaults(func=_train)
 
+    e = subparsers.add_parser(
+        "export", help="write a run's or checkpoint's model as a save_pretrained folder",
+        description="Write the model of a run (its latest valid checkpoint) or of a checkpoint folder, sharded (a run "
+                    "of several processes) or not, as a save_pretrained folder: safetensors weights, config and "
+                    "tokenizer, for AutoModelForCausalLM.from_pretrained, foxlm generate and foxlm eval.")
+    e.add_argument("src", metavar="RUN_OR_CHECKPOINT", help="a run folder (out_dir) or a checkpoint folder")
+    e.add_argument("dst", metavar="DST", help="the folder to create (it must not exist)")
+    e.set_defaults(func=_export)
+
 
 def _train(args: argparse.Namespace) -> int:
     from .checkpoint import DiskFullError
@@ -58,6 +68,17 @@ def _train(args: argparse.Namespace) -> int:
         print(_summary_line(summary))
     # a stopped job exits as a process ended by the signal does: it did not finish
     return 128 + signal.SIGTERM if summary.get("stopped") else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint import export_model
+
+    try:
+        print(f"exported {export_model(args.src, args.dst)}")
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"foxlm export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _summary_line(summary: dict) -> str:

@@ -68,6 +68,7 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 500  # 0: only at the end
     keep_last: int = 3
+    export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
     out_dir: str = "runs/default"
     resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
     # out_dir may hold no checkpoint this run does not continue from

@@ -27,8 +27,8 @@ from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
 from . import parallel
-from .checkpoint import (check_out_dir, checkpoint_step, full_state_dicts, initialize_model, list_checkpoints,
-                         lock_run, model_name, restore_checkpoint, resume_point, write_checkpoint)
+from .checkpoint import (check_out_dir, checkpoint_step, export_model, full_state_dicts, initialize_model,
+                         list_checkpoints, lock_run, model_name, restore_checkpoint, resume_point, write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -163,14 +163,24 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def save(self) -> Path | None:
-        """Checkpoint the current step (collective: every process calls it; rank 0 writes)."""
+        """Checkpoint the current step (collective: every process calls it). One process writes the whole state; several
+        write their shards of the model and optimizer with torch.distributed.checkpoint, nothing gathered on one."""
         module = parallel.unwrap(self.model)
-        model_sd, optim_sd = full_state_dicts(module, self.optimizer)
-        path = None
+        sharded = self.d.world > 1
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            shards = {"model": get_model_state_dict(module),
+                      "optimizer": get_optimizer_state_dict(module, self.optimizer)}
+            model_sd = optim_sd = None
+        else:
+            shards = None
+            model_sd, optim_sd = full_state_dicts(module, self.optimizer)
+        state = None
         if self.d.main:
             state = {
                 "step": self.step,
-                "optimizer": optim_sd,
+                **({} if sharded else {"optimizer": optim_sd}),
                 "scheduler": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)},
                 "loader": self.loader.state_dict(),
                 "rng": {"cpu": torch.get_rng_state(),
@@ -181,15 +191,19 @@ class Trainer:
                 "world_size": self.d.world,
                 "config": self.cfg.to_dict(),
             }
-            path = write_checkpoint(self.run_dir, self.step, functools.partial(self._save_model, module, model_sd),
-                                    state, self.cfg.keep_last)
+        path = write_checkpoint(self.run_dir, self.step, functools.partial(self._save_model, module, model_sd), state,
+                                self.cfg.keep_last, shards=shards)
         self.d.barrier()
         return path
 
-    def _save_model(self, module: torch.nn.Module, state_dict: dict, folder: Path) -> None:
-        """The model's ``save_pretrained`` folder, with the tokenizer in Hugging Face's format where there is one (GPT-2
-        BPE), so that ``AutoTokenizer`` loads it from the same folder."""
-        module.save_pretrained(folder, state_dict=state_dict)
+    def _save_model(self, module: torch.nn.Module, state_dict: dict | None, folder: Path) -> None:
+        """The model's ``save_pretrained`` folder (without ``state_dict``: its config alone, the weights being in the
+        shards), with the tokenizer in Hugging Face's format where there is one (GPT-2 BPE), so that ``AutoTokenizer``
+        loads it from the same folder."""
+        if state_dict is None:
+            module.config.save_pretrained(folder)
+        else:
+            module.save_pretrained(folder, state_dict=state_dict)
         if hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(folder)
 
@@ -341,6 +355,9 @@ class Trainer:
                 holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
                 raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
                                  f"it to end, or train into a new out_dir")
+            export = self.cfg.export_dir
+            if export is not None and Path(export).expanduser().exists():
+                raise ValueError(f"export_dir: {export} exists; the run exports its model into a new folder")
             ckpt = resume_point(self.run_dir, self.cfg.resume)
             check_out_dir(self.run_dir, ckpt, self.cfg.resume)
             notes = []
@@ -439,6 +456,10 @@ class Trainer:
                     break
                 if every(cfg.eval_every) or every(cfg.save_every):  # not training time
                     t0, tokens0 = time.perf_counter(), self.tokens_seen
+            if cfg.export_dir is not None and "stopped" not in summary:
+                if self.d.main:
+                    log.write(f"exported {export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir)}")
+                self.d.barrier()
         except Preempted:
             self._stop_at_once(log)
             summary["stopped"] = "SIGTERM"
