@@ -61,6 +61,7 @@ def test_two_processes_match_one(tmp_path):
         assert main(["train", *common, f"out_dir={tmp_path / 'fsdp-to-one'}", f"resume={step3}"]) == 0
         for parallel in ("ddp", "fsdp-resumed", "fsdp-to-one"):
             assert main(["export", str(tmp_path / parallel), str(tmp_path / f"{parallel}-export")]) == 0
+        assert main(["export", str(tmp_path / "ddp"), str(tmp_path / "ddp-export")]) == 2  # never replaces a folder
     finally:
         torch.set_num_threads(threads)
     ref = _records(tmp_path / "single")
