@@ -1,5 +1,5 @@
 """`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
-FSDP2 also when resumed from one of its checkpoints, by 2 processes or by 1 (the checkpoints are sharded, DCP);
+FSDP2 also when resumed from one of its checkpoints (sharded, DCP, written in the background), by 2 processes or by 1;
 SIGTERM to one process stops both after the same step, saved; the job prints one summary; `foxlm export` and
 export_dir= give the models as save_pretrained folders.
 
@@ -50,6 +50,9 @@ def test_two_processes_match_one(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            __file__, str(tmp_path), *common], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    # fsdp's step 3, saved in the background, is committed at the next save: after step 5's validation
+    assert done.stderr.index(f"saved {tmp_path / 'fsdp' / 'checkpoints' / 'step_0000003'}\n") > \
+        done.stderr.index("step 5: val loss")
     for run in ("fsdp", "fsdp-resumed", "fsdp-sigterm", "ddp"):  # the main process alone prints the summary
         assert done.stdout.count(f"; checkpoints in {tmp_path / run}/checkpoints\n") == 1, done.stdout
 
@@ -116,8 +119,9 @@ if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP,
 
     root, args = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
-    assert main(["train", *args, "parallel=fsdp", "save_every=3", f"out_dir={os.path.join(root, 'fsdp')}",
-                 f"export_dir={os.path.join(root, 'fsdp-export')}"]) == 0
+    # step 3 is written in the background while steps 4 and 5 train; what resumes from it checks it holds step 3
+    assert main(["train", *args, "parallel=fsdp", "save_every=3", "async_checkpoint=true",
+                 f"out_dir={os.path.join(root, 'fsdp')}", f"export_dir={os.path.join(root, 'fsdp-export')}"]) == 0
     assert main(["train", *args, "parallel=fsdp", f"out_dir={os.path.join(root, 'fsdp-resumed')}",
                  f"resume={os.path.join(root, 'fsdp', 'checkpoints', 'step_0000003')}"]) == 0
     stopped = os.path.join(root, "fsdp-sigterm")

@@ -22,12 +22,13 @@ loading, so a damaged one is never used. Reading models back lives in ``foxlm.mo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
@@ -47,14 +48,14 @@ from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_
 from .config import model_fields
 
 __all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
-           "export_model",
+           "PendingCheckpoint", "export_model",
            "full_state_dicts", "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
            "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir", "restore_checkpoint",
            "resume_point", "verify_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
 DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens",
-                "export_dir"}
+                "export_dir", "async_checkpoint"}
 
 
 class DiskFullError(OSError):
@@ -75,58 +76,86 @@ def write_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], None
     rest (``trainer_state`` is used there only). Returns the checkpoint on the writing rank 0, None elsewhere. A full
     disk raises ``DiskFullError`` and leaves no partial save.
     """
-    root = Path(run_dir) / "checkpoints"
-    final = root / checkpoint_name(step)
-    main = shards is None or dist.get_rank() == 0
-    tmp = None
-    if main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".step_*.tmp-*"):  # saves of a killed run: one process commits a run's checkpoints
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp = root / f".{final.name}.tmp-{os.getpid()}"
-        tmp.mkdir()
-    if shards is not None:
-        box = [tmp]
+    return PendingCheckpoint(run_dir, step, shards).finish(save_model, trainer_state, keep_last)
+
+
+class PendingCheckpoint:
+    """A checkpoint being written into its temporary folder; ``finish`` completes and commits it (``write_checkpoint``
+    says how). With ``background`` (a gloo process group of every process, used by nothing else) the shards are
+    copied to CPU memory at once and written by a thread (``torch.distributed.checkpoint.async_save``) while training
+    goes on; until ``finish`` the checkpoint is not in ``step_*`` and so is never used."""
+
+    def __init__(self, run_dir: Path, step: int, shards: dict | None = None,
+                 background: dist.ProcessGroup | None = None):
+        self.run_dir, self.step = Path(run_dir), step
+        root = self.run_dir / "checkpoints"
+        self.final = root / checkpoint_name(step)
+        self.sharded = shards is not None
+        self.main = not self.sharded or dist.get_rank() == 0
+        self.tmp, self.future = None, None
+        if self.main:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".step_*.tmp-*"):  # saves of a killed run: one process commits a run's checkpoints
+                shutil.rmtree(stale, ignore_errors=True)
+            self.tmp = root / f".{self.final.name}.tmp-{os.getpid()}"
+            self.tmp.mkdir()
+        if shards is None:
+            return
+        box = [self.tmp]
         dist.broadcast_object_list(box, src=0)
-        tmp = box[0]
-    try:
-        digests = _write_shards(shards, tmp) if shards is not None else {}
-        if main:
-            save_model(tmp / "model")
-            torch.save(trainer_state, tmp / "trainer.pt")
-            files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-            manifest = {"step": step, "files": {f: digests.get(f) or sha256_file(tmp / f) for f in files}}
-            (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-            _fsync_tree(tmp)
-    except (OSError, RuntimeError, CheckpointException) as e:
-        if not main:
-            raise
-        full = _disk_full(e, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)  # what was written would only fill the disk further
-        if not full:
-            raise
-        raise DiskFullError(f"checkpoint: cannot save {final}: the disk is full; free space there, or train into an "
-                            f"out_dir on another disk") from None
-    if not main:
-        return None
-    replace_folder(tmp, final)  # a step saved again (Trainer.save called twice) is swapped, never lost
-    _write_atomic(root / "latest", final.name)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+        self.tmp = box[0]
+        import torch.distributed.checkpoint as dcp
 
+        with self._failing():
+            if background is None:
+                dcp.save(shards, checkpoint_id=self.tmp / SHARDS)  # fsyncs its files
+            else:
+                self.future = dcp.async_save(shards, checkpoint_id=self.tmp / SHARDS, process_group=background)
 
-def _write_shards(shards: dict, folder: Path) -> dict[str, str]:
-    """Write this process's ``shards`` into ``folder/dcp`` (collective); return, on rank 0, every process's files'
-    sha256 (each hashes the files it wrote, so no process reads the whole checkpoint)."""
-    import torch.distributed.checkpoint as dcp
+    def finish(self, save_model: Callable[[Path], None], trainer_state: dict | None, keep_last: int) -> Path | None:
+        """Wait for the shards, write the rest and the manifest, rename into place, update ``latest``, prune; the
+        checkpoint on rank 0, None elsewhere (collective when sharded)."""
+        with self._failing():
+            digests = {}
+            if self.sharded:
+                if self.future is not None:
+                    self.future.result()
+                # each process hashes the files it wrote, so no process reads the whole checkpoint
+                rank, folder = dist.get_rank(), self.tmp / SHARDS
+                mine = {p.relative_to(self.tmp).as_posix(): sha256_file(p) for p in folder.glob(f"__{rank}_*")}
+                gathered = [None] * dist.get_world_size() if self.main else None
+                dist.gather_object(mine, gathered, dst=0)
+                digests = {name: digest for part in gathered or [] for name, digest in part.items()}
+            if self.main:
+                tmp = self.tmp
+                save_model(tmp / "model")
+                torch.save(trainer_state, tmp / "trainer.pt")
+                files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+                manifest = {"step": self.step, "files": {f: digests.get(f) or sha256_file(tmp / f) for f in files}}
+                (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+                _fsync_tree(tmp)
+        if not self.main:
+            return None
+        replace_folder(self.tmp, self.final)  # a step saved again (Trainer.save called twice) is swapped, never lost
+        _write_atomic(self.final.parent / "latest", self.final.name)
+        for old in list_checkpoints(self.run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.final
 
-    dcp.save(shards, checkpoint_id=folder / SHARDS)  # fsyncs its files
-    rank = dist.get_rank()
-    mine = {p.relative_to(folder).as_posix(): sha256_file(p) for p in (folder / SHARDS).glob(f"__{rank}_*")}
-    gathered = [None] * dist.get_world_size() if rank == 0 else None
-    dist.gather_object(mine, gathered, dst=0)
-    return {name: digest for part in gathered or [] for name, digest in part.items()}
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """On rank 0, a failed write removes the temporary folder; a full disk becomes ``DiskFullError``."""
+        try:
+            yield
+        except (OSError, RuntimeError, CheckpointException) as e:
+            if not self.main:
+                raise
+            full = _disk_full(e, self.tmp)
+            shutil.rmtree(self.tmp, ignore_errors=True)  # what was written would only fill the disk further
+            if not full:
+                raise
+            raise DiskFullError(f"checkpoint: cannot save {self.final}: the disk is full; free space there, or train "
+                                f"into an out_dir on another disk") from None
 
 
 def _disk_full(error: BaseException, folder: Path) -> bool:

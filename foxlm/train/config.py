@@ -68,6 +68,9 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 500  # 0: only at the end
     keep_last: int = 3
+    # several processes: write the shards in a background thread while training goes on (from a copy in CPU memory);
+    # such a checkpoint is committed, and so used, from the next save on. The last save waits.
+    async_checkpoint: bool = False
     export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
     out_dir: str = "runs/default"
     resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
