@@ -86,8 +86,8 @@ def test_cpu_path_runs_without_triton_and_missing_extras_name_themselves(tmp_pat
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "step 2: train loss" in done.stdout and "--- sample (step 2) ---" in done.stdout
-    assert "tensorboard=true: no TensorBoard logs, tensorboard is not installed (the extra [tensorboard]: pip install " \
-           "'foxlm[tensorboard]'" in done.stderr
+    assert "tensorboard=true: no TensorBoard logs, tensorboard is not installed (the extra [tensorboard]: " \
+           "pip install 'foxlm[tensorboard]'" in done.stderr
     assert not (tmp_path / "run" / "tb").exists()
     assert "eval status 2" in done.stdout
     assert "foxlm eval: error: this needs matplotlib, which is not installed: pip install 'foxlm[plot]'" in done.stderr

@@ -253,8 +253,8 @@ def load_trainer_state(ckpt: str | os.PathLike) -> dict:
 
 
 def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The whole model's and optimizer's state dicts on the CPU, gathered from FSDP2 shards where there are some
-    (collective: every process calls it)."""
+    """The whole model's and optimizer's state dicts on the CPU, by their parameter names (one process's save; runs
+    of several save shards instead)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
