@@ -33,7 +33,7 @@ def _records(run) -> list[dict]:
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
     from foxlm.cli import main
@@ -65,6 +65,10 @@ def test_two_processes_match_one(tmp_path):
         for parallel in ("ddp", "fsdp-resumed", "fsdp-to-one"):
             assert main(["export", str(tmp_path / parallel), str(tmp_path / f"{parallel}-export")]) == 0
         assert main(["export", str(tmp_path / "ddp"), str(tmp_path / "ddp-export")]) == 2  # never replaces a folder
+        # a sharded checkpoint of another model is refused from its metadata, before anything is loaded
+        assert main(["train", *common, "model.intermediate_size=64", f"out_dir={tmp_path / 'other'}",
+                     f"resume={step3}"]) == 2
+        assert "was trained as fox-pro tiny with model=" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
     ref = _records(tmp_path / "single")
