@@ -34,6 +34,11 @@ def user_error(command: str, exc: BaseException) -> int:
     return 2
 
 
+# Optional dependencies (pyproject.toml's extras) by the module a command imports when it needs one.
+EXTRAS = {"matplotlib": "plot", "tensorboard": "tensorboard", "triton": "triton", "datasets": "data",
+          "pyarrow": "data", "lm_eval": "eval"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="foxlm", description="The Forgetting Transformer toolkit.")
     parser.add_argument("--debug", action="store_true",
@@ -72,6 +77,13 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(x for x in (args.command, getattr(args, f"{args.command}_command", None)) if x)
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        extra = EXTRAS.get((e.name or "").partition(".")[0])
+        if extra is None or debug_enabled():
+            raise
+        print(f"foxlm {command}: error: this needs {e.name.partition('.')[0]}, which is not installed: "
+              f"pip install 'foxlm[{extra}]'", file=sys.stderr)
+        return 2
     except USER_ERRORS as e:
         return user_error(command, e)
     except KeyboardInterrupt:

@@ -1,6 +1,7 @@
 """`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
-FSDP2 also when resumed from one of its checkpoints; SIGTERM to one process stops both after the same step, saved;
-the job prints one summary.
+FSDP2 also when resumed from one of its checkpoints (sharded, DCP, written in the background), by 2 processes or by 1;
+SIGTERM to one process stops both after the same step, saved; the job prints one summary; `foxlm export` and
+export_dir= give the models as save_pretrained folders.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
 """
@@ -32,9 +33,11 @@ def _records(run) -> list[dict]:
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_match_one(tmp_path):
+def test_two_processes_match_one(tmp_path, capsys):
+    from transformers import AutoModelForCausalLM
+
     from foxlm.cli import main
-    from foxlm.train import latest_valid_checkpoint, load_checkpoint_model
+    from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, verify_checkpoint
 
     data = tmp_path / "bytes"
     prepare(random.Random().sample(shakespeare_plays(), 2), data, tokenizer="byte", val_fraction=0.5, workers=0,
@@ -47,19 +50,37 @@ def test_two_processes_match_one(tmp_path):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                            __file__, str(tmp_path), *common], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    # fsdp's step 3, saved in the background, is committed at the next save: after step 5's validation
+    assert done.stderr.index(f"saved {tmp_path / 'fsdp' / 'checkpoints' / 'step_0000003'}\n") > \
+        done.stderr.index("step 5: val loss")
     for run in ("fsdp", "fsdp-resumed", "fsdp-sigterm", "ddp"):  # the main process alone prints the summary
         assert done.stdout.count(f"; checkpoints in {tmp_path / run}/checkpoints\n") == 1, done.stdout
 
+    step3 = tmp_path / "fsdp" / "checkpoints" / "step_0000003"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         assert main(["train", *common, f"out_dir={tmp_path / 'single'}"]) == 0
+        assert main(["train", *common, f"out_dir={tmp_path / 'fsdp-to-one'}", f"resume={step3}"]) == 0
+        for parallel in ("ddp", "fsdp-resumed", "fsdp-to-one"):
+            assert main(["export", str(tmp_path / parallel), str(tmp_path / f"{parallel}-export")]) == 0
+        assert main(["export", str(tmp_path / "ddp"), str(tmp_path / "ddp-export")]) == 2  # never replaces a folder
+        # a sharded checkpoint of another model is refused from its metadata, before anything is loaded
+        assert main(["train", *common, "model.intermediate_size=64", f"out_dir={tmp_path / 'other'}",
+                     f"resume={step3}"]) == 2
+        assert "was trained as fox-pro tiny with model=" in capsys.readouterr().err
     finally:
         torch.set_num_threads(threads)
     ref = _records(tmp_path / "single")
     assert [r["step"] for r in ref if "loss" in r] == [1, 2, 3, 4, 5]
+    # sharded: each process wrote its own part, and no process the whole model
+    assert sorted(p.name for p in (step3 / "dcp").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert not list((step3 / "model").glob("*.safetensors")) and (step3 / "model" / "config.json").is_file()
+    with pytest.raises(ValueError, match=r"sharded checkpoint .* `foxlm export "):
+        load_checkpoint_model(tmp_path / "fsdp")
     ref_model = load_checkpoint_model(tmp_path / "single")
-    for parallel, first in (("fsdp", 1), ("ddp", 1), ("fsdp-resumed", 4)):  # resumed from FSDP2's step 3
+    # resumed from FSDP2's step 3 by 2 processes and by 1
+    for parallel, first in (("fsdp", 1), ("ddp", 1), ("fsdp-resumed", 4), ("fsdp-to-one", 4)):
         got = {(r["step"], "loss" in r): r for r in _records(tmp_path / parallel)}
         expected = [r for r in ref if r["step"] >= first]
         assert set(got) == {(r["step"], "loss" in r) for r in expected}
@@ -69,9 +90,18 @@ def test_two_processes_match_one(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), (parallel, a, b)
             if "val_acp_skipped" in b:  # the ranks' shares of the validation batches, averaged
                 assert a["val_acp_skipped"] == pytest.approx(b["val_acp_skipped"], abs=1e-6), (parallel, a, b)
-        model = load_checkpoint_model(tmp_path / parallel)  # FSDP shards gathered into one safetensors file
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / f"{parallel}-export")  # fsdp: export_dir=
         for (name, x), y in zip(model.state_dict().items(), ref_model.state_dict().values()):
             torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-4, msg=f"{parallel}: {name}")
+
+    assert (tmp_path / "fsdp" / "checkpoints" / "latest").read_text() == "step_0000005"
+    assert verify_checkpoint(step3) is None
+    with open(step3 / "dcp" / "__1_0.distcp", "r+b") as f:  # rank 1's shard, hashed by rank 1 into the manifest
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    assert verify_checkpoint(step3) == "dcp/__1_0.distcp does not match its sha256"
 
     steps = [r["step"] for r in _records(tmp_path / "fsdp-sigterm")]
     assert len(steps) >= 2 and steps == list(range(1, len(steps) + 1))
@@ -93,7 +123,9 @@ if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP,
 
     root, args = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
-    assert main(["train", *args, "parallel=fsdp", "save_every=3", f"out_dir={os.path.join(root, 'fsdp')}"]) == 0
+    # step 3 is written in the background while steps 4 and 5 train; what resumes from it checks it holds step 3
+    assert main(["train", *args, "parallel=fsdp", "save_every=3", "async_checkpoint=true",
+                 f"out_dir={os.path.join(root, 'fsdp')}", f"export_dir={os.path.join(root, 'fsdp-export')}"]) == 0
     assert main(["train", *args, "parallel=fsdp", f"out_dir={os.path.join(root, 'fsdp-resumed')}",
                  f"resume={os.path.join(root, 'fsdp', 'checkpoints', 'step_0000003')}"]) == 0
     stopped = os.path.join(root, "fsdp-sigterm")

@@ -220,7 +220,7 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     tb = EventAccumulator(str(run / "tb"))
-    tb.Reload()  # each step once, with the resumed run's loss (the reader purges what the killed run logged after)
+    tb.Reload()  # each step once, with the resumed run's loss (purge_step drops what the killed run logged after)
     assert {e.step: e.value for e in tb.Scalars("train/loss")} == pytest.approx(_losses(ref), rel=1e-6)
     assert len(tb.Scalars("train/loss")) == 30
     a, b = load_checkpoint_model(run), load_checkpoint_model(ref / "checkpoints" / "step_0000030")
@@ -774,3 +774,43 @@ def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):
     assert fox["tokens_per_s"] > 0 and math.isfinite(fox["val_loss"])
     assert 0.0 <= fox["acp_skipped_overall"] <= 1.0 and len(fox["acp_skipped_per_layer"]) == 4  # tiny: 4 layers
     assert 0.0 <= fox["acp_max_abs_loss_change"] < 1e-3
+
+
+def test_tensorboard_after_resume_holds_each_step_once_in_one_tag_scheme(tmp_path):
+    """A killed run logged steps 1-4 (checkpoint at 2); the resumed run logs from step 3 with log_every=2, so its
+    first event (4) does not go back in steps: only purge_step keeps the reader from holding step 4 twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from foxlm.train.logging import RunLog
+
+    killed = RunLog(tmp_path, 0, 6, main=True, tensorboard=True, progress=False)
+    for step in range(1, 5):
+        killed.log({"step": step, "loss": 10.0 + step})
+    killed.log({"step": 2, "val_loss": 9.0, "val_acp_skipped": 0.5})
+    killed.close()
+    resumed = RunLog(tmp_path, 2, 6, main=True, tensorboard=True, progress=False)
+    resumed.log({"step": 4, "loss": 1.5, "lr": 0.1})
+    resumed.log({"step": 4, "val_loss": 1.25})
+    resumed.close()
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    assert sorted(tb.Tags()["scalars"]) == ["train/loss", "train/lr", "val/acp_skipped", "val/loss"]
+    assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (4, 1.5)]
+    assert [(e.step, e.value) for e in tb.Scalars("val/loss")] == [(2, 9.0), (4, 1.25)]
+
+
+def test_python_m_foxlm_train_help_lists_every_config_key():
+    """`python -m foxlm` is the CLI (as `torchrun -m foxlm` runs it); `train --help` lists each key, its default and
+    the meaning the config's source gives it."""
+    import dataclasses
+
+    from foxlm.train import TrainConfig
+
+    done = subprocess.run([sys.executable, "-m", "foxlm", "train", "--help"], capture_output=True, text=True,
+                          env=_subprocess_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.split("config keys (key=value")[1].splitlines()[1:]
+    assert [line.split("=")[0].strip() for line in lines] == [f.name for f in dataclasses.fields(TrainConfig)]
+    assert "  seq_len=256  (tokens per training sequence)" in lines
+    assert "  sample_prompt=null  (printed sample at the end; None: the data's first tokens)" in lines
+    assert any(line.startswith("  cuda_graph=false  (replay each micro-batch's forward + backward") for line in lines)

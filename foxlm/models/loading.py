@@ -2,10 +2,11 @@
 
 The read side of the checkpoint layout ``foxlm train`` writes (``foxlm/train/checkpoint.py``)::
 
-    <run>/checkpoints/step_0000100/{model/, trainer.pt, manifest.json}
+    <run>/checkpoints/step_0000100/{model/, trainer.pt, manifest.json}        one process
+    <run>/checkpoints/step_0000100/{dcp/, model/, trainer.pt, manifest.json}  several: sharded, model/ without weights
 
 A checkpoint is used only once every file matches the sha256 its ``manifest.json`` records; weights are read from
-safetensors only.
+safetensors only (a sharded checkpoint's, after ``foxlm export``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,18 @@ from safetensors.torch import load_file
 from ..data.assets import sha256_file
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
+SHARDS = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
+
+
+def is_sharded(ckpt: str | os.PathLike) -> bool:
+    """Whether checkpoint folder ``ckpt`` holds its model and optimizer as torch.distributed.checkpoint shards."""
+    return (Path(ckpt) / SHARDS).is_dir()
+
+
+def _refuse_sharded(ckpt: Path, arg: str) -> None:
+    if is_sharded(ckpt):
+        raise ValueError(f"{arg}: {ckpt} is a sharded checkpoint (torch.distributed.checkpoint, written by a run of "
+                         f"several processes); `foxlm export {ckpt} DST` writes its model as a save_pretrained folder")
 
 
 def checkpoint_step(ckpt: str | os.PathLike) -> int:
@@ -79,11 +92,13 @@ def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
         problem = verify_checkpoint(path) if (path / "manifest.json").exists() else "no manifest.json"
         if problem is not None:
             raise ValueError(f"{arg}: checkpoint {path}: {problem}; refusing to load it")
+        _refuse_sharded(path, arg)
         return path / "model"
     if (path / "checkpoints").is_dir():
         ckpt = latest_valid_checkpoint(path)
         if ckpt is None:
             raise FileNotFoundError(f"{arg}: run {path} has no complete checkpoint")
+        _refuse_sharded(ckpt, arg)
         return ckpt / "model"
     raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
 

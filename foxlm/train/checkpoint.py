@@ -9,6 +9,12 @@ Layout::
         manifest.json     sha256 of every file above, written last
     <run>/checkpoints/latest      name of the newest complete checkpoint
 
+A run of several processes (FSDP2 or DDP under torchrun) writes its checkpoints sharded instead: each process writes
+its own part of the model and optimizer state with torch.distributed.checkpoint (DCP) into ``dcp/``, and nothing is
+gathered on one process. ``model/`` then holds the config and tokenizer without weights, and ``trainer.pt`` no
+optimizer. DCP reshards on load, so such a checkpoint resumes on any number of processes; ``export_model`` (``foxlm
+export``) writes its model as a ``save_pretrained`` folder.
+
 A checkpoint is written into a temporary folder and renamed into place, so a killed run leaves no
 ``step_*`` folder half-written (the next save removes its temporary folder); ``manifest.json`` is checked before
 loading, so a damaged one is never used. Reading models back lives in ``foxlm.models.loading``.
@@ -16,16 +22,19 @@ loading, so a damaged one is never used. Reading models back lives in ``foxlm.mo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 try:
     import fcntl
@@ -33,18 +42,20 @@ except ImportError:  # not POSIX
     fcntl = None
 
 from ..data.assets import replace_folder, sha256_file
-from ..models import FoxConfig
-from ..models.loading import (checkpoint_step, latest_valid_checkpoint, list_checkpoints, read_model_weights,
-                              resolve_model_dir, verify_checkpoint)
+from ..models import FoxConfig, FoxForCausalLM
+from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
+                              read_model_weights, resolve_model_dir, verify_checkpoint)
 from .config import model_fields
 
 __all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
+           "PendingCheckpoint", "export_model",
            "full_state_dicts", "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
            "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir", "restore_checkpoint",
            "resume_point", "verify_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
-DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens"}
+DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens",
+                "export_dir", "async_checkpoint"}
 
 
 class DiskFullError(OSError):
@@ -55,38 +66,96 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
-def write_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], None], trainer_state: dict,
-                     keep_last: int) -> Path:
+def write_checkpoint(run_dir: Path, step: int, save_model: Callable[[Path], None], trainer_state: dict | None,
+                     keep_last: int, shards: dict | None = None) -> Path | None:
     """Write checkpoint ``step`` atomically (``save_model(folder)`` writes the model), update ``latest``, prune.
 
-    Called on the process that writes (rank 0). A full disk raises ``DiskFullError`` and leaves no partial save.
+    Without ``shards``, called on the process that writes (rank 0). With ``shards`` (this process's part of the
+    model and optimizer state dicts, as ``get_model_state_dict`` / ``get_optimizer_state_dict`` give them), every
+    process of the default group calls it: each writes its shards into ``dcp/`` and hashes its own files, rank 0 the
+    rest (``trainer_state`` is used there only). Returns the checkpoint on the writing rank 0, None elsewhere. A full
+    disk raises ``DiskFullError`` and leaves no partial save.
     """
-    root = Path(run_dir) / "checkpoints"
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / checkpoint_name(step)
-    for stale in root.glob(".step_*.tmp-*"):  # saves of a killed run: one process writes a run's checkpoints
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    tmp.mkdir()
-    try:
-        save_model(tmp / "model")
-        torch.save(trainer_state, tmp / "trainer.pt")
-        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-        manifest = {"step": step, "files": {f: sha256_file(tmp / f) for f in files}}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        _fsync_tree(tmp)
-    except (OSError, RuntimeError) as e:
-        full = _disk_full(e, tmp)
-        shutil.rmtree(tmp, ignore_errors=True)  # what was written would only fill the disk further
-        if not full:
-            raise
-        raise DiskFullError(f"checkpoint: cannot save {final}: the disk is full; free space there, or train into an "
-                            f"out_dir on another disk") from None
-    replace_folder(tmp, final)  # a step saved again (Trainer.save called twice) is swapped, never lost
-    _write_atomic(root / "latest", final.name)
-    for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+    return PendingCheckpoint(run_dir, step, shards).finish(save_model, trainer_state, keep_last)
+
+
+class PendingCheckpoint:
+    """A checkpoint being written into its temporary folder; ``finish`` completes and commits it (``write_checkpoint``
+    says how). With ``background`` (a gloo process group of every process, used by nothing else) the shards are
+    copied to CPU memory at once and written by a thread (``torch.distributed.checkpoint.async_save``) while training
+    goes on; until ``finish`` the checkpoint is not in ``step_*`` and so is never used."""
+
+    def __init__(self, run_dir: Path, step: int, shards: dict | None = None,
+                 background: dist.ProcessGroup | None = None):
+        self.run_dir, self.step = Path(run_dir), step
+        root = self.run_dir / "checkpoints"
+        self.final = root / checkpoint_name(step)
+        self.sharded = shards is not None
+        self.main = not self.sharded or dist.get_rank() == 0
+        self.tmp, self.future = None, None
+        if self.main:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".step_*.tmp-*"):  # saves of a killed run: one process commits a run's checkpoints
+                shutil.rmtree(stale, ignore_errors=True)
+            self.tmp = root / f".{self.final.name}.tmp-{os.getpid()}"
+            self.tmp.mkdir()
+        if shards is None:
+            return
+        box = [self.tmp]
+        dist.broadcast_object_list(box, src=0)
+        self.tmp = box[0]
+        import torch.distributed.checkpoint as dcp
+
+        with self._failing():
+            if background is None:
+                dcp.save(shards, checkpoint_id=self.tmp / SHARDS)  # fsyncs its files
+            else:
+                self.future = dcp.async_save(shards, checkpoint_id=self.tmp / SHARDS, process_group=background)
+
+    def finish(self, save_model: Callable[[Path], None], trainer_state: dict | None, keep_last: int) -> Path | None:
+        """Wait for the shards, write the rest and the manifest, rename into place, update ``latest``, prune; the
+        checkpoint on rank 0, None elsewhere (collective when sharded)."""
+        with self._failing():
+            digests = {}
+            if self.sharded:
+                if self.future is not None:
+                    self.future.result()
+                # each process hashes the files it wrote, so no process reads the whole checkpoint
+                rank, folder = dist.get_rank(), self.tmp / SHARDS
+                mine = {p.relative_to(self.tmp).as_posix(): sha256_file(p) for p in folder.glob(f"__{rank}_*")}
+                gathered = [None] * dist.get_world_size() if self.main else None
+                dist.gather_object(mine, gathered, dst=0)
+                digests = {name: digest for part in gathered or [] for name, digest in part.items()}
+            if self.main:
+                tmp = self.tmp
+                save_model(tmp / "model")
+                torch.save(trainer_state, tmp / "trainer.pt")
+                files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+                manifest = {"step": self.step, "files": {f: digests.get(f) or sha256_file(tmp / f) for f in files}}
+                (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+                _fsync_tree(tmp)
+        if not self.main:
+            return None
+        replace_folder(self.tmp, self.final)  # a step saved again (Trainer.save called twice) is swapped, never lost
+        _write_atomic(self.final.parent / "latest", self.final.name)
+        for old in list_checkpoints(self.run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+        return self.final
+
+    @contextlib.contextmanager
+    def _failing(self) -> Iterator[None]:
+        """On rank 0, a failed write removes the temporary folder; a full disk becomes ``DiskFullError``."""
+        try:
+            yield
+        except (OSError, RuntimeError, CheckpointException) as e:
+            if not self.main:
+                raise
+            full = _disk_full(e, self.tmp)
+            shutil.rmtree(self.tmp, ignore_errors=True)  # what was written would only fill the disk further
+            if not full:
+                raise
+            raise DiskFullError(f"checkpoint: cannot save {self.final}: the disk is full; free space there, or train "
+                                f"into an out_dir on another disk") from None
 
 
 def _disk_full(error: BaseException, folder: Path) -> bool:
@@ -184,8 +253,8 @@ def load_trainer_state(ckpt: str | os.PathLike) -> dict:
 
 
 def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The whole model's and optimizer's state dicts on the CPU, gathered from FSDP2 shards where there are some
-    (collective: every process calls it)."""
+    """The whole model's and optimizer's state dicts on the CPU, by their parameter names (one process's save; runs
+    of several save shards instead)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -198,9 +267,8 @@ def model_name(cfg: dict) -> str:
     return f"{cfg['arch']} {cfg['size']}" + (f" with model={cfg['model']}" if cfg["model"] else "")
 
 
-def _weights_differ(weights: dict[str, torch.Tensor], module: torch.nn.Module) -> str | None:
-    """None if ``weights`` has exactly ``module``'s names and shapes, else how they differ."""
-    found = {name: tuple(t.shape) for name, t in weights.items()}
+def _weights_differ(found: dict[str, tuple[int, ...]], module: torch.nn.Module) -> str | None:
+    """None if weights of these names and shapes are exactly ``module``'s (unsharded), else how they differ."""
     expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
     if found == expected:
         return None
@@ -220,14 +288,25 @@ def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.opt
     state = load_trainer_state(ckpt)  # verifies the manifest first
     if state["tokenizer"] != tok_spec:
         raise ValueError(f"tokenizer: the checkpoint was trained with {state['tokenizer']}, the data is {tok_spec}")
-    weights = read_model_weights(resolve_model_dir(ckpt, "resume"))
-    problem = _weights_differ(weights, module)
+    sharded = is_sharded(ckpt)
+    weights = None if sharded else read_model_weights(resolve_model_dir(ckpt, "resume"))
+    found = _sharded_model_shapes(ckpt) if sharded else {name: tuple(t.shape) for name, t in weights.items()}
+    problem = _weights_differ(found, module)
     if problem is not None:
         raise ValueError(f"resume: {ckpt} was trained as {model_name(state['config'])}, this config is "
                          f"{model_name(config)}: {problem}. Train into a new out_dir to start this model")
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(module, weights, options=options)
-    set_optimizer_state_dict(module, optimizer, state["optimizer"], options=options)
+    if sharded:  # each process reads its own part, whatever the number of processes that wrote them
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+        shards = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
+        dcp.load(shards, checkpoint_id=ckpt / SHARDS, no_dist=not dist.is_initialized())
+        set_model_state_dict(module, shards["model"])
+        set_optimizer_state_dict(module, optimizer, shards["optimizer"])
+    else:
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(module, weights, options=options)
+        set_optimizer_state_dict(module, optimizer, state["optimizer"], options=options)
     changed = [f"{key}: {was!r} -> {config[key]!r}" for key, was in state["config"].items()
                if key not in DISPLAY_KEYS and key in config and config[key] != was]
     return state, changed
@@ -249,7 +328,7 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
         raise ValueError(f"init_from: {folder} was trained with the tokenizer {tokenizer}, the data {data} was "
                          f"prepared with {tok_spec}")
     weights = read_model_weights(folder)
-    problem = _weights_differ(weights, module)
+    problem = _weights_differ({name: tuple(t.shape) for name, t in weights.items()}, module)
     if problem is not None:
         raise ValueError(f"init_from: {folder} holds another model than this config's {name}: {problem}. Set arch, "
                          f"size and model.* to build it")
@@ -257,3 +336,48 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
     now = model_config.to_dict()
     return folder, [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(model_fields())
                     if key in saved and saved[key] != now[key]]
+
+
+def _sharded_model_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
+    """The names and full shapes of a sharded checkpoint's model weights, from its DCP metadata."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(ckpt / SHARDS).read_metadata().state_dict_metadata
+    return {key[len("model."):]: tuple(meta.size) for key, meta in metadata.items() if key.startswith("model.")}
+
+
+def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Write the model of ``src`` (a run folder: its latest valid checkpoint, or a checkpoint folder, sharded or not)
+    as a ``save_pretrained`` folder ``dst`` (safetensors, with the tokenizer where the checkpoint has one), for
+    ``AutoModelForCausalLM.from_pretrained``. One process; a sharded checkpoint's weights are read whole into it.
+    ``dst`` must not exist; it appears complete or not at all."""
+    import torch.distributed.checkpoint as dcp
+
+    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    ckpt = latest_valid_checkpoint(src) if (src / "checkpoints").is_dir() else src
+    if ckpt is None:
+        raise FileNotFoundError(f"src: run {src} has no complete checkpoint")
+    if not (ckpt / "manifest.json").is_file():
+        raise FileNotFoundError(f"src: {src} is neither a run folder nor a checkpoint folder (no manifest.json)")
+    problem = verify_checkpoint(ckpt)
+    if problem is not None:
+        raise ValueError(f"src: checkpoint {ckpt}: {problem}; refusing to export it")
+    if dst.exists():
+        raise FileExistsError(f"dst: {dst} exists; export into a new folder")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        shutil.copytree(ckpt / "model", tmp)  # config, tokenizer, and the weights of an unsharded checkpoint
+        if is_sharded(ckpt):
+            model = FoxForCausalLM(FoxConfig.from_pretrained(tmp))
+            weights = model.state_dict()
+            dcp.load({"model": weights}, checkpoint_id=ckpt / SHARDS, no_dist=True)  # the model's keys only
+            model.load_state_dict(weights)
+            model.save_pretrained(tmp)
+        _fsync_tree(tmp)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst

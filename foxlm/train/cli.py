@@ -1,4 +1,5 @@
-"""``foxlm train [--config NAME_OR_YAML] [key=value ...]``; under ``torchrun`` the same command trains in parallel."""
+"""``foxlm train [--config NAME_OR_YAML] [key=value ...]`` (under ``torchrun`` the same command trains in parallel),
+and ``foxlm export RUN_OR_CHECKPOINT DST``."""
 
 from __future__ import annotations
 
@@ -7,10 +8,17 @@ import signal
 
 
 def register(subparsers) -> None:
+    from .config import config_keys_help
+
     p = subparsers.add_parser(
         "train", help="train a model (no arguments: the embedded Shakespeare demo)",
         description="Train a FoX / Transformer model. Without arguments: a tiny fox-pro on Shakespeare "
-                    "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.")
+                    "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.",
+        # config keys are key=value (like the YAML they override); options of the command itself are --kebab-case
+        epilog="config keys (key=value; model.FIELD=value sets a FoxConfig field), with the defaults that --config's "
+               "YAML overrides (--print-config shows the resolved values):\n"
+               + config_keys_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None,
                    help="YAML file, or the name of a config shipped in foxlm/configs (default: 'default', the "
                         "Shakespeare demo; fox-pro-125m, ...)")
@@ -20,6 +28,15 @@ def register(subparsers) -> None:
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. lr=2e-3 max_steps=500 model.acp=true sample_tokens=0")
     p.set_defaults(func=_train)
+
+    e = subparsers.add_parser(
+        "export", help="write a run's or checkpoint's model as a save_pretrained folder",
+        description="Write the model of a run (its latest valid checkpoint) or of a checkpoint folder, sharded (a run "
+                    "of several processes) or not, as a save_pretrained folder: safetensors weights, config and "
+                    "tokenizer, for AutoModelForCausalLM.from_pretrained, foxlm generate and foxlm eval.")
+    e.add_argument("src", metavar="RUN_OR_CHECKPOINT", help="a run folder (out_dir) or a checkpoint folder")
+    e.add_argument("dst", metavar="DST", help="the folder to create (it must not exist)")
+    e.set_defaults(func=_export)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -52,6 +69,17 @@ def _train(args: argparse.Namespace) -> int:
         print(_summary_line(summary))
     # a stopped job exits as a process ended by the signal does: it did not finish
     return 128 + signal.SIGTERM if summary.get("stopped") else 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from .checkpoint import export_model
+
+    try:
+        print(f"exported {export_model(args.src, args.dst)}")
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"foxlm export: error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _summary_line(summary: dict) -> str:

@@ -40,8 +40,8 @@ class TrainConfig:
     micro_batch_size: int | None = None  # sequences per forward per process; None: batch_size / world size
     packing: str = "windows"  # windows: random windows | documents: packed documents with cu_seqlens
     # optimization
-    max_steps: int = 1000
-    lr: float = 1e-3
+    max_steps: int = 1000  # optimizer steps of the run
+    lr: float = 1e-3  # peak learning rate, after warmup_steps of linear warmup
     min_lr: float = 1e-4  # cosine floor
     warmup_steps: int = 100
     weight_decay: float = 0.1  # not on norms, biases, gate biases (parameters with fewer than 2 dims)
@@ -66,10 +66,14 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 500  # 0: only at the end
     keep_last: int = 3
+    # several processes: write the shards in a background thread while training goes on (from a copy in CPU memory);
+    # such a checkpoint is committed, and so used, from the next save on. The last save waits.
+    async_checkpoint: bool = False
+    export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
     out_dir: str = "runs/default"
     resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
     # out_dir may hold no checkpoint this run does not continue from
-    seed: int = 0
+    seed: int = 0  # model initialization, data order and sampling
     progress: bool = True
     tensorboard: bool = True
     sample_prompt: str | None = None  # printed sample at the end; None: the data's first tokens
@@ -114,6 +118,26 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def config_keys_help() -> str:
+    """Every ``TrainConfig`` key with its default and, where its source comment gives one, its meaning: one per line,
+    for ``foxlm train --help``. The comments are read from this class's source, so the help cannot drift from it."""
+    meanings, block = {}, []
+    for line in inspect.getsource(TrainConfig).split("    def validate")[0].splitlines()[2:]:
+        code, _, comment = line.strip().partition("# ")
+        if not code:  # a comment line: one alone heads a section, several explain the field below
+            block = block + [comment.strip()] if line.strip() else []
+            continue
+        name = code.split(":")[0]
+        meanings[name] = comment.strip() or (" ".join(block) if len(block) > 1 else "")
+        block = []
+    rows = []
+    for f in dataclasses.fields(TrainConfig):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        rows.append(f"  {f.name}={yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...')}"
+                    .rstrip() + (f"  ({meanings[f.name]})" if meanings.get(f.name) else ""))
+    return "\n".join(rows)
 
 
 def model_fields() -> set[str]:

@@ -1,4 +1,8 @@
-"""A run's logs on the main process: ``log.jsonl`` (one record per line), TensorBoard scalars, a progress bar."""
+"""A run's logs on the main process: ``log.jsonl`` (one record per line), TensorBoard scalars, a progress bar.
+
+TensorBoard tags are ``train/<key>`` for a step's record and ``val/<key>`` for the validation's (``val_loss`` in
+the JSONL is ``val/loss`` there). A resumed run purges the events the previous run logged after its checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,11 @@ def read_log(path: Path) -> list[dict]:
     return records
 
 
+def tensorboard_tag(key: str) -> str:
+    """The TensorBoard tag of a record's key: ``val_loss`` -> ``val/loss``, ``loss`` -> ``train/loss``."""
+    return "val/" + key[len("val_"):] if key.startswith("val_") else f"train/{key}"
+
+
 class RunLog:
     """JSONL + TensorBoard + progress bar, on the main process only (``main``); ``write`` prints a line."""
 
@@ -40,10 +49,12 @@ class RunLog:
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / "tb"))
             except ImportError:
-                print("tensorboard is not installed: no TensorBoard logs", file=sys.stderr)
+                print("tensorboard=true: no TensorBoard logs, tensorboard is not installed (the extra [tensorboard]: "
+                      "pip install 'foxlm[tensorboard]'; tensorboard=false silences this)", file=sys.stderr)
+            else:
+                # readers drop the events at and after purge_step: what a killed run logged after the checkpoint
+                self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step > 0 else None)
         if progress:
             from tqdm.auto import tqdm
 
@@ -59,7 +70,7 @@ class RunLog:
         if self.tb is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.tb.add_scalar(f"train/{key}" if not key.startswith("val") else key, value, record["step"])
+                    self.tb.add_scalar(tensorboard_tag(key), value, record["step"])
 
     def progress(self, postfix: dict) -> None:
         if self.bar is not None:

@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -27,8 +28,9 @@ from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
 from . import parallel
-from .checkpoint import (check_out_dir, checkpoint_step, full_state_dicts, initialize_model, list_checkpoints,
-                         lock_run, model_name, restore_checkpoint, resume_point, write_checkpoint)
+from .checkpoint import (PendingCheckpoint, check_out_dir, checkpoint_step, export_model, full_state_dicts,
+                         initialize_model, list_checkpoints, lock_run, model_name, restore_checkpoint, resume_point,
+                         write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -143,6 +145,8 @@ class Trainer:
         self.preemption = Preemption()  # replaced by the one run() installs for SIGTERM
         self._lock: IO[str] | None = None  # out_dir's lock while the run holds it (rank 0)
         self._started: list[str] | None = None  # after start(): what it did, for the log ("resumed from ...")
+        self._pending: tuple[PendingCheckpoint, Callable[[Path], None], dict | None] | None = None  # save(background)
+        self._save_group: dist.ProcessGroup | None = None  # background saves' own gloo group
 
     def _graph_micro_step(self) -> GraphedMicroStep | None:
         """The micro-step replayed from a CUDA graph, as ``cuda_graph`` asks; its gradients stay at fixed addresses
@@ -164,15 +168,29 @@ class Trainer:
         return GraphedMicroStep(self._loss, [p for p in self.model.parameters() if p.requires_grad])
 
     # --- checkpoints ------------------------------------------------------------------------------------------
-    def save(self) -> Path | None:
-        """Checkpoint the current step (collective: every process calls it; rank 0 writes)."""
+    def save(self, background: bool = False) -> list[Path]:
+        """Checkpoint the current step (collective: every process calls it). One process writes the whole state; several
+        write their shards of the model and optimizer with torch.distributed.checkpoint, nothing gathered on one, and
+        with ``background`` in a thread while training goes on, committed by the next ``save`` or ``finish_saving``.
+        Returns the checkpoints committed (on rank 0): a background save's from before, and this one unless in
+        the background."""
+        done = self.finish_saving()
         module = parallel.unwrap(self.model)
-        model_sd, optim_sd = full_state_dicts(module, self.optimizer)
-        path = None
+        sharded = self.d.world > 1
+        if sharded:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+            shards = {"model": get_model_state_dict(module),
+                      "optimizer": get_optimizer_state_dict(module, self.optimizer)}
+            model_sd = optim_sd = None
+        else:
+            shards = None
+            model_sd, optim_sd = full_state_dicts(module, self.optimizer)
+        state = None
         if self.d.main:
             state = {
                 "step": self.step,
-                "optimizer": optim_sd,
+                **({} if sharded else {"optimizer": optim_sd}),
                 "scheduler": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)},
                 "loader": self.loader.state_dict(),
                 "rng": {"cpu": torch.get_rng_state(),
@@ -183,15 +201,32 @@ class Trainer:
                 "world_size": self.d.world,
                 "config": self.cfg.to_dict(),
             }
-            path = write_checkpoint(self.run_dir, self.step, functools.partial(self._save_model, module, model_sd),
-                                    state, self.cfg.keep_last)
+        save_model = functools.partial(self._save_model, module, model_sd)
+        if sharded and background:
+            if self._save_group is None:  # DCP's thread must not interleave its collectives with the training's
+                self._save_group = dist.new_group(backend="gloo")
+            self._pending = PendingCheckpoint(self.run_dir, self.step, shards, self._save_group), save_model, state
+            return done
+        path = write_checkpoint(self.run_dir, self.step, save_model, state, self.cfg.keep_last, shards=shards)
         self.d.barrier()
-        return path
+        return done + ([path] if path is not None else [])
 
-    def _save_model(self, module: torch.nn.Module, state_dict: dict, folder: Path) -> None:
-        """The model's ``save_pretrained`` folder, with the tokenizer in Hugging Face's format where there is one (GPT-2
-        BPE), so that ``AutoTokenizer`` loads it from the same folder."""
-        module.save_pretrained(folder, state_dict=state_dict)
+    def finish_saving(self) -> list[Path]:
+        """Commit the checkpoint being written in the background, if any (collective); returns it on rank 0."""
+        if self._pending is None:
+            return []
+        (pending, save_model, state), self._pending = self._pending, None
+        path = pending.finish(save_model, state, self.cfg.keep_last)
+        return [path] if path is not None else []
+
+    def _save_model(self, module: torch.nn.Module, state_dict: dict | None, folder: Path) -> None:
+        """The model's ``save_pretrained`` folder (without ``state_dict``: its config alone, the weights being in the
+        shards), with the tokenizer in Hugging Face's format where there is one (GPT-2 BPE), so that ``AutoTokenizer``
+        loads it from the same folder."""
+        if state_dict is None:
+            module.config.save_pretrained(folder)
+        else:
+            module.save_pretrained(folder, state_dict=state_dict)
         if hasattr(self.tokenizer, "save_pretrained"):
             self.tokenizer.save_pretrained(folder)
 
@@ -343,6 +378,9 @@ class Trainer:
                 holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
                 raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
                                  f"it to end, or train into a new out_dir")
+            export = self.cfg.export_dir
+            if export is not None and Path(export).expanduser().exists():
+                raise ValueError(f"export_dir: {export} exists; the run exports its model into a new folder")
             ckpt = resume_point(self.run_dir, self.cfg.resume)
             check_out_dir(self.run_dir, ckpt, self.cfg.resume)
             notes = []
@@ -432,8 +470,8 @@ class Trainer:
                 if (every(cfg.eval_every) or self.finished) and not stop:
                     self._validate(log, summary)
                 if every(cfg.save_every) or self.finished or stop:
-                    path = self.save()
-                    if path is not None:
+                    background = cfg.async_checkpoint and not (self.finished or stop)
+                    for path in self.save(background):
                         log.write(f"saved {path}")
                 if stop:
                     log.write(f"stopped by SIGTERM after step {self.step}; the same command resumes the run")
@@ -441,6 +479,10 @@ class Trainer:
                     break
                 if every(cfg.eval_every) or every(cfg.save_every):  # not training time
                     t0, tokens0 = time.perf_counter(), self.tokens_seen
+            if cfg.export_dir is not None and "stopped" not in summary:
+                if self.d.main:
+                    log.write(f"exported {export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir)}")
+                self.d.barrier()
         except Preempted:
             self._stop_at_once(log)
             summary["stopped"] = "SIGTERM"
@@ -480,7 +522,7 @@ class Trainer:
         elif self.step == 0 or (saved and checkpoint_step(saved[-1]) == self.step):
             kept = f"step {self.step} is saved" if self.step else "no step to save"
         else:
-            kept = f"saved {self.save()}"
+            kept = f"saved {self.save()[0]}"
         log.write(f"stopped by a second SIGTERM during step {self.step + 1}: {kept}; the same command resumes the run")
 
 
