@@ -1,6 +1,7 @@
 """`foxlm train cp=N` under torchrun (gloo, CPU): context parallel over cp processes (each holds a zigzag shard of
 every sequence), data parallel over the rest. The losses match one process with the same global batch, for cp=2
-(2 processes) and a dp=2 x cp=2 mesh with FSDP2 (4 processes); checkpoints move between cp=2 and cp=1 both ways.
+(2 processes) and a dp=2 x cp=2 mesh with FSDP2 (4 processes); checkpoints move between cp=2 and cp=1 both ways; `foxlm eval loss
+--cp 2` gives one process's per-token losses.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI in each worker.
 """
@@ -13,6 +14,7 @@ import random
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +26,8 @@ ARGS = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=2", "mode
         "model.intermediate_size=128", "tokenizer=byte", "seq_len=32", "batch_size=4", "micro_batch_size=1",
         "max_steps=4", "warmup_steps=1", "lr=3e-3", "min_lr=3e-4", "eval_every=4", "eval_batches=1",
         "save_every=2", "log_every=1", "progress=false", "tensorboard=false", "resume=never", "sample_tokens=0"]
+
+EVAL = ["--eval-length", "64", "--max-sequences", "2", "--device", "cpu", "--no-progress"]
 
 
 def _records(run) -> dict:
@@ -47,6 +51,13 @@ def _single(*args: str) -> None:
         assert main(["train", *args]) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def _single_eval(run, out) -> np.ndarray:
+    from foxlm.cli import main
+
+    assert main(["eval", "loss", str(run), *EVAL, "--out", str(out)]) == 0
+    return np.loadtxt(out / "per_token_loss.csv", delimiter=",", skiprows=1)
 
 
 def _match(got: dict, want: dict, first: int, case: str) -> None:
@@ -73,6 +84,11 @@ def test_cp_matches_one_process_and_checkpoints_move_between_cp(tmp_path):
     assert [k[0] for k in ref if k[1]] == [1, 2, 3, 4]
     _match(_records(tmp_path / "cp2"), ref, 1, "cp=2")
     _match(_records(tmp_path / "cp2-from-cp1"), ref, 3, "cp=2 resumed from cp=1")
+    # `foxlm eval loss --cp 2` on the two processes: the one-process per-token losses
+    want = _single_eval(tmp_path / "single", tmp_path / "eval-cp1")
+    got = np.loadtxt(tmp_path / "eval-cp2" / "per_token_loss.csv", delimiter=",", skiprows=1)
+    assert got.shape == want.shape == (64, 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
     _single(*common, f"out_dir={tmp_path / 'cp1-from-cp2'}",
             f"resume={tmp_path / 'cp2' / 'checkpoints' / 'step_0000002'}")
     _match(_records(tmp_path / "cp1-from-cp2"), ref, 3, "cp=1 resumed from cp=2")
@@ -100,6 +116,8 @@ if __name__ == "__main__":  # one torchrun worker
         assert main(["train", *args, "cp=2", f"out_dir={os.path.join(root, 'cp2')}"]) == 0
         assert main(["train", *args, "cp=2", f"out_dir={os.path.join(root, 'cp2-from-cp1')}",
                      f"resume={os.path.join(root, 'single', 'checkpoints', 'step_0000002')}"]) == 0
+        assert main(["eval", "loss", os.path.join(root, "single"), *EVAL, "--cp", "2",
+                     "--out", os.path.join(root, "eval-cp2")]) == 0
     else:
         assert main(["train", *args, "cp=2", "parallel=fsdp", f"out_dir={os.path.join(root, 'dp2-cp2')}"]) == 0
     dist.destroy_process_group()
