@@ -319,20 +319,18 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         name, given = ("labels", labels) if shift_labels is None else ("shift_labels", shift_labels)
         if given is not None and given.shape != h.shape[:2]:
             raise ValueError(f"{name}: expected shape {tuple(h.shape[:2])}, got {tuple(given.shape)}")
-        # predictions and their targets: all positions against shift_labels, or all but the last against labels
-        hp, targets = (h, shift_labels) if shift_labels is not None else (h[:, :-1], None if labels is None
-                                                                           else labels[:, 1:])
+        # every position predicts its shift_labels entry; with labels, all but the last predict the next label
+        targets = shift_labels if shift_labels is not None else None if labels is None else labels[:, 1:]
         if logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
         if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
-            loss = linear_cross_entropy(hp.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten())
         else:
             logits = self.lm_head(h)
             if targets is not None:
-                pred = logits if shift_labels is not None else logits[:, :-1]
                 per_token = F.cross_entropy(
-                    pred.flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                    logits[:, :targets.shape[1]].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                     targets.flatten(),
                     ignore_index=-100,
                     reduction="none",
