@@ -1,6 +1,6 @@
 """`foxlm train cp=N` under torchrun (gloo, CPU): context parallel over cp processes (each holds a zigzag shard of
 every sequence), data parallel over the rest. The losses match one process with the same global batch, for cp=2
-(2 processes) and a dp=2 x cp=2 mesh with FSDP2 (4 processes); checkpoints move between cp=2 and cp=1 both ways;
+(2 processes, FSDP2 and DDP) and a dp=2 x cp=2 mesh with FSDP2 (4 processes); checkpoints move between cp=2 and cp=1 both ways;
 `foxlm eval loss --cp 2` gives one process's per-token losses.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI in each worker.
@@ -83,6 +83,7 @@ def test_cp_matches_one_process_and_checkpoints_move_between_cp(tmp_path):
     ref = _records(tmp_path / "single")
     assert [k[0] for k in ref if k[1]] == [1, 2, 3, 4]
     _match(_records(tmp_path / "cp2"), ref, 1, "cp=2")
+    _match(_records(tmp_path / "cp2-ddp"), ref, 1, "cp=2, DDP")
     _match(_records(tmp_path / "cp2-from-cp1"), ref, 3, "cp=2 resumed from cp=1")
     # `foxlm eval loss --cp 2` on the two processes: the one-process per-token losses
     want = _single_eval(tmp_path / "single", tmp_path / "eval-cp1")
@@ -93,7 +94,7 @@ def test_cp_matches_one_process_and_checkpoints_move_between_cp(tmp_path):
             f"resume={tmp_path / 'cp2' / 'checkpoints' / 'step_0000002'}")
     _match(_records(tmp_path / "cp1-from-cp2"), ref, 3, "cp=1 resumed from cp=2")
     _torchrun(tmp_path, 4, str(tmp_path), "4", *common)
-    _match(_records(tmp_path / "dp2-cp2"), ref, 1, "dp=2 x cp=2")
+    _match(_records(tmp_path / "dp2-cp2"), ref, 1, "dp=2 x cp=2, activation checkpointing")
 
 
 def test_cp_settings_are_checked():
@@ -103,6 +104,10 @@ def test_cp_settings_are_checked():
         load_config(overrides=["cp=4", "seq_len=36"])
     with pytest.raises(ValueError, match="cp: expected a positive integer"):
         load_config(overrides=["cp=0"])
+    from foxlm.cli import main
+
+    with pytest.raises(ValueError, match="--cp: 2 processes split each sequence, but 1 run"):
+        main(["eval", "loss", "no-such-run", "--cp", "2", "--out", "unused"])
 
 
 if __name__ == "__main__":  # one torchrun worker
@@ -114,10 +119,14 @@ if __name__ == "__main__":  # one torchrun worker
     dist.init_process_group("gloo")
     if nproc == "2":
         assert main(["train", *args, "cp=2", f"out_dir={os.path.join(root, 'cp2')}"]) == 0
+        assert main(["train", *args, "cp=2", "parallel=ddp", "save_every=0",
+                     f"out_dir={os.path.join(root, 'cp2-ddp')}"]) == 0
         assert main(["train", *args, "cp=2", f"out_dir={os.path.join(root, 'cp2-from-cp1')}",
                      f"resume={os.path.join(root, 'single', 'checkpoints', 'step_0000002')}"]) == 0
         assert main(["eval", "loss", os.path.join(root, "single"), *EVAL, "--cp", "2",
                      "--out", os.path.join(root, "eval-cp2")]) == 0
     else:
-        assert main(["train", *args, "cp=2", "parallel=fsdp", f"out_dir={os.path.join(root, 'dp2-cp2')}"]) == 0
+        # activation checkpointing: the recomputed forward repeats the shards' exchanges, on every rank alike
+        assert main(["train", *args, "cp=2", "parallel=fsdp", "activation_checkpointing=true",
+                     f"out_dir={os.path.join(root, 'dp2-cp2')}"]) == 0
     dist.destroy_process_group()

@@ -37,7 +37,8 @@ class ACPConfig:
 class ACPProbe:
     """What ACP skips (or, with ACP off, would skip) in the cache-less forwards of one attention layer while
     ``active``: per forward, the share of attention tiles per head (``foxlm.ops.acp_stats`` with the layer's logit
-    bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``.
+    bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``; in a
+    context-parallel layer, the share of attention FLOPs in the chunk pairs the whole group skips (``cp_acp_stats``).
     Turned on by ``FoxPreTrainedModel.probe_acp``; one object per layer for its lifetime, so that a compiled block
     sees only two values of ``active``."""
 
