@@ -163,7 +163,7 @@ def _model(rank, world):
     baseline) gives the whole sequence's per-token losses and every parameter's gradient, summed over the ranks;
     what a shard cannot do is refused by name."""
     from foxlm.models import FoxConfig, FoxForCausalLM
-    from foxlm.parallel import shard_sequence
+    from foxlm.parallel import ContextParallel, shard_sequence
 
     cases = [("fox-pro", {"acp": True, "num_key_value_heads": 1}, "zigzag"), ("transformer-pro", {}, "contiguous")]
     for seed, (arch, extra, layout) in enumerate(cases):
@@ -175,7 +175,7 @@ def _model(rank, world):
         ref = model(ids, labels=ids, return_per_token_loss=True)
         ref_grads = torch.autograd.grad(ref.per_token_loss.sum(), list(model.parameters()))
         targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        model.set_context_parallel(None, layout)
+        model.set_context_parallel(ContextParallel(layout=layout))
         out = model(shard_sequence(ids, dim=1, layout=layout), shift_labels=shard_sequence(targets, dim=1,
                     layout=layout), return_per_token_loss=True)
         want = shard_sequence(F.pad(ref.per_token_loss.detach(), (0, 1)), dim=1, layout=layout)
@@ -191,7 +191,9 @@ def _model(rank, world):
         model(ids[:, :8], labels=ids[:, :8])
     with pytest.raises(ValueError, match="cu_seqlens / attention_mask: not available"):
         model(ids[:, :8], attention_mask=torch.ones(2, 8).index_fill_(1, torch.tensor([0]), 0))
-    model.set_context_parallel(None, enabled=False)
+    with pytest.raises(ValueError, match="cp: expected a foxlm.parallel.ContextParallel or None, got ProcessGroup"):
+        model.set_context_parallel(dist.group.WORLD)
+    model.set_context_parallel(None)
     model(ids, labels=ids)
 
 

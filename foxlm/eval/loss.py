@@ -85,11 +85,11 @@ def per_token_loss(
 def _cp_logprobs(model: torch.nn.Module, ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """``next_token_logprobs`` with each sequence split over ``cp``'s ranks: ids [B, T+1] -> [B, T] on every rank."""
     inputs, targets = (shard_sequence(x, dim=1, group=cp.group, layout=cp.layout) for x in (ids[:, :-1], ids[:, 1:]))
-    model.set_context_parallel(cp.group, cp.layout)
+    model.set_context_parallel(cp)
     try:
         logp = head_logprobs(model, hidden_states(model, inputs), targets)
     finally:
-        model.set_context_parallel(None, enabled=False)
+        model.set_context_parallel(None)
     return gather_sequence(logp, dim=1, group=cp.group, layout=cp.layout)
 
 

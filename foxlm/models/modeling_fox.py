@@ -110,13 +110,13 @@ class FoxPreTrainedModel(PreTrainedModel):
         (``FoxConfig.set_acp``)."""
         self.config.set_acp(bool(enabled), tolerance)
 
-    def set_context_parallel(self, group: "torch.distributed.ProcessGroup | None", layout: str = "zigzag",
-                             *, enabled: bool = True) -> None:
-        """Run every cache-less forward context-parallel over ``group``: each rank of it passes its ``layout`` shard
-        of the same rows (``foxlm.parallel.shard_sequence(input_ids, dim=1)``) and ``shift_labels`` sharded alike,
-        and gets its shard of the outputs. Attention, the token shift and RoPE positions cross the shards;
-        ``enabled=False`` goes back to whole sequences."""
-        cp = ContextParallel(group, layout) if enabled else None
+    def set_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Run every forward context-parallel over ``cp.group`` (e.g. ``ContextParallel(mesh.get_group("cp"))``):
+        each rank of it passes its ``cp.layout`` shard of the same rows (``foxlm.parallel.shard_sequence(input_ids,
+        dim=1)``) and ``shift_labels`` sharded alike, and gets its shard of the outputs. Attention, the token shift
+        and RoPE positions cross the shards. None: whole sequences again."""
+        if cp is not None and not isinstance(cp, ContextParallel):
+            raise ValueError(f"cp: expected a foxlm.parallel.ContextParallel or None, got {type(cp).__name__}")
         for module in self.modules():
             if isinstance(module, (ForgettingAttention, FoxModel)):
                 module.context_parallel = cp

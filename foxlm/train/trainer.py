@@ -26,6 +26,7 @@ import yaml
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
+from ..parallel import ContextParallel
 from . import parallel
 from .checkpoint import (check_out_dir, checkpoint_step, full_state_dicts, initialize_model, list_checkpoints,
                          lock_run, model_name, restore_checkpoint, resume_point, write_checkpoint)
@@ -119,7 +120,7 @@ class Trainer:
         if cfg.activation_checkpointing:
             model.model.gradient_checkpointing = True
         if self.d.cp_size > 1:
-            model.set_context_parallel(self.d.cp_group)
+            model.set_context_parallel(ContextParallel(self.d.cp_group))
         if cfg.compile:
             for block in model.model.layers:
                 block.compile()
@@ -312,7 +313,7 @@ class Trainer:
             prompt = source.document(0)[:24].tolist()
         module = parallel.unwrap(self.model)
         module.eval()
-        module.set_context_parallel(None, enabled=False)  # decoding holds whole sequences
+        module.set_context_parallel(None)  # decoding holds whole sequences
         generator_state = torch.get_rng_state()
         torch.manual_seed(self.cfg.seed)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
