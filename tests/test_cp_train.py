@@ -1,7 +1,7 @@
 """`foxlm train cp=N` under torchrun (gloo, CPU): context parallel over cp processes (each holds a zigzag shard of
 every sequence), data parallel over the rest. The losses match one process with the same global batch, for cp=2
-(2 processes, FSDP2 and DDP) and a dp=2 x cp=2 mesh with FSDP2 (4 processes); checkpoints move between cp=2 and cp=1 both ways;
-`foxlm eval loss --cp 2` gives one process's per-token losses.
+(2 processes, FSDP2 and DDP) and a dp=2 x cp=2 mesh with FSDP2 (4 processes); checkpoints move between cp=2 and
+cp=1 both ways; `foxlm eval loss --cp 2` gives one process's per-token losses.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI in each worker.
 """

@@ -4,7 +4,8 @@ Data flows: x -> q, k~, v~ projections -> token shift (k, v) -> QK-norm -> RoPE 
 forget gate -> output norm -> output gate -> o_proj. Attention of a whole sequence goes through
 ``foxlm.ops.sequence_attention``, or, when the model runs context-parallel (``context_parallel`` set), through
 ``foxlm.parallel.cp_forgetting_attention`` on this rank's shard of the sequence; a KV cache is talked to only
-through ``foxlm.models.cache.KVCache`` (``attend`` and the token-shift state methods). The layer holds no attention math.
+through ``foxlm.models.cache.KVCache`` (``attend`` and the token-shift state methods). The layer holds no
+attention math.
 """
 
 from __future__ import annotations

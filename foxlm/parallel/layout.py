@@ -93,4 +93,4 @@ class ContextParallel:
                            ("window", window is not None), ("output_attentions", output_attentions)):
             if used:
                 raise ValueError(f"{name}: not available while the model runs context-parallel (one whole sequence "
-                                 f"per row is split over the ranks; call set_context_parallel(None) for whole sequences)")
+                                 f"per row is split over the ranks; set_context_parallel(None) for whole sequences)")
