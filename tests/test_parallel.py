@@ -158,6 +158,49 @@ def _errors(rank, world):
         cp_forgetting_attention(q, q, q, torch.full((1, 3, 2), 0.5), layout="contiguous")
 
 
+def _model(rank, world):
+    """A tiny FoxForCausalLM run context-parallel on the shards (FoX Pro's token shift and QK-norm, ACP; a RoPE
+    baseline) gives the whole sequence's per-token losses and every parameter's gradient, summed over the ranks;
+    what a shard cannot do is refused by name."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.parallel import ContextParallel, shard_sequence
+
+    cases = [("fox-pro", {"acp": True, "num_key_value_heads": 1}, "zigzag"), ("transformer-pro", {}, "contiguous")]
+    for seed, (arch, extra, layout) in enumerate(cases):
+        torch.manual_seed(seed)
+        config = FoxConfig.preset(arch, "tiny", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=2, intermediate_size=64, **extra)
+        model = FoxForCausalLM(config).double()
+        ids = torch.randint(0, 97, (2, 8 * world), generator=torch.Generator().manual_seed(seed))
+        ref = model(ids, labels=ids, return_per_token_loss=True)
+        ref_grads = torch.autograd.grad(ref.per_token_loss.sum(), list(model.parameters()))
+        targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        model.set_context_parallel(ContextParallel(layout=layout))
+        out = model(shard_sequence(ids, dim=1, layout=layout), shift_labels=shard_sequence(targets, dim=1,
+                    layout=layout), return_per_token_loss=True)
+        want = shard_sequence(F.pad(ref.per_token_loss.detach(), (0, 1)), dim=1, layout=layout)
+        torch.testing.assert_close(out.per_token_loss, want, rtol=1e-6, atol=1e-6, msg=arch)
+        grads = torch.autograd.grad(out.per_token_loss.sum(), list(model.parameters()))
+        for (name, _), got, expected in zip(model.named_parameters(), grads, ref_grads):
+            got = got.clone()
+            dist.all_reduce(got)
+            # the token shift computes in fp32, so its rounding is the limit
+            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()),
+                                       msg=f"{arch}: {name}")
+    with pytest.raises(ValueError, match="labels: a context-parallel shard"):
+        model(ids[:, :8], labels=ids[:, :8])
+    with pytest.raises(ValueError, match="cu_seqlens / attention_mask: not available"):
+        model(ids[:, :8], attention_mask=torch.ones(2, 8).index_fill_(1, torch.tensor([0]), 0))
+    with pytest.raises(ValueError, match="cp: expected a foxlm.parallel.ContextParallel or None, got ProcessGroup"):
+        model.set_context_parallel(dist.group.WORLD)
+    model.set_context_parallel(None)
+    model(ids, labels=ids)
+
+
+def test_two_processes_model(tmp_path):
+    _spawn(tmp_path, 2, "_model")
+
+
 def test_two_processes(tmp_path):
     _spawn(tmp_path, 2, "_exact")
 

@@ -67,6 +67,10 @@ def register(subparsers) -> None:
                       help="first: each long-enough document's first eval-length + 1 tokens (BOS-led); all: also "
                            f"its later non-overlapping windows (which start mid-document); auto (default): first when "
                            f"that gives at least {MIN_SEQUENCES} sequences, else all")
+    loss.add_argument("--cp", type=int, default=1,
+                      help="context parallel: under `torchrun --nproc-per-node N`, --cp N splits each sequence over "
+                           "the N processes, for contexts longer than one device holds (--eval-length a multiple "
+                           "of 2N)")
     loss.set_defaults(func=run_loss)
 
     niah = sub.add_parser("niah", help="needle in a haystack over context lengths x needle depths",
@@ -183,11 +187,55 @@ def _windows(docs: list[np.ndarray], length: int, every: bool) -> list[np.ndarra
     return [d[a:a + length] for d in docs for a in range(0, len(d) - length + 1, length)]
 
 
+def _context_parallel(args):
+    """For ``--cp N``: this process's part in splitting sequences over the N torchrun processes (the process
+    group, created here unless the caller made it, and this process's GPU); None for ``--cp 1``. Returns
+    (ContextParallel or None, whether this call created the process group)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from foxlm.device import resolve_device
+    from foxlm.parallel import ContextParallel
+
+    if args.cp < 1:
+        raise ValueError(f"--cp: expected a positive number of processes, got {args.cp}")
+    if args.cp == 1:
+        return None, False
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if world != args.cp:
+        raise ValueError(f"--cp: {args.cp} processes split each sequence, but {world} run; launch with "
+                         f"`torchrun --nproc-per-node {args.cp} -m foxlm.cli eval loss ...`")
+    device = resolve_device(args.device)
+    if device.type == "cuda" and device.index is None:
+        args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+        torch.cuda.set_device(torch.device(args.device))
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return ContextParallel(None, "zigzag"), owns
+
+
 def run_loss(args) -> int:
+    import torch.distributed as dist
+
+    cp, owns_group = _context_parallel(args)
+    try:
+        return _run_loss(args, cp)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _run_loss(args, cp) -> int:
+    import torch.distributed as dist
+
     from . import loss
     from .utils import heldout_documents
 
     _check_exist(args.checkpoints)
+    main = cp is None or dist.get_rank() == 0  # under --cp every process computes every curve; one writes them
     labels = args.labels.split(",") if args.labels else [Path(c).name for c in args.checkpoints]
     if len(labels) != len(args.checkpoints):
         raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
@@ -197,6 +245,9 @@ def run_loss(args) -> int:
         raise ValueError(f"--max-sequences: expected a positive count, got {args.max_sequences}")
     train_length = _train_length(args, args.checkpoints[0])
     eval_length = args.eval_length if args.eval_length is not None else 4 * train_length
+    if cp is not None and eval_length % (2 * args.cp):
+        raise ValueError(f"--eval-length: {eval_length} must be a multiple of 2 x --cp = {2 * args.cp} (each process "
+                         f"holds two equal chunks of every sequence)")
     models, data, _, out = _setup(args, args.checkpoints)
     if args.acp_tolerance is not None and args.acp == "model":
         raise ValueError("--acp-tolerance: only with --acp on, off or both")
@@ -226,7 +277,9 @@ def run_loss(args) -> int:
         if acp is not None:
             m.set_acp(acp, tolerance=args.acp_tolerance)
         curves.append(loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
-                                          show_progress=args.progress))
+                                          show_progress=args.progress and main, context_parallel=cp))
+    if not main:
+        return 0
     loss.write_csv(curves, out / "per_token_loss.csv")
     md = loss.write_summary(curves, train_length, out / "summary.csv", out / "summary.md")
     loss.plot(curves, train_length, out / "per_token_loss.png")

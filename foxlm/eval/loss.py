@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .utils import autocast, next_token_logprobs, progress, pyplot
+from ..parallel import ContextParallel, gather_sequence, shard_sequence
+from .utils import autocast, head_logprobs, hidden_states, next_token_logprobs, progress, pyplot
 
 
 @dataclass
@@ -49,12 +50,15 @@ def per_token_loss(
     batch_size: int = 1,
     dtype: str = "auto",
     show_progress: bool = True,
+    context_parallel: ContextParallel | None = None,
 ) -> LossCurve:
     """L(l), l = 1..T, of ``model`` averaged over equally long token ``sequences`` ([T + 1] each), ``batch_size``
     at a time.
 
     Memory is O(batch_size * T): the backbone streams (no T x T attention matrix) and logits are made a
     chunk of positions at a time. ``dtype``: autocast precision (``utils.autocast``), bf16 on CUDA by default.
+    context_parallel: every rank of its group calls this with the same sequences and holds a shard of each
+    (memory O(batch_size * T / ranks)); every rank returns the whole curve.
     """
     if not sequences:
         raise ValueError("sequences: expected at least one sequence")
@@ -70,11 +74,23 @@ def per_token_loss(
     for a in progress(batches, total=len(batches), desc=f"loss {label} @ {n - 1}", enabled=show_progress):
         ids = torch.as_tensor(np.stack(sequences[a:a + batch_size]).astype(np.int64), device=device)
         with autocast(device, dtype):
-            logp = next_token_logprobs(model, ids)
+            logp = next_token_logprobs(model, ids) if context_parallel is None else _cp_logprobs(
+                model, ids, context_parallel)
         if not torch.isfinite(logp).all():
             raise FloatingPointError(f"{label}: non-finite loss in sequences {a}..{a + len(ids) - 1}")
         total -= logp.double().sum(0)
     return LossCurve(label, (total / len(sequences)).cpu().numpy(), len(sequences))
+
+
+def _cp_logprobs(model: torch.nn.Module, ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """``next_token_logprobs`` with each sequence split over ``cp``'s ranks: ids [B, T+1] -> [B, T] on every rank."""
+    inputs, targets = (shard_sequence(x, dim=1, group=cp.group, layout=cp.layout) for x in (ids[:, :-1], ids[:, 1:]))
+    model.set_context_parallel(cp)
+    try:
+        logp = head_logprobs(model, hidden_states(model, inputs), targets)
+    finally:
+        model.set_context_parallel(None)
+    return gather_sequence(logp, dim=1, group=cp.group, layout=cp.layout)
 
 
 def milestones(train_length: int, eval_length: int) -> dict[str, int]:

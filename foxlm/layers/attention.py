@@ -2,8 +2,10 @@
 
 Data flows: x -> q, k~, v~ projections -> token shift (k, v) -> QK-norm -> RoPE -> attention with the
 forget gate -> output norm -> output gate -> o_proj. Attention of a whole sequence goes through
-``foxlm.ops.sequence_attention``; a KV cache is talked to only through ``foxlm.models.cache.KVCache``
-(``attend`` and the token-shift state methods). The layer holds no attention math.
+``foxlm.ops.sequence_attention``, or, when the model runs context-parallel (``context_parallel`` set), through
+``foxlm.parallel.cp_forgetting_attention`` on this rank's shard of the sequence; a KV cache is talked to only
+through ``foxlm.models.cache.KVCache`` (``attend`` and the token-shift state methods). The layer holds no
+attention math.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import acp_stats, apply_rotary, sequence_attention
+from ..parallel import ContextParallel, cp_acp_stats, cp_forgetting_attention, previous_tokens
 from .norm import RMSNorm
 from .segments import Segments
 from .token_shift import TokenShift
@@ -35,7 +38,8 @@ class ACPConfig:
 class ACPProbe:
     """What ACP skips (or, with ACP off, would skip) in the cache-less forwards of one attention layer while
     ``active``: per forward, the share of attention tiles per head (``foxlm.ops.acp_stats`` with the layer's logit
-    bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``.
+    bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``; in a
+    context-parallel layer, the share of attention FLOPs in the chunk pairs the whole group skips (``cp_acp_stats``).
     Turned on by ``FoxPreTrainedModel.probe_acp``; one object per layer for its lifetime, so that a compiled block
     sees only two values of ``active``."""
 
@@ -47,6 +51,12 @@ class ACPProbe:
     def record(self, attn: "ForgettingAttention", q, k, log_fgate, segments: "Segments | None") -> None:
         tolerance = attn.acp_config.acp_tolerance if self.tolerance is None else self.tolerance
         q, k, log_fgate = q.detach(), k.detach(), log_fgate.detach()
+        cp = attn.context_parallel
+        if cp is not None:  # the share of FLOPs the whole group skips (the unit is a chunk pair, not a tile)
+            stats = cp_acp_stats(q, k, log_fgate, group=cp.group, layout=cp.layout, scale=attn.scale,
+                                 tolerance=tolerance, logit_bound=attn.logit_bound())
+            self.records.append((stats.flops_skipped / stats.flops_total).float().to(q.device))
+            return
         if segments is not None:  # as sequence_attention: the segments index the flattened batch
             q, k, log_fgate = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, log_fgate))
         per_head, _ = acp_stats(q, k, log_fgate, scale=attn.scale,
@@ -138,6 +148,7 @@ class ForgettingAttention(nn.Module):
         self.o_norm = RMSNorm((num_heads, head_dim), norm_eps) if output_norm else None
         self.g_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False) if output_gate else None
         self.acp_probe = ACPProbe() if gate != "none" else None
+        self.context_parallel: ContextParallel | None = None  # set by FoxPreTrainedModel.set_context_parallel
 
     @staticmethod
     def bias_gate_init(num_heads: int) -> torch.Tensor:
@@ -191,7 +202,12 @@ class ForgettingAttention(nn.Module):
         reset: [B, T] bool, where the token shift must not look back (segment starts, after padding).
         cache: a KV cache (``foxlm.models.cache.KVCache``): the new tokens attend to everything cached.
         valid: [B, T] bool, False at left padding (with a cache only).
+        Context-parallel (``context_parallel`` set): x is this rank's shard of the sequence, as
+        ``foxlm.parallel.shard_sequence(x, dim=1)`` makes it, and so are y and log_fgate.
         """
+        cp = self.context_parallel
+        if cp is not None:
+            cp.check(segments=segments, cache=cache, window=self.window, output_attentions=output_attentions)
         B, T, _ = x.shape
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, D)
@@ -213,7 +229,13 @@ class ForgettingAttention(nn.Module):
         probs = None
         if cache is None and self.acp_probe is not None and self.acp_probe.active:
             self.acp_probe.record(self, q, k, log_fgate, segments)
-        if cache is None:
+        if cp is not None:
+            # gate="none": plain softmax attention is the gate log f = 0
+            gate_cp = log_fgate if log_fgate is not None else x.new_zeros(
+                B, T, H, dtype=torch.promote_types(x.dtype, torch.float32))
+            o = cp_forgetting_attention(q, k, v, gate_cp, group=cp.group, layout=cp.layout, scale=self.scale,
+                                        prune=acp, tolerance=tolerance, logit_bound=bound)
+        elif cache is None:
             o, probs = sequence_attention(
                 q, k, v, log_fgate, scale=self.scale, cu_seqlens=None if segments is None else segments.cu_seqlens,
                 max_seqlen=None if segments is None else segments.max_seqlen, window=self.window, prune=acp,
@@ -234,6 +256,11 @@ class ForgettingAttention(nn.Module):
     def _shift(self, shift: TokenShift, name: str, x, h, reset, cache, valid) -> torch.Tensor:
         """Token shift of x: [B, T, Hk, D], continuing from (and updating) the cache's state."""
         prev = None
+        cp = self.context_parallel
+        if cp is not None:  # each chunk of the shard continues from the token before it, on another rank
+            prev = previous_tokens(x, group=cp.group, layout=cp.layout)
+            xs, hs = x.chunk(len(prev), dim=1), h.chunk(len(prev), dim=1)
+            return torch.cat([shift(xc, hc, p) for xc, hc, p in zip(xs, hs, prev)], dim=1)
         if cache is not None:
             prev = cache.get_shift_state(self.layer_idx, name)
             new = x if valid is None else x * valid[:, :, None, None].to(x.dtype)  # zeros at padding

@@ -23,6 +23,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
 from ..ops.acp import check_tolerance
 from ..ops.cross_entropy import linear_cross_entropy
+from ..parallel import ContextParallel, sequence_positions
 from .cache import FoxCache, KVCache
 from .configuration_fox import FoxConfig
 
@@ -109,6 +110,17 @@ class FoxPreTrainedModel(PreTrainedModel):
         (``FoxConfig.set_acp``)."""
         self.config.set_acp(bool(enabled), tolerance)
 
+    def set_context_parallel(self, cp: ContextParallel | None) -> None:
+        """Run every forward context-parallel over ``cp.group`` (e.g. ``ContextParallel(mesh.get_group("cp"))``):
+        each rank of it passes its ``cp.layout`` shard of the same rows (``foxlm.parallel.shard_sequence(input_ids,
+        dim=1)``) and ``shift_labels`` sharded alike, and gets its shard of the outputs. Attention, the token shift
+        and RoPE positions cross the shards. None: whole sequences again."""
+        if cp is not None and not isinstance(cp, ContextParallel):
+            raise ValueError(f"cp: expected a foxlm.parallel.ContextParallel or None, got {type(cp).__name__}")
+        for module in self.modules():
+            if isinstance(module, (ForgettingAttention, FoxModel)):
+                module.context_parallel = cp
+
     @contextlib.contextmanager
     def probe_acp(self, tolerance: float | None = None, block_m: int = 128, block_n: int = 64
                   ) -> Iterator[ACPShare]:
@@ -158,6 +170,7 @@ class FoxModel(FoxPreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope else None  # once a forward
         self.gradient_checkpointing = False
+        self.context_parallel: ContextParallel | None = None  # set by set_context_parallel
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -198,6 +211,11 @@ class FoxModel(FoxPreTrainedModel):
         B, T = x.shape[:2]
         cache = _as_fox_cache(cache if cache is not None else past_key_values, use_cache, self.config.num_hidden_layers)
         segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache)
+        cp = self.context_parallel
+        if cp is not None:
+            cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
+            if position_ids is None:  # RoPE rotates by the position in the whole sequence
+                positions = sequence_positions(T, group=cp.group, layout=cp.layout, device=x.device).expand(B, T)
         if output_attentions and cache is not None:
             raise ValueError("output_attentions: not available while decoding with a KV cache")
 
@@ -266,12 +284,16 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         output_log_fgates: bool = False,
         output_hidden_states: bool = False,
         return_per_token_loss: bool = False,
+        shift_labels: torch.LongTensor | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         **kwargs,
     ) -> FoxCausalLMOutput:
         """input_ids: [B, T]; labels: [B, T] (shifted inside: position i predicts labels[i+1]; -100 is
         ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
+        shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name), instead
+        of labels: a context-parallel shard needs them, since its last token's target is on another rank; then
+        .per_token_loss is [B, T].
         logits_to_keep: compute logits for the last n positions only (0: all). Other arguments as in
         ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
         and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
@@ -289,19 +311,26 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
         )
         h = out.last_hidden_state
-        if logits_to_keep and labels is None:
+        if labels is not None and shift_labels is not None:
+            raise ValueError("shift_labels: pass labels or shift_labels, not both")
+        if labels is not None and self.model.context_parallel is not None:
+            raise ValueError("labels: a context-parallel shard's last target is on another rank; pass shift_labels "
+                             "(the whole rows' labels shifted by one, then sharded as input_ids)")
+        name, given = ("labels", labels) if shift_labels is None else ("shift_labels", shift_labels)
+        if given is not None and given.shape != h.shape[:2]:
+            raise ValueError(f"{name}: expected shape {tuple(h.shape[:2])}, got {tuple(given.shape)}")
+        # every position predicts its shift_labels entry; with labels, all but the last predict the next label
+        targets = shift_labels if shift_labels is not None else None if labels is None else labels[:, 1:]
+        if logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
-        if labels is not None and labels.shape != h.shape[:2]:
-            raise ValueError(f"labels: expected shape {tuple(h.shape[:2])}, got {tuple(labels.shape)}")
-        if labels is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
-            loss = linear_cross_entropy(h[:, :-1].flatten(0, 1), self.lm_head.weight, labels[:, 1:].flatten())
+        if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
+            loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten())
         else:
             logits = self.lm_head(h)
-            if labels is not None:
-                targets = labels[:, 1:]
+            if targets is not None:
                 per_token = F.cross_entropy(
-                    logits[:, :-1].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
+                    logits[:, :targets.shape[1]].flatten(0, 1).to(torch.promote_types(logits.dtype, torch.float32)),
                     targets.flatten(),
                     ignore_index=-100,
                     reduction="none",

@@ -2,9 +2,10 @@
 
 from .attention import CPAcpStats, Traffic, cp_acp_stats, cp_forgetting_attention, record_traffic
 from .halo import previous_tokens, sequence_positions
-from .layout import gather_sequence, shard_sequence
+from .layout import ContextParallel, gather_sequence, shard_sequence
 
 __all__ = [
+    "ContextParallel",
     "shard_sequence",
     "gather_sequence",
     "cp_forgetting_attention",

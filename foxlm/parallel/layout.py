@@ -6,6 +6,8 @@ causal work; ``contiguous`` gives rank r the r-th of P equal chunks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -71,3 +73,24 @@ def gather_sequence(
         for a, c in enumerate(rank_chunks(r, world, layout)):
             chunks[c] = shard.narrow(dim, a * size, size)
     return torch.cat([chunks[c] for c in range(per * world)], dim=dim)
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a model runs context-parallel: its inputs are this rank's shards (``layout``) of sequences split over
+    ``group`` (None: the default group). Set with ``FoxPreTrainedModel.set_context_parallel``."""
+
+    group: dist.ProcessGroup | None = None
+    layout: str = "zigzag"
+
+    def __post_init__(self):
+        chunks_per_rank(self.layout)
+
+    def check(self, *, segments=None, cache=None, window=None, output_attentions=False) -> None:
+        """Refuse, by name, what a shard of a sequence cannot do: packed documents or padding, a KV cache, a
+        sliding window and attention probabilities."""
+        for name, used in (("cu_seqlens / attention_mask", segments is not None), ("cache", cache is not None),
+                           ("window", window is not None), ("output_attentions", output_attentions)):
+            if used:
+                raise ValueError(f"{name}: not available while the model runs context-parallel (one whole sequence "
+                                 f"per row is split over the ranks; set_context_parallel(None) for whole sequences)")

@@ -59,6 +59,9 @@ class TrainConfig:
     cuda_graph: bool | str = False
     activation_checkpointing: bool = False
     parallel: str = "fsdp"  # under torchrun: fsdp (FSDP2 fully_shard) | ddp
+    # under torchrun: processes that split each sequence (context parallel, zigzag shards); the others (world / cp)
+    # split the batch. seq_len must be a multiple of 2 x cp; packing=windows only
+    cp: int = 1
     peak_tflops: float | None = None  # per device, for MFU; None: known GPUs only
     # evaluation / logging / checkpoints
     eval_every: int = 100  # 0: only at the end
@@ -87,7 +90,7 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: expected one of {sorted(allowed)}, got {getattr(self, name)!r}")
-        for name in ("seq_len", "batch_size", "max_steps", "eval_batches", "log_every", "keep_last"):
+        for name in ("seq_len", "batch_size", "max_steps", "eval_batches", "log_every", "keep_last", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "save_every", "max_bad_steps", "sample_tokens"):
@@ -112,6 +115,12 @@ class TrainConfig:
         if self.cuda_graph is True and (self.packing != "windows" or self.compile):
             raise ValueError("cuda_graph: needs packing=windows (packed documents change shape every batch) and "
                              "compile=false (torch.compile's mode='reduce-overhead' is its compiled form)")
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ValueError(f"seq_len: {self.seq_len} must be a multiple of 2 x cp = {2 * self.cp} (each of the cp "
+                             f"processes holds two equal chunks of every sequence)")
+        if self.cp > 1 and self.packing != "windows":
+            raise ValueError("packing: context parallelism (cp > 1) needs packing=windows; packed documents whose "
+                             "boundaries fall inside other processes' shards are not supported")
         for key in self.model:
             if key not in model_fields():
                 raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(model_fields())})")

@@ -2,7 +2,8 @@
 
 A step's global batch is a pure function of ``(seed, step)``: row ``r`` of step ``s`` is fixed whatever the number
 of processes, each process takes its contiguous share of rows, and splits it into micro-batches. So the loader's
-state is the step counter, resuming is exact, and 1 or N processes see the same global batch.
+state is the step counter, resuming is exact, and 1 or N processes see the same global batch. Under context
+parallelism (``cp_size > 1``) the processes of one share each take their zigzag shard of its sequences.
 
 - ``windows``: each row is ``seq_len`` tokens from a uniformly random offset (documents are separated by
   ``<|endoftext|>``; attention runs across them, as in GPT-2/nanoGPT training).
@@ -19,22 +20,25 @@ import numpy as np
 import torch
 
 from ..data import TokenDataset
+from ..parallel.layout import rank_chunks
 
 
 @dataclass
 class Batch:
     """One micro-batch. ``input_ids``/``labels``: [B, T] int64 (labels shifted inside the model, -100 ignored);
-    ``cu_seqlens``: int32 [N+1] when packed (B == 1); ``num_targets``: labels that count."""
+    ``cu_seqlens``: int32 [N+1] when packed (B == 1); ``num_targets``: labels that count. ``shifted``: a
+    context-parallel shard, [B, T / cp]; its labels are the targets of its tokens (the model's ``shift_labels``)."""
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     cu_seqlens: torch.Tensor | None
     num_targets: int
+    shifted: bool = False
 
     def to(self, device: torch.device) -> "Batch":
         cu = None if self.cu_seqlens is None else self.cu_seqlens.to(device, non_blocking=True)
         return Batch(self.input_ids.to(device, non_blocking=True), self.labels.to(device, non_blocking=True),
-                     cu, self.num_targets)
+                     cu, self.num_targets, self.shifted)
 
 
 class TokenLoader:
@@ -42,7 +46,7 @@ class TokenLoader:
 
     def __init__(self, dataset: TokenDataset, *, seq_len: int, batch_size: int, micro_batch_size: int,
                  packing: str = "windows", seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True):
+                 shuffle: bool = True, cp_rank: int = 0, cp_size: int = 1):
         if batch_size % (micro_batch_size * world_size):
             raise ValueError(f"batch_size: {batch_size} is not a multiple of micro_batch_size ({micro_batch_size}) "
                              f"x processes ({world_size})")
@@ -51,8 +55,12 @@ class TokenLoader:
                              f"({len(dataset.tokens)} tokens)")
         if packing not in ("windows", "documents"):
             raise ValueError(f"packing: expected 'windows' or 'documents', got {packing!r}")
+        if cp_size > 1 and (packing != "windows" or seq_len % (2 * cp_size)):
+            raise ValueError(f"cp_size: {cp_size} shards need packing='windows' and seq_len a multiple of "
+                             f"{2 * cp_size}, got {packing!r} and {seq_len}")
         self.ds, self.seq_len, self.batch_size, self.micro = dataset, seq_len, batch_size, micro_batch_size
         self.packing, self.seed, self.rank, self.world, self.shuffle = packing, seed, rank, world_size, shuffle
+        self.cp_rank, self.cp_size = cp_rank, cp_size
         self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
 
     @property
@@ -120,6 +128,12 @@ class TokenLoader:
     def _collate(self, rows: list[tuple[np.ndarray, list[int]]]) -> Batch:
         ids = torch.from_numpy(np.stack([r for r, _ in rows]).astype(np.int64))
         labels = ids.clone()
+        if self.packing == "windows" and self.cp_size > 1:
+            targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+            size = self.seq_len // (2 * self.cp_size)
+            chunks = rank_chunks(self.cp_rank, self.cp_size, "zigzag")
+            ids, targets = (torch.cat([x[:, c * size:(c + 1) * size] for c in chunks], dim=1) for x in (ids, targets))
+            return Batch(ids, targets, None, int((targets != -100).sum()), shifted=True)
         if self.packing == "windows":
             return Batch(ids, labels, None, ids.shape[0] * (ids.shape[1] - 1))
         starts = [i * self.seq_len + s for i, (_, row_starts) in enumerate(rows) for s in row_starts]

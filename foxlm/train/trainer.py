@@ -27,6 +27,7 @@ import yaml
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..ops.backend import use_triton
+from ..parallel import ContextParallel
 from . import parallel
 from .checkpoint import (PendingCheckpoint, check_out_dir, checkpoint_step, export_model, full_state_dicts,
                          initialize_model, list_checkpoints, lock_run, model_name, restore_checkpoint, resume_point,
@@ -66,10 +67,12 @@ def flops_per_token(config: FoxConfig, num_params: int, seq_len: int) -> float:
 
 
 def _causal_lm_loss(model: torch.nn.Module, autocast: bool, input_ids: torch.Tensor, labels: torch.Tensor,
-                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """The model's mean next-token loss on input_ids / labels [B, T], under bf16 autocast when ``autocast``."""
+                    cu_seqlens: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
+    """The model's mean next-token loss on input_ids / labels [B, T], under bf16 autocast when ``autocast``;
+    ``shifted``: labels are the targets of the tokens (a context-parallel shard's)."""
+    targets = {"shift_labels" if shifted else "labels": labels}
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-        return model(input_ids=input_ids, labels=labels, cu_seqlens=cu_seqlens, use_cache=False).loss
+        return model(input_ids=input_ids, cu_seqlens=cu_seqlens, use_cache=False, **targets).loss
 
 
 def _data_folder(cfg: TrainConfig, d: parallel.Dist) -> Path:
@@ -92,7 +95,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.d, self.device = parallel.setup(cfg.device)
+        self.d, self.device = parallel.setup(cfg.device, cfg.cp)
         self.run_dir = Path(cfg.out_dir).expanduser()
         self.autocast = (cfg.precision == "bf16") or (cfg.precision == "auto" and self.device.type == "cuda")
 
@@ -120,6 +123,8 @@ class Trainer:
         self.num_params = model.num_parameters()
         if cfg.activation_checkpointing:
             model.model.gradient_checkpointing = True
+        if self.d.cp_size > 1:
+            model.set_context_parallel(ContextParallel(self.d.cp_group))
         if cfg.compile:
             for block in model.model.layers:
                 block.compile()
@@ -137,7 +142,8 @@ class Trainer:
         if micro < 1 or cfg.batch_size % dp:
             raise ValueError(f"batch_size: {cfg.batch_size} cannot be split over {dp} processes")
         common = dict(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=micro, packing=cfg.packing,
-                      seed=cfg.seed, rank=self.d.dp_rank, world_size=dp)
+                      seed=cfg.seed, rank=self.d.dp_rank, world_size=dp, cp_rank=self.d.cp_rank,
+                      cp_size=self.d.cp_size)
         self.loader = TokenLoader(self.train_ds, **common)
         self.val_loader = TokenLoader(self.val_ds, shuffle=False, **common) if len(self.val_ds.tokens) > cfg.seq_len \
             else None
@@ -251,7 +257,7 @@ class Trainer:
     # --- steps ------------------------------------------------------------------------------------------------
     def _forward(self, b: Batch) -> torch.Tensor:
         b = b.to(self.device)
-        return self._loss(b.input_ids, b.labels, b.cu_seqlens)
+        return self._loss(b.input_ids, b.labels, b.cu_seqlens, b.shifted)
 
     def _forward_backward(self, micro: list[Batch]) -> float:
         """Accumulate the gradient of the step's mean loss over its micro-batches (and processes); return the loss."""
@@ -260,8 +266,8 @@ class Trainer:
             total = self.d.sum(torch.tensor([total], device=self.device)).item()
         loss_sum = torch.zeros((), device=self.device)
         for i, b in enumerate(micro):
-            # DDP/FSDP average gradients over processes: scale so that the result is the global mean.
-            weight = b.num_targets * self.d.dp_size / total
+            # DDP/FSDP average gradients over processes (dp x cp): scale so that the result is the global mean.
+            weight = b.num_targets * self.d.world / total
             if self.graphed is not None:
                 b = b.to(self.device)
                 loss = self.graphed(b.input_ids, b.labels, weight)
@@ -293,7 +299,7 @@ class Trainer:
         # a CUDA graph's capture must not be cut short; GPU steps are short anyway
         with self.preemption.interruptible() if self.graphed is None else contextlib.nullcontext():
             loss = self._forward_backward(micro)
-        self.tokens_seen += sum(b.input_ids.numel() for b in micro) * self.d.dp_size
+        self.tokens_seen += sum(b.input_ids.numel() for b in micro) * self.d.world  # whole sequences
         self.step += 1
         record = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
         grad_norm = None
@@ -331,7 +337,7 @@ class Trainer:
         total = self.d.sum(torch.tensor([count], device=self.device)).item()
         out = {"val_loss": (self.d.sum(loss_sum) / total).item()}
         if gated:
-            out["val_acp_skipped"] = (self.d.sum(share.per_head().mean().reshape(1)) / self.d.dp_size).item()
+            out["val_acp_skipped"] = (self.d.sum(share.per_head().mean().reshape(1)) / self.d.world).item()
         return out
 
     @torch.no_grad()
@@ -344,6 +350,7 @@ class Trainer:
             prompt = source.document(0)[:24].tolist()
         module = parallel.unwrap(self.model)
         module.eval()
+        module.set_context_parallel(None)  # decoding holds whole sequences
         generator_state = torch.get_rng_state()
         torch.manual_seed(self.cfg.seed)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
