@@ -10,17 +10,18 @@ _EXPORTS = {
     "TokenLoader": "loader",
     "TrainConfig": "config",
     "Trainer": "trainer",
-    "latest_valid_checkpoint": "checkpoint",
-    "load_checkpoint_model": "checkpoint",
+    "latest_valid_checkpoint": "foxlm.models.loading",
+    "load_checkpoint_model": "foxlm.models.loading",
     "load_config": "config",
     "lr_at": "trainer",
     "train": "trainer",
-    "verify_checkpoint": "checkpoint",
+    "verify_checkpoint": "foxlm.models.loading",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        module = _EXPORTS[name]
+        return getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
