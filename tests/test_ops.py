@@ -30,7 +30,7 @@ def _grads(o, lse, inputs, seed=1):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Force many query chunks so the chunk loop, not one big matrix, is what gets tested."""
-    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 16 * 8 * 64)
+    monkeypatch.setattr(chunked, "_CHUNK", 16)
 
 
 @pytest.mark.parametrize("Hq,Hk", [(4, 4), (4, 2), (4, 1)])
@@ -298,7 +298,7 @@ def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case
     from foxlm.ops import attention_from_cumsum
     from foxlm.ops.reference import attention_from_cumsum_reference
 
-    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 2 * 4 * 8 * 50)  # several chunks, some with no visible key
+    monkeypatch.setattr(chunked, "_CHUNK", 8)  # several chunks, some with no visible key
     B, Tq, Tk, Hq, Hk, q_offset, window, thr, packed = _CASES[case]
     cu = torch.tensor([0, 11, 12, 30, 50], dtype=torch.int32) if packed else None
     q, k, v, _ = _inputs(B, Tq, Tk, Hq, Hk, 16, 12, dtype=dtype, seed=len(case))
