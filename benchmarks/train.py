@@ -269,7 +269,6 @@ def main() -> None:
         print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ratios if k in r))
 
 
-
 def main_cpu(args) -> None:
     import os
     import platform
