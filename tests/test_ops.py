@@ -1,4 +1,4 @@
-"""The public op on the CPU path (chunked PyTorch), its validation, ACP threshold and gate precision."""
+"""The public op on the CPU path (SDPA's CPU kernel, chunked), its validation, ACP threshold and gate precision."""
 
 import math
 
@@ -378,14 +378,17 @@ _CASES = {  # name: (B, Tq, Tk, Hq, Hk, q_offset, window, threshold, packed)
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernel", "math-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(_CASES))
-def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case, dtype):
-    """Outputs, lse and the gradients of q, k, v, c_q and c_k (through o and lse) against the fp64 oracle."""
+def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case, dtype, fused):
+    """Outputs, lse and the gradients of q, k, v, c_q and c_k (through o and lse) against the fp64 oracle, through
+    SDPA's fused CPU kernel and through the plain-matmul kernel that GPU tensors take (here on the CPU)."""
     from foxlm.ops import attention_from_cumsum
     from foxlm.ops.reference import attention_from_cumsum_reference
 
     monkeypatch.setattr(chunked, "_CHUNK", 8)  # several chunks, some with no visible key
+    monkeypatch.setattr(chunked, "_fused", lambda device: fused)
     B, Tq, Tk, Hq, Hk, q_offset, window, thr, packed = _CASES[case]
     cu = torch.tensor([0, 11, 12, 30, 50], dtype=torch.int32) if packed else None
     q, k, v, _ = _inputs(B, Tq, Tk, Hq, Hk, 16, 12, dtype=dtype, seed=len(case))

@@ -6,7 +6,8 @@ scale * q_i . k_j + c_i - c_j. Queries go in chunks, each against only the keys 
 chunk; memory is O(T * chunk), never T x T. Causality, varlen, sliding
 windows and ACP share one mechanism: every query row i sees the keys [row_start_i, q_offset + i], where
 row_start is the start of its sequence, moved right to q_offset + i - window + 1 and past the keys ACP prunes
-(a pruned key range is not computed at all).
+(a pruned key range is not computed at all). Off the CPU (the caches and context parallelism on a GPU; the op itself
+takes Triton there) the same chunks go through a plain-matmul softmax with the kernel's contract.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from .gate import segment_ids
 # max(c) - min(c) within one: fp32 channels of up to +-32 keep c_i - c_j as precise as the fp64 difference.
 _CHUNK = 1024
 _C_SPAN = 64.0
+# Off the CPU (the caches and context parallelism on a GPU) the kernel is _math_attention: at most this many
+# elements in one call's [B, H, rows, keys] score matrix.
+_MATH_ELEMENTS = 1 << 24
 
 
 def row_starts(
@@ -88,7 +92,8 @@ class _SdpaAttention(torch.autograd.Function):
         Dv = v.shape[-1]
         cdt = torch.promote_types(q.dtype, torch.float32)
         ctx.set_materialize_grads(False)
-        plan = _plan(c_q, row_start, k.shape[1], q_offset)
+        rows = _CHUNK if _fused(q.device) else min(_CHUNK, max(16, _MATH_ELEMENTS // max(1, B * Hq * k.shape[1])))
+        plan = _plan(c_q, row_start, k.shape[1], q_offset, rows)
         qp, kp, vp = _extend(q, k, v, c_q, plan, scale, cdt)
         o = torch.zeros(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
         lse = torch.full((B, Hq, Tq), -math.inf, dtype=cdt, device=q.device)  # stays so for chunks that see no key
@@ -99,7 +104,7 @@ class _SdpaAttention(torch.autograd.Function):
                 outs = []
                 for s, e, kind in calls:
                     mask, empty = _mask(kind, row_start, a, b, s, e, q_offset, cdt)
-                    oc, lc = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    oc, lc = _kernel(qp.device)[0](
                         _heads(qp[:, a:b]), _heads(kp[:, s:e]), _heads(vp[:, s:e]), 0.0, kind == "causal",
                         attn_mask=mask, scale=1.0,
                     )
@@ -139,7 +144,7 @@ class _SdpaAttention(torch.autograd.Function):
                     _centre_keys(kp, c_k, c_ref, D, ks, ke)
                 for j, (s, e, kind) in enumerate(calls):
                     mask, _ = _mask(kind, row_start, a, b, s, e, q_offset, qp.dtype)
-                    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    gq, gk, gv = _kernel(qp.device)[1](
                         _heads(dop[:, a:b]), _heads(qp[:, a:b]), _heads(kp[:, s:e]), _heads(vp[:, s:e]),
                         _heads(outp[:, a:b]), lse[:, :, a:b], 0.0, kind == "causal", attn_mask=mask, scale=1.0,
                     )
@@ -166,6 +171,43 @@ class _SdpaAttention(torch.autograd.Function):
         dc_q = torch.zeros(B, Tq, Hq, dtype=cqdt, device=qp.device) if dc_q is None else dc_q.to(cqdt)
         dc_k = -dkp[..., D + 1].to(ckdt)
         return (scale * dqp[..., :D]).to(qdt), dk.to(qdt), dv.to(qdt), dc_q, dc_k, None, None, None
+
+
+def _fused(device: torch.device) -> bool:
+    """Whether SDPA's fused CPU kernel serves tensors on ``device``."""
+    return device.type == "cpu"
+
+
+def _kernel(device: torch.device):
+    """(forward, backward) with the signatures of SDPA's fused CPU kernel: the kernel itself on the CPU, else
+    _math_attention (the caches and context parallelism call this path with GPU tensors, fp64 included)."""
+    if _fused(device):
+        ops = torch.ops.aten
+        return ops._scaled_dot_product_flash_attention_for_cpu, ops._scaled_dot_product_flash_attention_for_cpu_backward
+    return _math_attention, _math_attention_backward
+
+
+def _math_attention(q, k, v, dropout_p, is_causal, *, attn_mask=None, scale):
+    """Softmax attention as the fused CPU kernel computes it: q: [B, H, M, Dp], k, v: [B, H, N, Dp] ->
+    (o [B, H, M, Dp], lse [B, H, M]); causal is top-left aligned; a row that sees no key gets o = 0, lse = 0."""
+    s = _math_logits(q, k, is_causal, attn_mask, scale)
+    lse = torch.logsumexp(s, -1)
+    lse = lse.masked_fill(lse == -math.inf, 0.0)
+    return torch.exp(s - lse[..., None]) @ v, lse
+
+
+def _math_attention_backward(do, q, k, v, o, lse, dropout_p, is_causal, *, attn_mask=None, scale):
+    """The gradients (dq, dk, dv) of _math_attention, from its o and lse (+inf for a row that sees no key)."""
+    p = torch.exp(_math_logits(q, k, is_causal, attn_mask, scale) - lse[..., None])
+    ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+    return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
+
+
+def _math_logits(q, k, is_causal, attn_mask, scale):
+    s = scale * (q @ k.transpose(-1, -2))
+    if is_causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1), -math.inf)
+    return s if attn_mask is None else s + attn_mask
 
 
 @contextlib.contextmanager
@@ -201,13 +243,13 @@ def _heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def _row_chunks(c: torch.Tensor) -> list[tuple[int, int]]:
-    """Query row ranges [a, b): at most _CHUNK rows, cut where c jumps by more than _C_SPAN from one row to the
+def _row_chunks(c: torch.Tensor, rows: int) -> list[tuple[int, int]]:
+    """Query row ranges [a, b): at most ``rows`` rows, cut where c jumps by more than _C_SPAN from one row to the
     next (a sequence restart, or a gate below e^-64), and split evenly where the gates of a range span more
     than _C_SPAN (strong forgetting), down to 16 rows, so that the re-centred channels stay small."""
     Tq = c.shape[1]
     jumps = ((c[:, 1:] - c[:, :-1]).abs().amax((0, 2)) > _C_SPAN).nonzero().flatten() + 1
-    bounds = sorted(set(range(0, Tq, _CHUNK)) | set(jumps.tolist()) | {Tq})
+    bounds = sorted(set(range(0, Tq, rows)) | set(jumps.tolist()) | {Tq})
     pieces = list(zip(bounds, bounds[1:]))
     spans = torch.stack([(c[:, a:b].amax(1) - c[:, a:b].amin(1)).max() for a, b in pieces]).tolist()
     chunks = []
@@ -219,7 +261,7 @@ def _row_chunks(c: torch.Tensor) -> list[tuple[int, int]]:
     return chunks
 
 
-def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int) -> list:
+def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, rows: int) -> list:
     """Query chunks [a, b) with their gate reference c_ref [B, Hq], keys [ks, ke) and kernel calls (s, e, kind).
 
     Kinds: "causal" (the chunk's own block: SDPA's top-left causal mask is right), "full" (every row sees every
@@ -229,7 +271,7 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int) ->
     if c_q.shape[1] == 0:
         return []
     c = c_q.detach().to(torch.float64)
-    chunks = _row_chunks(c)
+    chunks = _row_chunks(c, rows)
     per_head = bool((row_start != row_start[:, :1]).any())  # ACP: every head has its own row starts
     lims = torch.stack([torch.stack([row_start[:, :, a:b].min(), row_start[:, :, a:b].max()]) for a, b in chunks])
     plan = []
