@@ -77,7 +77,8 @@ def _first_at_most(c: torch.Tensor, target: torch.Tensor, lo: torch.Tensor, hi: 
 
 
 class _SdpaAttention(torch.autograd.Function):
-    """Forgetting attention inside SDPA's fused CPU kernel, with q and k extended by two gate channels.
+    """Forgetting attention inside SDPA's fused CPU kernel (off the CPU, _math_attention), with q and k extended by
+    two gate channels.
 
     q' = [scale*q, c_q - c_ref, 1] and k' = [k, 1, -(c_k - c_ref)] give q'.k' = scale*q.k + c_q - c_k, so the
     kernel (at scale 1) computes the gated logits and its k' gradient holds the gate's. c_ref is re-centred per
