@@ -8,16 +8,25 @@ flash and cuDNN (no gate), fla's parallel_forgetting_attn when importable. Befor
 against the fp64 reference.
 
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--dims 64 128] [--seqlens 2048 8192 16384]
+
+CPU section (``--device cpu``): fp32, B=1, H=8, D=64, the same gate profile; foxlm against SDPA causal (no
+gate) in interleaved rounds of one process (median of ``--rounds``), forward (no grad) and forward+backward
+(grads of q, k, v and the gates), and the peak resident memory each adds over its inputs.
+
+    PYTHONPATH=. python benchmarks/attention.py --device cpu [--seqlens 1024 4096 16384] [--rounds 3] [--no-warmup]
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import datetime
 import json
 import math
 import os
+import platform
 import statistics
+import time
 
 import torch
 import torch.nn.functional as F
@@ -169,16 +178,99 @@ def load_fla():
         return None
 
 
+def peak_rss_mib(fn) -> float:
+    """Peak resident memory fn adds over what the process held before it (Linux: VmHWM reset via clear_refs)."""
+    def status(key):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(key))
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS
+    before = status("VmRSS:")
+    fn()
+    return (status("VmHWM:") - before) / 1024
+
+
+def bench_cpu(T: int, rounds: int, warmup: bool = True) -> dict:
+    """foxlm vs SDPA causal on the CPU at [1, T, 8, 64] fp32; fwd / fwd+bwd seconds and peak memory."""
+    B, H, D = 1, 8, 64
+    q, k, v = (torch.randn(B, T, H, D, requires_grad=True) for _ in range(3))
+    g = standard_log_fgate(B, T, H, "cpu").requires_grad_()
+    do = torch.randn_like(q)
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v))
+    dot = do.transpose(1, 2).contiguous()
+    impls = {
+        "foxlm": (lambda: forgetting_attention(q, k, v, g), (q, k, v, g), do),
+        "sdpa": (lambda: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True), (qt, kt, vt), dot),
+    }
+    steps = {}
+    for name, (fwd, inputs, grad_out) in impls.items():
+        def no_grad(fwd=fwd):
+            with torch.no_grad():
+                fwd()
+        steps[name, "fwd"] = no_grad
+        steps[name, "fwd+bwd"] = lambda fwd=fwd, inputs=inputs, grad_out=grad_out: torch.autograd.grad(
+            fwd(), inputs, grad_out)
+    times = {key: [] for key in steps}
+    for key, fn in steps.items() if warmup else ():
+        fn()
+    for _ in range(rounds):  # interleaved, so that load from elsewhere hits both alike
+        for key, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    row = {"T": T, "B": B, "H": H, "D": D, "dtype": "float32", "rounds": rounds}
+    for (name, mode), ts in times.items():
+        row.setdefault(name, {})[f"{mode}_s"] = statistics.median(ts)
+        row[name][f"{mode}_all_s"] = ts
+        row[name][f"{mode}_peak_mib"] = peak_rss_mib(steps[name, mode])
+    for mode in ("fwd", "fwd+bwd"):
+        row[f"{mode}_ratio"] = row["foxlm"][f"{mode}_s"] / row["sdpa"][f"{mode}_s"]
+    print(f"T={T}: {row}", flush=True)
+    return row
+
+
+def cpu_main(args) -> None:
+    # Large buffers get their own mmap and go back to the OS when freed, so the peak-RSS reading is per call.
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    torch.manual_seed(0)
+    env = {"device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                     f"{torch.get_num_threads()} torch threads", "torch": torch.__version__,
+           "date": datetime.date.today().isoformat()}
+    print(env, flush=True)
+    path = os.path.join(args.out, f"attention-cpu-{env['date']}.json")
+    rows = []
+    for T in args.seqlens or [1024, 4096, 16384]:
+        rows.append(bench_cpu(T, args.rounds, not args.no_warmup))
+        with open(path, "w") as f:
+            json.dump({"env": env, "rows": rows}, f, indent=1)
+    print(f"wrote {path}")
+    print(f"CPU, fp32, B=1, H=8, D=64, median of {args.rounds} interleaved rounds, {env['device']}, {env['date']}")
+    print("| T | foxlm fwd / fwd+bwd | SDPA causal fwd / fwd+bwd | ratio fwd / fwd+bwd "
+          "| peak MiB foxlm / SDPA (fwd+bwd) |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        fox, sd = r["foxlm"], r["sdpa"]
+        print(f"| {r['T']} | {fox['fwd_s'] * 1e3:.0f} / {fox['fwd+bwd_s'] * 1e3:.0f} ms | {sd['fwd_s'] * 1e3:.0f} / "
+              f"{sd['fwd+bwd_s'] * 1e3:.0f} ms | {r['fwd_ratio']:.2f}x / {r['fwd+bwd_ratio']:.2f}x | "
+              f"{fox['fwd+bwd_peak_mib']:.0f} / {sd['fwd+bwd_peak_mib']:.0f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for attention-DATE.json")
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[2048, 8192, 16384])
+    parser.add_argument("--seqlens", type=int, nargs="+", help="default 2048 8192 16384 (cpu: 1024 4096 16384)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--rounds", type=int, default=3, help="cpu: interleaved timing rounds")
+    parser.add_argument("--no-warmup", action="store_true", help="cpu: time the first calls (for one long run)")
     parser.add_argument("--tune", choices=["all", "first"], default="all",
                         help="autotune over the listed tiles, or take the first per head dim (fast compile)")
     parser.add_argument("--quick-check", action="store_true", help="check only the benchmark's specializations")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (saves its compile time)")
     args = parser.parse_args()
+    if args.device == "cpu":
+        cpu_main(args)
+        return
     device = torch.device("cuda")
     torch.manual_seed(0)
     import triton
@@ -201,7 +293,7 @@ def main() -> None:
     path = os.path.join(args.out, f"attention-{env['date']}.json")
     rows = []
     for D in args.dims:
-        for T in args.seqlens:
+        for T in args.seqlens or [2048, 8192, 16384]:
             rows.append(bench(D, T, device, fla))
             torch.cuda.empty_cache()
             with open(path, "w") as f:  # after every shape, so that a run cut short still reports

@@ -20,6 +20,12 @@ for H100/H200); ACP runs count the unpruned FLOPs (effective MFU).
 varies from machine to machine; replayed ones take their GPU time.
 
     PYTHONPATH=. python benchmarks/train.py [--seq-len 16384] [--steps 10] [--cuda-graph] [--out benchmarks/results]
+
+``--device cpu``: the ``tiny`` size (4 layers, d_model 128, 4 heads of 32) in fp32, fox-pro against an HF Llama of the
+same shape, batches of ``--batch`` x ``--seq-len`` (default 8 x 256, the embedded default job's); the models' steps
+are interleaved so that load from elsewhere on the machine hits them alike; median step time, wall clock.
+
+    PYTHONPATH=. python benchmarks/train.py --device cpu [--steps 10]
 """
 
 from __future__ import annotations
@@ -51,21 +57,23 @@ def standard_gate_bias(model: FoxForCausalLM) -> None:
             proj.bias.copy_(-torch.log(torch.expm1(1.0 / tau)))
 
 
-def build(name: str, seq_len: int) -> tuple[torch.nn.Module, FoxConfig | None]:
+def build(name: str, seq_len: int, size: str = "125m") -> tuple[torch.nn.Module, FoxConfig | None]:
     """``hf-llama``, or ``ARCH`` with options: ``+acp`` (standard gate biases), ``+acp@init`` (ACP, gates at
     initialization), ``+deterministic`` (the attention backward without atomics, ``deterministic_attention``)."""
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                          num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=seq_len,
+        ref = FoxConfig.preset("transformer-llama", size)  # the same shape as foxlm's models of this size
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=ref.hidden_size, intermediate_size=ref.intermediate_size,
+                          num_hidden_layers=ref.num_hidden_layers, num_attention_heads=ref.num_attention_heads,
+                          num_key_value_heads=ref.num_key_value_heads, max_position_embeddings=seq_len,
                           rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
         return LlamaForCausalLM(cfg), None
     arch, *options = name.split("+")
     unknown = set(options) - {"acp", "acp@init", "deterministic"}
     if unknown:
         raise ValueError(f"--models: unknown option(s) {sorted(unknown)} in {name!r}")
-    config = FoxConfig.preset(arch, "125m", acp=any(o.startswith("acp") for o in options),
+    config = FoxConfig.preset(arch, size, acp=any(o.startswith("acp") for o in options),
                               deterministic_attention="deterministic" in options)
     model = FoxForCausalLM(config)
     if "acp" in options:
@@ -169,13 +177,48 @@ def bench(name: str, seq_len: int, steps: int, warmup: int, peak: float | None, 
     return result
 
 
+def bench_cpu(names: list[str], batch: int, seq_len: int, steps: int, warmup: int) -> list[dict]:
+    """Tokens/s of ``names`` at the tiny size on the CPU, fp32; steps of the models interleaved."""
+    import time
+
+    runs = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = build(name, seq_len, "tiny")[0].train()
+        opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=(0.9, 0.95))
+        runs[name] = (model, opt, [])
+    ids = torch.randint(0, 50257, (batch, seq_len))
+
+    def step(model, opt):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for i in range(warmup + steps):
+        for model, opt, times in runs.values():
+            start = time.perf_counter()
+            step(model, opt)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    results = []
+    for name, (model, _, times) in runs.items():
+        s = statistics.median(times)
+        results.append({"name": name, "ms_per_step": s * 1e3, "tokens_per_s": batch * seq_len / s,
+                        "params_m": sum(p.numel() for p in model.parameters()) / 1e6, "steps_s": times})
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--seq-len", type=int, default=16384)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--seq-len", type=int, help="default 16384 (cpu: 256)")
+    p.add_argument("--batch", type=int, default=8, help="cpu: sequences per step")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--models", nargs="+",
-                   default=["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"])
+    p.add_argument("--models", nargs="+", help="default hf-llama transformer-pro fox-pro fox-pro+acp fox-pro+acp@init "
+                   "(cpu: hf-llama fox-pro)")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block of every model")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay every model's forward + backward from a CUDA graph (no host launch overhead)")
@@ -183,6 +226,11 @@ def main() -> None:
                    help="also write each model's top CUDA kernels of one step here, and record its GPU time")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
+    if args.device == "cpu":
+        main_cpu(args)
+        return
+    args.seq_len = args.seq_len or 16384
+    args.models = args.models or ["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"]
     if args.compile and args.cuda_graph:
         p.error("--cuda-graph: not with --compile (as the trainer's cuda_graph=true, it graphs the eager step)")
 
@@ -219,6 +267,31 @@ def main() -> None:
     for r in results:
         ratios = ("vs_hf-llama", "vs_transformer-pro", "vs_hf-llama_by_gpu_time", "vs_transformer-pro_by_gpu_time")
         print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ratios if k in r))
+
+
+def main_cpu(args) -> None:
+    import os
+    import platform
+
+    import transformers
+
+    seq_len, names = args.seq_len or 256, args.models or ["hf-llama", "fox-pro"]
+    results = bench_cpu(names, args.batch, seq_len, args.steps, args.warmup)
+    base = next((r for r in results if r["name"] == "hf-llama"), None)
+    for r in results:
+        if base is not None:
+            r["vs_hf-llama"] = r["tokens_per_s"] / base["tokens_per_s"]
+        print(f"{r['name']:>10} tiny: {r['tokens_per_s']:>8,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step"
+              + (f"  vs hf-llama {r['vs_hf-llama']:.3f}" if "vs_hf-llama" in r else ""), flush=True)
+    date = datetime.date.today().isoformat()
+    device = (f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+              f"{torch.get_num_threads()} threads")
+    record = {"benchmark": "train-cpu", "date": date, "device": device, "torch": torch.__version__,
+              "transformers": transformers.__version__, "size": "tiny", "batch": args.batch, "seq_len": seq_len,
+              "steps": args.steps, "results": results}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"train-cpu-{date}.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

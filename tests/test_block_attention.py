@@ -22,7 +22,7 @@ def _inputs(B, T, Hq, Hk, D, Dv, seed):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Several query chunks per block, so the chunk loop is what gets tested."""
-    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 16 * 8 * 32)
+    monkeypatch.setattr(chunked, "_CHUNK", 16)
 
 
 @pytest.mark.parametrize("Hq,Hk", [(4, 4), (4, 2)])

@@ -1,4 +1,4 @@
-"""The public op on the CPU path (chunked PyTorch), its validation, ACP threshold and gate precision."""
+"""The public op on the CPU path (SDPA's CPU kernel, chunked), its validation, ACP threshold and gate precision."""
 
 import math
 
@@ -30,7 +30,7 @@ def _grads(o, lse, inputs, seed=1):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Force many query chunks so the chunk loop, not one big matrix, is what gets tested."""
-    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 16 * 8 * 64)
+    monkeypatch.setattr(chunked, "_CHUNK", 16)
 
 
 @pytest.mark.parametrize("Hq,Hk", [(4, 4), (4, 2), (4, 1)])
@@ -175,6 +175,91 @@ def test_gate_cumsum_precise_over_a_million_tokens():
     assert err32 > 1e-4  # the failure the fp64 sum exists to prevent
 
 
+def _rel_errors(got, want):
+    return [((a.double() - b).abs().max() / b.abs().max()).item() for a, b in zip(got, want)]
+
+
+def _fp32_vs_fp64(fn, ref_fn, inputs):
+    """Outputs, lse and the gradients of every input (through both) of fn on fp32 q, k, v (the gate tensors stay
+    fp64) and of ref_fn on the same values in fp64."""
+    runs = []
+    for f, dtype in ((fn, torch.float32), (ref_fn, torch.float64)):
+        xs = [t.to(dtype if i < 3 else torch.float64).requires_grad_() for i, t in enumerate(inputs)]
+        o, lse = f(*xs)
+        g = torch.Generator().manual_seed(1)
+        do = torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype)
+        dl = torch.randn(lse.shape, generator=g, dtype=torch.float64).to(lse.dtype)
+        runs.append([o, lse, *torch.autograd.grad((o * do).sum() + (lse * dl).sum(), xs)])
+    return runs
+
+
+def _op(q, k, v, log_f):
+    return forgetting_attention(q, k, v, log_f.float(), return_lse=True)
+
+
+def _oracle(q, k, v, log_f):
+    return forgetting_attention_reference(q, k, v, log_f, return_lse=True)
+
+
+def test_fp32_strong_forgetting_is_as_precise_as_fp32_allows(small_chunks):
+    """Gates of ~e^-4 per token: |c| reaches 4e3 and a chunk's gates span far more than a chunk's fp32 channel
+    may hold, so chunks are split and re-centred; outputs, lse and every gradient stay at fp32 precision."""
+    q, k, v, _ = _inputs(1, 1024, 1024, 2, 1, 32)
+    log_f = F.logsigmoid(torch.randn(1, 1024, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64) - 4.0)
+    assert gate_cumsum(log_f).abs().max() > 4e3
+    got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))
+    for name, err in zip(("o", "lse", "dq", "dk", "dv", "dlog_f"), _rel_errors(got, want)):
+        assert err < 1e-5, f"{name}: relative error {err:.1e}"
+
+
+def test_fp32_long_sequence_with_large_gate_cumsum_is_precise():
+    """|c| > 1e4 over 40k keys (chunked prefill of the last 64 queries): c is re-centred per chunk, so the
+    fp32 channels stay small and the result keeps fp32 precision; the fp32 cumsum alone would lose ~1e-3."""
+    Tq, Tk = 64, 40000
+    q, k, v, _ = _inputs(1, Tq, Tk, 2, 2, 32)
+    log_f = F.logsigmoid(torch.randn(1, Tk, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64) + 1.0)
+    assert gate_cumsum(log_f).abs().max() > 1e4
+    got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))
+    for name, err in zip(("o", "lse", "dq", "dk", "dv", "dlog_f"), _rel_errors(got, want)):
+        assert err < 1e-5, f"{name}: relative error {err:.1e}"
+
+
+def test_fp32_precise_where_c_restarts_at_a_packed_sequence():
+    """A c that restarts at a packed sequence jumps by 4e3 inside one query chunk: the chunk is cut there, so the
+    second sequence's rows are not re-centred on the first one's c (that cost ~1e-4); fp32 precision everywhere,
+    also with a threshold (row_starts searches each sequence apart)."""
+    from foxlm.ops import attention_from_cumsum
+    from foxlm.ops.reference import attention_from_cumsum_reference
+
+    cu = torch.tensor([0, 1000, 1200], dtype=torch.int32)
+    q, k, v, _ = _inputs(1, 1200, 1200, 2, 2, 32)
+    g = torch.Generator().manual_seed(6)
+    log_f = F.logsigmoid(torch.randn(1, 1200, 2, generator=g, dtype=torch.float64) + torch.where(
+        torch.arange(1200) < 1000, -4.0, 2.0)[None, :, None])
+    c = gate_cumsum(log_f, cu)
+    assert c[0, 999].max() < -3.5e3 and c[0, 1000].min() > -1
+    for threshold in (None, torch.full((2, 2), -12.0, dtype=torch.float64)):
+        kw = dict(scale=32 ** -0.5, cu_seqlens=cu, threshold=threshold)
+        got, want = _fp32_vs_fp64(lambda *x: attention_from_cumsum(*x, **kw),
+                                  lambda *x: attention_from_cumsum_reference(*x, **kw), (q, k, v, c, c.clone()))
+        for name, err in zip(("o", "lse", "dq", "dk", "dv", "dc_q", "dc_k"), _rel_errors(got, want)):
+            assert err < 1e-5, f"{name} (threshold {threshold is not None}): relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("flush", [False, True])
+def test_callers_denormal_mode_is_restored(flush):
+    """The CPU path flushes denormals during its kernel calls and leaves the caller's mode as it found it."""
+    q, k, v, log_f = _inputs(1, 20, 20, 2, 2, 8, dtype=torch.float32)
+    q.requires_grad_()
+    torch.set_flush_denormal(flush)
+    try:
+        forgetting_attention(q, k, v, log_f.float()).sum().backward()
+        tiny = torch.tensor(1e-39, dtype=torch.float32).mul(1.0).item()
+    finally:
+        torch.set_flush_denormal(False)
+    assert (tiny == 0.0) == flush
+
+
 def test_lse_gradient_flows():
     q, k, v, log_f = _inputs(1, 20, 20, 2, 2, 8)
     log_f.requires_grad_()
@@ -282,6 +367,8 @@ _CASES = {  # name: (B, Tq, Tk, Hq, Hk, q_offset, window, threshold, packed)
     "gqa": (2, 37, 37, 4, 2, None, None, None, False),
     "prefill": (2, 13, 41, 4, 1, None, None, None, False),
     "offset_past_keys": (1, 19, 29, 2, 2, 35, None, None, False),
+    "offset_at_keys_end": (1, 40, 50, 4, 2, 50, None, None, False),
+    "offset_before_last_keys": (1, 40, 50, 4, 2, 10, None, None, False),
     "offset_window_empty_rows": (1, 19, 29, 2, 2, 25, 8, None, False),
     "window": (2, 41, 41, 2, 1, None, 7, None, False),
     "threshold": (2, 41, 41, 4, 2, None, None, -2.0, False),
@@ -291,14 +378,17 @@ _CASES = {  # name: (B, Tq, Tk, Hq, Hk, q_offset, window, threshold, packed)
 }
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernel", "math-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(_CASES))
-def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case, dtype):
-    """Outputs, lse and the gradients of q, k, v, c_q and c_k (through o and lse) against the fp64 oracle."""
+def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case, dtype, fused):
+    """Outputs, lse and the gradients of q, k, v, c_q and c_k (through o and lse) against the fp64 oracle, through
+    SDPA's fused CPU kernel and through the plain-matmul kernel that GPU tensors take (here on the CPU)."""
     from foxlm.ops import attention_from_cumsum
     from foxlm.ops.reference import attention_from_cumsum_reference
 
-    monkeypatch.setattr(chunked, "_CHUNK_ELEMENTS", 2 * 4 * 8 * 50)  # several chunks, some with no visible key
+    monkeypatch.setattr(chunked, "_CHUNK", 8)  # several chunks, some with no visible key
+    monkeypatch.setattr(chunked, "_fused", lambda device: fused)
     B, Tq, Tk, Hq, Hk, q_offset, window, thr, packed = _CASES[case]
     cu = torch.tensor([0, 11, 12, 30, 50], dtype=torch.int32) if packed else None
     q, k, v, _ = _inputs(B, Tq, Tk, Hq, Hk, 16, 12, dtype=dtype, seed=len(case))
