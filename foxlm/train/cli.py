@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 
 
 def register(subparsers) -> None:
@@ -43,22 +44,18 @@ def _train(args: argparse.Namespace) -> int:
     from .checkpoint import DiskFullError
     from .config import load_config
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.print_config:
-            import yaml
+    # A config, data or out_dir the run refuses (before its first step) is a ValueError or FileNotFoundError:
+    # foxlm.cli prints it as one line.
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        import yaml
 
-            print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
-            return 0
-        from .trainer import Trainer, train  # not before --print-config, which needs no trainer
+        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        return 0
+    from .trainer import Trainer, train  # not before --print-config, which needs no trainer
 
-        # what can refuse the run (its data, model, out_dir, resume point, init_from) before the first step
-        trainer = Trainer(cfg)
-        trainer.start()
-    except (ValueError, FileNotFoundError) as e:
-        from foxlm.cli import user_error
-
-        return user_error("train", e)
+    trainer = Trainer(cfg)
+    trainer.start()
     try:
         summary = train(trainer)
     except (FloatingPointError, DiskFullError) as e:  # the run's own failures, not bugs: one line says what to do
@@ -74,11 +71,7 @@ def _train(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from .checkpoint import export_model
 
-    try:
-        print(f"exported {export_model(args.src, args.dst)}")
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"foxlm export: error: {e}", file=sys.stderr)
-        return 2
+    print(f"exported {export_model(args.src, args.dst)}")  # a bad SRC or DST: foxlm.cli's one-line error
     return 0
 
 
