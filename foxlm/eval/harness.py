@@ -66,7 +66,9 @@ def save_hf_tokenizer(model_dir: str | os.PathLike, name: str = "gpt2") -> None:
 class FoxLM(HFLM):
     """lm-eval's HF causal-LM wrapper around a foxlm checkpoint (run, checkpoint or ``save_pretrained`` dir).
 
-    model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...); ``device``
+    model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...). The context window is
+    ``max_length``, else the training length the model's config records (``train_length``, or the ``seq_len`` of the
+    run it is in); a model with neither needs ``max_length``, rather than lm-eval's silent 2048. ``device``
     (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
     on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or BPE folder) defaults to the one
     the model's config records, else GPT-2 BPE.
@@ -78,6 +80,8 @@ class FoxLM(HFLM):
 
         from foxlm.device import resolve_device
 
+        from .utils import run_train_length
+
         dev = resolve_device(device)
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
@@ -85,6 +89,11 @@ class FoxLM(HFLM):
         model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
         recorded = getattr(model.config, "foxlm_tokenizer", None)  # what `foxlm train` trained it with
         tok = hf_tokenizer(tokenizer or (recorded["name"].removeprefix("bpe:") if recorded else "gpt2"))
+        if not kwargs.get("max_length"):
+            kwargs["max_length"] = model.config.train_length or run_train_length(pretrained)
+            if kwargs["max_length"] is None:
+                raise ValueError(f"max_length: {pretrained} records no training length; pass max_length=N in "
+                                 "--model_args (the context window, in tokens)")
         super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
 
 

@@ -110,7 +110,8 @@ class Trainer:
 
         # model
         overrides = {"vocab_size": 64 * math.ceil(self.tok_spec["vocab_size"] / 64),
-                     "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"], **cfg.model}
+                     "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"],
+                     "train_length": cfg.seq_len, **cfg.model}
         self.model_config = FoxConfig.preset(cfg.arch, cfg.size, **overrides)
         if self.model_config.vocab_size < self.tok_spec["vocab_size"]:
             raise ValueError(f"model.vocab_size: {self.model_config.vocab_size} is smaller than the tokenizer's "
