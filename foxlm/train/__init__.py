@@ -6,21 +6,21 @@ Names load on first access, so that ``foxlm train --help`` and ``--print-config`
 import importlib
 
 _EXPORTS = {
-    "Batch": "loader",
-    "TokenLoader": "loader",
-    "TrainConfig": "config",
-    "Trainer": "trainer",
-    "latest_valid_checkpoint": "checkpoint",
-    "load_checkpoint_model": "checkpoint",
-    "load_config": "config",
-    "lr_at": "trainer",
-    "train": "trainer",
-    "verify_checkpoint": "checkpoint",
+    "Batch": ".loader",
+    "TokenLoader": ".loader",
+    "TrainConfig": ".config",
+    "Trainer": ".trainer",
+    "latest_valid_checkpoint": ".checkpoint",
+    "load_checkpoint_model": "..models.loading",
+    "load_config": ".config",
+    "lr_at": ".trainer",
+    "train": ".trainer",
+    "verify_checkpoint": ".checkpoint",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
