@@ -336,6 +336,7 @@ def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
     direct = load_checkpoint_model(run / "checkpoints" / "step_0000002" / "model")
     assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), direct.state_dict().values()))
     assert model.config.foxlm_tokenizer["name"] == "byte"
+    assert model.config.train_length == _cfg(byte_data, run).seq_len  # lm-eval's context window (eval harness)
 
 
 def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp_path, capsys):
