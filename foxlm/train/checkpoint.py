@@ -3,7 +3,7 @@
 Layout::
 
     <run>/checkpoints/step_0000100/
-        model/            save_pretrained folder (config.json + safetensors, and tokenizer.json for GPT-2 BPE data):
+        model/            save_pretrained folder (config.json + safetensors, and tokenizer.json but for byte data):
                           AutoModelForCausalLM / AutoTokenizer.from_pretrained work on it
         trainer.pt        optimizer, scheduler, loader, RNG, counters (torch.load(weights_only=True))
         manifest.json     sha256 of every file above, written last
