@@ -312,6 +312,41 @@ def test_prepare_parquet_and_hf_datasets(tmp_path, gpt2, plays):
     assert got == [gpt2.encode(t) for t in texts]
 
 
+def _split_docs(path) -> dict[str, list[list[int]]]:
+    return {split: [d[1:].tolist() for d in TokenDataset(path, split).documents()] for split in ("train", "val")}
+
+
+def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
+    """A DatasetDict (save_to_disk) and a streamed dataset folder (hub:PATH, as ``load_dataset(NAME, streaming=True)``
+    reads a Hub dataset) with train and validation splits keep them, whatever val_fraction; a test split is not
+    read; a streamed dataset with a train split only is split by val_fraction like any input."""
+    datasets = pytest.importorskip("datasets")
+    rng = random.Random()
+    texts = {name: [_random_text(rng, plays, rng.randrange(100, 600)) for _ in range(n)]
+             for name, n in (("train", 5), ("validation", 2), ("test", 1))}
+    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": t}) for name, t in texts.items()}).save_to_disk(
+        str(tmp_path / "saved"))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for name, t in texts.items():
+        (hub / f"{name}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in t))
+    expected = {"train": [gpt2.encode(t) for t in texts["train"]], "val": [gpt2.encode(t) for t in texts["validation"]]}
+    for i, source in enumerate([tmp_path / "saved", f"hub:{hub}"]):
+        meta = prepare([source], tmp_path / f"out{i}", val_fraction=0.5, workers=0, progress=False)
+        assert _split_docs(tmp_path / f"out{i}") == expected
+        assert [(r["split"], r["to"], r["documents"]) for r in meta["sources"]] == [("train", "train", 5),
+                                                                                   ("validation", "val", 2)]
+    only_train = tmp_path / "only-train"
+    only_train.mkdir()
+    shutil.copy(hub / "train.jsonl", only_train / "train.jsonl")
+    prepare([f"hub:{only_train}"], tmp_path / "out-merged", val_fraction=0.4, workers=0, progress=False)
+    got = _split_docs(tmp_path / "out-merged")
+    train = expected["train"]  # document i is held out where floor((i + 1) * 0.4) steps: i = 2 and 4
+    assert got == {"train": [train[0], train[1], train[3]], "val": [train[2], train[4]]}
+    with pytest.raises(ValueError, match="hub:NAME"):
+        prepare(["hub:"], tmp_path / "none", workers=0, progress=False)
+
+
 def test_prepare_streams_with_flat_memory(tmp_path):
     """A text file much larger than a piece is never held whole."""
     rng = np.random.default_rng()
