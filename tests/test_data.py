@@ -94,6 +94,7 @@ def test_any_hf_tokenizer_folder(tmp_path, plays):
     ref = Tokenizer.from_file(str(folder / "tokenizer.json"))
     eos = ref.token_to_id("</s>")
     assert (tok.name, tok.eot_id, tok.vocab_size) == (f"hf:{folder.resolve()}", eos, ref.get_vocab_size())
+    assert get_tokenizer(tok.name).spec() == tok.spec()  # the recorded name finds it again
     text = _random_text(rng, plays, 1000) + " héllo </s> 東京"
     assert eos not in tok.encode(text) and tok.decode(tok.encode(text)) == text
     plain = _random_text(rng, plays, 1000)

@@ -203,7 +203,8 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     authors' released models), ``"byte"``, or a local folder path.
 
     A folder holds ``encoder.json`` and ``vocab.bpe`` (GPT-2 format), directly or under ``data/`` (if its files
-    are GPT-2's, the tokenizer is named ``"gpt2"``), or a Hugging Face ``tokenizer.json`` (``HFTokenizer``).
+    are GPT-2's, the tokenizer is named ``"gpt2"``), or a Hugging Face ``tokenizer.json`` (``HFTokenizer``); the
+    tokenizer's ``name`` (``bpe:<folder>``, ``hf:<folder>``) is accepted too.
     """
     if name == "byte":
         return ByteTokenizer()
@@ -211,7 +212,8 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
         return BPETokenizer(*gpt2_files(), name="gpt2")
     if name == JSONGPT2Tokenizer.name:
         return JSONGPT2Tokenizer()
-    path = Path(name).expanduser()
+    # a folder's tokenizer is named after it ("bpe:<folder>", "hf:<folder>"): such a name finds it again
+    path = Path(name.split(":", 1)[1] if name.startswith(("bpe:", "hf:")) else name).expanduser()
     if path.is_dir():
         folder = path if (path / "encoder.json").is_file() else path / "data"
         if (folder / "encoder.json").is_file() and (folder / "vocab.bpe").is_file():
@@ -225,8 +227,7 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
 
 def tokenizer_from_spec(spec: dict) -> Tokenizer:
     """The tokenizer a dataset's ``meta.json`` recorded, checked to be the same vocabulary."""
-    name = spec["name"]
-    tok = get_tokenizer(name.split(":", 1)[1] if name.startswith(("bpe:", "hf:")) else name)
+    tok = get_tokenizer(spec["name"])
     check_tokenizer(tok, spec)
     return tok
 
