@@ -787,7 +787,8 @@ def test_any_hf_tokenizer_trains_generates_and_evaluates(tmp_path, capsys):
     capsys.readouterr()
     assert main(["generate", str(run), "--prompt", "To be", "--max-new-tokens", "4", "--device", "cpu"]) == 0
     assert capsys.readouterr().out.startswith("To be")
-    assert main(["eval", "loss", str(run), "--max-sequences", "1", "--device", "cpu", "--out", str(tmp_path / "e")]) == 0
+    assert main(["eval", "loss", str(run), "--max-sequences", "1", "--device", "cpu", "--out", str(tmp_path / "e")
+                 ]) == 0
     assert (tmp_path / "e" / "summary.csv").is_file()
     pytest.importorskip("lm_eval")
     from foxlm.eval.harness import FoxLM
