@@ -6,21 +6,22 @@ Names load on first access, so that ``foxlm train --help`` and ``--print-config`
 import importlib
 
 _EXPORTS = {
-    "Batch": ".loader",
-    "TokenLoader": ".loader",
-    "TrainConfig": ".config",
-    "Trainer": ".trainer",
-    "latest_valid_checkpoint": ".checkpoint",
-    "load_checkpoint_model": "..models.loading",
-    "load_config": ".config",
-    "lr_at": ".trainer",
-    "train": ".trainer",
-    "verify_checkpoint": ".checkpoint",
+    "Batch": "loader",
+    "TokenLoader": "loader",
+    "TrainConfig": "config",
+    "Trainer": "trainer",
+    "latest_valid_checkpoint": "foxlm.models.loading",
+    "load_checkpoint_model": "foxlm.models.loading",
+    "load_config": "config",
+    "lr_at": "trainer",
+    "train": "trainer",
+    "verify_checkpoint": "foxlm.models.loading",
 }
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
     if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        module = _EXPORTS[name]
+        return getattr(importlib.import_module(module if "." in module else f"{__name__}.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
