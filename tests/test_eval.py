@@ -411,6 +411,27 @@ def test_harness_model_uses_the_recorded_tokenizer(tmp_path):
         FoxLM(pretrained=str(tmp_path / "m"), device="cpu")
 
 
+def test_harness_context_window_is_the_training_length(tmp_path):
+    """lm-eval's window is the recorded training length, through both adapters (``--model foxlm`` and ``--model hf``
+    with the config's ``max_position_embeddings``), or the user's ``max_length``; a model that records none is an
+    error naming max_length, not lm-eval's silent 2048."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    from foxlm.eval.harness import FoxLM, save_hf_tokenizer
+
+    gpt2 = dict(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, bos_token_id=50256,
+                eos_token_id=50256, pad_token_id=50256)
+    FoxForCausalLM(_config(**gpt2, train_length=96)).save_pretrained(tmp_path / "trained")
+    save_hf_tokenizer(tmp_path / "trained")
+    assert FoxLM(pretrained=str(tmp_path / "trained"), device="cpu").max_length == 96
+    assert FoxLM(pretrained=str(tmp_path / "trained"), device="cpu", max_length=40).max_length == 40
+    assert HFLM(pretrained=str(tmp_path / "trained"), device="cpu").max_length == 96
+    FoxForCausalLM(_config(**gpt2)).save_pretrained(tmp_path / "unknown")
+    with pytest.raises(ValueError, match="max_length: .* records no training length"):
+        FoxLM(pretrained=str(tmp_path / "unknown"), device="cpu")
+
+
 def test_harness_without_lm_eval_names_the_extra(tmp_path):
     """Where lm-eval is not installed (the README's first command does not install it), one line says how."""
     (tmp_path / "lm_eval").mkdir()  # shadows the installed package as an absent one
@@ -433,7 +454,8 @@ def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
     torch.manual_seed(0)
     model_dir = tmp_path / "model"
     FoxForCausalLM(_config(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                           bos_token_id=50256, eos_token_id=50256, pad_token_id=50256)).save_pretrained(model_dir)
+                           bos_token_id=50256, eos_token_id=50256, pad_token_id=50256,
+                           train_length=64)).save_pretrained(model_dir)
     save_hf_tokenizer(model_dir)
     docs = [{"question": "The capital of France is", "choices": ["Paris", "a banana"], "label": 0},
             {"question": "Two plus two equals", "choices": ["four", "seven", "blue"], "label": 0},
@@ -478,7 +500,7 @@ def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
     for i, d in enumerate(docs):
         ctx = tok(d["question"])["input_ids"]
         for j, choice in enumerate(d["choices"]):
-            cont = tok(" " + choice)["input_ids"]  # the task's default target delimiter is a space
+            cont = tok(" " + choice, add_special_tokens=False)["input_ids"]  # the default target delimiter: a space
             ids = torch.tensor([ctx + cont])
             direct = float(utils.next_token_logprobs(model, ids, start=len(ctx) - 1).sum())
             assert results["hf"][i][j] == pytest.approx(direct, abs=1e-3)

@@ -231,7 +231,7 @@ def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
     model.save_pretrained(tmp_path / "m")
     assert main(["generate", str(tmp_path / "m"), "--prompt", "To be, or", "--max-new-tokens", "6", "--no-eos",
                  "--device", "cpu"]) == 0
-    out = generate(model, [byte.encode("To be, or")], 6, vocab_size=byte.vocab_size)
+    out = generate(model, [[byte.eot_id] + byte.encode("To be, or")], 6, vocab_size=byte.vocab_size)
     text = byte.decode([t for t in out.sequences[0] if t != byte.eot_id])
     assert capsys.readouterr().out == "To be, or" + text + "\n"
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--tokenizer", "gpt2"]) == 2

@@ -159,6 +159,21 @@ def test_generic_hf_cache_is_replaced_and_bad_cache_rejected():
         model(ids, past_key_values=filled)
 
 
+def test_other_hf_caches_and_attention_implementations_are_refused(tmp_path):
+    """HF's StaticCache (``cache_implementation="static"``) and its attention kernels ("sdpa", "flash_attention_2")
+    would be silently bypassed by foxlm's own FoxCache and attention op: they are refused, naming the argument."""
+    model = _model("fox-pro")
+    ids = _ids(1, 5)
+    with pytest.raises(ValueError, match="cache_implementation: .*StaticCache"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    for impl in ("sdpa", "flash_attention_2"):
+        with pytest.raises(ValueError, match="does not support"):
+            AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=impl)
+    eager = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager", dtype=torch.float64)
+    torch.testing.assert_close(eager(ids).logits, model(ids).logits)
+
+
 class _ProtocolOnlyCache:
     """A cache that is not an HF Cache and only speaks the protocol of foxlm.models.cache (as a paged cache
     would): it keeps everything itself, here by delegating to a FoxCache per layer, and counts calls."""

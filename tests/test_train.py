@@ -25,6 +25,7 @@ from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
 from foxlm.train.trainer import Trainer, param_groups
+from tokenizer_folders import llama_style_tokenizer
 
 # A very small model on byte-level Shakespeare, on the CPU also where there is a GPU (the GPU tests add
 # device=cuda): steps take milliseconds.
@@ -336,6 +337,7 @@ def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
     direct = load_checkpoint_model(run / "checkpoints" / "step_0000002" / "model")
     assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), direct.state_dict().values()))
     assert model.config.foxlm_tokenizer["name"] == "byte"
+    assert model.config.train_length == _cfg(byte_data, run).seq_len  # lm-eval's context window (eval harness)
 
 
 def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp_path, capsys):
@@ -755,8 +757,44 @@ def test_checkpoint_holds_an_hf_tokenizer_for_gpt2_data(tmp_path):
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
     ids = tok("To be, or not to be", return_tensors="pt").input_ids
-    assert ids.tolist()[0] == TokenDataset(data, "val").tokenizer().encode("To be, or not to be")
+    foxlm_tok = TokenDataset(data, "val").tokenizer()
+    assert ids.tolist()[0] == [foxlm_tok.eot_id] + foxlm_tok.encode("To be, or not to be")  # as documents open
+    assert tok.pad_token_id == model.config.bos_token_id == model.config.eos_token_id == foxlm_tok.eot_id
     assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+
+
+def test_any_hf_tokenizer_trains_generates_and_evaluates(tmp_path, capsys):
+    """Data prepared with a tokenizer.json folder trains a model whose config takes the tokenizer's vocabulary and
+    end-of-text id, whose checkpoint holds a matching AutoTokenizer, and which `foxlm generate` and lm-eval's
+    adapter run in that tokenizer."""
+    from transformers import AutoTokenizer
+
+    from foxlm.cli import main
+
+    plays = random.Random().sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    data, run = tmp_path / "data", tmp_path / "run"
+    prepare(plays, data, tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    train(load_config(None, [*TINY, f"tokenizer=hf:{folder.resolve()}", f"data={data}", f"out_dir={run}",
+                             "max_steps=2"]))
+    tok = TokenDataset(data, "train").tokenizer()
+    model = load_checkpoint_model(run)
+    assert tok.vocab_size == 300 and model.config.vocab_size == 320  # padded to a multiple of 64
+    eos = json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"]["</s>"]
+    assert model.config.bos_token_id == model.config.eos_token_id == tok.eot_id == eos
+    hf = AutoTokenizer.from_pretrained(latest_valid_checkpoint(run) / "model")
+    assert hf("To be").input_ids == [tok.eot_id] + tok.encode("To be") and hf.pad_token_id == tok.eot_id
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "To be", "--max-new-tokens", "4", "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+    assert main(["eval", "loss", str(run), "--max-sequences", "1", "--device", "cpu", "--out", str(tmp_path / "e")
+                 ]) == 0
+    assert (tmp_path / "e" / "summary.csv").is_file()
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    lm = FoxLM(pretrained=str(run), device="cpu")
+    assert lm.max_length == 32 and lm.tok_encode("To be") == hf("To be").input_ids
 
 
 def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):

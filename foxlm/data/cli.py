@@ -9,11 +9,14 @@ def register(subparsers) -> None:
     parser = subparsers.add_parser("data", help="prepare token shards for training")
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     p = sub.add_parser("prepare", help="tokenize text files/folders, jsonl, parquet or a datasets folder",
-                       description="Tokenize inputs into packed uint16 shards with document boundaries, "
-                                   "split into train/val by whole documents.")
-    p.add_argument("inputs", nargs="+", help="files or folders (text, .gz, .jsonl, .parquet, datasets save_to_disk)")
+                       description="Tokenize inputs into packed uint16 (uint32 for large vocabularies) shards with "
+                                   "document boundaries, split into train/val by whole documents; a dataset with "
+                                   "train and validation splits keeps them.")
+    p.add_argument("inputs", nargs="+", help="files or folders (text, .gz, .jsonl, .parquet, datasets save_to_disk), "
+                   "or hub:NAME, a dataset datasets.load_dataset(NAME, streaming=True) streams (Hub name or folder)")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
-    p.add_argument("--tokenizer", default="gpt2", help="'gpt2', 'byte' or a folder with encoder.json + vocab.bpe")
+    p.add_argument("--tokenizer", default="gpt2", help="'gpt2', 'json-gpt2', 'byte', or a folder with "
+                   "encoder.json + vocab.bpe or a Hugging Face tokenizer.json")
     p.add_argument("--val-fraction", type=float, default=0.01, help="fraction of documents held out (default 0.01)")
     p.add_argument("--text-key", default="text", help="field/column holding the text (jsonl, parquet, datasets)")
     p.add_argument("--glob", default="*", help="file-name pattern to take inside folders, at any depth, e.g. '*.md' "

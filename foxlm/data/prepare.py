@@ -9,7 +9,8 @@ Output folder layout (``TokenDataset`` reads it)::
 
 Every document is stored as ``[eot_id] + encode(text)``: ``<|endoftext|>`` opens each document (BOS) and so also
 separates them. The split is by whole documents: document ``i`` (in the sorted input order) goes to validation
-iff ``floor((i + 1) * val_fraction) > floor(i * val_fraction)``, an even, deterministic spread. Tokenization runs in
+iff ``floor((i + 1) * val_fraction) > floor(i * val_fraction)``, an even, deterministic spread; a dataset's own
+train/validation splits are kept instead (``sources``). Tokenization runs in
 a process pool over batches of pieces, with a bounded number of batches in flight, so memory stays flat. The
 folder is written under a temporary name and renamed when complete: an interrupted run leaves no ``meta.json``.
 """
@@ -203,7 +204,10 @@ class _Documents:
         for si, kind, payload in batch:
             src = self.sources[si]
             if kind == "piece":
-                if self.open_split is None:
+                if self.open_split is None and src.to is not None:  # a dataset's own split
+                    self.open_split = src.to
+                    self.writers[self.open_split].begin()
+                elif self.open_split is None:
                     i, f = self.doc_index, self.val_fraction
                     self.open_split = "val" if int((i + 1) * f) > int(i * f) else "train"
                     self.doc_index += 1
@@ -217,9 +221,9 @@ class _Documents:
                 self._skip(src, *payload)
 
     def _skip(self, src: Source, category: str, detail: str) -> None:
-        if self.open_split is not None:  # its index goes to the next document
+        if self.open_split is not None:  # its index (if it took one) goes to the next document
             self.writers[self.open_split].abort()
-            self.open_split, self.doc_index = None, self.doc_index - 1
+            self.open_split, self.doc_index = None, self.doc_index - (src.to is None)
         src.skipped += 1
         self.skipped[category] += 1
         if len(self.examples) < MAX_SKIP_EXAMPLES:

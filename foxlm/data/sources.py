@@ -1,8 +1,12 @@
 """Streaming document readers for ``foxlm data prepare``.
 
 Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per
-line, under ``text_key``), Parquet (needs ``pyarrow``) and local Hugging Face ``datasets`` folders saved with
-``save_to_disk`` (needs ``datasets``). Every reader yields *events* so that memory stays flat whatever the size:
+line, under ``text_key``), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folders saved with
+``save_to_disk`` and ``hub:NAME``, a dataset ``datasets.load_dataset(NAME, streaming=True)`` streams (a Hub name or a
+local dataset folder; both need ``datasets``). A dataset with a validation split (``validation``, ``valid`` or ``val``)
+keeps its own splits: its ``train`` split is trained on, its validation split held out, any other split (``test``) left
+unread; one without is read whole and split like any input. Every reader yields *events* so that memory stays flat
+whatever the size:
 
 - ``("piece", text)``: the next piece of the current document. Long texts are cut into pieces of about
   ``piece_chars`` characters where whitespace follows a non-space, where GPT-2's pre-tokenizer splits anyway,
@@ -41,6 +45,8 @@ _WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u
     chr(c) for c in range(0x2000, 0x200B))
 _SAFE_CUT = re.compile(f"[^{_WS_CLASS}](?=[{_WS_CLASS}])")
 _CUT_SEARCH = 4096
+VAL_SPLITS = ("validation", "valid", "val")
+HUB_PREFIX = "hub:"
 RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
 
 
@@ -109,7 +115,9 @@ class Source:
     """One input: a file or a ``datasets`` folder, with what was read from it."""
 
     path: Path
-    kind: str  # "text" | "jsonl" | "parquet" | "hf"
+    kind: str  # "text" | "jsonl" | "parquet" | "hf" | "hub"
+    split: str | None = None  # the dataset's split read (None: all of it)
+    to: str | None = None  # "train" | "val": where its documents go (None: by val_fraction)
     sha256: str | None = None
     bytes: int = 0
     documents: int = 0
@@ -119,7 +127,8 @@ class Source:
 
     def record(self) -> dict:
         return {"path": str(self.path), "kind": self.kind, "bytes": self.bytes, "sha256": self.sha256,
-                "documents": self.documents, "tokens": self.tokens, "skipped": self.skipped}
+                "documents": self.documents, "tokens": self.tokens, "skipped": self.skipped,
+                **({"split": self.split, "to": self.to} if self.split is not None else {})}
 
 
 def _kind(path: Path) -> str:
@@ -152,11 +161,16 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
     """
     sources: list[Source] = []
     for raw in inputs:
+        if str(raw).startswith(HUB_PREFIX):
+            sources.extend(_split_sources(Path(str(raw)[len(HUB_PREFIX):]), "hub", _hub_splits(str(raw))))
+            continue
         path = Path(raw).expanduser()
         if path.is_dir() and is_token_dataset(path):
             raise ValueError(f"inputs: {path} holds prepared token shards, not text (its `foxlm data prepare` output)")
         if path.is_dir() and _is_hf_dataset(path):
-            sources.append(Source(path, "hf"))
+            dict_file = path / "dataset_dict.json"
+            splits = json.loads(dict_file.read_text())["splits"] if dict_file.is_file() else []
+            sources.extend(_split_sources(path, "hf", splits))
         elif path.is_dir():
             sources.extend(_folder_sources(path, pattern))
         elif path.exists():
@@ -164,6 +178,30 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
         else:
             raise FileNotFoundError(f"inputs: {path} does not exist")
     return sources
+
+
+def _split_sources(path: Path, kind: str, splits: list[str]) -> list[Source]:
+    """One source for a whole dataset, or, where it has a validation split, one for its train and one for that."""
+    val = next((name for name in VAL_SPLITS if name in splits), None)
+    if val is None:
+        return [Source(path, kind)]
+    if "train" not in splits:
+        raise ValueError(f"inputs: {path} has a {val!r} split but no 'train' split (splits: {splits})")
+    unread = [name for name in splits if name not in ("train", val)]
+    if unread:
+        print(f"{path}: kept its own splits (train, {val}); not read: {', '.join(unread)}", file=sys.stderr)
+    return [Source(path, kind, split="train", to="train"), Source(path, kind, split=val, to="val")]
+
+
+def _hub_splits(raw: str) -> list[str]:
+    name = raw[len(HUB_PREFIX):]
+    if not name:
+        raise ValueError(f"inputs: {raw!r} names no dataset; expected hub:NAME (a Hub dataset or a local folder)")
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(f"inputs: {raw} needs `datasets` (pip install 'foxlm[data]')") from e
+    return list(datasets.load_dataset(name, streaming=True))
 
 
 def _folder_sources(root: Path, pattern: str) -> list[Source]:
@@ -282,10 +320,12 @@ def _hf_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterat
     from .assets import sha256_file
 
     loaded = datasets.load_from_disk(str(src.path))
-    parts = [loaded[k] for k in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict) else [loaded]
-    arrow_files = sorted(src.path.rglob("*.arrow"))
+    if src.split is not None:
+        parts = [loaded[src.split]]
+    else:
+        parts = [loaded[k] for k in sorted(loaded)] if isinstance(loaded, datasets.DatasetDict) else [loaded]
     digest = hashlib.sha256()
-    for f in arrow_files:
+    for f in _arrow_files(src):
         digest.update(sha256_file(f).encode())
     src.sha256 = digest.hexdigest()
     for ds in parts:
@@ -296,10 +336,30 @@ def _hf_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterat
     yield from _column_events(src, batches, total, on_bytes, piece_chars)
 
 
+def _hub_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+    """A streamed dataset (``hub:NAME``), split by split in name order; no size or hash is known beforehand."""
+    import datasets
+
+    loaded = datasets.load_dataset(str(src.path), streaming=True)
+    for name in [src.split] if src.split is not None else sorted(loaded):
+        ds = loaded[name]
+        if ds.column_names is not None and text_key not in ds.column_names:
+            raise OSError(f"no column {text_key!r} in split {name!r} (columns: {ds.column_names})")
+        batches = (b[text_key] for b in ds.select_columns([text_key]).iter(batch_size=1024))
+        yield from _column_events(src, batches, 0, on_bytes, piece_chars)
+
+
+def _arrow_files(src: Source) -> list[Path]:
+    """The Arrow files of a ``datasets`` folder (of the split read, where one is)."""
+    return sorted((src.path / src.split if src.split is not None else src.path).rglob("*.arrow"))
+
+
 def source_size(src: Source) -> int:
     """On-disk bytes of a source (the ``datasets`` folder: its Arrow files)."""
     if src.kind == "hf":
-        return sum(f.stat().st_size for f in src.path.rglob("*.arrow"))
+        return sum(f.stat().st_size for f in _arrow_files(src))
+    if src.kind == "hub":
+        return 0  # streamed: not known beforehand
     return src.path.stat().st_size
 
 
@@ -309,7 +369,8 @@ def source_events(src: Source, text_key: str, on_bytes: Callable[[int], None],
     readers = {"text": lambda: _text_file_events(src, on_bytes, piece_chars),
                "jsonl": lambda: _jsonl_events(src, text_key, on_bytes, piece_chars),
                "parquet": lambda: _parquet_events(src, text_key, on_bytes, piece_chars),
-               "hf": lambda: _hf_events(src, text_key, on_bytes, piece_chars)}
+               "hf": lambda: _hf_events(src, text_key, on_bytes, piece_chars),
+               "hub": lambda: _hub_events(src, text_key, on_bytes, piece_chars)}
     if src.error is not None:  # found unreadable (a folder that could not be listed)
         yield "skip", ("unreadable", src.error)
         return

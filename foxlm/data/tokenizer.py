@@ -1,8 +1,12 @@
-"""Tokenizers: GPT-2 BPE (tiktoken, from offline files), its JSON-escaped variant and a byte-level tokenizer.
+"""Tokenizers: GPT-2 BPE (tiktoken, from offline files), its JSON-escaped variant, a byte-level tokenizer and any
+Hugging Face tokenizer folder (``tokenizer.json``, e.g. a Llama or Mistral one).
 
-Both follow one small interface: ``encode(str) -> list[int]`` (special tokens in the text are plain text),
-``decode(list[int]) -> str``, ``vocab_size``, ``eot_id`` (the ``<|endoftext|>`` separator, used as BOS of every
-document) and ``name``. ``spec()`` is what is recorded in a dataset's ``meta.json`` and checked at training time.
+All follow one small interface: ``encode(str) -> list[int]`` (special tokens in the text are plain text),
+``decode(list[int]) -> str``, ``vocab_size``, ``eot_id`` (the end-of-text separator, GPT-2's ``<|endoftext|>``,
+which opens every document as its BOS and ends generation as its EOS; the model config's bos, eos and pad ids) and
+``name``. ``spec()`` is what is recorded in a dataset's ``meta.json`` and checked at training time. Those with a
+``transformers`` equivalent also have ``hf_tokenizer()`` (eot as BOS, EOS and pad; ``tok(text)`` prepends it, as
+every training document begins with it) and ``save_pretrained(folder)``.
 """
 
 from __future__ import annotations
@@ -62,16 +66,92 @@ class BPETokenizer:
         return {"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
                 "fingerprint": self.fingerprint}
 
-    def save_pretrained(self, folder: str | os.PathLike) -> None:
-        """Write it in Hugging Face's format (``tokenizer.json``), for ``AutoTokenizer.from_pretrained(folder)``
-        offline. It gives the same ids, except that ``<|endoftext|>`` written in a text is the special token there."""
+    def hf_tokenizer(self):
+        """The same tokenizer as a ``transformers`` fast tokenizer (see the module docstring); it gives the same ids,
+        except that ``<|endoftext|>`` written in a text is the special token there."""
         from tokenizers import ByteLevelBPETokenizer
-        from transformers import PreTrainedTokenizerFast
 
         bpe = ByteLevelBPETokenizer.from_file(str(self.files[0]), str(self.files[1]))
         bpe.add_special_tokens([_ENDOFTEXT])
-        PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=_ENDOFTEXT, eos_token=_ENDOFTEXT,
-                                unk_token=_ENDOFTEXT).save_pretrained(folder)
+        return _hf_fast(bpe._tokenizer, _ENDOFTEXT, self.eot_id)
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """Write ``hf_tokenizer()`` into ``folder``, for ``AutoTokenizer.from_pretrained(folder)`` offline."""
+        self.hf_tokenizer().save_pretrained(folder)
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers`` tokenizer from a folder's ``tokenizer.json`` (e.g. a Llama or Mistral one).
+
+    ``eot_id`` is its end-of-text token: ``eos_token`` of the folder's ``tokenizer_config.json``, else the first of
+    ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>`` it has. ``vocab_size`` counts the added tokens."""
+
+    def __init__(self, folder: str | os.PathLike):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self.folder = Path(folder).expanduser().resolve()
+        file = self.folder / "tokenizer.json"
+        self.name, self.fingerprint = f"hf:{self.folder}", sha256_file(file)
+        self._tok = _Tokenizer.from_file(str(file))
+        self._tok.encode_special_tokens = True  # the interface's rule: special tokens in a text are plain text
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.vocab_size = max(vocab.values()) + 1
+        self.eot_token = _eot_token(self.folder, vocab)
+        self.eot_id = vocab[self.eot_token]
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def spec(self) -> dict:
+        return {"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
+                "fingerprint": self.fingerprint}
+
+    def hf_tokenizer(self):
+        """The same tokenizer as a ``transformers`` fast tokenizer (see the module docstring)."""
+        from tokenizers import Tokenizer as _Tokenizer
+
+        return _hf_fast(_Tokenizer.from_file(str(self.folder / "tokenizer.json")), self.eot_token, self.eot_id)
+
+    def save_pretrained(self, folder: str | os.PathLike) -> None:
+        """Write ``hf_tokenizer()`` into ``folder``, for ``AutoTokenizer.from_pretrained(folder)`` offline."""
+        self.hf_tokenizer().save_pretrained(folder)
+
+
+_EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+
+def _eot_token(folder: Path, vocab: dict[str, int]) -> str:
+    """The end-of-text token of a tokenizer folder (``HFTokenizer``)."""
+    config = folder / "tokenizer_config.json"
+    eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    eos = eos.get("content") if isinstance(eos, dict) else eos
+    if eos is not None:
+        if eos not in vocab:
+            raise ValueError(f"tokenizer: {config} names eos_token {eos!r}, which tokenizer.json does not have")
+        return eos
+    for token in _EOT_CANDIDATES:
+        if token in vocab:
+            return token
+    raise ValueError(f"tokenizer: {folder} names no end-of-text token: expected eos_token in tokenizer_config.json "
+                     f"or one of {list(_EOT_CANDIDATES)} in tokenizer.json")
+
+
+def _hf_fast(tokenizer, eot: str, eot_id: int):
+    """A ``PreTrainedTokenizerFast`` of a ``tokenizers.Tokenizer`` with ``eot`` as BOS, EOS, pad and unk, prepended
+    to every text it encodes with special tokens (as to every document foxlm trains on)."""
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer.post_processor = TemplateProcessing(single=f"{eot} $A", pair=f"{eot} $A {eot} $B",
+                                                  special_tokens=[(eot, eot_id)])
+    hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token=eot, eos_token=eot, pad_token=eot,
+                                 unk_token=eot)
+    if hf.convert_tokens_to_ids(eot) != eot_id:
+        raise ValueError(f"tokenizer: {eot} is id {hf.convert_tokens_to_ids(eot)} in transformers, {eot_id} in foxlm")
+    return hf
 
 
 class JSONGPT2Tokenizer:
@@ -122,8 +202,9 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     """A tokenizer by name: ``"gpt2"`` (offline GPT-2 BPE), ``"json-gpt2"`` (the same on JSON-escaped text, the FoX
     authors' released models), ``"byte"``, or a local folder path.
 
-    A folder holds ``encoder.json`` and ``vocab.bpe`` (GPT-2 format), directly or under ``data/``; if its files
-    are GPT-2's, the tokenizer is named ``"gpt2"``.
+    A folder holds ``encoder.json`` and ``vocab.bpe`` (GPT-2 format), directly or under ``data/`` (if its files
+    are GPT-2's, the tokenizer is named ``"gpt2"``), or a Hugging Face ``tokenizer.json`` (``HFTokenizer``); the
+    tokenizer's ``name`` (``bpe:<folder>``, ``hf:<folder>``) is accepted too.
     """
     if name == "byte":
         return ByteTokenizer()
@@ -131,20 +212,22 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
         return BPETokenizer(*gpt2_files(), name="gpt2")
     if name == JSONGPT2Tokenizer.name:
         return JSONGPT2Tokenizer()
-    path = Path(name).expanduser()
+    # a folder's tokenizer is named after it ("bpe:<folder>", "hf:<folder>"): such a name finds it again
+    path = Path(name.split(":", 1)[1] if name.startswith(("bpe:", "hf:")) else name).expanduser()
     if path.is_dir():
         folder = path if (path / "encoder.json").is_file() else path / "data"
-        if not (folder / "encoder.json").is_file() or not (folder / "vocab.bpe").is_file():
-            raise ValueError(f"tokenizer: folder {path} holds no encoder.json + vocab.bpe")
-        return BPETokenizer(folder / "encoder.json", folder / "vocab.bpe")
-    raise ValueError(f"tokenizer: expected 'gpt2', 'json-gpt2', 'byte' or a folder with encoder.json + vocab.bpe, "
-                     f"got {name!r}")
+        if (folder / "encoder.json").is_file() and (folder / "vocab.bpe").is_file():
+            return BPETokenizer(folder / "encoder.json", folder / "vocab.bpe")
+        if (path / "tokenizer.json").is_file():
+            return HFTokenizer(path)
+        raise ValueError(f"tokenizer: folder {path} holds neither encoder.json + vocab.bpe nor tokenizer.json")
+    raise ValueError(f"tokenizer: expected 'gpt2', 'json-gpt2', 'byte' or a folder with encoder.json + vocab.bpe or "
+                     f"tokenizer.json, got {name!r}")
 
 
 def tokenizer_from_spec(spec: dict) -> Tokenizer:
     """The tokenizer a dataset's ``meta.json`` recorded, checked to be the same vocabulary."""
-    name = spec["name"]
-    tok = get_tokenizer(name[len("bpe:"):] if name.startswith("bpe:") else name)
+    tok = get_tokenizer(spec["name"])
     check_tokenizer(tok, spec)
     return tok
 

@@ -155,7 +155,7 @@ def _training_data(checkpoints: list[str], specs: list[dict | None], progress: b
                          "pass the prepared folder to evaluate them on")
     ((data, tokenizer),) = recorded
     if data == "shakespeare":
-        return ensure_default_corpus(tokenizer.removeprefix("bpe:"), progress=progress)
+        return ensure_default_corpus(tokenizer, progress=progress)
     if not Path(data).expanduser().exists():
         raise ValueError(f"--data: the checkpoints were trained on {data}, which is not here (a path relative to where "
                          "training ran?); pass the prepared folder to evaluate on")

@@ -8,16 +8,15 @@ ARGS``) is lm-eval's own command line with foxlm imported first; ARGS are lm-eva
     foxlm eval harness --model hf --model_args pretrained=runs/x/checkpoints/step_0001000/model --tasks ...
 
 ``--model foxlm`` takes any checkpoint foxlm can load (run dir, checkpoint dir, ``save_pretrained`` dir)
-and builds the HF tokenizer from foxlm's offline GPT-2 files; ``--model hf`` needs a ``save_pretrained``
-dir that also holds tokenizer files (``save_hf_tokenizer``). From Python, ``import foxlm.eval.harness``
-then ``lm_eval.simple_evaluate(model="foxlm", ...)``.
+and builds the HF tokenizer from the tokenizer its config records (``hf_tokenizer``); ``--model hf`` needs a
+``save_pretrained`` dir that also holds tokenizer files (``save_hf_tokenizer``; ``foxlm train`` writes them).
+From Python, ``import foxlm.eval.harness`` then ``lm_eval.simple_evaluate(model="foxlm", ...)``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 from lm_eval.api.registry import register_model
@@ -27,34 +26,17 @@ import foxlm.models  # noqa: F401  (registers the "fox" model type with the HF A
 
 
 def hf_tokenizer(name: str = "gpt2"):
-    """A ``transformers`` fast tokenizer giving the ids of ``foxlm.data.get_tokenizer(name)`` (BPE only), offline.
-
-    Built from the same ``encoder.json`` / ``vocab.bpe`` with the ``tokenizers`` library (the construction
-    that is stable across transformers 4 and 5). ``<|endoftext|>`` is its BOS, EOS and padding token, as in
-    foxlm's data; unlike foxlm's ``encode``, it parses that marker in text as the special token.
-    """
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
+    """The ``transformers`` tokenizer of ``foxlm.data.get_tokenizer(name)`` (its ``hf_tokenizer()``), offline."""
     from foxlm.data import get_tokenizer
-    from foxlm.data.assets import gpt2_files
 
-    tok = get_tokenizer(name)
-    if tok.name == "byte":
-        raise ValueError("tokenizer: lm-eval needs a transformers tokenizer; the byte tokenizer has none, "
-                         "use a BPE one")
-    if tok.name == "gpt2":
-        encoder, merges = gpt2_files()
-    else:  # "bpe:<folder>"
-        folder = Path(tok.name[len("bpe:"):])
-        encoder, merges = folder / "encoder.json", folder / "vocab.bpe"
-    eot = "<|endoftext|>"
-    bpe = ByteLevelBPETokenizer.from_file(str(encoder), str(merges))
-    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=eot, eos_token=eot, unk_token=eot, pad_token=eot)
-    if hf.convert_tokens_to_ids(eot) != tok.eot_id:
-        raise ValueError(f"tokenizer: {eot} is id {hf.convert_tokens_to_ids(eot)} in transformers, "
-                         f"{tok.eot_id} in foxlm")
-    return hf
+    return _as_hf(get_tokenizer(name))
+
+
+def _as_hf(tok):
+    if not hasattr(tok, "hf_tokenizer"):
+        raise ValueError(f"tokenizer: lm-eval needs a transformers tokenizer; the {tok.name} tokenizer has none, "
+                         "use a BPE or tokenizer.json one")
+    return tok.hf_tokenizer()
 
 
 def save_hf_tokenizer(model_dir: str | os.PathLike, name: str = "gpt2") -> None:
@@ -66,9 +48,11 @@ def save_hf_tokenizer(model_dir: str | os.PathLike, name: str = "gpt2") -> None:
 class FoxLM(HFLM):
     """lm-eval's HF causal-LM wrapper around a foxlm checkpoint (run, checkpoint or ``save_pretrained`` dir).
 
-    model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...); ``device``
+    model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...). The context window is
+    ``max_length``, else the training length the model's config records (``train_length``, or the ``seq_len`` of the
+    run it is in); a model with neither needs ``max_length``, rather than lm-eval's silent 2048. ``device``
     (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
-    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or BPE folder) defaults to the one
+    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or folder) defaults to the one
     the model's config records, else GPT-2 BPE.
     """
 
@@ -76,15 +60,22 @@ class FoxLM(HFLM):
                  dtype: str | None = None, **kwargs):
         from foxlm.models import load_checkpoint_model
 
+        from foxlm.data.tokenizer import model_tokenizer
         from foxlm.device import resolve_device
+
+        from .utils import run_train_length
 
         dev = resolve_device(device)
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
         model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
-        recorded = getattr(model.config, "foxlm_tokenizer", None)  # what `foxlm train` trained it with
-        tok = hf_tokenizer(tokenizer or (recorded["name"].removeprefix("bpe:") if recorded else "gpt2"))
+        tok = _as_hf(model_tokenizer(model.config, tokenizer))  # the one `foxlm train` recorded, else GPT-2 BPE
+        if not kwargs.get("max_length"):
+            kwargs["max_length"] = model.config.train_length or run_train_length(pretrained)
+            if kwargs["max_length"] is None:
+                raise ValueError(f"max_length: {pretrained} records no training length; pass max_length=N in "
+                                 "--model_args (the context window, in tokens)")
         super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
 
 

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
     model = load_checkpoint_model(args.model).to(device=device, dtype=dtype).eval()
     tok = model_tokenizer(model.config, args.tokenizer, what=args.model)
-    ids = [tok.encode(p) or [tok.eot_id] for p in prompts]
+    ids = [[tok.eot_id] + tok.encode(p) for p in prompts]  # as every training document (and the HF tokenizer)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(
         model, ids, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,

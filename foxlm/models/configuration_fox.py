@@ -48,9 +48,13 @@ class FoxConfig(PretrainedConfig):
         deterministic_attention: the attention backward without atomics (bitwise reproducible, slower at
             head dim 64); False, the default as in FlashAttention, lets it accumulate dQ with atomics (see
             ``forgetting_attention``); ``torch.use_deterministic_algorithms(True)`` turns it on too.
+        train_length: the context length (tokens) the model was trained at, recorded by ``foxlm train``; None when
+            unknown. Not a limit (FoX has no positional embedding): tools that ask for a model's length read it as
+            ``max_position_embeddings`` (lm-eval's context window, ``generate``'s warning past it).
     """
 
     model_type = "fox"
+    attribute_map = {"max_position_embeddings": "train_length"}
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(
@@ -79,6 +83,7 @@ class FoxConfig(PretrainedConfig):
         acp_tolerance: float = math.exp(-10),
         fuse_cross_entropy: bool = True,
         deterministic_attention: bool = False,
+        train_length: int | None = None,
         use_cache: bool = True,
         bos_token_id: int | None = 50256,
         eos_token_id: int | None = 50256,
@@ -113,6 +118,7 @@ class FoxConfig(PretrainedConfig):
         self.acp_tolerance = acp_tolerance
         self.fuse_cross_entropy = fuse_cross_entropy
         self.deterministic_attention = deterministic_attention
+        self.train_length = train_length
         self.use_cache = use_cache
         self._check()
         super().__init__(
@@ -170,8 +176,9 @@ class FoxConfig(PretrainedConfig):
             raise ValueError(f"qk_norm_eps: expected a positive number or None, got {self.qk_norm_eps!r}")
         if self.rope and self.head_dim % 2:
             raise ValueError(f"head_dim: RoPE needs an even head dim, got {self.head_dim}")
-        if self.window is not None:
-            positive_int("window", self.window)
+        for name in ("window", "train_length"):
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name))
         self._check_acp(self.acp, self.acp_tolerance)
         for name in ("rms_norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:

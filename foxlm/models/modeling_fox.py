@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
@@ -102,7 +102,8 @@ class FoxPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["FoxBlock"]
-    _supports_sdpa = True
+    # attention is foxlm's own op (forgetting_attention), HF's "eager": so transformers refuses "sdpa", "flash_*"
+    _supports_sdpa = False
 
     def set_acp(self, enabled: bool, tolerance: float | None = None) -> None:
         """Turn Adaptive Computation Pruning on or off in every attention layer's forward, e.g. to evaluate a model
@@ -357,8 +358,11 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
         return FoxCache(num_layers)
     if isinstance(cache, KVCache):
         return cache
-    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:
+    if type(cache) is DynamicCache and cache.get_seq_length() == 0:  # what generate() makes by default
         return FoxCache(num_layers)
+    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. generate(cache_implementation=...)
+        raise ValueError(f"cache_implementation: FoX models decode with their own FoxCache, not a "
+                         f"{type(cache).__name__}; leave cache_implementation unset (or 'dynamic')")
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 

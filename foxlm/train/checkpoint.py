@@ -3,7 +3,7 @@
 Layout::
 
     <run>/checkpoints/step_0000100/
-        model/            save_pretrained folder (config.json + safetensors, and tokenizer.json for GPT-2 BPE data):
+        model/            save_pretrained folder (config.json + safetensors, and tokenizer.json but for byte data):
                           AutoModelForCausalLM / AutoTokenizer.from_pretrained work on it
         trainer.pt        optimizer, scheduler, loader, RNG, counters (torch.load(weights_only=True))
         manifest.json     sha256 of every file above, written last
@@ -334,8 +334,8 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
                          f"size and model.* to build it")
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
     now = model_config.to_dict()
-    return folder, [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(model_fields())
-                    if key in saved and saved[key] != now[key]]
+    return folder, [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(model_fields() - {"train_length"})
+                    if key in saved and saved[key] != now[key]]  # train_length is a record, seq_len sets it
 
 
 def _sharded_model_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:

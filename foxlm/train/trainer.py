@@ -110,7 +110,8 @@ class Trainer:
 
         # model
         overrides = {"vocab_size": 64 * math.ceil(self.tok_spec["vocab_size"] / 64),
-                     "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"], **cfg.model}
+                     "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"],
+                     "train_length": cfg.seq_len, **cfg.model}
         self.model_config = FoxConfig.preset(cfg.arch, cfg.size, **overrides)
         if self.model_config.vocab_size < self.tok_spec["vocab_size"]:
             raise ValueError(f"model.vocab_size: {self.model_config.vocab_size} is smaller than the tokenizer's "
@@ -227,7 +228,7 @@ class Trainer:
 
     def _save_model(self, module: torch.nn.Module, state_dict: dict | None, folder: Path) -> None:
         """The model's ``save_pretrained`` folder (without ``state_dict``: its config alone, the weights being in the
-        shards), with the tokenizer in Hugging Face's format where there is one (GPT-2 BPE), so that ``AutoTokenizer``
+        shards), with the tokenizer in Hugging Face's format where there is one (all but byte), so that ``AutoTokenizer``
         loads it from the same folder."""
         if state_dict is None:
             module.config.save_pretrained(folder)
