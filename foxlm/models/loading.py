@@ -116,7 +116,11 @@ def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
-    """``FoxForCausalLM`` from a run folder, a checkpoint folder or a ``save_pretrained`` folder."""
-    from .modeling_fox import FoxForCausalLM
+    """The causal LM (``FoxForCausalLM``, or any model registered with ``AutoModelForCausalLM``) of a run folder, a
+    checkpoint folder or a ``save_pretrained`` folder."""
+    from transformers import AutoModelForCausalLM
 
-    return FoxForCausalLM.from_pretrained(resolve_model_dir(path), **from_pretrained_kwargs)
+    from . import register_auto_classes
+
+    register_auto_classes()
+    return AutoModelForCausalLM.from_pretrained(resolve_model_dir(path), **from_pretrained_kwargs)
