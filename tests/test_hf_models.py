@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from foxlm.cli import main
 from foxlm.data import prepare
 from foxlm.data.assets import shakespeare_plays
-from foxlm.models import load_checkpoint_model
+from foxlm.models import SIZES, FoxConfig, FoxForCausalLM, load_checkpoint_model
+from foxlm.models.baselines import BASELINES, baseline_config
 from foxlm.models.hf import hf_config, use_chunked_loss
 from foxlm.train import load_config, train
 from foxlm_cli import foxlm, one_line_error
@@ -130,3 +132,30 @@ def test_gates_of_a_model_without_gates_is_a_clear_error(byte_data, tmp_path):
                                  intermediate_size=64)).save_pretrained(path)
     proc = foxlm("eval", "gates", path, "--data", byte_data, "--out", tmp_path / "g", "--length", "64")
     assert "'llama' model, without forget gates" in one_line_error(proc, "eval gates")
+
+
+@pytest.mark.parametrize("arch", BASELINES)
+def test_baseline_presets_match_fox_pro_parameters(arch):
+    """Every baseline preset, built on the meta device, is within 5% of fox-pro's parameter count at its size."""
+    vocab = 50304
+    for size in SIZES:
+        with torch.device("meta"):
+            fox = FoxForCausalLM(FoxConfig.preset("fox-pro", size, vocab_size=vocab)).num_parameters()
+            config = baseline_config(arch, size, vocab_size=vocab)
+            model = AutoModelForCausalLM.from_config(config)
+        assert model.config.hidden_size == SIZES[size]["hidden_size"]
+        assert abs(model.num_parameters() / fox - 1) < 0.05, (arch, size, model.num_parameters(), fox)
+
+
+def test_baselines_print_their_config_and_fla_needs_a_gpu(byte_data, tmp_path):
+    proc = foxlm("train", "arch=gated-delta-net", "size=125m", "--print-config")
+    assert proc.returncode == 0 and "arch: gated-delta-net\nsize: 125m\n" in proc.stdout, proc.stderr
+    proc = foxlm("train", "arch=delta-net", "device=cpu", "tokenizer=byte", f"data={byte_data}",
+                 f"out_dir={tmp_path / 'run'}")
+    message = one_line_error(proc, "train")
+    assert "fla's Triton kernels, which need a CUDA GPU ('foxlm[baselines]'" in message and "got cpu" in message
+    summary = train(load_config(None, [*COMMON, "arch=mamba2", "model.num_hidden_layers=2", "max_steps=2",
+                                       "eval_every=0", "sample_tokens=0", f"data={byte_data}",
+                                       f"out_dir={tmp_path / 'mamba2'}"]))
+    assert summary["step"] == 2 and math.isfinite(summary["loss"])
+    assert type(load_checkpoint_model(tmp_path / "mamba2")).__module__.startswith("transformers.")

@@ -12,19 +12,27 @@ import inspect
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.modeling_outputs import CausalLMOutput
-from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..ops.cross_entropy import linear_cross_entropy
+from .baselines import BASELINES, baseline_config
 
 HF_PREFIX = "hf:"
 
 
 def is_hf_arch(arch: str) -> bool:
-    """Whether ``arch`` names a Hugging Face model (``hf:MODEL_TYPE`` or a ``.json`` config) rather than a preset."""
-    return arch.startswith(HF_PREFIX) or arch.endswith(".json")
+    """Whether ``arch`` names a Hugging Face model (``hf:MODEL_TYPE``, a ``.json`` config or one of the recurrent
+    ``BASELINES``) rather than one of foxlm's own."""
+    return arch.startswith(HF_PREFIX) or arch.endswith(".json") or arch in BASELINES
+
+
+def has_size(arch: str) -> bool:
+    """Whether ``size`` (tiny, 125m, ...) applies to ``arch``: foxlm's models and the baselines, not ``hf:...``."""
+    return not (arch.startswith(HF_PREFIX) or arch.endswith(".json"))
 
 
 def config_fields(config: PretrainedConfig) -> set[str]:
@@ -36,21 +44,36 @@ def config_fields(config: PretrainedConfig) -> set[str]:
     return (params | set(config.to_dict())) - {"self", "kwargs", "args"}
 
 
-def hf_config(arch: str, fields: dict | None = None) -> PretrainedConfig:
-    """The config ``arch`` names (``hf:MODEL_TYPE``: the type's defaults; a ``.json`` path: that file), with
-    ``fields`` set; an unknown field, model type or a type without a causal LM is a ValueError naming it."""
+def hf_config(arch: str, fields: dict | None = None, size: str = "tiny") -> PretrainedConfig:
+    """The config ``arch`` names (``hf:MODEL_TYPE``: the type's defaults; a ``.json`` path: that file; a baseline:
+    its preset at ``size``), with ``fields`` set; an unknown field, model type or a type without a causal LM is a
+    ValueError naming it."""
     fields = dict(fields or {})
+    if arch in BASELINES:
+        return baseline_config(arch, size, **fields)
     if arch.startswith(HF_PREFIX):
         model_type = arch[len(HF_PREFIX):]
         if model_type not in CONFIG_MAPPING:
             raise ValueError(f"arch: {model_type!r} is not a model type registered with transformers' AutoConfig "
                              f"(e.g. hf:llama, hf:mamba2)")
-        base = CONFIG_MAPPING[model_type]()
+        base = config_class(model_type)()
     else:
         path = Path(arch).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"arch: {path} does not exist (expected a model's config.json)")
         base = AutoConfig.from_pretrained(path)  # trust_remote_code stays off: a config needing code is refused
+    return with_fields(base, fields, arch)
+
+
+def config_class(model_type: str) -> type[PretrainedConfig]:
+    """The config class of ``model_type``: transformers' own where it has one (importing fla re-registers "mamba2"
+    as fla's with the Auto classes), else the one registered (foxlm's "fox", fla's types)."""
+    own = CONFIG_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, own) if own else CONFIG_MAPPING[model_type]
+
+
+def with_fields(base: PretrainedConfig, fields: dict, arch: str) -> PretrainedConfig:
+    """A copy of ``base`` with ``fields`` set (``arch`` in errors), for a model ``AutoModelForCausalLM`` builds."""
     unknown = sorted(set(fields) - config_fields(base))
     if unknown:
         raise ValueError(f"model.{unknown[0]}: not a field of {type(base).__name__} (arch={arch})")

@@ -265,9 +265,9 @@ def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 def model_name(cfg: dict) -> str:
     """"fox-pro tiny" ("hf:llama" for a Hugging Face model, which has no size), with the config's model overrides."""
-    from ..models.hf import is_hf_arch
+    from ..models.hf import has_size
 
-    name = cfg["arch"] if is_hf_arch(cfg["arch"]) else f"{cfg['arch']} {cfg['size']}"
+    name = f"{cfg['arch']} {cfg['size']}" if has_size(cfg["arch"]) else cfg["arch"]
     return name + (f" with model={cfg['model']}" if cfg["model"] else "")
 
 

@@ -24,10 +24,11 @@ PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 @dataclass
 class TrainConfig:
     # model
-    # fox-llama | fox-pro | transformer-llama | transformer-pro; or any model registered with AutoModelForCausalLM:
-    # hf:MODEL_TYPE (e.g. hf:llama, hf:mamba2) or a config.json path, its fields set by model.*
+    # fox-llama | fox-pro | transformer-llama | transformer-pro; the recurrent baselines mamba2 | hgrn2 | delta-net |
+    # gated-delta-net (fla's need a GPU); or any model registered with AutoModelForCausalLM: hf:MODEL_TYPE (e.g.
+    # hf:llama) or a config.json path, its fields set by model.*
     arch: str = "fox-pro"
-    size: str = "tiny"  # tiny | 125m | 360m | 760m (foxlm's presets)
+    size: str = "tiny"  # tiny | 125m | 360m | 760m (foxlm's models and the baselines)
     model: dict = field(default_factory=dict)  # the model config's overrides, e.g. {acp: true, hidden_size: 256}
     # start from a trained model's weights (a run folder, a checkpoint or a save_pretrained folder), with a new
     # optimizer, schedule and step count: fine-tuning, or training on at a longer seq_len; the weights must fit the
@@ -140,7 +141,7 @@ class TrainConfig:
         for key in ("acp", "acp_tolerance"):
             if key in self.model:
                 raise ValueError(f"model.{key}: ACP prunes by forget-gate decay; arch={self.arch} has no forget gates")
-        hf_config(self.arch, self.model)  # an unknown model type or field fails here, before any data is read
+        hf_config(self.arch, self.model, self.size)  # an unknown model type or field fails here, before any data is read
         refused = {"packing": self.packing != "windows", "cp": self.cp > 1, "cuda_graph": self.cuda_graph is True}
         for name, bad in refused.items():
             if bad:

@@ -26,7 +26,8 @@ import yaml
 
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
-from ..models.hf import build_model, decoder_layers, hf_config, is_hf_arch, use_chunked_loss
+from ..models.baselines import check_device
+from ..models.hf import build_model, decoder_layers, has_size, hf_config, is_hf_arch, use_chunked_loss
 from ..ops.backend import use_triton
 from ..parallel import ContextParallel
 from . import parallel
@@ -115,8 +116,11 @@ class Trainer:
         overrides = {"vocab_size": 64 * math.ceil(self.tok_spec["vocab_size"] / 64),
                      "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"], **cfg.model}
         self.hf = is_hf_arch(cfg.arch)
-        self.model_config = hf_config(cfg.arch, overrides) if self.hf else FoxConfig.preset(cfg.arch, cfg.size,
-                                                                                              **overrides)
+        if self.hf:
+            check_device(cfg.arch, self.device.type)
+            self.model_config = hf_config(cfg.arch, overrides, cfg.size)
+        else:
+            self.model_config = FoxConfig.preset(cfg.arch, cfg.size, **overrides)
         if self.model_config.vocab_size < self.tok_spec["vocab_size"]:
             raise ValueError(f"model.vocab_size: {self.model_config.vocab_size} is smaller than the tokenizer's "
                              f"{self.tok_spec['vocab_size']}")
@@ -442,7 +446,7 @@ class Trainer:
         cfg, micro = self.cfg, self.loader.grad_accum
         for note in self._started:
             log.write(note)
-        log.write(f"{cfg.arch if self.hf else f'{cfg.arch} {cfg.size}'}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
+        log.write(f"{f'{cfg.arch} {cfg.size}' if has_size(cfg.arch) else cfg.arch}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
