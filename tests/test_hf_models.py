@@ -159,3 +159,39 @@ def test_baselines_print_their_config_and_fla_needs_a_gpu(byte_data, tmp_path):
                                        f"out_dir={tmp_path / 'mamba2'}"]))
     assert summary["step"] == 2 and math.isfinite(summary["loss"])
     assert type(load_checkpoint_model(tmp_path / "mamba2")).__module__.startswith("transformers.")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_harness_adapter_scores_a_transformers_model(name, tmp_path):
+    """lm-eval's ``foxlm`` model on a transformers Llama / Mamba-2 folder: its log-likelihoods are the model's own."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from foxlm.eval import utils
+    from foxlm.eval.harness import hf_tokenizer
+
+    torch.manual_seed(0)
+    fields = dict(arg.removeprefix("model.").split("=") for arg in MODELS[name] if arg.startswith("model."))
+    config = hf_config(f"hf:{name}", {k: int(v) for k, v in fields.items()} | dict(vocab_size=50304))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    docs = [{"question": "The capital of France is", "choices": ["Paris", "a banana"], "label": 0},
+            {"question": "To be, or not to be:", "choices": ["that is the question", "said nobody"], "label": 1}]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "hf_tiny_mc.yaml").write_text(
+        f"task: hf_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    res = simple_evaluate(model="foxlm", model_args=f"pretrained={tmp_path / 'model'},device=cpu",
+                          tasks=["hf_tiny_mc"], log_samples=True,
+                          task_manager=TaskManager(include_defaults=False, include_path=str(tasks)))
+    scored = {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in res["samples"]["hf_tiny_mc"]}
+    tok, model = hf_tokenizer(), utils.load_model(tmp_path / "model", torch.device("cpu"))
+    for i, d in enumerate(docs):
+        ctx = tok(d["question"])["input_ids"]
+        for j, choice in enumerate(d["choices"]):
+            ids = torch.tensor([ctx + tok(" " + choice)["input_ids"]])
+            direct = float(utils.next_token_logprobs(model, ids, start=len(ctx) - 1).sum())
+            assert scored[i][j] == pytest.approx(direct, abs=1e-3)
