@@ -5,7 +5,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -195,3 +198,20 @@ def test_harness_adapter_scores_a_transformers_model(name, tmp_path):
             ids = torch.tensor([ctx + tok(" " + choice)["input_ids"]])
             direct = float(utils.next_token_logprobs(model, ids, start=len(ctx) - 1).sum())
             assert scored[i][j] == pytest.approx(direct, abs=1e-3)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_processes_match_one(parallel, byte_data, tmp_path):
+    """A transformers Llama under torchrun (2 CPU processes on gloo, FSDP2 sharding its decoder layers, or DDP)
+    trains with the losses of one process and the same global batch."""
+    args = [*COMMON, *MODELS["llama"], f"data={byte_data}", "micro_batch_size=1", "max_steps=3", "eval_every=0",
+            "sample_tokens=0"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "foxlm.cli", "train", *args, f"parallel={parallel}", f"out_dir={tmp_path / 'two'}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train(load_config(None, [*args, f"out_dir={tmp_path / 'one'}"]))
+    two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3] and two == pytest.approx(one, rel=1e-5)

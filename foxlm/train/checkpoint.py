@@ -51,7 +51,8 @@ from .config import model_fields
 __all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
            "PendingCheckpoint", "export_model",
            "full_state_dicts", "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
-           "load_checkpoint_model", "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir", "restore_checkpoint",
+           "load_checkpoint_model", "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir",
+           "restore_checkpoint",
            "resume_point", "verify_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.

@@ -135,19 +135,18 @@ class TrainConfig:
                 raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(model_fields())})")
 
     def _validate_hf(self) -> None:
-        """What a Hugging Face model (``arch=hf:...`` or a config.json) cannot do in foxlm's trainer."""
+        """What a Hugging Face model (``arch=hf:...``, a config.json or a baseline) cannot do in foxlm's trainer."""
         from ..models.hf import hf_config
 
         for key in ("acp", "acp_tolerance"):
             if key in self.model:
                 raise ValueError(f"model.{key}: ACP prunes by forget-gate decay; arch={self.arch} has no forget gates")
-        hf_config(self.arch, self.model, self.size)  # an unknown model type or field fails here, before any data is read
+        hf_config(self.arch, self.model, self.size)  # an unknown model type or field fails here, before the data
         refused = {"packing": self.packing != "windows", "cp": self.cp > 1, "cuda_graph": self.cuda_graph is True}
         for name, bad in refused.items():
             if bad:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is for foxlm's own models, not arch={self.arch} "
-                                 f"(packed documents, context parallelism and CUDA graphs need "
-                                 f"foxlm's blocks)")
+                                 f"(packed documents, context parallelism and CUDA graphs need foxlm's blocks)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -73,10 +73,8 @@ def _causal_lm_loss(model: torch.nn.Module, autocast: bool, input_ids: torch.Ten
     """The model's mean next-token loss on input_ids / labels [B, T], under bf16 autocast when ``autocast``;
     ``shifted``: labels are the targets of the tokens (a context-parallel shard's)."""
     targets = {"shift_labels" if shifted else "labels": labels}
-    if cu_seqlens is not None:
-        targets["cu_seqlens"] = cu_seqlens
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-        return model(input_ids=input_ids, use_cache=False, **targets).loss
+        return model(input_ids=input_ids, cu_seqlens=cu_seqlens, use_cache=False, **targets).loss
 
 
 def _data_folder(cfg: TrainConfig, d: parallel.Dist) -> Path:
@@ -446,7 +444,8 @@ class Trainer:
         cfg, micro = self.cfg, self.loader.grad_accum
         for note in self._started:
             log.write(note)
-        log.write(f"{f'{cfg.arch} {cfg.size}' if has_size(cfg.arch) else cfg.arch}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
+        name = f"{cfg.arch} {cfg.size}" if has_size(cfg.arch) else cfg.arch
+        log.write(f"{name}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
