@@ -253,10 +253,15 @@ def _run_loss(args, cp) -> int:
         raise ValueError("--acp-tolerance: only with --acp on, off or both")
     if args.acp_tolerance is not None and not 0.0 < args.acp_tolerance < 1.0:
         raise ValueError(f"--acp-tolerance: expected a value in (0, 1), got {args.acp_tolerance}")
-    if args.acp in ("on", "both"):
-        for c, m in zip(args.checkpoints, models):
-            if m.config.gate == "none":
-                raise ValueError(f"--acp: {c} has no forget gate (gate='none'); ACP applies to FoX models only")
+    for c, m in zip(args.checkpoints, models):
+        gate = getattr(m.config, "gate", None)  # None: not a foxlm model (any AutoModelForCausalLM)
+        if args.acp in ("on", "both") and gate in ("none", None):
+            raise ValueError(f"--acp: {c} has no forget gate ({'gate=none' if gate else m.config.model_type}); ACP "
+                             f"applies to FoX models only")
+        if args.acp == "off" and gate is None:
+            raise ValueError(f"--acp: {c} is a {m.config.model_type!r} model, without ACP to turn off; use --acp model")
+        if args.cp > 1 and gate is None:
+            raise ValueError(f"--cp: {c} is a {m.config.model_type!r} model; context parallelism needs foxlm's models")
     runs = []  # (model, label, ACP on/off or None: as trained)
     for m, lab in zip(models, labels):
         if args.acp == "both":
@@ -325,6 +330,9 @@ def run_gates(args) -> int:
 
     _check_exist([args.checkpoint])
     (model,), data, _, out = _setup(args, [args.checkpoint])
+    if getattr(model.config, "gate", None) is None:
+        raise ValueError(f"CHECKPOINT: {args.checkpoint} is a {model.config.model_type!r} model, without forget gates "
+                         f"or attention maps to analyse; foxlm eval gates needs a foxlm model (model_type 'fox')")
     docs = heldout_documents(data, args.split, args.length, None)
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
     decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)

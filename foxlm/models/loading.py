@@ -116,7 +116,23 @@ def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
 
 
 def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
-    """``FoxForCausalLM`` from a run folder, a checkpoint folder or a ``save_pretrained`` folder."""
-    from .modeling_fox import FoxForCausalLM
+    """The causal LM (``FoxForCausalLM``, or any model registered with ``AutoModelForCausalLM``) of a run folder, a
+    checkpoint folder or a ``save_pretrained`` folder."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    return FoxForCausalLM.from_pretrained(resolve_model_dir(path), **from_pretrained_kwargs)
+    from . import register_auto_classes
+    from .baselines import FLA, MODEL_TYPES, require_fla
+    from .hf import config_class
+
+    register_auto_classes()
+    folder = resolve_model_dir(path)
+    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    fla_arch = next((arch for arch in FLA if MODEL_TYPES[arch] == model_type), None)
+    if fla_arch is not None:  # importing fla registers its models with the Auto classes
+        require_fla(fla_arch)
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"path: {folder}/config.json has model_type {model_type!r}, which no installed library "
+                         f"registers with AutoModelForCausalLM")
+    config = config_class(model_type).from_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)

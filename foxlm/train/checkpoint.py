@@ -35,6 +35,7 @@ from typing import IO
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 try:
     import fcntl
@@ -42,15 +43,16 @@ except ImportError:  # not POSIX
     fcntl = None
 
 from ..data.assets import replace_folder, sha256_file
-from ..models import FoxConfig, FoxForCausalLM
+from ..models import FoxConfig
 from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
-                              read_model_weights, resolve_model_dir, verify_checkpoint)
+                              load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint)
 from .config import model_fields
 
 __all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
            "PendingCheckpoint", "export_model",
            "full_state_dicts", "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
-           "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir", "restore_checkpoint",
+           "load_checkpoint_model", "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir",
+           "restore_checkpoint",
            "resume_point", "verify_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
@@ -263,8 +265,11 @@ def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 
 def model_name(cfg: dict) -> str:
-    """"fox-pro tiny", with the training config's model overrides."""
-    return f"{cfg['arch']} {cfg['size']}" + (f" with model={cfg['model']}" if cfg["model"] else "")
+    """"fox-pro tiny" ("hf:llama" for a Hugging Face model, which has no size), with the config's model overrides."""
+    from ..models.hf import has_size
+
+    name = f"{cfg['arch']} {cfg['size']}" if has_size(cfg["arch"]) else cfg["arch"]
+    return name + (f" with model={cfg['model']}" if cfg["model"] else "")
 
 
 def _weights_differ(found: dict[str, tuple[int, ...]], module: torch.nn.Module) -> str | None:
@@ -312,7 +317,7 @@ def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.opt
     return state, changed
 
 
-def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_config: FoxConfig, tok_spec: dict,
+def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_config: PretrainedConfig, tok_spec: dict,
                      data: Path, name: str) -> tuple[Path, list[str]]:
     """Load the weights of a trained model (a run folder, a checkpoint or a ``save_pretrained`` folder) into
     ``module`` (unwrapped; ``name`` in errors), built as ``model_config`` for ``data`` prepared with ``tok_spec``.
@@ -321,8 +326,10 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
 
     folder = resolve_model_dir(path, "init_from")
     saved = json.loads((folder / "config.json").read_text())
-    if saved.get("model_type") != FoxConfig.model_type:
-        raise ValueError(f"init_from: {folder} holds a {saved.get('model_type')!r} model, not a foxlm model")
+    if saved.get("model_type") != model_config.model_type:
+        want = "a foxlm model" if isinstance(model_config, FoxConfig) else f"a {model_config.model_type!r} model"
+        raise ValueError(f"init_from: {folder} holds a {saved.get('model_type')!r} model, not {want} as this "
+                         f"config's {name}")
     tokenizer = saved.get("foxlm_tokenizer")
     if tokenizer is not None and tokenizer != tok_spec:
         raise ValueError(f"init_from: {folder} was trained with the tokenizer {tokenizer}, the data {data} was "
@@ -334,8 +341,11 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
                          f"size and model.* to build it")
     set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
     now = model_config.to_dict()
-    return folder, [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(model_fields() - {"train_length"})
-                    if key in saved and saved[key] != now[key]]  # train_length is a record, seq_len sets it
+    # train_length is a record that seq_len sets, not a setting the run changes
+    keys = (model_fields() - {"train_length"} if isinstance(model_config, FoxConfig)
+            else set(now) - {"transformers_version"})
+    return folder, [f"{key}: {saved[key]!r} -> {now[key]!r}" for key in sorted(keys)
+                    if key in saved and saved[key] != now[key]]
 
 
 def _sharded_model_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
@@ -370,7 +380,7 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     try:
         shutil.copytree(ckpt / "model", tmp)  # config, tokenizer, and the weights of an unsharded checkpoint
         if is_sharded(ckpt):
-            model = FoxForCausalLM(FoxConfig.from_pretrained(tmp))
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp))  # foxlm's or any registered
             weights = model.state_dict()
             dcp.load({"model": weights}, checkpoint_id=ckpt / SHARDS, no_dist=True)  # the model's keys only
             model.load_state_dict(weights)

@@ -24,9 +24,12 @@ PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 @dataclass
 class TrainConfig:
     # model
-    arch: str = "fox-pro"  # fox-llama | fox-pro | transformer-llama | transformer-pro
-    size: str = "tiny"  # tiny | 125m | 360m | 760m
-    model: dict = field(default_factory=dict)  # FoxConfig overrides, e.g. {acp: true, hidden_size: 256}
+    # fox-llama | fox-pro | transformer-llama | transformer-pro; the recurrent baselines mamba2 | hgrn2 | delta-net |
+    # gated-delta-net (fla's need a GPU); or any model registered with AutoModelForCausalLM: hf:MODEL_TYPE (e.g.
+    # hf:llama) or a config.json path, its fields set by model.*
+    arch: str = "fox-pro"
+    size: str = "tiny"  # tiny | 125m | 360m | 760m (foxlm's models and the baselines)
+    model: dict = field(default_factory=dict)  # the model config's overrides, e.g. {acp: true, hidden_size: 256}
     # start from a trained model's weights (a run folder, a checkpoint or a save_pretrained folder), with a new
     # optimizer, schedule and step count: fine-tuning, or training on at a longer seq_len; the weights must fit the
     # model that arch, size and model.* build. Unused when the run resumes (resume=auto finding a checkpoint in out_dir,
@@ -85,7 +88,10 @@ class TrainConfig:
     def validate(self) -> None:
         from ..models import ARCHS, SIZES
 
-        choices = {"arch": ARCHS, "size": SIZES, "packing": ("windows", "documents"),
+        from ..models.hf import is_hf_arch
+
+        hf = is_hf_arch(self.arch)
+        choices = {**({} if hf else {"arch": ARCHS}), "size": SIZES, "packing": ("windows", "documents"),
                    "precision": ("auto", "bf16", "fp32"), "parallel": ("fsdp", "ddp")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -121,9 +127,26 @@ class TrainConfig:
         if self.cp > 1 and self.packing != "windows":
             raise ValueError("packing: context parallelism (cp > 1) needs packing=windows; packed documents whose "
                              "boundaries fall inside other processes' shards are not supported")
+        if hf:
+            self._validate_hf()
+            return
         for key in self.model:
             if key not in model_fields():
                 raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(model_fields())})")
+
+    def _validate_hf(self) -> None:
+        """What a Hugging Face model (``arch=hf:...``, a config.json or a baseline) cannot do in foxlm's trainer."""
+        from ..models.hf import hf_config
+
+        for key in ("acp", "acp_tolerance"):
+            if key in self.model:
+                raise ValueError(f"model.{key}: ACP prunes by forget-gate decay; arch={self.arch} has no forget gates")
+        hf_config(self.arch, self.model, self.size)  # an unknown model type or field fails here, before the data
+        refused = {"packing": self.packing != "windows", "cp": self.cp > 1, "cuda_graph": self.cuda_graph is True}
+        for name, bad in refused.items():
+            if bad:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is for foxlm's own models, not arch={self.arch} "
+                                 f"(packed documents, context parallelism and CUDA graphs need foxlm's blocks)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -134,7 +134,9 @@ def wrap(model: torch.nn.Module, parallel: str, d: Dist, device: torch.device) -
     from torch.distributed.fsdp import fully_shard
 
     mesh = _replica_mesh(d)
-    for block in model.model.layers:
+    from ..models.hf import decoder_layers
+
+    for block in decoder_layers(model):
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model

@@ -26,6 +26,8 @@ import yaml
 
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
+from ..models.baselines import check_device
+from ..models.hf import build_model, decoder_layers, has_size, hf_config, is_hf_arch, use_chunked_loss
 from ..ops.backend import use_triton
 from ..parallel import ContextParallel
 from . import parallel
@@ -110,9 +112,13 @@ class Trainer:
 
         # model
         overrides = {"vocab_size": 64 * math.ceil(self.tok_spec["vocab_size"] / 64),
-                     "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"],
-                     "train_length": cfg.seq_len, **cfg.model}
-        self.model_config = FoxConfig.preset(cfg.arch, cfg.size, **overrides)
+                     "bos_token_id": self.tok_spec["eot_id"], "eos_token_id": self.tok_spec["eot_id"], **cfg.model}
+        self.hf = is_hf_arch(cfg.arch)
+        if self.hf:
+            check_device(cfg.arch, self.device.type)
+            self.model_config = hf_config(cfg.arch, overrides, cfg.size)
+        else:
+            self.model_config = FoxConfig.preset(cfg.arch, cfg.size, **{"train_length": cfg.seq_len, **overrides})
         if self.model_config.vocab_size < self.tok_spec["vocab_size"]:
             raise ValueError(f"model.vocab_size: {self.model_config.vocab_size} is smaller than the tokenizer's "
                              f"{self.tok_spec['vocab_size']}")
@@ -120,14 +126,20 @@ class Trainer:
             ds.check_ids(self.model_config.vocab_size)
         self.model_config.foxlm_tokenizer = self.tok_spec
         torch.manual_seed(cfg.seed)
-        model = FoxForCausalLM(self.model_config).to(self.device)
+        if self.hf:
+            model = use_chunked_loss(build_model(self.model_config)).to(self.device)
+        else:
+            model = FoxForCausalLM(self.model_config).to(self.device)
         self.num_params = model.num_parameters()
         if cfg.activation_checkpointing:
-            model.model.gradient_checkpointing = True
+            if self.hf:
+                model.gradient_checkpointing_enable()
+            else:
+                model.model.gradient_checkpointing = True
         if self.d.cp_size > 1:
             model.set_context_parallel(ContextParallel(self.d.cp_group))
         if cfg.compile:
-            for block in model.model.layers:
+            for block in decoder_layers(model):
                 block.compile()
         self.model = parallel.wrap(model, cfg.parallel, self.d, self.device)
         fused = self.device.type == "cuda" and not (self.d.world > 1 and cfg.parallel == "fsdp")
@@ -163,7 +175,8 @@ class Trainer:
         kernels = on_gpu and use_triton(torch.empty(0, device=self.device))
         use_graph = cfg.cuda_graph
         if use_graph == "auto":
-            use_graph = on_gpu and self.d.world == 1 and cfg.packing == "windows" and not cfg.compile and kernels
+            use_graph = on_gpu and self.d.world == 1 and cfg.packing == "windows" and not cfg.compile and kernels \
+                and not self.hf
         if not use_graph:
             return None
         if not on_gpu or self.d.world > 1:
@@ -322,7 +335,7 @@ class Trainer:
         if self.val_loader is None:
             return None
         module = parallel.unwrap(self.model)
-        gated = module.config.gate != "none"
+        gated = getattr(module.config, "gate", "none") != "none"  # a Hugging Face model has no forget gates
         self.model.eval()
         loss_sum = torch.zeros((), device=self.device)
         count = 0.0
@@ -351,7 +364,8 @@ class Trainer:
             prompt = source.document(0)[:24].tolist()
         module = parallel.unwrap(self.model)
         module.eval()
-        module.set_context_parallel(None)  # decoding holds whole sequences
+        if not self.hf:
+            module.set_context_parallel(None)  # decoding holds whole sequences
         generator_state = torch.get_rng_state()
         torch.manual_seed(self.cfg.seed)
         with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
@@ -366,7 +380,7 @@ class Trainer:
         if peak is None and self.device.type == "cuda":
             name = torch.cuda.get_device_name(self.device)
             peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-        if peak is None:
+        if peak is None or self.hf:  # the FLOP count below is that of foxlm's attention models
             return None
         per_token = flops_per_token(self.model_config, self.num_params, self.cfg.seq_len)
         return tokens_per_s * per_token / (peak * 1e12 * self.d.world)
@@ -430,7 +444,8 @@ class Trainer:
         cfg, micro = self.cfg, self.loader.grad_accum
         for note in self._started:
             log.write(note)
-        log.write(f"{cfg.arch} {cfg.size}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
+        name = f"{cfg.arch} {cfg.size}" if has_size(cfg.arch) else cfg.arch
+        log.write(f"{name}: {self.num_params / 1e6:.1f}M parameters on {self.device} x {self.d.world}"
                   f" ({'bf16 autocast' if self.autocast else 'fp32'}); data {self.data_path}: "
                   f"{len(self.train_ds.tokens):,} train / {len(self.val_ds.tokens):,} val tokens "
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "

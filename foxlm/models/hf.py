@@ -1,0 +1,129 @@
+"""Any Hugging Face causal LM in foxlm's trainer and evaluations.
+
+``arch=hf:MODEL_TYPE`` names a model type registered with ``AutoConfig`` and ``AutoModelForCausalLM`` (``hf:llama``,
+``hf:mamba2``, ...), ``arch=PATH/config.json`` a config file; ``model.<field>=...`` sets that config's fields. foxlm's
+own presets (``fox-pro``, ...) stay the default. Such a model trains with foxlm's chunked linear cross-entropy on its
+backbone's hidden states and LM head (``use_chunked_loss``), so the fp32 logits of a whole batch never exist.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.modeling_outputs import CausalLMOutput
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from ..ops.cross_entropy import linear_cross_entropy
+from .baselines import BASELINES, baseline_config
+
+HF_PREFIX = "hf:"
+
+
+def is_hf_arch(arch: str) -> bool:
+    """Whether ``arch`` names a Hugging Face model (``hf:MODEL_TYPE``, a ``.json`` config or one of the recurrent
+    ``BASELINES``) rather than one of foxlm's own."""
+    return arch.startswith(HF_PREFIX) or arch.endswith(".json") or arch in BASELINES
+
+
+def has_size(arch: str) -> bool:
+    """Whether ``size`` (tiny, 125m, ...) applies to ``arch``: foxlm's models and the baselines, not ``hf:...``."""
+    return not (arch.startswith(HF_PREFIX) or arch.endswith(".json"))
+
+
+def config_fields(config: PretrainedConfig) -> set[str]:
+    """What ``model.*`` may set on ``config``: its class's constructor arguments and the attributes it holds."""
+    params = set()
+    for cls in type(config).__mro__:
+        if issubclass(cls, PretrainedConfig):
+            params |= set(inspect.signature(cls.__init__).parameters)
+    return (params | set(config.to_dict())) - {"self", "kwargs", "args"}
+
+
+def hf_config(arch: str, fields: dict | None = None, size: str = "tiny") -> PretrainedConfig:
+    """The config ``arch`` names (``hf:MODEL_TYPE``: the type's defaults; a ``.json`` path: that file; a baseline:
+    its preset at ``size``), with ``fields`` set; an unknown field, model type or a type without a causal LM is a
+    ValueError naming it."""
+    fields = dict(fields or {})
+    if arch in BASELINES:
+        return baseline_config(arch, size, **fields)
+    if arch.startswith(HF_PREFIX):
+        model_type = arch[len(HF_PREFIX):]
+        if model_type not in CONFIG_MAPPING:
+            raise ValueError(f"arch: {model_type!r} is not a model type registered with transformers' AutoConfig "
+                             f"(e.g. hf:llama, hf:mamba2)")
+        base = config_class(model_type)()
+    else:
+        path = Path(arch).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"arch: {path} does not exist (expected a model's config.json)")
+        base = AutoConfig.from_pretrained(path)  # trust_remote_code stays off: a config needing code is refused
+    return with_fields(base, fields, arch)
+
+
+def config_class(model_type: str) -> type[PretrainedConfig]:
+    """The config class of ``model_type``: transformers' own where it has one (importing fla re-registers "mamba2"
+    as fla's with the Auto classes), else the one registered (foxlm's "fox", fla's types)."""
+    own = CONFIG_MAPPING_NAMES.get(model_type)
+    return getattr(transformers, own) if own else CONFIG_MAPPING[model_type]
+
+
+def with_fields(base: PretrainedConfig, fields: dict, arch: str) -> PretrainedConfig:
+    """A copy of ``base`` with ``fields`` set (``arch`` in errors), for a model ``AutoModelForCausalLM`` builds."""
+    unknown = sorted(set(fields) - config_fields(base))
+    if unknown:
+        raise ValueError(f"model.{unknown[0]}: not a field of {type(base).__name__} (arch={arch})")
+    try:
+        config = type(base)(**{**base.to_diff_dict(), **fields})
+    except Exception as e:  # transformers' own checks (e.g. heads dividing hidden_size) raise several types
+        reason = " ".join(str(e.__cause__ or e).split())  # the validator's own message, on one line
+        raise ValueError(f"model: {type(base).__name__} refuses {fields}: {reason}") from e
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"arch: {config.model_type!r} has no model registered with AutoModelForCausalLM")
+    return config
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The blocks of a causal LM's backbone (``model.layers`` for Llama-like models, ``backbone.layers`` for Mamba)."""
+    base = model.base_model
+    for name in ("layers", "h", "blocks"):
+        layers = getattr(base, name, None)
+        if isinstance(layers, torch.nn.ModuleList):
+            return layers
+    raise ValueError(f"parallel: cannot find the blocks of {type(model).__name__} to shard them; use parallel=ddp")
+
+
+def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """Make ``model(input_ids=..., labels=...)`` return ``.loss`` from ``linear_cross_entropy`` on the backbone's
+    hidden states and the LM head, chunk by chunk, instead of the model's own loss over [B, T, V] fp32 logits.
+    Calls without labels (generation, evaluation) run the model's own forward. The model is the one called, so
+    DDP and FSDP2 hooks run as usual. Returns ``model``."""
+    own_forward = model.forward
+
+    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs):
+        if labels is None:
+            return own_forward(input_ids=input_ids, **kwargs)
+        for key in ("cu_seqlens", "shift_labels"):
+            if kwargs.pop(key, None) is not None:
+                raise ValueError(f"{key}: {type(model).__name__} does not take {key} (packing=documents and cp > 1 "
+                                 f"are for foxlm's own models)")
+        kwargs.setdefault("use_cache", False)
+        hidden = model.base_model(input_ids=input_ids, **kwargs).last_hidden_state  # [B, T, C]
+        head = model.get_output_embeddings()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError(f"arch: {type(model).__name__}'s LM head has a bias, which linear_cross_entropy lacks")
+        # position t predicts token t + 1, as in the models' own loss
+        loss = linear_cross_entropy(hidden[:, :-1].flatten(0, 1), head.weight, labels[:, 1:].flatten())
+        return CausalLMOutput(loss=loss)
+
+    model.forward = forward
+    return model
+
+
+def build_model(config: PretrainedConfig) -> torch.nn.Module:
+    """A new, randomly initialized causal LM for ``config`` (``AutoModelForCausalLM.from_config``)."""
+    return AutoModelForCausalLM.from_config(config)

@@ -1,0 +1,217 @@
+"""Any Hugging Face causal LM through foxlm's trainer and evaluations: real transformers Llama and Mamba-2 models."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from foxlm.cli import main
+from foxlm.data import prepare
+from foxlm.data.assets import shakespeare_plays
+from foxlm.models import SIZES, FoxConfig, FoxForCausalLM, load_checkpoint_model
+from foxlm.models.baselines import BASELINES, baseline_config
+from foxlm.models.hf import hf_config, use_chunked_loss
+from foxlm.train import load_config, train
+from foxlm_cli import foxlm, one_line_error
+
+COMMON = ["device=cpu", "tokenizer=byte", "seq_len=32", "batch_size=4", "warmup_steps=2", "lr=3e-3", "min_lr=3e-4",
+          "eval_batches=1", "eval_every=3", "log_every=1", "progress=false", "tensorboard=false", "sample_tokens=4",
+          "max_steps=6", "save_every=3"]
+MODELS = {
+    "llama": ["arch=hf:llama", "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+              "model.num_key_value_heads=1", "model.intermediate_size=64"],
+    "mamba2": ["arch=hf:mamba2", "model.hidden_size=32", "model.num_hidden_layers=2", "model.num_heads=4",
+               "model.head_dim=16", "model.state_size=8", "model.n_groups=1", "model.chunk_size=16"],
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def byte_data(tmp_path_factory):
+    out = tmp_path_factory.mktemp("data") / "bytes"
+    prepare(random.Random().sample(shakespeare_plays(), 3), out, tokenizer="byte", val_fraction=0.34, workers=0,
+            progress=False)
+    return out
+
+
+def _losses(run) -> dict[int, float]:
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def test_chunked_loss_is_the_models_own_loss():
+    """The trainer's loss (linear_cross_entropy on the backbone's hidden states) equals Llama's own, gradients too."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64)
+    own, ours = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    ours.load_state_dict(own.state_dict())
+    use_chunked_loss(ours)
+    ids = torch.randint(0, 100, (2, 24))
+    labels = ids.clone()
+    labels[0, 5:9] = -100
+    want, got = own(input_ids=ids, labels=labels).loss, ours(input_ids=ids, labels=labels)
+    assert got.logits is None  # no [B, T, V] logits
+    torch.testing.assert_close(got.loss, want, rtol=1e-5, atol=1e-6)
+    want.backward()
+    got.loss.backward()
+    for (name, a), b in zip(own.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert ours(input_ids=ids).logits.shape == (2, 24, 100)  # without labels: the model's own forward
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_train_resume_and_evaluate(name, byte_data, tmp_path):
+    """`foxlm train` on a transformers model; a resume from its step-3 checkpoint reproduces steps 4-6 exactly;
+    `foxlm eval loss` and `foxlm eval niah` read the result."""
+    ref, resumed = tmp_path / "ref", tmp_path / "resumed"
+    summary = train(load_config(None, [*COMMON, *MODELS[name], f"data={byte_data}", f"out_dir={ref}"]))
+    assert summary["step"] == 6 and summary["loss"] < summary["first_loss"] and summary["val_loss"] is not None
+    model = load_checkpoint_model(ref)
+    assert model.config.model_type == name and model.config.foxlm_tokenizer["name"] == "byte"
+
+    train(load_config(None, [*COMMON, *MODELS[name], f"data={byte_data}", f"out_dir={resumed}",
+                             f"resume={ref / 'checkpoints' / 'step_0000003'}"]))
+    want = _losses(ref)
+    assert _losses(resumed) == {step: want[step] for step in (4, 5, 6)}
+
+    assert main(["eval", "loss", str(ref), "--data", str(byte_data), "--train-length", "32", "--eval-length", "64",
+                 "--max-sequences", "2", "--out", str(tmp_path / "loss"), "--no-progress"]) == 0
+    assert (tmp_path / "loss" / "per_token_loss.csv").read_text().count("\n") > 60
+    assert main(["eval", "niah", str(ref), "--data", str(byte_data), "--lengths", "300", "--depths", "0,1",
+                 "--modes", "easy", "--train-length", "32", "--out", str(tmp_path / "niah"), "--no-progress"]) == 0
+    with open(tmp_path / "niah" / "niah.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [float(r["depth"]) for r in rows] == [0.0, 1.0] and all(r["found"] in ("True", "False") for r in rows)
+
+
+def test_config_json_arch_and_init_from(byte_data, tmp_path):
+    """``arch=PATH/config.json`` builds the model a trained run saved; ``init_from`` starts from its weights."""
+    base = [*COMMON, f"data={byte_data}", "max_steps=3", "eval_every=0", "sample_tokens=0"]
+    train(load_config(None, [*base, *MODELS["llama"], f"out_dir={tmp_path / 'a'}"]))
+    config = tmp_path / "a" / "checkpoints" / "step_0000003" / "model" / "config.json"
+    summary = train(load_config(None, [*base, f"arch={config}", f"out_dir={tmp_path / 'b'}",
+                                       f"init_from={tmp_path / 'a'}"]))
+    assert summary["first_loss"] < _losses(tmp_path / "a")[1] - 0.1  # trained weights, not a fresh model
+    with pytest.raises(ValueError, match="init_from: .* holds another model"):
+        train(load_config(None, [*base, *MODELS["llama"], "model.hidden_size=64", f"out_dir={tmp_path / 'c'}",
+                                 f"init_from={tmp_path / 'a'}"]))
+
+
+def test_what_does_not_apply_is_refused(byte_data, tmp_path):
+    base = [*COMMON, f"data={byte_data}"]
+    cases = {"model.acp": ["arch=hf:llama", "model.acp=true"],
+             "model.num_experts_typo": ["arch=hf:llama", "model.num_experts_typo=2"],
+             "packing": ["arch=hf:mamba2", "packing=documents"],
+             "cuda_graph": ["arch=hf:llama", "cuda_graph=true"],
+             "arch": ["arch=hf:no-such-model"]}
+    for key, extra in cases.items():
+        with pytest.raises(ValueError, match=key):
+            load_config(None, [*base, *extra])
+    assert hf_config("hf:llama", {"hidden_size": 48, "num_attention_heads": 4}).hidden_size == 48
+    with pytest.raises(ValueError, match="model: LlamaConfig refuses .* not a multiple of the number of attention"):
+        hf_config("hf:llama", {"hidden_size": 48})
+
+
+def test_gates_of_a_model_without_gates_is_a_clear_error(byte_data, tmp_path):
+    path = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 intermediate_size=64)).save_pretrained(path)
+    proc = foxlm("eval", "gates", path, "--data", byte_data, "--out", tmp_path / "g", "--length", "64")
+    assert "'llama' model, without forget gates" in one_line_error(proc, "eval gates")
+
+
+@pytest.mark.parametrize("arch", BASELINES)
+def test_baseline_presets_match_fox_pro_parameters(arch):
+    """Every baseline preset, built on the meta device, is within 5% of fox-pro's parameter count at its size."""
+    vocab = 50304
+    for size in SIZES:
+        with torch.device("meta"):
+            fox = FoxForCausalLM(FoxConfig.preset("fox-pro", size, vocab_size=vocab)).num_parameters()
+            config = baseline_config(arch, size, vocab_size=vocab)
+            model = AutoModelForCausalLM.from_config(config)
+        assert model.config.hidden_size == SIZES[size]["hidden_size"]
+        assert abs(model.num_parameters() / fox - 1) < 0.05, (arch, size, model.num_parameters(), fox)
+
+
+def test_baselines_print_their_config_and_fla_needs_a_gpu(byte_data, tmp_path):
+    proc = foxlm("train", "arch=gated-delta-net", "size=125m", "--print-config")
+    assert proc.returncode == 0 and "arch: gated-delta-net\nsize: 125m\n" in proc.stdout, proc.stderr
+    proc = foxlm("train", "arch=delta-net", "device=cpu", "tokenizer=byte", f"data={byte_data}",
+                 f"out_dir={tmp_path / 'run'}")
+    message = one_line_error(proc, "train")
+    assert "fla's Triton kernels, which need a CUDA GPU ('foxlm[baselines]'" in message and "got cpu" in message
+    summary = train(load_config(None, [*COMMON, "arch=mamba2", "model.num_hidden_layers=2", "max_steps=2",
+                                       "eval_every=0", "sample_tokens=0", f"data={byte_data}",
+                                       f"out_dir={tmp_path / 'mamba2'}"]))
+    assert summary["step"] == 2 and math.isfinite(summary["loss"])
+    assert type(load_checkpoint_model(tmp_path / "mamba2")).__module__.startswith("transformers.")
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_harness_adapter_scores_a_transformers_model(name, tmp_path):
+    """lm-eval's ``foxlm`` model on a transformers Llama / Mamba-2 folder: its log-likelihoods are the model's own."""
+    pytest.importorskip("lm_eval")
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from foxlm.eval import utils
+    from foxlm.eval.harness import hf_tokenizer
+
+    torch.manual_seed(0)
+    fields = dict(arg.removeprefix("model.").split("=") for arg in MODELS[name] if arg.startswith("model."))
+    config = hf_config(f"hf:{name}", {k: int(v) for k, v in fields.items()} | dict(vocab_size=50304))
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    docs = [{"question": "The capital of France is", "choices": ["Paris", "a banana"], "label": 0},
+            {"question": "To be, or not to be:", "choices": ["that is the question", "said nobody"], "label": 1}]
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tasks / "hf_tiny_mc.yaml").write_text(
+        f"task: hf_tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\n"
+        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: label\nmetric_list:\n  - metric: acc\n")
+    res = simple_evaluate(model="foxlm", model_args=f"pretrained={tmp_path / 'model'},device=cpu",
+                          tasks=["hf_tiny_mc"], log_samples=True,
+                          task_manager=TaskManager(include_defaults=False, include_path=str(tasks)))
+    scored = {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in res["samples"]["hf_tiny_mc"]}
+    tok, model = hf_tokenizer(), utils.load_model(tmp_path / "model", torch.device("cpu"))
+    for i, d in enumerate(docs):
+        ctx = tok(d["question"])["input_ids"]
+        for j, choice in enumerate(d["choices"]):
+            ids = torch.tensor([ctx + tok(" " + choice)["input_ids"]])
+            direct = float(utils.next_token_logprobs(model, ids, start=len(ctx) - 1).sum())
+            assert scored[i][j] == pytest.approx(direct, abs=1e-3)
+
+
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_two_processes_match_one(parallel, byte_data, tmp_path):
+    """A transformers Llama under torchrun (2 CPU processes on gloo, FSDP2 sharding its decoder layers, or DDP)
+    trains with the losses of one process and the same global batch."""
+    args = [*COMMON, *MODELS["llama"], f"data={byte_data}", "micro_batch_size=1", "max_steps=3", "eval_every=0",
+            "sample_tokens=0"]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "-m", "foxlm.cli", "train", *args, f"parallel={parallel}", f"out_dir={tmp_path / 'two'}"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    train(load_config(None, [*args, f"out_dir={tmp_path / 'one'}"]))
+    two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
+    assert sorted(two) == [1, 2, 3] and two == pytest.approx(one, rel=1e-5)
