@@ -195,7 +195,7 @@ def test_harness_adapter_scores_a_transformers_model(name, tmp_path):
     for i, d in enumerate(docs):
         ctx = tok(d["question"])["input_ids"]
         for j, choice in enumerate(d["choices"]):
-            ids = torch.tensor([ctx + tok(" " + choice)["input_ids"]])
+            ids = torch.tensor([ctx + tok(" " + choice, add_special_tokens=False)["input_ids"]])
             direct = float(utils.next_token_logprobs(model, ids, start=len(ctx) - 1).sum())
             assert scored[i][j] == pytest.approx(direct, abs=1e-3)
 

@@ -50,7 +50,8 @@ class FoxLM(HFLM):
 
     model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...). The context window is
     ``max_length``, else the training length the model's config records (``train_length``, or the ``seq_len`` of the
-    run it is in); a model with neither needs ``max_length``, rather than lm-eval's silent 2048. ``device``
+    run it is in); a foxlm model with neither needs ``max_length``, rather than lm-eval's silent 2048 (another
+    architecture gets lm-eval's own reading of its config). ``device``
     (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
     on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or folder) defaults to the one
     the model's config records, else GPT-2 BPE.
@@ -72,10 +73,13 @@ class FoxLM(HFLM):
         model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
         tok = _as_hf(model_tokenizer(model.config, tokenizer))  # the one `foxlm train` recorded, else GPT-2 BPE
         if not kwargs.get("max_length"):
-            kwargs["max_length"] = model.config.train_length or run_train_length(pretrained)
-            if kwargs["max_length"] is None:
+            length = getattr(model.config, "train_length", None) or run_train_length(pretrained)
+            if length is not None:
+                kwargs["max_length"] = length
+            elif model.config.model_type == "fox":  # FoxConfig has no maximum length for lm-eval to read
                 raise ValueError(f"max_length: {pretrained} records no training length; pass max_length=N in "
                                  "--model_args (the context window, in tokens)")
+            # another architecture outside a run: lm-eval reads its config's length (max_position_embeddings, ...)
         super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
 
 

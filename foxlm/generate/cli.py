@@ -27,8 +27,8 @@ def register(subparsers) -> None:
                    help="attention mass an evicted key may still carry (default e^-10)")
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
     p.add_argument("--tokenizer", default=None,
-                   help="gpt2, json-gpt2, byte, or a folder with encoder.json + vocab.bpe (default: the one the model "
-                        "was trained or converted with, as its config records it; GPT-2 BPE for a model that records none)")
+                   help="gpt2, json-gpt2, byte, or a tokenizer folder (default: the one the model was trained or "
+                        "converted with, as its config records it; GPT-2 BPE for a model that records none)")
     p.add_argument("--no-eos", dest="stop_at_eos", action="store_false", help="do not stop at <|endoftext|>")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),

@@ -241,8 +241,8 @@ class Trainer:
 
     def _save_model(self, module: torch.nn.Module, state_dict: dict | None, folder: Path) -> None:
         """The model's ``save_pretrained`` folder (without ``state_dict``: its config alone, the weights being in the
-        shards), with the tokenizer in Hugging Face's format where there is one (all but byte), so that ``AutoTokenizer``
-        loads it from the same folder."""
+        shards), with the tokenizer in Hugging Face's format where there is one (all but byte), so that
+        ``AutoTokenizer`` loads it from the same folder."""
         if state_dict is None:
             module.config.save_pretrained(folder)
         else:
