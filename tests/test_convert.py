@@ -43,12 +43,7 @@ AUTHORS_ARCHS = {
 C, H, L, V, T = 64, 4, 2, 96, 20
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -13,13 +13,7 @@ from foxlm.ops import forgetting_attention_reference, gate_cumsum
 from foxlm.ops.decode import decode_attention_torch, evictable_pages, forgetting_attention_decode
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small problems: intra-op threads only add overhead (a lot of it on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture

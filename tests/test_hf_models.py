@@ -6,7 +6,6 @@ import csv
 import json
 import math
 import os
-import random
 import subprocess
 import sys
 
@@ -15,8 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from foxlm.cli import main
-from foxlm.data import prepare
-from foxlm.data.assets import shakespeare_plays
 from foxlm.models import SIZES, FoxConfig, FoxForCausalLM, load_checkpoint_model
 from foxlm.models.baselines import BASELINES, baseline_config
 from foxlm.models.hf import hf_config, use_chunked_loss
@@ -34,20 +31,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def byte_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "bytes"
-    prepare(random.Random().sample(shakespeare_plays(), 3), out, tokenizer="byte", val_fraction=0.34, workers=0,
-            progress=False)
-    return out
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _losses(run) -> dict[int, float]:

@@ -35,21 +35,7 @@ TINY = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=2", "mode
         "sample_tokens=0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and OpenMP threads crawl on a busy CPU; subprocesses match."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def byte_data(tmp_path_factory):
-    out = tmp_path_factory.mktemp("data") / "bytes"
-    plays = random.Random().sample(shakespeare_plays(), 3)
-    prepare(plays, out, tokenizer="byte", val_fraction=0.34, workers=0, progress=False)
-    return out
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _subprocess_env() -> dict:
