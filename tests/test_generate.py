@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from test_decode import one_thread, small_tiles  # noqa: F401 - fixtures
+from test_decode import small_tiles  # noqa: F401 - a fixture
 
 from foxlm.generate import CachedDecoder, PagedFoxCache, generate, sample_next
 from foxlm.models import FoxConfig, FoxForCausalLM
@@ -14,6 +14,8 @@ from foxlm.ops import use_backend
 from foxlm_cli import foxlm, one_line_error
 
 V = 512
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _model(arch: str, seed: int = 0, dtype=torch.float64, **overrides) -> FoxForCausalLM:
