@@ -246,6 +246,41 @@ def test_fp32_precise_where_c_restarts_at_a_packed_sequence():
             assert err < 1e-5, f"{name} (threshold {threshold is not None}): relative error {err:.1e}"
 
 
+def test_heads_that_forget_at_different_rates_get_their_own_chunks():
+    """One fast-forgetting head is split into short chunks while its neighbours keep long ones (runs of heads, here
+    across a GQA group's boundary); every output and gradient keeps fp32 precision against the fp64 oracle."""
+    from foxlm.ops import chunked
+
+    q, k, v, _ = _inputs(1, 1024, 1024, 4, 2, 32)
+    bias = torch.tensor([-4.0, 5.0, 5.0, -4.0], dtype=torch.float64)
+    log_f = F.logsigmoid(torch.randn(1, 1024, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+                         + bias)
+    groups = chunked._head_groups(gate_cumsum(log_f), 1024)
+    assert [h for h, _ in groups] == [(0, 1), (1, 3), (3, 4)]
+    assert len(groups[0][1]) > 1 and groups[1][1] == [(0, 1024)]
+    got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))
+    for name, err in zip(("o", "lse", "dq", "dk", "dv", "dlog_f"), _rel_errors(got, want)):
+        assert err < 1e-5, f"{name}: relative error {err:.1e}"
+
+
+def test_denormals_are_flushed_on_every_intra_op_thread_and_restored():
+    """The kernels' worker threads flush denormals during the calls (torch's own setting reaches only the calling
+    thread), and every thread has its mode back afterwards."""
+    from foxlm.ops import chunked
+
+    if chunked._omp_parallel() is None:
+        pytest.skip("torch's OpenMP runtime was not found: only the calling thread flushes")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        tiny = torch.full((1 << 22,), 1e-39, dtype=torch.float32)  # large enough to be split over both threads
+        with chunked._flush_denormals():
+            assert (tiny.mul(1.0) == 0).all()
+        assert (tiny.mul(1.0) != 0).all()
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("flush", [False, True])
 def test_callers_denormal_mode_is_restored(flush):
     """The CPU path flushes denormals during its kernel calls and leaves the caller's mode as it found it."""

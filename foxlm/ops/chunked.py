@@ -13,7 +13,11 @@ takes Triton there) the same chunks go through a plain-matmul softmax with the k
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import math
+import re
+import threading
 
 import torch
 
@@ -24,8 +28,9 @@ from .gate import segment_ids
 _CHUNK = 1024
 _C_SPAN = 64.0
 # Off the CPU (the caches and context parallelism on a GPU) the kernel is _math_attention: at most this many
-# elements in one call's [B, H, rows, keys] score matrix.
+# elements in one call's [B, H, rows, keys] score matrix; and at most this many in a masked call's explicit mask.
 _MATH_ELEMENTS = 1 << 24
+_MASK_ELEMENTS = 1 << 24
 
 
 def row_starts(
@@ -77,101 +82,134 @@ def _first_at_most(c: torch.Tensor, target: torch.Tensor, lo: torch.Tensor, hi: 
 
 
 class _SdpaAttention(torch.autograd.Function):
-    """Forgetting attention inside SDPA's fused CPU kernel (off the CPU, _math_attention), with q and k extended by
-    two gate channels.
+    """Forgetting attention inside SDPA's fused CPU kernel (off the CPU, _math_attention).
 
-    q' = [scale*q, c_q - c_ref, 1] and k' = [k, 1, -(c_k - c_ref)] give q'.k' = scale*q.k + c_q - c_k, so the
-    kernel (at scale 1) computes the gated logits and its k' gradient holds the gate's. c_ref is re-centred per
-    query chunk, so the channels of the rows and keys that carry mass stay small in fp32.
+    Softmax ignores a row's own c_q[i], so the forward gives the kernel q, k and v as they are, with the key bias
+    b_j = c_ref - c_k[j] as a broadcast [B, G, 1, keys] attn_mask: its logits are the gated ones less the row
+    constant c_q[i] - c_ref, which goes back into lse. c_ref is re-centred per query chunk of each head group, so the
+    logits of the keys that carry mass stay small in fp32. The kernel's backward gives no mask gradient, so there the
+    bias moves into one extra channel, q' = [scale*q, 1] and k' = [k, b]: the k' channel's gradient holds the column
+    sums of dS, the gate's gradient.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, c_q, c_k, row_start, scale, q_offset):
-        # Buffers are [B, T, H, Dp] in memory, the layout the kernel returns its gradients in (adds stay dense);
-        # the kernel gets [B, H, T, Dp] views.
         B, Tq, Hq, D = q.shape
-        Dv = v.shape[-1]
+        Tk, Dv = k.shape[1], v.shape[-1]
         cdt = torch.promote_types(q.dtype, torch.float32)
         ctx.set_materialize_grads(False)
-        rows = _CHUNK if _fused(q.device) else min(_CHUNK, max(16, _MATH_ELEMENTS // max(1, B * Hq * k.shape[1])))
-        plan = _plan(c_q, row_start, k.shape[1], q_offset, rows)
-        qp, kp, vp = _extend(q, k, v, c_q, plan, scale, cdt)
-        o = torch.zeros(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
-        lse = torch.full((B, Hq, Tq), -math.inf, dtype=cdt, device=q.device)  # stays so for chunks that see no key
+        plan = _plan(c_q, row_start, Tk, q_offset, _rows(q, k))
+        kernel = _kernel(q.device)[0]
+        whole = _whole(plan, Tq)
+        if not whole:
+            o = torch.zeros(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
+            lse = torch.full((B, Hq, Tq), -math.inf, dtype=cdt, device=q.device)  # stays so for rows that see no key
         with _flush_denormals():
-            for a, b, c_ref, ks, ke, calls in plan:
-                if calls:
-                    _centre_keys(kp, c_k, c_ref, D, ks, ke)
-                outs = []
-                for s, e, kind in calls:
-                    mask, empty = _mask(kind, row_start, a, b, s, e, q_offset, cdt)
-                    oc, lc = _kernel(qp.device)[0](
-                        _heads(qp[:, a:b]), _heads(kp[:, s:e]), _heads(vp[:, s:e]), 0.0, kind == "causal",
-                        attn_mask=mask, scale=1.0,
-                    )
-                    # The kernel gives a row that sees no key o = 0 and lse 0, not -inf.
-                    lc = lc if empty is None else lc.masked_fill(empty, -math.inf)
-                    outs.append((oc.transpose(1, 2)[..., :Dv], lc))
-                if len(outs) == 1:
-                    o[:, a:b], lse[:, :, a:b] = outs[0]
-                elif outs:  # the keys before the chunk and its causal block: every row sees both (finite lse)
-                    (o1, l1), (o2, l2) = outs
-                    torch.lerp(o1, o2, torch.sigmoid(l2 - l1).transpose(1, 2)[..., None], out=o[:, a:b])
-                    torch.logaddexp(l1, l2, out=lse[:, :, a:b])
-        ctx.save_for_backward(qp, kp, vp, c_k, row_start, o, lse)
-        ctx.plan, ctx.meta = plan, (q.dtype, k.shape, c_q.dtype, c_k.dtype, scale, q_offset)
-        return o.to(q.dtype, copy=True), lse.float()  # a copy: callers may change o in place; backward needs it
+            for heads, chunks in plan:
+                qg, kg, vg = (_group(t, heads, Hq, cdt, max(D, Dv)) for t in (q, k, v))
+                ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
+                rsg = _pick(row_start, heads, 1)
+                for a, b, c_ref, ks, ke, calls in chunks:
+                    # [B, G, 1, keys], contiguous: the kernel copies a mask with other strides to its full size
+                    bias = (c_ref[:, :, None] - ckg[:, ks:ke].transpose(1, 2)).to(cdt).contiguous()[:, :, None]
+                    outs = []
+                    for s, e, kind in calls:
+                        mask, empty = _mask(kind, rsg, a, b, s, e, q_offset, bias[..., s - ks:e - ks], cdt)
+                        oc, lc = kernel(_heads(qg[:, a:b]), _heads(kg[:, s:e]), _heads(vg[:, s:e]), 0.0,
+                                        kind == "causal", attn_mask=mask, scale=scale)
+                        # The kernel gives a row that sees no key o = 0 and lse 0, not -inf.
+                        lc = lc if empty is None else lc.masked_fill(empty, -math.inf)
+                        outs.append((oc.transpose(1, 2)[..., :Dv], lc))
+                    if not outs:  # its rows see no key: o = 0, lse = -inf
+                        continue
+                    if len(outs) == 1:
+                        oc, lc = outs[0]
+                    else:  # the keys before the chunk and its causal block: every row sees both (finite lse)
+                        (o1, l1), (o2, l2) = outs
+                        oc = torch.lerp(o1, o2, torch.sigmoid(l2 - l1).transpose(1, 2)[..., None])
+                        lc = torch.logaddexp(l1, l2)
+                    lc = lc + (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)
+                    if whole:
+                        o, lse = oc, lc
+                    else:
+                        _pick(o, heads)[:, a:b], _pick(lse, heads, 1)[:, :, a:b] = oc, lc
+        out = o.to(q.dtype)
+        ctx.save_for_backward(q, k, v, c_q, c_k, row_start, o, lse)  # o: out itself where q is fp32 or fp64
+        ctx.plan, ctx.scale, ctx.q_offset = plan, scale, q_offset
+        return out, lse.float()
 
     @staticmethod
     def backward(ctx, do, dlse):
-        qp, kp, vp, c_k, row_start, o, lse = ctx.saved_tensors
-        qdt, (_, Tk, Hk, D), cqdt, ckdt, scale, q_offset = ctx.meta
-        B, Tq, Hq, Dp = qp.shape
-        Dv = o.shape[-1]
-        # The kernel's backward takes delta = rowsum(dO * O) from its inputs; a spare channel with dO = 1 and
+        q, k, v, c_q, c_k, row_start, o, lse = ctx.saved_tensors
+        plan, scale, q_offset = ctx.plan, ctx.scale, ctx.q_offset
+        B, Tq, Hq, D = q.shape
+        Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        cdt, dev = o.dtype, q.device
+        dp = max(D, Dv) + 1  # the last channel: the gate bias on q' and k', the lse gradient on v', dO' and O'
+        kernel = _kernel(dev)[1]
+        # The kernel's backward takes delta = rowsum(dO * O) from its inputs; the spare channel with dO = 1 and
         # O = -dlse turns it into rowsum(dO * O) - dlse, the lse gradient (its dV column is discarded).
-        dop = _cat(qp.new_zeros(B, Tq, Hq, Dv) if do is None else do.to(qp.dtype), 1.0, 0.0, Dp)
-        outp = _cat(o, 0.0 if dlse is None else -dlse.transpose(1, 2)[..., None].to(o.dtype), 0.0, Dp)
-        lse = lse.masked_fill(lse == -math.inf, math.inf)  # a row that sees no key: P = 0, not NaN
-        single = len(ctx.plan) == 1 and len(ctx.plan[0][-1]) == 1
-        dqp = None if single else torch.zeros_like(qp)  # zeros: the rows of chunks that see no key
-        # k's gate channel still holds the last chunk's values; others are rewritten into a copy, so that the
-        # saved tensor stays as it was (a second backward, e.g. gradcheck's, reads it again).
-        kp_saved, kp = kp, kp.clone() if len(ctx.plan) > 1 else kp
-        dkp = dvp = None
+        do = torch.zeros_like(o) if do is None else do
+        # The gradients are the kernel's own where one head group's chunk covers them; else zeros (the rows of
+        # chunks that see no key, the keys no row sees) filled in per group and chunk.
+        grads = {"dq": None, "dk": None, "dv": None, "dc_k": None}
+        shapes = {"dq": (B, Tq, Hq, D), "dk": (B, Tk, Hq, D), "dv": (B, Tk, Hq, Dv), "dc_k": (B, Tk, Hq)}
+
+        def put(name, a, b, heads, val):
+            if heads is None and (a, b) == (0, shapes[name][1]):
+                grads[name] = val
+                return
+            if grads[name] is None:
+                grads[name] = torch.zeros(shapes[name], dtype=cdt, device=dev)
+            _pick(grads[name], heads)[:, a:b] = val
+
         with _flush_denormals():
-            for a, b, c_ref, ks, ke, calls in ctx.plan:
-                if calls and kp is not kp_saved:
-                    _centre_keys(kp, c_k, c_ref, D, ks, ke)
-                for j, (s, e, kind) in enumerate(calls):
-                    mask, _ = _mask(kind, row_start, a, b, s, e, q_offset, qp.dtype)
-                    gq, gk, gv = _kernel(qp.device)[1](
-                        _heads(dop[:, a:b]), _heads(qp[:, a:b]), _heads(kp[:, s:e]), _heads(vp[:, s:e]),
-                        _heads(outp[:, a:b]), lse[:, :, a:b], 0.0, kind == "causal", attn_mask=mask, scale=1.0,
-                    )
-                    if single:  # the kernel's gradients are the result (no copies, no adds)
-                        dqp = gq.transpose(1, 2)
-                    elif j == 0:
-                        dqp[:, a:b] = gq.transpose(1, 2)
-                    else:
-                        dqp[:, a:b] += gq.transpose(1, 2)
-                    if dkp is None and s == 0 and e == Tk:
-                        dkp, dvp = gk.transpose(1, 2), gv.transpose(1, 2)
-                        continue
-                    if dkp is None:
-                        dkp, dvp = torch.zeros_like(kp), torch.zeros_like(vp)
-                    dkp[:, s:e] += gk.transpose(1, 2)
-                    dvp[:, s:e] += gv.transpose(1, 2)
-        if dkp is None:  # no row sees a key
-            dkp, dvp = torch.zeros_like(kp), torch.zeros_like(vp)
+            for heads, chunks in plan:
+                kp = _ext(_group(k, heads, Hq, cdt, dp - 1), 0.0)  # its bias channel is written per chunk
+                vp = _ext(_group(v, heads, Hq, cdt, dp - 1), 0.0)
+                qg, dog, og = (_group(t, heads, Hq, cdt, dp - 1) for t in (q, do, o))
+                ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
+                rsg, lseg = _pick(row_start, heads, 1), _pick(lse, heads, 1)
+                dlg = None if dlse is None else _pick(dlse, heads, 1).to(cdt)
+                dkp = dvp = None
+                for a, b, c_ref, ks, ke, calls in chunks:
+                    kp[:, ks:ke, :, -1] = c_ref[:, None] - ckg[:, ks:ke]
+                    qc, doc = _ext(qg[:, a:b] * scale, 1.0), _ext(dog[:, a:b], 1.0)
+                    oc = _ext(og[:, a:b], 0.0 if dlg is None else -dlg[:, :, a:b].transpose(1, 2)[..., None])
+                    lc = lseg[:, :, a:b]
+                    # lse of the kernel's logits (less c_q - c_ref); +inf for a row that sees no key: P = 0, not NaN
+                    lc = (lc - (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)).masked_fill(lc == -math.inf,
+                                                                                                     math.inf)
+                    gq_sum = None
+                    for s, e, kind in calls:
+                        mask, _ = _mask(kind, rsg, a, b, s, e, q_offset, None, cdt)
+                        gq, gk, gv = kernel(_heads(doc), _heads(qc), _heads(kp[:, s:e]), _heads(vp[:, s:e]),
+                                            _heads(oc), lc, 0.0, kind == "causal", attn_mask=mask, scale=1.0)
+                        gq, gk, gv = (g.transpose(1, 2) for g in (gq, gk, gv))
+                        gq_sum = gq if gq_sum is None else gq_sum + gq
+                        if dkp is None and s == 0 and e == Tk:  # the first call sees every key: no buffer, no add
+                            dkp, dvp = gk, gv
+                            continue
+                        if dkp is None:
+                            dkp, dvp = torch.zeros_like(kp), torch.zeros_like(vp)
+                        dkp[:, s:e] += gk
+                        dvp[:, s:e] += gv
+                    if gq_sum is not None:
+                        put("dq", a, b, heads, scale * gq_sum[..., :D])
+                if dkp is not None:
+                    put("dk", 0, Tk, heads, dkp[..., :D])
+                    put("dv", 0, Tk, heads, dvp[..., :Dv])
+                    put("dc_k", 0, Tk, heads, -dkp[..., -1])
+        dq, dk, dv, dc_k = (torch.zeros(shapes[n], dtype=cdt, device=dev) if g is None else g for n, g in grads.items())
         group = Hq // Hk
-        dk = dkp[..., :D].unflatten(2, (Hk, group)).sum(3) if group > 1 else dkp[..., :D]
-        dv = dvp[..., :Dv].unflatten(2, (Hk, group)).sum(3) if group > 1 else dvp[..., :Dv]
+        if group > 1:
+            dk, dv = (g.unflatten(2, (Hk, group)).sum(3) for g in (dk, dv))
         # Row sums of dS are dlse exactly (sum_j p_ij = 1): the q' channel's gradient would add rounding noise.
-        dc_q = None if dlse is None else dlse.transpose(1, 2).masked_fill(lse.transpose(1, 2) == math.inf, 0.0)
-        dc_q = torch.zeros(B, Tq, Hq, dtype=cqdt, device=qp.device) if dc_q is None else dc_q.to(cqdt)
-        dc_k = -dkp[..., D + 1].to(ckdt)
-        return (scale * dqp[..., :D]).to(qdt), dk.to(qdt), dv.to(qdt), dc_q, dc_k, None, None, None
+        if dlse is None:
+            dc_q = torch.zeros(B, Tq, Hq, dtype=c_q.dtype, device=dev)
+        else:
+            dc_q = dlse.transpose(1, 2).masked_fill(lse.transpose(1, 2) == -math.inf, 0.0).to(c_q.dtype)
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dc_q, dc_k.to(c_k.dtype), None, None, None
 
 
 def _fused(device: torch.device) -> bool:
@@ -213,30 +251,65 @@ def _math_logits(q, k, is_causal, attn_mask, scale):
 
 @contextlib.contextmanager
 def _flush_denormals():
-    """Flush fp32 denormals to zero in the kernel calls, then restore the caller's mode.
+    """Flush fp32 denormals to zero on every intra-op thread during the kernel calls, then restore each thread's mode.
 
     The gate drives many probabilities of a row below 1e-38, where the CPU computes with denormals at a fraction of
-    its speed (the kernel's backward ran 2x faster with flushing); values that small are zero to fp32's precision.
-    torch sets the mode of the calling thread only and has no getter, so the current mode is read off a product.
+    its speed (several times slower on the backward); values that small are zero to fp32's precision.
+    ``torch.set_flush_denormal`` sets the calling thread's mode only, and the OpenMP workers keep the mode they
+    started with, so the setting runs on each of them through the OpenMP runtime torch uses (where it is found; else
+    on the calling thread only). torch has no getter, so each thread's mode is read off a product.
     """
-    was_on = bool(torch.tensor(1e-39, dtype=torch.float32).mul(1.0) == 0)
-    if not was_on:
-        torch.set_flush_denormal(True)
+    modes: dict[int, bool] = {}
+
+    def flush(on: bool | None) -> None:
+        tid = threading.get_ident()
+        if on:
+            modes[tid] = bool(torch.tensor(1e-39, dtype=torch.float32).mul(1.0) == 0)
+        torch.set_flush_denormal(bool(on) or modes.get(tid, False))
+
+    _on_all_threads(lambda: flush(True))
     try:
         yield
     finally:
-        if not was_on:
-            torch.set_flush_denormal(False)
+        _on_all_threads(lambda: flush(None))
 
 
-def _cat(x: torch.Tensor, c1, c2, dp: int) -> torch.Tensor:
-    """[x, c1, c2 (repeated to width dp)] along the last dim, in one pass; c1, c2: numbers or [..., 1] tensors."""
-    lead = x.shape[:-1]
-    parts = [x]
-    for c, width in ((c1, 1), (c2, dp - x.shape[-1] - 1)):
-        if width > 0:
-            parts.append((c if isinstance(c, torch.Tensor) else x.new_full((1,) * x.dim(), c)).expand(*lead, width))
-    return torch.cat(parts, dim=-1)
+_OMP_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+def _on_all_threads(fn) -> None:
+    """Run fn() once on each of torch's intra-op threads (the calling thread is one of them)."""
+    parallel, threads = _omp_parallel(), torch.get_num_threads()
+    if parallel is None or threads == 1:
+        fn()
+        return
+
+    def each(_):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - an exception cannot cross the C frame; the mode is only a speed matter
+            pass
+
+    parallel(_OMP_CALLBACK(each), None, threads, 0)
+
+
+@functools.cache
+def _omp_parallel():
+    """GOMP_parallel(fn, data, num_threads, flags) of the OpenMP runtime loaded with torch (libgomp, or LLVM's and
+    Intel's, which export it too), or None."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if re.search(r"/lib[gi]?omp[-.\w]*\.so", line)})
+    except OSError:  # not Linux
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).GOMP_parallel
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [_OMP_CALLBACK, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint], None
+        return fn
+    return None
 
 
 def _heads(t: torch.Tensor) -> torch.Tensor:
@@ -244,84 +317,132 @@ def _heads(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def _row_chunks(c: torch.Tensor, rows: int) -> list[tuple[int, int]]:
-    """Query row ranges [a, b): at most ``rows`` rows, cut where c jumps by more than _C_SPAN from one row to the
-    next (a sequence restart, or a gate below e^-64), and split evenly where the gates of a range span more
-    than _C_SPAN (strong forgetting), down to 16 rows, so that the re-centred channels stay small."""
+def _rows(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Query rows per chunk: _CHUNK for the fused kernel; off the CPU, bounded by _math_attention's score matrix."""
+    if _fused(q.device):
+        return _CHUNK
+    return min(_CHUNK, max(16, _MATH_ELEMENTS // max(1, q.shape[0] * q.shape[2] * k.shape[1])))
+
+
+def _group(t: torch.Tensor, heads: tuple[int, int] | None, hq: int, dtype: torch.dtype, dp: int) -> torch.Tensor:
+    """t: [B, T, Ht, Dt] -> [B, T, G, dp] in dtype for the query heads [h0, h1) (None: all Hq; GQA: each query
+    head's k/v head), zero-padded to dp (the kernel takes one head dim); a view of t where nothing changes."""
+    h0, h1 = (0, hq) if heads is None else heads
+    group = hq // t.shape[2]
+    if group > 1:
+        t = t[:, :, h0 // group:(h1 - 1) // group + 1].repeat_interleave(group, dim=2)
+        h0, h1 = h0 % group, h0 % group + h1 - h0
+    t = t[:, :, h0:h1].to(dtype)
+    return t if t.shape[-1] == dp else torch.nn.functional.pad(t, (0, dp - t.shape[-1]))
+
+
+def _pick(c: torch.Tensor, heads: tuple[int, int] | None, dim: int = 2) -> torch.Tensor:
+    """c's query heads [h0, h1) along ``dim`` (None: all), a view."""
+    return c if heads is None else c.narrow(dim, heads[0], heads[1] - heads[0])
+
+
+def _ext(x: torch.Tensor, last) -> torch.Tensor:
+    """[x, last] along the last dim: last a number or a [..., 1] tensor."""
+    if not isinstance(last, torch.Tensor):
+        last = x.new_full((1,) * x.dim(), last)
+    return torch.cat([x, last.expand(*x.shape[:-1], 1)], dim=-1)
+
+
+def _whole(plan: list, tq: int) -> bool:
+    """Whether one kernel call over all heads and rows does the work (its outputs are the results)."""
+    if len(plan) != 1 or plan[0][0] is not None or len(plan[0][1]) != 1:
+        return False
+    a, b, _, _, _, calls = plan[0][1][0]
+    return (a, b) == (0, tq) and len(calls) == 1
+
+
+def _head_groups(c: torch.Tensor, rows: int) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """[((h0, h1), row ranges)]: runs of heads whose gates need the same query chunks, and those chunks [a, b).
+
+    Chunks have at most ``rows`` rows, are cut where c jumps by more than _C_SPAN from one row to the next (a
+    sequence restart, or a gate below e^-64), and are split evenly where one head's gates span more than _C_SPAN
+    (strong forgetting), down to 16 rows, so that the re-centred logits stay small. Heads are grouped because the
+    kernel runs best on long chunks: one fast-forgetting head does not cut the others' chunks. A group is a run of
+    adjacent heads, so that it is a view of q, k and v.
+    """
     Tq = c.shape[1]
     jumps = ((c[:, 1:] - c[:, :-1]).abs().amax((0, 2)) > _C_SPAN).nonzero().flatten() + 1
     bounds = sorted(set(range(0, Tq, rows)) | set(jumps.tolist()) | {Tq})
     pieces = list(zip(bounds, bounds[1:]))
-    spans = torch.stack([(c[:, a:b].amax(1) - c[:, a:b].amin(1)).max() for a, b in pieces]).tolist()
-    chunks = []
-    for (a, b), span in zip(pieces, spans):
-        n = math.ceil(span / _C_SPAN) if math.isfinite(span) else 1  # NaN gates (unchecked) just pass through
-        n = min(max(1, n), max(1, (b - a) // 16))
-        edges = [a + (b - a) * i // n for i in range(n + 1)]
-        chunks += list(zip(edges, edges[1:]))
-    return chunks
+    spans = torch.stack([(c[:, a:b].amax(1) - c[:, a:b].amin(1)).amax(0) for a, b in pieces])  # [pieces, H]
+    splits = torch.where(spans.isfinite(), (spans / _C_SPAN).ceil(), 1.0)  # NaN gates (unchecked) just pass through
+    most = torch.tensor([max(1, (b - a) // 16) for a, b in pieces], dtype=splits.dtype, device=c.device)
+    splits = torch.minimum(splits.clamp(min=1), most[:, None]).long()
+    runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
+    for h, counts in enumerate(splits.T.tolist()):
+        if runs and runs[-1][0] == counts:
+            runs[-1] = (counts, runs[-1][1], h + 1)
+        else:
+            runs.append((counts, h, h + 1))
+    groups = []
+    for counts, h0, h1 in runs:
+        ranges = []
+        for (a, b), n in zip(pieces, counts):
+            edges = [a + (b - a) * i // n for i in range(n + 1)]
+            ranges += list(zip(edges, edges[1:]))
+        groups.append(((h0, h1), ranges))
+    return groups
 
 
 def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, rows: int) -> list:
-    """Query chunks [a, b) with their gate reference c_ref [B, Hq], keys [ks, ke) and kernel calls (s, e, kind).
+    """[(heads, chunks)]: query heads [h0, h1) (None: all) and their query chunks (a, b, c_ref [B, G] fp64, ks,
+    ke, calls): the keys [ks, ke) the chunk's rows see, and its kernel calls (s, e, kind).
 
     Kinds: "causal" (the chunk's own block: SDPA's top-left causal mask is right), "full" (every row sees every
     key), "masked" and "masked-per-head" (an explicit mask, where rows start at different keys: varlen, windows,
-    ACP). A chunk whose rows see no key at all has no call: the kernel is never given an empty key range.
+    ACP; a chunk is split until its mask has at most _MASK_ELEMENTS). A chunk whose rows see no key at all has no
+    call: the kernel is never given an empty key range.
     """
-    if c_q.shape[1] == 0:
+    B, Tq, H = c_q.shape
+    if Tq == 0:
         return []
     c = c_q.detach().to(torch.float64)
-    chunks = _row_chunks(c, rows)
+    groups = _head_groups(c, rows)
     per_head = bool((row_start != row_start[:, :1]).any())  # ACP: every head has its own row starts
-    lims = torch.stack([torch.stack([row_start[:, :, a:b].min(), row_start[:, :, a:b].max()]) for a, b in chunks])
     plan = []
-    for (a, b), (lo, hi) in zip(chunks, lims.tolist()):
-        p0, ke = q_offset + a, min(q_offset + b, tk)  # the first row's key position; the end of its visible keys
-        if lo >= ke:
-            calls = []
-        elif lo == hi == p0:
-            calls = [(lo, ke, "causal")]
-        elif lo == hi and ke <= p0 + 1:
-            calls = [(lo, ke, "full")]
-        elif lo == hi < p0:  # the keys before the chunk in full, then its own block: no mask to build
-            calls = [(lo, p0, "full"), (p0, ke, "causal")]
-        else:
-            calls = [(lo, ke, "masked-per-head" if per_head else "masked")]
-        c_ref = (c[:, a:b].amax(1) + c[:, a:b].amin(1)) / 2
-        plan.append((a, b, c_ref, lo, ke, calls))
+    for heads, ranges in groups:
+        heads = None if len(groups) == 1 else heads
+        cg, rs = _pick(c, heads), _pick(row_start, heads, 1)
+        chunks = []
+        todo = ranges[::-1]
+        while todo:
+            a, b = todo.pop()
+            lo, hi = (int(x) for x in torch.stack([rs[:, :, a:b].min(), rs[:, :, a:b].max()]).tolist())
+            p0, ke = q_offset + a, min(q_offset + b, tk)  # the first row's key position; the end of its visible keys
+            if lo >= ke:
+                calls = []
+            elif lo == hi == p0:
+                calls = [(lo, ke, "causal")]
+            elif lo == hi and ke <= p0 + 1:
+                calls = [(lo, ke, "full")]
+            elif lo == hi < p0:  # the keys before the chunk in full, then its own block: no mask to build
+                calls = [(lo, p0, "full"), (p0, ke, "causal")]
+            else:
+                if B * rs.shape[1] * (b - a) * (ke - lo) > _MASK_ELEMENTS and b - a > 16:
+                    todo += [((a + b) // 2, b), (a, (a + b) // 2)]
+                    continue
+                calls = [(lo, ke, "masked-per-head" if per_head else "masked")]
+            c_ref = (cg[:, a:b].amax(1) + cg[:, a:b].amin(1)) / 2
+            chunks.append((a, b, c_ref, lo, ke, calls))
+        plan.append((heads, chunks))
     return plan
 
 
-def _extend(q, k, v, c_q, plan, scale, cdt):
-    """q' = [scale*q, c_q - c_ref, 1], k' = [k, 1, (set per chunk)], v' = [v, 0...]: [B, T, Hq, Dp] each."""
-    B, Tq, Hq, D = q.shape
-    Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-    group = Hq // Hk
-    dp = max(D + 2, Dv + 1)  # the kernel needs one head dim; v keeps a spare channel for the lse gradient
-    centred = [c_q[:, a:b].detach().to(torch.float64) - c_ref[:, None] for a, b, c_ref, *_ in plan]
-    centred = torch.cat(centred, 1) if centred else c_q.new_zeros(B, 0, Hq)
-    qp = _cat(q.to(cdt) * scale, centred[..., None].to(cdt), 1.0, D + 2)
-    qp = _cat(qp, 0.0, 0.0, dp) if dp > D + 2 else qp
-    # GQA: each query head gets its own copy of its k/v head, as k' carries that query head's gates.
-    kp = _cat(k.to(cdt)[:, :, :, None].expand(B, Tk, Hk, group, D), 1.0, 0.0, dp).view(B, Tk, Hq, dp)
-    vp = _cat(v.to(cdt)[:, :, :, None].expand(B, Tk, Hk, group, Dv), 0.0, 0.0, dp).view(B, Tk, Hq, dp)
-    return qp, kp, vp
-
-
-def _centre_keys(kp, c_k, c_ref, D, ks, ke) -> None:
-    """Write k's gate channel -(c_k - c_ref) for this chunk's keys (in place: chunks run one after another)."""
-    kp[:, ks:ke, :, D + 1] = c_ref[:, None] - c_k[:, ks:ke].detach().to(torch.float64)
-
-
-def _mask(kind, row_start, a, b, ks, ke, q_offset, dtype):
-    """(additive attn_mask [B, 1 or Hq, rows, keys], rows that see no key [B, Hq, rows]) of a masked call."""
+def _mask(kind, row_start, a, b, ks, ke, q_offset, bias, dtype):
+    """(attn_mask, rows that see no key [B, G, rows]) of a call: the key bias [B, G, 1, keys] (None in the
+    backward, where the bias is a channel), with -inf where a masked call's rows do not see a key."""
     if not kind.startswith("masked"):
-        return None, None
+        return bias, None
     rs = row_start[:, :, a:b, None] if kind == "masked-per-head" else row_start[:, :1, a:b, None]
     keys = torch.arange(ks, ke, device=rs.device)
     qpos = torch.arange(q_offset + a, q_offset + b, device=rs.device)[:, None]
-    mask = torch.where((keys >= rs) & (keys <= qpos), 0.0, -math.inf).to(dtype)
+    allowed = (keys >= rs) & (keys <= qpos)
+    mask = torch.where(allowed, 0.0 if bias is None else bias, -math.inf).to(dtype)
     # Row i sees keys [max(start_i, ks), min(pos_i, ke - 1)]: none when that range is empty.
     empty = torch.clamp(row_start[:, :, a:b], min=ks) > qpos[:, 0].clamp(max=ke - 1)
     return mask, empty
