@@ -27,9 +27,10 @@ import yaml
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..models.baselines import check_device
-from ..models.hf import build_model, decoder_layers, has_size, hf_config, is_hf_arch, use_chunked_loss
+from ..models.hf import build_model, decoder_layers, hf_config, use_chunked_loss
 from ..ops.backend import use_triton
 from ..parallel import ContextParallel
+from ..presets import has_size, is_hf_arch
 from . import parallel
 from .checkpoint import (PendingCheckpoint, check_out_dir, checkpoint_step, export_model, full_state_dicts,
                          initialize_model, list_checkpoints, lock_run, model_name, restore_checkpoint, resume_point,
