@@ -592,10 +592,21 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
 
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
-    """compile=true (torch.compile of every block, inductor on the CPU) trains to the eager losses."""
+    """compile=true (torch.compile of every block, inductor on the CPU) trains to the eager losses; the blocks break
+    their graph only where the chunked attention runs outside it, without a warning, and the sample at the end
+    decodes eagerly (one compile per cache length, else)."""
+    from torch._dynamo.utils import counters
+
     extra = ["max_steps=2", "eval_every=0", "save_every=0"]
     train(_cfg(byte_data, tmp_path / "eager", *extra))
-    train(_cfg(byte_data, tmp_path / "compiled", *extra, "compile=true"))
+    counters.clear()
+    trainer = Trainer(_cfg(byte_data, tmp_path / "compiled", *extra, "compile=true"))
+    train(trainer)
+    assert counters["graph_break"] and all("torch.compiler.disable" in reason for reason in counters["graph_break"])
+    counters.clear()
+    trainer.cfg.sample_tokens = 4
+    trainer.sample()
+    assert not counters["frames"]  # dynamo never ran
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2}
     assert all(compiled[k] == pytest.approx(eager[k], rel=1e-4) for k in eager)

@@ -369,7 +369,9 @@ class Trainer:
             module.set_context_parallel(None)  # decoding holds whole sequences
         generator_state = torch.get_rng_state()
         torch.manual_seed(self.cfg.seed)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
+        with torch.compiler.set_stance("force_eager"), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = module.generate(torch.tensor([prompt], device=self.device), max_new_tokens=self.cfg.sample_tokens,
                                   do_sample=True, top_k=50, temperature=0.8, pad_token_id=self.tokenizer.eot_id)
         torch.set_rng_state(generator_state)
