@@ -74,7 +74,7 @@ def test_config_errors_name_the_key(tmp_path, capsys):
               "model.hidden=3": "model.hidden: not a FoxConfig field",
               "max_steps=many": "max_steps: expected",
               "packing=ragged": "packing",
-              "device=tpu": "device: expected e.g. 'cpu'",
+              "device=tpu": "device: expected auto, cpu, cuda or cuda:N, got 'tpu'",
               "device=meta": "device: expected auto, cpu, cuda or cuda:N, got 'meta'",
               "lr=0": "lr: expected a positive, finite learning rate, got 0.0",
               "lr=inf": "lr: expected a positive, finite learning rate, got inf",
@@ -106,6 +106,26 @@ def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
     assert load_config(tmp_path / "printed.yaml") == load_config("fox-pro-125m", overrides)
     assert "lr: 0.002\n" in printed and f"init_from: {tmp_path / 'run'}\n" in printed
     assert not (tmp_path / "run").exists()  # printing trains nothing
+
+
+def test_reading_and_printing_a_config_imports_neither_torch_nor_transformers():
+    """`foxlm train --print-config` (and the config checks before a run starts) stay as quick as `--help`: foxlm's
+    presets and the baselines' need neither library; an arch=hf:TYPE config does (transformers names the types)."""
+    code = """
+import contextlib, io, sys
+from foxlm.cli import main
+for args in (["--config", "fox-pro-125m"], ["arch=transformer-pro", "size=125m", "model.acp=true"],
+             ["arch=mamba2", "device=cuda:1"], ["arch=fox-llama", "model.window=64"]):
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["train", "--print-config", *args]) == 0, args
+    assert "arch: " in out.getvalue(), out.getvalue()
+    assert "torch" not in sys.modules and "transformers" not in sys.modules, args
+assert main(["train", "--print-config", "model.hidden=3"]) == 2  # a bad field is still refused
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_subprocess_env(),
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "model.hidden: not a FoxConfig field" in done.stderr
 
 
 @pytest.mark.parametrize("name", ["fox-pro-125m", "fox-pro-125m-acp", "transformer-pro-125m"])
@@ -572,10 +592,21 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
 
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
-    """compile=true (torch.compile of every block, inductor on the CPU) trains to the eager losses."""
+    """compile=true (torch.compile of every block, inductor on the CPU) trains to the eager losses; the blocks break
+    their graph only where the chunked attention runs outside it, without a warning, and the sample at the end
+    decodes eagerly (one compile per cache length, else)."""
+    from torch._dynamo.utils import counters
+
     extra = ["max_steps=2", "eval_every=0", "save_every=0"]
     train(_cfg(byte_data, tmp_path / "eager", *extra))
-    train(_cfg(byte_data, tmp_path / "compiled", *extra, "compile=true"))
+    counters.clear()
+    trainer = Trainer(_cfg(byte_data, tmp_path / "compiled", *extra, "compile=true"))
+    train(trainer)
+    assert counters["graph_break"] and all("torch.compiler.disable" in reason for reason in counters["graph_break"])
+    counters.clear()
+    trainer.cfg.sample_tokens = 4
+    trainer.sample()
+    assert not counters["frames"]  # dynamo never ran
     eager, compiled = _losses(tmp_path / "eager"), _losses(tmp_path / "compiled")
     assert eager.keys() == compiled.keys() == {1, 2}
     assert all(compiled[k] == pytest.approx(eager[k], rel=1e-4) for k in eager)

@@ -3,8 +3,9 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from ..presets import ARCHS, SIZES
 from .cache import PAD_DECAY, FoxCache, KVCache
-from .configuration_fox import ARCHS, SIZES, FoxConfig
+from .configuration_fox import FoxConfig
 from .convert import convert
 from .loading import load_checkpoint_model
 from .modeling_fox import FoxCausalLMOutput, FoxForCausalLM, FoxModel, FoxModelOutput, FoxPreTrainedModel

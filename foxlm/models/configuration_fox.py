@@ -8,22 +8,7 @@ from transformers import PretrainedConfig
 
 from ..layers import GATES
 from ..ops.acp import check_tolerance
-
-ARCHS: dict[str, dict] = {
-    "fox-llama": dict(gate="data"),
-    "fox-pro": dict(gate="data", qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True),
-    "transformer-llama": dict(gate="none", rope=True),
-    "transformer-pro": dict(
-        gate="none", rope=True, qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True
-    ),
-}
-# layers / d_model / heads (head dim 64) from the FoX papers; "tiny" trains on a CPU in minutes.
-SIZES: dict[str, dict] = {
-    "tiny": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=384),
-    "125m": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12),
-    "360m": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16),
-    "760m": dict(num_hidden_layers=24, hidden_size=1536, num_attention_heads=24),
-}
+from ..presets import ARCHS, SIZES
 
 
 class FoxConfig(PretrainedConfig):

@@ -19,21 +19,8 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..ops.cross_entropy import linear_cross_entropy
-from .baselines import BASELINES, baseline_config
-
-HF_PREFIX = "hf:"
-
-
-def is_hf_arch(arch: str) -> bool:
-    """Whether ``arch`` names a Hugging Face model (``hf:MODEL_TYPE``, a ``.json`` config or one of the recurrent
-    ``BASELINES``) rather than one of foxlm's own."""
-    return arch.startswith(HF_PREFIX) or arch.endswith(".json") or arch in BASELINES
-
-
-def has_size(arch: str) -> bool:
-    """Whether ``size`` (tiny, 125m, ...) applies to ``arch``: foxlm's models and the baselines, not ``hf:...``."""
-    return not (arch.startswith(HF_PREFIX) or arch.endswith(".json"))
-
+from ..presets import BASELINES, HF_PREFIX
+from .baselines import baseline_config
 
 def config_fields(config: PretrainedConfig) -> set[str]:
     """What ``model.*`` may set on ``config``: its class's constructor arguments and the attributes it holds."""

@@ -121,8 +121,9 @@ def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
+    from ..presets import FLA, MODEL_TYPES
     from . import register_auto_classes
-    from .baselines import FLA, MODEL_TYPES, require_fla
+    from .baselines import require_fla
     from .hf import config_class
 
     register_auto_classes()

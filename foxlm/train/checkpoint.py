@@ -46,6 +46,7 @@ from ..data.assets import replace_folder, sha256_file
 from ..models import FoxConfig
 from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
                               load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint)
+from ..presets import has_size
 from .config import model_fields
 
 __all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
@@ -266,8 +267,6 @@ def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) 
 
 def model_name(cfg: dict) -> str:
     """"fox-pro tiny" ("hf:llama" for a Hugging Face model, which has no size), with the config's model overrides."""
-    from ..models.hf import has_size
-
     name = f"{cfg['arch']} {cfg['size']}" if has_size(cfg["arch"]) else cfg["arch"]
     return name + (f" with model={cfg['model']}" if cfg["model"] else "")
 

@@ -41,7 +41,6 @@ def register(subparsers) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from .checkpoint import DiskFullError
     from .config import load_config
 
     # A config, data or out_dir the run refuses (before its first step) is a ValueError or FileNotFoundError:
@@ -52,7 +51,8 @@ def _train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
         return 0
-    from .trainer import Trainer, train  # not before --print-config, which needs no trainer
+    from .checkpoint import DiskFullError  # not before --print-config, which needs neither torch nor a trainer
+    from .trainer import Trainer, train
 
     trainer = Trainer(cfg)
     trainer.start()

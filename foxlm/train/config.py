@@ -8,15 +8,19 @@ which works from any folder.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import math
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
+
+from ..presets import ARCHS, BASELINES, SIZES, check_fla, is_hf_arch
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
@@ -86,10 +90,6 @@ class TrainConfig:
     sample_tokens: int = 100  # 0: no sample
 
     def validate(self) -> None:
-        from ..models import ARCHS, SIZES
-
-        from ..models.hf import is_hf_arch
-
         hf = is_hf_arch(self.arch)
         choices = {**({} if hf else {"arch": ARCHS}), "size": SIZES, "packing": ("windows", "documents"),
                    "precision": ("auto", "bf16", "fp32"), "parallel": ("fsdp", "ddp")}
@@ -104,9 +104,9 @@ class TrainConfig:
                 raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
-        from ..device import resolve_device  # here: torch is not needed to read or print a config
-
-        if self.device != "auto" and resolve_device(self.device).type not in ("cpu", "cuda"):
+        # the syntax only: whether this machine has that GPU is the trainer's check (reading or printing a config
+        # needs no torch)
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {self.device!r}")
         if not 0 < self.lr < math.inf:
             raise ValueError(f"lr: expected a positive, finite learning rate, got {self.lr}")
@@ -136,12 +136,14 @@ class TrainConfig:
 
     def _validate_hf(self) -> None:
         """What a Hugging Face model (``arch=hf:...``, a config.json or a baseline) cannot do in foxlm's trainer."""
-        from ..models.hf import hf_config
-
         for key in ("acp", "acp_tolerance"):
             if key in self.model:
                 raise ValueError(f"model.{key}: ACP prunes by forget-gate decay; arch={self.arch} has no forget gates")
-        hf_config(self.arch, self.model, self.size)  # an unknown model type or field fails here, before the data
+        check_fla(self.arch)
+        if self.model or self.arch not in BASELINES:  # a baseline's preset is valid as it is, without transformers
+            from ..models.hf import hf_config
+
+            hf_config(self.arch, self.model, self.size)  # an unknown model type or field fails here, before the data
         refused = {"packing": self.packing != "windows", "cp": self.cp > 1, "cuda_graph": self.cuda_graph is True}
         for name, bad in refused.items():
             if bad:
@@ -173,10 +175,12 @@ def config_keys_help() -> str:
 
 
 def model_fields() -> set[str]:
-    """The fields of ``FoxConfig`` (its constructor's arguments): what ``model.*`` may set."""
-    from ..models import FoxConfig
-
-    return set(inspect.signature(FoxConfig.__init__).parameters) - {"self", "kwargs"}
+    """The fields of ``FoxConfig`` (its constructor's arguments): what ``model.*`` may set. Read from its source, as
+    importing it would import torch and transformers."""
+    tree = ast.parse((Path(__file__).resolve().parent.parent / "models" / "configuration_fox.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FoxConfig")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self"}
 
 
 def _coerce(name: str, value, annotation: str):

@@ -27,9 +27,10 @@ import yaml
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..models.baselines import check_device
-from ..models.hf import build_model, decoder_layers, has_size, hf_config, is_hf_arch, use_chunked_loss
+from ..models.hf import build_model, decoder_layers, hf_config, use_chunked_loss
 from ..ops.backend import use_triton
 from ..parallel import ContextParallel
+from ..presets import has_size, is_hf_arch
 from . import parallel
 from .checkpoint import (PendingCheckpoint, check_out_dir, checkpoint_step, export_model, full_state_dicts,
                          initialize_model, list_checkpoints, lock_run, model_name, restore_checkpoint, resume_point,
@@ -368,7 +369,9 @@ class Trainer:
             module.set_context_parallel(None)  # decoding holds whole sequences
         generator_state = torch.get_rng_state()
         torch.manual_seed(self.cfg.seed)
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
+        # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
+        with torch.compiler.set_stance("force_eager"), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
             out = module.generate(torch.tensor([prompt], device=self.device), max_new_tokens=self.cfg.sample_tokens,
                                   do_sample=True, top_k=50, temperature=0.8, pad_token_id=self.tokenizer.eot_id)
         torch.set_rng_state(generator_state)

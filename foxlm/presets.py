@@ -1,0 +1,86 @@
+"""What ``arch`` and ``size`` name, importing neither torch nor transformers (reading or printing a training config
+needs only these tables): foxlm's own presets (``ARCHS`` x ``SIZES``, built by ``FoxConfig.preset``), the FoX paper's
+recurrent baselines (``BASELINES``, built by ``foxlm.models.baselines``) and Hugging Face models (``hf:MODEL_TYPE`` or
+a config.json path, ``foxlm.models.hf``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+ARCHS: dict[str, dict] = {
+    "fox-llama": dict(gate="data"),
+    "fox-pro": dict(gate="data", qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True),
+    "transformer-llama": dict(gate="none", rope=True),
+    "transformer-pro": dict(
+        gate="none", rope=True, qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True
+    ),
+}
+# layers / d_model / heads (head dim 64) from the FoX papers; "tiny" trains on a CPU in minutes.
+SIZES: dict[str, dict] = {
+    "tiny": dict(num_hidden_layers=4, hidden_size=128, num_attention_heads=4, intermediate_size=384),
+    "125m": dict(num_hidden_layers=12, hidden_size=768, num_attention_heads=12),
+    "360m": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16),
+    "760m": dict(num_hidden_layers=24, hidden_size=1536, num_attention_heads=24),
+}
+
+# The recurrent baselines. Each keeps fox-pro's width and vocabulary and matches its parameter count within 5%
+# (tests/test_hf_models.py checks every one): Mamba-2, which has no MLP, by its number of layers; the others by their
+# MLP's intermediate_size.
+BASELINES = ("mamba2", "hgrn2", "delta-net", "gated-delta-net")
+# arch -> the transformers / fla model type it builds
+MODEL_TYPES = {"mamba2": "mamba2", "hgrn2": "hgrn2", "delta-net": "delta_net", "gated-delta-net": "gated_deltanet"}
+FLA = ("hgrn2", "delta-net", "gated-delta-net")
+# fox-pro's sizes: hidden_size, layers and heads come from SIZES; what matches the count is here
+_MATCHED = {
+    "mamba2": {"tiny": dict(num_hidden_layers=9), "125m": dict(num_hidden_layers=25),
+               "360m": dict(num_hidden_layers=51), "760m": dict(num_hidden_layers=50)},
+    "hgrn2": {"tiny": dict(intermediate_size=416), "125m": dict(intermediate_size=2304),
+              "360m": dict(intermediate_size=3200), "760m": dict(intermediate_size=4608)},
+    "delta-net": {"tiny": dict(intermediate_size=416), "125m": dict(intermediate_size=2304),
+                  "360m": dict(intermediate_size=3136), "760m": dict(intermediate_size=4608)},
+    "gated-delta-net": {"tiny": dict(intermediate_size=256), "125m": dict(intermediate_size=1280),
+                        "360m": dict(intermediate_size=1792), "760m": dict(intermediate_size=2560)},
+}
+
+HF_PREFIX = "hf:"
+
+
+def baseline_fields(arch: str, size: str) -> dict:
+    """The config fields of baseline ``arch`` (one of ``BASELINES``) at ``size`` (one of ``SIZES``)."""
+    if arch not in BASELINES:
+        raise ValueError(f"arch: expected one of {BASELINES}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size: expected one of {sorted(SIZES)}, got {size!r}")
+    s = SIZES[size]
+    d, heads = s["hidden_size"], s["num_attention_heads"]
+    head_dim = d // heads
+    common = dict(hidden_size=d, num_hidden_layers=s["num_hidden_layers"], tie_word_embeddings=False)
+    if arch == "mamba2":  # expand 2 as in the Mamba-2 paper; a 16-dim state at the tiny size, 128 above
+        layout = dict(expand=2, head_dim=head_dim, num_heads=2 * d // head_dim, n_groups=1,
+                      state_size=16 if size == "tiny" else 128)
+    elif arch == "hgrn2":
+        layout = dict(expand_ratio=min(128, d))  # the HGRN2 paper's state expansion, 128
+    elif arch == "delta-net":
+        layout = dict(num_heads=heads)
+    else:
+        layout = dict(num_heads=heads, head_dim=head_dim)
+    return {**common, **layout, **_MATCHED[arch][size]}
+
+
+def check_fla(arch: str) -> None:
+    """For a baseline built by fla, a ValueError naming the extra when flash-linear-attention is not installed
+    (looked up, not imported: fla imports torch)."""
+    if arch in FLA and importlib.util.find_spec("fla") is None:
+        raise ValueError(f"arch: {arch} needs flash-linear-attention: pip install 'foxlm[baselines]'")
+
+
+def is_hf_arch(arch: str) -> bool:
+    """Whether ``arch`` names a Hugging Face model (``hf:MODEL_TYPE``, a ``.json`` config or one of the recurrent
+    ``BASELINES``) rather than one of foxlm's own."""
+    return arch.startswith(HF_PREFIX) or arch.endswith(".json") or arch in BASELINES
+
+
+def has_size(arch: str) -> bool:
+    """Whether ``size`` (tiny, 125m, ...) applies to ``arch``: foxlm's models and the baselines, not ``hf:...``."""
+    return not (arch.startswith(HF_PREFIX) or arch.endswith(".json"))
