@@ -255,7 +255,7 @@ def test_heads_that_forget_at_different_rates_get_their_own_chunks():
     bias = torch.tensor([-4.0, 5.0, 5.0, -4.0], dtype=torch.float64)
     log_f = F.logsigmoid(torch.randn(1, 1024, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
                          + bias)
-    groups = chunked._head_groups(gate_cumsum(log_f), 1024)
+    groups = chunked._head_groups(gate_cumsum(log_f), 1024, by_head=True)
     assert [h for h, _ in groups] == [(0, 1), (1, 3), (3, 4)]
     assert len(groups[0][1]) > 1 and groups[1][1] == [(0, 1024)]
     got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))

@@ -23,9 +23,9 @@ import torch
 
 from .gate import segment_ids
 
-# Rows per query chunk (>= 768 rows gets the kernel its largest query blocks), and the largest gate span
-# max(c) - min(c) within one: fp32 channels of up to +-32 keep c_i - c_j as precise as the fp64 difference.
-_CHUNK = 1024
+# Rows per query chunk at most (the fused kernel's memory does not grow with them: chunks exist to re-centre c), and
+# the largest gate span max(c) - min(c) within one: a bias re-centred to within +-32 loses at most 2e-6 to fp32.
+_CHUNK = 1 << 16
 _C_SPAN = 64.0
 # Off the CPU (the caches and context parallelism on a GPU) the kernel is _math_attention: at most this many
 # elements in one call's [B, H, rows, keys] score matrix; and at most this many in a masked call's explicit mask.
@@ -82,23 +82,26 @@ def _first_at_most(c: torch.Tensor, target: torch.Tensor, lo: torch.Tensor, hi: 
 
 
 class _SdpaAttention(torch.autograd.Function):
-    """Forgetting attention inside SDPA's fused CPU kernel (off the CPU, _math_attention).
+    """Forgetting attention inside SDPA's fused CPU kernel (off the CPU, _math_attention), query chunk by chunk with
+    c re-centred on each chunk's c_ref, so that the logits of the keys that carry mass stay small in fp32.
 
-    Softmax ignores a row's own c_q[i], so the forward gives the kernel q, k and v as they are, with the key bias
-    b_j = c_ref - c_k[j] as a broadcast [B, G, 1, keys] attn_mask: its logits are the gated ones less the row
-    constant c_q[i] - c_ref, which goes back into lse. c_ref is re-centred per query chunk of each head group, so the
-    logits of the keys that carry mass stay small in fp32. The kernel's backward gives no mask gradient, so there the
-    bias moves into one extra channel, q' = [scale*q, 1] and k' = [k, b]: the k' channel's gradient holds the column
-    sums of dS, the gate's gradient.
+    Two ways to give the kernel the gate (``channels``):
+    - channels (a backward will follow): q' = [scale*q, c_q - c_ref, 1] and k' = [k, 1, c_ref - c_k], so the
+      kernel's dot product at scale 1 is the gated logit. The backward rebuilds the same q' and k' bit for bit, so its
+      probabilities agree with the forward's lse to the last bit; the k' channel's gradient is the column sums of
+      dS, the gate's gradient.
+    - a key bias (no backward): softmax ignores a row's own c_q, so q, k and v go in as they are (no copies, head dim
+      64 instead of 66) with the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask; lse gets c_q - c_ref back.
+      Chunks are then planned per run of heads, so one fast-forgetting head does not cut the others' chunks.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, c_q, c_k, row_start, scale, q_offset):
+    def forward(ctx, q, k, v, c_q, c_k, row_start, scale, q_offset, channels):
         B, Tq, Hq, D = q.shape
         Tk, Dv = k.shape[1], v.shape[-1]
         cdt = torch.promote_types(q.dtype, torch.float32)
         ctx.set_materialize_grads(False)
-        plan = _plan(c_q, row_start, Tk, q_offset, _rows(q, k))
+        plan = _plan(c_q, row_start, Tk, q_offset, _rows(q, k), by_head=not channels)
         kernel = _kernel(q.device)[0]
         whole = _whole(plan, Tq)
         if not whole:
@@ -106,17 +109,23 @@ class _SdpaAttention(torch.autograd.Function):
             lse = torch.full((B, Hq, Tq), -math.inf, dtype=cdt, device=q.device)  # stays so for rows that see no key
         with _flush_denormals():
             for heads, chunks in plan:
-                qg, kg, vg = (_group(t, heads, Hq, cdt, max(D, Dv)) for t in (q, k, v))
+                if channels:
+                    qg, kg, vg = _channel_inputs(q, k, v, heads, cdt)
+                else:
+                    qg, kg, vg = (_group(t, heads, Hq, cdt, max(D, Dv)) for t in (q, k, v))
                 ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
                 rsg = _pick(row_start, heads, 1)
                 for a, b, c_ref, ks, ke, calls in chunks:
-                    # [B, G, 1, keys], contiguous: the kernel copies a mask with other strides to its full size
-                    bias = (c_ref[:, :, None] - ckg[:, ks:ke].transpose(1, 2)).to(cdt).contiguous()[:, :, None]
+                    if channels:
+                        qc, bias = _centre(qg, kg, cqg, ckg, c_ref, a, b, ks, ke, scale), None
+                    else:  # [B, G, 1, keys], contiguous: the kernel copies a mask with other strides to full size
+                        qc = qg[:, a:b]
+                        bias = (c_ref[:, :, None] - ckg[:, ks:ke].transpose(1, 2)).to(cdt).contiguous()[:, :, None]
                     outs = []
                     for s, e, kind in calls:
-                        mask, empty = _mask(kind, rsg, a, b, s, e, q_offset, bias[..., s - ks:e - ks], cdt)
-                        oc, lc = kernel(_heads(qg[:, a:b]), _heads(kg[:, s:e]), _heads(vg[:, s:e]), 0.0,
-                                        kind == "causal", attn_mask=mask, scale=scale)
+                        mask, empty = _mask(kind, rsg, a, b, s, e, q_offset, bias, ks, cdt)
+                        oc, lc = kernel(_heads(qc), _heads(kg[:, s:e]), _heads(vg[:, s:e]), 0.0, kind == "causal",
+                                        attn_mask=mask, scale=1.0 if channels else scale)
                         # The kernel gives a row that sees no key o = 0 and lse 0, not -inf.
                         lc = lc if empty is None else lc.masked_fill(empty, -math.inf)
                         outs.append((oc.transpose(1, 2)[..., :Dv], lc))
@@ -128,24 +137,27 @@ class _SdpaAttention(torch.autograd.Function):
                         (o1, l1), (o2, l2) = outs
                         oc = torch.lerp(o1, o2, torch.sigmoid(l2 - l1).transpose(1, 2)[..., None])
                         lc = torch.logaddexp(l1, l2)
-                    lc = lc + (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)
+                    if not channels:
+                        lc = lc + (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)
                     if whole:
-                        o, lse = oc, lc
+                        o, lse = oc.contiguous(), lc
                     else:
                         _pick(o, heads)[:, a:b], _pick(lse, heads, 1)[:, :, a:b] = oc, lc
         out = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, c_q, c_k, row_start, o, lse)  # o: out itself where q is fp32 or fp64
-        ctx.plan, ctx.scale, ctx.q_offset = plan, scale, q_offset
+        if channels:
+            ctx.save_for_backward(q, k, v, c_q, c_k, row_start, o, lse)  # o: out itself where q is fp32 or fp64
+            ctx.plan, ctx.scale, ctx.q_offset = plan, scale, q_offset
         return out, lse.float()
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, k, v, c_q, c_k, row_start, o, lse = ctx.saved_tensors
-        plan, scale, q_offset = ctx.plan, ctx.scale, ctx.q_offset
+        scale, q_offset = ctx.scale, ctx.q_offset
         B, Tq, Hq, D = q.shape
         Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
+        plan = ctx.plan  # the forward's chunks and c_ref: the same q' and k', bit for bit
         cdt, dev = o.dtype, q.device
-        dp = max(D, Dv) + 1  # the last channel: the gate bias on q' and k', the lse gradient on v', dO' and O'
+        dp = max(D, Dv) + 2  # two channels for the gate on q' and k', one (and a zero) for the lse gradient
         kernel = _kernel(dev)[1]
         # The kernel's backward takes delta = rowsum(dO * O) from its inputs; the spare channel with dO = 1 and
         # O = -dlse turns it into rowsum(dO * O) - dlse, the lse gradient (its dV column is discarded).
@@ -165,24 +177,21 @@ class _SdpaAttention(torch.autograd.Function):
 
         with _flush_denormals():
             for heads, chunks in plan:
-                kp = _ext(_group(k, heads, Hq, cdt, dp - 1), 0.0)  # its bias channel is written per chunk
-                vp = _ext(_group(v, heads, Hq, cdt, dp - 1), 0.0)
-                qg, dog, og = (_group(t, heads, Hq, cdt, dp - 1) for t in (q, do, o))
+                qg, kp, vp = _channel_inputs(q, k, v, heads, cdt)
+                dog, og = (_group(t, heads, Hq, cdt, dp - 2) for t in (do, o))
                 ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
                 rsg, lseg = _pick(row_start, heads, 1), _pick(lse, heads, 1)
                 dlg = None if dlse is None else _pick(dlse, heads, 1).to(cdt)
                 dkp = dvp = None
                 for a, b, c_ref, ks, ke, calls in chunks:
-                    kp[:, ks:ke, :, -1] = c_ref[:, None] - ckg[:, ks:ke]
-                    qc, doc = _ext(qg[:, a:b] * scale, 1.0), _ext(dog[:, a:b], 1.0)
-                    oc = _ext(og[:, a:b], 0.0 if dlg is None else -dlg[:, :, a:b].transpose(1, 2)[..., None])
+                    qc = _centre(qg, kp, cqg, ckg, c_ref, a, b, ks, ke, scale)
+                    doc = _ext(dog[:, a:b], 1.0, 0.0)
+                    oc = _ext(og[:, a:b], 0.0 if dlg is None else -dlg[:, :, a:b].transpose(1, 2)[..., None], 0.0)
                     lc = lseg[:, :, a:b]
-                    # lse of the kernel's logits (less c_q - c_ref); +inf for a row that sees no key: P = 0, not NaN
-                    lc = (lc - (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)).masked_fill(lc == -math.inf,
-                                                                                                     math.inf)
+                    lc = lc.masked_fill(lc == -math.inf, math.inf)  # a row that sees no key: P = 0, not NaN
                     gq_sum = None
                     for s, e, kind in calls:
-                        mask, _ = _mask(kind, rsg, a, b, s, e, q_offset, None, cdt)
+                        mask, _ = _mask(kind, rsg, a, b, s, e, q_offset, None, ks, cdt)
                         gq, gk, gv = kernel(_heads(doc), _heads(qc), _heads(kp[:, s:e]), _heads(vp[:, s:e]),
                                             _heads(oc), lc, 0.0, kind == "causal", attn_mask=mask, scale=1.0)
                         gq, gk, gv = (g.transpose(1, 2) for g in (gq, gk, gv))
@@ -209,7 +218,7 @@ class _SdpaAttention(torch.autograd.Function):
             dc_q = torch.zeros(B, Tq, Hq, dtype=c_q.dtype, device=dev)
         else:
             dc_q = dlse.transpose(1, 2).masked_fill(lse.transpose(1, 2) == -math.inf, 0.0).to(c_q.dtype)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dc_q, dc_k.to(c_k.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dc_q, dc_k.to(c_k.dtype), None, None, None, None
 
 
 def _fused(device: torch.device) -> bool:
@@ -341,11 +350,26 @@ def _pick(c: torch.Tensor, heads: tuple[int, int] | None, dim: int = 2) -> torch
     return c if heads is None else c.narrow(dim, heads[0], heads[1] - heads[0])
 
 
-def _ext(x: torch.Tensor, last) -> torch.Tensor:
-    """[x, last] along the last dim: last a number or a [..., 1] tensor."""
-    if not isinstance(last, torch.Tensor):
-        last = x.new_full((1,) * x.dim(), last)
-    return torch.cat([x, last.expand(*x.shape[:-1], 1)], dim=-1)
+def _channel_inputs(q, k, v, heads, dtype):
+    """(q [B, Tq, G, Dp - 2] to be extended per chunk, k' = [k, 1, bias], v' = [v, 0, 0]: [B, Tk, G, Dp]) for the
+    query heads ``heads``; Dp = max(D, Dv) + 2, and k's bias channel is written per chunk by _centre."""
+    hq, dp = q.shape[2], max(q.shape[-1], v.shape[-1]) + 2
+    kp = _ext(_group(k, heads, hq, dtype, dp - 2), 1.0, 0.0)
+    vp = _ext(_group(v, heads, hq, dtype, dp - 2), 0.0, 0.0)
+    return _group(q, heads, hq, dtype, dp - 2), kp, vp
+
+
+def _centre(qg, kp, cqg, ckg, c_ref, a, b, ks, ke, scale) -> torch.Tensor:
+    """The chunk's q' = [scale*q, c_q - c_ref, 1] for rows [a, b); writes k''s channel c_ref - c_k for keys [ks, ke)
+    (in place: chunks run one after another)."""
+    kp[:, ks:ke, :, -1] = c_ref[:, None] - ckg[:, ks:ke]
+    return _ext(qg[:, a:b] * scale, (cqg[:, a:b] - c_ref[:, None])[..., None].to(kp.dtype), 1.0)
+
+
+def _ext(x: torch.Tensor, *channels) -> torch.Tensor:
+    """[x, *channels] along the last dim: each channel a number or a [..., 1] tensor."""
+    parts = [c if isinstance(c, torch.Tensor) else x.new_full((1,) * x.dim(), c) for c in channels]
+    return torch.cat([x, *(c.expand(*x.shape[:-1], 1) for c in parts)], dim=-1)
 
 
 def _whole(plan: list, tq: int) -> bool:
@@ -356,14 +380,14 @@ def _whole(plan: list, tq: int) -> bool:
     return (a, b) == (0, tq) and len(calls) == 1
 
 
-def _head_groups(c: torch.Tensor, rows: int) -> list[tuple[list[int], list[tuple[int, int]]]]:
+def _head_groups(c: torch.Tensor, rows: int, by_head: bool) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
     """[((h0, h1), row ranges)]: runs of heads whose gates need the same query chunks, and those chunks [a, b).
 
     Chunks have at most ``rows`` rows, are cut where c jumps by more than _C_SPAN from one row to the next (a
     sequence restart, or a gate below e^-64), and are split evenly where one head's gates span more than _C_SPAN
-    (strong forgetting), down to 16 rows, so that the re-centred logits stay small. Heads are grouped because the
-    kernel runs best on long chunks: one fast-forgetting head does not cut the others' chunks. A group is a run of
-    adjacent heads, so that it is a view of q, k and v.
+    (strong forgetting), down to 16 rows, so that the re-centred logits stay small. ``by_head``: the kernel's
+    forward runs best on long chunks, so one fast-forgetting head does not cut the others' chunks (a group is a run
+    of adjacent heads, so that it is a view of q, k and v); else every head gets the shortest chunks any needs.
     """
     Tq = c.shape[1]
     jumps = ((c[:, 1:] - c[:, :-1]).abs().amax((0, 2)) > _C_SPAN).nonzero().flatten() + 1
@@ -373,6 +397,8 @@ def _head_groups(c: torch.Tensor, rows: int) -> list[tuple[list[int], list[tuple
     splits = torch.where(spans.isfinite(), (spans / _C_SPAN).ceil(), 1.0)  # NaN gates (unchecked) just pass through
     most = torch.tensor([max(1, (b - a) // 16) for a, b in pieces], dtype=splits.dtype, device=c.device)
     splits = torch.minimum(splits.clamp(min=1), most[:, None]).long()
+    if not by_head:
+        splits = splits.amax(1, keepdim=True).expand(-1, c.shape[2])
     runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
     for h, counts in enumerate(splits.T.tolist()):
         if runs and runs[-1][0] == counts:
@@ -389,8 +415,8 @@ def _head_groups(c: torch.Tensor, rows: int) -> list[tuple[list[int], list[tuple
     return groups
 
 
-def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, rows: int) -> list:
-    """[(heads, chunks)]: query heads [h0, h1) (None: all) and their query chunks (a, b, c_ref [B, G] fp64, ks,
+def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, rows: int, by_head: bool) -> list:
+    """[(heads, chunks)]: query heads [h0, h1) (None: all; see _head_groups for ``by_head``) and their query chunks (a, b, c_ref [B, G] fp64, ks,
     ke, calls): the keys [ks, ke) the chunk's rows see, and its kernel calls (s, e, kind).
 
     Kinds: "causal" (the chunk's own block: SDPA's top-left causal mask is right), "full" (every row sees every
@@ -402,7 +428,7 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, ro
     if Tq == 0:
         return []
     c = c_q.detach().to(torch.float64)
-    groups = _head_groups(c, rows)
+    groups = _head_groups(c, rows, by_head)
     per_head = bool((row_start != row_start[:, :1]).any())  # ACP: every head has its own row starts
     plan = []
     for heads, ranges in groups:
@@ -433,9 +459,10 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, ro
     return plan
 
 
-def _mask(kind, row_start, a, b, ks, ke, q_offset, bias, dtype):
-    """(attn_mask, rows that see no key [B, G, rows]) of a call: the key bias [B, G, 1, keys] (None in the
-    backward, where the bias is a channel), with -inf where a masked call's rows do not see a key."""
+def _mask(kind, row_start, a, b, ks, ke, q_offset, bias, bias_start, dtype):
+    """(attn_mask, rows that see no key [B, G, rows]) of a call over keys [ks, ke): the key bias [B, G, 1, keys from
+    bias_start] (None where the bias is a channel), with -inf where a masked call's rows do not see a key."""
+    bias = None if bias is None else bias[..., ks - bias_start:ke - bias_start]
     if not kind.startswith("masked"):
         return bias, None
     rs = row_start[:, :, a:b, None] if kind == "masked-per-head" else row_start[:, :1, a:b, None]
@@ -456,8 +483,9 @@ def _probs(q, k, c_q, c_k, row_start, lse, scale, q_offset) -> torch.Tensor:
     kh = k.detach().to(cdt).repeat_interleave(Hq // k.shape[2], dim=2)
     keys = torch.arange(Tk, device=q.device)
     probs = torch.zeros(B, Hq, Tq, Tk, dtype=torch.float32, device=q.device)
-    for a in range(0, Tq, _CHUNK):
-        b = min(Tq, a + _CHUNK)
+    rows = max(16, _MATH_ELEMENTS // max(1, B * Hq * Tk))
+    for a in range(0, Tq, rows):
+        b = min(Tq, a + rows)
         s = scale * torch.einsum("bihd,bjhd->bhij", q[:, a:b].detach().to(cdt), kh)
         s = s + (c_q[:, a:b].detach().transpose(1, 2)[..., None] - c_k.detach().transpose(1, 2)[:, :, None]).to(cdt)
         pos = q_offset + torch.arange(a, b, device=q.device)[:, None]
@@ -529,7 +557,8 @@ def attention_from_cumsum(
     _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens)
     q_offset = k.shape[1] - q.shape[1] if q_offset is None else q_offset
     row_start = row_starts(c_q, c_k, q_offset, cu_seqlens, threshold, window)
-    o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, float(scale), q_offset)
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
+    o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, float(scale), q_offset, backward)
     if return_probs:
         return o, lse, _probs(q, k, c_q, c_k, row_start, lse, float(scale), q_offset)
     return o, lse
