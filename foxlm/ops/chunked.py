@@ -266,14 +266,15 @@ def _flush_denormals():
     its speed (several times slower on the backward); values that small are zero to fp32's precision.
     ``torch.set_flush_denormal`` sets the calling thread's mode only, and the OpenMP workers keep the mode they
     started with, so the setting runs on each of them through the OpenMP runtime torch uses (where it is found; else
-    on the calling thread only). torch has no getter, so each thread's mode is read off a product.
+    on the calling thread only). torch has no getter, so each thread's mode is read off a product of Python floats
+    (the same MXCSR flags govern them).
     """
     modes: dict[int, bool] = {}
 
     def flush(on: bool | None) -> None:
         tid = threading.get_ident()
         if on:
-            modes[tid] = bool(torch.tensor(1e-39, dtype=torch.float32).mul(1.0) == 0)
+            modes[tid] = _TINY * _ONE == 0.0
         torch.set_flush_denormal(bool(on) or modes.get(tid, False))
 
     _on_all_threads(lambda: flush(True))
@@ -283,6 +284,7 @@ def _flush_denormals():
         _on_all_threads(lambda: flush(None))
 
 
+_TINY, _ONE = 5e-324, 1.0  # the smallest double denormal, and a factor that keeps it unless denormals are flushed
 _OMP_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 
@@ -346,8 +348,8 @@ def _group(t: torch.Tensor, heads: tuple[int, int] | None, hq: int, dtype: torch
 
 
 def _pick(c: torch.Tensor, heads: tuple[int, int] | None, dim: int = 2) -> torch.Tensor:
-    """c's query heads [h0, h1) along ``dim`` (None: all), a view."""
-    return c if heads is None else c.narrow(dim, heads[0], heads[1] - heads[0])
+    """c's query heads [h0, h1) along ``dim`` (None: all), a view; None for c None."""
+    return c if heads is None or c is None else c.narrow(dim, heads[0], heads[1] - heads[0])
 
 
 def _channel_inputs(q, k, v, heads, dtype):
@@ -415,7 +417,7 @@ def _head_groups(c: torch.Tensor, rows: int, by_head: bool) -> list[tuple[tuple[
     return groups
 
 
-def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, rows: int, by_head: bool) -> list:
+def _plan(c_q: torch.Tensor, row_start: torch.Tensor | None, tk: int, q_offset: int, rows: int, by_head: bool) -> list:
     """[(heads, chunks)]: query heads [h0, h1) (None: all; see _head_groups for ``by_head``) and their query chunks (a, b, c_ref [B, G] fp64, ks,
     ke, calls): the keys [ks, ke) the chunk's rows see, and its kernel calls (s, e, kind).
 
@@ -429,7 +431,8 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, ro
         return []
     c = c_q.detach().to(torch.float64)
     groups = _head_groups(c, rows, by_head)
-    per_head = bool((row_start != row_start[:, :1]).any())  # ACP: every head has its own row starts
+    # ACP: every head has its own row starts
+    per_head = row_start is not None and bool((row_start != row_start[:, :1]).any())
     plan = []
     for heads, ranges in groups:
         heads = None if len(groups) == 1 else heads
@@ -438,7 +441,7 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, ro
         todo = ranges[::-1]
         while todo:
             a, b = todo.pop()
-            lo, hi = (int(x) for x in torch.stack([rs[:, :, a:b].min(), rs[:, :, a:b].max()]).tolist())
+            lo, hi = (0, 0) if rs is None else torch.stack([rs[:, :, a:b].min(), rs[:, :, a:b].max()]).tolist()
             p0, ke = q_offset + a, min(q_offset + b, tk)  # the first row's key position; the end of its visible keys
             if lo >= ke:
                 calls = []
@@ -449,7 +452,7 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor, tk: int, q_offset: int, ro
             elif lo == hi < p0:  # the keys before the chunk in full, then its own block: no mask to build
                 calls = [(lo, p0, "full"), (p0, ke, "causal")]
             else:
-                if B * rs.shape[1] * (b - a) * (ke - lo) > _MASK_ELEMENTS and b - a > 16:
+                if B * cg.shape[2] * (b - a) * (ke - lo) > _MASK_ELEMENTS and b - a > 16:
                     todo += [((a + b) // 2, b), (a, (a + b) // 2)]
                     continue
                 calls = [(lo, ke, "masked-per-head" if per_head else "masked")]
@@ -489,7 +492,7 @@ def _probs(q, k, c_q, c_k, row_start, lse, scale, q_offset) -> torch.Tensor:
         s = scale * torch.einsum("bihd,bjhd->bhij", q[:, a:b].detach().to(cdt), kh)
         s = s + (c_q[:, a:b].detach().transpose(1, 2)[..., None] - c_k.detach().transpose(1, 2)[:, :, None]).to(cdt)
         pos = q_offset + torch.arange(a, b, device=q.device)[:, None]
-        allowed = (keys >= row_start[:, :, a:b, None]) & (keys <= pos)
+        allowed = (keys <= pos) if row_start is None else (keys >= row_start[:, :, a:b, None]) & (keys <= pos)
         probs[:, :, a:b] = torch.exp(s - lse[:, :, a:b, None].to(cdt)).masked_fill(~allowed, 0.0)
     return probs
 
@@ -556,7 +559,8 @@ def attention_from_cumsum(
     """
     _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens)
     q_offset = k.shape[1] - q.shape[1] if q_offset is None else q_offset
-    row_start = row_starts(c_q, c_k, q_offset, cu_seqlens, threshold, window)
+    plain = cu_seqlens is None and threshold is None and window is None  # every row sees keys from 0: no row starts
+    row_start = None if plain else row_starts(c_q, c_k, q_offset, cu_seqlens, threshold, window)
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
     o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, float(scale), q_offset, backward)
     if return_probs:
