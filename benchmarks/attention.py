@@ -11,7 +11,7 @@ against the fp64 reference.
 
 CPU section (``--device cpu``): fp32, B=1, H=8, D=64, the same gate profile; foxlm against SDPA causal (no
 gate) in interleaved rounds of one process (median of ``--rounds``), forward (no grad) and forward+backward
-(grads of q, k, v and the gates), and the peak resident memory each adds over its inputs.
+(grads of q, k, v and the gates), and afterwards the peak resident memory each adds over its inputs.
 
     PYTHONPATH=. python benchmarks/attention.py --device cpu [--seqlens 1024 4096 16384] [--rounds 3] [--no-warmup]
 """
@@ -26,6 +26,8 @@ import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -190,8 +192,8 @@ def peak_rss_mib(fn) -> float:
     return (status("VmHWM:") - before) / 1024
 
 
-def bench_cpu(T: int, rounds: int, warmup: bool = True) -> dict:
-    """foxlm vs SDPA causal on the CPU at [1, T, 8, 64] fp32; fwd / fwd+bwd seconds and peak memory."""
+def cpu_steps(T: int) -> dict:
+    """{(impl, "fwd" | "fwd+bwd"): step}: foxlm and SDPA causal on the CPU at [1, T, 8, 64] fp32."""
     B, H, D = 1, 8, 64
     q, k, v = (torch.randn(B, T, H, D, requires_grad=True) for _ in range(3))
     g = standard_log_fgate(B, T, H, "cpu").requires_grad_()
@@ -210,6 +212,12 @@ def bench_cpu(T: int, rounds: int, warmup: bool = True) -> dict:
         steps[name, "fwd"] = no_grad
         steps[name, "fwd+bwd"] = lambda fwd=fwd, inputs=inputs, grad_out=grad_out: torch.autograd.grad(
             fwd(), inputs, grad_out)
+    return steps
+
+
+def bench_cpu(T: int, rounds: int, warmup: bool = True) -> dict:
+    """foxlm vs SDPA causal on the CPU at [1, T, 8, 64] fp32: fwd / fwd+bwd seconds, interleaved rounds."""
+    steps = cpu_steps(T)
     times = {key: [] for key in steps}
     for key, fn in steps.items() if warmup else ():
         fn()
@@ -218,31 +226,46 @@ def bench_cpu(T: int, rounds: int, warmup: bool = True) -> dict:
             start = time.perf_counter()
             fn()
             times[key].append(time.perf_counter() - start)
-    row = {"T": T, "B": B, "H": H, "D": D, "dtype": "float32", "rounds": rounds}
+    row = {"T": T, "B": 1, "H": 8, "D": 64, "dtype": "float32", "rounds": rounds}
     for (name, mode), ts in times.items():
         row.setdefault(name, {})[f"{mode}_s"] = statistics.median(ts)
         row[name][f"{mode}_all_s"] = ts
-        row[name][f"{mode}_peak_mib"] = peak_rss_mib(steps[name, mode])
     for mode in ("fwd", "fwd+bwd"):
         row[f"{mode}_ratio"] = row["foxlm"][f"{mode}_s"] / row["sdpa"][f"{mode}_s"]
     print(f"T={T}: {row}", flush=True)
     return row
 
 
-def cpu_main(args) -> None:
-    # Large buffers get their own mmap and go back to the OS when freed, so the peak-RSS reading is per call.
+def cpu_peak_mib(T: int) -> dict:
+    """{"impl mode": MiB}: the peak resident memory each CPU step adds over its inputs. Every buffer of 1 MiB or more
+    gets its own mmap and goes back to the OS when freed (set before the first allocation), so each reading is
+    the call's own."""
     ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD = 1 MiB
+    peaks = {}
+    for (name, mode), fn in cpu_steps(T).items():
+        fn()
+        peaks[f"{name} {mode}"] = peak_rss_mib(fn)
+    return peaks
+
+
+def cpu_main(args) -> None:
     torch.manual_seed(0)
     env = {"device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                      f"{torch.get_num_threads()} torch threads", "torch": torch.__version__,
            "date": datetime.date.today().isoformat()}
     print(env, flush=True)
     path = os.path.join(args.out, f"attention-cpu-{env['date']}.json")
-    rows = []
-    for T in args.seqlens or [1024, 4096, 16384]:
-        rows.append(bench_cpu(T, args.rounds, not args.no_warmup))
-        with open(path, "w") as f:
-            json.dump({"env": env, "rows": rows}, f, indent=1)
+    rows = [bench_cpu(T, args.rounds, not args.no_warmup) for T in args.seqlens or [1024, 4096, 16384]]
+    # Peak memory in a fresh process per length (cpu_peak_mib). Timings keep glibc's default allocator, which reuses
+    # freed memory as a long-running program does.
+    for row in rows:
+        out = subprocess.run([sys.executable, __file__, "--device", "cpu", "--peak-mib", str(row["T"])],
+                             capture_output=True, text=True, check=True).stdout
+        for key, mib in json.loads(out.splitlines()[-1]).items():
+            name, mode = key.split(" ")
+            row[name][f"{mode}_peak_mib"] = mib
+    with open(path, "w") as f:
+        json.dump({"env": env, "rows": rows}, f, indent=1)
     print(f"wrote {path}")
     print(f"CPU, fp32, B=1, H=8, D=64, median of {args.rounds} interleaved rounds, {env['device']}, {env['date']}")
     print("| T | foxlm fwd / fwd+bwd | SDPA causal fwd / fwd+bwd | ratio fwd / fwd+bwd "
@@ -263,11 +286,15 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--rounds", type=int, default=3, help="cpu: interleaved timing rounds")
     parser.add_argument("--no-warmup", action="store_true", help="cpu: time the first calls (for one long run)")
+    parser.add_argument("--peak-mib", type=int, metavar="T", help=argparse.SUPPRESS)  # cpu_main's memory child
     parser.add_argument("--tune", choices=["all", "first"], default="all",
                         help="autotune over the listed tiles, or take the first per head dim (fast compile)")
     parser.add_argument("--quick-check", action="store_true", help="check only the benchmark's specializations")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (saves its compile time)")
     args = parser.parse_args()
+    if args.peak_mib:
+        print(json.dumps(cpu_peak_mib(args.peak_mib)))
+        return
     if args.device == "cpu":
         cpu_main(args)
         return

@@ -204,7 +204,7 @@ class _SdpaAttention(torch.autograd.Function):
                         dkp[:, s:e] += gk
                         dvp[:, s:e] += gv
                     if gq_sum is not None:
-                        put("dq", a, b, heads, scale * gq_sum[..., :D])
+                        put("dq", a, b, heads, gq_sum[..., :D].mul_(scale))  # in place: the kernel's own buffer
                 if dkp is not None:
                     put("dk", 0, Tk, heads, dkp[..., :D])
                     put("dv", 0, Tk, heads, dvp[..., :Dv])
