@@ -263,6 +263,29 @@ def test_heads_that_forget_at_different_rates_get_their_own_chunks():
         assert err < 1e-5, f"{name}: relative error {err:.1e}"
 
 
+@pytest.mark.parametrize("qk_scale", [1.0, 6.0])
+def test_keys_that_underflow_for_every_row_are_not_computed(monkeypatch, qk_scale):
+    """Keys whose weight is below fp32's smallest denormal for every row of a chunk are skipped: the result is that
+    of computing them, also where large dot products (q, k scaled up) keep far keys in play and fewer are skipped."""
+    from foxlm.ops import chunked
+
+    q, k, v, _ = _inputs(1, 1024, 1024, 2, 2, 32, dtype=torch.float32)
+    q, k = q * qk_scale, k * qk_scale
+    log_f = F.logsigmoid(torch.randn(1, 1024, 2, generator=torch.Generator().manual_seed(8)) - 2.0)
+    c = gate_cumsum(log_f)
+    plan = chunked._plan(c, c, None, 0, 1 << 16, True, chunked._norms(q, k, 32 ** -0.5))
+    first_keys = [calls[0][0] for _, chunks in plan for *_, calls in chunks if calls]
+    assert max(first_keys) > 0, "nothing was skipped"
+    got = forgetting_attention(q, k, v, log_f, return_lse=True)
+    monkeypatch.setattr(chunked, "_UNDERFLOW", math.inf)
+    want = forgetting_attention(q, k, v, log_f, return_lse=True)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
+    ref = _oracle(q.double(), k.double(), v.double(), log_f.double())
+    for a, b, r in zip(got, want, ref):  # against the fp64 oracle, skipping costs no accuracy
+        assert (a.double() - r).norm() <= 1.01 * (b.double() - r).norm() + 1e-7 * r.norm()
+
+
 def test_denormals_are_flushed_on_every_intra_op_thread_and_restored():
     """The kernels' worker threads flush denormals during the calls (torch's own setting reaches only the calling
     thread), and every thread has its mode back afterwards."""

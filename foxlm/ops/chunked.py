@@ -31,6 +31,9 @@ _C_SPAN = 64.0
 # elements in one call's [B, H, rows, keys] score matrix; and at most this many in a masked call's explicit mask.
 _MATH_ELEMENTS = 1 << 24
 _MASK_ELEMENTS = 1 << 24
+# A key whose logit lies this far below its row's (plus what the dot products can add) has a probability of at most
+# e^-110: zero in fp32, whose smallest denormal is e^-103.3 (the margin covers c's own rounding).
+_UNDERFLOW = 110.0
 
 
 def row_starts(
@@ -101,7 +104,7 @@ class _SdpaAttention(torch.autograd.Function):
         Tk, Dv = k.shape[1], v.shape[-1]
         cdt = torch.promote_types(q.dtype, torch.float32)
         ctx.set_materialize_grads(False)
-        plan = _plan(c_q, row_start, Tk, q_offset, _rows(q, k), by_head=not channels)
+        plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), not channels, _norms(q, k, scale))
         kernel = _kernel(q.device)[0]
         whole = _whole(plan, Tq)
         if not whole:
@@ -417,9 +420,11 @@ def _head_groups(c: torch.Tensor, rows: int, by_head: bool) -> list[tuple[tuple[
     return groups
 
 
-def _plan(c_q: torch.Tensor, row_start: torch.Tensor | None, tk: int, q_offset: int, rows: int, by_head: bool) -> list:
-    """[(heads, chunks)]: query heads [h0, h1) (None: all; see _head_groups for ``by_head``) and their query chunks (a, b, c_ref [B, G] fp64, ks,
-    ke, calls): the keys [ks, ke) the chunk's rows see, and its kernel calls (s, e, kind).
+def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, q_offset: int, rows: int,
+          by_head: bool, norms: tuple[torch.Tensor, torch.Tensor]) -> list:
+    """[(heads, chunks)]: query heads [h0, h1) (None: all; see _head_groups for ``by_head``) and their query chunks
+    (a, b, c_ref [B, G] fp64, ks, ke, calls): the keys [ks, ke) the chunk's rows compute, and its kernel calls
+    (s, e, kind). norms: (scale * |q| [B, Tq, Hq], |k| [B, Tk, Hq]), for the keys every row may skip (_first_key).
 
     Kinds: "causal" (the chunk's own block: SDPA's top-left causal mask is right), "full" (every row sees every
     key), "masked" and "masked-per-head" (an explicit mask, where rows start at different keys: varlen, windows,
@@ -427,22 +432,26 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor | None, tk: int, q_offset: 
     call: the kernel is never given an empty key range.
     """
     B, Tq, H = c_q.shape
+    tk = c_k.shape[1]
     if Tq == 0:
         return []
-    c = c_q.detach().to(torch.float64)
+    c, ck = c_q.detach().to(torch.float64), c_k.detach().to(torch.float64)
     groups = _head_groups(c, rows, by_head)
     # ACP: every head has its own row starts
     per_head = row_start is not None and bool((row_start != row_start[:, :1]).any())
     plan = []
     for heads, ranges in groups:
         heads = None if len(groups) == 1 else heads
-        cg, rs = _pick(c, heads), _pick(row_start, heads, 1)
+        cg, rs, ckg = _pick(c, heads), _pick(row_start, heads, 1), _pick(ck, heads)
+        qn, kn = (_pick(n, heads) for n in norms)
         chunks = []
         todo = ranges[::-1]
         while todo:
             a, b = todo.pop()
             lo, hi = (0, 0) if rs is None else torch.stack([rs[:, :, a:b].min(), rs[:, :, a:b].max()]).tolist()
             p0, ke = q_offset + a, min(q_offset + b, tk)  # the first row's key position; the end of its visible keys
+            skip = _first_key(ckg, qn, kn, a, b, lo, min(p0, ke), q_offset)
+            lo, hi = max(lo, skip), max(hi, skip)
             if lo >= ke:
                 calls = []
             elif lo == hi == p0:
@@ -460,6 +469,32 @@ def _plan(c_q: torch.Tensor, row_start: torch.Tensor | None, tk: int, q_offset: 
             chunks.append((a, b, c_ref, lo, ke, calls))
         plan.append((heads, chunks))
     return plan
+
+
+def _norms(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale * |q| [B, Tq, Hq], |k| per query head [B, Tk, Hq]) in fp64, for _first_key."""
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    qn = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=dtype).double() * scale
+    kn = torch.linalg.vector_norm(k.detach(), dim=-1, dtype=dtype).double()
+    return qn, kn.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
+
+
+def _first_key(ck, qn, kn, a, b, lo, end, q_offset) -> int:
+    """The first key in [lo, end) that a query row in [a, b) may give fp32-representable weight (else ``end``).
+
+    A row sees its own key r_i (or the last key), so its lse is at least that logit, and key j's probability is at
+    most exp(scale |q_i| (|k_j| + |k_r|) - (c_k[j] - c_k[r_i])). Keys before the first one whose c_k is within
+    2 * max(scale |q|) * max|k| + _UNDERFLOW of the rows' largest c_k[r_i] (every one, in every batch row and head)
+    have probabilities below e^-110: zero in fp32 (below its smallest denormal, 1.4e-45), so they are not computed,
+    as ACP does with a tolerance. ck: [B, Tk, G]; qn: [B, Tq, G]; kn: [B, Tk, G]. NaN norms skip nothing.
+    """
+    if end <= lo:
+        return lo
+    refs = torch.arange(q_offset + a, q_offset + b, device=ck.device).clamp(max=ck.shape[1] - 1)
+    top = ck[:, refs].amax(1) + 2 * qn[:, a:b].amax(1) * kn.amax(1) + _UNDERFLOW  # [B, G]
+    keep = ck[:, lo:end] <= top[:, None]  # [B, keys, G]: the first True is the first key that may count
+    first = torch.where(keep.any(1), keep.int().argmax(1), end - lo)
+    return lo + int(first.min())
 
 
 def _mask(kind, row_start, a, b, ks, ke, q_offset, bias, bias_start, dtype):
