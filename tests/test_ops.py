@@ -273,7 +273,7 @@ def test_keys_that_underflow_for_every_row_are_not_computed(monkeypatch, qk_scal
     q, k = q * qk_scale, k * qk_scale
     log_f = F.logsigmoid(torch.randn(1, 1024, 2, generator=torch.Generator().manual_seed(8)) - 2.0)
     c = gate_cumsum(log_f)
-    plan = chunked._plan(c, c, None, 0, 1 << 16, True, chunked._norms(q, k, 32 ** -0.5))
+    plan = chunked._plan(c, c, None, 0, 1 << 16, True, lambda: chunked._norms(q, k, 32 ** -0.5))
     first_keys = [calls[0][0] for _, chunks in plan for *_, calls in chunks if calls]
     assert max(first_keys) > 0, "nothing was skipped"
     got = forgetting_attention(q, k, v, log_f, return_lse=True)

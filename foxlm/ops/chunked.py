@@ -104,7 +104,7 @@ class _SdpaAttention(torch.autograd.Function):
         Tk, Dv = k.shape[1], v.shape[-1]
         cdt = torch.promote_types(q.dtype, torch.float32)
         ctx.set_materialize_grads(False)
-        plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), not channels, _norms(q, k, scale))
+        plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), not channels, functools.partial(_norms, q, k, scale))
         kernel = _kernel(q.device)[0]
         whole = _whole(plan, Tq)
         if not whole:
@@ -421,10 +421,10 @@ def _head_groups(c: torch.Tensor, rows: int, by_head: bool) -> list[tuple[tuple[
 
 
 def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, q_offset: int, rows: int,
-          by_head: bool, norms: tuple[torch.Tensor, torch.Tensor]) -> list:
+          by_head: bool, norms) -> list:
     """[(heads, chunks)]: query heads [h0, h1) (None: all; see _head_groups for ``by_head``) and their query chunks
     (a, b, c_ref [B, G] fp64, ks, ke, calls): the keys [ks, ke) the chunk's rows compute, and its kernel calls
-    (s, e, kind). norms: (scale * |q| [B, Tq, Hq], |k| [B, Tk, Hq]), for the keys every row may skip (_first_key).
+    (s, e, kind). norms() gives (scale * |q| [B, Tq, Hq], |k| [B, Tk, Hq]) for the keys rows may skip (_first_key).
 
     Kinds: "causal" (the chunk's own block: SDPA's top-left causal mask is right), "full" (every row sees every
     key), "masked" and "masked-per-head" (an explicit mask, where rows start at different keys: varlen, windows,
@@ -437,20 +437,23 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
         return []
     c, ck = c_q.detach().to(torch.float64), c_k.detach().to(torch.float64)
     groups = _head_groups(c, rows, by_head)
+    computed = None
     # ACP: every head has its own row starts
     per_head = row_start is not None and bool((row_start != row_start[:, :1]).any())
     plan = []
     for heads, ranges in groups:
         heads = None if len(groups) == 1 else heads
         cg, rs, ckg = _pick(c, heads), _pick(row_start, heads, 1), _pick(ck, heads)
-        qn, kn = (_pick(n, heads) for n in norms)
         chunks = []
         todo = ranges[::-1]
         while todo:
             a, b = todo.pop()
             lo, hi = (0, 0) if rs is None else torch.stack([rs[:, :, a:b].min(), rs[:, :, a:b].max()]).tolist()
             p0, ke = q_offset + a, min(q_offset + b, tk)  # the first row's key position; the end of its visible keys
-            skip = _first_key(ckg, qn, kn, a, b, lo, min(p0, ke), q_offset)
+            if lo < min(p0, ke) and computed is None:  # the norms are needed only where keys precede a chunk
+                computed = norms()
+            skip = lo if computed is None else _first_key(ckg, *(_pick(n, heads) for n in computed), a, b, lo,
+                                                          min(p0, ke), q_offset)
             lo, hi = max(lo, skip), max(hi, skip)
             if lo >= ke:
                 calls = []
