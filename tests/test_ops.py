@@ -261,6 +261,10 @@ def test_heads_that_forget_at_different_rates_get_their_own_chunks():
     got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))
     for name, err in zip(("o", "lse", "dq", "dk", "dv", "dlog_f"), _rel_errors(got, want)):
         assert err < 1e-5, f"{name}: relative error {err:.1e}"
+    with torch.no_grad():  # without gradients each group gets its own chunks (views of q, k, v; GQA across groups)
+        got = _op(q.float(), k.float(), v.float(), log_f)
+    for name, err in zip(("o", "lse"), _rel_errors(got, want[:2])):
+        assert err < 1e-5, f"{name} (no backward): relative error {err:.1e}"
 
 
 @pytest.mark.parametrize("qk_scale", [1.0, 6.0])
@@ -436,12 +440,14 @@ _CASES = {  # name: (B, Tq, Tk, Hq, Hk, q_offset, window, threshold, packed)
 }
 
 
+@pytest.mark.parametrize("backward", [True, False], ids=["gate-channels", "key-bias-mask"])
 @pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernel", "math-kernel"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("case", list(_CASES))
-def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case, dtype, fused):
+def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case, dtype, fused, backward):
     """Outputs, lse and the gradients of q, k, v, c_q and c_k (through o and lse) against the fp64 oracle, through
-    SDPA's fused CPU kernel and through the plain-matmul kernel that GPU tensors take (here on the CPU)."""
+    SDPA's fused CPU kernel and through the plain-matmul kernel that GPU tensors take (here on the CPU); without
+    gradients (the key-bias mask, heads chunked apart), outputs and lse."""
     from foxlm.ops import attention_from_cumsum
     from foxlm.ops.reference import attention_from_cumsum_reference
 
@@ -455,7 +461,8 @@ def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case
     threshold = None if thr is None else thr - torch.rand(rows, Hq, generator=torch.Generator().manual_seed(2))
     kw = dict(scale=0.3, q_offset=q_offset, window=window, threshold=threshold, cu_seqlens=cu)
     inputs = [t.requires_grad_() for t in (q, k, v, c_q, c_k)]
-    o, lse = attention_from_cumsum(q, k, v, c_q, c_k, **kw)
+    with torch.set_grad_enabled(backward):
+        o, lse = attention_from_cumsum(q, k, v, c_q, c_k, **kw)
     ref = [t.detach().double().requires_grad_() for t in inputs]
     ro, rlse = attention_from_cumsum_reference(*ref, **kw)
     assert o.dtype == dtype and lse.dtype == torch.float32 and o.shape == (B, Tq, Hq, 12)
@@ -466,6 +473,9 @@ def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case
     torch.testing.assert_close(o.double(), ro, rtol=tol, atol=tol)
     finite = ~rlse.isinf()
     torch.testing.assert_close(lse.double()[finite], rlse[finite], rtol=max(tol, 1e-6), atol=max(tol, 1e-6))
+    if not backward:
+        assert o.grad_fn is None
+        return
     g = torch.Generator().manual_seed(3)
     do, dl = torch.randn(ro.shape, generator=g, dtype=torch.float64), torch.randn(rlse.shape, generator=g).double()
     dl = dl.masked_fill(~finite, 0.0)
