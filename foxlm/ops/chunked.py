@@ -108,9 +108,9 @@ class _SdpaAttention(torch.autograd.Function):
         plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), not channels, functools.partial(_norms, q, k, scale))
         kernel = _kernel(q.device)[0]
         whole = _whole(plan, Tq)
-        if not whole:
-            o = torch.zeros(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
-            lse = torch.full((B, Hq, Tq), -math.inf, dtype=cdt, device=q.device)  # stays so for rows that see no key
+        if not whole:  # the chunks of each head group cover every row: each is written once below
+            o = torch.empty(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
+            lse = torch.empty(B, Hq, Tq, dtype=cdt, device=q.device)
         with _flush_denormals():
             for heads, chunks in plan:
                 if channels:
@@ -134,6 +134,7 @@ class _SdpaAttention(torch.autograd.Function):
                         lc = lc if empty is None else lc.masked_fill(empty, -math.inf)
                         outs.append((oc.transpose(1, 2)[..., :Dv], lc))
                     if not outs:  # its rows see no key: o = 0, lse = -inf
+                        _pick(o, heads)[:, a:b], _pick(lse, heads, 1)[:, :, a:b] = 0.0, -math.inf
                         continue
                     if len(outs) == 1:
                         oc, lc = outs[0]
