@@ -35,6 +35,7 @@ _MASK_ELEMENTS = 1 << 24
 # A key whose logit lies this far below its row's (plus what the dot products can add) has a probability of at most
 # e^-110: zero in fp32, whose smallest denormal is e^-103.3 (the margin covers c's own rounding).
 _UNDERFLOW = 110.0
+_SKIP_MIN_KEYS = 1024  # keys before a chunk from which the skip is looked for
 
 
 def row_starts(
@@ -452,10 +453,10 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
             a, b = todo.pop()
             lo, hi = (0, 0) if rs is None else torch.stack([rs[:, :, a:b].min(), rs[:, :, a:b].max()]).tolist()
             p0, ke = q_offset + a, min(q_offset + b, tk)  # the first row's key position; the end of its visible keys
-            if lo < min(p0, ke) and computed is None:  # the norms are needed only where keys precede a chunk
-                computed = norms()
-            skip = lo if computed is None else _first_key(ckg, *(_pick(n, heads) for n in computed), a, b, lo,
-                                                          min(p0, ke), q_offset)
+            skip = lo
+            if min(p0, ke) - lo >= _SKIP_MIN_KEYS:  # the check costs about what a few hundred keys' logits do
+                computed = norms() if computed is None else computed
+                skip = _first_key(ckg, *(_pick(n, heads) for n in computed), a, b, lo, min(p0, ke), q_offset)
             lo, hi = max(lo, skip), max(hi, skip)
             if lo >= ke:
                 calls = []
