@@ -10,8 +10,9 @@ against the fp64 reference.
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--dims 64 128] [--seqlens 2048 8192 16384]
 
 CPU section (``--device cpu``): fp32, B=1, H=8, D=64, the same gate profile; foxlm against SDPA causal (no
-gate) in interleaved rounds of one process (median of ``--rounds``), forward (no grad) and forward+backward
-(grads of q, k, v and the gates), and afterwards the peak resident memory each adds over its inputs.
+gate) in interleaved rounds of one process, each in a shuffled order (median of ``--rounds``), forward (no grad)
+and forward+backward (grads of q, k, v and the gates); then the peak resident memory each adds over its inputs, in a
+fresh process per length.
 
     PYTHONPATH=. python benchmarks/attention.py --device cpu [--seqlens 1024 4096 16384] [--rounds 3] [--no-warmup]
 """
@@ -25,6 +26,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -221,10 +223,12 @@ def bench_cpu(T: int, rounds: int, warmup: bool = True) -> dict:
     times = {key: [] for key in steps}
     for key, fn in steps.items() if warmup else ():
         fn()
-    for _ in range(rounds):  # interleaved, so that load from elsewhere hits both alike
-        for key, fn in steps.items():
+    order, shuffle = list(steps), random.Random(0).shuffle
+    for _ in range(rounds):  # interleaved, so that load from elsewhere hits both alike; shuffled, so that no step
+        shuffle(order)       # always runs after the same one (a step that follows another's backward ran slower)
+        for key in order:
             start = time.perf_counter()
-            fn()
+            steps[key]()
             times[key].append(time.perf_counter() - start)
     row = {"T": T, "B": 1, "H": 8, "D": 64, "dtype": "float32", "rounds": rounds}
     for (name, mode), ts in times.items():
