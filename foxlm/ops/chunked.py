@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import functools
 import math
+import os
 import re
 import threading
 
@@ -313,13 +314,15 @@ def _on_all_threads(fn) -> None:
 @functools.cache
 def _omp_parallel():
     """GOMP_parallel(fn, data, num_threads, flags) of the OpenMP runtime loaded with torch (libgomp, or LLVM's and
-    Intel's, which export it too), or None."""
+    Intel's, which export it too), or None. Where other packages loaded runtimes of their own, torch's comes first:
+    another runtime's threads are not the ones torch computes on."""
     try:
         with open("/proc/self/maps") as f:
-            paths = sorted({line.split()[-1] for line in f if re.search(r"/lib[gi]?omp[-.\w]*\.so", line)})
+            paths = {line.split()[-1] for line in f if re.search(r"/lib[gi]?omp[-.\w]*\.so", line)}
     except OSError:  # not Linux
         return None
-    for path in paths:
+    torch_dir = os.path.dirname(os.path.dirname(torch.__file__))  # site-packages: torch/lib and torch.libs
+    for path in sorted(paths, key=lambda p: (not p.startswith(os.path.join(torch_dir, "torch")), p)):
         try:
             fn = ctypes.CDLL(path).GOMP_parallel
         except (OSError, AttributeError):
