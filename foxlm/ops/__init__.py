@@ -2,7 +2,8 @@
 
 from .acp import acp_stats, acp_threshold, data_logit_bound, prune_threshold
 from .backend import use_backend
-from .forgetting_attention import attention_from_cumsum, forgetting_attention, sequence_attention
+from .chunked import attention_from_cumsum
+from .forgetting_attention import forgetting_attention, sequence_attention
 from .gate import gate_cumsum
 from .reference import forgetting_attention_reference
 from .rms_norm import rms_norm

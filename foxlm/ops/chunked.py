@@ -569,6 +569,11 @@ def _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens) -> Non
                          f"Tk={Tk}, q_offset={q_offset}")
 
 
+# The chunks are planned on the host (.tolist(), bool(tensor), data-dependent shapes). In a compiled block
+# (compile=true) dynamo would break the graph at each of those and warn about every break, so this runs as one call
+# outside the graph, for every caller (the layers, the caches, context parallelism). The Triton path is a custom op,
+# inside the graph.
+@torch.compiler.disable
 def attention_from_cumsum(
     q: torch.Tensor,
     k: torch.Tensor,

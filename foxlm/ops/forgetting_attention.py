@@ -8,19 +8,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import chunked
 from .acp import acp_threshold, check_logit_bound, check_tolerance
 from .backend import use_triton
+from .chunked import attention_from_cumsum
 from .gate import gate_cumsum
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
-
-# The chunked PyTorch path plans its chunks on the host (.tolist(), bool(tensor), data-dependent shapes). In a
-# compiled block (compile=true) dynamo would break the graph at each of those and warn about every break; so it runs
-# as one call outside the graph. The Triton path is a custom op, inside the graph.
-attention_from_cumsum = torch.compiler.disable(chunked.attention_from_cumsum)
-
 
 def _checking_values() -> bool:
     """Value checks (gate sign, cu_seqlens order) need a host sync: skip them while compiling or capturing."""
