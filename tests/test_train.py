@@ -108,6 +108,17 @@ def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # printing trains nothing
 
 
+def test_model_fields_read_from_source_are_foxconfigs_arguments():
+    """model.* keys are checked against FoxConfig's arguments as parsed from its source file (importing it would
+    import transformers): the parse must give what the class itself takes."""
+    import inspect
+
+    from foxlm.models import FoxConfig
+    from foxlm.train.config import model_fields
+
+    assert model_fields() == set(inspect.signature(FoxConfig.__init__).parameters) - {"self", "kwargs"}
+
+
 def test_reading_and_printing_a_config_imports_neither_torch_nor_transformers():
     """`foxlm train --print-config` (and the config checks before a run starts) stay as quick as `--help`: foxlm's
     presets and the baselines' need neither library; an arch=hf:TYPE config does (transformers names the types)."""

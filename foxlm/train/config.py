@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import math
 import os
@@ -174,13 +175,14 @@ def config_keys_help() -> str:
     return "\n".join(rows)
 
 
-def model_fields() -> set[str]:
+@functools.cache
+def model_fields() -> frozenset[str]:
     """The fields of ``FoxConfig`` (its constructor's arguments): what ``model.*`` may set. Read from its source, as
     importing it would import torch and transformers."""
     tree = ast.parse((Path(__file__).resolve().parent.parent / "models" / "configuration_fox.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FoxConfig")
     init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-    return {a.arg for a in init.args.args + init.args.kwonlyargs} - {"self"}
+    return frozenset(a.arg for a in init.args.args + init.args.kwonlyargs) - {"self"}
 
 
 def _coerce(name: str, value, annotation: str):
