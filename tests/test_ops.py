@@ -33,10 +33,16 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(chunked, "_CHUNK", 16)
 
 
+@pytest.mark.parametrize("chunks", ["one", "many"])
 @pytest.mark.parametrize("Hq,Hk", [(4, 4), (4, 2), (4, 1)])
 @pytest.mark.parametrize("Tq,Tk,D,Dv", [(77, 77, 16, 16), (23, 77, 32, 24)])
-def test_chunked_matches_reference(small_chunks, Hq, Hk, Tq, Tk, D, Dv):
+def test_chunked_matches_reference(monkeypatch, chunks, Hq, Hk, Tq, Tk, D, Dv):
+    if chunks == "many":
+        monkeypatch.setattr(chunked, "_CHUNK", 16)
     q, k, v, log_f = _inputs(2, Tq, Tk, Hq, Hk, D, Dv)
+    plan = chunked._plan(gate_cumsum(log_f)[:, Tk - Tq:], gate_cumsum(log_f), None, Tk - Tq, chunked._CHUNK, False,
+                         None)
+    assert (len(plan[0][1]) == 1) == (chunks == "one")
     inputs = [t.requires_grad_() for t in (q, k, v, log_f)]
     o, lse = forgetting_attention(q, k, v, log_f, return_lse=True)
     ro, rlse = forgetting_attention_reference(q, k, v, log_f, return_lse=True)
@@ -44,6 +50,22 @@ def test_chunked_matches_reference(small_chunks, Hq, Hk, Tq, Tk, D, Dv):
     torch.testing.assert_close(lse.double(), rlse, rtol=1e-6, atol=1e-6)  # lse is returned in fp32
     for got, want in zip(_grads(o, lse.double(), inputs), _grads(ro, rlse, inputs)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("chunks", ["one", "many"])
+def test_a_second_backward_through_the_graph_gives_the_same_gradients(monkeypatch, chunks):
+    """The backward reuses the forward's k' buffer as scratch: a retained graph's second backward (gradcheck does
+    one) must neither be refused nor differ, with and without the lse gradient."""
+    if chunks == "many":
+        monkeypatch.setattr(chunked, "_CHUNK", 16)
+    q, k, v, log_f = _inputs(1, 60, 60, 2, 2, 16)
+    inputs = [t.requires_grad_() for t in (q, k, v, log_f)]
+    o, lse = forgetting_attention(q, k, v, log_f, return_lse=True)
+    for loss in (o.square().sum(), o.square().sum() + lse.sum()):
+        first = torch.autograd.grad(loss, inputs, retain_graph=True)
+        second = torch.autograd.grad(loss, inputs, retain_graph=True)
+        for a, b in zip(first, second):
+            assert torch.equal(a, b)
 
 
 def test_chunked_varlen_matches_reference(small_chunks):
@@ -255,7 +277,7 @@ def test_heads_that_forget_at_different_rates_get_their_own_chunks():
     bias = torch.tensor([-4.0, 5.0, 5.0, -4.0], dtype=torch.float64)
     log_f = F.logsigmoid(torch.randn(1, 1024, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
                          + bias)
-    groups = chunked._head_groups(gate_cumsum(log_f), 1024, by_head=True)
+    groups = chunked._head_groups(gate_cumsum(log_f).numpy(), 1024, by_head=True)
     assert [h for h, _ in groups] == [(0, 1), (1, 3), (3, 4)]
     assert len(groups[0][1]) > 1 and groups[1][1] == [(0, 1024)]
     got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))

@@ -21,7 +21,9 @@ import os
 import re
 import threading
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 from .gate import segment_ids
 
@@ -37,6 +39,10 @@ _MASK_ELEMENTS = 1 << 24
 # e^-110: zero in fp32, whose smallest denormal is e^-103.3 (the margin covers c's own rounding).
 _UNDERFLOW = 110.0
 _SKIP_MIN_KEYS = 1024  # keys before a chunk from which the skip is looked for
+# The forward flushes denormals (_flush_denormals) only from this many logits on: the flush costs 0.1-0.2 ms, and
+# the forward kernel meets few denormals (7% of its time at 16k tokens with gates 8x the benchmark's, else ~0), so
+# below this (about 2k tokens x 8 heads) the flush would cost more than it saves. The backward always flushes.
+_FLUSH_MIN_LOGITS = 1 << 24
 
 
 def row_starts(
@@ -92,140 +98,228 @@ class _SdpaAttention(torch.autograd.Function):
     c re-centred on each chunk's c_ref, so that the logits of the keys that carry mass stay small in fp32.
 
     Two ways to give the kernel the gate (``channels``):
-    - channels (a backward will follow): q' = [scale*q, c_q - c_ref, 1] and k' = [k, 1, c_ref - c_k], so the
-      kernel's dot product at scale 1 is the gated logit. The backward rebuilds the same q' and k' bit for bit, so its
-      probabilities agree with the forward's lse to the last bit; the k' channel's gradient is the column sums of
-      dS, the gate's gradient.
-    - a key bias (no backward): softmax ignores a row's own c_q, so q, k and v go in as they are (no copies, head dim
-      64 instead of 66) with the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask; lse gets c_q - c_ref back.
-      Chunks are then planned per run of heads, so one fast-forgetting head does not cut the others' chunks.
+    - channels (a backward will follow): q' = [scale*q, c_q - c_ref, 1] and k' = [k, 1, c_ref - c_k] (v' = [v, 0,
+      0]), so the kernel's dot product at scale 1 is the gated logit. The q' channel keeps the logits of the keys
+      that carry mass small inside the kernel's fp32 sums (a key bias alone lost 3x on dv and 1.5x on the gate
+      gradient against the fp64 oracle). The forward's q', k' and v' buffers are saved and reused by the backward,
+      so its probabilities agree with the forward's lse to the last bit; the k' channel's gradient is the column
+      sums of dS, the gate's gradient.
+    - a key bias (no backward): softmax ignores a row's own c_q, so q, k and v go in as they are (no copies, head
+      dim D instead of D + 2), with the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask; lse gets
+      c_q - c_ref back. Chunks are then planned per run of heads, so one fast-forgetting head does not cut the
+      others' chunks.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, c_q, c_k, row_start, scale, q_offset, channels):
-        B, Tq, Hq, D = q.shape
-        Tk, Dv = k.shape[1], v.shape[-1]
-        cdt = torch.promote_types(q.dtype, torch.float32)
         ctx.set_materialize_grads(False)
         plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), not channels, functools.partial(_norms, q, k, scale))
-        kernel = _kernel(q.device)[0]
-        whole = _whole(plan, Tq)
-        if not whole:  # the chunks of each head group cover every row: each is written once below
-            o = torch.empty(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
-            lse = torch.empty(B, Hq, Tq, dtype=cdt, device=q.device)
-        with _flush_denormals():
-            for heads, chunks in plan:
-                if channels:
-                    qg, kg, vg = _channel_inputs(q, k, v, heads, cdt)
-                else:
-                    qg, kg, vg = (_group(t, heads, Hq, cdt, max(D, Dv)) for t in (q, k, v))
-                ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
-                rsg = _pick(row_start, heads, 1)
-                for a, b, c_ref, ks, ke, calls in chunks:
-                    if channels:
-                        qc, bias = _centre(qg, kg, cqg, ckg, c_ref, a, b, ks, ke, scale), None
-                    else:  # [B, G, 1, keys], contiguous: the kernel copies a mask with other strides to full size
-                        qc = qg[:, a:b]
-                        bias = (c_ref[:, :, None] - ckg[:, ks:ke].transpose(1, 2)).to(cdt).contiguous()[:, :, None]
-                    outs = []
-                    for s, e, kind in calls:
-                        mask, empty = _mask(kind, rsg, a, b, s, e, q_offset, bias, ks, cdt)
-                        oc, lc = kernel(_heads(qc), _heads(kg[:, s:e]), _heads(vg[:, s:e]), 0.0, kind == "causal",
-                                        attn_mask=mask, scale=1.0 if channels else scale)
-                        # The kernel gives a row that sees no key o = 0 and lse 0, not -inf.
-                        lc = lc if empty is None else lc.masked_fill(empty, -math.inf)
-                        outs.append((oc.transpose(1, 2)[..., :Dv], lc))
-                    if not outs:  # its rows see no key: o = 0, lse = -inf
-                        _pick(o, heads)[:, a:b], _pick(lse, heads, 1)[:, :, a:b] = 0.0, -math.inf
-                        continue
-                    if len(outs) == 1:
-                        oc, lc = outs[0]
-                    else:  # the keys before the chunk and its causal block: every row sees both (finite lse)
-                        (o1, l1), (o2, l2) = outs
-                        oc = torch.lerp(o1, o2, torch.sigmoid(l2 - l1).transpose(1, 2)[..., None])
-                        lc = torch.logaddexp(l1, l2)
-                    if not channels:
-                        lc = lc + (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)
-                    if whole:
-                        o, lse = oc.contiguous(), lc
-                    else:
-                        _pick(o, heads)[:, a:b], _pick(lse, heads, 1)[:, :, a:b] = oc, lc
-        out = o.to(q.dtype)
-        if channels:
-            ctx.save_for_backward(q, k, v, c_q, c_k, row_start, o, lse)  # o: out itself where q is fp32 or fp64
-            ctx.plan, ctx.scale, ctx.q_offset = plan, scale, q_offset
-        return out, lse.float()
+        cdt = torch.promote_types(q.dtype, torch.float32)
+        with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
+            if not channels:
+                o, lse = _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan, cdt)
+                return o.to(q.dtype), lse.float()
+            dp = max(q.shape[-1], v.shape[-1]) + 2
+            qp = _q_channels(q, scale, dp, cdt)
+            kp, vp = _kv_channels(k, v, q.shape[2], dp, cdt)
+            o, lse = _channel_forward(qp, kp, vp, c_q, c_k, row_start, q_offset, plan[0][1])
+        gqa = q.shape[2] != k.shape[2]  # then k' and v' repeat k and v per query head: rebuilt, not saved
+        ctx.save_for_backward(qp, k if gqa else kp, v if gqa else vp, o, lse, c_q, c_k, row_start)
+        ctx.plan, ctx.gqa, ctx.scale, ctx.q_offset = plan[0][1], gqa, scale, q_offset
+        ctx.shapes = (q.shape, q.dtype, k.shape[2], v.shape[-1])
+        # A view of o' (the backward never writes to it); where q is fp32, no copy.
+        return o[..., :v.shape[-1]].to(q.dtype), lse.float()
 
     @staticmethod
     def backward(ctx, do, dlse):
-        q, k, v, c_q, c_k, row_start, o, lse = ctx.saved_tensors
-        scale, q_offset = ctx.scale, ctx.q_offset
-        B, Tq, Hq, D = q.shape
-        Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
-        plan = ctx.plan  # the forward's chunks and c_ref: the same q' and k', bit for bit
-        cdt, dev = o.dtype, q.device
-        dp = max(D, Dv) + 2  # two channels for the gate on q' and k', one (and a zero) for the lse gradient
-        kernel = _kernel(dev)[1]
-        # The kernel's backward takes delta = rowsum(dO * O) from its inputs; the spare channel with dO = 1 and
-        # O = -dlse turns it into rowsum(dO * O) - dlse, the lse gradient (its dV column is discarded).
-        do = torch.zeros_like(o) if do is None else do
-        # The gradients are the kernel's own where one head group's chunk covers them; else zeros (the rows of
-        # chunks that see no key, the keys no row sees) filled in per group and chunk.
-        grads = {"dq": None, "dk": None, "dv": None, "dc_k": None}
-        shapes = {"dq": (B, Tq, Hq, D), "dk": (B, Tk, Hq, D), "dv": (B, Tk, Hq, Dv), "dc_k": (B, Tk, Hq)}
-
-        def put(name, a, b, heads, val):
-            if heads is None and (a, b) == (0, shapes[name][1]):
-                grads[name] = val
-                return
-            if grads[name] is None:
-                grads[name] = torch.zeros(shapes[name], dtype=cdt, device=dev)
-            _pick(grads[name], heads)[:, a:b] = val
-
+        qp, kp, vp, o, lse, c_q, c_k, row_start = ctx.saved_tensors
+        (B, Tq, Hq, D), dtype, Hk, Dv = ctx.shapes
+        dp = qp.shape[-1]
+        if ctx.gqa:
+            kp, vp = _kv_channels(kp, vp, Hq, dp, qp.dtype)
+        # The kernel's backward takes delta = rowsum(dO * O) from its inputs: o''s last channel (0 from the forward,
+        # as v''s is) with dO = 1 there turns it into rowsum(dO * O) - dlse, the lse gradient.
+        if do is None:
+            dop = torch.zeros_like(o)
+        else:
+            dop = F.pad(do.to(o.dtype), (0, dp - Dv))
+        dop[..., -1] = 1.0
+        if dlse is not None:  # on a copy: the user's output is a view of o'
+            o = o.clone()
+            o[..., -1] = -dlse.transpose(1, 2)
         with _flush_denormals():
-            for heads, chunks in plan:
-                qg, kp, vp = _channel_inputs(q, k, v, heads, cdt)
-                dog, og = (_group(t, heads, Hq, cdt, dp - 2) for t in (do, o))
-                ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
-                rsg, lseg = _pick(row_start, heads, 1), _pick(lse, heads, 1)
-                dlg = None if dlse is None else _pick(dlse, heads, 1).to(cdt)
-                dkp = dvp = None
-                for a, b, c_ref, ks, ke, calls in chunks:
-                    qc = _centre(qg, kp, cqg, ckg, c_ref, a, b, ks, ke, scale)
-                    doc = _ext(dog[:, a:b], 1.0, 0.0)
-                    oc = _ext(og[:, a:b], 0.0 if dlg is None else -dlg[:, :, a:b].transpose(1, 2)[..., None], 0.0)
-                    lc = lseg[:, :, a:b]
-                    lc = lc.masked_fill(lc == -math.inf, math.inf)  # a row that sees no key: P = 0, not NaN
-                    gq_sum = None
-                    for s, e, kind in calls:
-                        mask, _ = _mask(kind, rsg, a, b, s, e, q_offset, None, ks, cdt)
-                        gq, gk, gv = kernel(_heads(doc), _heads(qc), _heads(kp[:, s:e]), _heads(vp[:, s:e]),
-                                            _heads(oc), lc, 0.0, kind == "causal", attn_mask=mask, scale=1.0)
-                        gq, gk, gv = (g.transpose(1, 2) for g in (gq, gk, gv))
-                        gq_sum = gq if gq_sum is None else gq_sum + gq
-                        if dkp is None and s == 0 and e == Tk:  # the first call sees every key: no buffer, no add
-                            dkp, dvp = gk, gv
-                            continue
-                        if dkp is None:
-                            dkp, dvp = torch.zeros_like(kp), torch.zeros_like(vp)
-                        dkp[:, s:e] += gk
-                        dvp[:, s:e] += gv
-                    if gq_sum is not None:
-                        put("dq", a, b, heads, gq_sum[..., :D].mul_(scale))  # in place: the kernel's own buffer
-                if dkp is not None:
-                    put("dk", 0, Tk, heads, dkp[..., :D])
-                    put("dv", 0, Tk, heads, dvp[..., :Dv])
-                    put("dc_k", 0, Tk, heads, -dkp[..., -1])
-        dq, dk, dv, dc_k = (torch.zeros(shapes[n], dtype=cdt, device=dev) if g is None else g for n, g in grads.items())
-        group = Hq // Hk
-        if group > 1:
-            dk, dv = (g.unflatten(2, (Hk, group)).sum(3) for g in (dk, dv))
-        # Row sums of dS are dlse exactly (sum_j p_ij = 1): the q' channel's gradient would add rounding noise.
+            dq, dkp, dvp = _channel_backward(dop, qp, kp, vp, o, lse, c_k, row_start, ctx.q_offset, ctx.plan,
+                                             ctx.scale, D, ctx.gqa)
+        dk, dv, dc_k = dkp[..., :D], dvp[..., :Dv], -dkp[..., -1]
+        if Hq != Hk:
+            dk, dv = (g.unflatten(2, (Hk, Hq // Hk)).sum(3) for g in (dk, dv))
+        # Row sums of dS are dlse exactly (sum_j p_ij = 1).
         if dlse is None:
-            dc_q = torch.zeros(B, Tq, Hq, dtype=c_q.dtype, device=dev)
+            dc_q = torch.zeros(B, Tq, Hq, dtype=c_q.dtype, device=c_q.device)
         else:
             dc_q = dlse.transpose(1, 2).masked_fill(lse.transpose(1, 2) == -math.inf, 0.0).to(c_q.dtype)
-        return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dc_q, dc_k.to(c_k.dtype), None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc_q, dc_k.to(c_k.dtype), None, None, None, None
+
+
+def _q_channels(q: torch.Tensor, scale: float, dp: int, dtype: torch.dtype) -> torch.Tensor:
+    """q' = [scale * q, 0..., c_q - c_ref, 1]: [B, Tq, Hq, dp] in dtype; the c channel is written per chunk
+    (_channel_forward)."""
+    D = q.shape[-1]
+    qp = torch.empty(*q.shape[:3], dp, dtype=dtype, device=q.device)
+    torch.mul(q, scale, out=qp[..., :D])
+    qp[..., D:-2] = 0.0
+    qp[..., -1] = 1.0
+    return qp
+
+
+def _kv_channels(k: torch.Tensor, v: torch.Tensor, hq: int, dp: int, dtype: torch.dtype):
+    """k' = [k, 1..., 1, c_ref - c_k] and v' = [v, 0...]: [B, Tk, Hq, dp] in dtype (GQA: each query head's k and
+    v head); k''s padding is 1 (q''s is 0), and its c channel is written per chunk (_set_bias)."""
+    group = hq // k.shape[2]
+    k, v = (t if group == 1 else t.repeat_interleave(group, dim=2) for t in (k, v))
+    return F.pad(k.to(dtype), (0, dp - k.shape[-1]), value=1.0), F.pad(v.to(dtype), (0, dp - v.shape[-1]))
+
+
+def _set_bias(kp: torch.Tensor, ck: torch.Tensor, c_ref: torch.Tensor, ks: int, ke: int) -> None:
+    """Writes k''s bias channel c_ref - c_k for keys [ks, ke) (in place: chunks run one after another, the forward's
+    and the backward's alike, so both see the same bits). ck: [B, Tk, Hq] fp64, c_ref: [B, Hq] fp64."""
+    kp[:, ks:ke, :, -1] = c_ref[:, None] - ck[:, ks:ke]
+
+
+def _attend(kernel, qc, kc, vc, calls, row_start, a, b, q_offset, bias, bias_start, scale, dv, out=None):
+    """One query chunk against its calls' keys: (o [B, rows, G, dv], lse [B, G, rows]) of the kernel, merged over
+    the calls through their lse (-inf where a row sees no key), and written into ``out`` (views of the results) where
+    given; None where the chunk has no call."""
+    outs = []
+    for s, e, kind in calls:
+        mask, empty = _mask(kind, row_start, a, b, s, e, q_offset, bias, bias_start, qc.dtype)
+        oc, lc = kernel(_heads(qc), _heads(kc[:, s:e]), _heads(vc[:, s:e]), 0.0, kind == "causal", attn_mask=mask,
+                        scale=scale)
+        # The kernel gives a row that sees no key o = 0 and lse 0, not -inf.
+        outs.append((oc.transpose(1, 2)[..., :dv], lc if empty is None else lc.masked_fill(empty, -math.inf)))
+    if len(outs) < 2:
+        if out is None or not outs:
+            return outs[0] if outs else None
+        out[0].copy_(outs[0][0])
+        out[1].copy_(outs[0][1])
+        return out
+    # The keys before the chunk and its causal block: every row sees both (finite lse).
+    (o1, l1), (o2, l2) = outs
+    weight = torch.sigmoid(l2 - l1).transpose(1, 2)[..., None]
+    if out is None:
+        return torch.lerp(o1, o2, weight), torch.logaddexp(l1, l2)
+    torch.lerp(o1, o2, weight, out=out[0])
+    torch.logaddexp(l1, l2, out=out[1])
+    return out
+
+
+def _channel_forward(qp, kp, vp, c_q, c_k, row_start, q_offset, chunks):
+    """(o' [B, Tq, Hq, Dp], lse [B, Hq, Tq]) of every chunk of one head group (all heads); writes q''s c channel
+    (each row is in one chunk)."""
+    B, Tq, Hq, dp = qp.shape
+    kernel = _kernel(qp.device)[0]
+    ck, cq = c_k.detach().to(torch.float64), c_q.detach().to(torch.float64)
+    o = lse = None
+    if len(chunks) != 1:  # the chunks cover every row, each written once
+        o = torch.empty_like(qp)
+        lse = torch.empty(B, Hq, Tq, dtype=qp.dtype, device=qp.device)
+    for a, b, c_ref, ks, ke, calls in chunks:
+        _set_bias(kp, ck, c_ref, ks, ke)
+        qp[:, a:b, :, -2] = cq[:, a:b] - c_ref[:, None]
+        res = _attend(kernel, qp[:, a:b], kp, vp, calls, row_start, a, b, q_offset, None, ks, 1.0, dp,
+                      None if o is None else (o[:, a:b], lse[:, :, a:b]))
+        if o is None and res is not None:  # one chunk: the kernel's outputs are the results
+            return res
+        if res is None:  # its rows see no key: o = 0, lse = -inf
+            if o is None:
+                return torch.zeros_like(qp), torch.full((B, Hq, Tq), -math.inf, dtype=qp.dtype, device=qp.device)
+            o[:, a:b], lse[:, :, a:b] = 0.0, -math.inf
+    return o, lse
+
+
+def _channel_backward(dop, qp, kp, vp, o, lse, c_k, row_start, q_offset, chunks, scale, D, rebuilt):
+    """(dq [B, Tq, Hq, D], dk' and dv' [B, Tk, Hq, Dp]) from the kernel's backward over every chunk of
+    _channel_forward, from its o' (with the last channel set for the lse gradient) and lse; ``rebuilt``: k' is not
+    the forward's."""
+    B, Tq, Hq, dp = qp.shape
+    Tk = kp.shape[1]
+    kernel = _kernel(qp.device)[1]
+    ck = c_k.detach().to(torch.float64)
+    # Where k' is the forward's (saved), its c channel is scratch, rewritten before each chunk's calls: the writes go
+    # through .data and leave autograd's version counter (a second backward would otherwise refuse k'), and one
+    # chunk needs no write (the forward's is still there).
+    scratch = kp if rebuilt else kp.data if len(chunks) > 1 else None
+    dq = None if len(chunks) == 1 else qp.new_empty(B, Tq, Hq, D)
+    dk = dv = None
+    done = 0  # dk' and dv' hold keys [0, done): written, or zero where no row sees them
+    for a, b, c_ref, ks, ke, calls in chunks:
+        if scratch is not None:
+            _set_bias(scratch, ck, c_ref, ks, ke)
+        lc = lse[:, :, a:b]
+        if row_start is not None:  # a row may see no key: P = 0 there, not NaN
+            lc = lc.masked_fill(lc == -math.inf, math.inf)
+        gq_sum = None
+        for s, e, kind in calls:
+            mask, _ = _mask(kind, row_start, a, b, s, e, q_offset, None, ks, qp.dtype)
+            gq, gk, gv = (g.transpose(1, 2) for g in kernel(
+                _heads(dop[:, a:b]), _heads(qp[:, a:b]), _heads(kp[:, s:e]), _heads(vp[:, s:e]), _heads(o[:, a:b]),
+                lc, 0.0, kind == "causal", attn_mask=mask, scale=1.0))
+            gq_sum = gq if gq_sum is None else gq_sum.add_(gq)
+            if (s, e) == (0, Tk) and dk is None:  # the only call that sees every key: its buffers are the result
+                dk, dv, done = gk, gv, Tk
+                continue
+            if dk is None:
+                dk, dv = torch.empty_like(kp), torch.empty_like(vp)
+            mid = min(max(s, done), e)  # keys [s, mid) were written before: add; [mid, e) are new: copy
+            for buf, g in ((dk, gk), (dv, gv)):
+                if s > done:
+                    buf[:, done:s] = 0.0
+                if mid > s:
+                    buf[:, s:mid] += g[:, :mid - s]
+                if e > mid:
+                    buf[:, mid:e] = g[:, mid - s:]
+            done = max(done, e)
+        if dq is None:  # one chunk
+            dq = qp.new_zeros(B, Tq, Hq, D) if gq_sum is None else gq_sum[..., :D].mul_(scale)
+        elif gq_sum is None:
+            dq[:, a:b] = 0.0
+        else:
+            torch.mul(gq_sum[..., :D], scale, out=dq[:, a:b])
+    if dk is None:
+        dk, dv = torch.zeros_like(kp), torch.zeros_like(vp)
+    elif done < Tk:
+        dk[:, done:], dv[:, done:] = 0.0, 0.0
+    return dq, dk, dv
+
+
+def _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan, cdt):
+    """(o [B, Tq, Hq, Dv], lse [B, Hq, Tq]) with the key bias as a mask, per head group and chunk of ``plan``."""
+    B, Tq, Hq, D = q.shape
+    Dv = v.shape[-1]
+    kernel = _kernel(q.device)[0]
+    o = lse = None
+    if len(plan) > 1 or len(plan[0][1]) != 1:  # the chunks of each head group cover every row, each written once
+        o = torch.empty(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
+        lse = torch.empty(B, Hq, Tq, dtype=cdt, device=q.device)
+    for heads, chunks in plan:
+        qg, kg, vg = (_group(t, heads, Hq, cdt, max(D, Dv)) for t in (q, k, v))
+        ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
+        rsg = _pick(row_start, heads, 1)
+        for a, b, c_ref, ks, ke, calls in chunks:
+            # [B, G, 1, keys], contiguous: the kernel copies a mask with other strides to full size
+            bias = (c_ref[:, :, None] - ckg[:, ks:ke].transpose(1, 2)).to(cdt).contiguous()[:, :, None]
+            out = None if o is None else (_pick(o, heads)[:, a:b], _pick(lse, heads, 1)[:, :, a:b])
+            res = _attend(kernel, qg[:, a:b], kg, vg, calls, rsg, a, b, q_offset, bias, ks, scale, Dv, out)
+            shift = (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)  # softmax left c_q - c_ref out of lse
+            if o is None:  # one chunk of every head: the kernel's outputs are the results
+                if res is None:
+                    return q.new_zeros(B, Tq, Hq, Dv, dtype=cdt), q.new_full((B, Hq, Tq), -math.inf, dtype=cdt)
+                return res[0], res[1] + shift
+            if res is None:  # its rows see no key: o = 0, lse = -inf
+                out[0][:], out[1][:] = 0.0, -math.inf
+            else:
+                out[1].add_(shift)
+    return o, lse
 
 
 def _fused(device: torch.device) -> bool:
@@ -266,8 +360,9 @@ def _math_logits(q, k, is_causal, attn_mask, scale):
 
 
 @contextlib.contextmanager
-def _flush_denormals():
-    """Flush fp32 denormals to zero on every intra-op thread during the kernel calls, then restore each thread's mode.
+def _flush_denormals(on: bool = True):
+    """Flush fp32 denormals to zero on every intra-op thread during the kernel calls, then restore each thread's mode
+    (``on``: else nothing).
 
     The gate drives many probabilities of a row below 1e-38, where the CPU computes with denormals at a fraction of
     its speed (several times slower on the backward); values that small are zero to fp32's precision.
@@ -276,6 +371,9 @@ def _flush_denormals():
     on the calling thread only). torch has no getter, so each thread's mode is read off a product of Python floats
     (the same MXCSR flags govern them).
     """
+    if not on:
+        yield
+        return
     modes: dict[int, bool] = {}
 
     def flush(on: bool | None) -> None:
@@ -361,38 +459,10 @@ def _pick(c: torch.Tensor, heads: tuple[int, int] | None, dim: int = 2) -> torch
     return c if heads is None or c is None else c.narrow(dim, heads[0], heads[1] - heads[0])
 
 
-def _channel_inputs(q, k, v, heads, dtype):
-    """(q [B, Tq, G, Dp - 2] to be extended per chunk, k' = [k, 1, bias], v' = [v, 0, 0]: [B, Tk, G, Dp]) for the
-    query heads ``heads``; Dp = max(D, Dv) + 2, and k's bias channel is written per chunk by _centre."""
-    hq, dp = q.shape[2], max(q.shape[-1], v.shape[-1]) + 2
-    kp = _ext(_group(k, heads, hq, dtype, dp - 2), 1.0, 0.0)
-    vp = _ext(_group(v, heads, hq, dtype, dp - 2), 0.0, 0.0)
-    return _group(q, heads, hq, dtype, dp - 2), kp, vp
-
-
-def _centre(qg, kp, cqg, ckg, c_ref, a, b, ks, ke, scale) -> torch.Tensor:
-    """The chunk's q' = [scale*q, c_q - c_ref, 1] for rows [a, b); writes k''s channel c_ref - c_k for keys [ks, ke)
-    (in place: chunks run one after another)."""
-    kp[:, ks:ke, :, -1] = c_ref[:, None] - ckg[:, ks:ke]
-    return _ext(qg[:, a:b] * scale, (cqg[:, a:b] - c_ref[:, None])[..., None].to(kp.dtype), 1.0)
-
-
-def _ext(x: torch.Tensor, *channels) -> torch.Tensor:
-    """[x, *channels] along the last dim: each channel a number or a [..., 1] tensor."""
-    parts = [c if isinstance(c, torch.Tensor) else x.new_full((1,) * x.dim(), c) for c in channels]
-    return torch.cat([x, *(c.expand(*x.shape[:-1], 1) for c in parts)], dim=-1)
-
-
-def _whole(plan: list, tq: int) -> bool:
-    """Whether one kernel call over all heads and rows does the work (its outputs are the results)."""
-    if len(plan) != 1 or plan[0][0] is not None or len(plan[0][1]) != 1:
-        return False
-    a, b, _, _, _, calls = plan[0][1][0]
-    return (a, b) == (0, tq) and len(calls) == 1
-
-
-def _head_groups(c: torch.Tensor, rows: int, by_head: bool) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
-    """[((h0, h1), row ranges)]: runs of heads whose gates need the same query chunks, and those chunks [a, b).
+def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[int, int], list[tuple[int, int]]]]:
+    """[((h0, h1), row ranges)]: runs of heads whose gates need the same query chunks, and those chunks [a, b), for
+    the gate cumsum c: [B, Tq, H] fp64 (on the host: the plan is host logic, and numpy's small reductions cost a
+    fraction of a tensor op's dispatch).
 
     Chunks have at most ``rows`` rows, are cut where c jumps by more than _C_SPAN from one row to the next (a
     sequence restart, or a gate below e^-64), and are split evenly where one head's gates span more than _C_SPAN
@@ -401,15 +471,16 @@ def _head_groups(c: torch.Tensor, rows: int, by_head: bool) -> list[tuple[tuple[
     of adjacent heads, so that it is a view of q, k and v); else every head gets the shortest chunks any needs.
     """
     Tq = c.shape[1]
-    jumps = ((c[:, 1:] - c[:, :-1]).abs().amax((0, 2)) > _C_SPAN).nonzero().flatten() + 1
-    bounds = sorted(set(range(0, Tq, rows)) | set(jumps.tolist()) | {Tq})
+    jumps = (np.nonzero(np.abs(np.diff(c, axis=1)).max(axis=(0, 2), initial=0.0) > _C_SPAN)[0] + 1).tolist()
+    bounds = sorted(set(range(0, Tq, rows)) | set(jumps) | {Tq})
     pieces = list(zip(bounds, bounds[1:]))
-    spans = torch.stack([(c[:, a:b].amax(1) - c[:, a:b].amin(1)).amax(0) for a, b in pieces])  # [pieces, H]
-    splits = torch.where(spans.isfinite(), (spans / _C_SPAN).ceil(), 1.0)  # NaN gates (unchecked) just pass through
-    most = torch.tensor([max(1, (b - a) // 16) for a, b in pieces], dtype=splits.dtype, device=c.device)
-    splits = torch.minimum(splits.clamp(min=1), most[:, None]).long()
+    spans = (np.maximum.reduceat(c, bounds[:-1], axis=1) - np.minimum.reduceat(c, bounds[:-1], axis=1)).max(0)
+    with np.errstate(invalid="ignore"):  # NaN gates (unchecked) just pass through
+        splits = np.where(np.isfinite(spans), np.ceil(spans / _C_SPAN), 1.0)  # [pieces, H]
+    most = np.array([max(1, (b - a) // 16) for a, b in pieces])
+    splits = np.minimum(np.maximum(splits, 1.0), most[:, None]).astype(np.int64)
     if not by_head:
-        splits = splits.amax(1, keepdim=True).expand(-1, c.shape[2])
+        splits = np.broadcast_to(splits.max(1, keepdims=True), splits.shape)
     runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
     for h, counts in enumerate(splits.T.tolist()):
         if runs and runs[-1][0] == counts:
@@ -440,8 +511,9 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
     B, Tq, H = c_q.shape
     tk = c_k.shape[1]
     if Tq == 0:
-        return []
-    c, ck = c_q.detach().to(torch.float64), c_k.detach().to(torch.float64)
+        return [(None, [])]
+    c = c_q.detach().to(torch.float64).cpu().numpy()
+    ck = c_k.detach().to(torch.float64)
     groups = _head_groups(c, rows, by_head)
     computed = None
     # ACP: every head has its own row starts
@@ -449,7 +521,8 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
     plan = []
     for heads, ranges in groups:
         heads = None if len(groups) == 1 else heads
-        cg, rs, ckg = _pick(c, heads), _pick(row_start, heads, 1), _pick(ck, heads)
+        cg = c if heads is None else c[:, :, heads[0]:heads[1]]
+        rs, ckg = _pick(row_start, heads, 1), _pick(ck, heads)
         chunks = []
         todo = ranges[::-1]
         while todo:
@@ -474,10 +547,20 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
                     todo += [((a + b) // 2, b), (a, (a + b) // 2)]
                     continue
                 calls = [(lo, ke, "masked-per-head" if per_head else "masked")]
-            c_ref = (cg[:, a:b].amax(1) + cg[:, a:b].amin(1)) / 2
+            c_ref = torch.from_numpy((cg[:, a:b].max(1) + cg[:, a:b].min(1)) / 2).to(c_q.device)
             chunks.append((a, b, c_ref, lo, ke, calls))
         plan.append((heads, chunks))
     return plan
+
+
+def _logits(plan: list, batch: int, heads: int) -> int:
+    """How many logits the kernel calls of ``plan`` compute (a causal block: half of its square)."""
+    total = 0
+    for group, chunks in plan:
+        g = heads if group is None else group[1] - group[0]
+        for a, b, _, _, _, calls in chunks:
+            total += sum((b - a) * (e - s) // (2 if kind == "causal" else 1) for s, e, kind in calls) * batch * g
+    return total
 
 
 def _norms(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -72,6 +72,14 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
     bound_tensor = isinstance(logit_bound, torch.Tensor)
     if not _checking_values() or (cu_seqlens is None and not check_gates):
         return
+    if cu_seqlens is None and not bound_tensor:  # the gates alone: their extremes in one reduction (NaN propagates)
+        if log_fgate.numel() == 0:
+            return
+        lo, hi = torch.aminmax(log_fgate)
+        lo, hi = torch.stack([lo, hi]).tolist()
+        if not (hi <= 0 and lo > -math.inf):
+            raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
+        return
     # Every value check in one device tensor, read back with a single host sync.
     no = torch.zeros((), dtype=torch.bool, device=q.device)
     flags = [(~(log_fgate <= 0) | log_fgate.isinf()).any() if check_gates else no,
