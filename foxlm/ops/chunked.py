@@ -97,28 +97,20 @@ class _SdpaAttention(torch.autograd.Function):
     """Forgetting attention inside SDPA's fused CPU kernel (off the CPU, _math_attention), query chunk by chunk with
     c re-centred on each chunk's c_ref, so that the logits of the keys that carry mass stay small in fp32.
 
-    Two ways to give the kernel the gate (``channels``):
-    - channels (a backward will follow): q' = [scale*q, c_q - c_ref, 1] and k' = [k, 1, c_ref - c_k] (v' = [v, 0,
-      0]), so the kernel's dot product at scale 1 is the gated logit. The q' channel keeps the logits of the keys
-      that carry mass small inside the kernel's fp32 sums (a key bias alone lost 3x on dv and 1.5x on the gate
-      gradient against the fp64 oracle). The forward's q', k' and v' buffers are saved and reused by the backward,
-      so its probabilities agree with the forward's lse to the last bit; the k' channel's gradient is the column
-      sums of dS, the gate's gradient.
-    - a key bias (no backward): softmax ignores a row's own c_q, so q, k and v go in as they are (no copies, head
-      dim D instead of D + 2), with the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask; lse gets
-      c_q - c_ref back. Chunks are then planned per run of heads, so one fast-forgetting head does not cut the
-      others' chunks.
+    Where a backward follows, the gate goes in as channels: q' = [scale*q, c_q - c_ref, 1] and
+    k' = [k, 1, c_ref - c_k] (v' = [v, 0, 0]), so the kernel's dot product at scale 1 is the gated logit. The q'
+    channel keeps the logits of the keys that carry mass small inside the kernel's fp32 sums (a key bias alone lost 3x
+    on dv and 1.5x on the gate gradient against the fp64 oracle). The forward's q', k' and v' are saved and reused by
+    the backward, so its probabilities agree with the forward's lse to the last bit; the k' channel's gradient is the
+    column sums of dS, the gate's gradient. Without a backward, _bias_attention gives the gate as a key bias.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, c_q, c_k, row_start, scale, q_offset, channels):
+    def forward(ctx, q, k, v, c_q, c_k, row_start, scale, q_offset):
         ctx.set_materialize_grads(False)
-        plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), not channels, functools.partial(_norms, q, k, scale))
+        plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), False, functools.partial(_norms, q, k, scale))
         cdt = torch.promote_types(q.dtype, torch.float32)
         with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
-            if not channels:
-                o, lse = _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan, cdt)
-                return o.to(q.dtype), lse.float()
             dp = max(q.shape[-1], v.shape[-1]) + 2
             qp = _q_channels(q, scale, dp, cdt)
             kp, vp = _kv_channels(k, v, q.shape[2], dp, cdt)
@@ -158,7 +150,21 @@ class _SdpaAttention(torch.autograd.Function):
             dc_q = torch.zeros(B, Tq, Hq, dtype=c_q.dtype, device=c_q.device)
         else:
             dc_q = dlse.transpose(1, 2).masked_fill(lse.transpose(1, 2) == -math.inf, 0.0).to(c_q.dtype)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc_q, dc_k.to(c_k.dtype), None, None, None, None
+        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc_q, dc_k.to(c_k.dtype), None, None, None
+
+
+def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torch.Tensor, torch.Tensor]:
+    """_SdpaAttention's forward where no backward follows (eval, generation, prefill): (o in q's dtype, lse fp32).
+
+    Softmax ignores a row's own c_q, so q, k and v go in as they are (no copies, head dim D instead of D + 2), with
+    the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask, and lse gets c_q - c_ref back. Chunks are planned
+    per run of heads, so one fast-forgetting head does not cut the others' chunks.
+    """
+    plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), True, functools.partial(_norms, q, k, scale))
+    with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
+        o, lse = _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan,
+                               torch.promote_types(q.dtype, torch.float32))
+    return o.to(q.dtype), lse.float()
 
 
 def _q_channels(q: torch.Tensor, scale: float, dp: int, dtype: torch.dtype) -> torch.Tensor:
@@ -301,16 +307,17 @@ def _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan, cdt):
     if len(plan) > 1 or len(plan[0][1]) != 1:  # the chunks of each head group cover every row, each written once
         o = torch.empty(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
         lse = torch.empty(B, Hq, Tq, dtype=cdt, device=q.device)
+    ckt, cqt = (c.to(torch.float64).transpose(1, 2).contiguous() for c in (c_k, c_q))  # [B, Hq, T]
     for heads, chunks in plan:
         qg, kg, vg = (_group(t, heads, Hq, cdt, max(D, Dv)) for t in (q, k, v))
-        ckg, cqg = (_pick(c, heads).detach().to(torch.float64) for c in (c_k, c_q))
+        ckg, cqg = _pick(ckt, heads, 1), _pick(cqt, heads, 1)
         rsg = _pick(row_start, heads, 1)
         for a, b, c_ref, ks, ke, calls in chunks:
             # [B, G, 1, keys], contiguous: the kernel copies a mask with other strides to full size
-            bias = (c_ref[:, :, None] - ckg[:, ks:ke].transpose(1, 2)).to(cdt).contiguous()[:, :, None]
+            bias = (c_ref[:, :, None] - ckg[:, :, ks:ke]).to(cdt)[:, :, None]
             out = None if o is None else (_pick(o, heads)[:, a:b], _pick(lse, heads, 1)[:, :, a:b])
             res = _attend(kernel, qg[:, a:b], kg, vg, calls, rsg, a, b, q_offset, bias, ks, scale, Dv, out)
-            shift = (cqg[:, a:b] - c_ref[:, None]).transpose(1, 2).to(cdt)  # softmax left c_q - c_ref out of lse
+            shift = (cqg[:, :, a:b] - c_ref[:, :, None]).to(cdt)  # softmax left c_q - c_ref out of lse
             if o is None:  # one chunk of every head: the kernel's outputs are the results
                 if res is None:
                     return q.new_zeros(B, Tq, Hq, Dv, dtype=cdt), q.new_full((B, Hq, Tq), -math.inf, dtype=cdt)
@@ -450,8 +457,10 @@ def _group(t: torch.Tensor, heads: tuple[int, int] | None, hq: int, dtype: torch
     if group > 1:
         t = t[:, :, h0 // group:(h1 - 1) // group + 1].repeat_interleave(group, dim=2)
         h0, h1 = h0 % group, h0 % group + h1 - h0
-    t = t[:, :, h0:h1].to(dtype)
-    return t if t.shape[-1] == dp else torch.nn.functional.pad(t, (0, dp - t.shape[-1]))
+    if (h0, h1) != (0, t.shape[2]):
+        t = t[:, :, h0:h1]
+    t = t if t.dtype == dtype else t.to(dtype)
+    return t if t.shape[-1] == dp else F.pad(t, (0, dp - t.shape[-1]))
 
 
 def _pick(c: torch.Tensor, heads: tuple[int, int] | None, dim: int = 2) -> torch.Tensor:
@@ -693,8 +702,10 @@ def attention_from_cumsum(
     q_offset = k.shape[1] - q.shape[1] if q_offset is None else q_offset
     plain = cu_seqlens is None and threshold is None and window is None  # every row sees keys from 0: no row starts
     row_start = None if plain else row_starts(c_q, c_k, q_offset, cu_seqlens, threshold, window)
-    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
-    o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, float(scale), q_offset, backward)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k)):
+        o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, float(scale), q_offset)
+    else:
+        o, lse = _bias_attention(q, k, v, c_q, c_k, row_start, float(scale), q_offset)
     if return_probs:
         return o, lse, _probs(q, k, c_q, c_k, row_start, lse, float(scale), q_offset)
     return o, lse
