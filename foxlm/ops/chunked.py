@@ -129,13 +129,11 @@ class _SdpaAttention(torch.autograd.Function):
         dp = qp.shape[-1]
         if ctx.gqa:
             kp, vp = _kv_channels(kp, vp, Hq, dp, qp.dtype)
-        # The kernel's backward takes delta = rowsum(dO * O) from its inputs: o''s last channel (0 from the forward,
-        # as v''s is) with dO = 1 there turns it into rowsum(dO * O) - dlse, the lse gradient.
-        if do is None:
-            dop = torch.zeros_like(o)
-        else:
-            dop = F.pad(do.to(o.dtype), (0, dp - Dv))
-        dop[..., -1] = 1.0
+        # The kernel's backward takes delta = rowsum(dO * O) from its inputs. dO' = [dO, 1...] meets v''s zero padding
+        # (dP is unchanged) and o''s padding, which is 0 (v''s) but for the last channel: -dlse there turns delta
+        # into rowsum(dO * O) - dlse, the lse gradient.
+        dop = F.pad(o.new_zeros(()).expand(o.shape[:-1] + (Dv,)) if do is None else do.to(o.dtype), (0, dp - Dv),
+                    value=1.0)
         if dlse is not None:  # on a copy: the user's output is a view of o'
             o = o.clone()
             o[..., -1] = -dlse.transpose(1, 2)
