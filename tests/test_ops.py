@@ -274,12 +274,15 @@ def test_heads_that_forget_at_different_rates_get_their_own_chunks():
     from foxlm.ops import chunked
 
     q, k, v, _ = _inputs(1, 1024, 1024, 4, 2, 32)
-    bias = torch.tensor([-4.0, 5.0, 5.0, -4.0], dtype=torch.float64)
+    bias = torch.tensor([-4.0, 5.0, 5.0, 5.0], dtype=torch.float64)
     log_f = F.logsigmoid(torch.randn(1, 1024, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
                          + bias)
     groups = chunked._head_groups(gate_cumsum(log_f).numpy(), 1024, by_head=True)
-    assert [h for h, _ in groups] == [(0, 1), (1, 3), (3, 4)]
+    assert [h for h, _ in groups] == [(0, 1), (1, 4)]
     assert len(groups[0][1]) > 1 and groups[1][1] == [(0, 1024)]
+    # Where half of the heads forget fast, runs of heads would not save half of the chunks: one shared chunking.
+    both = gate_cumsum(log_f[..., [0, 1, 2, 0]]).numpy()
+    assert [h for h, _ in chunked._head_groups(both, 1024, by_head=True)] == [(0, 4)]
     got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))
     for name, err in zip(("o", "lse", "dq", "dk", "dv", "dlog_f"), _rel_errors(got, want)):
         assert err < 1e-5, f"{name}: relative error {err:.1e}"
@@ -287,6 +290,35 @@ def test_heads_that_forget_at_different_rates_get_their_own_chunks():
         got = _op(q.float(), k.float(), v.float(), log_f)
     for name, err in zip(("o", "lse"), _rel_errors(got, want[:2])):
         assert err < 1e-5, f"{name} (no backward): relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("by_head", [True, False])
+@pytest.mark.parametrize("rate", [0.02, 0.07, 0.3, 5.0])
+def test_every_chunk_keeps_its_gates_within_the_span_the_precision_needs(by_head, rate):
+    """Whatever the cuts (even, or along the kernel's 256-row query blocks), each chunk's c spans at most _C_SPAN
+    in every head of its group (but at the floor: a piece split evenly into chunks of 16 to 31 rows), and the chunks
+    of a group tile the rows."""
+    g = torch.Generator().manual_seed(int(rate * 100))
+    T, H = 3000, 4
+    log_f = -rate * torch.rand(2, T, H, generator=g, dtype=torch.float64) * torch.tensor([2.0, 1.0, 0.1, 0.01])
+    log_f[:, 1700] -= 70.0  # a jump: a cut of its own
+    c = gate_cumsum(log_f).numpy()
+    for (h0, h1), ranges in chunked._head_groups(c, 2048, by_head):
+        assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] and ranges[-1][1] == T
+        for a, b in ranges:
+            span = (c[:, a:b, h0:h1].max(1) - c[:, a:b, h0:h1].min(1)).max()
+            assert span <= chunked._C_SPAN or b - a < 32, (rate, a, b, span)
+            assert b - a <= 2048
+
+
+def test_cuts_follow_the_kernels_query_blocks_where_even_chunks_would_be_short():
+    """A head whose gates span a little over _C_SPAN in 1k rows: two chunks, cut on a 256-row block (a 768-row chunk
+    runs on the kernel's large query blocks), not at 512."""
+    log_f = torch.full((1, 1024, 1), -70.0 / 1024, dtype=torch.float64)
+    c = gate_cumsum(log_f).numpy()
+    assert chunked._head_groups(c, 1 << 16, by_head=False) == [((0, 1), [(0, 768), (768, 1024)])]
+    log_f = torch.full((1, 4096, 1), -100.0 / 4096, dtype=torch.float64)  # even chunks of 2048 rows: even
+    assert chunked._head_groups(gate_cumsum(log_f).numpy(), 1 << 16, by_head=False)[0][1] == [(0, 2048), (2048, 4096)]
 
 
 @pytest.mark.parametrize("qk_scale", [1.0, 6.0])

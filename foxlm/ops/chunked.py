@@ -43,6 +43,8 @@ _SKIP_MIN_KEYS = 1024  # keys before a chunk from which the skip is looked for
 # the forward kernel meets few denormals (7% of its time at 16k tokens with gates 8x the benchmark's, else ~0), so
 # below this (about 2k tokens x 8 heads) the flush would cost more than it saves. The backward always flushes.
 _FLUSH_MIN_LOGITS = 1 << 24
+# The fused kernel's query blocks: 256 rows for calls of at least 768 rows (64 or 32 below), see _cuts.
+_Q_BLOCK, _KERNEL_ROWS = 256, 768
 
 
 def row_starts(
@@ -473,9 +475,12 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
 
     Chunks have at most ``rows`` rows, are cut where c jumps by more than _C_SPAN from one row to the next (a
     sequence restart, or a gate below e^-64), and are split evenly where one head's gates span more than _C_SPAN
-    (strong forgetting), down to 16 rows, so that the re-centred logits stay small. ``by_head``: the kernel's
-    forward runs best on long chunks, so one fast-forgetting head does not cut the others' chunks (a group is a run
-    of adjacent heads, so that it is a view of q, k and v); else every head gets the shortest chunks any needs.
+    (strong forgetting), down to 16 rows, so that the re-centred logits stay small (see _cuts for where). ``by_head``:
+    one fast-forgetting head does not cut the others' chunks (a group is a run of adjacent heads, so that it is a
+    view of q, k and v), where that at least halves the chunks times heads (a head's own calls run less efficiently
+    than a share of all heads': at 1k, where one head needs two chunks, the forward took 1.45x SDPA with runs of
+    heads and 1.34x with the shared chunks; at 16k, with 18 chunks for that head, 1.16x and 1.23x); else, and
+    always without ``by_head``, every head gets the shortest chunks any needs.
     """
     Tq = c.shape[1]
     jumps = (np.nonzero(np.abs(np.diff(c, axis=1)).max(axis=(0, 2), initial=0.0) > _C_SPAN)[0] + 1).tolist()
@@ -486,7 +491,8 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
         splits = np.where(np.isfinite(spans), np.ceil(spans / _C_SPAN), 1.0)  # [pieces, H]
     most = np.array([max(1, (b - a) // 16) for a, b in pieces])
     splits = np.minimum(np.maximum(splits, 1.0), most[:, None]).astype(np.int64)
-    if not by_head:
+    # Runs of heads pay for their smaller kernel calls: worth it only where they save most of the merged chunks.
+    if not by_head or splits.max(1).sum() * splits.shape[1] < 2 * splits.sum():
         splits = np.broadcast_to(splits.max(1, keepdims=True), splits.shape)
     runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
     for h, counts in enumerate(splits.T.tolist()):
@@ -498,10 +504,47 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
     for counts, h0, h1 in runs:
         ranges = []
         for (a, b), n in zip(pieces, counts):
-            edges = [a + (b - a) * i // n for i in range(n + 1)]
+            edges = _cuts(c[:, :, h0:h1], a, b, n)
             ranges += list(zip(edges, edges[1:]))
         groups.append(((h0, h1), ranges))
     return groups
+
+
+def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
+    """The edges of the chunks of rows [a, b), which need n chunks for c's span (c: [B, Tq, G]), each spanning at most
+    _C_SPAN (down to chunks of 16 to 31 rows): n even chunks where each has at least _KERNEL_ROWS rows; else the
+    longest runs of _Q_BLOCK-row blocks whose span stays within _C_SPAN (or n even chunks where a single block spans
+    more). An even chunk that spans more (the gates' rate is uneven) is halved until it does not.
+
+    The kernel works on 256-row query blocks from 768 rows on and on 64-row ones below: at 1k tokens, two 512-row
+    chunks took 1.2x the kernel time of one 768-row and one 256-row chunk (forward; 1.06x forward + backward), which
+    cost what one chunk does.
+    """
+    if n == 1:
+        return [a, b]
+    if (b - a) // n < _KERNEL_ROWS:
+        starts = list(range(0, b - a, _Q_BLOCK))
+        hi = np.maximum.reduceat(c[:, a:b], starts, axis=1).max(0)  # [blocks, G]
+        lo = np.minimum.reduceat(c[:, a:b], starts, axis=1).min(0)
+        if ((hi - lo) <= _C_SPAN).all():  # (NaN gates, unchecked, go the even way)
+            edges, top, bottom = [a], hi[0], lo[0]
+            for i in range(1, len(starts)):
+                if (np.maximum(top, hi[i]) - np.minimum(bottom, lo[i])).max() > _C_SPAN:
+                    edges.append(a + starts[i])
+                    top, bottom = hi[i], lo[i]
+                else:
+                    top, bottom = np.maximum(top, hi[i]), np.minimum(bottom, lo[i])
+            return edges + [b]
+    even = [a + (b - a) * i // n for i in range(n + 1)]
+    edges = [a]
+    todo = list(zip(even[1:], even[:-1]))[::-1]  # (end, start), the next chunk last
+    while todo:
+        e, s = todo.pop()
+        if e - s >= 32 and (c[:, s:e].max(1) - c[:, s:e].min(1)).max() > _C_SPAN:
+            todo += [(e, (s + e) // 2), ((s + e) // 2, s)]
+            continue
+        edges.append(e)
+    return edges
 
 
 def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, q_offset: int, rows: int,
