@@ -113,12 +113,12 @@ class _SdpaAttention(torch.autograd.Function):
         plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), False, functools.partial(_norms, q, k, scale))
         cdt = torch.promote_types(q.dtype, torch.float32)
         with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
-            dp = max(q.shape[-1], v.shape[-1]) + 2
-            qp = _q_channels(q, scale, dp, cdt)
-            kp, vp = _kv_channels(k, v, q.shape[2], dp, cdt)
-            o, lse = _channel_forward(qp, kp, vp, c_q, c_k, row_start, q_offset, plan[0][1])
-        gqa = q.shape[2] != k.shape[2]  # then k' and v' repeat k and v per query head: rebuilt, not saved
-        ctx.save_for_backward(qp, k if gqa else kp, v if gqa else vp, o, lse, c_q, c_k, row_start)
+            kp, vp = _kv_channels(k, v, q.shape[2], max(q.shape[-1], v.shape[-1]) + 2, cdt)
+            o, lse = _channel_forward(q, kp, vp, c_q, c_k, row_start, q_offset, plan[0][1], scale)
+        # q' is built per chunk (forward and backward alike, so bit for bit): saving it would add a copy of q to
+        # the backward's peak memory. GQA: k' and v' repeat k and v per query head, rebuilt rather than saved.
+        gqa = q.shape[2] != k.shape[2]
+        ctx.save_for_backward(q, k if gqa else kp, v if gqa else vp, o, lse, c_q, c_k, row_start)
         ctx.plan, ctx.gqa, ctx.scale, ctx.q_offset = plan[0][1], gqa, scale, q_offset
         ctx.shapes = (q.shape, q.dtype, k.shape[2], v.shape[-1])
         # A view of o' (the backward never writes to it); where q is fp32, no copy.
@@ -126,22 +126,13 @@ class _SdpaAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dlse):
-        qp, kp, vp, o, lse, c_q, c_k, row_start = ctx.saved_tensors
+        q, kp, vp, o, lse, c_q, c_k, row_start = ctx.saved_tensors
         (B, Tq, Hq, D), dtype, Hk, Dv = ctx.shapes
-        dp = qp.shape[-1]
         if ctx.gqa:
-            kp, vp = _kv_channels(kp, vp, Hq, dp, qp.dtype)
-        # The kernel's backward takes delta = rowsum(dO * O) from its inputs. dO' = [dO, 1...] meets v''s zero padding
-        # (dP is unchanged) and o''s padding, which is 0 (v''s) but for the last channel: -dlse there turns delta
-        # into rowsum(dO * O) - dlse, the lse gradient.
-        dop = F.pad(o.new_zeros(()).expand(o.shape[:-1] + (Dv,)) if do is None else do.to(o.dtype), (0, dp - Dv),
-                    value=1.0)
-        if dlse is not None:  # on a copy: the user's output is a view of o'
-            o = o.clone()
-            o[..., -1] = -dlse.transpose(1, 2)
+            kp, vp = _kv_channels(kp, vp, Hq, o.shape[-1], o.dtype)
         with _flush_denormals():
-            dq, dkp, dvp = _channel_backward(dop, qp, kp, vp, o, lse, c_k, row_start, ctx.q_offset, ctx.plan,
-                                             ctx.scale, D, ctx.gqa)
+            dq, dkp, dvp = _channel_backward(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, ctx.q_offset, ctx.plan,
+                                             ctx.scale, Dv, ctx.gqa)
         dk, dv, dc_k = dkp[..., :D], dvp[..., :Dv], -dkp[..., -1]
         if Hq != Hk:
             dk, dv = (g.unflatten(2, (Hk, Hq // Hk)).sum(3) for g in (dk, dv))
@@ -167,15 +158,17 @@ def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torc
     return o.to(q.dtype), lse.float()
 
 
-def _q_channels(q: torch.Tensor, scale: float, dp: int, dtype: torch.dtype) -> torch.Tensor:
-    """q' = [scale * q, 0..., c_q - c_ref, 1]: [B, Tq, Hq, dp] in dtype; the c channel is written per chunk
-    (_channel_forward)."""
+def _q_chunk(q: torch.Tensor, cq: torch.Tensor, c_ref: torch.Tensor, a: int, b: int, scale: float, dp: int,
+             dtype: torch.dtype) -> torch.Tensor:
+    """The rows [a, b) of q' = [scale * q, 0..., c_q - c_ref, 1]: [B, b - a, Hq, dp] in dtype (cq: [B, Tq, Hq] fp64,
+    c_ref: [B, Hq] fp64)."""
     D = q.shape[-1]
-    qp = torch.empty(*q.shape[:3], dp, dtype=dtype, device=q.device)
-    torch.mul(q, scale, out=qp[..., :D])
-    qp[..., D:-2] = 0.0
-    qp[..., -1] = 1.0
-    return qp
+    qc = torch.empty(q.shape[0], b - a, q.shape[2], dp, dtype=dtype, device=q.device)
+    torch.mul(q[:, a:b], scale, out=qc[..., :D])
+    qc[..., D:-2] = 0.0
+    qc[..., -2] = cq[:, a:b] - c_ref[:, None]
+    qc[..., -1] = 1.0
+    return qc
 
 
 def _kv_channels(k: torch.Tensor, v: torch.Tensor, hq: int, dp: int, dtype: torch.dtype):
@@ -219,56 +212,73 @@ def _attend(kernel, qc, kc, vc, calls, row_start, a, b, q_offset, bias, bias_sta
     return out
 
 
-def _channel_forward(qp, kp, vp, c_q, c_k, row_start, q_offset, chunks):
-    """(o' [B, Tq, Hq, Dp], lse [B, Hq, Tq]) of every chunk of one head group (all heads); writes q''s c channel
-    (each row is in one chunk)."""
-    B, Tq, Hq, dp = qp.shape
-    kernel = _kernel(qp.device)[0]
+def _channel_forward(q, kp, vp, c_q, c_k, row_start, q_offset, chunks, scale):
+    """(o' [B, Tq, Hq, Dp], lse [B, Hq, Tq]) over every chunk (all heads share them) with q', k' and v'."""
+    B, Tq, Hq, _ = q.shape
+    dp, dtype = kp.shape[-1], kp.dtype
+    kernel = _kernel(q.device)[0]
     ck, cq = c_k.detach().to(torch.float64), c_q.detach().to(torch.float64)
     o = lse = None
     if len(chunks) != 1:  # the chunks cover every row, each written once
-        o = torch.empty_like(qp)
-        lse = torch.empty(B, Hq, Tq, dtype=qp.dtype, device=qp.device)
+        o = torch.empty(B, Tq, Hq, dp, dtype=dtype, device=q.device)
+        lse = torch.empty(B, Hq, Tq, dtype=dtype, device=q.device)
     for a, b, c_ref, ks, ke, calls in chunks:
         _set_bias(kp, ck, c_ref, ks, ke)
-        qp[:, a:b, :, -2] = cq[:, a:b] - c_ref[:, None]
-        res = _attend(kernel, qp[:, a:b], kp, vp, calls, row_start, a, b, q_offset, None, ks, 1.0, dp,
+        qc = _q_chunk(q, cq, c_ref, a, b, scale, dp, dtype)
+        res = _attend(kernel, qc, kp, vp, calls, row_start, a, b, q_offset, None, ks, 1.0, dp,
                       None if o is None else (o[:, a:b], lse[:, :, a:b]))
         if o is None and res is not None:  # one chunk: the kernel's outputs are the results
             return res
         if res is None:  # its rows see no key: o = 0, lse = -inf
             if o is None:
-                return torch.zeros_like(qp), torch.full((B, Hq, Tq), -math.inf, dtype=qp.dtype, device=qp.device)
+                return (torch.zeros(B, Tq, Hq, dp, dtype=dtype, device=q.device),
+                        torch.full((B, Hq, Tq), -math.inf, dtype=dtype, device=q.device))
             o[:, a:b], lse[:, :, a:b] = 0.0, -math.inf
     return o, lse
 
 
-def _channel_backward(dop, qp, kp, vp, o, lse, c_k, row_start, q_offset, chunks, scale, D, rebuilt):
+def _channel_backward(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, q_offset, chunks, scale, Dv, rebuilt):
     """(dq [B, Tq, Hq, D], dk' and dv' [B, Tk, Hq, Dp]) from the kernel's backward over every chunk of
-    _channel_forward, from its o' (with the last channel set for the lse gradient) and lse; ``rebuilt``: k' is not
-    the forward's."""
-    B, Tq, Hq, dp = qp.shape
-    Tk = kp.shape[1]
-    kernel = _kernel(qp.device)[1]
-    ck = c_k.detach().to(torch.float64)
+    _channel_forward, from its o' and lse (do: [B, Tq, Hq, Dv] or None, dlse: [B, Hq, Tq] or None); ``rebuilt``: k'
+    is not the forward's."""
+    B, Tq, Hq, D = q.shape
+    Tk, dp, dtype = kp.shape[1], kp.shape[-1], kp.dtype
+    kernel = _kernel(q.device)[1]
+    ck, cq = c_k.detach().to(torch.float64), c_q.detach().to(torch.float64)
     # Where k' is the forward's (saved), its c channel is scratch, rewritten before each chunk's calls: the writes go
     # through .data and leave autograd's version counter (a second backward would otherwise refuse k'), and one
     # chunk needs no write (the forward's is still there).
     scratch = kp if rebuilt else kp.data if len(chunks) > 1 else None
-    dq = None if len(chunks) == 1 else qp.new_empty(B, Tq, Hq, D)
+    dq = None if len(chunks) == 1 else q.new_empty(B, Tq, Hq, D, dtype=dtype)
     dk = dv = None
     done = 0  # dk' and dv' hold keys [0, done): written, or zero where no row sees them
     for a, b, c_ref, ks, ke, calls in chunks:
         if scratch is not None:
             _set_bias(scratch, ck, c_ref, ks, ke)
+        if not calls:  # its rows see no key: no gradient
+            if dq is None:
+                dq = q.new_zeros(B, Tq, Hq, D, dtype=dtype)
+            else:
+                dq[:, a:b] = 0.0
+            continue
+        qc = _q_chunk(q, cq, c_ref, a, b, scale, dp, dtype)
+        # The kernel's backward takes delta = rowsum(dO * O) from its inputs. dO' = [dO, 1...] meets v''s zero
+        # padding (dP is unchanged) and o''s padding, which is 0 (v''s) but for the last channel: -dlse there (on a
+        # copy: the user's output is a view of o') turns delta into rowsum(dO * O) - dlse, the lse gradient.
+        doc = F.pad(o.new_zeros(()).expand(B, b - a, Hq, Dv) if do is None else do[:, a:b].to(dtype), (0, dp - Dv),
+                    value=1.0)
+        oc = o[:, a:b]
+        if dlse is not None:
+            oc = oc.clone()
+            oc[..., -1] = -dlse[:, :, a:b].transpose(1, 2)
         lc = lse[:, :, a:b]
         if row_start is not None:  # a row may see no key: P = 0 there, not NaN
             lc = lc.masked_fill(lc == -math.inf, math.inf)
         gq_sum = None
         for s, e, kind in calls:
-            mask, _ = _mask(kind, row_start, a, b, s, e, q_offset, None, ks, qp.dtype)
+            mask, _ = _mask(kind, row_start, a, b, s, e, q_offset, None, ks, dtype)
             gq, gk, gv = (g.transpose(1, 2) for g in kernel(
-                _heads(dop[:, a:b]), _heads(qp[:, a:b]), _heads(kp[:, s:e]), _heads(vp[:, s:e]), _heads(o[:, a:b]),
+                _heads(doc), _heads(qc), _heads(kp[:, s:e]), _heads(vp[:, s:e]), _heads(oc),
                 lc, 0.0, kind == "causal", attn_mask=mask, scale=1.0))
             gq_sum = gq if gq_sum is None else gq_sum.add_(gq)
             if (s, e) == (0, Tk) and dk is None:  # the only call that sees every key: its buffers are the result
@@ -286,9 +296,7 @@ def _channel_backward(dop, qp, kp, vp, o, lse, c_k, row_start, q_offset, chunks,
                     buf[:, mid:e] = g[:, mid - s:]
             done = max(done, e)
         if dq is None:  # one chunk
-            dq = qp.new_zeros(B, Tq, Hq, D) if gq_sum is None else gq_sum[..., :D].mul_(scale)
-        elif gq_sum is None:
-            dq[:, a:b] = 0.0
+            dq = gq_sum[..., :D].mul_(scale)
         else:
             torch.mul(gq_sum[..., :D], scale, out=dq[:, a:b])
     if dk is None:
