@@ -499,7 +499,8 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
         splits = np.where(np.isfinite(spans), np.ceil(spans / _C_SPAN), 1.0)  # [pieces, H]
     most = np.array([max(1, (b - a) // 16) for a, b in pieces])
     splits = np.minimum(np.maximum(splits, 1.0), most[:, None]).astype(np.int64)
-    # Runs of heads pay for their smaller kernel calls: worth it only where they save most of the merged chunks.
+    # Runs of heads pay for their smaller kernel calls: worth it only where they save most of the merged chunks
+    # (merging neighbouring runs only, where that at most doubled their chunks, ran 1.05x slower at 4k, 1.07x at 16k).
     if not by_head or splits.max(1).sum() * splits.shape[1] < 2 * splits.sum():
         splits = np.broadcast_to(splits.max(1, keepdims=True), splits.shape)
     runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
@@ -520,9 +521,9 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
 
 def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
     """The edges of the chunks of rows [a, b), which need n chunks for c's span (c: [B, Tq, G]), each spanning at most
-    _C_SPAN (down to chunks of 16 to 31 rows): n even chunks where each has at least _KERNEL_ROWS rows; else the
-    longest runs of _Q_BLOCK-row blocks whose span stays within _C_SPAN (or n even chunks where a single block spans
-    more). An even chunk that spans more (the gates' rate is uneven) is halved until it does not.
+    _C_SPAN (down to chunks of 16 to 31 rows): n even chunks (or one or two more, where the gates' rate is uneven)
+    where each has at least _KERNEL_ROWS rows; else the longest runs of _Q_BLOCK-row blocks whose span stays within
+    _C_SPAN; else (a single block spans more) n even chunks, each halved until it holds the span.
 
     The kernel works on 256-row query blocks from 768 rows on and on 64-row ones below: at 1k tokens, two 512-row
     chunks took 1.2x the kernel time of one 768-row and one 256-row chunk (forward; 1.06x forward + backward), which
@@ -530,29 +531,44 @@ def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
     """
     if n == 1:
         return [a, b]
-    if (b - a) // n < _KERNEL_ROWS:
-        starts = list(range(0, b - a, _Q_BLOCK))
-        hi = np.maximum.reduceat(c[:, a:b], starts, axis=1).max(0)  # [blocks, G]
-        lo = np.minimum.reduceat(c[:, a:b], starts, axis=1).min(0)
-        if ((hi - lo) <= _C_SPAN).all():  # (NaN gates, unchecked, go the even way)
-            edges, top, bottom = [a], hi[0], lo[0]
-            for i in range(1, len(starts)):
-                if (np.maximum(top, hi[i]) - np.minimum(bottom, lo[i])).max() > _C_SPAN:
-                    edges.append(a + starts[i])
-                    top, bottom = hi[i], lo[i]
-                else:
-                    top, bottom = np.maximum(top, hi[i]), np.minimum(bottom, lo[i])
-            return edges + [b]
+    for m in range(n, n + 3):
+        if (b - a) // m < _KERNEL_ROWS:
+            break
+        even = [a + (b - a) * i // m for i in range(m + 1)]
+        if (_spans(c, even) <= _C_SPAN).all():
+            return even
+    starts = list(range(a, b, _Q_BLOCK))
+    blocks = _spans(c, starts + [b], per_head=True)  # [blocks, G]
+    if (blocks <= _C_SPAN).all():  # (NaN gates, unchecked, go the even way)
+        hi = np.maximum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).max(0)
+        lo = np.minimum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).min(0)
+        edges, top, bottom = [a], hi[0], lo[0]
+        for i in range(1, len(starts)):
+            if (np.maximum(top, hi[i]) - np.minimum(bottom, lo[i])).max() > _C_SPAN:
+                edges.append(starts[i])
+                top, bottom = hi[i], lo[i]
+            else:
+                top, bottom = np.maximum(top, hi[i]), np.minimum(bottom, lo[i])
+        return edges + [b]
     even = [a + (b - a) * i // n for i in range(n + 1)]
     edges = [a]
     todo = list(zip(even[1:], even[:-1]))[::-1]  # (end, start), the next chunk last
     while todo:
         e, s = todo.pop()
-        if e - s >= 32 and (c[:, s:e].max(1) - c[:, s:e].min(1)).max() > _C_SPAN:
+        if e - s >= 32 and _spans(c, [s, e])[0] > _C_SPAN:
             todo += [(e, (s + e) // 2), ((s + e) // 2, s)]
             continue
         edges.append(e)
     return edges
+
+
+def _spans(c: np.ndarray, edges: list[int], per_head: bool = False) -> np.ndarray:
+    """max(c) - min(c) over each of the row ranges between ``edges`` (c: [B, Tq, G]): [ranges], the largest over
+    batch rows and heads, or [ranges, G] the largest over batch rows."""
+    a, starts = edges[0], [e - edges[0] for e in edges[:-1]]
+    rows = c[:, a:edges[-1]]
+    span = (np.maximum.reduceat(rows, starts, axis=1) - np.minimum.reduceat(rows, starts, axis=1)).max(0)
+    return span if per_head else span.max(-1)
 
 
 def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, q_offset: int, rows: int,
