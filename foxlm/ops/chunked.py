@@ -1,9 +1,9 @@
 """Memory-bounded PyTorch Forgetting Attention from a gate cumsum: the CPU path, and attention from a KV cache.
 
 The work runs in SDPA's fused CPU kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward),
-with the gate as two extra q/k channels where a backward follows and as a key-bias mask where none does (see
-_SdpaAttention). Queries go in chunks, each against only the keys it can see, with c re-centred per chunk; memory is
-O(T) (the kernel is a flash kernel), never T x T. Causality, varlen, sliding windows and ACP share one mechanism:
+with the gate as two extra q/k channels where a backward follows (_SdpaAttention) and as a key-bias mask where none
+does (_bias_attention). Queries go in chunks, each against only the keys it can see, with c re-centred per chunk
+(_plan); memory is O(T) (the kernel is a flash kernel), never T x T. Causality, varlen, sliding windows and ACP share one mechanism:
 every query row i sees the keys [row_start_i, q_offset + i], where row_start is the start of its sequence, moved
 right to q_offset + i - window + 1 and past the keys ACP prunes (a pruned key range is not computed at all); keys
 whose weight underflows fp32 for every row of a chunk are not computed either. Off the CPU (the caches and context
