@@ -500,7 +500,7 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
     most = np.array([max(1, (b - a) // 16) for a, b in pieces])
     splits = np.minimum(np.maximum(splits, 1.0), most[:, None]).astype(np.int64)
     # Runs of heads pay for their smaller kernel calls: worth it only where they save most of the merged chunks
-    # (merging neighbouring runs only, where that at most doubled their chunks, ran 1.05x slower at 4k, 1.07x at 16k).
+    # (merging neighbouring runs only, where that at most doubled their chunks, ran 1.04x slower at 4k, 1.07x at 16k).
     if not by_head or splits.max(1).sum() * splits.shape[1] < 2 * splits.sum():
         splits = np.broadcast_to(splits.max(1, keepdims=True), splits.shape)
     runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
