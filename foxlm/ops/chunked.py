@@ -102,9 +102,10 @@ class _SdpaAttention(torch.autograd.Function):
     Where a backward follows, the gate goes in as channels: q' = [scale*q, c_q - c_ref, 1] and
     k' = [k, 1, c_ref - c_k] (v' = [v, 0, 0]), so the kernel's dot product at scale 1 is the gated logit. The q'
     channel keeps the logits of the keys that carry mass small inside the kernel's fp32 sums (a key bias alone lost 3x
-    on dv and 1.5x on the gate gradient against the fp64 oracle). The forward's q', k' and v' are saved and reused by
-    the backward, so its probabilities agree with the forward's lse to the last bit; the k' channel's gradient is the
-    column sums of dS, the gate's gradient. Without a backward, _bias_attention gives the gate as a key bias.
+    on dv and 1.5x on the gate gradient against the fp64 oracle). The backward reuses the forward's k' and v' (saved)
+    and rebuilds q' per chunk the same way, so its probabilities agree with the forward's lse to the last bit; the
+    k' channel's gradient is the column sums of dS, the gate's gradient. Without a backward, _bias_attention gives
+    the gate as a key bias.
     """
 
     @staticmethod
@@ -148,8 +149,8 @@ def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torc
     """_SdpaAttention's forward where no backward follows (eval, generation, prefill): (o in q's dtype, lse fp32).
 
     Softmax ignores a row's own c_q, so q, k and v go in as they are (no copies, head dim D instead of D + 2), with
-    the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask, and lse gets c_q - c_ref back. Chunks are planned
-    per run of heads, so one fast-forgetting head does not cut the others' chunks.
+    the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask, and lse gets c_q - c_ref back. Runs of heads may
+    get their own chunks (_head_groups), so one fast-forgetting head does not cut the others'.
     """
     plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), True, functools.partial(_norms, q, k, scale))
     with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
