@@ -321,6 +321,28 @@ def test_cuts_follow_the_kernels_query_blocks_where_even_chunks_would_be_short()
     assert chunked._head_groups(gate_cumsum(log_f).numpy(), 1 << 16, by_head=False)[0][1] == [(0, 2048), (2048, 4096)]
 
 
+def test_two_chunks_without_a_backward_take_two_kernel_calls_and_keep_fp32_precision(monkeypatch):
+    """One head whose gates span a little over _C_SPAN: two chunks for every head, and without a backward all rows
+    go against the first chunk's keys in one call, then the second chunk's own block (no third call, no copy); o and
+    lse keep fp32 precision against the fp64 oracle (GQA, a head dim padded for v, two batch rows)."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randn(2, 1024, 4, 32, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 1024, 2, 32, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 1024, 2, 24, generator=g, dtype=torch.float64)
+    rate = torch.tensor([70.0 / 1024, 0.01, 0.001, 0.0001], dtype=torch.float64)
+    log_f = -rate * (1 + 0.3 * torch.rand(2, 1024, 4, generator=g, dtype=torch.float64))
+    calls = []
+    forward, backward = chunked._kernel(torch.device("cpu"))
+    monkeypatch.setattr(chunked, "_kernel", lambda device: (lambda *a, **kw: calls.append(1) or forward(*a, **kw),
+                                                            backward))
+    with torch.no_grad():
+        o, lse = forgetting_attention(q.float(), k.float(), v.float(), log_f.float(), return_lse=True)
+    assert len(calls) == 2
+    ro, rlse = forgetting_attention_reference(q, k, v, log_f, return_lse=True)
+    for name, err in zip(("o", "lse"), _rel_errors((o, lse), (ro, rlse))):
+        assert err < 2e-6, f"{name}: relative error {err:.1e}"
+
+
 @pytest.mark.parametrize("qk_scale", [1.0, 6.0])
 def test_keys_that_underflow_for_every_row_are_not_computed(monkeypatch, qk_scale):
     """Keys whose weight is below fp32's smallest denormal for every row of a chunk are skipped: the result is that

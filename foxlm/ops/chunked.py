@@ -312,11 +312,14 @@ def _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan, cdt):
     B, Tq, Hq, D = q.shape
     Dv = v.shape[-1]
     kernel = _kernel(q.device)[0]
+    ckt, cqt = (c.to(torch.float64).transpose(1, 2).contiguous() for c in (c_k, c_q))  # [B, Hq, T]
+    if len(plan) == 1 and _first_and_rest(plan[0][1], q_offset, k.shape[1]):
+        qg, kg, vg = (_group(t, None, Hq, cdt, max(D, Dv)) for t in (q, k, v))
+        return _two_chunks(kernel, qg, kg, vg, cqt, ckt, plan[0][1], scale, Dv)
     o = lse = None
     if len(plan) > 1 or len(plan[0][1]) != 1:  # the chunks of each head group cover every row, each written once
         o = torch.empty(B, Tq, Hq, Dv, dtype=cdt, device=q.device)
         lse = torch.empty(B, Hq, Tq, dtype=cdt, device=q.device)
-    ckt, cqt = (c.to(torch.float64).transpose(1, 2).contiguous() for c in (c_k, c_q))  # [B, Hq, T]
     for heads, chunks in plan:
         qg, kg, vg = (_group(t, heads, Hq, cdt, max(D, Dv)) for t in (q, k, v))
         ckg, cqg = _pick(ckt, heads, 1), _pick(cqt, heads, 1)
@@ -336,6 +339,36 @@ def _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan, cdt):
             else:
                 out[1].add_(shift)
     return o, lse
+
+
+def _first_and_rest(chunks: list, q_offset: int, tk: int) -> bool:
+    """Whether ``chunks`` are two that see every key before them, the queries being the keys (plain causal)."""
+    if len(chunks) != 2 or q_offset != 0:
+        return False
+    (a1, e, _, ks1, ke1, calls1), (a2, t, _, ks2, ke2, calls2) = chunks
+    return ((a1, ks1, ke1, a2, ks2, ke2, t) == (0, 0, e, e, 0, tk, tk) and calls1 == [(0, e, "causal")]
+            and calls2 == [(0, e, "full"), (e, tk, "causal")])
+
+
+def _two_chunks(kernel, qg, kg, vg, cqt, ckt, chunks, scale, dv):
+    """_mask_forward for two chunks that see every key before them (_first_and_rest), in two kernel calls and no
+    copy: all rows against the first chunk's keys (top-left causal is the first chunk's own block, and every later
+    row sees all of those keys), then the second chunk's own block, merged into the first call's output. Each call's
+    key bias is re-centred on its own chunk, so it stays within +-_C_SPAN / 2; the merge adds the two references'
+    difference in fp64. qg, kg, vg: [B, T, H, Dp]; cqt, ckt: [B, H, T] fp64. Returns (o [B, T, H, dv], lse)."""
+    (_, e, ref1, _, _, _), (_, _, ref2, _, _, _) = chunks
+    cdt = qg.dtype
+    bias1, bias2 = ((ref[:, :, None] - keys).to(cdt)[:, :, None] for ref, keys in ((ref1, ckt[:, :, :e]),
+                                                                                   (ref2, ckt[:, :, e:])))
+    o, l1 = kernel(_heads(qg), _heads(kg[:, :e]), _heads(vg[:, :e]), 0.0, True, attn_mask=bias1, scale=scale)
+    o2, l2 = kernel(_heads(qg[:, e:]), _heads(kg[:, e:]), _heads(vg[:, e:]), 0.0, True, attn_mask=bias2, scale=scale)
+    o = o.transpose(1, 2)
+    lse = l1.double() + (cqt - ref1[:, :, None])  # the first call's share of each row's lse, [B, H, T]
+    tail = lse[:, :, e:]
+    second = l2.double() + (cqt[:, :, e:] - ref2[:, :, None])
+    o[:, e:].lerp_(o2.transpose(1, 2), torch.sigmoid(second - tail).to(cdt).transpose(1, 2)[..., None])
+    lse[:, :, e:] = torch.logaddexp(tail, second)
+    return o[..., :dv], lse.to(cdt)
 
 
 def _fused(device: torch.device) -> bool:
