@@ -529,16 +529,17 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
     bounds = sorted(set(range(0, Tq, rows)) | set(jumps) | {Tq})
     pieces = list(zip(bounds, bounds[1:]))
     spans = (np.maximum.reduceat(c, bounds[:-1], axis=1) - np.minimum.reduceat(c, bounds[:-1], axis=1)).max(0)
-    with np.errstate(invalid="ignore"):  # NaN gates (unchecked) just pass through
-        splits = np.where(np.isfinite(spans), np.ceil(spans / _C_SPAN), 1.0)  # [pieces, H]
-    most = np.array([max(1, (b - a) // 16) for a, b in pieces])
-    splits = np.minimum(np.maximum(splits, 1.0), most[:, None]).astype(np.int64)
+    # [pieces][H] chunks each head needs (NaN gates, unchecked, just pass through), in Python: a few small numbers
+    splits = [[min(max(1, math.ceil(x / _C_SPAN)) if math.isfinite(x) else 1, max(1, (b - a) // 16)) for x in row]
+              for (a, b), row in zip(pieces, spans.tolist())]
+    heads = c.shape[2]
     # Runs of heads pay for their smaller kernel calls: worth it only where they save most of the merged chunks
     # (merging neighbouring runs only, where that at most doubled their chunks, ran 1.04x slower at 4k, 1.07x at 16k).
-    if not by_head or splits.max(1).sum() * splits.shape[1] < 2 * splits.sum():
-        splits = np.broadcast_to(splits.max(1, keepdims=True), splits.shape)
+    if not by_head or sum(map(max, splits)) * heads < 2 * sum(map(sum, splits)):
+        splits = [[max(row)] * heads for row in splits]
     runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
-    for h, counts in enumerate(splits.T.tolist()):
+    for h in range(heads):
+        counts = [row[h] for row in splits]
         if runs and runs[-1][0] == counts:
             runs[-1] = (counts, runs[-1][1], h + 1)
         else:
@@ -572,17 +573,17 @@ def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
         if (_spans(c, even) <= _C_SPAN).all():
             return even
     starts = list(range(a, b, _Q_BLOCK))
-    blocks = _spans(c, starts + [b], per_head=True)  # [blocks, G]
-    if (blocks <= _C_SPAN).all():  # (NaN gates, unchecked, go the even way)
-        hi = np.maximum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).max(0)
-        lo = np.minimum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).min(0)
+    hi = np.maximum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).max(0)  # [blocks, G]
+    lo = np.minimum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).min(0)
+    if ((hi - lo) <= _C_SPAN).all():  # (NaN gates, unchecked, go the even way)
+        hi, lo = hi.tolist(), lo.tolist()
         edges, top, bottom = [a], hi[0], lo[0]
         for i in range(1, len(starts)):
-            if (np.maximum(top, hi[i]) - np.minimum(bottom, lo[i])).max() > _C_SPAN:
+            up, down = list(map(max, top, hi[i])), list(map(min, bottom, lo[i]))
+            if max(map(float.__sub__, up, down)) > _C_SPAN:
                 edges.append(starts[i])
-                top, bottom = hi[i], lo[i]
-            else:
-                top, bottom = np.maximum(top, hi[i]), np.minimum(bottom, lo[i])
+                up, down = hi[i], lo[i]
+            top, bottom = up, down
         return edges + [b]
     even = [a + (b - a) * i // n for i in range(n + 1)]
     edges = [a]
@@ -596,13 +597,12 @@ def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
     return edges
 
 
-def _spans(c: np.ndarray, edges: list[int], per_head: bool = False) -> np.ndarray:
-    """max(c) - min(c) over each of the row ranges between ``edges`` (c: [B, Tq, G]): [ranges], the largest over
-    batch rows and heads, or [ranges, G] the largest over batch rows."""
+def _spans(c: np.ndarray, edges: list[int]) -> np.ndarray:
+    """max(c) - min(c) over each of the row ranges between ``edges`` (c: [B, Tq, G]), the largest over batch rows
+    and heads: [ranges]."""
     a, starts = edges[0], [e - edges[0] for e in edges[:-1]]
     rows = c[:, a:edges[-1]]
-    span = (np.maximum.reduceat(rows, starts, axis=1) - np.minimum.reduceat(rows, starts, axis=1)).max(0)
-    return span if per_head else span.max(-1)
+    return (np.maximum.reduceat(rows, starts, axis=1) - np.minimum.reduceat(rows, starts, axis=1)).max((0, 2))
 
 
 def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, q_offset: int, rows: int,
@@ -620,8 +620,8 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
     tk = c_k.shape[1]
     if Tq == 0:
         return [(None, [])]
-    c = c_q.detach().to(torch.float64).cpu().numpy()
-    ck = c_k.detach().to(torch.float64)
+    c = _f64(c_q).cpu().numpy()
+    ck = _f64(c_k)
     groups = _head_groups(c, rows, by_head)
     computed = None
     # ACP: every head has its own row starts
@@ -655,10 +655,19 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
                     todo += [((a + b) // 2, b), (a, (a + b) // 2)]
                     continue
                 calls = [(lo, ke, "masked-per-head" if per_head else "masked")]
-            c_ref = torch.from_numpy((cg[:, a:b].max(1) + cg[:, a:b].min(1)) / 2).to(c_q.device)
-            chunks.append((a, b, c_ref, lo, ke, calls))
-        plan.append((heads, chunks))
+            chunks.append((a, b, lo, ke, calls))
+        # Each chunk's c_ref: the middle of its rows' c, [B, G] fp64 (one reduction over every chunk)
+        starts = [a for a, *_ in chunks]
+        refs = (np.maximum.reduceat(cg, starts, axis=1) + np.minimum.reduceat(cg, starts, axis=1)) / 2 if chunks else None
+        refs = None if refs is None else torch.from_numpy(refs).to(c_q.device)
+        plan.append((heads, [(a, b, refs[:, i], lo, ke, calls) for i, (a, b, lo, ke, calls) in enumerate(chunks)]))
     return plan
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    """t detached, in fp64 (no dispatch where it is already)."""
+    t = t.detach()
+    return t if t.dtype == torch.float64 else t.double()
 
 
 def _logits(plan: list, batch: int, heads: int) -> int:
