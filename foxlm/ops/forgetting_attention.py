@@ -16,11 +16,19 @@ from .gate import gate_cumsum
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
 
+
 def _checking_values() -> bool:
     """Value checks (gate sign, cu_seqlens order) need a host sync: skip them while compiling or capturing."""
     if torch.compiler.is_compiling():
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _bad_gates(log_fgate: torch.Tensor) -> torch.Tensor:
+    """Whether any log gate is positive, infinite or NaN: a bool tensor, from the gates' extremes in one reduction
+    (NaN propagates to the maximum)."""
+    lo, hi = torch.aminmax(log_fgate)
+    return ~((hi <= 0) & (lo > -math.inf))
 
 
 def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates) -> None:
@@ -72,17 +80,9 @@ def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, log
     bound_tensor = isinstance(logit_bound, torch.Tensor)
     if not _checking_values() or (cu_seqlens is None and not check_gates):
         return
-    if cu_seqlens is None and not bound_tensor:  # the gates alone: their extremes in one reduction (NaN propagates)
-        if log_fgate.numel() == 0:
-            return
-        lo, hi = torch.aminmax(log_fgate)
-        lo, hi = torch.stack([lo, hi]).tolist()
-        if not (hi <= 0 and lo > -math.inf):
-            raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
-        return
     # Every value check in one device tensor, read back with a single host sync.
     no = torch.zeros((), dtype=torch.bool, device=q.device)
-    flags = [(~(log_fgate <= 0) | log_fgate.isinf()).any() if check_gates else no,
+    flags = [_bad_gates(log_fgate) if check_gates and log_fgate.numel() else no,
              (~(logit_bound >= 0) | logit_bound.isinf()).any() if bound_tensor else no]
     if cu_seqlens is not None:
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
