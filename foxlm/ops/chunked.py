@@ -218,7 +218,7 @@ def _channel_forward(q, kp, vp, c_q, c_k, row_start, q_offset, chunks, scale):
     B, Tq, Hq, _ = q.shape
     dp, dtype = kp.shape[-1], kp.dtype
     kernel = _kernel(q.device)[0]
-    ck, cq = c_k.detach().to(torch.float64), c_q.detach().to(torch.float64)
+    ck, cq = _f64(c_k), _f64(c_q)
     o = lse = None
     if len(chunks) != 1:  # the chunks cover every row, each written once
         o = torch.empty(B, Tq, Hq, dp, dtype=dtype, device=q.device)
@@ -245,7 +245,7 @@ def _channel_backward(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, q_offset
     B, Tq, Hq, D = q.shape
     Tk, dp, dtype = kp.shape[1], kp.shape[-1], kp.dtype
     kernel = _kernel(q.device)[1]
-    ck, cq = c_k.detach().to(torch.float64), c_q.detach().to(torch.float64)
+    ck, cq = _f64(c_k), _f64(c_q)
     # Where k' is the forward's (saved), its c channel is scratch, rewritten before each chunk's calls: the writes go
     # through .data and leave autograd's version counter (a second backward would otherwise refuse k'), and one
     # chunk needs no write (the forward's is still there).
@@ -312,7 +312,7 @@ def _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan, cdt):
     B, Tq, Hq, D = q.shape
     Dv = v.shape[-1]
     kernel = _kernel(q.device)[0]
-    ckt, cqt = (c.to(torch.float64).transpose(1, 2).contiguous() for c in (c_k, c_q))  # [B, Hq, T]
+    ckt, cqt = (_f64(c).transpose(1, 2).contiguous() for c in (c_k, c_q))  # [B, Hq, T]
     if len(plan) == 1 and _first_and_rest(plan[0][1], q_offset, k.shape[1]):
         qg, kg, vg = (_group(t, None, Hq, cdt, max(D, Dv)) for t in (q, k, v))
         return _two_chunks(kernel, qg, kg, vg, cqt, ckt, plan[0][1], scale, Dv)
@@ -528,7 +528,8 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
     jumps = (np.nonzero(np.abs(np.diff(c, axis=1)).max(axis=(0, 2), initial=0.0) > _C_SPAN)[0] + 1).tolist()
     bounds = sorted(set(range(0, Tq, rows)) | set(jumps) | {Tq})
     pieces = list(zip(bounds, bounds[1:]))
-    spans = (np.maximum.reduceat(c, bounds[:-1], axis=1) - np.minimum.reduceat(c, bounds[:-1], axis=1)).max(0)
+    hi, lo = _extremes(c, bounds[:-1])
+    spans = (hi - lo).max(0)
     # [pieces][H] chunks each head needs (NaN gates, unchecked, just pass through), in Python: a few small numbers
     splits = [[min(max(1, math.ceil(x / _C_SPAN)) if math.isfinite(x) else 1, max(1, (b - a) // 16)) for x in row]
               for (a, b), row in zip(pieces, spans.tolist())]
@@ -573,8 +574,8 @@ def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
         if (_spans(c, even) <= _C_SPAN).all():
             return even
     starts = list(range(a, b, _Q_BLOCK))
-    hi = np.maximum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).max(0)  # [blocks, G]
-    lo = np.minimum.reduceat(c[:, a:b], [s - a for s in starts], axis=1).min(0)
+    hi, lo = _extremes(c[:, :b], starts)
+    hi, lo = hi.max(0), lo.min(0)  # [blocks, G]
     if ((hi - lo) <= _C_SPAN).all():  # (NaN gates, unchecked, go the even way)
         hi, lo = hi.tolist(), lo.tolist()
         edges, top, bottom = [a], hi[0], lo[0]
@@ -600,9 +601,16 @@ def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
 def _spans(c: np.ndarray, edges: list[int]) -> np.ndarray:
     """max(c) - min(c) over each of the row ranges between ``edges`` (c: [B, Tq, G]), the largest over batch rows
     and heads: [ranges]."""
-    a, starts = edges[0], [e - edges[0] for e in edges[:-1]]
-    rows = c[:, a:edges[-1]]
-    return (np.maximum.reduceat(rows, starts, axis=1) - np.minimum.reduceat(rows, starts, axis=1)).max((0, 2))
+    hi, lo = _extremes(c[:, :edges[-1]], edges[:-1])
+    return (hi - lo).max((0, 2))
+
+
+def _extremes(c: np.ndarray, starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(max, min) of c [B, T, G] over the row ranges from each of ``starts`` (increasing) to the next, the last to
+    T: [B, ranges, G] each."""
+    a = starts[0]
+    rows, idx = c[:, a:], [s - a for s in starts]
+    return np.maximum.reduceat(rows, idx, axis=1), np.minimum.reduceat(rows, idx, axis=1)
 
 
 def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, q_offset: int, rows: int,
@@ -658,8 +666,7 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
             chunks.append((a, b, lo, ke, calls))
         # Each chunk's c_ref: the middle of its rows' c, [B, G] fp64 (one reduction over every chunk)
         starts = [a for a, *_ in chunks]
-        refs = (np.maximum.reduceat(cg, starts, axis=1) + np.minimum.reduceat(cg, starts, axis=1)) / 2 if chunks else None
-        refs = None if refs is None else torch.from_numpy(refs).to(c_q.device)
+        refs = torch.from_numpy(sum(_extremes(cg, starts)) / 2).to(c_q.device) if chunks else None
         plan.append((heads, [(a, b, refs[:, i], lo, ke, calls) for i, (a, b, lo, ke, calls) in enumerate(chunks)]))
     return plan
 
