@@ -82,6 +82,29 @@ def _exact(rank, world):
     _check("contiguous", world, dtype=torch.bfloat16, seed=3, tol=3e-2)
 
 
+def _half_precision(rank, world):
+    """bf16 over a few hundred tokens: outputs and all four gradients, the gate's included, within 5e-3 of the fp64
+    reference (what the peers' kernels reach): the merge of the blocks through their lse must carry the blocks'
+    outputs unrounded, or the gate gradient's row sums pick up bf16's rounding along the sequence."""
+    from foxlm.ops.reference import forgetting_attention_reference
+    from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
+
+    for layout, prune in (("zigzag", False), ("contiguous", True)):
+        B, T, Hq, Hk, D = 1, 64 * world * (2 if layout == "zigzag" else 1), 4, 2, 32
+        q, k, v, _, do = _inputs(B, T, Hq, Hk, D, D, torch.bfloat16, seed=11)
+        log_f = F.logsigmoid(2 * torch.randn(B, T, Hq, generator=torch.Generator().manual_seed(12)) + 2)
+        full = [t.double().requires_grad_() for t in (q, k, v, log_f)]
+        ref = forgetting_attention_reference(*full)
+        ref_grads = torch.autograd.grad((ref * do.double()).sum(), full)
+        local = [shard_sequence(t, dim=1, layout=layout).requires_grad_() for t in (q, k, v, log_f)]
+        o = cp_forgetting_attention(*local, layout=layout, prune=prune)
+        grads = torch.autograd.grad((o.double() * shard_sequence(do, dim=1, layout=layout).double()).sum(), local)
+        for name, got, want in zip(("o", "dq", "dk", "dv", "dlog_f"), (o, *grads), (ref, *ref_grads)):
+            got = gather_sequence(got.detach(), dim=1, layout=layout).double()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 5e-3, f"{layout} prune={prune} {name}: relative error {err:.1e}"
+
+
 def _acp(rank, world):
     """ACP on a gate profile where KV head 1's query heads forget fast and KV head 0's remember: the pruned op
     equals the single-process pruned op, the skipped chunks are really not sent (the P2P counters, summed over
@@ -203,6 +226,10 @@ def test_two_processes_model(tmp_path):
 
 def test_two_processes(tmp_path):
     _spawn(tmp_path, 2, "_exact")
+
+
+def test_two_processes_half_precision(tmp_path):
+    _spawn(tmp_path, 2, "_half_precision")
 
 
 def test_four_processes_acp_skips_sends(tmp_path):

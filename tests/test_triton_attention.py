@@ -50,8 +50,10 @@ def _inputs(B, Tq, Tk, Hq, Hk, D, Dv, dtype=torch.float32):
 
 
 def _cotangents(o: torch.Tensor, lse: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random fp64 cotangents of o and lse; do's values are o's dtype's, so that the kernels (which take it in o's
+    dtype) and the reference see the same input."""
     g = torch.Generator(DEVICE).manual_seed(seed)
-    return (torch.randn(o.shape, generator=g, dtype=torch.float64),
+    return (torch.randn(o.shape, generator=g, dtype=torch.float64).to(o.dtype).double(),
             torch.randn(lse.shape, generator=g, dtype=torch.float64))
 
 
@@ -134,8 +136,8 @@ AUTOTUNED_CASES = {
 @pytest.mark.parametrize("name", list(AUTOTUNED_CASES))
 def test_autotuned_tiles_match_fp64_reference(monkeypatch, name, deterministic):
     """The tiles training runs with (bf16, autotuned per head dim) at sizes that cross many of them. bf16 keeps 8
-    bits: ~3e-3 relative error on o and dq/dk/dv. The gate gradient is a reverse cumsum, over hundreds of tokens,
-    of row sums minus column sums of dS that nearly cancel, so it keeps less: 6.5e-2 was seen with the window."""
+    bits: ~3e-3 relative error on o, the gradients and the gate gradient, as the peers' kernels (FoX's authors',
+    fla's) reach on the same inputs."""
     monkeypatch.setattr(ta, "SMALL_TILES", False)
     B, Tq, Tk, Hq, Hk, D, cu, kwargs = AUTOTUNED_CASES[name]
     cu_seqlens = None if cu is None else torch.tensor(cu, dtype=torch.int32)
@@ -147,7 +149,7 @@ def test_autotuned_tiles_match_fp64_reference(monkeypatch, name, deterministic):
     out = _run(*inputs, seed=seed, cu_seqlens=cu_seqlens, deterministic=deterministic, **kwargs)
     ref_kwargs = {key: value for key, value in kwargs.items() if key != "prune"}  # what ACP skips is < e^-10
     expected = _run(*inputs, seed=seed, reference=True, cu_seqlens=cu_seqlens, **ref_kwargs)
-    _assert_close(out, expected, dict(o=1e-2, lse=1e-4, dq=1e-2, dk=1e-2, dv=1e-2, dlog_fgate=1e-1))
+    _assert_close(out, expected, dict(o=5e-3, lse=1e-4, dq=5e-3, dk=5e-3, dv=5e-3, dlog_fgate=5e-3))
 
 
 @pytest.mark.parametrize("deterministic", [True, False])
@@ -173,8 +175,42 @@ def test_half_precision(dtype):
     inputs = _inputs(2, 40, 40, 2, 1, 64, 64, dtype=dtype)
     out = _run(*inputs, seed=1)
     assert out[0].dtype == dtype and out[1].dtype == torch.float32
-    # bf16 keeps 8 bits: ~4e-3 on o and dq/dk/dv, more on the gate gradient (sums that cancel)
-    _assert_close(out, _run(*inputs, seed=1, reference=True), rel=2e-3 if dtype == torch.float16 else 5e-2)
+    # bf16 keeps 8 bits: ~3e-3 on o and every gradient (the peers' kernels reach the same); fp16 keeps 11
+    _assert_close(out, _run(*inputs, seed=1, reference=True), rel=1e-3 if dtype == torch.float16 else 5e-3)
+
+
+GATE_CASES = {
+    # name: (B, Tq, Tk, Hq, Hk, D, dtype, kwargs): a few hundred tokens, where the gate gradient's old error showed
+    # (4.6e-2 at 256 tokens, 1e-1 at 512: the host's dlse in place of the row sums, in a reverse cumsum)
+    "plain": (1, 256, 256, 2, 2, 64, torch.bfloat16, {}),
+    "atomic-dq": (1, 256, 256, 2, 2, 64, torch.bfloat16, dict(deterministic=False)),
+    "fp16": (1, 256, 256, 2, 2, 64, torch.float16, {}),
+    "gqa2": (1, 256, 256, 4, 2, 32, torch.bfloat16, {}),
+    "varlen": (1, 256, 256, 2, 1, 32, torch.bfloat16, dict(cu_seqlens=[0, 90, 91, 256])),
+    "window": (1, 256, 256, 2, 2, 32, torch.bfloat16, dict(window=96)),
+    "acp": (1, 256, 256, 2, 2, 32, torch.bfloat16, dict(prune=True)),
+    "tq<tk": (1, 128, 256, 2, 1, 32, torch.bfloat16, {}),
+    "window+acp-atomic": (1, 256, 256, 2, 2, 32, torch.bfloat16, dict(window=96, prune=True, deterministic=False)),
+}
+
+
+@pytest.mark.parametrize("name", list(GATE_CASES))
+def test_half_precision_gate_gradient(name):
+    """bf16/fp16 over a few hundred tokens on every backward: the gate gradient within 5e-3 of fp64, as the peers'
+    kernels reach (2.5e-3 on a GPU). Its two sides, rowsum(dS) - colsum(dS), must come from the kernel's own dS."""
+    B, Tq, Tk, Hq, Hk, D, dtype, kwargs = GATE_CASES[name]
+    kwargs = dict(kwargs)
+    if "cu_seqlens" in kwargs:
+        kwargs["cu_seqlens"] = torch.tensor(kwargs["cu_seqlens"], dtype=torch.int32)
+    q, k, v, _ = _inputs(B, Tq, Tk, Hq, Hk, D, D, dtype=dtype)
+    log_fgate = F.logsigmoid(2 * torch.randn(B, Tk, Hq) + 2).requires_grad_()  # -0.3 per token on average
+    if kwargs.get("prune"):
+        assert acp_stats(q, k, log_fgate, block_m=ta.INTERPRET_TILE, block_n=ta.INTERPRET_TILE)[1] > 0.1
+    seed = int(torch.randint(1 << 30, ()))
+    out = _run(q, k, v, log_fgate, seed=seed, **kwargs)
+    ref_kwargs = {key: value for key, value in kwargs.items() if key not in ("prune", "deterministic")}
+    expected = _run(q, k, v, log_fgate, seed=seed, reference=True, **ref_kwargs)
+    _assert_close(out, expected, dict(o=5e-3, lse=1e-4, dq=5e-3, dk=5e-3, dv=5e-3, dlog_fgate=5e-3))
 
 
 def test_no_gate_equals_sdpa_causal():
@@ -200,7 +236,7 @@ def test_fast_forgetting_sees_only_itself():
     out, ref = _run(q, k, v, log_fgate, seed=2), _run(q, k, v, log_fgate, seed=2, reference=True)
     torch.testing.assert_close(out[0], v.detach().expand(-1, -1, 2, -1), rtol=0, atol=1e-5)
     _assert_close(out[:5], ref[:5], rel=1e-4)
-    # The exact gate gradient is ~e^-30: dlse_i and the fp32 column sum dS_ii cancel, and the reverse
+    # The exact gate gradient is ~e^-30: the fp32 row and column sums of dS cancel, and the reverse
     # cumsum adds up 40 such fp32 roundings of terms up to |do| |v|: compare absolutely.
     do, _ = _cotangents(out[0], out[1], seed=2)
     atol = 4 * 40 * 6e-8 * do.norm(dim=-1).max().item() * v.detach().norm(dim=-1).max().item()
@@ -374,7 +410,7 @@ def test_sliding_window_matches_fp64_reference(name):
         _assert_close(out, ref, rel=2e-5)
         return
     # Every query sees only itself: o_i = v_i, and the exact gate gradient is 0 (c_i - c_i), which the kernels
-    # leave as the fp32 cancellation of dlse_i against dS_ii, summed over T positions: compare absolutely.
+    # leave as the fp32 cancellation of rowsum(dS) against colsum(dS), summed over T positions: compare absolutely.
     v = inputs[2].detach()
     torch.testing.assert_close(out[0], v.repeat_interleave(Hq // Hk, dim=2), rtol=0, atol=1e-6)
     _assert_close(out[:5], ref[:5], rel=2e-5)

@@ -68,6 +68,18 @@ def require_runnable(kernel, x: torch.Tensor, arg: str) -> None:
 
 
 @jit
+def cast(x, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x.to(dtype)``, rounding to nearest as the GPU does. Triton 3.6's interpreter truncates fp32 to bf16, which
+    doubles bf16's rounding error and biases it; there an fp32 ``x`` is rounded to bf16's 8 bits first (ties to
+    even, finite values), which the truncating cast then keeps exactly."""
+    if INTERPRET and dtype == tl.bfloat16 and x.dtype == tl.float32:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000
+        x = bits.to(tl.float32, bitcast=True)
+    return x.to(dtype)
+
+
+@jit
 def tile_loop(tile, state, lo, hi, STEP: tl.constexpr, INTERPRET: tl.constexpr, args):
     """``state = tile(state, start, *args)`` for ``start`` in range(lo, hi, STEP): a kernel's loop over tiles between
     run-time bounds. A ``for`` loop where Triton compiles the kernel (it software-pipelines those), a ``while`` loop

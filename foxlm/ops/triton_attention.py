@@ -82,7 +82,7 @@ _bwd = triton.autotune(
     _configs(_BWD_TILES, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
     key=[*_TUNE_KEY, "ATOMIC_DQ"],
     prune_configs_by={"early_config_prune": _prune_configs},
-    reset_to_zero=["DQ"],  # the atomic dQ accumulator: every timed run of a tile adds into it
+    reset_to_zero=["DQ", "DCQ"],  # the atomic accumulators: every timed run of a tile adds into them
 )(_attn_bwd_kernel)
 
 
@@ -270,20 +270,21 @@ def _backward_impl(
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+    # rowsum(dS) [B, Hq, Tq], lse's layout; the atomic backward adds tiles' shares into it
+    dcq = torch.empty_like(lse) if deterministic else torch.zeros_like(lse)
 
     def grid(m):
         blocks = triton.cdiv(len_k, m["BLOCK_N1"])
         return ((max(blocks, triton.cdiv(len_q, m["BLOCK_M2"])) if deterministic else blocks) * Hk * n_seq,)
 
-    _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, crk, crq, thr, do, lse, delta, dq, dk, dv, dck, cu,
+    _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, crk, crq, thr, do, lse, delta, dq, dk, dv, dck, dcq, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hk, Hk * n_seq, _head_group(Hk * n_seq, len_q, q, v), Hq // Hk,
             scale * LOG2E.value, scale, window or 0,
             LEN_BUCKET=_len_bucket(len_k), ATOMIC_DQ=not deterministic, **meta)
     dq = dq.to(q.dtype)
     dc = dck.double()
-    if dlse is not None:  # rowsum(dS), the query side of the gate gradient
-        dc[..., Tk - Tq:] += dlse
+    dc[..., Tk - Tq:] += dcq  # the query side of the gate gradient (dlse is in it, through delta)
     dlog_fgate = _reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float().contiguous()  # the fake's layout
     return dq, dk, dv, dlog_fgate
 

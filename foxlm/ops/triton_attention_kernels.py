@@ -9,7 +9,8 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
 * backward: one program per (block, key head) computes dK/dV for its key block, looping over the query
   heads of its GQA group in a fixed order (deterministic GQA reduction), and dQ for the query block of
   the same index (balanced work under the causal mask). No atomics: the gate gradient is collected as
-  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64. The dK/dV loop reads the
+  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64 (with atomic dQ, the row
+  sums are added atomically beside it). The dK/dV loop reads the
   query side's c_rel with -lse already in it (one vector load a tile fewer).
 * gate precision: c is an fp64 cumsum, and c_i - c_j keeps its precision even when |c| reaches 1e6 (a
   million tokens): every program takes c relative to an fp64 reference (c at its first query or key). The
@@ -40,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .backend import tile_loop
+from .backend import cast, tile_loop
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
@@ -84,6 +85,13 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
     else:
         out = tl.dot(a, b, acc, input_precision=PRECISION)
     return out
+
+
+@triton.jit
+def _e0(ROWS: tl.constexpr, dtype: tl.constexpr):
+    """[ROWS, 16] in dtype, ones in column 0 and zeros elsewhere: x @ e_0's column 0 is x's row sums (16: the
+    narrowest tensor-core tile), and summing that row adds only zeros to them."""
+    return (tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0) + tl.zeros([ROWS, 16], tl.float32)).to(dtype)
 
 
 @triton.jit
@@ -208,7 +216,7 @@ def _fwd_tile(state, start_n, q, pos_m, k_base, v_base, c_base, cr_base, skt, sv
     l_i = l_i * alpha + tl.sum(p, 1)
     v = _load_rows(v_base + kn.to(tl.int64)[:, None] * svt + offs_dv[None, :], kvalid, offs_dv < DV,
                    MASK, BLOCK_DV != DV)
-    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], PRECISION, INTERPRET)
+    acc = _dot(cast(p, v.dtype, INTERPRET), v, acc * alpha[:, None], PRECISION, INTERPRET)
     return acc, l_i, m_ij
 
 
@@ -263,9 +271,9 @@ def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
     acc = acc / l_i[:, None]
     o_ptrs = O + bt * sob + hq * soh + rows[:, None] * sot + offs_dv[None, :]
     if BLOCK_DV != DV:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None] & (offs_dv < DV)[None, :])
+        tl.store(o_ptrs, cast(acc, O.dtype.element_ty, INTERPRET), mask=mvalid[:, None] & (offs_dv < DV)[None, :])
     else:
-        tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mvalid[:, None])
+        tl.store(o_ptrs, cast(acc, O.dtype.element_ty, INTERPRET), mask=mvalid[:, None])
     cq = (tl.load(c_base + off + offs_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
     lse = (m_i + tl.math.log2(l_i) + cq) * LN2
     tl.store(LSE + bt * slb + hq * slh + tok0 + offs_m, lse, mask=mvalid)
@@ -325,8 +333,8 @@ def _attn_bwd_preprocess(O, DO, DLSE, LSE, C, START, DELTA, CRQ, sob, sot, soh, 
 
 
 @triton.jit
-def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, dq_base, cq_base, cqr_base, l_base, d_base,
-                   sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D: tl.constexpr, DV: tl.constexpr,
+def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, cq_base, cqr_base, l_base,
+                   d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D: tl.constexpr, DV: tl.constexpr,
                    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr,
                    MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                    INTERPRET: tl.constexpr):
@@ -355,25 +363,37 @@ def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, dq_bas
         st = tl.where(_visible((off + offs_m)[None, :], kn[:, None], window, WINDOWED) & mvalid[None, :]
                       & kvalid[:, None], st, float("-inf"))
     pt = tl.math.exp2(st)
-    dv = _dot(pt.to(do.dtype), do, dv, PRECISION, INTERPRET)
+    dv = _dot(cast(pt, do.dtype, INTERPRET), do, dv, PRECISION, INTERPRET)
     if not ATOMIC_DQ:
         dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
     dst = pt * (dpt - delta[None, :])
-    dk = _dot(dst.to(q.dtype), q, dk, PRECISION, INTERPRET)
-    dck += tl.sum(dst, 1)
-    if ATOMIC_DQ:  # this tile's share of dQ, added into the fp32 accumulator (FlashAttention-2's backward)
-        dq = _dot(tl.trans(dst).to(k.dtype), k, None, PRECISION, INTERPRET) * scale
+    if ATOMIC_DQ:
+        # This tile's shares of dQ and of rowsum(dS), added into fp32 accumulators (FlashAttention-2's dQ). Both sums
+        # of dS come out of the tensor cores, as the first column of dS @ e_0 and of dS^T @ e_0: a reduction across
+        # the key rows would take shared memory and registers that the loop does not have (it spilled). Both sides of
+        # the gate gradient sum dS as the dots see it, rounded to q's dtype, so that they stay exact complements.
+        dst = cast(dst, q.dtype, INTERPRET)
+        dk = _dot(dst, q, dk, PRECISION, INTERPRET)
+        dck += tl.sum(_dot(dst, _e0(dst.shape[1], dst.dtype), None, PRECISION, INTERPRET), 1)
+        dsq = tl.trans(dst)
+        dq = _dot(dsq, k, None, PRECISION, INTERPRET) * scale
         tl.atomic_add(dq_base + rows[:, None] * sqt + offs_d[None, :], dq,
                       mask=mvalid[:, None] & (offs_d < D)[None, :], sem="relaxed")
+        dcq = tl.sum(_dot(dsq, _e0(dst.shape[0], dst.dtype), None, PRECISION, INTERPRET), 1)
+        tl.atomic_add(dcq_base + offs_m, dcq, mask=mvalid, sem="relaxed")
+    else:
+        dk = _dot(cast(dst, q.dtype, INTERPRET), q, dk, PRECISION, INTERPRET)
+        dck += tl.sum(dst, 1)
     return dk, dv, dck
 
 
 @triton.jit
-def _bwd_dq_tile(dq, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
+def _bwd_dq_tile(state, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
                  qk_scale, len_k, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr,
                  WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """Key tile [start_n, start_n + BLOCK_N) into the query block's dq (a ``tile_loop`` body)."""
+    """Key tile [start_n, start_n + BLOCK_N) into the query block's (dq, dcq) (a ``tile_loop`` body)."""
+    dq, dcq = state
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -390,12 +410,12 @@ def _bwd_dq_tile(dq, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c
     p = tl.math.exp2(s)
     dp = _dot(do, tl.trans(v), None, PRECISION, INTERPRET)
     ds = p * (dp - delta[:, None])
-    dq = _dot(ds.to(k.dtype), k, dq, PRECISION, INTERPRET)
-    return dq
+    dq = _dot(cast(ds, k.dtype, INTERPRET), k, dq, PRECISION, INTERPRET)
+    return dq, dcq + tl.sum(ds, 1)
 
 
 @triton.jit
-def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
+def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k, off,
                     sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
@@ -403,7 +423,7 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, h
                     INTERPRET: tl.constexpr):
     """dK, dV of key block [start_n, start_n + BLOCK_N1), summed over the G query heads of key head hk in a fixed
     order (a deterministic GQA reduction), and -colsum(dS) per query head into DCK; with ``ATOMIC_DQ`` also
-    every tile's dQ share, atomically added into DQ (fp32)."""
+    every tile's shares of dQ and of rowsum(dS), atomically added into DQ and DCQ (fp32)."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N1)
@@ -435,6 +455,7 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, h
         q_base = Q + hq * sqh + tok0.to(tl.int64) * sqt
         do_base = DO + hq * soh + tok0.to(tl.int64) * sot
         dq_base = DQ + hq * sqh + tok0.to(tl.int64) * sqt
+        dcq_base = DCQ + hq * slh + tok0
         c_ref = tl.load(c_base + start_n)
         ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
         hi = last_q
@@ -444,31 +465,31 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, h
             hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
         dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
         state = tile_loop(_bwd_dkdv_tile, (dk, dv, dck), lo, tl.minimum(unmasked_lo, hi), BLOCK_M1, INTERPRET,
-                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off, cqr_base, l_base, d_base, sqt,
+                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base, d_base, sqt,
                            sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1,
                            C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
         state = tile_loop(_bwd_dkdv_tile, state, unmasked_lo, tl.minimum(unmasked_hi, hi), BLOCK_M1, INTERPRET,
-                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off, cqr_base, l_base, d_base, sqt,
+                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base, d_base, sqt,
                            sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1,
                            C_BLOCK, False, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
         dk, dv, dck = tile_loop(_bwd_dkdv_tile, state, unmasked_hi, hi, BLOCK_M1, INTERPRET,
-                                (k, v, ck, kn, kvalid, q_base, do_base, dq_base, c_base + off, cqr_base, l_base, d_base,
+                                (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base, d_base,
                                  sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
                                  BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
         tl.store(DCK + hq * sch + tok0 + kn, -dck, mask=kvalid)
-    tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty),
+    tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], cast(dk * scale, DK.dtype.element_ty, INTERPRET),
              mask=kvalid[:, None] & (offs_d < D)[None, :])
-    tl.store(DV_ + hk * svh + krows[:, None] * svt + offs_dv[None, :], dv.to(DV_.dtype.element_ty),
+    tl.store(DV_ + hk * svh + krows[:, None] * svt + offs_dv[None, :], cast(dv, DV_.dtype.element_ty, INTERPRET),
              mask=kvalid[:, None] & (offs_dv < DV)[None, :])
 
 
 @triton.jit
-def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
+def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
                   sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, C_BLOCK: tl.constexpr,
                   PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """dQ of query block [start_m, start_m + BLOCK_M2) of query head hq."""
+    """dQ of query block [start_m, start_m + BLOCK_M2) of query head hq, and rowsum(dS) of its rows into DCQ."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     offs_m = start_m + tl.arange(0, BLOCK_M2)
@@ -490,24 +511,25 @@ def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hq, hk, start_m, 
                                      PRUNE, WINDOWED)
     k_base = K + hk * skh + tok0.to(tl.int64) * skt
     v_base = V + hk * svh + tok0.to(tl.int64) * svt
-    dq = tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32)
+    state = (tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_M2], dtype=tl.float32))
     if WINDOWED:
-        dq = tile_loop(_bwd_dq_tile, dq, lo, win_hi, BLOCK_N2, INTERPRET,
+        state = tile_loop(_bwd_dq_tile, state, lo, win_hi, BLOCK_N2, INTERPRET,
                        (q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
                         len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True, WINDOWED, PRECISION,
                         INTERPRET))
-    dq = tile_loop(_bwd_dq_tile, dq, win_hi, mask_lo, BLOCK_N2, INTERPRET,
+    state = tile_loop(_bwd_dq_tile, state, win_hi, mask_lo, BLOCK_N2, INTERPRET,
                    (q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
                     len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, False, WINDOWED, PRECISION, INTERPRET))
-    dq = tile_loop(_bwd_dq_tile, dq, mask_lo, p_last + 1, BLOCK_N2, INTERPRET,
+    dq, dcq = tile_loop(_bwd_dq_tile, state, mask_lo, p_last + 1, BLOCK_N2, INTERPRET,
                    (q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
                     len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True, WINDOWED, PRECISION, INTERPRET))
-    tl.store(DQ + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty),
+    tl.store(DQ + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], cast(dq * scale, DQ.dtype.element_ty, INTERPRET),
              mask=mvalid[:, None] & (offs_d < D)[None, :])
+    tl.store(DCQ + hq * slh + tok0 + offs_m, dcq, mask=mvalid)
 
 
 @triton.jit
-def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, CU,
+def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                      Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -520,8 +542,10 @@ def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK
     With ``ATOMIC_DQ`` (not deterministic), dQ is accumulated atomically in the dK/dV loop instead: 5 matmuls
     per tile instead of 7, one exp instead of two.
 
-    The query side of the gate gradient, rowsum_j(dS_ij) = dlse_i (the row sums of P are one and
-    sum_j P_ij dP_ij = do_i . o_i), needs no kernel: the host adds dlse exactly.
+    The gate gradient's two sides come from the same dS: -colsum(dS) per key into DCK, rowsum(dS) per query into
+    DCQ. In exact arithmetic rowsum_j(dS_ij) = dlse_i, but delta is computed from the rounded o: each row sum
+    carries o's rounding, which the reverse cumsum would add up along the sequence. From the kernel's own dS, it
+    cancels between the two sides, and what is left is the error of dS on pairs across each position.
     """
     hk, b, pid = _grid_position(Hk, HB, HG, False)
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
@@ -537,18 +561,19 @@ def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK
     CRK += bt * scb
     CRQ += bt * scb
     DCK += bt * scb
+    DCQ += bt * slb
     LSE += bt * slb
     DELTA += bt * slb
     start_n = pid * BLOCK_N1
     if start_n < len_k:
-        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k, off,
+        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k, off,
                         sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                         G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, ATOMIC_DQ,
                         INTERPRET)
     start_m = pid * BLOCK_M2
     if not ATOMIC_DQ and start_m < len_q:
         for g in range(G):
-            _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
+            _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
                           sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION, INTERPRET)
 

@@ -1,0 +1,103 @@
+"""Accuracy of Forgetting Attention's gradients in bf16/fp16 against the fp64 reference, on every backward variant
+of foxlm's kernels and on fla's ``parallel_forgetting_attn`` when it is importable (same inputs, same run).
+
+Inputs: q, k, v randn in the dtype, log f = logsigmoid(2 randn + 2) in fp32 (about -0.3 per token), a random dO in
+the dtype; the loss is <o, dO>. The reported number is ||x - x_ref|| / ||x_ref|| (Frobenius) per output.
+
+    PYTHONPATH=. python benchmarks/gate_gradient.py [--seqlens 1024 4096 16384] [--dims 64 128] [--out DIR]
+
+On a machine without CUDA, ``--device cpu`` runs the kernels in Triton's interpreter (small ``--seqlens`` only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+VARIANTS = {  # name: forgetting_attention keyword arguments
+    "foxlm": dict(),
+    "foxlm-det": dict(deterministic=True),
+    "foxlm-acp": dict(prune=True),
+    "foxlm-window": dict(window=512),
+}
+
+
+def _inputs(T: int, H: int, D: int, dtype: torch.dtype, device: str, seed: int):
+    g = torch.Generator(device).manual_seed(seed)
+    q, k, v = (torch.randn(1, T, H, D, generator=g, device=device).to(dtype) for _ in range(3))
+    log_fgate = F.logsigmoid(2 * torch.randn(1, T, H, generator=g, device=device) + 2)
+    do = torch.randn(1, T, H, D, generator=g, device=device).to(dtype)
+    return q, k, v, log_fgate, do
+
+
+def _grads(fn, q, k, v, log_fgate, do, dtype=None):
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_() for t in (q, k, v, log_fgate)]
+    o = fn(*leaves)
+    grads = torch.autograd.grad(o, leaves, do.to(o.dtype))
+    return [o.detach(), *grads]
+
+
+def _fla():
+    try:
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+    except ImportError:
+        return None
+    return lambda q, k, v, g: parallel_forgetting_attn(q, k, v, g, scale=q.shape[-1] ** -0.5)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for gate-gradient-DATE.json")
+    args = parser.parse_args()
+    if args.device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    from foxlm.ops import forgetting_attention, forgetting_attention_reference, use_backend
+
+    fla = _fla() if args.device == "cuda" else None
+    rows = []
+    print(f"{'case':<26} {'variant':<13} {'o':>8} {'dq':>8} {'dk':>8} {'dv':>8} {'dlog_f':>8}")
+    for T in args.seqlens:
+        for D in args.dims:
+            for dtype in (getattr(torch, name) for name in args.dtypes):
+                q, k, v, lf, do = _inputs(T, args.heads, D, dtype, args.device, seed=T + D)
+                paths = {name: (lambda kw: lambda *x: forgetting_attention(*x, **kw))(kw) for name, kw in VARIANTS.items()}
+                if fla is not None:
+                    paths["fla"] = fla
+                ref_paths = {"window": lambda *x: forgetting_attention_reference(*x, window=512)}
+                refs = {}
+                for name, fn in paths.items():
+                    kind = "window" if name.endswith("window") else "full"
+                    if kind not in refs:  # the reference in fp64 (ACP skips < e^-10 of the mass: compared unpruned)
+                        refs[kind] = _grads(ref_paths.get(kind, forgetting_attention_reference), q, k, v, lf,
+                                            do.double(), torch.float64)
+                    with use_backend("auto"):
+                        got = _grads(fn, q, k, v, lf, do)
+                    errs = [((a.double() - e).norm() / e.norm()).item() for a, e in zip(got, refs[kind])]
+                    case = f"T={T} d{D} {str(dtype).split('.')[-1]}"
+                    rows.append(dict(T=T, D=D, dtype=str(dtype), variant=name, **dict(zip(
+                        ("o", "dq", "dk", "dv", "dlog_fgate"), errs))))
+                    print(f"{case:<26} {name:<13} " + " ".join(f"{e:8.1e}" for e in errs), flush=True)
+                del refs
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    if args.out:
+        device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
+        path = os.path.join(args.out, f"gate-gradient-{datetime.date.today()}.json")
+        with open(path, "w") as f:
+            json.dump(dict(device=device, torch=torch.__version__, argv=sys.argv[1:], rows=rows), f, indent=1)
+        print("wrote", path)
+
+
+if __name__ == "__main__":
+    main()
