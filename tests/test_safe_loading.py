@@ -24,8 +24,9 @@ from foxlm.data.assets import sha256_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# model.qk_norm_eps as the authors' classes have it, so that `foxlm convert --to fox-authors` takes the model
 TINY = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-        "model.intermediate_size=128", "tokenizer=byte", "seq_len=32", "batch_size=2", "micro_batch_size=1",
+        "model.intermediate_size=128", "model.qk_norm_eps=1.0e-5", "tokenizer=byte", "seq_len=32", "batch_size=2", "micro_batch_size=1",
         "warmup_steps=1", "eval_every=0", "log_every=1", "progress=false", "tensorboard=false", "sample_tokens=0"]
 
 
@@ -127,3 +128,50 @@ def test_a_sharded_checkpoint_that_would_run_code_is_refused(sharded, byte_data,
 def _losses(run: Path) -> list[tuple[int, float]]:
     records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
     return [(r["step"], r["loss"]) for r in records if "loss" in r]
+
+
+def _flip_byte(path: Path, at: int = -100) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+def test_exported_and_converted_models_are_verified_on_load(sharded, byte_data, tmp_path, capsys):
+    exported = tmp_path / "exported"
+    assert main(["export", str(sharded), str(exported)]) == 0
+    manifest = json.loads((exported / "manifest.json").read_text())["files"]
+    assert manifest["model.safetensors"] == sha256_file(exported / "model.safetensors")
+    assert sorted(manifest) == sorted(p.name for p in exported.iterdir() if p.name != "manifest.json")
+    capsys.readouterr()
+    line = _refused(main(["export", str(exported), str(tmp_path / "twice")]), capsys.readouterr().err, "export")
+    assert "is a save_pretrained folder already" in line, line
+    converted = tmp_path / "authors"
+    assert main(["convert", str(exported), str(converted), "--to", "fox-authors"]) == 0
+    manifest = json.loads((converted / "manifest.json").read_text())["files"]
+    assert manifest["model.safetensors"] == sha256_file(converted / "model.safetensors")
+    # a folder without a manifest (a model from the hub) loads unchecked; one with it, checked
+    hub = tmp_path / "hub"
+    shutil.copytree(exported, hub)
+    (hub / "manifest.json").unlink()
+    for model in (exported, hub):
+        assert main(["generate", str(model), "--prompt", "To be", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+
+    _flip_byte(exported / "model.safetensors")
+    _flip_byte(hub / "model.safetensors")  # nothing to check it against: it loads
+    assert main(["generate", str(hub), "--prompt", "To be", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+    attempts = [("generate", ["generate", str(exported), "--prompt", "To be", "--device", "cpu"]),
+                ("eval loss", ["eval", "loss", str(exported), "--data", str(byte_data), "--out",
+                               str(tmp_path / "eval"), "--train-length", "32", "--device", "cpu", "--no-progress"]),
+                ("convert", ["convert", str(exported), str(tmp_path / "again"), "--to", "fox-authors"]),
+                ("train", ["train", *TINY, f"data={byte_data}", "max_steps=1", f"out_dir={tmp_path / 'tuned'}",
+                           f"init_from={exported}"])]
+    for command, args in attempts:
+        capsys.readouterr()
+        line = _refused(main(args), capsys.readouterr().err, command)
+        assert f"{exported}" in line and "model.safetensors does not match its sha256" in line, line
+    _flip_byte(converted / "config.json", at=-3)
+    capsys.readouterr()
+    line = _refused(main(["convert", str(converted), str(tmp_path / "back")]), capsys.readouterr().err, "convert")
+    assert "config.json does not match its sha256" in line, line

@@ -45,7 +45,8 @@ except ImportError:  # not POSIX
 from ..data.assets import replace_folder, sha256_file
 from ..models import FoxConfig
 from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
-                              load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint)
+                              load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint,
+                              write_manifest)
 from ..presets import has_size
 from .config import model_fields
 from .safe_dcp import load_shards, read_shard_metadata
@@ -134,9 +135,7 @@ class PendingCheckpoint:
                 tmp = self.tmp
                 save_model(tmp / "model")
                 torch.save(trainer_state, tmp / "trainer.pt")
-                files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-                manifest = {"step": self.step, "files": {f: digests.get(f) or sha256_file(tmp / f) for f in files}}
-                (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+                write_manifest(tmp, digests, step=self.step)
                 _fsync_tree(tmp)
         if not self.main:
             return None
@@ -359,6 +358,8 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     ``AutoModelForCausalLM.from_pretrained``. One process; a sharded checkpoint's weights are read whole into it.
     ``dst`` must not exist; it appears complete or not at all."""
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if (src / "config.json").is_file():  # an export's manifest would pass it for a checkpoint
+        raise ValueError(f"src: {src} is a save_pretrained folder already; export reads a run or checkpoint folder")
     ckpt = latest_valid_checkpoint(src) if (src / "checkpoints").is_dir() else src
     if ckpt is None:
         raise FileNotFoundError(f"src: run {src} has no complete checkpoint")
@@ -380,6 +381,7 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             load_shards({"model": weights}, ckpt / SHARDS, "src", no_dist=True)  # the model's keys only
             model.load_state_dict(weights)
             model.save_pretrained(tmp)
+        write_manifest(tmp)  # checked whenever foxlm loads it
         _fsync_tree(tmp)
         tmp.rename(dst)
     except BaseException:
