@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint._traverse import set_element  # private, as DefaultLoadPlanner uses it (2.11-2.13)
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
