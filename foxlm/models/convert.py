@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .configuration_fox import FoxConfig
+from .loading import verify_model_folder, write_manifest
 
 AUTHORS_FOX = "forgetting_transformer-project_fox"  # their FoX class (also their Pro Transformer: fgate_type "none")
 AUTHORS_TRANSFORMER = "transformer-project_fox"  # their LLaMA Transformer class
@@ -77,6 +78,7 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = Path(src).expanduser()
     if not (folder / "config.json").is_file():
         raise ValueError(f"src: {folder} holds no config.json (expected a save_pretrained folder)")
+    verify_model_folder(folder, "src")
     config = json.loads((folder / "config.json").read_text())
     weights: dict[str, torch.Tensor] = {}
     for index, single, load in (
@@ -445,6 +447,7 @@ def convert(
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+        write_manifest(tmp)  # checked whenever foxlm loads it
         _swap_in(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -6,7 +6,9 @@ The read side of the checkpoint layout ``foxlm train`` writes (``foxlm/train/che
     <run>/checkpoints/step_0000100/{dcp/, model/, trainer.pt, manifest.json}  several: sharded, model/ without weights
 
 A checkpoint is used only once every file matches the sha256 its ``manifest.json`` records; weights are read from
-safetensors only (a sharded checkpoint's, after ``foxlm export``).
+safetensors only (a sharded checkpoint's, after ``foxlm export``). A ``save_pretrained`` folder that ``foxlm export``
+or ``foxlm convert`` wrote has a ``manifest.json`` too, checked the same way; one without (e.g. from the hub) is used
+unchecked.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ..data.assets import sha256_file
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 SHARDS = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
+MANIFEST = "manifest.json"
 
 
 def is_sharded(ckpt: str | os.PathLike) -> bool:
@@ -54,11 +57,21 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def write_manifest(folder: str | os.PathLike, digests: dict[str, str] | None = None, **fields) -> None:
+    """Write ``folder``'s ``manifest.json``: ``fields`` and the sha256 of every file under it (those ``digests`` has
+    by relative path are taken from it, already hashed)."""
+    folder = Path(folder)
+    names = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    files = {name: (digests or {}).get(name) or sha256_file(folder / name) for name in names if name != MANIFEST}
+    (folder / MANIFEST).write_text(json.dumps({**fields, "files": files}, indent=1))
+
+
 def verify_checkpoint(ckpt: str | os.PathLike) -> str | None:
-    """None if ``ckpt`` is complete and every file matches its manifest, else what is wrong."""
+    """None if ``ckpt`` (a checkpoint, or a model folder with a manifest) is complete and every file matches its
+    manifest, else what is wrong."""
     ckpt = Path(ckpt)
     try:
-        manifest = json.loads((ckpt / "manifest.json").read_text())
+        manifest = json.loads((ckpt / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         return f"no readable manifest.json ({e})"
     for name, digest in manifest.get("files", {}).items():
@@ -70,6 +83,18 @@ def verify_checkpoint(ckpt: str | os.PathLike) -> str | None:
     if not manifest.get("files"):
         return "empty manifest"
     return None
+
+
+def verify_model_folder(folder: str | os.PathLike, arg: str = "path") -> None:
+    """Refuse (``ValueError`` naming the argument ``arg`` and the file) a ``save_pretrained`` folder that no longer
+    matches its ``manifest.json``; one without a manifest is not checked."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).exists():
+        return
+    problem = verify_checkpoint(folder)
+    if problem is not None:
+        raise ValueError(f"{arg}: model folder {folder}: {problem}; refusing to load it. Export or convert it again "
+                         f"(or delete its {MANIFEST} to load it unchecked)")
 
 
 def latest_valid_checkpoint(run_dir: str | os.PathLike) -> Path | None:
@@ -87,6 +112,7 @@ def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
     a ``save_pretrained`` folder itself; errors name the argument ``arg``."""
     path = Path(path).expanduser()
     if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
+        verify_model_folder(path, arg)
         return path
     if (path / "model" / "config.json").is_file():
         problem = verify_checkpoint(path) if (path / "manifest.json").exists() else "no manifest.json"

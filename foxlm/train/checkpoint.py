@@ -45,9 +45,11 @@ except ImportError:  # not POSIX
 from ..data.assets import replace_folder, sha256_file
 from ..models import FoxConfig
 from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
-                              load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint)
+                              load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint,
+                              write_manifest)
 from ..presets import has_size
 from .config import model_fields
+from .safe_dcp import load_shards, read_shard_metadata
 
 __all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
            "PendingCheckpoint", "export_model",
@@ -133,9 +135,7 @@ class PendingCheckpoint:
                 tmp = self.tmp
                 save_model(tmp / "model")
                 torch.save(trainer_state, tmp / "trainer.pt")
-                files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
-                manifest = {"step": self.step, "files": {f: digests.get(f) or sha256_file(tmp / f) for f in files}}
-                (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+                write_manifest(tmp, digests, step=self.step)
                 _fsync_tree(tmp)
         if not self.main:
             return None
@@ -300,11 +300,10 @@ def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.opt
         raise ValueError(f"resume: {ckpt} was trained as {model_name(state['config'])}, this config is "
                          f"{model_name(config)}: {problem}. Train into a new out_dir to start this model")
     if sharded:  # each process reads its own part, whatever the number of processes that wrote them
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
         shards = {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
-        dcp.load(shards, checkpoint_id=ckpt / SHARDS, no_dist=not dist.is_initialized())
+        load_shards(shards, ckpt / SHARDS, "resume", no_dist=not dist.is_initialized())
         set_model_state_dict(module, shards["model"])
         set_optimizer_state_dict(module, optimizer, shards["optimizer"])
     else:
@@ -349,9 +348,7 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
 
 def _sharded_model_shapes(ckpt: Path) -> dict[str, tuple[int, ...]]:
     """The names and full shapes of a sharded checkpoint's model weights, from its DCP metadata."""
-    import torch.distributed.checkpoint as dcp
-
-    metadata = dcp.FileSystemReader(ckpt / SHARDS).read_metadata().state_dict_metadata
+    metadata = read_shard_metadata(ckpt / SHARDS, "resume").state_dict_metadata
     return {key[len("model."):]: tuple(meta.size) for key, meta in metadata.items() if key.startswith("model.")}
 
 
@@ -360,9 +357,9 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     as a ``save_pretrained`` folder ``dst`` (safetensors, with the tokenizer where the checkpoint has one), for
     ``AutoModelForCausalLM.from_pretrained``. One process; a sharded checkpoint's weights are read whole into it.
     ``dst`` must not exist; it appears complete or not at all."""
-    import torch.distributed.checkpoint as dcp
-
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    if (src / "config.json").is_file():  # an export's manifest would pass it for a checkpoint
+        raise ValueError(f"src: {src} is a save_pretrained folder already; export reads a run or checkpoint folder")
     ckpt = latest_valid_checkpoint(src) if (src / "checkpoints").is_dir() else src
     if ckpt is None:
         raise FileNotFoundError(f"src: run {src} has no complete checkpoint")
@@ -381,9 +378,10 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
         if is_sharded(ckpt):
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp))  # foxlm's or any registered
             weights = model.state_dict()
-            dcp.load({"model": weights}, checkpoint_id=ckpt / SHARDS, no_dist=True)  # the model's keys only
+            load_shards({"model": weights}, ckpt / SHARDS, "src", no_dist=True)  # the model's keys only
             model.load_state_dict(weights)
             model.save_pretrained(tmp)
+        write_manifest(tmp)  # checked whenever foxlm loads it
         _fsync_tree(tmp)
         tmp.rename(dst)
     except BaseException:
