@@ -9,6 +9,7 @@ import os
 import random
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -460,16 +461,32 @@ def _write_text(path, text: str = "a few words of text\n"):
     return path
 
 
-def test_prepare_removes_what_killed_runs_left(tmp_path):
+def test_prepare_removes_what_killed_runs_left_and_no_user_folder(tmp_path):
+    """Only foxlm's own temporaries of dead processes go; a user's folders of similar names stay (one named
+    ``.out.old-2024`` used to be taken for a killed run's)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a PID no process has now
-    stale = [tmp_path / f".out.tmp-{dead.pid}", tmp_path / f".out.old-{dead.pid}"]
-    for folder in stale:
+    stale = [tmp_path / f".out.foxlm-tmp-{dead.pid}", tmp_path / f".out.foxlm-old-{dead.pid}"]
+    mine = [tmp_path / ".out.old-2024", tmp_path / f".out.tmp-{dead.pid}", tmp_path / ".out.foxlm-old-x1"]
+    for folder in stale + mine:
         folder.mkdir()
         (folder / "train-00000.bin").write_bytes(b"xx")
     prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
     assert not any(f.exists() for f in stale)
+    assert all((f / "train-00000.bin").read_bytes() == b"xx" for f in mine)
     assert TokenDataset(tmp_path / "out").num_docs == 1
+
+
+def test_prepare_keeps_an_existing_folders_mode(tmp_path):
+    """A private folder the user made for the dataset stays private (the swap used to leave it 755)."""
+    (tmp_path / "private").mkdir(mode=0o700)
+    os.chmod(tmp_path / "private", 0o700)  # whatever the umask
+    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "private", tokenizer="byte", workers=0, progress=False)
+    assert stat.S_IMODE((tmp_path / "private").stat().st_mode) == 0o700
+    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "private", tokenizer="byte", workers=0, progress=False,
+            overwrite=True)
+    assert stat.S_IMODE((tmp_path / "private").stat().st_mode) == 0o700
+    assert TokenDataset(tmp_path / "private").num_docs == 1
 
 
 def test_ctrl_c_stops_prepare_and_leaves_nothing(tmp_path, plays):
@@ -484,7 +501,7 @@ def test_ctrl_c_stops_prepare_and_leaves_nothing(tmp_path, plays):
                              str(tmp_path / "out"), "--workers", "2", "--no-progress"], env=env,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".out.foxlm-tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)  # tokenizing in the pool
     assert proc.poll() is None, "finished before the interrupt: give it more text"

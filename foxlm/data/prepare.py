@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import glob
 import json
 import multiprocessing as mp
 import os
@@ -32,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .assets import replace_folder, sha256_file
+from .assets import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
 from .sources import FORMAT, PIECE_CHARS, Source, find_sources, is_token_dataset, source_events, source_size
 from .tokenizer import Tokenizer, get_tokenizer
 
@@ -168,26 +167,6 @@ def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: boo
                               "; --overwrite replaces only a folder that holds nothing but a dataset")
 
 
-def remove_stale_temporaries(out_dir: Path) -> None:
-    """Delete the ``.NAME.tmp-PID`` / ``.NAME.old-PID`` folders that killed runs left beside ``out_dir``."""
-    if not out_dir.parent.is_dir():
-        return
-    for entry in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"):
-        kind, _, pid = entry.name[len(out_dir.name) + 2:].partition("-")
-        if kind in ("tmp", "old") and pid.isdigit() and entry.is_dir() and not _alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only whether the process exists (PermissionError: another user's, alive)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 class _Documents:
     """Routes tokenized events into documents: the train/val split, the writers, and the skipped documents."""
 
@@ -315,7 +294,7 @@ def prepare(
     dtype = token_dtype(tok.vocab_size)
     workers = (os.cpu_count() or 1) if workers is None else workers
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp = temporary_path(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a killed run's, whose PID this process has now
     tmp.mkdir(parents=True)
     try:
