@@ -81,7 +81,7 @@ class TrainConfig:
     # such a checkpoint is committed, and so used, from the next save on. The last save waits.
     async_checkpoint: bool = False
     export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
-    out_dir: str = "runs/default"
+    out_dir: str = "runs/default"  # a new or empty folder, or a run's own
     resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
     # out_dir may hold no checkpoint this run does not continue from
     seed: int = 0  # model initialization, data order and sampling
