@@ -42,7 +42,7 @@ try:
 except ImportError:  # not POSIX
     fcntl = None
 
-from ..data.assets import replace_folder, sha256_file
+from ..data.assets import replace_folder, sha256_file, temporary_path
 from ..models import FoxConfig
 from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
                               load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint)
@@ -401,8 +401,8 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if dst.exists():
         raise FileExistsError(f"dst: {dst} exists; export into a new folder")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temporary_path(dst, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed export's, whose PID this process has now
     try:
         shutil.copytree(ckpt / "model", tmp)  # config, tokenizer, and the weights of an unsharded checkpoint
         if is_sharded(ckpt):
