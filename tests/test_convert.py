@@ -457,6 +457,23 @@ def test_overwrite_replaces_only_what_convert_wrote(tmp_path, monkeypatch, capsy
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
+def test_a_damaged_config_is_named(tmp_path):
+    """A damaged config.json is an error naming the file, under convert and loading (json's own names none)."""
+    from foxlm.models.loading import load_checkpoint_model
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    _write(tmp_path / "src", cfg, authors_weights(cfg, gen))
+    convert(tmp_path / "src", tmp_path / "model")
+    for folder in (tmp_path / "src", tmp_path / "model"):
+        (folder / "config.json").write_text('{"model_type": "fox", ')
+    expected = f"^{re.escape(str(tmp_path / 'src' / 'config.json'))}: not valid JSON \\(.*\\); the model folder is damaged"
+    with pytest.raises(ValueError, match=expected):
+        convert(tmp_path / "src", tmp_path / "dst")
+    with pytest.raises(ValueError, match=expected.replace("src", "model")):
+        load_checkpoint_model(tmp_path / "model")
+
+
 # --------------------------------------------------------------------------------------------------------- fla
 def _fla_on_cpu(monkeypatch):
     """fla's model code with its Triton-only kernels replaced by PyTorch: its GroupNorm by fla's group_norm_ref, its

@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import stat
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -454,6 +456,31 @@ def test_prepare_errors_are_one_line(tmp_path):
     env = foxlm("data", "prepare", tmp_path / "missing.txt", "--out", tmp_path / "a", *common,
                 env={"FOXLM_DEBUG": "1"})
     assert "Traceback" in env.stderr
+
+
+def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
+    """``--out .`` is the folder it is run in (it said "PosixPath('.') has an empty name"); ``--workers`` out of range
+    is refused naming the flag (-1 and 1000 were accepted); a damaged meta.json is named in its error."""
+    text = _write_text(tmp_path / "x.txt")
+    here = tmp_path / "here"
+    here.mkdir()
+    common = ["--tokenizer", "byte", "--no-progress"]
+    checkout = str(Path(__file__).resolve().parents[1])  # run from elsewhere, the child imports this checkout's foxlm
+    done = foxlm("data", "prepare", text, "--out", ".", "--workers", "0", *common, cwd=here,
+                 env={"PYTHONPATH": checkout})
+    assert done.returncode == 0, done.stderr
+    assert TokenDataset(here).num_docs == 1
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    for workers in (-1, too_many):
+        message = one_line_error(foxlm("data", "prepare", text, "--out", tmp_path / "w", "--workers", workers, *common),
+                                 "data prepare")
+        assert f"workers (--workers): expected 0 (tokenize in this process) to {too_many - 1} (4 per CPU), got " \
+               f"{workers}" in message
+    assert not (tmp_path / "w").exists()
+    for damage in ('{"format": "foxlm-tokens', "[1, 2]", "\udcff"):
+        (here / "meta.json").write_text(damage, errors="surrogateescape")
+        with pytest.raises(ValueError, match=f"^{re.escape(str(here / 'meta.json'))}: .*; prepare the data again"):
+            TokenDataset(here)
 
 
 def _write_text(path, text: str = "a few words of text\n"):

@@ -81,7 +81,13 @@ def test_config_errors_name_the_key(tmp_path, capsys):
               "lr=.nan": "lr: expected a positive, finite learning rate, got nan",
               "grad_clip=-1": r"grad_clip: expected a non-negative, finite number \(0: no clipping\), got -1.0",
               "weight_decay=-0.1": "weight_decay: expected a non-negative, finite number, got -0.1",
-              "weight_decay=.inf": "weight_decay: expected a non-negative, finite number, got inf"}
+              "weight_decay=.inf": "weight_decay: expected a non-negative, finite number, got inf",
+              # torch's AdamW said "Invalid beta parameter at index 0: 2.0", naming no key
+              "beta1=2.0": r"beta1: expected a number in \[0, 1\), got 2.0",
+              "beta2=-0.5": r"beta2: expected a number in \[0, 1\), got -0.5",
+              "beta2=1": r"beta2: expected a number in \[0, 1\), got 1.0",
+              "eps=0": "eps: expected a positive, finite number, got 0.0",
+              "eps=.nan": "eps: expected a positive, finite number, got nan"}
     for override, message in errors.items():
         with pytest.raises(ValueError, match=message):
             load_config(None, [override])

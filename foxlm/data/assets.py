@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -77,6 +78,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def read_json(path: str | os.PathLike, fix: str) -> dict:
+    """The JSON object in file ``path``; a damaged one is a ValueError naming the file and ``fix``, what to do
+    about it (json's own errors name no file)."""
+    try:
+        value = json.loads(Path(path).read_bytes())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); {fix}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, found a {type(value).__name__}; {fix}")
+    return value
 
 
 def temporary_path(dest: Path, kind: str) -> Path:

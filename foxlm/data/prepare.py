@@ -284,7 +284,11 @@ def prepare(
         raise ValueError(f"val_fraction: expected a value in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens: expected a positive count, got {shard_tokens}")
-    out_dir = Path(out_dir).expanduser()
+    cpus = os.cpu_count() or 1
+    if workers is not None and not 0 <= workers <= 4 * cpus:
+        raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "
+                         f"{workers}")
+    out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
     check_out_dir(out_dir, inputs, overwrite)
     remove_stale_temporaries(out_dir)
     tok = get_tokenizer(tokenizer)
@@ -292,7 +296,7 @@ def prepare(
     if not sources:
         raise ValueError(f"inputs: no files found in {[str(p) for p in inputs]}")
     dtype = token_dtype(tok.vocab_size)
-    workers = (os.cpu_count() or 1) if workers is None else workers
+    workers = cpus if workers is None else workers
 
     tmp = temporary_path(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a killed run's, whose PID this process has now

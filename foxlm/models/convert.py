@@ -17,8 +17,9 @@ from pathlib import Path
 
 import torch
 
-from ..data.assets import remove_stale_temporaries, replace_folder, temporary_path
+from ..data.assets import read_json, remove_stale_temporaries, replace_folder, temporary_path
 from .configuration_fox import FoxConfig
+from .loading import DAMAGED_MODEL
 
 AUTHORS_FOX = "forgetting_transformer-project_fox"  # their FoX class (also their Pro Transformer: fgate_type "none")
 AUTHORS_TRANSFORMER = "transformer-project_fox"  # their LLaMA Transformer class
@@ -78,7 +79,7 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     folder = Path(src).expanduser()
     if not (folder / "config.json").is_file():
         raise ValueError(f"src: {folder} holds no config.json (expected a save_pretrained folder)")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json", DAMAGED_MODEL)
     weights: dict[str, torch.Tensor] = {}
     for index, single, load in (
         ("model.safetensors.index.json", "model.safetensors", lambda p: load_file(p, device="cpu")),
@@ -86,7 +87,7 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
          lambda p: torch.load(p, map_location="cpu", weights_only=True)),
     ):
         if (folder / index).is_file():
-            shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            shards = sorted(set(read_json(folder / index, DAMAGED_MODEL)["weight_map"].values()))
         elif (folder / single).is_file():
             shards = [single]
         else:

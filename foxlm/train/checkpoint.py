@@ -42,10 +42,11 @@ try:
 except ImportError:  # not POSIX
     fcntl = None
 
-from ..data.assets import replace_folder, sha256_file, temporary_path
+from ..data.assets import read_json, replace_folder, sha256_file, temporary_path
 from ..models import FoxConfig
-from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
-                              load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint)
+from ..models.loading import (DAMAGED_MODEL, SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint,
+                              list_checkpoints, load_checkpoint_model, read_model_weights, resolve_model_dir,
+                              verify_checkpoint)
 from ..presets import has_size
 from .config import model_fields
 
@@ -351,7 +352,7 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     folder = resolve_model_dir(path, "init_from")
-    saved = json.loads((folder / "config.json").read_text())
+    saved = read_json(folder / "config.json", DAMAGED_MODEL)
     if saved.get("model_type") != model_config.model_type:
         want = "a foxlm model" if isinstance(model_config, FoxConfig) else f"a {model_config.model_type!r} model"
         raise ValueError(f"init_from: {folder} holds a {saved.get('model_type')!r} model, not {want} as this "
