@@ -467,7 +467,8 @@ def test_a_damaged_config_is_named(tmp_path):
     convert(tmp_path / "src", tmp_path / "model")
     for folder in (tmp_path / "src", tmp_path / "model"):
         (folder / "config.json").write_text('{"model_type": "fox", ')
-    expected = f"^{re.escape(str(tmp_path / 'src' / 'config.json'))}: not valid JSON \\(.*\\); the model folder is damaged"
+    expected = f"^{re.escape(str(tmp_path / 'src' / 'config.json'))}: not valid JSON \\(.*\\); the model folder is " \
+               "damaged"
     with pytest.raises(ValueError, match=expected):
         convert(tmp_path / "src", tmp_path / "dst")
     with pytest.raises(ValueError, match=expected.replace("src", "model")):

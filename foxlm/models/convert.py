@@ -335,7 +335,7 @@ def foxlm_to_authors(weights: dict[str, torch.Tensor], cfg: FoxConfig) -> dict[s
 
 
 # ------------------------------------------------------------------------------------------------------------ output
-# what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder holding nothing else
+# what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder with no more
 WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
 
 
