@@ -18,6 +18,7 @@ Long documents matter: FoX's claims are about positions in the thousands and bey
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import struct
@@ -28,6 +29,25 @@ from pathlib import Path
 
 PACKAGES = ["linux-doc-6.12", "python3.11-doc", "bible-kjv", "bible-kjv-text", "r-cran-janeaustenr", "vim-runtime",
             "perl-doc"]
+# in the folders this recipe makes under --work (root/, text/): it deletes and remakes only folders that hold it
+MARKER = ".made-by-debian-corpus"
+
+
+def foreign(path: Path) -> bool:
+    """Whether something is at ``path`` that this recipe did not make (a folder without its marker, a file, a link)."""
+    return os.path.lexists(path) and (path.is_symlink() or not (path / MARKER).is_file())
+
+
+def fresh_folder(path: Path) -> Path:
+    """An empty folder at ``path``, marked as this recipe's: one it made before is deleted first, anything else there
+    refused (ValueError), never deleted."""
+    if foreign(path):
+        raise ValueError(f"--work: {path} was not made by this recipe, which would replace it; pass another --work "
+                         f"(or move {path} away)")
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    (path / MARKER).touch()
+    return path
 
 
 def download(packages: list[str], work: Path) -> Path:
@@ -37,7 +57,7 @@ def download(packages: list[str], work: Path) -> Path:
     missing = [p for p in packages if not list(debs.glob(f"{p}_*.deb"))]
     if missing:
         subprocess.run(["apt-get", "download", "-q", *missing], cwd=debs, check=True)
-    shutil.rmtree(root, ignore_errors=True)
+    fresh_folder(root)
     for deb in sorted(debs.glob("*.deb")):
         subprocess.run(["dpkg-deb", "-x", str(deb), str(root)], check=True)
     return root
@@ -115,7 +135,7 @@ def austen_novels(root: Path, dest: Path) -> int:
 
 def collect(root: Path, text: Path) -> dict[str, int]:
     """Lay out one folder of documents per package under ``text``; returns document counts."""
-    shutil.rmtree(text, ignore_errors=True)
+    fresh_folder(text)
     counts = {}
     linux = next(root.glob("usr/share/doc/linux-doc-*/Documentation"))
     counts["linux-doc"] = link_files([p for p in sorted(linux.rglob("*.rst.gz"))
@@ -144,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true")
     args = p.parse_args(argv)
 
+    work = Path(args.work)
+    taken = [str(p) for p in (work / "root", work / "text") if foreign(p)]
+    if taken:
+        print(f"--work: {' and '.join(taken)} exist and were not made by this recipe, which replaces them; pass "
+              f"another --work (or move them away)", file=sys.stderr)
+        return 2
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         print("this recipe needs apt-get and dpkg-deb (Debian/Ubuntu)", file=sys.stderr)
         return 2
@@ -155,14 +181,13 @@ def main(argv: list[str] | None = None) -> int:
                 "run the recipe once with --update (apt-get update: this machine's package lists may be empty)")
         print(f"apt knows no package {', '.join(unknown)}: {hint}", file=sys.stderr)
         return 2
-    work = Path(args.work)
     root = download(PACKAGES, work)
     counts = collect(root, work / "text")
     print("documents per source:", counts, file=sys.stderr)
 
     from foxlm.data import prepare
 
-    meta = prepare(sorted((work / "text").iterdir()), args.out, tokenizer=args.tokenizer,
+    meta = prepare(sorted(p for p in (work / "text").iterdir() if p.is_dir()), args.out, tokenizer=args.tokenizer,
                    val_fraction=args.val_fraction, workers=args.workers, overwrite=args.overwrite)
     print(f"{args.out}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens "
           f"(train {meta['splits']['train']['num_tokens']:,}, val {meta['splits']['val']['num_tokens']:,}), "

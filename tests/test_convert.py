@@ -15,6 +15,7 @@ import math
 import os
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -405,10 +406,73 @@ def test_dst_is_never_clobbered_without_overwrite(tmp_path):
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--overwrite"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "notes", "src"]  # no temporary folder left
-    with pytest.raises(ValueError, match="is the source folder"):
+    with pytest.raises(ValueError, match="is the source folder; convert into another folder"):
         convert(tmp_path / "src", tmp_path / "src", overwrite=True)
     with pytest.raises(ValueError, match="src_format: .* holds a 'fox-authors' model"):
         convert(tmp_path / "src", tmp_path / "d2", src_format="fla")
+
+
+def test_overwrite_replaces_only_what_convert_wrote(tmp_path, monkeypatch, capsys):
+    """``convert proj/src proj --overwrite`` on a project folder holding a converted model, notes, results and the
+    source itself: refused, every file kept (it used to replace the whole folder); so is a home folder that holds a
+    model, and a model folder with other files beside the model."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    proj = tmp_path / "proj"
+    _write(proj / "src", cfg, authors_weights(cfg, gen))
+    convert(proj / "src", tmp_path / "model")
+    for f in (tmp_path / "model").iterdir():  # the project's own converted model, beside its source
+        shutil.copy(f, proj)
+    (proj / "NOTES.md").write_text("my notes")
+    (proj / "my_eval_results").mkdir()
+    (proj / "my_eval_results" / "run1.csv").write_text("step,loss\n1,2.0\n")
+
+    def files(folder):
+        return {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+    before = files(proj)
+    assert main(["convert", str(proj / "src"), str(proj), "--overwrite"]) == 2
+    assert f"dst: {proj} holds the source {proj / 'src'}; convert into a folder outside it" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "model"), str(proj), "--to", "fox-authors", "--overwrite"]) == 2
+    assert "holds files convert did not write (NOTES.md, my_eval_results, src); --overwrite replaces only a folder " \
+           "holding nothing but a converted model: convert into a new folder" in capsys.readouterr().err
+    assert files(proj) == before
+
+    home = tmp_path / "home"
+    shutil.copytree(tmp_path / "model", home)  # a home folder that happens to hold a model
+    (home / ".bashrc").write_text("export PATH")
+    monkeypatch.setenv("HOME", str(home))
+    before = files(home)
+    assert main(["convert", str(proj / "src"), "~", "--overwrite"]) == 2
+    assert f"dst: {home} is the home folder; convert into a folder of its own" in capsys.readouterr().err
+    assert files(home) == before
+
+    # a folder holding nothing but a converted model is still replaced; "." names the folder it is run in
+    assert main(["convert", str(proj / "src"), str(tmp_path / "model"), "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert json.loads((tmp_path / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    assert main(["convert", str(proj / "src"), "."]) == 0
+    assert (tmp_path / "here" / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_a_damaged_config_is_named(tmp_path):
+    """A damaged config.json is an error naming the file, under convert and loading (json's own names none)."""
+    from foxlm.models.loading import load_checkpoint_model
+
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    _write(tmp_path / "src", cfg, authors_weights(cfg, gen))
+    convert(tmp_path / "src", tmp_path / "model")
+    for folder in (tmp_path / "src", tmp_path / "model"):
+        (folder / "config.json").write_text('{"model_type": "fox", ')
+    expected = f"^{re.escape(str(tmp_path / 'src' / 'config.json'))}: not valid JSON \\(.*\\); the model folder is " \
+               "damaged"
+    with pytest.raises(ValueError, match=expected):
+        convert(tmp_path / "src", tmp_path / "dst")
+    with pytest.raises(ValueError, match=expected.replace("src", "model")):
+        load_checkpoint_model(tmp_path / "model")
 
 
 # --------------------------------------------------------------------------------------------------------- fla

@@ -7,12 +7,15 @@ import gzip
 import json
 import os
 import random
+import re
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -455,21 +458,62 @@ def test_prepare_errors_are_one_line(tmp_path):
     assert "Traceback" in env.stderr
 
 
+def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
+    """``--out .`` is the folder it is run in (it said "PosixPath('.') has an empty name"); ``--workers`` out of range
+    is refused naming the flag (-1 and 1000 were accepted); a damaged meta.json is named in its error."""
+    text = _write_text(tmp_path / "x.txt")
+    here = tmp_path / "here"
+    here.mkdir()
+    common = ["--tokenizer", "byte", "--no-progress"]
+    checkout = str(Path(__file__).resolve().parents[1])  # run from elsewhere, the child imports this checkout's foxlm
+    done = foxlm("data", "prepare", text, "--out", ".", "--workers", "0", *common, cwd=here,
+                 env={"PYTHONPATH": checkout})
+    assert done.returncode == 0, done.stderr
+    assert TokenDataset(here).num_docs == 1
+    too_many = 4 * (os.cpu_count() or 1) + 1
+    for workers in (-1, too_many):
+        message = one_line_error(foxlm("data", "prepare", text, "--out", tmp_path / "w", "--workers", workers, *common),
+                                 "data prepare")
+        assert f"workers (--workers): expected 0 (tokenize in this process) to {too_many - 1} (4 per CPU), got " \
+               f"{workers}" in message
+    assert not (tmp_path / "w").exists()
+    for damage in ('{"format": "foxlm-tokens', "[1, 2]", "\udcff"):
+        (here / "meta.json").write_text(damage, errors="surrogateescape")
+        with pytest.raises(ValueError, match=f"^{re.escape(str(here / 'meta.json'))}: .*; prepare the data again"):
+            TokenDataset(here)
+
+
 def _write_text(path, text: str = "a few words of text\n"):
     path.write_text(text)
     return path
 
 
-def test_prepare_removes_what_killed_runs_left(tmp_path):
+def test_prepare_removes_what_killed_runs_left_and_no_user_folder(tmp_path):
+    """Only foxlm's own temporaries of dead processes go; a user's folders of similar names stay (one named
+    ``.out.old-2024`` used to be taken for a killed run's)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a PID no process has now
-    stale = [tmp_path / f".out.tmp-{dead.pid}", tmp_path / f".out.old-{dead.pid}"]
-    for folder in stale:
+    stale = [tmp_path / f".out.foxlm-tmp-{dead.pid}", tmp_path / f".out.foxlm-old-{dead.pid}"]
+    mine = [tmp_path / ".out.old-2024", tmp_path / f".out.tmp-{dead.pid}", tmp_path / ".out.foxlm-old-x1"]
+    for folder in stale + mine:
         folder.mkdir()
         (folder / "train-00000.bin").write_bytes(b"xx")
     prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
     assert not any(f.exists() for f in stale)
+    assert all((f / "train-00000.bin").read_bytes() == b"xx" for f in mine)
     assert TokenDataset(tmp_path / "out").num_docs == 1
+
+
+def test_prepare_keeps_an_existing_folders_mode(tmp_path):
+    """A private folder the user made for the dataset stays private (the swap used to leave it 755)."""
+    (tmp_path / "private").mkdir(mode=0o700)
+    os.chmod(tmp_path / "private", 0o700)  # whatever the umask
+    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "private", tokenizer="byte", workers=0, progress=False)
+    assert stat.S_IMODE((tmp_path / "private").stat().st_mode) == 0o700
+    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "private", tokenizer="byte", workers=0, progress=False,
+            overwrite=True)
+    assert stat.S_IMODE((tmp_path / "private").stat().st_mode) == 0o700
+    assert TokenDataset(tmp_path / "private").num_docs == 1
 
 
 def test_ctrl_c_stops_prepare_and_leaves_nothing(tmp_path, plays):
@@ -484,7 +528,7 @@ def test_ctrl_c_stops_prepare_and_leaves_nothing(tmp_path, plays):
                              str(tmp_path / "out"), "--workers", "2", "--no-progress"], env=env,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
-    while not list(tmp_path.glob(".out.tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
+    while not list(tmp_path.glob(".out.foxlm-tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.5)  # tokenizing in the pool
     assert proc.poll() is None, "finished before the interrupt: give it more text"

@@ -216,6 +216,17 @@ def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
         assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
 
 
+def test_out_that_is_a_file_is_one_line_naming_the_flag(untrained, corpus, tmp_path, capsys):
+    """--out naming a file (or a path under one) is refused before the models load, naming --out (mkdir said only
+    "File exists"); the file is kept."""
+    (tmp_path / "results.csv").write_text("mine")
+    for out in (tmp_path / "results.csv", tmp_path / "results.csv" / "sub"):
+        message = f"--out: {tmp_path / 'results.csv'} is a file; name a folder (new or existing) for the results"
+        _refused(capsys, re.escape(message), ["eval", "gates", str(untrained), "--data", str(corpus), "--out", str(out),
+                                              "--no-progress"])
+    assert (tmp_path / "results.csv").read_text() == "mine"
+
+
 def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, capsys):
     """One held-out document long enough gives one sequence with --windows first; the default then takes all of its
     windows, and says so."""

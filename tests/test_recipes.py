@@ -121,6 +121,28 @@ def test_packages_apt_does_not_know_are_one_message(recipe, tmp_path, monkeypatc
     assert not (tmp_path / "work").exists() and not (tmp_path / "out").exists()
 
 
+def test_work_folders_the_recipe_did_not_make_are_never_deleted(recipe, tmp_path, capsys):
+    """--work DIR: a user's DIR/root and DIR/text are refused, up front and where the recipe would replace them (it
+    used to delete both unchecked); the folders it made itself are remade."""
+    work = tmp_path / "work"
+    for name in ("root", "text"):
+        (work / name / "sub").mkdir(parents=True)
+        (work / name / "NOTES.md").write_text("mine")
+        (work / name / "sub" / "data.txt").write_text("also mine")
+    before = {p: p.read_text() for p in work.rglob("*") if p.is_file()}
+    assert recipe.main(["--out", str(tmp_path / "out"), "--work", str(work)]) == 2
+    err = capsys.readouterr().err
+    assert f"--work: {work / 'root'} and {work / 'text'} exist and were not made by this recipe" in err, err
+    with pytest.raises(ValueError, match="was not made by this recipe"):
+        recipe.download([], work)
+    with pytest.raises(ValueError, match="was not made by this recipe"):
+        recipe.collect(work / "root", work / "text")
+    assert {p: p.read_text() for p in work.rglob("*") if p.is_file()} == before
+    made = recipe.fresh_folder(tmp_path / "made")
+    (made / "old.txt").write_text("an earlier run's")
+    assert sorted(p.name for p in recipe.fresh_folder(made).iterdir()) == [recipe.MARKER]
+
+
 def test_small_scale_recipe_needs_a_gpu_or_says_so(tmp_path):
     """On a machine without nvidia-smi the recipe stops before any work, naming ALLOW_CPU."""
     script = Path(__file__).parents[1] / "recipes/small_scale_claims.sh"

@@ -81,7 +81,13 @@ def test_config_errors_name_the_key(tmp_path, capsys):
               "lr=.nan": "lr: expected a positive, finite learning rate, got nan",
               "grad_clip=-1": r"grad_clip: expected a non-negative, finite number \(0: no clipping\), got -1.0",
               "weight_decay=-0.1": "weight_decay: expected a non-negative, finite number, got -0.1",
-              "weight_decay=.inf": "weight_decay: expected a non-negative, finite number, got inf"}
+              "weight_decay=.inf": "weight_decay: expected a non-negative, finite number, got inf",
+              # torch's AdamW said "Invalid beta parameter at index 0: 2.0", naming no key
+              "beta1=2.0": r"beta1: expected a number in \[0, 1\), got 2.0",
+              "beta2=-0.5": r"beta2: expected a number in \[0, 1\), got -0.5",
+              "beta2=1": r"beta2: expected a number in \[0, 1\), got 1.0",
+              "eps=0": "eps: expected a positive, finite number, got 0.0",
+              "eps=.nan": "eps: expected a positive, finite number, got nan"}
     for override, message in errors.items():
         with pytest.raises(ValueError, match=message):
             load_config(None, [override])
@@ -502,10 +508,44 @@ def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
         assert lock_run(run) is None
         with pytest.raises(ValueError, match=rf"out_dir: .* is in use by another foxlm train \(pid {os.getpid()}\)"):
             train(_cfg(byte_data, run, "max_steps=2"))
-        assert sorted(p.name for p in run.iterdir()) == [".lock"]
+        assert sorted(p.name for p in run.iterdir()) == [".foxlm-run", ".lock"]
     finally:
         held.close()
     assert train(_cfg(byte_data, run, "max_steps=2"))["step"] == 2
+
+
+def test_a_folder_of_user_files_is_never_trained_into(byte_data, tmp_path, capsys):
+    """An out_dir holding a user's log.jsonl, train_config.yaml, tb/ events and notes but no checkpoints is refused
+    before anything is written there (a run used to overwrite them); a new or empty folder is taken, and so is a run's
+    own folder, also one killed before its first checkpoint, without touching the user's files added to it."""
+    from foxlm.cli import main
+
+    def files(folder: Path) -> dict:
+        return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+    mine = tmp_path / "mine"
+    (mine / "tb").mkdir(parents=True)
+    for name, text in {"log.jsonl": '{"step": 1, "loss": 0.25}\n', "train_config.yaml": "lr: 0.1\n",
+                       "tb/events.out.tfevents.1.host": "my events", "NOTES.md": "my notes"}.items():
+        (mine / name).write_text(text)
+    before = files(mine)
+    capsys.readouterr()
+    assert main(["train", *TINY, f"data={byte_data}", f"out_dir={mine}", "max_steps=2"]) == 2
+    assert capsys.readouterr().err == (f"foxlm train: error: out_dir: {mine} holds files no foxlm run wrote (NOTES.md, "
+                                       "log.jsonl, tb, train_config.yaml), which a run would overwrite or mix with its "
+                                       "own; train into a new or empty out_dir\n")
+    assert files(mine) == before and sorted(p.name for p in mine.iterdir()) == ["NOTES.md", "log.jsonl", "tb",
+                                                                                 "train_config.yaml"]
+    with pytest.raises(NotADirectoryError, match="out_dir: .*NOTES.md is a file; expected a folder for the run"):
+        train(_cfg(byte_data, mine / "NOTES.md", "max_steps=2"))
+
+    run = tmp_path / "empty"
+    run.mkdir()
+    assert train(_cfg(byte_data, run, "max_steps=2", "eval_every=0"))["step"] == 2
+    shutil.rmtree(run / "checkpoints")  # as if killed before its first save
+    (run / "NOTES.md").write_text("notes on the run")
+    assert train(_cfg(byte_data, run, "max_steps=2", "eval_every=0"))["step"] == 2
+    assert (run / "NOTES.md").read_text() == "notes on the run" and len(_losses(run)) == 2
 
 
 def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeypatch):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from .assets import sha256_file
+from .assets import read_json, sha256_file
 from .sources import FORMAT
 from .tokenizer import Tokenizer, tokenizer_from_spec
 
@@ -62,7 +61,7 @@ class TokenDataset:
         meta_path = self.path / "meta.json"
         if not meta_path.is_file():
             raise FileNotFoundError(f"path: {self.path} has no meta.json (prepare it with `foxlm data prepare`)")
-        self.meta = json.loads(meta_path.read_text())
+        self.meta = read_json(meta_path, "prepare the data again with `foxlm data prepare`")
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"path: {meta_path} has format {self.meta.get('format')!r}, expected {FORMAT!r}")
         if split not in self.meta["splits"]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import datetime
-import glob
 import json
 import multiprocessing as mp
 import os
@@ -32,7 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .assets import replace_folder, sha256_file
+from .assets import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
 from .sources import FORMAT, PIECE_CHARS, Source, find_sources, is_token_dataset, source_events, source_size
 from .tokenizer import Tokenizer, get_tokenizer
 
@@ -168,26 +167,6 @@ def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: boo
                               "; --overwrite replaces only a folder that holds nothing but a dataset")
 
 
-def remove_stale_temporaries(out_dir: Path) -> None:
-    """Delete the ``.NAME.tmp-PID`` / ``.NAME.old-PID`` folders that killed runs left beside ``out_dir``."""
-    if not out_dir.parent.is_dir():
-        return
-    for entry in out_dir.parent.glob(f".{glob.escape(out_dir.name)}.*-*"):
-        kind, _, pid = entry.name[len(out_dir.name) + 2:].partition("-")
-        if kind in ("tmp", "old") and pid.isdigit() and entry.is_dir() and not _alive(int(pid)):
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: only whether the process exists (PermissionError: another user's, alive)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 class _Documents:
     """Routes tokenized events into documents: the train/val split, the writers, and the skipped documents."""
 
@@ -305,7 +284,11 @@ def prepare(
         raise ValueError(f"val_fraction: expected a value in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens: expected a positive count, got {shard_tokens}")
-    out_dir = Path(out_dir).expanduser()
+    cpus = os.cpu_count() or 1
+    if workers is not None and not 0 <= workers <= 4 * cpus:
+        raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "
+                         f"{workers}")
+    out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
     check_out_dir(out_dir, inputs, overwrite)
     remove_stale_temporaries(out_dir)
     tok = get_tokenizer(tokenizer)
@@ -313,9 +296,9 @@ def prepare(
     if not sources:
         raise ValueError(f"inputs: no files found in {[str(p) for p in inputs]}")
     dtype = token_dtype(tok.vocab_size)
-    workers = (os.cpu_count() or 1) if workers is None else workers
+    workers = cpus if workers is None else workers
 
-    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    tmp = temporary_path(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a killed run's, whose PID this process has now
     tmp.mkdir(parents=True)
     try:

@@ -118,6 +118,10 @@ def _setup(args, checkpoints: list[str]):
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
+    out = Path(args.out).expanduser()
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # checked before the models load; mkdir would say only "File exists"
+        raise NotADirectoryError(f"--out: {blocked} is a file; name a folder (new or existing) for the results")
     device = resolve_device(args.device)
     models = [load_model(c, device) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
@@ -130,7 +134,6 @@ def _setup(args, checkpoints: list[str]):
         if m.config.vocab_size < tok.vocab_size:
             raise ValueError(f"--data: its tokenizer ({tok.name}, {tok.vocab_size} ids) does not fit {c}'s "
                              f"vocabulary of {m.config.vocab_size}")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     return models, data, tok, out
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
+from ..data.assets import read_json, remove_stale_temporaries, replace_folder, temporary_path
 from .configuration_fox import FoxConfig
-from .loading import verify_model_folder, write_manifest
+from .loading import DAMAGED_MODEL, verify_model_folder, write_manifest
 
 AUTHORS_FOX = "forgetting_transformer-project_fox"  # their FoX class (also their Pro Transformer: fgate_type "none")
 AUTHORS_TRANSFORMER = "transformer-project_fox"  # their LLaMA Transformer class
@@ -79,7 +80,7 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     if not (folder / "config.json").is_file():
         raise ValueError(f"src: {folder} holds no config.json (expected a save_pretrained folder)")
     verify_model_folder(folder, "src")
-    config = json.loads((folder / "config.json").read_text())
+    config = read_json(folder / "config.json", DAMAGED_MODEL)
     weights: dict[str, torch.Tensor] = {}
     for index, single, load in (
         ("model.safetensors.index.json", "model.safetensors", lambda p: load_file(p, device="cpu")),
@@ -87,7 +88,7 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
          lambda p: torch.load(p, map_location="cpu", weights_only=True)),
     ):
         if (folder / index).is_file():
-            shards = sorted(set(json.loads((folder / index).read_text())["weight_map"].values()))
+            shards = sorted(set(read_json(folder / index, DAMAGED_MODEL)["weight_map"].values()))
         elif (folder / single).is_file():
             shards = [single]
         else:
@@ -335,34 +336,36 @@ def foxlm_to_authors(weights: dict[str, torch.Tensor], cfg: FoxConfig) -> dict[s
 
 
 # ------------------------------------------------------------------------------------------------------------ output
+# what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder with no more
+WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|manifest\.json")
+
+
 def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
-    """Refuse to write over anything but a model folder of a known kind, and that only with ``overwrite``."""
+    """Refuse to write over anything but a model folder of a known kind holding nothing but what convert writes, and
+    that only with ``overwrite``; never the home folder or a folder holding the source."""
     if dst.resolve() == src.resolve():
-        raise ValueError(f"dst: {dst} is the source folder")
+        raise ValueError(f"dst: {dst} is the source folder; convert into another folder")
+    if dst.resolve() in src.resolve().parents:
+        raise ValueError(f"dst: {dst} holds the source {src}; convert into a folder outside it")
+    if dst.resolve() == Path.home().resolve():
+        raise ValueError(f"dst: {dst} is the home folder; convert into a folder of its own")
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
         return
     model_type = None
     if (dst / "config.json").is_file():
         try:
             model_type = json.loads((dst / "config.json").read_text()).get("model_type")
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError):
             pass
     if model_type not in FORMATS or FORMATS[model_type] == "fla":
         raise ValueError(f"dst: {dst} exists and is not a foxlm or FoX-authors model folder; refusing to replace it")
     if not overwrite:
         raise ValueError(f"dst: {dst} exists; pass overwrite=True (--overwrite) to replace it")
-
-
-def _swap_in(tmp: Path, dst: Path) -> None:
-    """Move the finished folder into place; the old one is removed only once the new one is complete."""
-    if dst.exists():
-        old = dst.with_name(dst.name + ".old-convert")
-        shutil.rmtree(old, ignore_errors=True)
-        dst.rename(old)
-        tmp.rename(dst)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(dst)
+    foreign = sorted(e.name for e in dst.iterdir() if not WRITTEN.fullmatch(e.name) or not e.is_file())
+    if foreign:
+        raise ValueError(f"dst: {dst} holds files convert did not write ({', '.join(foreign[:5])}"
+                         f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a folder holding nothing "
+                         "but a converted model: convert into a new folder")
 
 
 def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> dict | None:
@@ -402,7 +405,8 @@ def convert(
     """
     from .modeling_fox import FoxForCausalLM
 
-    src, dst = Path(src).expanduser(), Path(dst).expanduser()
+    src = Path(src).expanduser()
+    dst = Path(os.path.abspath(Path(dst).expanduser()))  # "." and ".." name their folder
     if to not in ("foxlm", "fox-authors"):
         raise ValueError(f"to: expected 'foxlm' or 'fox-authors', got {to!r}")
     if dtype != "auto" and dtype not in DTYPES:
@@ -434,7 +438,10 @@ def convert(
     state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
 
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
+    remove_stale_temporaries(dst)
+    tmp = temporary_path(dst, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's, whose PID this process has now
+    tmp.mkdir()
     try:
         if to == "foxlm":
             with torch.device("meta"):
@@ -448,7 +455,7 @@ def convert(
                       metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
         write_manifest(tmp)  # checked whenever foxlm loads it
-        _swap_in(tmp, dst)
+        replace_folder(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

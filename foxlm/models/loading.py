@@ -22,11 +22,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from ..data.assets import sha256_file
+from ..data.assets import read_json, sha256_file
 
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
 SHARDS = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
 MANIFEST = "manifest.json"
+# what to do about a model folder's damaged JSON file (read_json's fix)
+DAMAGED_MODEL = "the model folder is damaged: restore it, or write it again (foxlm export or foxlm convert)"
 
 
 def is_sharded(ckpt: str | os.PathLike) -> bool:
@@ -133,7 +135,7 @@ def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The weights of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index names."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() \
+    files = sorted(set(read_json(index, DAMAGED_MODEL)["weight_map"].values())) if index.is_file() \
         else ["model.safetensors"]
     weights = {}
     for name in files:
@@ -154,7 +156,7 @@ def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
 
     register_auto_classes()
     folder = resolve_model_dir(path)
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    model_type = read_json(folder / "config.json", DAMAGED_MODEL).get("model_type")
     fla_arch = next((arch for arch in FLA if MODEL_TYPES[arch] == model_type), None)
     if fla_arch is not None:  # importing fla registers its models with the Auto classes
         require_fla(fla_arch)

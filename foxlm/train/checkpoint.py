@@ -42,16 +42,17 @@ try:
 except ImportError:  # not POSIX
     fcntl = None
 
-from ..data.assets import replace_folder, sha256_file
+from ..data.assets import read_json, replace_folder, sha256_file, temporary_path
 from ..models import FoxConfig
-from ..models.loading import (SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint, list_checkpoints,
-                              load_checkpoint_model, read_model_weights, resolve_model_dir, verify_checkpoint,
-                              write_manifest)
+from ..models.loading import (DAMAGED_MODEL, SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint,
+                              list_checkpoints, load_checkpoint_model, read_model_weights, resolve_model_dir,
+                              verify_checkpoint, write_manifest)
 from ..presets import has_size
 from .config import model_fields
 from .safe_dcp import load_shards, read_shard_metadata
 
-__all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step", "conflicting_checkpoints",
+__all__ = ["DiskFullError", "check_out_dir", "check_run_folder", "checkpoint_name", "checkpoint_step",
+           "conflicting_checkpoints",
            "PendingCheckpoint", "export_model",
            "full_state_dicts", "initialize_model", "is_run_checkpoint", "latest_valid_checkpoint", "list_checkpoints",
            "load_checkpoint_model", "load_trainer_state", "lock_run", "read_model_weights", "resolve_model_dir",
@@ -61,6 +62,10 @@ __all__ = ["DiskFullError", "check_out_dir", "checkpoint_name", "checkpoint_step
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
 DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens",
                 "export_dir", "async_checkpoint"}
+
+
+# in every out_dir a run has taken: the run's files there are its own to overwrite
+RUN_MARKER = ".foxlm-run"
 
 
 class DiskFullError(OSError):
@@ -169,10 +174,32 @@ def _disk_full(error: BaseException, folder: Path) -> bool:
     return "inline_container.cc" in str(error) and shutil.disk_usage(folder).free < (16 << 20)
 
 
+def check_run_folder(run_dir: Path) -> None:
+    """Refuse an ``out_dir`` holding files no run wrote, which a run would overwrite (``log.jsonl``,
+    ``train_config.yaml``, ``tb/``) or mix its own with. Taken: a new or empty folder, a run's (marked by
+    ``lock_run``), and one holding checkpoints (a run's from before the mark; ``check_out_dir`` says whether this run
+    may continue them)."""
+    if not run_dir.exists():
+        return
+    if not run_dir.is_dir():
+        raise NotADirectoryError(f"out_dir: {run_dir} is a file; expected a folder for the run")
+    if (run_dir / RUN_MARKER).is_file() or list_checkpoints(run_dir):
+        return
+    entries = sorted(e.name for e in run_dir.iterdir())
+    if entries:
+        raise ValueError(f"out_dir: {run_dir} holds files no foxlm run wrote ({', '.join(entries[:5])}"
+                         f"{', ...' if len(entries) > 5 else ''}), which a run would overwrite or mix with its own; "
+                         "train into a new or empty out_dir")
+
+
 def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
     """An exclusive lock on a run folder (its ``.lock`` file, which records the holder's pid), held while the
-    returned file stays open, or None if another process holds it. The OS releases it with its process, killed or
-    not. Where ``fcntl`` is missing (not POSIX) or the filesystem has no ``flock``, the file is returned unlocked."""
+    returned file stays open, or None if another process holds it; the folder is marked as a run's
+    (``check_run_folder``). The OS releases the lock with its process, killed or not. Where ``fcntl`` is missing (not
+    POSIX) or the filesystem has no ``flock``, the file is returned unlocked."""
+    marker = Path(run_dir) / RUN_MARKER
+    if not marker.is_file():
+        marker.write_text("a foxlm train run's out_dir: its log.jsonl, train_config.yaml, tb/ and checkpoints/\n")
     f = open(Path(run_dir) / ".lock", "a+")
     if fcntl is not None:
         try:
@@ -323,7 +350,7 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     folder = resolve_model_dir(path, "init_from")
-    saved = json.loads((folder / "config.json").read_text())
+    saved = read_json(folder / "config.json", DAMAGED_MODEL)
     if saved.get("model_type") != model_config.model_type:
         want = "a foxlm model" if isinstance(model_config, FoxConfig) else f"a {model_config.model_type!r} model"
         raise ValueError(f"init_from: {folder} holds a {saved.get('model_type')!r} model, not {want} as this "
@@ -371,8 +398,8 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     if dst.exists():
         raise FileExistsError(f"dst: {dst} exists; export into a new folder")
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    tmp = temporary_path(dst, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed export's, whose PID this process has now
     try:
         shutil.copytree(ckpt / "model", tmp)  # config, tokenizer, and the weights of an unsharded checkpoint
         if is_sharded(ckpt):

@@ -81,7 +81,7 @@ class TrainConfig:
     # such a checkpoint is committed, and so used, from the next save on. The last save waits.
     async_checkpoint: bool = False
     export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
-    out_dir: str = "runs/default"
+    out_dir: str = "runs/default"  # a new or empty folder, or a run's own
     resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
     # out_dir may hold no checkpoint this run does not continue from
     seed: int = 0  # model initialization, data order and sampling
@@ -113,6 +113,11 @@ class TrainConfig:
             raise ValueError(f"lr: expected a positive, finite learning rate, got {self.lr}")
         if not 0 <= self.min_lr <= self.lr:
             raise ValueError(f"min_lr: expected 0 <= min_lr <= lr={self.lr}, got {self.min_lr}")
+        for name in ("beta1", "beta2"):  # what torch's AdamW would refuse mid-setup, naming no key
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a number in [0, 1), got {getattr(self, name)}")
+        if not 0 < self.eps < math.inf:  # eps=0 divides 0 by 0 for a weight whose gradients are all zero
+            raise ValueError(f"eps: expected a positive, finite number, got {self.eps}")
         for name in ("weight_decay", "grad_clip"):  # NaN fails too
             if not 0 <= getattr(self, name) < math.inf:
                 off = " (0: no clipping)" if name == "grad_clip" else ""

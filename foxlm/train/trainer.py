@@ -32,9 +32,9 @@ from ..ops.backend import use_triton
 from ..parallel import ContextParallel
 from ..presets import has_size, is_hf_arch
 from . import parallel
-from .checkpoint import (PendingCheckpoint, check_out_dir, checkpoint_step, export_model, full_state_dicts,
-                         initialize_model, list_checkpoints, lock_run, model_name, restore_checkpoint, resume_point,
-                         write_checkpoint)
+from .checkpoint import (PendingCheckpoint, check_out_dir, check_run_folder, checkpoint_step, export_model,
+                         full_state_dicts, initialize_model, list_checkpoints, lock_run, model_name, restore_checkpoint,
+                         resume_point, write_checkpoint)
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
@@ -395,10 +395,18 @@ class Trainer:
         before anything is written. ``run()`` calls it when it was not called."""
         if self._started is not None:
             return
+        refused = None
         if self.d.main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._lock = lock_run(self.run_dir)
+            try:
+                check_run_folder(self.run_dir)  # before anything is written there
+            except (ValueError, NotADirectoryError) as e:
+                refused = e
+            else:
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                self._lock = lock_run(self.run_dir)
         try:
+            if self.d.any(refused is not None, self.device):
+                raise refused or ValueError(f"out_dir: {self.run_dir} is refused (the main process says why)")
             if self.d.any(self.d.main and self._lock is None, self.device):
                 holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
                 raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
