@@ -306,6 +306,8 @@ def prepare(
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens: expected a positive count, got {shard_tokens}")
     out_dir = Path(out_dir).expanduser()
+    if out_dir.is_symlink():  # the dataset goes where the link points, and the link stays (a swap would move it)
+        out_dir = out_dir.resolve()
     check_out_dir(out_dir, inputs, overwrite)
     remove_stale_temporaries(out_dir)
     tok = get_tokenizer(tokenizer)
