@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .configuration_fox import FoxConfig
+from .loading import reading_weights
 
 AUTHORS_FOX = "forgetting_transformer-project_fox"  # their FoX class (also their Pro Transformer: fgate_type "none")
 AUTHORS_TRANSFORMER = "transformer-project_fox"  # their LLaMA Transformer class
@@ -91,7 +92,8 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
         else:
             continue
         for shard in shards:
-            weights.update(load(folder / shard))
+            with reading_weights(folder / shard, "src"):
+                weights.update(load(folder / shard))
         return config, weights
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
 
