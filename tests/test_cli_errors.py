@@ -90,7 +90,7 @@ def test_a_glob_outside_the_input_folders_is_one_line(tmp_path, text_folder, pat
     read other files, name them as inputs), where it was a NotImplementedError traceback or silently matched none."""
     line = one_line_error(foxlm("data", "prepare", text_folder, "--out", tmp_path / "o", "--tokenizer", "byte",
                                 "--glob", pattern), "data prepare")
-    assert f"pattern (--glob): expected a pattern inside the input folders" in line and repr(pattern) in line
+    assert "pattern (--glob): expected a pattern inside the input folders" in line and repr(pattern) in line
 
 
 def test_overwriting_a_dataset_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path, text_folder):
