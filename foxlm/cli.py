@@ -64,6 +64,14 @@ def _area_cli(area: str):
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # Ctrl-C before a command runs: building the parser imports for half a second
+        print("foxlm: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
     # transformers' "Loading weights" / "Writing model shards" bars on every checkpoint: not what a command shows
     # (read when transformers is first imported, which the command line does only later; =0 brings them back)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

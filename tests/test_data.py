@@ -580,10 +580,53 @@ def test_token_ids_checked_against_the_vocabulary(tmp_path):
     meta_file.write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="holds token id 400"):
         TokenDataset(tmp_path / "ds").check_ids(320)
+    # whatever meta.json claims, a verified shard's ids are the ones read: a hash that matches, a max_id that lies
+    meta["splits"]["train"]["shards"][0].update(max_id=100)
+    meta["splits"]["train"]["shards"][0]["sha256"]["tokens"] = sha256_file(tmp_path / "ds" / "train-00000.bin")
+    meta_file.write_text(json.dumps(meta))
     run = foxlm("train", f"data={tmp_path / 'ds'}", f"out_dir={tmp_path / 'run'}", "tokenizer=byte", "seq_len=4",
                 "device=cpu", "batch_size=1", "model.hidden_size=32", "model.num_hidden_layers=1",
                 "model.num_attention_heads=1", "model.intermediate_size=64", "progress=false", "sample_tokens=0")
     assert "holds token id 400, outside the model's vocabulary of 320" in one_line_error(run, "train")
+
+
+_TINY_RUN = ("tokenizer=byte", "seq_len=4", "device=cpu", "batch_size=1", "model.hidden_size=32",
+             "model.num_hidden_layers=1", "model.num_attention_heads=1", "model.intermediate_size=64", "progress=false",
+             "sample_tokens=0", "max_steps=1", "eval_every=0")
+
+
+def _flip_byte(path, at: float = 0.5):
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _set_offset(path, value=None):
+    """Sets the middle document offset to ``value`` (None: one token later, a plausible offset)."""
+    idx = np.fromfile(path, dtype=np.int64)
+    idx[len(idx) // 2] = idx[len(idx) // 2] + 1 if value is None else value
+    idx.tofile(path)
+
+
+@pytest.mark.parametrize("attack,file", [
+    (_flip_byte, "train-00000.bin"),
+    (_flip_byte, "val-00000.bin"),
+    (lambda path: _set_offset(path, 10**12), "train-00000.idx"),  # past the shard
+    (_set_offset, "train-00000.idx"),
+])
+def test_a_shard_changed_since_prepare_is_refused_when_a_run_starts(tmp_path, attack, file):
+    """The run verifies every shard against the sha256 meta.json recorded at prepare time before its first step: a
+    flipped byte or a changed document offset is one line naming the file, with nothing trained or written."""
+    (tmp_path / "docs").mkdir()
+    for i in range(40):
+        _write_text(tmp_path / "docs" / f"{i}.txt", f"document {i}: a few words of text\n")
+    prepare([tmp_path / "docs"], tmp_path / "ds", tokenizer="byte", workers=0, progress=False, val_fraction=0.25)
+    attack(tmp_path / "ds" / file)
+    run = foxlm("train", f"data={tmp_path / 'ds'}", f"out_dir={tmp_path / 'run'}", *_TINY_RUN)
+    line = one_line_error(run, "train")
+    assert str(tmp_path / "ds" / file) in line, line
+    assert "sha256" in line or "offsets" in line, line
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_default_corpus(tmp_path, monkeypatch, gpt2):

@@ -367,6 +367,45 @@ def test_keys_that_underflow_for_every_row_are_not_computed(monkeypatch, qk_scal
         assert (a.double() - r).norm() <= 1.01 * (b.double() - r).norm() + 1e-7 * r.norm()
 
 
+@pytest.mark.parametrize("prune", [False, True])
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("scale", [-1.0, 0.0, -0.1, -4.0])
+def test_zero_or_negative_scale_matches_reference(monkeypatch, scale, grad, prune):
+    """A scale <= 0 is softmax attention like any other: the key-bias forward (no gradient), the gate channels (with
+    one), the skip of underflowing keys and ACP give the fp64 reference's o, lse and gradients, not NaN."""
+    monkeypatch.setattr(chunked, "_SKIP_MIN_KEYS", 1)  # look for keys to skip before every chunk
+    T, H, D = 256, 2, 16
+    q, k, v = (torch.randn(1, T, H, D, requires_grad=grad) for _ in range(3))
+    log_f = F.logsigmoid(torch.randn(1, T, H) - 1.0).requires_grad_(grad)
+    o, lse = forgetting_attention(q, k, v, log_f, scale=scale, prune=prune, return_lse=True)
+    ref_inputs = [t.detach().double().requires_grad_(grad) for t in (q, k, v, log_f)]
+    ro, rlse = forgetting_attention_reference(*ref_inputs, scale=scale, return_lse=True)
+    tol = 2e-4 if prune else 2e-5  # ACP drops less than tolerance (e^-10) of each row's mass
+    assert (o.double() - ro).abs().max() < tol * v.abs().max()
+    assert (lse.double() - rlse).abs().max() < tol
+    if grad:
+        got = _grads(o.double(), lse.double(), (q, k, v, log_f))
+        for name, a, e in zip(("dq", "dk", "dv", "dlog_fgate"), got, _grads(ro, rlse, ref_inputs)):
+            assert (a.double() - e).norm() < 10 * tol * e.norm().clamp_min(1.0), name  # dq = dk = 0 at scale 0
+
+
+def test_acp_bounds_logits_by_the_scales_magnitude():
+    """|scale * q . k| <= |scale| |q| |k|: a negative scale prunes as its magnitude does (not nothing)."""
+    q, k, _, _ = _inputs(2, 30, 30, 4, 2, 16)
+    torch.testing.assert_close(data_logit_bound(q, k, -0.5), data_logit_bound(q, k, 0.5))
+
+
+@pytest.mark.parametrize("scale", [-1.0, 0.0])
+def test_sequence_attention_without_a_gate_takes_a_negative_scale(scale):
+    """The no-gate path (SDPA) gives the reference's plain causal attention for a scale <= 0 too."""
+    from foxlm.ops import sequence_attention
+
+    q, k, v = (torch.randn(2, 40, 2, 16) for _ in range(3))
+    o, _ = sequence_attention(q, k, v, None, scale=scale)
+    ref = forgetting_attention_reference(q.double(), k.double(), v.double(), torch.zeros(2, 40, 2), scale=scale)
+    assert (o.double() - ref).abs().max() < 1e-5
+
+
 def test_denormals_are_flushed_on_every_intra_op_thread_and_restored():
     """The kernels' worker threads flush denormals during the calls (torch's own setting reaches only the calling
     thread), and every thread has its mode back afterwards."""
@@ -427,6 +466,9 @@ def test_lse_gradient_flows():
         (lambda a: a.update(window=0), "window"),
         (lambda a: a.update(window=2.5), "window"),
         (lambda a: a.update(window=True), "window"),
+        (lambda a: a.update(scale=float("nan")), "scale"),
+        (lambda a: a.update(scale=float("-inf")), "scale"),
+        (lambda a: a.update(scale="0.5"), "scale"),
     ],
 )
 def test_bad_input_raises_value_error_naming_the_argument(change, match):

@@ -102,6 +102,41 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert (default.arch, default.size, default.data, default.tokenizer) == ("fox-pro", "tiny", "shakespeare", "gpt2")
 
 
+def test_values_are_typed_by_their_key_not_by_yaml_1_1(tmp_path, capsys):
+    """A string key keeps the text as written (YAML 1.1 read 0777 as 511, 1:30 as 90, off as False and ~ as null,
+    dropping an export or init_from silently); other keys read YAML 1.2, strictly, with one-line errors naming the key.
+    The same holds in a --config file, and --print-config's output loads back to the same values."""
+    from foxlm.cli import main
+
+    strings = {"out_dir": "0777", "data": "1:30", "tokenizer": "off", "export_dir": "~", "init_from": "~",
+               "sample_prompt": "yes", "resume": "0o17"}
+    cfg = load_config(None, [f"{k}={v}" for k, v in strings.items()] + ["max_steps=0777", "lr=1e-3", "compile=true"])
+    assert {k: getattr(cfg, k) for k in strings} == strings
+    assert (cfg.max_steps, cfg.lr, cfg.compile) == (777, 1e-3, True)  # YAML 1.2: decimal, and 1e-3 is a float
+    assert (load_config(None, ["export_dir="]).export_dir, load_config(None, ["init_from=null"]).init_from) == \
+        (None, None)
+    assert load_config(None, ["cuda_graph=auto"]).cuda_graph == "auto"
+    assert load_config(None, ["cuda_graph=false"]).cuda_graph is False
+    (tmp_path / "c.yaml").write_text("".join(f"{k}: {v}\n" for k, v in strings.items() if v != "~")
+                                     + "export_dir: '~'\ninit_from: ~\n")
+    from_file = load_config(tmp_path / "c.yaml")
+    assert {k: getattr(from_file, k) for k in strings} == {**strings, "init_from": None}  # ~ unquoted: YAML's null
+    assert main(["train", "--print-config", *(f"{k}={v}" for k, v in strings.items())]) == 0
+    (tmp_path / "printed.yaml").write_text(capsys.readouterr().out)
+    assert load_config(tmp_path / "printed.yaml") == load_config(None, [f"{k}={v}" for k, v in strings.items()])
+    errors = {"compile=yes": "compile: expected bool, got 'yes'",
+              "compile=off": "compile: expected bool, got 'off'",
+              "max_steps=1:30": "max_steps: expected int, got '1:30'",
+              "seed=0x": "seed: expected int, got '0x'",
+              "lr=[1": r"lr: expected float, got '\[1', which is not valid YAML: .* \(line 1, column 3\)",
+              "model.window=[1": r"model.window: '\[1' is not valid YAML",
+              "max_steps=!!python/object/apply:os.system [touch pwned]": "max_steps: .* not valid YAML: could not "
+                                                                         "determine a constructor"}
+    for override, message in errors.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(None, [override])
+
+
 def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
     from foxlm.cli import main
 

@@ -604,3 +604,16 @@ def test_gradients_when_one_output_is_unused(used):
             continue
         err = ((a.double() - e).norm() / e.norm()).item()
         assert err < 2e-5, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("scale", [-1.0, 0.0])
+def test_zero_or_negative_scale_matches_fp64_reference(scale):
+    """A scale <= 0 is plain softmax attention: the kernels match the fp64 reference, with and without a gradient
+    and with ACP (whose logit bound is |scale| * max|q| * max|k|)."""
+    inputs = _inputs(1, 37, 37, 4, 2, 32, 32)
+    _check(inputs, rel=2e-5, scale=scale)
+    ref = forgetting_attention_reference(*(t.detach().double() for t in inputs), scale=scale)
+    with torch.no_grad():
+        for prune in (False, True):
+            o = forgetting_attention(*inputs, scale=scale, prune=prune)
+            assert ((o.double() - ref).norm() / ref.norm()).item() < 2e-5, f"prune={prune}"

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from .assets import read_json, sha256_file
+from .assets import read_json
 from .sources import FORMAT
 from .tokenizer import Tokenizer, tokenizer_from_spec
 
@@ -77,12 +78,14 @@ class TokenDataset:
                 raise ValueError(f"{file}: missing or truncated (expected {expected} bytes); re-run prepare")
             arrays.append(np.memmap(file, dtype=dtype, mode="r"))
             idx = np.fromfile(self.path / shard["offsets"], dtype=np.int64)
-            if len(idx) != shard["num_docs"] + 1 or idx[0] != 0 or idx[-1] != shard["num_tokens"]:
+            if (len(idx) != shard["num_docs"] + 1 or idx[0] != 0 or idx[-1] != shard["num_tokens"]
+                    or (np.diff(idx) < 0).any()):  # in order, so every document lies within the shard
                 raise ValueError(f"{self.path / shard['offsets']}: document offsets do not match meta.json")
             offsets.append(idx[1:] + base)
             base += shard["num_tokens"]
         self.doc_offsets = np.concatenate(offsets)
         self._shard_tokens = arrays
+        self._max_ids: list[int] | None = None  # each shard's largest id as read by verify()
         if not arrays:
             self.tokens = np.zeros(0, dtype=dtype)
         else:
@@ -109,17 +112,41 @@ class TokenDataset:
 
     def check_ids(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the shard if a token id is ``>= vocab_size`` (an embedding lookup would fail
-        mid-training). Cheap: each shard's largest id is in ``meta.json`` (read from the shard if it is not)."""
-        for shard, tokens in zip(self.meta["splits"][self.split]["shards"], self._shard_tokens):
-            largest = shard["max_id"] if "max_id" in shard else int(tokens.max(initial=0))
+        mid-training). Cheap: each shard's largest id as ``verify()`` read it, else as ``meta.json`` records it (read
+        from the shard if it does not)."""
+        shards = self.meta["splits"][self.split]["shards"]
+        for i, (shard, tokens) in enumerate(zip(shards, self._shard_tokens)):
+            if self._max_ids is not None:
+                largest = self._max_ids[i]
+            else:
+                largest = shard["max_id"] if "max_id" in shard else int(tokens.max(initial=0))
             if largest >= vocab_size:
                 raise ValueError(f"data: {self.path / shard['tokens']} holds token id {largest}, outside the model's "
                                  f"vocabulary of {vocab_size}; prepare the data with the model's tokenizer")
 
     def verify(self) -> None:
-        """Check every shard's sha256 against ``meta.json`` (reads all the data)."""
+        """Check every shard's files against the sha256 that ``meta.json`` records (reads all the data, once; a
+        ValueError naming the file that differs), and note each shard's largest id for ``check_ids``."""
+        dtype = np.dtype(self.meta["dtype"])
+        max_ids = []
         for shard in self.meta["splits"][self.split]["shards"]:
             for key in ("tokens", "offsets"):
-                digest = sha256_file(self.path / shard[key])
+                file = self.path / shard[key]
+                digest, largest = _sha256_and_max(file, dtype if key == "tokens" else None)
                 if digest != shard["sha256"][key]:
-                    raise ValueError(f"{self.path / shard[key]}: sha256 {digest} does not match meta.json")
+                    raise ValueError(f"data: {file} does not match the sha256 in meta.json (changed or damaged since "
+                                     f"`foxlm data prepare` wrote it); prepare the data again")
+                if key == "tokens":
+                    max_ids.append(largest)
+        self._max_ids = max_ids
+
+
+def _sha256_and_max(path: Path, dtype: np.dtype | None, chunk: int = 1 << 24) -> tuple[str, int]:
+    """(hex sha256 of a file, its largest value as ``dtype``; -1 without a dtype or values), in one read."""
+    h, largest = hashlib.sha256(), -1
+    with open(path, "rb") as f:
+        while block := f.read(chunk):  # a multiple of the item size: blocks hold whole ids
+            h.update(block)
+            if dtype is not None:
+                largest = max(largest, int(np.frombuffer(block, dtype=dtype).max()))
+    return h.hexdigest(), largest

@@ -289,6 +289,8 @@ def prepare(
         raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "
                          f"{workers}")
     out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
+    if out_dir.is_symlink():  # the dataset goes where the link points, and the link stays (a swap would move it)
+        out_dir = out_dir.resolve()
     check_out_dir(out_dir, inputs, overwrite)
     remove_stale_temporaries(out_dir)
     tok = get_tokenizer(tokenizer)

@@ -159,6 +159,9 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
     ``/``, the files it globs; hidden entries and prepared token datasets are skipped, and a subfolder that cannot be
     listed becomes an ``unreadable`` source (reported and counted like an unreadable file).
     """
+    if Path(pattern).is_absolute() or ".." in Path(pattern).parts:  # it could only match outside the folders
+        raise ValueError(f"pattern (--glob): expected a pattern inside the input folders (e.g. '*.md' or "
+                         f"'docs/**/*.txt'), got {pattern!r}; to read other files, name them or their folder as inputs")
     sources: list[Source] = []
     for raw in inputs:
         if str(raw).startswith(HUB_PREFIX):

@@ -16,7 +16,7 @@ import json
 import os
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 from .assets import GPT2_FILES, gpt2_files, sha256_file
 
@@ -217,12 +217,25 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     if path.is_dir():
         folder = path if (path / "encoder.json").is_file() else path / "data"
         if (folder / "encoder.json").is_file() and (folder / "vocab.bpe").is_file():
-            return BPETokenizer(folder / "encoder.json", folder / "vocab.bpe")
+            return _read_folder(f"{folder / 'encoder.json'} + vocab.bpe",
+                                lambda: BPETokenizer(folder / "encoder.json", folder / "vocab.bpe"))
         if (path / "tokenizer.json").is_file():
-            return HFTokenizer(path)
+            return _read_folder(str(path / "tokenizer.json"), lambda: HFTokenizer(path))
         raise ValueError(f"tokenizer: folder {path} holds neither encoder.json + vocab.bpe nor tokenizer.json")
     raise ValueError(f"tokenizer: expected 'gpt2', 'json-gpt2', 'byte' or a folder with encoder.json + vocab.bpe or "
                      f"tokenizer.json, got {name!r}")
+
+
+def _read_folder(files: str, build: Callable[[], Tokenizer]) -> Tokenizer:
+    """``build()``, with a file that is not a tokenizer (invalid JSON, binary data, broken merges) as a one-line
+    ValueError naming it: tiktoken and tokenizers raise whatever their parsers meet (tokenizers a bare Exception)."""
+    try:
+        return build()
+    except Exception as e:  # noqa: BLE001 - a parser's error on a user's file, not a bug
+        if isinstance(e, ValueError) and str(e).startswith("tokenizer: "):  # already names the problem
+            raise
+        detail = " ".join(str(e).split()) or f"{type(e).__name__} in {type(e).__module__}"
+        raise ValueError(f"tokenizer: {files} is not a valid tokenizer ({detail})") from e
 
 
 def tokenizer_from_spec(spec: dict) -> Tokenizer:

@@ -19,7 +19,7 @@ import torch
 
 from ..data.assets import read_json, remove_stale_temporaries, replace_folder, temporary_path
 from .configuration_fox import FoxConfig
-from .loading import DAMAGED_MODEL, verify_model_folder, write_manifest
+from .loading import DAMAGED_MODEL, reading_weights, verify_model_folder, write_manifest
 
 AUTHORS_FOX = "forgetting_transformer-project_fox"  # their FoX class (also their Pro Transformer: fgate_type "none")
 AUTHORS_TRANSFORMER = "transformer-project_fox"  # their LLaMA Transformer class
@@ -94,7 +94,8 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
         else:
             continue
         for shard in shards:
-            weights.update(load(folder / shard))
+            with reading_weights(folder / shard, "src"):
+                weights.update(load(folder / shard))
         return config, weights
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
 

@@ -13,13 +13,17 @@ unchecked.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import re
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from ..data.assets import read_json, sha256_file
@@ -131,7 +135,26 @@ def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
     raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
 
 
-def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
+@contextlib.contextmanager
+def reading_weights(where: str | os.PathLike, arg: str) -> Iterator[None]:
+    """A weights file that is damaged, or a pickle that ``weights_only`` refuses, read inside the block: a one-line
+    ValueError naming the argument and the file (or folder), not the reader's traceback."""
+    try:
+        yield
+    except pickle.UnpicklingError as e:  # torch.load(weights_only=True): objects that could run code, or not a pickle
+        found = re.search(r"(?:Trying to load )?unsupported [^\n]*", str(e), re.IGNORECASE)  # torch's one useful line
+        found = found.group(0).strip() if found else "objects other than tensors"
+        raise ValueError(f"{arg}: {where} was refused: not a plain tensor file (weights-only loading found: {found}); "
+                         f"convert it to safetensors where it came from, if you trust it") from e
+    except (SafetensorError, EOFError) as e:
+        raise ValueError(f"{arg}: {where} is damaged or not a weights file ({' '.join(str(e).split())})") from e
+    except RuntimeError as e:
+        if "PytorchStreamReader" not in str(e):  # torch.load's reader on a damaged zip; anything else is a bug
+            raise
+        raise ValueError(f"{arg}: {where} is damaged or not a weights file (not a complete torch zip archive)") from e
+
+
+def read_model_weights(folder: str | os.PathLike, arg: str = "path") -> dict[str, torch.Tensor]:
     """The weights of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index names."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
@@ -139,7 +162,8 @@ def read_model_weights(folder: str | os.PathLike) -> dict[str, torch.Tensor]:
         else ["model.safetensors"]
     weights = {}
     for name in files:
-        weights.update(load_file(str(folder / name)))
+        with reading_weights(folder / name, arg):
+            weights.update(load_file(str(folder / name)))
     return weights
 
 
@@ -164,4 +188,5 @@ def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
         raise ValueError(f"path: {folder}/config.json has model_type {model_type!r}, which no installed library "
                          f"registers with AutoModelForCausalLM")
     config = config_class(model_type).from_pretrained(folder)
-    return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)
+    with reading_weights(folder, "path"):
+        return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)

@@ -29,7 +29,7 @@ def check_logit_bound(logit_bound: float | torch.Tensor | None) -> None:
 def data_logit_bound(
     q: torch.Tensor, k: torch.Tensor, scale: float, cu_seqlens: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """U = scale * max_i ||q_i|| * max_j ||k_j|| per (sequence, query head), fp32.
+    """U = |scale| * max_i ||q_i|| * max_j ||k_j|| per (sequence, query head), fp32 (a bound for any sign of scale).
 
     q: [B, Tq, Hq, D], k: [B, Tk, Hk, D] -> U: [B, Hq] (or [N, Hq] with ``cu_seqlens`` of N sequences).
     """
@@ -44,7 +44,7 @@ def data_logit_bound(
         seg = segment_ids(cu_seqlens, qn.shape[1])
         qmax = qn.new_zeros(n, qn.shape[2]).scatter_reduce_(0, seg[:, None].expand_as(qn[0]), qn[0], "amax")
         kmax = kn.new_zeros(n, kn.shape[2]).scatter_reduce_(0, seg[:, None].expand_as(kn[0]), kn[0], "amax")
-    return scale * qmax * kmax.repeat_interleave(group, dim=-1)
+    return abs(scale) * qmax * kmax.repeat_interleave(group, dim=-1)
 
 
 def prune_threshold(

@@ -152,6 +152,8 @@ def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torc
     the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask, and lse gets c_q - c_ref back. Runs of heads may
     get their own chunks (_head_groups), so one fast-forgetting head does not cut the others'.
     """
+    if scale <= 0:  # the fused CPU kernel applies its causal mask before the scale: -inf * scale would be NaN or +inf
+        q, scale = q * scale, 1.0
     plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), True, functools.partial(_norms, q, k, scale))
     with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
         o, lse = _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan,
@@ -617,7 +619,7 @@ def _plan(c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor | None, 
           by_head: bool, norms) -> list:
     """[(heads, chunks)]: query heads [h0, h1) (None: all; see _head_groups for ``by_head``) and their query chunks
     (a, b, c_ref [B, G] fp64, ks, ke, calls): the keys [ks, ke) the chunk's rows compute, and its kernel calls
-    (s, e, kind). norms() gives (scale * |q| [B, Tq, Hq], |k| [B, Tk, Hq]) for the keys rows may skip (_first_key).
+    (s, e, kind). norms() gives (|scale| * |q| [B, Tq, Hq], |k| [B, Tk, Hq]) for the keys rows may skip (_first_key).
 
     Kinds: "causal" (the chunk's own block: SDPA's top-left causal mask is right), "full" (every row sees every
     key), "masked" and "masked-per-head" (an explicit mask, where rows start at different keys: varlen, windows,
@@ -688,9 +690,10 @@ def _logits(plan: list, batch: int, heads: int) -> int:
 
 
 def _norms(q: torch.Tensor, k: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale * |q| [B, Tq, Hq], |k| per query head [B, Tk, Hq]) in fp64, for _first_key."""
+    """(|scale| * |q| [B, Tq, Hq], |k| per query head [B, Tk, Hq]) in fp64, for _first_key: a bound on |logits|,
+    for a negative scale too."""
     dtype = torch.promote_types(q.dtype, torch.float32)
-    qn = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=dtype).double() * scale
+    qn = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=dtype).double() * abs(scale)
     kn = torch.linalg.vector_norm(k.detach(), dim=-1, dtype=dtype).double()
     return qn, kn.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,10 @@ def _bad_gates(log_fgate: torch.Tensor) -> torch.Tensor:
     return ~((hi <= 0) & (lo > -math.inf))
 
 
-def _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates) -> None:
+def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
+                              or not math.isfinite(scale)):
+        raise ValueError(f"scale: expected a finite number (any sign) or None, got {scale!r}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"{name}: expected a 4-D tensor [B, T, H, D], got {getattr(t, 'shape', type(t))}")
@@ -124,7 +128,7 @@ def forgetting_attention(
         k: [B, Tk, Hk, D] keys; Hq must be a multiple of Hk (GQA / MQA).
         v: [B, Tk, Hk, Dv] values.
         log_fgate: [B, Tk, Hq] fp32 log forget gates (<= 0); c is their cumsum, in fp64.
-        scale: logit scale, default 1/sqrt(D).
+        scale: logit scale, default 1/sqrt(D); any finite number (zero or negative too).
         cu_seqlens: [N+1] int32 sequence offsets of packed input (B == 1): sequences never see each
             other and the gate cumsum restarts at every sequence.
         max_seqlen: longest sequence in ``cu_seqlens`` (saves a host sync on GPU).
@@ -134,7 +138,7 @@ def forgetting_attention(
             delta = -(2U + log N) + log(tolerance), which carries less than ``tolerance`` of any row's mass.
         tolerance: the largest attention mass ACP may drop from a row.
         logit_bound: U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq],
-            e.g. from QK-norm weights); by default scale * max||q|| * max||k|| per (sequence, head).
+            e.g. from QK-norm weights); by default |scale| * max||q|| * max||k|| per (sequence, head).
         deterministic: the Triton backward without atomics (bitwise reproducible; it recomputes the
             logits for dQ). False (FlashAttention's default) takes the faster backward for the head dim: at
             head dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
@@ -152,7 +156,7 @@ def forgetting_attention(
     path (or through the Triton kernels under ``TRITON_INTERPRET=1``); float64 always takes the PyTorch path.
     ``foxlm.ops.use_backend`` overrides the choice for a block of code.
     """
-    _validate(q, k, v, log_fgate, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates)
+    _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention
@@ -208,6 +212,8 @@ def sequence_attention(
     if return_probs:
         return _o_and_probs(q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, window=window)
     if log_fgate is None and cu_seqlens is None and window is None:
+        if scale <= 0:  # SDPA's fused CPU kernel applies the causal mask before the scale (-inf * scale: NaN, +inf)
+            q, scale = q * scale, 1.0
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
             enable_gqa=k.shape[2] != Hq,

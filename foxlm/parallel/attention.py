@@ -166,7 +166,7 @@ def _threshold(q, k, scale, tolerance, logit_bound, total, group) -> torch.Tenso
         both = torch.cat([qn, kn], 1)
         dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
         qn, kn = both[:, :Hq], both[:, Hq:]
-        bound = scale * qn * kn.repeat_interleave(Hq // k.shape[2], dim=-1)
+        bound = abs(scale) * qn * kn.repeat_interleave(Hq // k.shape[2], dim=-1)  # |logits| <= U for any sign
     elif isinstance(logit_bound, torch.Tensor):
         bound = logit_bound.float().expand(B, Hq)
     else:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import shutil
 import warnings
@@ -320,7 +319,7 @@ def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.opt
     if state["tokenizer"] != tok_spec:
         raise ValueError(f"tokenizer: the checkpoint was trained with {state['tokenizer']}, the data is {tok_spec}")
     sharded = is_sharded(ckpt)
-    weights = None if sharded else read_model_weights(resolve_model_dir(ckpt, "resume"))
+    weights = None if sharded else read_model_weights(resolve_model_dir(ckpt, "resume"), "resume")
     found = _sharded_model_shapes(ckpt) if sharded else {name: tuple(t.shape) for name, t in weights.items()}
     problem = _weights_differ(found, module)
     if problem is not None:
@@ -359,7 +358,7 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
     if tokenizer is not None and tokenizer != tok_spec:
         raise ValueError(f"init_from: {folder} was trained with the tokenizer {tokenizer}, the data {data} was "
                          f"prepared with {tok_spec}")
-    weights = read_model_weights(folder)
+    weights = read_model_weights(folder, "init_from")
     problem = _weights_differ({name: tuple(t.shape) for name, t in weights.items()}, module)
     if problem is not None:
         raise ValueError(f"init_from: {folder} holds another model than this config's {name}: {problem}. Set arch, "

@@ -160,6 +160,9 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
 
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
 def config_keys_help() -> str:
     """Every ``TrainConfig`` key with its default and, where its source comment gives one, its meaning: one per line,
     for ``foxlm train --help``. The comments are read from this class's source, so the help cannot drift from it."""
@@ -190,24 +193,104 @@ def model_fields() -> frozenset[str]:
     return frozenset(a.arg for a in init.args.args + init.args.kwonlyargs) - {"self"}
 
 
-def _coerce(name: str, value, annotation: str):
-    """Check a YAML value against a field's annotation (``int``, ``float``, ``str | None``, ...)."""
+class _Yaml12Loader(yaml.SafeLoader):
+    """YAML 1.2's core schema: true/false, null/~, decimal, 0o and 0x integers and floats (1e-3 too) are typed; YAML
+    1.1's yes/no/on/off, 0777 (octal), 1:30 (base 60) and dates stay strings. No tags beyond safe YAML's."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag.rpartition(":")[2] not in ("bool", "int", "float", "null",
+                                                                              "timestamp")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+for _tag, _rx, _first in (
+        ("bool", r"true|True|TRUE|false|False|FALSE", "tTfF"),
+        ("int", r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", "-+0123456789"),  # before float, which matches 7 too
+        ("float", r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN)",
+         "-+.0123456789"),
+        ("null", r"~|null|Null|NULL|", ["~", "n", "N", ""])):
+    _Yaml12Loader.add_implicit_resolver(f"tag:yaml.org,2002:{_tag}", re.compile(f"^(?:{_rx})$"), list(_first))
+del _tag, _rx, _first
+
+
+def _yaml12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    digits, sign = text.lstrip("+-"), -1 if text.startswith("-") else 1
+    base = {"0o": 8, "0x": 16}.get(digits[:2], 10)
+    try:
+        return sign * int(digits[2:] if base != 10 else digits, base)
+    except ValueError:
+        raise yaml.constructor.ConstructorError(None, None, f"{text!r} is not an integer", node.start_mark) from None
+
+
+_Yaml12Loader.add_constructor("tag:yaml.org,2002:int", _yaml12_int)
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line: what is wrong and where (PyYAML's own message spans several lines)."""
+    if isinstance(e, yaml.MarkedYAMLError) and e.problem:
+        mark = e.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        return f"{e.problem}{where}"
+    return " ".join(str(e).split())
+
+
+def _parse_yaml(text: str, what: str):
+    """(the value of YAML ``text`` under the 1.2 core schema, its node); a ValueError naming ``what`` if it is not
+    valid safe YAML (a syntax error, a !!python tag)."""
+    loader = _Yaml12Loader(text)
+    try:
+        node = loader.get_single_node()
+        return (None if node is None else loader.construct_document(node)), node
+    except yaml.YAMLError as e:
+        raise ValueError(f"{what} not valid YAML: {_yaml_problem(e)}") from None
+    finally:
+        loader.dispose()
+
+
+def _allowed(name: str) -> tuple:
     hint = typing.get_type_hints(TrainConfig)[name]
-    allowed = typing.get_args(hint) or (hint,)
+    return typing.get_args(hint) or (hint,)
+
+
+def _override_value(name: str, text: str):
+    """An override's value, typed by its field: the text as written for a string (0777, 1:30, off and ~ are names,
+    not numbers or null; the empty text or null unsets an optional one), else YAML 1.2 (strict: 1e-3 is a float, off
+    is not a bool)."""
+    allowed = _allowed(name)
+    if type(None) in allowed and text in ("", "null"):
+        return None
+    if str in allowed and not (bool in allowed and text.lower() in ("true", "false")):
+        return text
+    return _parse_yaml(text, f"{name}: expected {_FIELDS[name].type}, got {text!r}, which is")[0]
+
+
+def _file_strings(node) -> dict:
+    """The plain scalars of a config file's string fields as written (``out_dir: 0777`` is the folder 0777, not
+    511): {key: text}; YAML's null stays null."""
+    strings = {}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if (isinstance(key, yaml.ScalarNode) and key.value in _FIELDS and str in _allowed(key.value)
+                    and isinstance(value, yaml.ScalarNode) and value.style is None
+                    and value.tag.rpartition(":")[2] not in ("null", "bool")):
+                strings[key.value] = value.value
+    return strings
+
+
+def _check_type(name: str, value, annotation: str):
+    """``value`` if it has a type of the field's annotation (``int``, ``float``, ``str | None``, ...; an int is a
+    float too, a bool is not a number), else a ValueError naming the field."""
+    allowed = _allowed(name)
     if value is None and type(None) in allowed:
         return None
-    if bool in allowed and isinstance(value, bool):
-        return value
     if float in allowed and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if float in allowed and isinstance(value, str):  # YAML 1.1 reads 1e-3 (no dot) as a string
+    if float in allowed and isinstance(value, str):  # Python's spellings too: inf, nan
         try:
             return float(value)
         except ValueError:
             pass
-    if str in allowed and not isinstance(value, str) and value is not None and not isinstance(value, (dict, list)):
-        return str(value)
-    if not any(t is not type(None) and isinstance(value, t) and not (t is int and isinstance(value, bool))
+    if not any(t is not type(None) and isinstance(value, t) and not (t in (int, float) and isinstance(value, bool))
                for t in allowed):
         raise ValueError(f"{name}: expected {annotation}, got {value!r}")
     return value
@@ -228,27 +311,33 @@ def resolve_config_path(config: str | os.PathLike) -> Path:
 def load_config(config: str | os.PathLike | None = None, overrides: list[str] = ()) -> TrainConfig:
     """Build a ``TrainConfig`` from a YAML file (or shipped name; None: ``default``) and ``key=value`` strings."""
     path = resolve_config_path(config or "default")
-    raw = yaml.safe_load(path.read_text()) or {}
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ValueError(f"config: {path} is not a YAML file (not UTF-8 text)") from None
+    raw, node = _parse_yaml(text, f"config: {path} is")
+    raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"config: {path} must hold a mapping of keys to values")
+    raw.update(_file_strings(node))
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override: expected key=value, got {item!r}")
-        value = yaml.safe_load(text) if text else None
         if key.startswith("model."):
             raw.setdefault("model", {})
             if not isinstance(raw["model"], dict):
                 raise ValueError(f"model: expected a mapping in {path}")
-            raw["model"][key[len("model."):]] = value
+            raw["model"][key[len("model."):]] = _parse_yaml(text, f"{key}: {text!r} is")[0] if text else None
+        elif key not in _FIELDS:
+            raise ValueError(f"{key}: unknown config key (expected one of {sorted(_FIELDS)})")
         else:
-            raw[key] = value
-    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+            raw[key] = _override_value(key, text)
     kwargs = {}
     for key, value in raw.items():
-        if key not in fields:
-            raise ValueError(f"{key}: unknown config key (expected one of {sorted(fields)})")
-        kwargs[key] = _coerce(key, value, str(fields[key].type))
+        if key not in _FIELDS:
+            raise ValueError(f"{key}: unknown config key (expected one of {sorted(_FIELDS)})")
+        kwargs[key] = _check_type(key, value, str(_FIELDS[key].type))
     if not isinstance(kwargs.get("model", {}), dict):
         raise ValueError(f"model: expected a mapping of FoxConfig fields, got {kwargs['model']!r}")
     cfg = TrainConfig(**kwargs)

@@ -123,8 +123,9 @@ class Trainer:
         if self.model_config.vocab_size < self.tok_spec["vocab_size"]:
             raise ValueError(f"model.vocab_size: {self.model_config.vocab_size} is smaller than the tokenizer's "
                              f"{self.tok_spec['vocab_size']}")
-        for ds in (self.train_ds, self.val_ds):  # an id past the embedding would be an IndexError mid-run
-            ds.check_ids(self.model_config.vocab_size)
+        for ds in (self.train_ds, self.val_ds):
+            ds.verify()  # a shard changed since prepare (a flipped byte, bad offsets) would train on silently
+            ds.check_ids(self.model_config.vocab_size)  # an id past the embedding: an IndexError mid-run
         self.model_config.foxlm_tokenizer = self.tok_spec
         torch.manual_seed(cfg.seed)
         if self.hf:
