@@ -286,15 +286,18 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         output_hidden_states: bool = False,
         return_per_token_loss: bool = False,
         shift_labels: torch.LongTensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         **kwargs,
     ) -> FoxCausalLMOutput:
         """input_ids: [B, T]; labels: [B, T] (shifted inside: position i predicts labels[i+1]; -100 is
         ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
-        shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name), instead
-        of labels: a context-parallel shard needs them, since its last token's target is on another rank; then
-        .per_token_loss is [B, T].
+        shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name); they win
+        over labels when both come, as in transformers' ForCausalLMLoss. A context-parallel shard needs them,
+        since its last token's target is on another rank; then .per_token_loss is [B, T].
+        num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
+        accumulation and processes): .loss is then the sum over this batch's labels divided by it.
         logits_to_keep: compute logits for the last n positions only (0: all). Other arguments as in
         ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
         and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
@@ -312,8 +315,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states,
         )
         h = out.last_hidden_state
-        if labels is not None and shift_labels is not None:
-            raise ValueError("shift_labels: pass labels or shift_labels, not both")
+        if shift_labels is not None:
+            labels = None  # transformers' ForCausalLMLoss uses shift_labels alone when both come
         if labels is not None and self.model.context_parallel is not None:
             raise ValueError("labels: a context-parallel shard's last target is on another rank; pass shift_labels "
                              "(the whole rows' labels shifted by one, then sharded as input_ids)")
@@ -325,8 +328,10 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         if logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
+        reduction = "mean" if num_items_in_batch is None else "sum"
         if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
-            loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten())
+            loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                        reduction=reduction)
         else:
             logits = self.lm_head(h)
             if targets is not None:
@@ -336,7 +341,9 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
                     ignore_index=-100,
                     reduction="none",
                 ).view(targets.shape)
-                loss = per_token.sum() / (targets != -100).sum().clamp_min(1)
+                loss = per_token.sum() if reduction == "sum" else per_token.sum() / (targets != -100).sum().clamp_min(1)
+        if loss is not None and num_items_in_batch is not None:
+            loss = loss / _as_count(num_items_in_batch, loss.device)
         return FoxCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -346,6 +353,19 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             log_fgates=out.log_fgates,
             **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
         )
+
+
+def _as_count(num_items_in_batch: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
+    """num_items_in_batch as a divisor on ``device``: a positive int or a one-element tensor."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch: expected a count (an int or a one-element tensor), got a tensor "
+                             f"of shape {tuple(num_items_in_batch.shape)}")
+        return num_items_in_batch.to(device)
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, int):
+        raise ValueError(f"num_items_in_batch: expected a count (an int or a one-element tensor), got "
+                         f"{type(num_items_in_batch).__name__}")
+    return num_items_in_batch
 
 
 def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):

