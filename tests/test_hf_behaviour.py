@@ -95,6 +95,22 @@ def test_trainer_ddp_two_processes_equal_one(tmp_path):
     assert norm == pytest.approx(want_norm, rel=1e-4)
 
 
+
+@pytest.mark.parametrize("training", [True, False], ids=["fused-train", "eval"])
+def test_shift_labels_win_over_labels_as_in_llama(training):
+    """labels and shift_labels together (what transformers' context- and sequence-parallel training passes):
+    shift_labels alone set the loss, as in Llama's ForCausalLMLoss; FoX refused the pair."""
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    shift = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    shift[1, :3] = -100
+    other = torch.randint(0, VOCAB, (2, 9))  # labels that, if read, would give another loss
+    same = torch.cat([ids[:, :1], shift[:, :-1]], 1)  # the labels whose shift is `shift`
+    for model in (_llama(), _fox()):
+        model.train(training)
+        want = model(ids, labels=same).loss
+        torch.testing.assert_close(model(ids, labels=other, shift_labels=shift).loss, want)
+    torch.testing.assert_close(model(ids, shift_labels=shift).loss, want)  # FoX: shift_labels alone too
+
 if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one step
     import torch.distributed as dist
 
