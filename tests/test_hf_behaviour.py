@@ -111,6 +111,75 @@ def test_shift_labels_win_over_labels_as_in_llama(training):
         torch.testing.assert_close(model(ids, labels=other, shift_labels=shift).loss, want)
     torch.testing.assert_close(model(ids, shift_labels=shift).loss, want)  # FoX: shift_labels alone too
 
+
+def test_config_output_flags_and_return_dict(tmp_path):
+    """output_hidden_states / output_attentions / use_cache / return_dict from the config (from_pretrained's
+    kwargs), and return_dict=False gives the output's fields as a tuple, as for transformers' models."""
+    _fox().save_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    plain = FoxForCausalLM.from_pretrained(tmp_path).eval()
+    out = plain(ids)
+    assert out.hidden_states is None and out.attentions is None
+    assert out.past_key_values.get_seq_length() == 7  # config.use_cache, as Llama builds a DynamicCache
+    loaded = FoxForCausalLM.from_pretrained(tmp_path, output_hidden_states=True, output_attentions=True).eval()
+    out = loaded(ids)
+    assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+    assert out.attentions[0].shape == (2, 4, 7, 7)
+    torch.testing.assert_close(out.hidden_states[-1], loaded.model(ids).last_hidden_state)
+    assert loaded(ids, output_hidden_states=False, output_attentions=False).hidden_states is None  # the call wins
+
+    labels = ids.clone()
+    as_dict = plain(ids, labels=labels, use_cache=False)
+    as_tuple = plain(ids, labels=labels, use_cache=False, return_dict=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 2
+    torch.testing.assert_close(as_tuple[0], as_dict.loss)
+    torch.testing.assert_close(as_tuple[1], as_dict.logits)
+    assert isinstance(plain.model(ids, return_dict=False), tuple)
+    no_cache = FoxForCausalLM.from_pretrained(tmp_path, use_cache=False, return_dict=False).eval()
+    got = no_cache(ids)
+    assert isinstance(got, tuple) and len(got) == 1  # logits only: no cache
+    torch.testing.assert_close(got[0], as_dict.logits)
+    assert plain.train()(ids).past_key_values is None  # no decoding follows a training forward
+
+
+def _greedy(model, ids, mask=None, new=5):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1)  # [B, new], [B, new, V]
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "fox-llama", "transformer-pro"])
+def test_generate_on_right_padded_batch_equals_rows_alone(arch):
+    """generate on a right-padded batch: each row's tokens and scores are those of the row alone, unpadded (a pad
+    adds no key and no decay, the token shift skips it, its output is the last real token's). FoX raised."""
+    model = _fox(arch).double().eval()
+    lengths = [9, 5, 7]
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    tokens, scores = _greedy(model, ids, mask)
+    for i, row in enumerate(rows):
+        want_tokens, want_scores = _greedy(model, row[None])
+        assert torch.equal(tokens[i], want_tokens[0]), i
+        torch.testing.assert_close(scores[i], want_scores[0], rtol=1e-9, atol=1e-9)
+
+
+def test_cached_padding_a_model_cannot_skip_is_refused():
+    """What a cache cannot make inert is a one-line ValueError naming attention_mask: padding between real tokens
+    of one call (the token shift looks back one position), any such padding with a sliding window."""
+    model = _fox("fox-pro").eval()
+    ids = torch.randint(1, VOCAB, (1, 6))
+    with pytest.raises(ValueError, match="attention_mask: with a cache, padding between real tokens must end"):
+        model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]), use_cache=True)
+    windowed = _fox("fox-llama", gate="alibi", window=4).eval()
+    out = windowed(ids[:, :4], attention_mask=torch.tensor([[1, 1, 1, 0]]), use_cache=True)  # ends in padding: fine
+    with pytest.raises(ValueError, match=r"attention_mask: a sliding-window model \(window=4\)"):
+        windowed(ids[:, 4:5], attention_mask=torch.tensor([[1, 1, 1, 0, 1]]), cache=out.past_key_values,
+                 use_cache=True)
+
 if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one step
     import torch.distributed as dist
 

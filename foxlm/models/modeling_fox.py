@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils.generic import can_return_tuple
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
 from ..ops.acp import check_tolerance
@@ -177,9 +178,22 @@ class FoxModel(FoxPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    def _default_use_cache(self, cu_seqlens: torch.Tensor | None, output_attentions: bool) -> bool:
+        """What ``use_cache=None`` means: ``config.use_cache`` (True by default, as for transformers' models), except
+        where no decoding can follow or the cache path cannot give what is asked: in training (as transformers'
+        models under gradient checkpointing), for packed documents, a context-parallel shard, attention
+        probabilities (only the cache-less path computes them) and inside ``probe_acp`` (it records cache-less
+        forwards)."""
+        if not self.config.use_cache or self.training or cu_seqlens is not None or output_attentions:
+            return False
+        if self.context_parallel is not None:
+            return False
+        return not any(block.attn.acp_probe is not None and block.attn.acp_probe.active for block in self.layers)
+
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -190,12 +204,12 @@ class FoxModel(FoxPreTrainedModel):
         cache: KVCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        output_attentions: bool | None = None,
         output_log_fgates: bool = False,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> FoxModelOutput:
+    ) -> FoxModelOutput | tuple:
         """input_ids: [B, T] (or inputs_embeds: [B, T, C]).
 
         attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens; rows must be one run of
@@ -204,14 +218,23 @@ class FoxModel(FoxPreTrainedModel):
         cu_seqlens: [N+1] int32 offsets of documents packed into one row (B == 1): documents never see
             each other, the gate cumsum and the token shift restart, RoPE positions restart.
         past_key_values / cache: a KV cache (``FoxCache`` or any ``KVCache``); the new tokens
-            are appended. use_cache: create a FoxCache when none is given (default: only if one is given).
+            are appended. use_cache: create a FoxCache when none is given (default: ``_default_use_cache``).
+        output_attentions, output_hidden_states: default to the config's, as in transformers.
+        return_dict=False (or config.return_dict False): the output's non-None fields as a tuple.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("input_ids: pass exactly one of input_ids and inputs_embeds")
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
-        cache = _as_fox_cache(cache if cache is not None else past_key_values, use_cache, self.config.num_hidden_layers)
-        segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache)
+        cache = cache if cache is not None else past_key_values
+        if use_cache is None and cache is None:
+            use_cache = self._default_use_cache(cu_seqlens, output_attentions)
+        cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
+        segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache,
+                                                    self.config.window)
         cp = self.context_parallel
         if cp is not None:
             cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
@@ -238,6 +261,8 @@ class FoxModel(FoxPreTrainedModel):
                 log_fgates.append(log_fgate if log_fgate is not None else x.new_zeros(B, T, block.attn.num_heads,
                                                                                         dtype=torch.float32))
         x = self.norm(x)
+        if valid is not None:
+            x = _carry_over_padding(x, valid)
         if output_hidden_states:
             hidden_states.append(x)
         return FoxModelOutput(
@@ -270,6 +295,18 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, *args, **kwargs) -> dict:
+        """transformers' update, then, for a batch with padding after real tokens (right padding), RoPE positions
+        that count real tokens: transformers (>= 5) continues from the last position, a pad's 0."""
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+        if mask is not None and positions is not None and positions.shape == mask.shape:
+            real = mask.long()
+            if bool(((real.cumsum(-1) > 0) & (real == 0)).any()):  # a pad after a real token
+                model_kwargs["position_ids"] = (real.cumsum(-1) - 1).clamp_min(0)
+        return model_kwargs
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -281,16 +318,16 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         cache: KVCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        output_attentions: bool | None = None,
         output_log_fgates: bool = False,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | None = None,
         return_per_token_loss: bool = False,
         shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> FoxCausalLMOutput:
+    ) -> FoxCausalLMOutput | tuple:
         """input_ids: [B, T]; labels: [B, T] (shifted inside: position i predicts labels[i+1]; -100 is
         ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
         shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name); they win
@@ -313,6 +350,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             output_log_fgates=output_log_fgates,
             output_hidden_states=output_hidden_states,
+            return_dict=True,
         )
         h = out.last_hidden_state
         if shift_labels is not None:
@@ -386,11 +424,27 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 
-def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):
+def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, C] with, at each padded position after a real token of the same call, that token's state: a pad
+    is inert, so the state after it is the one before it (generate reads the next token off a right-padded
+    prompt's last position)."""
+    T = x.shape[1]
+    last = torch.where(valid, torch.arange(T, device=x.device), -1).cummax(1).values  # last real position <= t
+    fill = (last >= 0) & ~valid
+    if not bool(fill.any()):
+        return x
+    carried = x.gather(1, last.clamp_min(0)[..., None].expand(-1, -1, x.shape[2]))
+    return torch.where(fill[..., None], carried, x)
+
+
+def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, window=None):
     """How the [B, T] new tokens are laid out: (segments, RoPE positions [B, T], token-shift reset [B, T] or
     None, valid [B, T] or None). Packed documents and padding without a cache become ``Segments``; with a
-    cache, left padding becomes ``valid`` (the cache keeps padded keys out of reach) and positions count
-    real tokens only."""
+    cache, padding becomes ``valid`` (the cache keeps padded keys out of reach, adds no decay at them and
+    carries the token-shift state over them) and positions count real tokens only. Left padding, and right
+    padding that later calls continue after (generate on a right-padded batch), are inert; a real token after
+    padding that follows real tokens in the same call is refused (the token shift looks back one position),
+    and so is any padding between real tokens with a sliding window (it counts cache slots)."""
     segments = reset = valid = None
     if cu_seqlens is not None:
         if B != 1:
@@ -402,8 +456,7 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):
         past = cache.get_seq_length()
         if attention_mask is not None:
             mask = _check_mask(attention_mask, B, past + T).bool()
-            if bool((mask[:, 1:] < mask[:, :-1]).any()):
-                raise ValueError("attention_mask: decoding with a cache supports left padding only")
+            _check_gaps(mask, T, window)
             if not bool(mask[:, -T:].all()):
                 valid = mask[:, -T:]
                 reset = torch.cat([torch.zeros_like(valid[:, :1]), ~valid[:, :-1]], dim=1)
@@ -420,6 +473,22 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):
     if position_ids is None:
         position_ids = torch.arange(T, device=device).expand(B, T)
     return segments, position_ids, reset, valid
+
+
+def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
+    """Refuse what a cache cannot make inert: padding between real tokens inside the last T positions (the
+    token shift looks back one position) or, with a sliding window, anywhere (the window counts cache slots)."""
+    real = mask.long()
+    first = torch.where(mask.any(1), real.argmax(1), mask.shape[1])[:, None]  # leading padding: left padding
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    gap_before = mask & (positions - first - (real.cumsum(1) - real) > 0)  # real, some padding between it and the first
+    if window is not None and bool(gap_before[:, -T:].any()):
+        raise ValueError(f"attention_mask: a sliding-window model (window={window}) decodes left-padded batches only "
+                         f"(the window counts cache slots, padding included)")
+    just_after = gap_before[:, -T:][:, 1:] & ~mask[:, -T:][:, :-1]
+    if bool(just_after.any()):
+        raise ValueError("attention_mask: with a cache, padding between real tokens must end a call (right padding "
+                         "of a prompt, then decoding); the token shift cannot skip it within one call")
 
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
