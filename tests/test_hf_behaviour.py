@@ -180,6 +180,31 @@ def test_cached_padding_a_model_cannot_skip_is_refused():
         windowed(ids[:, 4:5], attention_mask=torch.tensor([[1, 1, 1, 0, 1]]), cache=out.past_key_values,
                  use_cache=True)
 
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_gradient_checkpointing_reentrant_or_not_keeps_gradients(arch, reentrant):
+    """gradient_checkpointing_enable(use_reentrant=True or False): the blocks are transformers'
+    GradientCheckpointingLayer and give the gradients of an unchecked forward. Reentrant raised on FoX's keyword
+    arguments."""
+    model = _fox(arch).double().train()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding: segments, token-shift resets, RoPE positions all go through the checkpoint
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert model.is_gradient_checkpointing
+    calls = []
+    hooks = [block.attn.register_forward_pre_hook(lambda *_: calls.append(1)) for block in model.model.layers]
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 2 * len(model.model.layers)  # each block ran again in the backward: checkpointed
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
+
 if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one step
     import torch.distributed as dist
 

@@ -11,13 +11,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils.generic import can_return_tuple
 
@@ -62,8 +61,9 @@ class ACPShare:
         return torch.stack([torch.stack(r).mean(0) for r in self.records])
 
 
-class FoxBlock(nn.Module):
-    """Pre-norm transformer block: Forgetting Attention then SwiGLU."""
+class FoxBlock(GradientCheckpointingLayer):
+    """Pre-norm transformer block: Forgetting Attention then SwiGLU. A ``GradientCheckpointingLayer``:
+    ``gradient_checkpointing_enable`` checkpoints it (reentrant or not), x positional, the rest keywords."""
 
     def __init__(self, config: FoxConfig, layer_idx: int):
         super().__init__()
@@ -251,11 +251,7 @@ class FoxModel(FoxPreTrainedModel):
         for block in self.layers:
             if output_hidden_states:
                 hidden_states.append(x)
-            if self.gradient_checkpointing and self.training:  # HF's activation_checkpointing_enable() sets the func
-                run = getattr(self, "_gradient_checkpointing_func", None) or partial(checkpoint, use_reentrant=False)
-                x, log_fgate, probs = run(block, x, **attn_kwargs)
-            else:
-                x, log_fgate, probs = block(x, **attn_kwargs)
+            x, log_fgate, probs = block(x, **attn_kwargs)  # x positional: reentrant checkpointing passes it
             attentions.append(probs)
             if output_log_fgates:
                 log_fgates.append(log_fgate if log_fgate is not None else x.new_zeros(B, T, block.attn.num_heads,
