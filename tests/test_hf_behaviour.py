@@ -205,6 +205,28 @@ def test_gradient_checkpointing_reentrant_or_not_keeps_gradients(arch, reentrant
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
 
+
+def test_generate_with_output_attentions_as_llama_sdpa():
+    """generate(output_attentions=True, return_dict_in_generate=True): the same tokens as without, and, as a Llama
+    on SDPA attention, a warning and an empty attentions entry per step (the cache path computes no weights).
+    FoX raised; a forward without a cache still returns the weights."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    model = _fox().eval()
+    llama = LlamaForCausalLM._from_config(_llama().config, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(8))
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    want = model.generate(ids, **kwargs)
+    logging.get_logger("transformers").warning_once.cache_clear()  # warnings come once per process
+    with CaptureLogger(logging.get_logger("foxlm.models.modeling_fox")) as captured:
+        got = model.generate(ids, output_attentions=True, **kwargs)
+    assert "does not support `output_attentions=True`" in captured.out
+    assert torch.equal(got.sequences, want.sequences)
+    reference = llama.generate(ids, output_attentions=True, **kwargs)
+    assert got.attentions == reference.attentions == ((), (), ())
+    assert len(model(ids, output_attentions=True).attentions) == 2
+
 if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one step
     import torch.distributed as dist
 

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
@@ -27,6 +28,8 @@ from ..parallel import ContextParallel, sequence_positions
 from .cache import FoxCache, KVCache
 from .configuration_fox import FoxConfig
 
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the outputs' ``past_key_values`` to ``cache`` (and reads that name in generate).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -240,8 +243,11 @@ class FoxModel(FoxPreTrainedModel):
             cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
             if position_ids is None:  # RoPE rotates by the position in the whole sequence
                 positions = sequence_positions(T, group=cp.group, layout=cp.layout, device=x.device).expand(B, T)
-        if output_attentions and cache is not None:
-            raise ValueError("output_attentions: not available while decoding with a KV cache")
+        attentions_unavailable = output_attentions and cache is not None
+        if attentions_unavailable:  # as transformers' SDPA attention: a warning and no weights, not an error
+            logger.warning_once("FoX attention through a KV cache does not support `output_attentions=True`: the "
+                                "attentions come back empty. Run without a cache (use_cache=False) for them.")
+            output_attentions = False
 
         attn_kwargs = dict(
             segments=segments, rotary=None if self.rotary is None else self.rotary(positions, x.dtype), reset=reset,
@@ -264,7 +270,7 @@ class FoxModel(FoxPreTrainedModel):
         return FoxModelOutput(
             last_hidden_state=x,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
-            attentions=tuple(attentions) if output_attentions else None,
+            attentions=() if attentions_unavailable else tuple(attentions) if output_attentions else None,
             log_fgates=tuple(log_fgates) if output_log_fgates else None,
             **{_CACHE_FIELD: cache},
         )
