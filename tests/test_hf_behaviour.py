@@ -227,6 +227,20 @@ def test_generate_with_output_attentions_as_llama_sdpa():
     assert got.attentions == reference.attentions == ((), (), ())
     assert len(model(ids, output_attentions=True).attentions) == 2
 
+
+def test_saved_tokenizer_names_a_class_transformers_4_and_5_load(tmp_path):
+    """tokenizer_config.json names PreTrainedTokenizerFast, not transformers 5's TokenizersBackend, which
+    AutoTokenizer of transformers 4.57 (inside the declared floor) cannot load; transformers 5 loads it as before."""
+    from transformers import AutoTokenizer
+
+    from foxlm.data import get_tokenizer
+
+    tok = get_tokenizer("gpt2")
+    tok.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf("To be, or not to be").input_ids == [tok.eot_id] + tok.encode("To be, or not to be")
+
 if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one step
     import torch.distributed as dist
 
