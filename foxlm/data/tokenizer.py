@@ -77,7 +77,7 @@ class BPETokenizer:
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``hf_tokenizer()`` into ``folder``, for ``AutoTokenizer.from_pretrained(folder)`` offline."""
-        self.hf_tokenizer().save_pretrained(folder)
+        save_fast_tokenizer(self.hf_tokenizer(), folder)
 
 
 class HFTokenizer:
@@ -117,7 +117,7 @@ class HFTokenizer:
 
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``hf_tokenizer()`` into ``folder``, for ``AutoTokenizer.from_pretrained(folder)`` offline."""
-        self.hf_tokenizer().save_pretrained(folder)
+        save_fast_tokenizer(self.hf_tokenizer(), folder)
 
 
 _EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -137,6 +137,18 @@ def _eot_token(folder: Path, vocab: dict[str, int]) -> str:
             return token
     raise ValueError(f"tokenizer: {folder} names no end-of-text token: expected eos_token in tokenizer_config.json "
                      f"or one of {list(_EOT_CANDIDATES)} in tokenizer.json")
+
+
+def save_fast_tokenizer(hf, folder: str | os.PathLike) -> None:
+    """``hf.save_pretrained(folder)`` for a ``_hf_fast`` tokenizer, its ``tokenizer_config.json`` naming
+    ``PreTrainedTokenizerFast``: transformers 5 writes ``TokenizersBackend`` (its new name for that class), which
+    ``AutoTokenizer`` of transformers 4 cannot load; both load the old name."""
+    hf.save_pretrained(folder)
+    config_file = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
 def _hf_fast(tokenizer, eot: str, eot_id: int):

@@ -41,7 +41,9 @@ def _as_hf(tok):
 
 def save_hf_tokenizer(model_dir: str | os.PathLike, name: str = "gpt2") -> None:
     """Write the tokenizer files into a ``save_pretrained`` dir, so ``--model hf`` (AutoTokenizer) loads it."""
-    hf_tokenizer(name).save_pretrained(model_dir)
+    from foxlm.data.tokenizer import save_fast_tokenizer
+
+    save_fast_tokenizer(hf_tokenizer(name), model_dir)
 
 
 @register_model("foxlm")

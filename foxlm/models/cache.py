@@ -51,8 +51,9 @@ class KVCache(Protocol):
         and the gate cumsum c of the new tokens, c_t = c_{t-1} + log f_t, a running fp64 sum per (row, head)
         (``foxlm.ops.gate.continue_cumsum``). Query i sees the cached keys j <= i with logits
         ``scale * q_i . k_j + c_i - c_j`` (T > 1 with a non-empty cache is chunked prefill: Tq < Tk).
-        valid: [B, T] bool, False at padding. Padding only ever precedes a row's real tokens (left padding), and a
-        padded key must never be seen by a real query; outputs at padded queries are finite but meaningless.
+        valid: [B, T] bool, False at padding: before a row's real tokens (left padding) or after them (right padding,
+        which later calls' tokens follow). A padded key must never be seen by a real query, adds no decay, and
+        leaves the token-shift state as it was; outputs at padded queries are finite but meaningless.
         window: sliding-window attention (keys j > i - window). acp / acp_tolerance / logit_bound: the layer's
         ACP setting; ``logit_bound`` ([Hq] fp32, from the QK-norm weights; None without QK-norm) bounds
         |scale * q . k| for every token now and later, which is what makes evicting a key safe once
@@ -62,7 +63,7 @@ class KVCache(Protocol):
 
     def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
         """The token-shift state of stream ``name`` ("k" or "v"): the pre-shift projection [B, Hk, D] of the last
-        token seen (zeros after padding), or None before the first token."""
+        real token seen (zeros before any), or None before the first token."""
         ...
 
     def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
@@ -114,9 +115,25 @@ class _LayerCache:
                 raise ValueError(f"max_length: FoxCache can crop at most {hist.shape[1] - 1} tokens of a model "
                                  f"with token shift (it keeps the last {SHIFT_HISTORY}), asked for {dropped}")
         self.shift = {name: hist[:, :-dropped] for name, hist in self.shift.items()}
-        c = self.c[:, length - 1]
-        self.c_last = torch.where(c == PAD_DECAY, 0.0, c)  # a padded position: only padding before it, sum 0
+        c = self.c[:, :length]
+        last = torch.where(c[..., 0] != PAD_DECAY, torch.arange(length, device=c.device), -1).amax(1)  # last real
+        kept = c.gather(1, last.clamp_min(0)[:, None, None].expand(-1, 1, c.shape[2]))[:, 0]
+        self.c_last = torch.where(last[:, None] >= 0, kept, 0.0)  # only padding so far: sum 0
         self.length = length
+
+    def carry_shift(self, T: int, valid: torch.Tensor | None) -> None:
+        """Settle the token-shift history of the T tokens just handed over: a padded position keeps the state
+        before it (the last real token's projection, zeros before any), so that the token after right padding
+        shifts from the last real token; then keep the last ``SHIFT_HISTORY``."""
+        for name, hist in self.shift.items():
+            if valid is not None:
+                new, before = hist[:, -T:], hist[:, -T - 1:-T] if hist.shape[1] > T else torch.zeros_like(hist[:, :1])
+                steps = torch.arange(1, T + 1, device=valid.device)
+                source = torch.where(valid, steps, 0).cummax(1).values  # 0: the state before this call
+                both = torch.cat([before, new], 1)
+                new = both.gather(1, source.view(*source.shape, 1, 1).expand(-1, -1, *new.shape[2:]))
+                hist = torch.cat([hist[:, :-T], new], 1)
+            self.shift[name] = hist[:, -SHIFT_HISTORY:]
 
     def apply(self, fn) -> None:
         """Apply ``fn`` to every batch-major tensor (beam reordering and friends)."""
@@ -171,6 +188,7 @@ class FoxCache(Cache):
         layer.c_last = c[:, -1]
         if valid is not None:
             c = c.masked_fill(~valid[..., None], PAD_DECAY)
+        layer.carry_shift(T, valid)
         first = layer.length == 0
         layer.append(k, v, c)
         if first:
@@ -195,8 +213,8 @@ class FoxCache(Cache):
         """Store the pre-shift projections x: [B, T, Hk, D] of the new tokens for stream ``name``."""
         layer = self._layer(layer_idx)
         old = layer.shift.get(name)
-        hist = x.detach() if old is None else torch.cat([old, x.detach()], dim=1)
-        layer.shift[name] = hist[:, -SHIFT_HISTORY:]
+        # kept whole until attend() has carried the state over this call's padding and trims it
+        layer.shift[name] = x.detach() if old is None else torch.cat([old, x.detach()], dim=1)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layers[layer_idx].length if layer_idx < len(self._layers) else 0

@@ -88,10 +88,13 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model(input_ids=..., labels=...)`` return ``.loss`` from ``linear_cross_entropy`` on the backbone's
     hidden states and the LM head, chunk by chunk, instead of the model's own loss over [B, T, V] fp32 logits.
     Calls without labels (generation, evaluation) run the model's own forward. The model is the one called, so
-    DDP and FSDP2 hooks run as usual. Returns ``model``."""
+    DDP and FSDP2 hooks run as usual. ``num_items_in_batch`` (what HF's ``Trainer`` passes a forward that takes
+    ``**kwargs``) makes the loss the sum over the labels divided by it, as in transformers' own loss. Returns
+    ``model``."""
     own_forward = model.forward
 
-    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None, **kwargs):
+    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
         if labels is None:
             return own_forward(input_ids=input_ids, **kwargs)
         for key in ("cu_seqlens", "shift_labels"):
@@ -104,7 +107,11 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
         if getattr(head, "bias", None) is not None:
             raise ValueError(f"arch: {type(model).__name__}'s LM head has a bias, which linear_cross_entropy lacks")
         # position t predicts token t + 1, as in the models' own loss
-        loss = linear_cross_entropy(hidden[:, :-1].flatten(0, 1), head.weight, labels[:, 1:].flatten())
+        loss = linear_cross_entropy(hidden[:, :-1].flatten(0, 1), head.weight, labels[:, 1:].flatten(),
+                                    reduction="mean" if num_items_in_batch is None else "sum")
+        if num_items_in_batch is not None:
+            loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
+                           else num_items_in_batch)
         return CausalLMOutput(loss=loss)
 
     model.forward = forward

@@ -11,14 +11,15 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.utils import logging
+from transformers.utils.generic import can_return_tuple
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
 from ..ops.acp import check_tolerance
@@ -27,6 +28,8 @@ from ..parallel import ContextParallel, sequence_positions
 from .cache import FoxCache, KVCache
 from .configuration_fox import FoxConfig
 
+
+logger = logging.get_logger(__name__)
 
 # transformers 5.24 renamed the outputs' ``past_key_values`` to ``cache`` (and reads that name in generate).
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -61,8 +64,9 @@ class ACPShare:
         return torch.stack([torch.stack(r).mean(0) for r in self.records])
 
 
-class FoxBlock(nn.Module):
-    """Pre-norm transformer block: Forgetting Attention then SwiGLU."""
+class FoxBlock(GradientCheckpointingLayer):
+    """Pre-norm transformer block: Forgetting Attention then SwiGLU. A ``GradientCheckpointingLayer``:
+    ``gradient_checkpointing_enable`` checkpoints it (reentrant or not), x positional, the rest keywords."""
 
     def __init__(self, config: FoxConfig, layer_idx: int):
         super().__init__()
@@ -177,9 +181,22 @@ class FoxModel(FoxPreTrainedModel):
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
 
+    def _default_use_cache(self, cu_seqlens: torch.Tensor | None, output_attentions: bool) -> bool:
+        """What ``use_cache=None`` means: ``config.use_cache`` (True by default, as for transformers' models), except
+        where no decoding can follow or the cache path cannot give what is asked: in training (as transformers'
+        models under gradient checkpointing), for packed documents, a context-parallel shard, attention
+        probabilities (only the cache-less path computes them) and inside ``probe_acp`` (it records cache-less
+        forwards)."""
+        if not self.config.use_cache or self.training or cu_seqlens is not None or output_attentions:
+            return False
+        if self.context_parallel is not None:
+            return False
+        return not any(block.attn.acp_probe is not None and block.attn.acp_probe.active for block in self.layers)
+
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -190,12 +207,12 @@ class FoxModel(FoxPreTrainedModel):
         cache: KVCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        output_attentions: bool | None = None,
         output_log_fgates: bool = False,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> FoxModelOutput:
+    ) -> FoxModelOutput | tuple:
         """input_ids: [B, T] (or inputs_embeds: [B, T, C]).
 
         attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens; rows must be one run of
@@ -204,21 +221,33 @@ class FoxModel(FoxPreTrainedModel):
         cu_seqlens: [N+1] int32 offsets of documents packed into one row (B == 1): documents never see
             each other, the gate cumsum and the token shift restart, RoPE positions restart.
         past_key_values / cache: a KV cache (``FoxCache`` or any ``KVCache``); the new tokens
-            are appended. use_cache: create a FoxCache when none is given (default: only if one is given).
+            are appended. use_cache: create a FoxCache when none is given (default: ``_default_use_cache``).
+        output_attentions, output_hidden_states: default to the config's, as in transformers.
+        return_dict=False (or config.return_dict False): the output's non-None fields as a tuple.
         """
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("input_ids: pass exactly one of input_ids and inputs_embeds")
+        output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
+        if output_hidden_states is None:
+            output_hidden_states = self.config.output_hidden_states
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
-        cache = _as_fox_cache(cache if cache is not None else past_key_values, use_cache, self.config.num_hidden_layers)
-        segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache)
+        cache = cache if cache is not None else past_key_values
+        if use_cache is None and cache is None:
+            use_cache = self._default_use_cache(cu_seqlens, output_attentions)
+        cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
+        segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache,
+                                                    self.config.window)
         cp = self.context_parallel
         if cp is not None:
             cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
             if position_ids is None:  # RoPE rotates by the position in the whole sequence
                 positions = sequence_positions(T, group=cp.group, layout=cp.layout, device=x.device).expand(B, T)
-        if output_attentions and cache is not None:
-            raise ValueError("output_attentions: not available while decoding with a KV cache")
+        attentions_unavailable = output_attentions and cache is not None
+        if attentions_unavailable:  # as transformers' SDPA attention: a warning and no weights, not an error
+            logger.warning_once("FoX attention through a KV cache does not support `output_attentions=True`: the "
+                                "attentions come back empty. Run without a cache (use_cache=False) for them.")
+            output_attentions = False
 
         attn_kwargs = dict(
             segments=segments, rotary=None if self.rotary is None else self.rotary(positions, x.dtype), reset=reset,
@@ -228,22 +257,20 @@ class FoxModel(FoxPreTrainedModel):
         for block in self.layers:
             if output_hidden_states:
                 hidden_states.append(x)
-            if self.gradient_checkpointing and self.training:  # HF's activation_checkpointing_enable() sets the func
-                run = getattr(self, "_gradient_checkpointing_func", None) or partial(checkpoint, use_reentrant=False)
-                x, log_fgate, probs = run(block, x, **attn_kwargs)
-            else:
-                x, log_fgate, probs = block(x, **attn_kwargs)
+            x, log_fgate, probs = block(x, **attn_kwargs)  # x positional: reentrant checkpointing passes it
             attentions.append(probs)
             if output_log_fgates:
                 log_fgates.append(log_fgate if log_fgate is not None else x.new_zeros(B, T, block.attn.num_heads,
                                                                                         dtype=torch.float32))
         x = self.norm(x)
+        if valid is not None:
+            x = _carry_over_padding(x, valid)
         if output_hidden_states:
             hidden_states.append(x)
         return FoxModelOutput(
             last_hidden_state=x,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
-            attentions=tuple(attentions) if output_attentions else None,
+            attentions=() if attentions_unavailable else tuple(attentions) if output_attentions else None,
             log_fgates=tuple(log_fgates) if output_log_fgates else None,
             **{_CACHE_FIELD: cache},
         )
@@ -270,6 +297,18 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
 
+    def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, *args, **kwargs) -> dict:
+        """transformers' update, then, for a batch with padding after real tokens (right padding), RoPE positions
+        that count real tokens: transformers (>= 5) continues from the last position, a pad's 0."""
+        model_kwargs = super()._update_model_kwargs_for_generation(outputs, model_kwargs, *args, **kwargs)
+        mask, positions = model_kwargs.get("attention_mask"), model_kwargs.get("position_ids")
+        if mask is not None and positions is not None and positions.shape == mask.shape:
+            real = mask.long()
+            if bool(((real.cumsum(-1) > 0) & (real == 0)).any()):  # a pad after a real token
+                model_kwargs["position_ids"] = (real.cumsum(-1) - 1).clamp_min(0)
+        return model_kwargs
+
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -281,20 +320,23 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         cache: KVCache | None = None,
         use_cache: bool | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool = False,
+        output_attentions: bool | None = None,
         output_log_fgates: bool = False,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | None = None,
         return_per_token_loss: bool = False,
         shift_labels: torch.LongTensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
         logits_to_keep: int = 0,
         return_dict: bool | None = None,
         **kwargs,
-    ) -> FoxCausalLMOutput:
+    ) -> FoxCausalLMOutput | tuple:
         """input_ids: [B, T]; labels: [B, T] (shifted inside: position i predicts labels[i+1]; -100 is
         ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
-        shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name), instead
-        of labels: a context-parallel shard needs them, since its last token's target is on another rank; then
-        .per_token_loss is [B, T].
+        shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name); they win
+        over labels when both come, as in transformers' ForCausalLMLoss. A context-parallel shard needs them,
+        since its last token's target is on another rank; then .per_token_loss is [B, T].
+        num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
+        accumulation and processes): .loss is then the sum over this batch's labels divided by it.
         logits_to_keep: compute logits for the last n positions only (0: all). Other arguments as in
         ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
         and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
@@ -310,10 +352,11 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             output_attentions=output_attentions,
             output_log_fgates=output_log_fgates,
             output_hidden_states=output_hidden_states,
+            return_dict=True,
         )
         h = out.last_hidden_state
-        if labels is not None and shift_labels is not None:
-            raise ValueError("shift_labels: pass labels or shift_labels, not both")
+        if shift_labels is not None:
+            labels = None  # transformers' ForCausalLMLoss uses shift_labels alone when both come
         if labels is not None and self.model.context_parallel is not None:
             raise ValueError("labels: a context-parallel shard's last target is on another rank; pass shift_labels "
                              "(the whole rows' labels shifted by one, then sharded as input_ids)")
@@ -325,8 +368,10 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         if logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
+        reduction = "mean" if num_items_in_batch is None else "sum"
         if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
-            loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten())
+            loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten(),
+                                        reduction=reduction)
         else:
             logits = self.lm_head(h)
             if targets is not None:
@@ -336,7 +381,9 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
                     ignore_index=-100,
                     reduction="none",
                 ).view(targets.shape)
-                loss = per_token.sum() / (targets != -100).sum().clamp_min(1)
+                loss = per_token.sum() if reduction == "sum" else per_token.sum() / (targets != -100).sum().clamp_min(1)
+        if loss is not None and num_items_in_batch is not None:
+            loss = loss / _as_count(num_items_in_batch, loss.device)
         return FoxCausalLMOutput(
             loss=loss,
             logits=logits,
@@ -346,6 +393,19 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             log_fgates=out.log_fgates,
             **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
         )
+
+
+def _as_count(num_items_in_batch: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
+    """num_items_in_batch as a divisor on ``device``: a positive int or a one-element tensor."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        if num_items_in_batch.numel() != 1:
+            raise ValueError(f"num_items_in_batch: expected a count (an int or a one-element tensor), got a tensor "
+                             f"of shape {tuple(num_items_in_batch.shape)}")
+        return num_items_in_batch.to(device)
+    if isinstance(num_items_in_batch, bool) or not isinstance(num_items_in_batch, int):
+        raise ValueError(f"num_items_in_batch: expected a count (an int or a one-element tensor), got "
+                         f"{type(num_items_in_batch).__name__}")
+    return num_items_in_batch
 
 
 def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
@@ -366,11 +426,27 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 
-def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):
+def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """x: [B, T, C] with, at each padded position after a real token of the same call, that token's state: a pad
+    is inert, so the state after it is the one before it (generate reads the next token off a right-padded
+    prompt's last position)."""
+    T = x.shape[1]
+    last = torch.where(valid, torch.arange(T, device=x.device), -1).cummax(1).values  # last real position <= t
+    fill = (last >= 0) & ~valid
+    if not bool(fill.any()):
+        return x
+    carried = x.gather(1, last.clamp_min(0)[..., None].expand(-1, -1, x.shape[2]))
+    return torch.where(fill[..., None], carried, x)
+
+
+def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, window=None):
     """How the [B, T] new tokens are laid out: (segments, RoPE positions [B, T], token-shift reset [B, T] or
     None, valid [B, T] or None). Packed documents and padding without a cache become ``Segments``; with a
-    cache, left padding becomes ``valid`` (the cache keeps padded keys out of reach) and positions count
-    real tokens only."""
+    cache, padding becomes ``valid`` (the cache keeps padded keys out of reach, adds no decay at them and
+    carries the token-shift state over them) and positions count real tokens only. Left padding, and right
+    padding that later calls continue after (generate on a right-padded batch), are inert; a real token after
+    padding that follows real tokens in the same call is refused (the token shift looks back one position),
+    and so is any padding between real tokens with a sliding window (it counts cache slots)."""
     segments = reset = valid = None
     if cu_seqlens is not None:
         if B != 1:
@@ -382,8 +458,7 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):
         past = cache.get_seq_length()
         if attention_mask is not None:
             mask = _check_mask(attention_mask, B, past + T).bool()
-            if bool((mask[:, 1:] < mask[:, :-1]).any()):
-                raise ValueError("attention_mask: decoding with a cache supports left padding only")
+            _check_gaps(mask, T, window)
             if not bool(mask[:, -T:].all()):
                 valid = mask[:, -T:]
                 reset = torch.cat([torch.zeros_like(valid[:, :1]), ~valid[:, :-1]], dim=1)
@@ -400,6 +475,22 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache):
     if position_ids is None:
         position_ids = torch.arange(T, device=device).expand(B, T)
     return segments, position_ids, reset, valid
+
+
+def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
+    """Refuse what a cache cannot make inert: padding between real tokens inside the last T positions (the
+    token shift looks back one position) or, with a sliding window, anywhere (the window counts cache slots)."""
+    real = mask.long()
+    first = torch.where(mask.any(1), real.argmax(1), mask.shape[1])[:, None]  # leading padding: left padding
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    gap_before = mask & (positions - first - (real.cumsum(1) - real) > 0)  # real, some padding between it and the first
+    if window is not None and bool(gap_before[:, -T:].any()):
+        raise ValueError(f"attention_mask: a sliding-window model (window={window}) decodes left-padded batches only "
+                         f"(the window counts cache slots, padding included)")
+    just_after = gap_before[:, -T:][:, 1:] & ~mask[:, -T:][:, :-1]
+    if bool(just_after.any()):
+        raise ValueError("attention_mask: with a cache, padding between real tokens must end a call (right padding "
+                         "of a prompt, then decoding); the token shift cannot skip it within one call")
 
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:

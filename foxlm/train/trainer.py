@@ -134,10 +134,7 @@ class Trainer:
             model = FoxForCausalLM(self.model_config).to(self.device)
         self.num_params = model.num_parameters()
         if cfg.activation_checkpointing:
-            if self.hf:
-                model.gradient_checkpointing_enable()
-            else:
-                model.model.gradient_checkpointing = True
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.d.cp_size > 1:
             model.set_context_parallel(ContextParallel(self.d.cp_group))
         if cfg.compile:

@@ -1,0 +1,252 @@
+"""FoX models behave like a transformers Llama where transformers' own machinery meets them: the real ``Trainer``
+with gradient accumulation and DDP, config-driven outputs and ``return_dict``, ``shift_labels``, gradient
+checkpointing, ``generate`` with attentions and with right padding."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.models.hf import use_chunked_loss
+
+VOCAB = 61
+TINY = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
+            bos_token_id=None, eos_token_id=None)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _fox(arch: str = "fox-pro", seed: int = 0, **overrides) -> FoxForCausalLM:
+    torch.manual_seed(seed)
+    model = FoxForCausalLM(FoxConfig.preset(arch, "tiny", **{**TINY, **overrides}))
+    for p in model.parameters():  # off the init point: gates, norms and shifts far from trivial
+        p.data += 0.1 * torch.randn_like(p)
+    return model
+
+
+def _llama(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64,
+                                        num_hidden_layers=2, num_key_value_heads=2))
+
+
+def _rows(n: int = 8, T: int = 12) -> list[dict]:
+    """Rows with very different numbers of counted labels, so that a mean per micro-batch differs from the mean
+    over the whole batch."""
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (T,), generator=g)
+        labels = ids.clone()
+        labels[: 1 + (i * 5) % (T - 2)] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def _train_one_step(model, out_dir, batch: int, accumulation: int) -> tuple[float, float]:
+    """One optimizer step of the real Trainer over the 8 rows; the logged (loss, grad_norm)."""
+    args = TrainingArguments(
+        output_dir=str(out_dir), per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+        max_steps=1, logging_steps=1, learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+        dataloader_num_workers=0, disable_tqdm=True, seed=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=_rows())
+    trainer.train()
+    record = next(r for r in trainer.state.log_history if "loss" in r)
+    return record["loss"], record["grad_norm"]
+
+
+MODELS = {
+    "fox-pro": lambda: _fox("fox-pro"),
+    "fox-unfused": lambda: _fox("fox-llama", fuse_cross_entropy=False),
+    "llama": _llama,  # the reference the accounting must match
+    "llama-chunked-loss": lambda: use_chunked_loss(_llama()),  # foxlm's loss for any HF model
+}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_trainer_gradient_accumulation_keeps_loss_and_gradients(name, tmp_path):
+    """8 rows as 8 x 1, 4 x 2 and 2 x 4 (batch x accumulation): the same logged loss and gradient norm, as for a
+    Llama. FoX took **kwargs, so the Trainer passed num_items_in_batch and stopped dividing, while FoX returned
+    a mean per micro-batch: the loss and gradients grew with the accumulation steps."""
+    results = [_train_one_step(MODELS[name](), tmp_path / f"{b}x{a}", b, a) for b, a in ((8, 1), (4, 2), (2, 4))]
+    for loss, norm in results[1:]:
+        assert loss == pytest.approx(results[0][0], rel=1e-4)
+        assert norm == pytest.approx(results[0][1], rel=1e-4)
+
+
+def test_trainer_ddp_two_processes_equal_one(tmp_path):
+    """The real Trainer under torchrun, 2 gloo processes x 4 rows: the loss and gradient norm of 1 process x 8."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    loss, norm = json.loads((tmp_path / "ddp.json").read_text())
+    want_loss, want_norm = _train_one_step(_fox(), tmp_path / "single", 8, 1)
+    assert loss == pytest.approx(want_loss, rel=1e-4)
+    assert norm == pytest.approx(want_norm, rel=1e-4)
+
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["fused-train", "eval"])
+def test_shift_labels_win_over_labels_as_in_llama(training):
+    """labels and shift_labels together (what transformers' context- and sequence-parallel training passes):
+    shift_labels alone set the loss, as in Llama's ForCausalLMLoss; FoX refused the pair."""
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    shift = torch.cat([ids[:, 1:], torch.full((2, 1), -100)], 1)
+    shift[1, :3] = -100
+    other = torch.randint(0, VOCAB, (2, 9))  # labels that, if read, would give another loss
+    same = torch.cat([ids[:, :1], shift[:, :-1]], 1)  # the labels whose shift is `shift`
+    for model in (_llama(), _fox()):
+        model.train(training)
+        want = model(ids, labels=same).loss
+        torch.testing.assert_close(model(ids, labels=other, shift_labels=shift).loss, want)
+    torch.testing.assert_close(model(ids, shift_labels=shift).loss, want)  # FoX: shift_labels alone too
+
+
+def test_config_output_flags_and_return_dict(tmp_path):
+    """output_hidden_states / output_attentions / use_cache / return_dict from the config (from_pretrained's
+    kwargs), and return_dict=False gives the output's fields as a tuple, as for transformers' models."""
+    _fox().save_pretrained(tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    plain = FoxForCausalLM.from_pretrained(tmp_path).eval()
+    out = plain(ids)
+    assert out.hidden_states is None and out.attentions is None
+    assert out.past_key_values.get_seq_length() == 7  # config.use_cache, as Llama builds a DynamicCache
+    loaded = FoxForCausalLM.from_pretrained(tmp_path, output_hidden_states=True, output_attentions=True).eval()
+    out = loaded(ids)
+    assert len(out.hidden_states) == 3 and len(out.attentions) == 2
+    assert out.attentions[0].shape == (2, 4, 7, 7)
+    torch.testing.assert_close(out.hidden_states[-1], loaded.model(ids).last_hidden_state)
+    assert loaded(ids, output_hidden_states=False, output_attentions=False).hidden_states is None  # the call wins
+
+    labels = ids.clone()
+    as_dict = plain(ids, labels=labels, use_cache=False)
+    as_tuple = plain(ids, labels=labels, use_cache=False, return_dict=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple) == 2
+    torch.testing.assert_close(as_tuple[0], as_dict.loss)
+    torch.testing.assert_close(as_tuple[1], as_dict.logits)
+    assert isinstance(plain.model(ids, return_dict=False), tuple)
+    no_cache = FoxForCausalLM.from_pretrained(tmp_path, use_cache=False, return_dict=False).eval()
+    got = no_cache(ids)
+    assert isinstance(got, tuple) and len(got) == 1  # logits only: no cache
+    torch.testing.assert_close(got[0], as_dict.logits)
+    assert plain.train()(ids).past_key_values is None  # no decoding follows a training forward
+
+
+def _greedy(model, ids, mask=None, new=5):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True)
+    return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1)  # [B, new], [B, new, V]
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "fox-llama", "transformer-pro"])
+def test_generate_on_right_padded_batch_equals_rows_alone(arch):
+    """generate on a right-padded batch: each row's tokens and scores are those of the row alone, unpadded (a pad
+    adds no key and no decay, the token shift skips it, its output is the last real token's). FoX raised."""
+    model = _fox(arch).double().eval()
+    lengths = [9, 5, 7]
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    tokens, scores = _greedy(model, ids, mask)
+    for i, row in enumerate(rows):
+        want_tokens, want_scores = _greedy(model, row[None])
+        assert torch.equal(tokens[i], want_tokens[0]), i
+        torch.testing.assert_close(scores[i], want_scores[0], rtol=1e-9, atol=1e-9)
+
+
+def test_cached_padding_a_model_cannot_skip_is_refused():
+    """What a cache cannot make inert is a one-line ValueError naming attention_mask: padding between real tokens
+    of one call (the token shift looks back one position), any such padding with a sliding window."""
+    model = _fox("fox-pro").eval()
+    ids = torch.randint(1, VOCAB, (1, 6))
+    with pytest.raises(ValueError, match="attention_mask: with a cache, padding between real tokens must end"):
+        model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]), use_cache=True)
+    windowed = _fox("fox-llama", gate="alibi", window=4).eval()
+    out = windowed(ids[:, :4], attention_mask=torch.tensor([[1, 1, 1, 0]]), use_cache=True)  # ends in padding: fine
+    with pytest.raises(ValueError, match=r"attention_mask: a sliding-window model \(window=4\)"):
+        windowed(ids[:, 4:5], attention_mask=torch.tensor([[1, 1, 1, 0, 1]]), cache=out.past_key_values,
+                 use_cache=True)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_gradient_checkpointing_reentrant_or_not_keeps_gradients(arch, reentrant):
+    """gradient_checkpointing_enable(use_reentrant=True or False): the blocks are transformers'
+    GradientCheckpointingLayer and give the gradients of an unchecked forward. Reentrant raised on FoX's keyword
+    arguments."""
+    model = _fox(arch).double().train()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0  # right padding: segments, token-shift resets, RoPE positions all go through the checkpoint
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    assert model.is_gradient_checkpointing
+    calls = []
+    hooks = [block.attn.register_forward_pre_hook(lambda *_: calls.append(1)) for block in model.model.layers]
+    model(ids, attention_mask=mask, labels=ids).loss.backward()
+    for h in hooks:
+        h.remove()
+    assert len(calls) == 2 * len(model.model.layers)  # each block ran again in the backward: checkpointed
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_generate_with_output_attentions_as_llama_sdpa():
+    """generate(output_attentions=True, return_dict_in_generate=True): the same tokens as without, and, as a Llama
+    on SDPA attention, a warning and an empty attentions entry per step (the cache path computes no weights).
+    FoX raised; a forward without a cache still returns the weights."""
+    from transformers.testing_utils import CaptureLogger
+    from transformers.utils import logging
+
+    model = _fox().eval()
+    llama = LlamaForCausalLM._from_config(_llama().config, attn_implementation="sdpa").eval()
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(8))
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, return_dict_in_generate=True)
+    want = model.generate(ids, **kwargs)
+    logging.get_logger("transformers").warning_once.cache_clear()  # warnings come once per process
+    with CaptureLogger(logging.get_logger("foxlm.models.modeling_fox")) as captured:
+        got = model.generate(ids, output_attentions=True, **kwargs)
+    assert "does not support `output_attentions=True`" in captured.out
+    assert torch.equal(got.sequences, want.sequences)
+    reference = llama.generate(ids, output_attentions=True, **kwargs)
+    assert got.attentions == reference.attentions == ((), (), ())
+    assert len(model(ids, output_attentions=True).attentions) == 2
+
+
+def test_saved_tokenizer_names_a_class_transformers_4_and_5_load(tmp_path):
+    """tokenizer_config.json names PreTrainedTokenizerFast, not transformers 5's TokenizersBackend, which
+    AutoTokenizer of transformers 4.57 (inside the declared floor) cannot load; transformers 5 loads it as before."""
+    from transformers import AutoTokenizer
+
+    from foxlm.data import get_tokenizer
+
+    tok = get_tokenizer("gpt2")
+    tok.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    hf = AutoTokenizer.from_pretrained(tmp_path)
+    assert hf("To be, or not to be").input_ids == [tok.eot_id] + tok.encode("To be, or not to be")
+
+if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one step
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    root = sys.argv[1]
+    result = _train_one_step(_fox(), os.path.join(root, "ddp"), 4, 1)
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "ddp.json"), "w") as f:
+            json.dump(result, f)
