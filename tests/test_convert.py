@@ -467,6 +467,9 @@ def test_a_damaged_config_is_named(tmp_path):
     convert(tmp_path / "src", tmp_path / "model")
     for folder in (tmp_path / "src", tmp_path / "model"):
         (folder / "config.json").write_text('{"model_type": "fox", ')
+    with pytest.raises(ValueError, match="config.json does not match its sha256"):  # convert's manifest saw it
+        load_checkpoint_model(tmp_path / "model")
+    (tmp_path / "model" / "manifest.json").unlink()  # a folder with no manifest (e.g. from the hub) is parsed
     expected = f"^{re.escape(str(tmp_path / 'src' / 'config.json'))}: not valid JSON \\(.*\\); the model folder is " \
                "damaged"
     with pytest.raises(ValueError, match=expected):
