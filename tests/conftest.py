@@ -4,8 +4,9 @@ Triton decides at decoration time whether a kernel is built for the interpreter,
 here, before any test module imports a kernel. Tests run on the PyTorch path unless marked
 ``@pytest.mark.triton``, which runs them with foxlm's default dispatch (Triton for CUDA tensors and,
 under the interpreter, for CPU tensors): the real kernels are tested at small sizes, while model and
-trainer tests keep the fast CPU path. A ``triton`` test that launches no Triton kernel fails, so that on a GPU
-machine a test whose tensors stayed on the CPU cannot pass on the PyTorch path unnoticed.
+trainer tests keep the fast CPU path. A ``triton`` test that takes the ``device`` fixture and launches no Triton
+kernel fails, so that on a GPU machine a test whose tensors stayed on the CPU cannot pass on the PyTorch path
+unnoticed.
 
 ``@pytest.mark.gpu`` marks a test that needs a CUDA GPU (skipped without one); the tests that run on the GPU
 when there is one (``triton`` tests, and those taking the ``device`` fixture) get the marker too, so
@@ -47,8 +48,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item):
-    """Count the Triton kernel launches of a ``triton`` test (compiled or interpreted); none is a failure."""
-    if triton is None or not item.get_closest_marker("triton"):
+    """Count the Triton kernel launches (compiled or interpreted) of a ``triton`` test on ``device``; none is a
+    failure."""
+    if triton is None or not item.get_closest_marker("triton") or "device" not in getattr(item, "fixturenames", ()):
         return (yield)
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
