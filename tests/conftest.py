@@ -4,7 +4,13 @@ Triton decides at decoration time whether a kernel is built for the interpreter,
 here, before any test module imports a kernel. Tests run on the PyTorch path unless marked
 ``@pytest.mark.triton``, which runs them with foxlm's default dispatch (Triton for CUDA tensors and,
 under the interpreter, for CPU tensors): the real kernels are tested at small sizes, while model and
-trainer tests keep the fast CPU path.
+trainer tests keep the fast CPU path. A ``triton`` test that takes the ``device`` fixture and launches no Triton
+kernel fails, so that on a GPU machine a test whose tensors stayed on the CPU cannot pass on the PyTorch path
+unnoticed.
+
+``@pytest.mark.gpu`` marks a test that needs a CUDA GPU (skipped without one); the tests that run on the GPU
+when there is one (``triton`` tests, and those taking the ``device`` fixture) get the marker too, so
+``pytest -m gpu`` selects everything a GPU changes (``.ci/gpu`` runs them first).
 """
 
 import os
@@ -18,6 +24,8 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
+from foxlm.ops.backend import triton  # noqa: E402
+
 from foxlm.data import prepare  # noqa: E402
 from foxlm.data.assets import shakespeare_plays  # noqa: E402
 from foxlm.ops import use_backend  # noqa: E402
@@ -25,12 +33,54 @@ from foxlm.ops import use_backend  # noqa: E402
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "triton: run on foxlm's Triton kernels (the interpreter on CPU)")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU, or runs on it when there is one (see tests/conftest.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    cuda = torch.cuda.is_available()
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        elif item.get_closest_marker("triton") or "device" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Count the Triton kernel launches (compiled or interpreted) of a ``triton`` test on ``device``; none is a
+    failure."""
+    if triton is None or not item.get_closest_marker("triton") or "device" not in getattr(item, "fixturenames", ()):
+        return (yield)
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    originals = {cls: cls.run for cls in (JITFunction, InterpretedFunction)}
+
+    def counting(run):
+        def wrapped(self, *args, **kwargs):
+            launches.append(1)
+            return run(self, *args, **kwargs)
+        return wrapped
+
+    for cls, run in originals.items():
+        cls.run = counting(run)
+    try:
+        result = yield
+    finally:
+        for cls, run in originals.items():
+            cls.run = run
+    if not launches:
+        raise AssertionError("marked @pytest.mark.triton but launched no Triton kernel: its tensors never reached "
+                             "the kernels (CPU tensors on a GPU machine take the PyTorch path)")
+    return result
 
 
 @pytest.fixture
 def device() -> str:
     """Where op tests build their tensors: the GPU when there is one (the real kernels), else the CPU (the
-    interpreter under ``@pytest.mark.triton``)."""
+    interpreter under ``@pytest.mark.triton``). Its tests are marked ``gpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 

@@ -26,10 +26,9 @@ def angles(B, T, D):
     return a.cos(), a.sin()
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("cs_batch", [1, 2], ids=["shared-angles", "per-row-angles"])
-@pytest.mark.triton
 def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch, device):
     B, T, H, D = 2, 19, 3, 20  # D/2 = 10: a padded half-row tile
     cos, sin = (t.to(device) for t in angles(cs_batch, T, D))

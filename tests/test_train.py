@@ -743,7 +743,7 @@ def test_a_finished_trainer_is_freed_without_the_cyclic_gc(byte_data, tmp_path):
     assert ref() is None
 
 
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+requires_cuda = pytest.mark.gpu  # CUDA graphs need a GPU: skipped without one (tests/conftest.py)
 
 
 @requires_cuda
