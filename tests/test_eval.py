@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -452,6 +453,29 @@ def test_harness_without_lm_eval_names_the_extra(tmp_path):
     proc = foxlm("eval", "harness", "--model", "foxlm", "--tasks", "piqa", env={"PYTHONPATH": path})
     message = one_line_error(proc, "eval harness")
     assert "[eval] extra" in message and "pip install -e '.[eval]'" in message
+
+
+def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path):
+    """A task whose data is on the hub, where the hub cannot be reached (nothing answers at HF_ENDPOINT; no offline
+    flag set): one request finds that out, and one line says what to do, with no retries, traceback or lm-eval
+    warnings about the model object the ``foxlm`` adapter passes it."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import save_hf_tokenizer
+
+    FoxForCausalLM(_config(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           train_length=64)).save_pretrained(tmp_path / "m")
+    save_hf_tokenizer(tmp_path / "m")
+    with socket.socket() as s:  # a free port: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    env = {"HF_ENDPOINT": endpoint, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "",
+           "HF_DATASETS_OFFLINE": ""}
+    proc = foxlm("eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", "--tasks",
+                 "lambada_openai", "--device", "cpu", env=env)
+    message = one_line_error(proc, "eval harness")
+    assert "EleutherAI/lambada_openai, is on the Hugging Face hub" in message and "--include_path DIR" in message
+    assert "the Hugging Face hub cannot be reached; running offline" in proc.stderr
+    assert "Retry" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
 
 
 def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
