@@ -156,6 +156,21 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert json.loads((out / "loss.json").read_text())["train_length"] == TRAIN_LENGTH
 
 
+def test_loss_cli_reads_the_training_length_an_export_records(corpus, tmp_path):
+    """An export (outside its run) records train_length in its config.json: `eval loss` needs no --train-length."""
+    run, export = tmp_path / "run", tmp_path / "export"
+    assert main(["train", "device=cpu", "arch=fox-llama", "model.hidden_size=32", "model.num_hidden_layers=1",
+                 "model.num_attention_heads=2", "model.intermediate_size=64", "tokenizer=byte", "seq_len=48",
+                 "batch_size=2", "max_steps=1", "warmup_steps=0", "eval_every=0", "progress=false",
+                 "tensorboard=false", "sample_tokens=0", f"data={corpus}", f"out_dir={run}"]) == 0
+    assert main(["export", str(run), str(export)]) == 0
+    out = tmp_path / "loss"
+    assert main(["eval", "loss", str(export), "--data", str(corpus), "--max-sequences", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    written = json.loads((out / "loss.json").read_text())
+    assert (written["train_length"], written["eval_length"]) == (48, 4 * 48)
+
+
 def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path, capsys):
     """--acp both: each checkpoint with and without ACP; the pruned attention (< e^-10 of any row's mass) moves
     the per-token loss, but only by a hair. A model without a forget gate cannot be pruned: a clear error."""
@@ -202,7 +217,7 @@ def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path, capsys):
     _refused(capsys, "length: no 'val' document",
              ["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",
               str(tmp_path), "--no-progress"])
-    _refused(capsys, "--train-length",  # not inside a run, and not given
+    _refused(capsys, "--train-length: .* records no training length",  # none in its config, not in a run, not given
              ["eval", "loss", str(untrained), "--data", str(corpus), "--out", str(tmp_path), "--no-progress"])
 
 
