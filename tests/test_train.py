@@ -644,9 +644,16 @@ def test_data_must_be_a_prepared_folder(tmp_path):
         Trainer(_cfg(tmp_path / "text", tmp_path / "run"))
 
 
-def test_tokenizer_is_checked_against_the_data(byte_data, tmp_path):
-    with pytest.raises(ValueError, match="tokenizer: the config expects 'gpt2'"):
-        Trainer(_cfg(byte_data, tmp_path, "tokenizer=gpt2"))
+def test_tokenizer_is_checked_against_the_data(byte_data, tmp_path, capsys):
+    """The default config expects GPT-2 BPE data: other data is refused with the flags that train on it."""
+    from foxlm.cli import main
+
+    assert load_config().tokenizer == "gpt2"
+    assert main(["train", f"data={byte_data}", f"out_dir={tmp_path / 'run'}", "device=cpu"]) == 2
+    assert capsys.readouterr().err == (
+        f"foxlm train: error: tokenizer: the config expects 'gpt2', but {byte_data} was prepared with 'byte'; train "
+        "with tokenizer=null (the data's own) or tokenizer=byte, or prepare the data with --tokenizer gpt2\n")
+    assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="model.vocab_size"):
         Trainer(_cfg(byte_data, tmp_path, "model.vocab_size=200"))
 
