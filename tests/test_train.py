@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from foxlm.data import TokenDataset, prepare
 from foxlm.data.assets import shakespeare_plays
@@ -633,6 +634,25 @@ def test_cli_reports_a_run_that_cannot_start_in_one_line(byte_data, tmp_path, ca
         err = capsys.readouterr().err
         assert re.match(f"foxlm train: error: {message}", err) and "Traceback" not in err, err
     assert main(["train", *TINY, f"data={byte_data}", f"out_dir={run}", "max_steps=3", "eval_every=0"]) == 0
+
+
+def test_runs_of_other_models_or_data_do_not_share_a_default_out_dir(byte_data, tmp_path, monkeypatch):
+    """Without out_dir, a run goes to runs/<data>-<arch>-<size>: after the default job, `foxlm train arch=mamba2
+    size=tiny` (or other data) starts a run of its own instead of being refused as a resume of the fox-pro run."""
+    from foxlm.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    quick = ["max_steps=1", "seq_len=32", "batch_size=2", "eval_every=0", "sample_tokens=0", "progress=false",
+             "tensorboard=false", "device=cpu"]
+    runs = {"shakespeare-fox-pro-tiny": [], "shakespeare-mamba2-tiny": ["arch=mamba2", "size=tiny"],
+            f"{byte_data.name}-fox-pro-tiny": [f"data={byte_data}", "tokenizer=null"]}
+    for name, args in runs.items():
+        assert main(["train", *quick, *args]) == 0, name
+    for name, args in runs.items():
+        recorded = yaml.safe_load((tmp_path / "runs" / name / "train_config.yaml").read_text())
+        assert recorded["out_dir"] == f"runs/{name}" and latest_valid_checkpoint(tmp_path / "runs" / name), name
+    assert load_config(None, ["arch=hf:llama"]).out_dir == "runs/shakespeare-hf-llama"  # no size for hf:
+    assert load_config(None, ["out_dir=mine"]).out_dir == "mine"
 
 
 def test_data_must_be_a_prepared_folder(tmp_path):

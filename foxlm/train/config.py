@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..presets import ARCHS, BASELINES, SIZES, check_fla, is_hf_arch
+from ..presets import ARCHS, BASELINES, HF_PREFIX, SIZES, check_fla, has_size, is_hf_arch
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
@@ -81,7 +81,9 @@ class TrainConfig:
     # such a checkpoint is committed, and so used, from the next save on. The last save waits.
     async_checkpoint: bool = False
     export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
-    out_dir: str = "runs/default"  # a new or empty folder, or a run's own
+    # a new or empty folder, or a run's own; None: runs/<data>-<arch>-<size> (the default job's:
+    # runs/shakespeare-fox-pro-tiny), so runs of other data or models do not meet
+    out_dir: str | None = None
     resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
     # out_dir may hold no checkpoint this run does not continue from
     seed: int = 0  # model initialization, data order and sampling
@@ -89,6 +91,10 @@ class TrainConfig:
     tensorboard: bool = True
     sample_prompt: str | None = None  # printed sample at the end; None: the data's first tokens
     sample_tokens: int = 100  # 0: no sample
+
+    def __post_init__(self) -> None:
+        if self.out_dir is None:
+            self.out_dir = default_out_dir(self.arch, self.size, self.data)
 
     def validate(self) -> None:
         hf = is_hf_arch(self.arch)
@@ -161,6 +167,17 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def default_out_dir(arch: str, size: str, data: str) -> str:
+    """``runs/<data>-<arch>-<size>``: the data folder's name ("shakespeare" for the embedded corpus), the arch
+    (``hf:llama`` as ``hf-llama``, a config.json by its folder's or file's name) and, where it applies, the size."""
+    model = arch.replace(HF_PREFIX, "hf-", 1)
+    if arch.endswith(".json"):
+        path = Path(arch)
+        model = path.parent.name if path.stem == "config" and path.parent.name else path.stem
+    parts = [Path(data.rstrip("/\\")).name or "data", model] + ([size] if has_size(arch) else [])
+    return "runs/" + "-".join(re.sub(r"[^\w.-]+", "_", part) for part in parts)
 
 
 def config_keys_help() -> str:
