@@ -25,6 +25,7 @@ from foxlm.data.assets import shakespeare_plays
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
+from foxlm.train.config import model_fields
 from foxlm.train.trainer import Trainer, param_groups
 from tokenizer_folders import llama_style_tokenizer
 
@@ -150,13 +151,32 @@ def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # printing trains nothing
 
 
+def test_print_config_shows_the_model_the_preset_builds(capsys):
+    """--print-config shows, after the model.* overrides, every field of the model arch and size build (as comments:
+    the output still loads back to the same config), as FoxConfig resolves them; a baseline's preset fields."""
+    from foxlm.cli import main
+    from foxlm.train.config import FROM_THE_DATA
+
+    def shown(*args: str) -> dict:
+        assert main(["train", "--print-config", *args]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return yaml.safe_load("\n".join(line[4:] for line in lines if line.startswith("#   ")))
+
+    for arch, size in [("fox-pro", "tiny"), ("transformer-llama", "760m")]:
+        built = FoxConfig.preset(arch, size).to_dict()
+        assert shown(f"arch={arch}", f"size={size}") == {k: built[k] for k in model_fields() - set(FROM_THE_DATA)}
+    fields = shown("model.hidden_size=256", "model.num_attention_heads=2", "model.window=64")
+    assert fields == {k: v for k, v in FoxConfig.preset("fox-pro", "tiny", hidden_size=256, num_attention_heads=2,
+                                                        window=64).to_dict().items() if k in fields}
+    assert (fields["hidden_size"], fields["head_dim"], fields["window"]) == (256, 128, 64)
+    mamba = shown("arch=mamba2", "size=125m")
+    assert (mamba["hidden_size"], mamba["num_hidden_layers"], mamba["num_heads"]) == (768, 25, 24)
+
+
 def test_model_fields_read_from_source_are_foxconfigs_arguments():
     """model.* keys are checked against FoxConfig's arguments as parsed from its source file (importing it would
     import transformers): the parse must give what the class itself takes."""
     import inspect
-
-    from foxlm.models import FoxConfig
-    from foxlm.train.config import model_fields
 
     assert model_fields() == set(inspect.signature(FoxConfig.__init__).parameters) - {"self", "kwargs"}
 
