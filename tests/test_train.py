@@ -675,6 +675,27 @@ def test_runs_of_other_models_or_data_do_not_share_a_default_out_dir(byte_data, 
     assert load_config(None, ["out_dir=mine"]).out_dir == "mine"
 
 
+def test_the_folders_the_readme_hands_to_transformers_load(byte_data, tmp_path):
+    """The README's answer to which folder AutoModelForCausalLM takes: a checkpoint's model/ or an export, and not the
+    run folder or checkpoints/latest (transformers' own errors, before any foxlm code runs)."""
+    from transformers import AutoModelForCausalLM
+
+    from foxlm.cli import main
+
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=1"))
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    ckpt = latest_valid_checkpoint(run)
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "`AutoModelForCausalLM.from_pretrained` takes a model folder: a checkpoint's `model/`" in readme
+    for folder in (ckpt / "model", tmp_path / "export"):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert torch.equal(model.lm_head.weight, load_checkpoint_model(run).lm_head.weight)
+    for path in (run, run / "checkpoints" / "latest"):
+        with pytest.raises((OSError, ValueError)):
+            AutoModelForCausalLM.from_pretrained(path)
+
+
 def test_data_must_be_a_prepared_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="data: .*missing does not exist; prepare text with `foxlm data"):
         Trainer(_cfg(tmp_path / "missing", tmp_path / "run"))
