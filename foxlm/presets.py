@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 
+# The Pro blocks' QK-norm epsilon is the FoX authors' (their QK-norm modules hard-code 1e-5, whatever the config's
+# norm_eps), so that a model foxlm trains converts to their format (`foxlm convert --to fox-authors`).
+_PRO = dict(qk_norm=True, qk_norm_eps=1e-5, output_gate=True, output_norm=True, k_shift=True, v_shift=True)
 ARCHS: dict[str, dict] = {
     "fox-llama": dict(gate="data"),
-    "fox-pro": dict(gate="data", qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True),
+    "fox-pro": dict(gate="data", **_PRO),
     "transformer-llama": dict(gate="none", rope=True),
-    "transformer-pro": dict(
-        gate="none", rope=True, qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True
-    ),
+    "transformer-pro": dict(gate="none", rope=True, **_PRO),
 }
 # layers / d_model / heads (head dim 64) from the FoX papers; "tiny" trains on a CPU in minutes.
 SIZES: dict[str, dict] = {

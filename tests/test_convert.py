@@ -317,11 +317,25 @@ def test_foxlm_to_authors_to_foxlm_gives_identical_tensors(arch, tmp_path):
         FoxConfig.from_pretrained(tmp_path / "fox").to_diff_dict()
 
 
+def test_the_default_jobs_model_converts_to_the_authors_format(tmp_path):
+    """`foxlm train`'s default model (fox-pro) has the authors' QK-norm epsilon, which their code hard-codes."""
+    from foxlm.train.config import load_config
+
+    job = load_config()
+    for arch in (job.arch, "transformer-pro"):
+        FoxForCausalLM(FoxConfig.preset(arch, job.size, vocab_size=V)).save_pretrained(tmp_path / arch)
+        convert(tmp_path / arch, tmp_path / f"{arch}-authors", to="fox-authors")
+        convert(tmp_path / f"{arch}-authors", tmp_path / f"{arch}-back")
+        assert FoxConfig.from_pretrained(tmp_path / f"{arch}-back").qk_norm_eps == 1e-5
+
+
 @pytest.mark.parametrize("change, message", [
-    (dict(), "their QK-norm epsilon is 1e-05; this model's is 1e-06"),
-    (dict(qk_norm_eps=1e-5, gate="alibi"), "gate='alibi' has no counterpart"),
-    (dict(qk_norm_eps=1e-5, num_key_value_heads=2), "num_key_value_heads: their FoX class has no GQA"),
-    (dict(qk_norm_eps=1e-5, window=16), "window: their FoX class has no sliding window"),
+    (dict(qk_norm_eps=None), r"their QK-norm epsilon is 1e-05 \(fixed in their code\); this model's is 1e-06: a "
+                             r"model trained with model.qk_norm_eps=1.0e-5 \(the fox-pro and transformer-pro "
+                             r"presets' value\) converts"),
+    (dict(gate="alibi"), "gate='alibi' has no counterpart"),
+    (dict(num_key_value_heads=2), "num_key_value_heads: their FoX class has no GQA"),
+    (dict(window=16), "window: their FoX class has no sliding window"),
 ])
 def test_foxlm_models_the_authors_classes_cannot_express_are_errors(change, message, tmp_path):
     FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=V, **change)).save_pretrained(tmp_path / "m")
@@ -601,7 +615,7 @@ def test_trained_model_exported_and_converted_back_gives_the_same_per_token_loss
             progress=False)
     run = tmp_path / "run"
     assert main(["train", "device=cpu", "arch=fox-pro", "model.hidden_size=64", "model.num_hidden_layers=2",
-                 "model.num_attention_heads=2", "model.intermediate_size=128", "model.qk_norm_eps=0.00001",
+                 "model.num_attention_heads=2", "model.intermediate_size=128",
                  "tokenizer=byte", "seq_len=32", "batch_size=4", "warmup_steps=2", "lr=3e-3", "min_lr=3e-4",
                  "max_steps=30", "eval_every=0", "save_every=30", "progress=false", "tensorboard=false",
                  "sample_tokens=0", f"data={data}", f"out_dir={run}"]) == 0

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import socket
 
 import numpy as np
 import pytest
@@ -155,6 +156,21 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert json.loads((out / "loss.json").read_text())["train_length"] == TRAIN_LENGTH
 
 
+def test_loss_cli_reads_the_training_length_an_export_records(corpus, tmp_path):
+    """An export (outside its run) records train_length in its config.json: `eval loss` needs no --train-length."""
+    run, export = tmp_path / "run", tmp_path / "export"
+    assert main(["train", "device=cpu", "arch=fox-llama", "model.hidden_size=32", "model.num_hidden_layers=1",
+                 "model.num_attention_heads=2", "model.intermediate_size=64", "tokenizer=byte", "seq_len=48",
+                 "batch_size=2", "max_steps=1", "warmup_steps=0", "eval_every=0", "progress=false",
+                 "tensorboard=false", "sample_tokens=0", f"data={corpus}", f"out_dir={run}"]) == 0
+    assert main(["export", str(run), str(export)]) == 0
+    out = tmp_path / "loss"
+    assert main(["eval", "loss", str(export), "--data", str(corpus), "--max-sequences", "2", "--out", str(out),
+                 "--no-progress"]) == 0
+    written = json.loads((out / "loss.json").read_text())
+    assert (written["train_length"], written["eval_length"]) == (48, 4 * 48)
+
+
 def test_loss_cli_compares_with_and_without_acp(trained, corpus, tmp_path, capsys):
     """--acp both: each checkpoint with and without ACP; the pruned attention (< e^-10 of any row's mass) moves
     the per-token loss, but only by a hair. A model without a forget gate cannot be pruned: a clear error."""
@@ -201,7 +217,7 @@ def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path, capsys):
     _refused(capsys, "length: no 'val' document",
              ["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",
               str(tmp_path), "--no-progress"])
-    _refused(capsys, "--train-length",  # not inside a run, and not given
+    _refused(capsys, "--train-length: .* records no training length",  # none in its config, not in a run, not given
              ["eval", "loss", str(untrained), "--data", str(corpus), "--out", str(tmp_path), "--no-progress"])
 
 
@@ -452,6 +468,29 @@ def test_harness_without_lm_eval_names_the_extra(tmp_path):
     proc = foxlm("eval", "harness", "--model", "foxlm", "--tasks", "piqa", env={"PYTHONPATH": path})
     message = one_line_error(proc, "eval harness")
     assert "[eval] extra" in message and "pip install -e '.[eval]'" in message
+
+
+def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path):
+    """A task whose data is on the hub, where the hub cannot be reached (nothing answers at HF_ENDPOINT; no offline
+    flag set): one request finds that out, and one line says what to do, with no retries, traceback or lm-eval
+    warnings about the model object the ``foxlm`` adapter passes it."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import save_hf_tokenizer
+
+    FoxForCausalLM(_config(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                           train_length=64)).save_pretrained(tmp_path / "m")
+    save_hf_tokenizer(tmp_path / "m")
+    with socket.socket() as s:  # a free port: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    env = {"HF_ENDPOINT": endpoint, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "",
+           "HF_DATASETS_OFFLINE": ""}
+    proc = foxlm("eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", "--tasks",
+                 "lambada_openai", "--device", "cpu", env=env)
+    message = one_line_error(proc, "eval harness")
+    assert "EleutherAI/lambada_openai, is on the Hugging Face hub" in message and "--include_path DIR" in message
+    assert "the Hugging Face hub cannot be reached; running offline" in proc.stderr
+    assert "Retry" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
 
 
 def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):

@@ -71,7 +71,8 @@ def test_readme_foxlm_commands_parse():
 
 def test_readme_eval_and_generate_commands_run_as_written(tmp_path, monkeypatch, capsys):
     """The Evaluation section's commands and the generate line, exactly as written, on a run where the first command
-    leaves one (`runs/shakespeare-tiny`), here trained for two steps at a smaller size."""
+    leaves one (`runs/shakespeare-fox-pro-tiny`, the default out_dir), here trained for two steps at a smaller
+    size."""
     from foxlm.cli import main
 
     monkeypatch.chdir(tmp_path)
@@ -79,12 +80,12 @@ def test_readme_eval_and_generate_commands_run_as_written(tmp_path, monkeypatch,
              "model.num_attention_heads=2", "model.intermediate_size=128", "eval_every=0", "sample_tokens=0",
              "progress=false", "tensorboard=false", "device=cpu"]
     assert main(["train", *small]) == 0
-    assert (tmp_path / "runs" / "shakespeare-tiny" / "checkpoints").is_dir()
+    assert (tmp_path / "runs" / "shakespeare-fox-pro-tiny" / "checkpoints").is_dir()
     # the commands on the first command's run (the checkpoint section's need the hub's 760M models)
     commands = [c for c in _commands("foxlm eval ") + _commands("foxlm generate ")
-                if "runs/shakespeare-tiny" in c and c[2] != "harness"]
+                if "runs/shakespeare-fox-pro-tiny" in c and c[2] != "harness"]
     assert [c[1:3] for c in commands] == [["eval", "loss"]] * 2 + [["eval", "niah"], ["eval", "gates"]] + \
-        [["generate", "runs/shakespeare-tiny"]]
+        [["generate", "runs/shakespeare-fox-pro-tiny"]]
     for argv in commands:
         assert main(argv[1:]) == 0, argv
     for out in ("loss/per_token_loss.png", "acp/summary.md", "niah/niah.csv", "gates/acp.csv"):

@@ -18,12 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from foxlm.data import TokenDataset, prepare
 from foxlm.data.assets import shakespeare_plays
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
+from foxlm.train.config import model_fields
 from foxlm.train.trainer import Trainer, param_groups
 from tokenizer_folders import llama_style_tokenizer
 
@@ -149,13 +151,32 @@ def test_print_config_writes_a_config_that_loads_back(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # printing trains nothing
 
 
+def test_print_config_shows_the_model_the_preset_builds(capsys):
+    """--print-config shows, after the model.* overrides, every field of the model arch and size build (as comments:
+    the output still loads back to the same config), as FoxConfig resolves them; a baseline's preset fields."""
+    from foxlm.cli import main
+    from foxlm.train.config import FROM_THE_DATA
+
+    def shown(*args: str) -> dict:
+        assert main(["train", "--print-config", *args]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        return yaml.safe_load("\n".join(line[4:] for line in lines if line.startswith("#   ")))
+
+    for arch, size in [("fox-pro", "tiny"), ("transformer-llama", "760m")]:
+        built = FoxConfig.preset(arch, size).to_dict()
+        assert shown(f"arch={arch}", f"size={size}") == {k: built[k] for k in model_fields() - set(FROM_THE_DATA)}
+    fields = shown("model.hidden_size=256", "model.num_attention_heads=2", "model.window=64")
+    assert fields == {k: v for k, v in FoxConfig.preset("fox-pro", "tiny", hidden_size=256, num_attention_heads=2,
+                                                        window=64).to_dict().items() if k in fields}
+    assert (fields["hidden_size"], fields["head_dim"], fields["window"]) == (256, 128, 64)
+    mamba = shown("arch=mamba2", "size=125m")
+    assert (mamba["hidden_size"], mamba["num_hidden_layers"], mamba["num_heads"]) == (768, 25, 24)
+
+
 def test_model_fields_read_from_source_are_foxconfigs_arguments():
     """model.* keys are checked against FoxConfig's arguments as parsed from its source file (importing it would
     import transformers): the parse must give what the class itself takes."""
     import inspect
-
-    from foxlm.models import FoxConfig
-    from foxlm.train.config import model_fields
 
     assert model_fields() == set(inspect.signature(FoxConfig.__init__).parameters) - {"self", "kwargs"}
 
@@ -635,6 +656,46 @@ def test_cli_reports_a_run_that_cannot_start_in_one_line(byte_data, tmp_path, ca
     assert main(["train", *TINY, f"data={byte_data}", f"out_dir={run}", "max_steps=3", "eval_every=0"]) == 0
 
 
+def test_runs_of_other_models_or_data_do_not_share_a_default_out_dir(byte_data, tmp_path, monkeypatch):
+    """Without out_dir, a run goes to runs/<data>-<arch>-<size>: after the default job, `foxlm train arch=mamba2
+    size=tiny` (or other data) starts a run of its own instead of being refused as a resume of the fox-pro run."""
+    from foxlm.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    quick = ["max_steps=1", "seq_len=32", "batch_size=2", "eval_every=0", "sample_tokens=0", "progress=false",
+             "tensorboard=false", "device=cpu"]
+    runs = {"shakespeare-fox-pro-tiny": [], "shakespeare-mamba2-tiny": ["arch=mamba2", "size=tiny"],
+            f"{byte_data.name}-fox-pro-tiny": [f"data={byte_data}", "tokenizer=null"]}
+    for name, args in runs.items():
+        assert main(["train", *quick, *args]) == 0, name
+    for name, args in runs.items():
+        recorded = yaml.safe_load((tmp_path / "runs" / name / "train_config.yaml").read_text())
+        assert recorded["out_dir"] == f"runs/{name}" and latest_valid_checkpoint(tmp_path / "runs" / name), name
+    assert load_config(None, ["arch=hf:llama"]).out_dir == "runs/shakespeare-hf-llama"  # no size for hf:
+    assert load_config(None, ["out_dir=mine"]).out_dir == "mine"
+
+
+def test_the_folders_the_readme_hands_to_transformers_load(byte_data, tmp_path):
+    """The README's answer to which folder AutoModelForCausalLM takes: a checkpoint's model/ or an export, and not the
+    run folder or checkpoints/latest (transformers' own errors, before any foxlm code runs)."""
+    from transformers import AutoModelForCausalLM
+
+    from foxlm.cli import main
+
+    run = tmp_path / "run"
+    train(_cfg(byte_data, run, "max_steps=1"))
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    ckpt = latest_valid_checkpoint(run)
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "`AutoModelForCausalLM.from_pretrained` takes a model folder: a checkpoint's `model/`" in readme
+    for folder in (ckpt / "model", tmp_path / "export"):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert torch.equal(model.lm_head.weight, load_checkpoint_model(run).lm_head.weight)
+    for path in (run, run / "checkpoints" / "latest"):
+        with pytest.raises((OSError, ValueError)):
+            AutoModelForCausalLM.from_pretrained(path)
+
+
 def test_data_must_be_a_prepared_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="data: .*missing does not exist; prepare text with `foxlm data"):
         Trainer(_cfg(tmp_path / "missing", tmp_path / "run"))
@@ -644,9 +705,16 @@ def test_data_must_be_a_prepared_folder(tmp_path):
         Trainer(_cfg(tmp_path / "text", tmp_path / "run"))
 
 
-def test_tokenizer_is_checked_against_the_data(byte_data, tmp_path):
-    with pytest.raises(ValueError, match="tokenizer: the config expects 'gpt2'"):
-        Trainer(_cfg(byte_data, tmp_path, "tokenizer=gpt2"))
+def test_tokenizer_is_checked_against_the_data(byte_data, tmp_path, capsys):
+    """The default config expects GPT-2 BPE data: other data is refused with the flags that train on it."""
+    from foxlm.cli import main
+
+    assert load_config().tokenizer == "gpt2"
+    assert main(["train", f"data={byte_data}", f"out_dir={tmp_path / 'run'}", "device=cpu"]) == 2
+    assert capsys.readouterr().err == (
+        f"foxlm train: error: tokenizer: the config expects 'gpt2', but {byte_data} was prepared with 'byte'; train "
+        "with tokenizer=null (the data's own) or tokenizer=byte, or prepare the data with --tokenizer gpt2\n")
+    assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="model.vocab_size"):
         Trainer(_cfg(byte_data, tmp_path, "model.vocab_size=200"))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -172,16 +173,17 @@ def _check_exist(checkpoints: list[str]) -> None:
                                     "folder)")
 
 
-def _train_length(args, checkpoint: str) -> int:
-    from .utils import run_train_length
-
+def _check_train_length(args) -> None:
     if args.train_length is not None and args.train_length < 1:
         raise ValueError(f"--train-length: expected a positive number of tokens, got {args.train_length}")
-    n = args.train_length or run_train_length(checkpoint)
-    if not n:
-        raise ValueError(f"--train-length: {checkpoint} is not inside a `foxlm train` run, so its training length is "
-                         "not recorded; pass --train-length N (the seq_len it was trained at)")
-    return n
+
+
+def _train_length(args, checkpoint: str, model) -> int | None:
+    """--train-length, else what ``checkpoint`` records: its config's ``train_length`` (``foxlm train`` writes it,
+    and exports keep it), else the ``seq_len`` of the run it is in; None if neither."""
+    from .utils import run_train_length
+
+    return args.train_length or getattr(model.config, "train_length", None) or run_train_length(checkpoint)
 
 
 def _windows(docs: list[np.ndarray], length: int, every: bool) -> list[np.ndarray]:
@@ -246,12 +248,17 @@ def _run_loss(args, cp) -> int:
         raise ValueError(f"--eval-length: expected a positive number of tokens, got {args.eval_length}")
     if args.max_sequences is not None and args.max_sequences < 1:
         raise ValueError(f"--max-sequences: expected a positive count, got {args.max_sequences}")
-    train_length = _train_length(args, args.checkpoints[0])
+    _check_train_length(args)
+    models, data, _, out = _setup(args, args.checkpoints)
+    train_length = _train_length(args, args.checkpoints[0], models[0])
+    if train_length is None:
+        raise ValueError(f"--train-length: {args.checkpoints[0]} records no training length (no train_length in its "
+                         "config.json, and not inside a `foxlm train` run); pass --train-length N (the seq_len it was "
+                         "trained at)")
     eval_length = args.eval_length if args.eval_length is not None else 4 * train_length
     if cp is not None and eval_length % (2 * args.cp):
         raise ValueError(f"--eval-length: {eval_length} must be a multiple of 2 x --cp = {2 * args.cp} (each process "
                          f"holds two equal chunks of every sequence)")
-    models, data, _, out = _setup(args, args.checkpoints)
     if args.acp_tolerance is not None and args.acp == "model":
         raise ValueError("--acp-tolerance: only with --acp on, off or both")
     if args.acp_tolerance is not None and not 0.0 < args.acp_tolerance < 1.0:
@@ -307,7 +314,7 @@ def _run_loss(args, cp) -> int:
 
 def run_niah(args) -> int:
     from . import niah
-    from .utils import heldout_documents, run_train_length
+    from .utils import heldout_documents
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
@@ -318,7 +325,7 @@ def run_niah(args) -> int:
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
     niah.write_csv(results, out / "niah.csv")
-    niah.plot(results, out / "niah.png", train_length=args.train_length or run_train_length(args.checkpoint))
+    niah.plot(results, out / "niah.png", train_length=_train_length(args, args.checkpoint, model))
     _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay)})
     for mode in modes:
         lengths, _, g = niah.grid(results, mode, "found")
@@ -367,9 +374,39 @@ def run_harness(args) -> int:
     except ModuleNotFoundError:
         raise ValueError("lm_eval: lm-evaluation-harness is not installed; it comes with foxlm's [eval] extra: "
                          "pip install -e '.[eval]' (from the foxlm checkout)") from None
+    if "--tasks" in args.lm_eval_args or any(a.startswith("--tasks=") for a in args.lm_eval_args):
+        if not _hub_offline() and not _hub_reachable():
+            # before huggingface_hub and datasets are imported, which read these once: a task whose data is on the
+            # hub then fails at once, not after five retries per file, and a local task (--include_path) runs
+            os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+            print("foxlm eval harness: the Hugging Face hub cannot be reached; running offline (tasks with local or "
+                  "cached data only)", file=sys.stderr)
     from .harness import main
 
     return main(args.lm_eval_args)
+
+
+def _hub_offline() -> bool:
+    """Whether the Hugging Face hub is off for this process (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE`` set, as
+    huggingface_hub and datasets read them)."""
+    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
+               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
+
+
+def _hub_reachable(timeout: float = 5.0) -> bool:
+    """Whether ``HF_ENDPOINT`` (default https://huggingface.co) answers a HEAD request at all (any HTTP status),
+    through the environment's proxies: one request, where huggingface_hub would retry each file five times."""
+    import urllib.error
+    import urllib.request
+
+    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+    try:
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return True  # an answer, if not a 200
+    except (urllib.error.URLError, OSError, ValueError):  # no route, no name, refused, timed out; a bad endpoint
+        return False
+    return True
 
 
 def _write_json(path: Path, args, extra: dict) -> None:

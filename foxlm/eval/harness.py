@@ -15,8 +15,12 @@ From Python, ``import foxlm.eval.harness`` then ``lm_eval.simple_evaluate(model=
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
+import re
 import sys
+from collections.abc import Iterator
 
 import torch
 from lm_eval.api.registry import register_model
@@ -82,7 +86,26 @@ class FoxLM(HFLM):
                 raise ValueError(f"max_length: {pretrained} records no training length; pass max_length=N in "
                                  "--model_args (the context window, in tokens)")
             # another architecture outside a run: lm-eval reads its config's length (max_position_embeddings, ...)
-        super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+        with _quiet(logging.getLogger("lm_eval.models.huggingface"), _PASSED_A_MODEL):
+            super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+
+
+# HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and
+# passes every other argument on): not the user's doing, nothing to act on
+_PASSED_A_MODEL = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model through")
+
+
+@contextlib.contextmanager
+def _quiet(logger: logging.Logger, prefixes: tuple[str, ...]) -> Iterator[None]:
+    """Drop ``logger``'s records whose message starts with one of ``prefixes`` inside the block."""
+    def keep(record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(prefixes)
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def with_device(argv: list[str]) -> list[str]:
@@ -109,7 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *with_device(sys.argv[1:] if argv is None else argv)]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ConnectionError as e:  # datasets' own, after huggingface_hub's retries (none when offline)
+        found = re.search(r"Couldn't reach '([^']+)' on the Hub", str(e))
+        if found is None:
+            raise
+        raise ValueError(f"--tasks: the data of a task asked for, {found.group(1)}, is on the Hugging Face hub, which "
+                         "cannot be reached from here and holds no copy in the datasets cache; run where the hub is "
+                         "reachable, or evaluate a task whose data is local: --include_path DIR with a task YAML "
+                         "there (dataset_path: json, dataset_kwargs: {data_files: ...})") from None
     return 0
 
 

@@ -24,7 +24,8 @@ class FoxConfig(PretrainedConfig):
         gate: "data" (FoX), "bias" (data-independent learned per head), "alibi" (fixed), "none" (Transformer).
         qk_norm, output_gate, output_norm, k_shift, v_shift: the Pro block parts.
         qk_norm_shared: one QK-norm weight vector [head_dim] for all heads (the FoX authors' released Pro models)
-            instead of one per head; qk_norm_eps: the QK-norm epsilon (default rms_norm_eps; theirs and fla's: 1e-5).
+            instead of one per head; qk_norm_eps: the QK-norm epsilon (default rms_norm_eps; the Pro presets',
+            theirs and fla's: 1e-5).
         rope, rope_theta: rotary embedding (Transformer baselines).
         window: sliding-window attention length (None: full causal).
         acp, acp_tolerance: Adaptive Computation Pruning in training/eval forwards, and its epsilon.

@@ -227,7 +227,9 @@ def to_authors_config(cfg: FoxConfig) -> dict:
          "head_dim must be hidden_size / num_attention_heads")
     need(cfg.gate in ("data", "bias", "none"), f"gate={cfg.gate!r} has no counterpart (data, bias or none)")
     need(not cfg.qk_norm or cfg.qk_norm_eps == PEER_QK_NORM_EPS,
-         f"their QK-norm epsilon is {PEER_QK_NORM_EPS}; this model's is {cfg.qk_norm_eps or cfg.rms_norm_eps}")
+         f"their QK-norm epsilon is {PEER_QK_NORM_EPS} (fixed in their code); this model's is "
+         f"{cfg.qk_norm_eps or cfg.rms_norm_eps}: a model trained with model.qk_norm_eps=1.0e-5 (the fox-pro and "
+         "transformer-pro presets' value) converts")
     llama = cfg.gate == "none" and cfg.rope and not any(
         (cfg.qk_norm, cfg.output_gate, cfg.output_norm, cfg.k_shift, cfg.v_shift))
     need(llama or cfg.window is None, "window: their FoX class has no sliding window")

@@ -26,7 +26,8 @@ def register(subparsers) -> None:
                         "Shakespeare demo; fox-pro-125m, ...)")
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config (every key, with the overrides applied) as YAML and exit; "
-                        "the output is a valid --config file")
+                        "the output is a valid --config file, which shows after `model` (the overrides), as "
+                        "comments, every field of the model it builds")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="config overrides, e.g. lr=2e-3 max_steps=500 model.acp=true sample_tokens=0")
     p.set_defaults(func=_train)
@@ -48,9 +49,9 @@ def _train(args: argparse.Namespace) -> int:
     # foxlm.cli prints it as one line.
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
-        import yaml
+        from .config import printed_config
 
-        print(yaml.safe_dump(cfg.to_dict(), sort_keys=False), end="")
+        print(printed_config(cfg), end="")
         return 0
     from .checkpoint import DiskFullError  # not before --print-config, which needs neither torch nor a trainer
     from .trainer import Trainer, train

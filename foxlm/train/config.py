@@ -21,7 +21,7 @@ from pathlib import Path
 
 import yaml
 
-from ..presets import ARCHS, BASELINES, SIZES, check_fla, is_hf_arch
+from ..presets import ARCHS, BASELINES, HF_PREFIX, SIZES, baseline_fields, check_fla, has_size, is_hf_arch
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
@@ -81,7 +81,9 @@ class TrainConfig:
     # such a checkpoint is committed, and so used, from the next save on. The last save waits.
     async_checkpoint: bool = False
     export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
-    out_dir: str = "runs/default"  # a new or empty folder, or a run's own
+    # a new or empty folder, or a run's own; None: runs/<data>-<arch>-<size> (the default job's:
+    # runs/shakespeare-fox-pro-tiny), so runs of other data or models do not meet
+    out_dir: str | None = None
     resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
     # out_dir may hold no checkpoint this run does not continue from
     seed: int = 0  # model initialization, data order and sampling
@@ -89,6 +91,10 @@ class TrainConfig:
     tensorboard: bool = True
     sample_prompt: str | None = None  # printed sample at the end; None: the data's first tokens
     sample_tokens: int = 100  # 0: no sample
+
+    def __post_init__(self) -> None:
+        if self.out_dir is None:
+            self.out_dir = default_out_dir(self.arch, self.size, self.data)
 
     def validate(self) -> None:
         hf = is_hf_arch(self.arch)
@@ -163,6 +169,17 @@ class TrainConfig:
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 
 
+def default_out_dir(arch: str, size: str, data: str) -> str:
+    """``runs/<data>-<arch>-<size>``: the data folder's name ("shakespeare" for the embedded corpus), the arch
+    (``hf:llama`` as ``hf-llama``, a config.json by its folder's or file's name) and, where it applies, the size."""
+    model = arch.replace(HF_PREFIX, "hf-", 1)
+    if arch.endswith(".json"):
+        path = Path(arch)
+        model = path.parent.name if path.stem == "config" and path.parent.name else path.stem
+    parts = [Path(data.rstrip("/\\")).name or "data", model] + ([size] if has_size(arch) else [])
+    return "runs/" + "-".join(re.sub(r"[^\w.-]+", "_", part) for part in parts)
+
+
 def config_keys_help() -> str:
     """Every ``TrainConfig`` key with its default and, where its source comment gives one, its meaning: one per line,
     for ``foxlm train --help``. The comments are read from this class's source, so the help cannot drift from it."""
@@ -184,13 +201,83 @@ def config_keys_help() -> str:
 
 
 @functools.cache
-def model_fields() -> frozenset[str]:
-    """The fields of ``FoxConfig`` (its constructor's arguments): what ``model.*`` may set. Read from its source, as
-    importing it would import torch and transformers."""
+def _fox_init() -> ast.FunctionDef:
+    """``FoxConfig.__init__`` as parsed from its source: importing it would import torch and transformers."""
     tree = ast.parse((Path(__file__).resolve().parent.parent / "models" / "configuration_fox.py").read_text())
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FoxConfig")
-    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+
+
+@functools.cache
+def model_fields() -> frozenset[str]:
+    """The fields of ``FoxConfig`` (its constructor's arguments): what ``model.*`` may set."""
+    init = _fox_init()
     return frozenset(a.arg for a in init.args.args + init.args.kwonlyargs) - {"self"}
+
+
+def _default_value(node: ast.expr):
+    """A default of FoxConfig's signature: a literal, or ``math.<function>(<literals>)``."""
+    try:
+        return ast.literal_eval(node)
+    except ValueError:
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name) and node.func.value.id == "math"):
+            return getattr(math, node.func.attr)(*map(ast.literal_eval, node.args))
+        raise
+
+
+@functools.cache
+def _fox_defaults() -> dict:
+    args = [a.arg for a in _fox_init().args.args if a.arg != "self"]
+    defaults = _fox_init().args.defaults
+    return {name: _default_value(node) for name, node in zip(args[len(args) - len(defaults):], defaults)}
+
+
+# model fields a run sets from its data's tokenizer and seq_len, whatever arch and size say
+FROM_THE_DATA = ("vocab_size", "bos_token_id", "eos_token_id", "train_length")
+
+
+def resolved_model(cfg: TrainConfig) -> dict | None:
+    """The model fields ``cfg`` builds, but those in ``FROM_THE_DATA``: every ``FoxConfig`` field for foxlm's archs
+    (as ``FoxConfig.preset`` resolves them), a baseline's preset fields (its config class's other fields keep their
+    defaults); None for ``hf:`` and config.json archs. Needs neither torch nor transformers."""
+    if cfg.arch in BASELINES:
+        fields = {**baseline_fields(cfg.arch, cfg.size), **cfg.model}
+    elif cfg.arch in ARCHS:
+        fields = {**_fox_defaults(), **SIZES[cfg.size], **ARCHS[cfg.arch], **cfg.model}
+        # what FoxConfig derives from the others when they are None
+        if fields["num_key_value_heads"] is None:
+            fields["num_key_value_heads"] = fields["num_attention_heads"]
+        if fields["head_dim"] is None:
+            fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+        if fields["intermediate_size"] is None:
+            fields["intermediate_size"] = 256 * math.ceil(8 * fields["hidden_size"] / 3 / 256)
+    else:
+        return None
+    return {k: v for k, v in fields.items() if k not in FROM_THE_DATA}
+
+
+def printed_config(cfg: TrainConfig) -> str:
+    """``cfg`` as the YAML ``--print-config`` writes: every key, and after ``model`` (its overrides) the model they
+    build, field by field, as comments (the file loads back to ``cfg``)."""
+    values = cfg.to_dict()
+    keys = list(values)
+    head = {k: values[k] for k in keys[:keys.index("model") + 1]}
+    tail = {k: values[k] for k in keys[keys.index("model") + 1:]}
+    text = yaml.safe_dump(head, sort_keys=False)
+    model = resolved_model(cfg)
+    if model is not None:
+        built = f"# the model that arch={cfg.arch}, size={cfg.size} and model build"
+        if cfg.arch in BASELINES:
+            text += (f"{built}: its preset's fields (model.FIELD=value\n# sets any field of its config class, whose "
+                     "others keep their defaults); the data's tokenizer sets vocab_size,\n# bos_token_id, "
+                     "eos_token_id:\n")
+        else:
+            text += (f"{built}, every field (model.FIELD=value sets one);\n# the data's tokenizer sets vocab_size, "
+                     "bos_token_id, eos_token_id, and seq_len sets train_length:\n")
+        text += "".join(f"#   {yaml.safe_dump({k: v}, default_flow_style=True, width=1000).strip()[1:-1]}\n"
+                        for k, v in model.items())
+    return text + yaml.safe_dump(tail, sort_keys=False)
 
 
 class _Yaml12Loader(yaml.SafeLoader):

@@ -108,7 +108,9 @@ class Trainer:
         self.tok_spec = self.train_ds.meta["tokenizer"]
         if cfg.tokenizer is not None and cfg.tokenizer != self.tok_spec["name"]:
             raise ValueError(f"tokenizer: the config expects {cfg.tokenizer!r}, but {data_path} was prepared "
-                             f"with {self.tok_spec['name']!r}")
+                             f"with {self.tok_spec['name']!r}; train with tokenizer=null (the data's own) or "
+                             f"tokenizer={self.tok_spec['name']}, or prepare the data with --tokenizer "
+                             f"{cfg.tokenizer}")
         self.tokenizer = self.train_ds.tokenizer()  # rebuilds it and checks it is the recorded one
 
         # model
