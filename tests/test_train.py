@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from foxlm.data import TokenDataset, prepare
-from foxlm.data.assets import shakespeare_plays
+from foxlm.data.assets import sha256_file, shakespeare_plays
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
@@ -898,6 +898,51 @@ def test_any_hf_tokenizer_trains_generates_and_evaluates(tmp_path, capsys):
 
     lm = FoxLM(pretrained=str(run), device="cpu")
     assert lm.max_length == 32 and lm.tok_encode("To be") == hf("To be").input_ids
+
+
+def test_hf_tokenizer_travels_with_the_data_the_run_and_its_export(tmp_path, capsys):
+    """Data prepared from a tokenizer.json folder, a run on it and the run's export keep working after the folder
+    moves: each carries the tokenizer, which is identified by its content, so the export folder itself is accepted as
+    --tokenizer. A dataset that recorded the file's sha256 (before the content fingerprint) still loads."""
+    from foxlm.cli import main
+    from foxlm.train.checkpoint import export_model
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    data, run, export = tmp_path / "data", tmp_path / "run", tmp_path / "export"
+    prepare(plays, data, tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    train(load_config(None, [*TINY, "tokenizer=null", f"data={data}", f"out_dir={run}", "max_steps=2"]))
+    export_model(run, export)
+    before = TokenDataset(data, "val").tokenizer().encode("To be, or not")
+    folder.rename(tmp_path / "tok2")
+    tok = TokenDataset(data, "val").tokenizer()
+    assert tok.encode("To be, or not") == before and tok.spec()["name"] == f"hf:{(data / 'tokenizer').resolve()}"
+    capsys.readouterr()
+    for model in (run, export):
+        assert main(["generate", str(model), "--prompt", "To be", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+        assert capsys.readouterr().out.startswith("To be")
+        assert main(["eval", "loss", str(model), "--data", str(data), "--max-sequences", "1", "--device", "cpu",
+                     "--train-length", "32", "--out", str(tmp_path / "e" / model.name)]) == 0
+        capsys.readouterr()
+    assert main(["eval", "loss", str(run), "--max-sequences", "1", "--device", "cpu", "--out", str(tmp_path / "e2")]) \
+        == 0  # the run's recorded data, with no --data
+    assert main(["generate", str(run), "--tokenizer", str(export), "--prompt", "To be", "--max-new-tokens", "3",
+                 "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--tokenizer", "gpt2", "--prompt", "To be", "--device", "cpu"]) == 2
+    assert "ids it never saw" in capsys.readouterr().err  # another content is still refused
+
+    legacy = tmp_path / "legacy"  # meta.json as written before: the file's sha256, no carried copy
+    shutil.copytree(data, legacy)
+    shutil.rmtree(legacy / "tokenizer")
+    meta = json.loads((legacy / "meta.json").read_text())
+    meta["tokenizer"].update(name=f"hf:{(tmp_path / 'tok2').resolve()}",
+                             fingerprint=sha256_file(tmp_path / "tok2" / "tokenizer.json"))
+    (legacy / "meta.json").write_text(json.dumps(meta))
+    assert TokenDataset(legacy, "val").tokenizer().encode("To be, or not") == before
+    (tmp_path / "tok2").rename(tmp_path / "tok3")
+    with pytest.raises(ValueError, match="tok2 is gone"):
+        TokenDataset(legacy, "val").tokenizer()
 
 
 def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):
