@@ -6,8 +6,8 @@ All follow one small interface: ``encode(str) -> list[int]`` (special tokens in 
 which opens every document as its BOS and ends generation as its EOS; the model config's bos, eos and pad ids) and
 ``name``. ``spec()`` is what is recorded in a dataset's ``meta.json`` and checked at training time; a folder's
 tokenizer (``bpe:``, ``hf:``) is identified there by its content (``fingerprint``), its name only says where it was
-read, so a dataset or model whose tokenizer folder moved finds it again in a copy it carries (``tokenizer_from_spec``). Those with a
-``transformers`` equivalent also have ``hf_tokenizer()`` (eot as BOS, EOS and pad; ``tok(text)`` prepends it, as
+read, so a dataset or model whose tokenizer folder moved finds it again in a copy it carries
+(``tokenizer_from_spec``). Those with a ``transformers`` equivalent also have ``hf_tokenizer()`` (eot as BOS, EOS and pad; ``tok(text)`` prepends it, as
 every training document begins with it) and ``save_pretrained(folder)``.
 """
 
