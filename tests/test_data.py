@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from foxlm.data.cli import register
-from foxlm.data import TokenDataset, get_tokenizer, prepare
+from foxlm.data import TokenDataset, get_tokenizer, prepare, same_tokenizer
 from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _TIKTOKEN_GPT2, _tiktoken_gpt2, _wheel_package
 from foxlm.data.assets import gpt2_files, sha256_file
 from foxlm.data.assets import shakespeare_plays
@@ -106,12 +106,14 @@ def test_any_hf_tokenizer_folder(tmp_path, plays):
     hf = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert hf.bos_token_id == hf.eos_token_id == hf.pad_token_id == eos
     assert hf(plain).input_ids == [eos] + tok.encode(plain)
+    assert same_tokenizer(get_tokenizer(str(tmp_path / "hf")).spec(), tok.spec())  # the same content, elsewhere
     meta = prepare(texts_to_files(tmp_path / "src", texts), tmp_path / "data", tokenizer=str(folder),
                    val_fraction=0.0, workers=0, progress=False)
     assert meta["dtype"] == "uint16" and meta["tokenizer"] == tok.spec()
     ds = TokenDataset(tmp_path / "data")
     assert sorted(d.tolist() for d in ds.documents()) == sorted([eos] + tok.encode(t) for t in texts)
-    assert ds.tokenizer().spec() == tok.spec()
+    assert same_tokenizer(ds.tokenizer().spec(), tok.spec())  # from the copy the dataset carries
+    assert ds.tokenizer().name == f"hf:{(tmp_path / 'data' / 'tokenizer').resolve()}"
 
 
 def texts_to_files(folder, texts):

@@ -10,6 +10,8 @@ import math
 import os
 import re
 import socket
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -353,6 +355,28 @@ def test_greedy_completion_stays_in_tokenizer_vocabulary():
     assert int(model(prompt).logits[0, -1].argmax()) >= tok.vocab_size  # unconstrained, it would pick padding
     new = niah.greedy_complete(model, prompt, 6, tok)
     assert len(new) == 2 and all(0 < len(ids) <= 6 and max(ids) < tok.vocab_size for ids in new)
+
+
+def test_greedy_completion_past_the_training_length_prints_no_warning():
+    """NIAH's haystacks pass the training length on purpose: transformers' reminder that generation exceeded the
+    model's predefined maximum length (max_position_embeddings = train_length) is not printed over the bar. In a
+    child process: transformers' handler writes to the stderr it found at import."""
+    code = (
+        "import torch\n"
+        "from foxlm.data import get_tokenizer\n"
+        "from foxlm.eval import niah\n"
+        "from foxlm.models import FoxConfig, FoxForCausalLM\n"
+        "tok = get_tokenizer('byte')\n"
+        "config = FoxConfig.preset('fox-llama', 'tiny', vocab_size=257, hidden_size=32, num_hidden_layers=1,\n"
+        "                          num_attention_heads=2, intermediate_size=64, train_length=23, bos_token_id=256,\n"
+        "                          eos_token_id=256, pad_token_id=256)\n"
+        "prompt = torch.tensor([[256] + tok.encode('a haystack longer than the training length')])\n"
+        "print(len(niah.greedy_complete(FoxForCausalLM(config).eval(), prompt, 4, tok)))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "1", done.stderr
+    assert "predefined maximum length" not in done.stderr, done.stderr
 
 
 # ---------------------------------------------------------------- gates and ACP

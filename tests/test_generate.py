@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_decode import small_tiles  # noqa: F401 - a fixture
 
-from foxlm.generate import CachedDecoder, PagedFoxCache, generate, sample_next
+from foxlm.generate import CachedDecoder, GenerateOutput, PagedFoxCache, generate, sample_next
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm_cli import foxlm, one_line_error
@@ -183,6 +183,21 @@ def test_decode_steps_through_triton_kernel(device):
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
+def test_decode_rate_leaves_out_the_warm_up_step():
+    """The decode rate counts the steps after the first (a warm-up: kernels, graph, allocations), all rows; the
+    first token comes from the prefill (its time to first token). A slow first step does not lower the rate."""
+    torch.manual_seed(0)
+    model = FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=32, num_hidden_layers=1,
+                                            num_attention_heads=2, intermediate_size=64)).eval()
+    out = generate(model, [[1, 2, 3], [4, 5]], 6)
+    assert out.decode_steps == 6 and out.batch_size == 2 and 0 < out.first_step_seconds <= out.decode_seconds
+    assert out.decode_tokens_per_s == pytest.approx(2 * 4 / (out.decode_seconds - out.first_step_seconds))
+    slow_start = GenerateOutput([[0]], decode_seconds=2.0, decode_steps=12, first_step_seconds=1.0, batch_size=3)
+    assert slow_start.decode_tokens_per_s == 30.0  # 10 steady steps of 3 rows in 1 s
+    assert GenerateOutput([[0]], decode_seconds=1.0, decode_steps=2, first_step_seconds=1.0).decode_tokens_per_s \
+        is None
+
+
 def test_generate_cli(tmp_path, capsys):
     from foxlm.cli import main
 
@@ -194,7 +209,8 @@ def test_generate_cli(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0
     assert "=== 0 ===\nThe forget gate" in out and "=== 1 ===\nHi" in out
-    assert "tokens/s" in err and "pages" in err
+    assert "time to first token" in err and "first step" in err and "(warm-up), then" in err and "tokens/s" in err
+    assert "pages" in err
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--device", "tpu"]) == 2
     assert "foxlm generate: error: device: expected e.g. 'cpu'" in capsys.readouterr().err
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "0"]) == 2

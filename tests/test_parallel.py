@@ -220,6 +220,36 @@ def _model(rank, world):
     model(ids, labels=ids)
 
 
+def _acp_share(rank, world):
+    """The ACP share ``probe_acp`` records (what validation logs as val_acp_skipped) is the same number under
+    context parallelism as in one process, for both layouts: one definition, the share of the whole sequence's
+    causal attention tiles."""
+    from foxlm.layers.attention import ForgettingAttention
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.parallel import ContextParallel, shard_sequence
+
+    torch.manual_seed(0)
+    config = FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64)
+    model = FoxForCausalLM(config).double()
+    for proj in (m.fgate_proj for m in model.modules() if isinstance(m, ForgettingAttention)):
+        proj.bias.data = torch.tensor([-4.0, 3.0], dtype=torch.float64)  # a head forgetting within a few tokens
+    ids = torch.randint(0, 97, (2, 32 * world), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), model.probe_acp(block_m=8, block_n=4) as one:
+        model(ids)
+    for layout in ("zigzag", "contiguous"):
+        model.set_context_parallel(ContextParallel(layout=layout))
+        with torch.no_grad(), model.probe_acp(block_m=8, block_n=4) as cp:
+            model(shard_sequence(ids, dim=1, layout=layout))
+        model.set_context_parallel(None)
+        assert 0 < float(one.per_head().mean()) < 1, one.per_head()
+        torch.testing.assert_close(cp.per_head(), one.per_head(), rtol=0, atol=1e-6, msg=layout)
+
+
+def test_two_processes_acp_share_is_that_of_one(tmp_path):
+    _spawn(tmp_path, 2, "_acp_share")
+
+
 def test_two_processes_model(tmp_path):
     _spawn(tmp_path, 2, "_model")
 

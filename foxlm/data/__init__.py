@@ -4,8 +4,7 @@ from .corpus import ensure_default_corpus
 from .dataset import ShardedTokens, TokenDataset
 from .prepare import prepare
 from .tokenizer import (BPETokenizer, ByteTokenizer, JSONGPT2Tokenizer, Tokenizer, check_tokenizer, get_tokenizer,
-                        model_tokenizer,
-                        tokenizer_from_spec)
+                        matches_spec, model_tokenizer, same_tokenizer, tokenizer_from_spec)
 
 __all__ = [
     "BPETokenizer",
@@ -17,7 +16,9 @@ __all__ = [
     "check_tokenizer",
     "ensure_default_corpus",
     "get_tokenizer",
+    "matches_spec",
     "model_tokenizer",
     "prepare",
+    "same_tokenizer",
     "tokenizer_from_spec",
 ]

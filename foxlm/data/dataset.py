@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import numpy as np
 
 from .assets import read_json
 from .sources import FORMAT
-from .tokenizer import Tokenizer, tokenizer_from_spec
+from .tokenizer import TOKENIZER_DIR, Tokenizer, tokenizer_from_spec
 
 
 class ShardedTokens:
@@ -107,8 +107,10 @@ class TokenDataset:
         for i in range(self.num_docs):
             yield self.document(i)
 
-    def tokenizer(self) -> Tokenizer:
-        return tokenizer_from_spec(self.meta["tokenizer"])
+    def tokenizer(self, folders: Sequence[str | os.PathLike] = ()) -> Tokenizer:
+        """The recorded tokenizer: the copy the dataset carries, else from one of ``folders`` (e.g. the model folders
+        of a run on it, for a dataset prepared before datasets carried one), else where it was read."""
+        return tokenizer_from_spec(self.meta["tokenizer"], [self.path / TOKENIZER_DIR, *folders])
 
     def check_ids(self, vocab_size: int) -> None:
         """Raise ``ValueError`` naming the shard if a token id is ``>= vocab_size`` (an embedding lookup would fail

@@ -6,6 +6,8 @@ Output folder layout (``TokenDataset`` reads it)::
     train-00000.bin, ...           tokens, raw uint16 (uint32 if the vocabulary needs it), for np.memmap
     train-00000.idx, ...           int64 document offsets into the shard: [0, start_1, ..., num_tokens]
     val-00000.bin / .idx           the same for the validation split
+    tokenizer/                     a copy of a folder's tokenizer (tokenizer.json, or encoder.json + vocab.bpe), so
+                                   the data keeps its tokenizer when that folder moves
 
 Every document is stored as ``[eot_id] + encode(text)``: ``<|endoftext|>`` opens each document (BOS) and so also
 separates them. The split is by whole documents: document ``i`` (in the sorted input order) goes to validation
@@ -33,7 +35,7 @@ import numpy as np
 
 from .assets import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
 from .sources import FORMAT, PIECE_CHARS, Source, find_sources, is_token_dataset, source_events, source_size
-from .tokenizer import Tokenizer, get_tokenizer
+from .tokenizer import TOKENIZER_DIR, Tokenizer, copy_files, get_tokenizer
 
 BATCH_CHARS = 1 << 18
 MAX_SKIP_EXAMPLES = 100
@@ -311,6 +313,7 @@ def prepare(
         if meta["num_docs"] == 0:
             raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: "
                              f"{meta['skipped']['by_reason']})")
+        copy_files(tok, tmp / TOKENIZER_DIR)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -4,8 +4,10 @@ Hugging Face tokenizer folder (``tokenizer.json``, e.g. a Llama or Mistral one).
 All follow one small interface: ``encode(str) -> list[int]`` (special tokens in the text are plain text),
 ``decode(list[int]) -> str``, ``vocab_size``, ``eot_id`` (the end-of-text separator, GPT-2's ``<|endoftext|>``,
 which opens every document as its BOS and ends generation as its EOS; the model config's bos, eos and pad ids) and
-``name``. ``spec()`` is what is recorded in a dataset's ``meta.json`` and checked at training time. Those with a
-``transformers`` equivalent also have ``hf_tokenizer()`` (eot as BOS, EOS and pad; ``tok(text)`` prepends it, as
+``name``. ``spec()`` is what is recorded in a dataset's ``meta.json`` and checked at training time; a folder's
+tokenizer (``bpe:``, ``hf:``) is identified there by its content (``fingerprint``), its name only says where it was
+read, so a dataset or model whose tokenizer folder moved finds it again in a copy it carries
+(``tokenizer_from_spec``). Those with a ``transformers`` equivalent also have ``hf_tokenizer()`` (eot as BOS, EOS and pad; ``tok(text)`` prepends it, as
 every training document begins with it) and ``save_pretrained(folder)``.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
@@ -44,7 +47,7 @@ class BPETokenizer:
         import tiktoken
         from tiktoken.load import data_gym_to_mergeable_bpe_ranks
 
-        self.files = (Path(encoder_json), Path(vocab_bpe))
+        self.files = (Path(encoder_json), Path(vocab_bpe))  # what a dataset copies to carry it (``copy_files``)
         hashes = {p.name: sha256_file(p) for p in self.files}
         self.fingerprint = hashlib.sha256("".join(hashes[k] for k in sorted(hashes)).encode()).hexdigest()
         is_gpt2 = hashes == GPT2_FILES
@@ -91,8 +94,11 @@ class HFTokenizer:
 
         self.folder = Path(folder).expanduser().resolve()
         file = self.folder / "tokenizer.json"
-        self.name, self.fingerprint = f"hf:{self.folder}", sha256_file(file)
+        self.files = tuple(f for f in (file, self.folder / "tokenizer_config.json") if f.is_file())
+        self.name = f"hf:{self.folder}"
+        self.file_sha256 = sha256_file(file)  # the fingerprint datasets recorded before it was the content's
         self._tok = _Tokenizer.from_file(str(file))
+        self.fingerprint = _hf_fingerprint(self._tok)
         self._tok.encode_special_tokens = True  # the interface's rule: special tokens in a text are plain text
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
@@ -118,6 +124,22 @@ class HFTokenizer:
     def save_pretrained(self, folder: str | os.PathLike) -> None:
         """Write ``hf_tokenizer()`` into ``folder``, for ``AutoTokenizer.from_pretrained(folder)`` offline."""
         save_fast_tokenizer(self.hf_tokenizer(), folder)
+
+
+def _hf_fingerprint(tok) -> str:
+    """sha256 of what a ``tokenizers.Tokenizer`` encodes and decodes with (foxlm's way: no special tokens added),
+    as the library writes it: normalizer, pre-tokenizer, model (vocabulary, merges), decoder and the added tokens
+    that do something. Left out: the post-processor, padding and truncation, which foxlm never runs and
+    ``save_pretrained`` rewrites, and a special added token that only repeats a vocabulary entry (``save_pretrained``
+    adds the end-of-text token so; with special tokens encoded as text it changes no id)."""
+    content = json.loads(tok.to_str())
+    for key in ("post_processor", "padding", "truncation"):
+        content.pop(key, None)
+    vocab = tok.get_vocab(with_added_tokens=False)
+    content["added_tokens"] = sorted((t for t in content.get("added_tokens") or []
+                                      if not (t.get("special") and vocab.get(t["content"]) == t["id"])),
+                                     key=lambda t: t["id"])
+    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 _EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -250,33 +272,90 @@ def _read_folder(files: str, build: Callable[[], Tokenizer]) -> Tokenizer:
         raise ValueError(f"tokenizer: {files} is not a valid tokenizer ({detail})") from e
 
 
-def tokenizer_from_spec(spec: dict) -> Tokenizer:
-    """The tokenizer a dataset's ``meta.json`` recorded, checked to be the same vocabulary."""
-    tok = get_tokenizer(spec["name"])
+TOKENIZER_DIR = "tokenizer"  # where a dataset carries a copy of its folder's tokenizer (``copy_files``)
+_FOLDER_KINDS = ("bpe:", "hf:")  # the name prefixes of a folder's tokenizer, which record only where it was read
+
+
+def same_tokenizer(a: dict, b: dict) -> bool:
+    """Whether two recorded specs are one tokenizer: the same vocabulary size, eot id and fingerprint, and the same
+    name unless both are a folder's (``bpe:``, ``hf:``), which is the same tokenizer wherever its folder is."""
+    if any(a.get(k) != b.get(k) for k in ("vocab_size", "eot_id", "fingerprint")):
+        return False
+    return a.get("name") == b.get("name") or all(str(s.get("name")).startswith(_FOLDER_KINDS) for s in (a, b))
+
+
+def matches_spec(tok: Tokenizer, spec: dict) -> bool:
+    """Whether ``tok`` is the tokenizer ``spec`` records, also when the spec holds the sha256 of a ``tokenizer.json``
+    (what datasets and runs recorded before the fingerprint was its content)."""
+    if same_tokenizer(tok.spec(), spec):
+        return True
+    legacy = getattr(tok, "file_sha256", None)
+    return legacy is not None and same_tokenizer({**tok.spec(), "fingerprint": legacy}, spec)
+
+
+def tokenizer_from_spec(spec: dict, folders: Sequence[str | os.PathLike] = ()) -> Tokenizer:
+    """The tokenizer a dataset's ``meta.json`` or a model's config recorded, checked to be the same one: from the
+    first of ``folders`` (copies a dataset or model folder carries) that holds it, else by its recorded name."""
+    for folder in folders:
+        folder = Path(folder)
+        if not any((folder / f).is_file() for f in ("tokenizer.json", "encoder.json")):
+            continue
+        try:
+            tok = get_tokenizer(str(folder))
+        except ValueError:  # not a tokenizer after all: the recorded name may still find it
+            continue
+        if matches_spec(tok, spec):
+            return tok
+    name = spec["name"]
+    if name.startswith(_FOLDER_KINDS) and not Path(name.split(":", 1)[1]).expanduser().is_dir():
+        carried = f" nor in {', '.join(str(f) for f in folders)}" if folders else ""
+        raise ValueError(f"tokenizer: the recorded tokenizer folder {name.split(':', 1)[1]} is gone{carried}; put "
+                         "it back, or name a folder with the same tokenizer (a model folder foxlm wrote carries one)")
+    tok = get_tokenizer(name)
     check_tokenizer(tok, spec)
     return tok
 
 
+def copy_files(tok: Tokenizer, folder: str | os.PathLike) -> bool:
+    """Copy a folder's tokenizer (its ``files``: ``tokenizer.json`` and ``tokenizer_config.json``, or ``encoder.json``
+    and ``vocab.bpe``) into ``folder``, so that what carries it keeps working when the original moves; returns
+    whether ``tok`` has such files (the built-in ones need none)."""
+    if not str(tok.name).startswith(_FOLDER_KINDS):
+        return False
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for file in tok.files:
+        shutil.copyfile(file, folder / Path(file).name)
+    return True
+
+
 def check_tokenizer(tok: Tokenizer, spec: dict, what: str = "tokenizer") -> None:
-    """Raise ``ValueError`` unless ``tok`` matches a recorded ``spec`` (name, vocabulary, eot id, files)."""
-    if tok.spec() != spec:
+    """Raise ``ValueError`` unless ``tok`` matches a recorded ``spec`` (vocabulary, eot id, content; the name of a
+    built-in one)."""
+    if not matches_spec(tok, spec):
         raise ValueError(f"{what}: {tok.spec()} does not match the data's recorded tokenizer {spec}")
 
 
-def model_tokenizer(config, name: str | None = None, what: str = "model") -> Tokenizer:
-    """The tokenizer of a model: the one ``foxlm train`` recorded in its config (``foxlm_tokenizer``), else GPT-2 BPE.
+def model_tokenizer(config, name: str | None = None, what: str = "model",
+                    folder: str | os.PathLike | None = None) -> Tokenizer:
+    """The tokenizer of a model: the one ``foxlm train`` recorded in its config (``foxlm_tokenizer``), from the copy
+    in the model's ``folder`` (default: the one it was loaded from) if that holds it, else where it was recorded;
+    GPT-2 BPE if the config records none.
 
-    ``name`` asks for a tokenizer explicitly; it must then be the recorded one. Raises ``ValueError`` when the
-    tokenizer's ids do not fit the model's vocabulary (``config.vocab_size``).
+    ``name`` asks for a tokenizer explicitly; it must then be the recorded one (the same content, wherever its
+    folder is). Raises ``ValueError`` when the tokenizer's ids do not fit the model's vocabulary
+    (``config.vocab_size``).
     """
     spec = getattr(config, "foxlm_tokenizer", None)
     if name is not None:
         tok = get_tokenizer(name)
-        if spec is not None and tok.spec() != spec:
+        if spec is not None and not matches_spec(tok, spec):
             raise ValueError(f"tokenizer: {what} was trained with {spec['name']!r}; {name!r} would give it ids it "
                              "never saw (leave --tokenizer out to use the recorded one)")
     else:
-        tok = tokenizer_from_spec(spec) if spec is not None else get_tokenizer("gpt2")
+        folder = folder if folder is not None else getattr(config, "_name_or_path", "") or None  # from_pretrained's
+        tok = tokenizer_from_spec(spec, [folder] if folder is not None else []) if spec is not None \
+            else get_tokenizer("gpt2")
     if tok.vocab_size > config.vocab_size:
         raise ValueError(f"tokenizer: {what} records no tokenizer and {tok.name} ({tok.vocab_size} ids) does not fit "
                          f"its vocabulary of {config.vocab_size}; pass --tokenizer"

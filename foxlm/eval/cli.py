@@ -112,7 +112,7 @@ def register(subparsers) -> None:
 
 def _setup(args, checkpoints: list[str]):
     """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder."""
-    from foxlm.data import TokenDataset
+    from foxlm.data import TokenDataset, matches_spec
     from foxlm.device import resolve_device
 
     from .utils import load_model
@@ -127,9 +127,9 @@ def _setup(args, checkpoints: list[str]):
     models = [load_model(c, device) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
     data = Path(args.data) if args.data else _training_data(checkpoints, specs, args.progress)
-    tok = TokenDataset(data, args.split).tokenizer()
+    tok = TokenDataset(data, args.split).tokenizer([m.config._name_or_path for m in models if m.config._name_or_path])
     for c, m, spec in zip(checkpoints, models, specs):
-        if spec is not None and spec != tok.spec():
+        if spec is not None and not matches_spec(tok, spec):
             raise ValueError(f"--data: {data} was prepared with {tok.name}, but {c} was trained with "
                              f"{spec['name']}; pass data prepared with the model's tokenizer")
         if m.config.vocab_size < tok.vocab_size:

@@ -9,6 +9,7 @@ also opens the prompt, so the model knows what to look for while reading. Each c
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import re
 from dataclasses import asdict, dataclass
@@ -106,6 +107,14 @@ class PromptBuilder:
         return head + self.needle + hay[cut:] + self.tail, len(head)
 
 
+class _PastTrainingLength(logging.Filter):
+    """Drops transformers' reminder that a generation passed the model's ``max_position_embeddings`` (a FoxConfig's
+    ``train_length``): the haystacks go past the training length on purpose, and the line broke the progress bar."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "exceeded the model's predefined maximum length" not in record.getMessage()
+
+
 @torch.no_grad()
 def greedy_complete(model, prompts: torch.Tensor, max_new_tokens: int, tokenizer) -> list[list[int]]:
     """Greedy continuation (HF ``generate``) of equally long prompts [B, T], each cut at its first EOT.
@@ -114,8 +123,13 @@ def greedy_complete(model, prompts: torch.Tensor, max_new_tokens: int, tokenizer
     """
     eot = tokenizer.eot_id
     padded = list(range(tokenizer.vocab_size, model.config.vocab_size)) or None
-    out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eot, pad_token_id=eot, suppress_tokens=padded)
+    logger, quiet = logging.getLogger("transformers.generation.stopping_criteria"), _PastTrainingLength()
+    logger.addFilter(quiet)
+    try:
+        out = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=eot, pad_token_id=eot, suppress_tokens=padded)
+    finally:
+        logger.removeFilter(quiet)
     new = out[:, prompts.shape[1]:].tolist()
     return [ids[:ids.index(eot)] if eot in ids else ids for ids in new]
 

@@ -71,9 +71,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"=== {i} ===")
         text = tok.decode([t for t in seq if t != tok.eot_id])
         print(prompts[i] + text)
-    if args.stats:
-        new = sum(len(s) for s in out.sequences)
-        print(f"prefill {out.prefill_seconds:.3f} s; decode {out.decode_steps} steps in {out.decode_seconds:.3f} s "
-              f"({new / max(out.decode_seconds, 1e-9):.1f} tokens/s); cache {out.cache['live_pages']}/"
-              f"{out.cache['full_pages']} pages ({100 * out.cache['fraction']:.1f}% of full)", file=sys.stderr)
+    if args.stats:  # the decode's rate leaves out its first step, a warm-up that dominates short runs
+        rate = out.decode_tokens_per_s
+        steady = f"then {rate:.1f} tokens/s" if rate is not None else "too few steps for a rate"
+        print(f"time to first token {out.prefill_seconds:.3f} s (prefill of {sum(map(len, ids)):,} prompt tokens); "
+              f"decode {out.decode_steps - 1} steps in {out.decode_seconds:.3f} s: first step "
+              f"{out.first_step_seconds:.3f} s (warm-up), {steady}; cache {out.cache['live_pages']}/{out.cache['full_pages']} pages "
+              f"({100 * out.cache['fraction']:.1f}% of full)", file=sys.stderr)
     return 0

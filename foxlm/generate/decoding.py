@@ -21,13 +21,24 @@ from .cache import PagedFoxCache
 @dataclass
 class GenerateOutput:
     """sequences: the new tokens of every prompt (cut after ``eos_token_id``); cache: ``PagedFoxCache.stats()``
-    at the end; prefill_seconds / decode_seconds: wall time of the two phases (device synchronised)."""
+    at the end; prefill_seconds / decode_seconds: wall time of the two phases (device synchronised), the prefill
+    giving the first token (its time to first token) and ``decode_steps`` (that first token included) counting the
+    decode's; first_step_seconds: the decode's first step alone, its warm-up (kernels compiled, a CUDA graph's
+    warm-up, first allocations), left out of ``decode_tokens_per_s``."""
 
     sequences: list[list[int]]
     cache: dict = field(default_factory=dict)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     decode_steps: int = 0
+    first_step_seconds: float = 0.0
+    batch_size: int = 1
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens per second of the decode after its first step (all rows); None with fewer than 3 tokens."""
+        steady = self.decode_seconds - self.first_step_seconds
+        return self.batch_size * (self.decode_steps - 2) / steady if self.decode_steps > 2 and steady > 0 else None
 
 
 def sample_next(
@@ -213,7 +224,7 @@ def generate(
     new[:, 0] = tokens
     done = torch.zeros(B, dtype=torch.bool, device=device)
     decoder = CachedDecoder(model, cache, cuda_graph)
-    steps = 1
+    steps, first_step = 1, 0.0
     for i in range(1, max_new_tokens):
         if eos_token_id is not None:
             done |= tokens == eos_token_id
@@ -226,6 +237,9 @@ def generate(
         steps += 1
         if evict and i % page_size == 0:
             cache.evict()
+        if i == 1:  # the warm-up step, timed apart: one sync
+            sync()
+            first_step = time.perf_counter() - t1
     sync()
     t2 = time.perf_counter()
     sequences = []
@@ -233,4 +247,4 @@ def generate(
         if eos_token_id is not None and eos_token_id in row:
             row = row[: row.index(eos_token_id) + 1]
         sequences.append(row)
-    return GenerateOutput(sequences, cache.stats(), t1 - t0, t2 - t1, steps)
+    return GenerateOutput(sequences, cache.stats(), t1 - t0, t2 - t1, steps, first_step, B)

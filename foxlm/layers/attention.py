@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import acp_stats, apply_rotary, sequence_attention
-from ..parallel import ContextParallel, cp_acp_stats, cp_forgetting_attention, previous_tokens
+from ..parallel import ContextParallel, cp_acp_tile_stats, cp_forgetting_attention, previous_tokens
 from .norm import RMSNorm
 from .segments import Segments
 from .token_shift import TokenShift
@@ -39,7 +39,8 @@ class ACPProbe:
     """What ACP skips (or, with ACP off, would skip) in the cache-less forwards of one attention layer while
     ``active``: per forward, the share of attention tiles per head (``foxlm.ops.acp_stats`` with the layer's logit
     bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``; in a
-    context-parallel layer, the share of attention FLOPs in the chunk pairs the whole group skips (``cp_acp_stats``).
+    context-parallel layer, the same share over the whole sequence (``cp_acp_tile_stats``, a collective), so that it
+    is one number whatever ``cp``.
     Turned on by ``FoxPreTrainedModel.probe_acp``; one object per layer for its lifetime, so that a compiled block
     sees only two values of ``active``."""
 
@@ -52,10 +53,11 @@ class ACPProbe:
         tolerance = attn.acp_config.acp_tolerance if self.tolerance is None else self.tolerance
         q, k, log_fgate = q.detach(), k.detach(), log_fgate.detach()
         cp = attn.context_parallel
-        if cp is not None:  # the share of FLOPs the whole group skips (the unit is a chunk pair, not a tile)
-            stats = cp_acp_stats(q, k, log_fgate, group=cp.group, layout=cp.layout, scale=attn.scale,
-                                 tolerance=tolerance, logit_bound=attn.logit_bound())
-            self.records.append((stats.flops_skipped / stats.flops_total).float().to(q.device))
+        if cp is not None:  # the same tiles over the whole sequence: the share does not depend on cp
+            per_head, _ = cp_acp_tile_stats(q, k, log_fgate, group=cp.group, layout=cp.layout, scale=attn.scale,
+                                            tolerance=tolerance, logit_bound=attn.logit_bound(), block_m=self.block_m,
+                                            block_n=self.block_n)
+            self.records.append(per_head)
             return
         if segments is not None:  # as sequence_attention: the segments index the flattened batch
             q, k, log_fgate = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, log_fgate))

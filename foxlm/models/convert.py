@@ -374,12 +374,12 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
 def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> dict | None:
     """The tokenizer to record: ``tokenizer`` if given; else what SRC records (foxlm's key, or its
     tokenizer_config.json); else the authors' JSON GPT-2 for their format; else none."""
-    from ..data.tokenizer import get_tokenizer
+    from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
     if tokenizer is None:
-        if isinstance(raw.get("foxlm_tokenizer"), dict):
-            tokenizer = raw["foxlm_tokenizer"]["name"]
-        elif (src / "tokenizer_config.json").is_file():
+        if isinstance(raw.get("foxlm_tokenizer"), dict):  # SRC's own copy first: the recorded folder may have moved
+            return tokenizer_from_spec(raw["foxlm_tokenizer"], [src]).spec()
+        if (src / "tokenizer_config.json").is_file():
             cls = json.loads((src / "tokenizer_config.json").read_text()).get("tokenizer_class")
             names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
             tokenizer = names.get(cls)

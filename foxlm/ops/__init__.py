@@ -1,6 +1,6 @@
 """Forgetting Attention kernels, each beside its PyTorch reference."""
 
-from .acp import acp_stats, acp_threshold, data_logit_bound, prune_threshold
+from .acp import acp_stats, acp_threshold, acp_tile_stats, data_logit_bound, prune_threshold
 from .backend import use_backend
 from .chunked import attention_from_cumsum
 from .forgetting_attention import forgetting_attention, sequence_attention
@@ -20,6 +20,7 @@ __all__ = [
     "prune_threshold",
     "acp_threshold",
     "acp_stats",
+    "acp_tile_stats",
     "use_backend",
     "rms_norm",
     "apply_rotary",

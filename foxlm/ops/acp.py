@@ -118,14 +118,32 @@ def acp_stats(
     key blocks whose largest decay is below delta (a prefix, never the diagonal).
     Returns (per_head: [Hq], overall: scalar), fp32 tensors on q's device.
     """
-    from .chunked import row_starts  # the prefix each query row skips, shared with the CPU path
-
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     threshold = acp_threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound)
-    tq, tk = q.shape[1], k.shape[1]
+    return acp_tile_stats(log_fgate, threshold, num_queries=q.shape[1], cu_seqlens=cu_seqlens, block_m=block_m,
+                          block_n=block_n)
+
+
+def acp_tile_stats(
+    log_fgate: torch.Tensor,
+    threshold: torch.Tensor,
+    *,
+    num_queries: int | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``acp_stats`` from the log forget gates of the keys, [B, Tk, Hq], and ACP's delta ``threshold``
+    (``acp_threshold``'s [B or N, Hq]); the queries are the last ``num_queries`` keys (default: all). What a context-parallel group
+    reports too, on the gathered sequence, so that the share does not depend on how the sequence is split."""
+    from .chunked import row_starts  # the prefix each query row skips, shared with the CPU path
+
+    tk = log_fgate.shape[1]
+    tq = tk if num_queries is None else num_queries
+    device = log_fgate.device
     c = gate_cumsum(log_fgate.detach())
     first_kept = row_starts(c[:, tk - tq:], c, tk - tq, cu_seqlens, threshold)
-    pos = torch.arange(tk - tq, tk, device=q.device)  # key-coordinate position of every query row
+    pos = torch.arange(tk - tq, tk, device=device)  # key-coordinate position of every query row
     if cu_seqlens is None:
         start, end, row = torch.zeros_like(pos), torch.full_like(pos, tk), pos - (tk - tq)
     else:
@@ -137,5 +155,5 @@ def acp_stats(
     total = (last // block_n + 1).double()
     skipped = torch.minimum((first_kept - start) // block_n, (pos - start) // block_n).double()
     skipped_per_head = (skipped * block_start).sum(dim=(0, 2))
-    total_per_head = (total * block_start).sum(dim=0).expand_as(skipped_per_head) * q.shape[0]
+    total_per_head = (total * block_start).sum(dim=0).expand_as(skipped_per_head) * log_fgate.shape[0]
     return (skipped_per_head / total_per_head).float(), (skipped_per_head.sum() / total_per_head.sum()).float()

@@ -1,6 +1,7 @@
 """Context parallelism: one sequence split over the ranks of a process group, attention computed across them."""
 
-from .attention import CPAcpStats, Traffic, cp_acp_stats, cp_forgetting_attention, record_traffic
+from .attention import (CPAcpStats, Traffic, cp_acp_stats, cp_acp_tile_stats, cp_forgetting_attention,
+                        record_traffic)
 from .halo import previous_tokens, sequence_positions
 from .layout import ContextParallel, gather_sequence, shard_sequence
 
@@ -10,6 +11,7 @@ __all__ = [
     "gather_sequence",
     "cp_forgetting_attention",
     "cp_acp_stats",
+    "cp_acp_tile_stats",
     "CPAcpStats",
     "record_traffic",
     "previous_tokens",

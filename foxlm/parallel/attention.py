@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..ops.acp import prune_threshold
+from ..ops.acp import acp_tile_stats, prune_threshold
 from ..ops.chunked import attention_from_cumsum
-from .layout import _world, chunks_per_rank, rank_chunks
+from .layout import _world, chunks_per_rank, gather_sequence, rank_chunks
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 MAX_HEAD_DIM = 256
@@ -438,6 +438,31 @@ def cp_forgetting_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     plan = _Plan(q, k, log_fgate, group, layout, scale, prune, tolerance, logit_bound)
     return _CPForgettingAttention.apply(q, k, v, log_fgate, plan, scale)
+
+
+def cp_acp_tile_stats(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    log_fgate: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    layout: str = "zigzag",
+    scale: float | None = None,
+    tolerance: float = math.exp(-10),
+    logit_bound: float | torch.Tensor | None = None,
+    block_m: int = 128,
+    block_n: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``foxlm.ops.acp_stats`` of the whole sequence from the ranks' shards (a collective; every rank gets the same):
+    the share of the causal attention tiles (``block_m`` x ``block_n``) that ACP's delta skips, the number one
+    process reports for the same sequence whatever P and the layout. The op itself skips chunk pairs, a coarser
+    unit (``cp_acp_stats``)."""
+    _validate(q, k, k, log_fgate, layout, tolerance)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    threshold = _threshold(q, k, scale, tolerance, logit_bound, q.shape[1] * dist.get_world_size(group), group)
+    with torch.no_grad():
+        whole = gather_sequence(log_fgate.detach(), dim=1, group=group, layout=layout)
+    return acp_tile_stats(whole, threshold, block_m=block_m, block_n=block_n)
 
 
 def cp_acp_stats(

@@ -42,6 +42,7 @@ except ImportError:  # not POSIX
     fcntl = None
 
 from ..data.assets import read_json, replace_folder, sha256_file, temporary_path
+from ..data.tokenizer import same_tokenizer
 from ..models import FoxConfig
 from ..models.loading import (DAMAGED_MODEL, SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint,
                               list_checkpoints, load_checkpoint_model, read_model_weights, resolve_model_dir,
@@ -316,7 +317,7 @@ def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.opt
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     state = load_trainer_state(ckpt)  # verifies the manifest first
-    if state["tokenizer"] != tok_spec:
+    if not same_tokenizer(state["tokenizer"], tok_spec):  # its content: the folder may have moved since
         raise ValueError(f"tokenizer: the checkpoint was trained with {state['tokenizer']}, the data is {tok_spec}")
     sharded = is_sharded(ckpt)
     weights = None if sharded else read_model_weights(resolve_model_dir(ckpt, "resume"), "resume")
@@ -355,7 +356,7 @@ def initialize_model(path: str | os.PathLike, module: torch.nn.Module, model_con
         raise ValueError(f"init_from: {folder} holds a {saved.get('model_type')!r} model, not {want} as this "
                          f"config's {name}")
     tokenizer = saved.get("foxlm_tokenizer")
-    if tokenizer is not None and tokenizer != tok_spec:
+    if tokenizer is not None and not same_tokenizer(tokenizer, tok_spec):
         raise ValueError(f"init_from: {folder} was trained with the tokenizer {tokenizer}, the data {data} was "
                          f"prepared with {tok_spec}")
     weights = read_model_weights(folder, "init_from")

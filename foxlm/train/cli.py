@@ -78,7 +78,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _summary_line(summary: dict) -> str:
-    where = f"checkpoints in {summary['run_dir']}/checkpoints"
+    # what is on disk: a run stopped before its first save wrote none
+    where = f"last checkpoint {summary['checkpoint']}" if summary.get("checkpoint") else \
+        f"no checkpoint written in {summary['run_dir']}"
     if summary.get("stopped"):
         return f"step {summary['step']}: stopped by {summary['stopped']}; {where}"
     trained = f"train loss {summary['loss']:.4f}" if "loss" in summary else "no step trained"

@@ -77,6 +77,12 @@ class RunLog:
             self.bar.set_postfix(postfix, refresh=False)
             self.bar.update(1)
 
+    def within_step(self, done: int, of: int, seconds: float) -> None:
+        """Progress inside a long step (a CPU step can take minutes): ``done`` of its ``of`` micro-batches after
+        ``seconds``, on the bar once the step has run a few seconds."""
+        if self.bar is not None and seconds >= 2:
+            self.bar.set_postfix_str(f"micro-batch {done}/{of} of step {self.bar.n + 1}, {seconds:.0f} s in")
+
     def write(self, text: str) -> None:
         if not self.main:
             return

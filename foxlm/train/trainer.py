@@ -5,7 +5,8 @@ weighted by its share of the step's targets, so the update is that of one big ba
 NaN/Inf check (skip + count), gradient clipping, AdamW with warmup + cosine to ``min_lr``. Validation loss every
 ``eval_every`` steps; logs (``logging.py``) on rank 0; atomic checkpoints (``checkpoint.py``) every ``save_every``
 steps and at the end; ``resume="auto"`` continues a run from its latest valid checkpoint and reproduces the losses
-of an uninterrupted run. SIGTERM ends the run after the current step, with a checkpoint; a second one at once
+of an uninterrupted run. SIGTERM ends the run at the next safe point (one process: inside the step, keeping the
+last whole step; several: between micro-batches on the CPU, else after the step), with a checkpoint
 (``preemption.py``). ``cuda_graph=true`` replays each micro-batch's forward + backward from a CUDA graph.
 """
 
@@ -60,6 +61,22 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+# Training FLOPs per step and process past which a CPU takes about a minute a step, or more (a 2-core CPU trained
+# fox-pro 125m at ~20 GFLOP/s in fp32; the default job needs ~3e10 a step).
+GPU_SIZED_FLOPS = 1e12
+
+
+def cpu_warning(flops_per_step: float, device: torch.device, what: str) -> str | None:
+    """The warning for a run of ``what`` whose steps (``flops_per_step`` per process) are sized for a GPU but run on
+    the CPU; None where they are not."""
+    if device.type != "cpu" or flops_per_step < GPU_SIZED_FLOPS:
+        return None
+    tflop = flops_per_step / 1e12
+    size = f"{tflop:,.0f}" if tflop >= 10 else f"{tflop:.1f}"
+    return (f"warning: {what} is sized for a GPU: about {size} TFLOP per step, a minute or more per step on a CPU "
+            f"(the default job, `foxlm train`, is sized for one); the time per step follows its first step")
 
 
 def flops_per_token(config: FoxConfig, num_params: int, seq_len: int) -> float:
@@ -163,6 +180,11 @@ class Trainer:
             else None
         self.step, self.bad_steps, self.tokens_seen = 0, 0, 0
         self.preemption = Preemption()  # replaced by the one run() installs for SIGTERM
+        # several processes agree on a stop between micro-batches where that costs nothing (the CPU: no device to
+        # sync with), so that a long CPU step stops within seconds; on a GPU steps are short: after the step
+        self._stop_between_micro = self.d.world > 1 and self.device.type == "cpu"
+        self.micro_progress: Callable[[int, int, float], None] | None = None  # (done, of, seconds) within a step
+        self._warning: str | None = None  # cpu_warning's, when the run starts
         self._lock: IO[str] | None = None  # out_dir's lock while the run holds it (rank 0)
         self._started: list[str] | None = None  # after start(): what it did, for the log ("resumed from ...")
         self._pending: tuple[PendingCheckpoint, Callable[[Path], None], dict | None] | None = None  # save(background)
@@ -276,11 +298,14 @@ class Trainer:
 
     def _forward_backward(self, micro: list[Batch]) -> float:
         """Accumulate the gradient of the step's mean loss over its micro-batches (and processes); return the loss."""
+        started = time.perf_counter()
         total = float(sum(b.num_targets for b in micro))
         if self.d.world > 1:
             total = self.d.sum(torch.tensor([total], device=self.device)).item()
         loss_sum = torch.zeros((), device=self.device)
         for i, b in enumerate(micro):
+            if i and self._stop_between_micro and self.d.any(self.preemption.requested, self.device):
+                raise Preempted(together=True)  # every process gives the step up here, so they can save together
             # DDP/FSDP average gradients over processes (dp x cp): scale so that the result is the global mean.
             weight = b.num_targets * self.d.world / total
             if self.graphed is not None:
@@ -291,6 +316,8 @@ class Trainer:
                     loss = self._forward(b)
                     (loss * weight).backward()
             loss_sum += loss.detach().float() * b.num_targets
+            if self.micro_progress is not None:
+                self.micro_progress(i + 1, len(micro), time.perf_counter() - started)
         return (self.d.sum(loss_sum) / total).item()
 
     def _grad_norm(self) -> float:
@@ -305,8 +332,8 @@ class Trainer:
         return float(norm)
 
     def train_step(self) -> dict:
-        """One optimizer step (or a skipped one); returns the step's record. A second SIGTERM may cut the forward and
-        backward short (``Preempted``): the model, optimizer and counters then hold the last whole step."""
+        """One optimizer step (or a skipped one); returns the step's record. SIGTERM may cut the forward and backward
+        short (``Preempted``): the model, optimizer and counters then hold the last whole step."""
         lr = lr_at(self.step, self.cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -378,6 +405,12 @@ class Trainer:
         module.train()
         return self.tokenizer.decode(out[0, 1:].tolist())
 
+    def _step_flops(self) -> float:
+        """Training FLOPs of one step (all processes): foxlm's count for its attention models, 6 N per token else."""
+        per_token = 6 * self.num_params if self.hf else \
+            flops_per_token(self.model_config, self.num_params, self.cfg.seq_len)
+        return per_token * self.cfg.batch_size * self.cfg.seq_len
+
     def _mfu(self, tokens_per_s: float) -> float | None:
         peak = self.cfg.peak_tflops
         if peak is None and self.device.type == "cuda":
@@ -446,7 +479,7 @@ class Trainer:
         at once, and the summary has ``stopped="SIGTERM"``. ``out_dir`` is unlocked at the end."""
         try:
             self.start()
-            with Preemption(announce=self.d.main) as self.preemption:
+            with Preemption(announce=self.d.main, stop_after=1 if self.d.world == 1 else 2) as self.preemption:
                 return self._run()
         finally:
             self._unlock()
@@ -462,6 +495,10 @@ class Trainer:
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
                   f"{micro} micro-batch{'es' if micro > 1 else ''} per process"
                   + ("; forward + backward replayed from a CUDA graph" if self.graphed is not None else ""))
+        self._warning = cpu_warning(self._step_flops() / self.d.world, self.device,
+                                    f"{name} at {cfg.batch_size} x {cfg.seq_len} tokens")
+        if self._warning is not None and not self.finished:
+            log.write(self._warning)
         if self.finished:
             log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise "
                       f"max_steps to continue it)")
@@ -480,9 +517,17 @@ class Trainer:
         self.model.train()
         t0, tokens0 = time.perf_counter(), self.tokens_seen  # throughput since the last log line
         every = lambda n: n and self.step % n == 0  # noqa: E731
+        self.micro_progress = log.within_step
+        first = self.step + 1
         try:
             while not self.finished:
+                started = time.perf_counter()
                 record = self.train_step()
+                if self.step == first and (self._warning is not None or time.perf_counter() - started > 60):
+                    took = time.perf_counter() - started
+                    left = cfg.max_steps - self.step
+                    log.write(f"step {self.step} took {_duration(took)}; the {left:,} steps to max_steps="
+                              f"{cfg.max_steps:,} at that pace: about {_duration(took * left)}")
                 if summary["first_loss"] is None:
                     summary["first_loss"] = record["loss"]
                 summary["loss"] = record["loss"]
@@ -517,12 +562,15 @@ class Trainer:
                 if self.d.main:
                     log.write(f"exported {export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir)}")
                 self.d.barrier()
-        except Preempted:
-            self._stop_at_once(log)
+        except Preempted as e:
+            self._stop_at_once(log, e.together)
             summary["stopped"] = "SIGTERM"
         finally:
+            self.micro_progress = None
             log.close()
-        summary.update(step=self.step, bad_steps=self.bad_steps, tokens=self.tokens_seen, run_dir=str(self.run_dir))
+        saved = list_checkpoints(self.run_dir) if self.d.main else []
+        summary.update(step=self.step, bad_steps=self.bad_steps, tokens=self.tokens_seen, run_dir=str(self.run_dir),
+                       checkpoint=str(saved[-1]) if saved else None)
         return summary
 
     def _validate(self, log: RunLog, summary: dict) -> None:
@@ -546,18 +594,34 @@ class Trainer:
             f"loss/gradient was NaN or Inf at {self.bad_steps} steps (max_bad_steps={self.cfg.max_bad_steps}), last at "
             f"step {self.step}; lower lr (now {self.cfg.lr}) or check the data; {kept}")
 
-    def _stop_at_once(self, log: RunLog) -> None:
-        """After a second SIGTERM: keep the last whole step (saved unless out_dir's newest checkpoint is of it). With
-        several processes there is no save: the others may be inside the step's collectives, which a save needs."""
-        self.optimizer.zero_grad(set_to_none=self.graphed is None)
-        saved = list_checkpoints(self.run_dir)
-        if self.d.world > 1:
-            kept = "no save (it needs every process)"
-        elif self.step == 0 or (saved and checkpoint_step(saved[-1]) == self.step):
-            kept = f"step {self.step} is saved" if self.step else "no step to save"
+    def _stop_at_once(self, log: RunLog, together: bool) -> None:
+        """After SIGTERM cut a step or validation short: keep the last whole step (saved unless out_dir's newest
+        checkpoint is of it). Several processes save only when they gave the step up ``together``: else the others
+        may be inside the step's collectives, which a save needs."""
+        self.optimizer.zero_grad(set_to_none=self.graphed is None)  # the given-up step's partial gradients
+        saved = list_checkpoints(self.run_dir) if self.d.main else []
+        if self.d.world > 1 and not together:
+            kept, resumes = "no save (it needs every process)", "the same command resumes the run"
         else:
-            kept = f"saved {self.save()[0]}"
-        log.write(f"stopped by a second SIGTERM during step {self.step + 1}: {kept}; the same command resumes the run")
+            kept = None  # every process takes the same branch: a save is collective
+            if self.step == 0:
+                kept, resumes = "no step finished, nothing saved", "the same command starts the run again"
+            elif self.d.any(bool(saved) and checkpoint_step(saved[-1]) == self.step, self.device):
+                kept, resumes = f"step {self.step} is saved", "the same command resumes the run"
+            else:
+                written = self.save()
+                kept, resumes = f"saved {written[0] if written else 'step ' + str(self.step)}", \
+                    "the same command resumes the run"
+        log.write(f"stopped by SIGTERM during step {self.step + 1}: {kept}; {resumes}")
+
+
+def _duration(seconds: float) -> str:
+    """``seconds`` as "42 s", "12 min", "3.5 h" or "2.1 days"."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} days"
 
 
 def train(cfg: TrainConfig | Trainer) -> dict:
