@@ -1,4 +1,5 @@
-"""``foxlm eval {loss,niah,recall,gates,harness}``: evaluations of foxlm checkpoints, writing CSVs and PNGs under ``--out``."""
+"""``foxlm eval {loss,niah,recall,gates,harness}``: evaluations of foxlm checkpoints, writing CSVs and PNGs under
+``--out``."""
 
 from __future__ import annotations
 
