@@ -1,4 +1,5 @@
-"""``foxlm eval {loss,niah,gates,harness}``: evaluations of foxlm checkpoints, writing CSVs and PNGs under ``--out``."""
+"""``foxlm eval {loss,niah,recall,gates,harness}``: evaluations of foxlm checkpoints, writing CSVs and PNGs under
+``--out``."""
 
 from __future__ import annotations
 
@@ -47,7 +48,8 @@ def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("eval", help="evaluate checkpoints: per-token loss, needle in a haystack, gates, lm-eval")
+    p = subparsers.add_parser("eval", help="evaluate checkpoints: per-token loss, needle in a haystack, recall, gates, "
+                                          "lm-eval")
     sub = p.add_subparsers(dest="eval_command", metavar="EVAL")
 
     loss = sub.add_parser("loss", help="per-token loss L(l) and perplexity P(l) over held-out documents",
@@ -87,6 +89,35 @@ def register(subparsers) -> None:
                       help="training length, shown on the plot (default: read from the checkpoint's run)")
     niah.set_defaults(func=run_niah)
 
+    recall = sub.add_parser("recall", help="multi-query associative recall by context length and number of pairs",
+                            description="Multi-query associative recall (the MQAR documents of recipes/mqar.py): the "
+                                        "share of queried values the model predicts greedily, teacher-forced, by "
+                                        "context length (default 1x-4x the training length) and number of pairs.")
+    recall.add_argument("checkpoint", metavar="CHECKPOINT", help="run dir, checkpoint dir or save_pretrained dir")
+    recall.add_argument("--lengths", type=_ints, default=None,
+                        help="comma-separated context lengths in tokens (default: 1x, 2x, 3x and 4x the training "
+                             "length)")
+    recall.add_argument("--pairs", type=_ints, default=None,
+                        help="comma-separated numbers of key-value pairs (default: those the training data records)")
+    recall.add_argument("--vocab", default=None,
+                        help="LO:HI, the id range of keys, values and filler (thirds of it); default: the range the "
+                             "training data records (recipes/mqar.py writes it into meta.json)")
+    recall.add_argument("--data", default=None,
+                        help="a dataset recipes/mqar.py wrote, whose recorded task (--vocab, --pairs) to evaluate; "
+                             "default: the data the checkpoint's run trained on")
+    recall.add_argument("--train-length", type=int, default=None,
+                        help="training context length (default: read from the checkpoint's run or config)")
+    recall.add_argument("--samples", type=int, default=64, help="documents per cell (default 64)")
+    recall.add_argument("--seed", type=int, default=1, help="seed of the evaluation documents (default 1)")
+    recall.add_argument("--out", required=True, help="output folder for recall.csv, recall.json, recall.md and "
+                                                     "recall.png")
+    recall.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    recall.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
+    recall.add_argument("--batch-size", type=int, default=8, help="documents per forward pass (default 8)")
+    recall.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    recall.set_defaults(func=run_recall)
+
     gates = sub.add_parser("gates", help="decay times, decay/attention maps and the ACP pruning report",
                            description="Per layer and head: forget-gate decay times over held-out text, decay-matrix "
                                        "and attention-map heatmaps of a sample, and the fraction of attention FLOPs "
@@ -119,10 +150,7 @@ def _setup(args, checkpoints: list[str]):
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
-    out = Path(args.out).expanduser()
-    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
-    if blocked is not None:  # checked before the models load; mkdir would say only "File exists"
-        raise NotADirectoryError(f"--out: {blocked} is a file; name a folder (new or existing) for the results")
+    out = _out_folder(args)
     device = resolve_device(args.device)
     models = [load_model(c, device) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
@@ -137,6 +165,16 @@ def _setup(args, checkpoints: list[str]):
                              f"vocabulary of {m.config.vocab_size}")
     out.mkdir(parents=True, exist_ok=True)
     return models, data, tok, out
+
+
+def _out_folder(args) -> Path:
+    """``--out``, refused if it or a folder above it is a file (checked before the models load; mkdir would say
+    only "File exists")."""
+    out = Path(args.out).expanduser()
+    blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise NotADirectoryError(f"--out: {blocked} is a file; name a folder (new or existing) for the results")
+    return out
 
 
 def _training_data(checkpoints: list[str], specs: list[dict | None], progress: bool) -> Path:
@@ -331,6 +369,79 @@ def run_niah(args) -> int:
         lengths, _, g = niah.grid(results, mode, "found")
         print(f"{mode}: answer found in {np.nanmean(g):.0%} of {g.size} cells (lengths {lengths})")
     print(f"wrote {out}/niah.csv, niah.png")
+    return 0
+
+
+def _vocab_range(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        return int(lo), int(hi)
+    except ValueError:
+        raise ValueError(f"--vocab: expected LO:HI token ids, e.g. 1000:1768, got {text!r}") from None
+
+
+def run_recall(args) -> int:
+    import importlib.util
+
+    from foxlm.data import model_tokenizer
+    from foxlm.data.mqar import MQARSpec, recorded_task
+    from foxlm.device import resolve_device
+
+    from . import recall
+    from .utils import load_model, run_train_data, run_train_length
+
+    _check_exist([args.checkpoint])
+    for name in ("samples", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
+    if args.train_length is not None and args.train_length < 1:
+        raise ValueError(f"--train-length: expected a positive number of tokens, got {args.train_length}")
+    data = args.data
+    if data is None and (run := run_train_data(args.checkpoint)) is not None and run[0] != "shakespeare":
+        data = run[0]
+    if data is not None and args.data is None and args.vocab is None and not Path(data).expanduser().exists():
+        raise ValueError(f"--data: {args.checkpoint} was trained on {data}, which is not here (a path relative to "
+                         "where training ran?); pass that folder as --data, or --vocab and --pairs")
+    task = recorded_task(data) if data is not None else None
+    if args.data is not None and task is None:
+        raise ValueError(f"--data: {args.data} records no MQAR task (a dataset recipes/mqar.py wrote has one)")
+    if args.vocab is None and task is None:
+        raise ValueError("--vocab: the checkpoint's training data records no MQAR task; pass --vocab LO:HI (and "
+                         "--pairs), the ranges it was trained on")
+    spec = MQARSpec(_vocab_range(args.vocab) if args.vocab is not None else tuple(task["vocab"]))
+    pairs = args.pairs or (task["pairs"] if task is not None else None)
+    if not pairs:
+        raise ValueError("--pairs: the training data records no numbers of pairs; pass --pairs N,...")
+    out = _out_folder(args)
+    device = resolve_device(args.device)
+    model = load_model(args.checkpoint, device)
+    train_length = args.train_length or run_train_length(args.checkpoint) or getattr(model.config, "train_length",
+                                                                                     None)
+    if args.lengths is None and not train_length:
+        raise ValueError(f"--lengths: {args.checkpoint} records no training length to take 1x-4x of; pass --lengths "
+                         "or --train-length")
+    lengths = args.lengths or [k * train_length for k in (1, 2, 3, 4)]
+    tok = model_tokenizer(model.config)
+    spec.check(tok)
+    out.mkdir(parents=True, exist_ok=True)
+    cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
+                              samples=args.samples, seed=args.seed, batch_size=args.batch_size, dtype=args.dtype,
+                              show_progress=args.progress)
+    recall.write_csv(cells, out / "recall.csv")
+    md = recall.table(cells, train_length)
+    (out / "recall.md").write_text(md)
+    _write_json(out / "recall.json", args, {"data": None if data is None else str(data), "task": spec.record(),
+                                            "train_length": train_length, "lengths": lengths, "pairs": pairs,
+                                            "cells": [vars(c) for c in cells]})
+    print(md, end="")
+    print(f"chance: {1 / spec.third:.4f} from the value range alone, 1/pairs among the values in context")
+    written = "recall.csv, recall.md, recall.json"
+    if importlib.util.find_spec("matplotlib") is not None:
+        recall.plot(cells, out / "recall.png", train_length)
+        written += ", recall.png"
+    else:
+        print("no figure: matplotlib is not installed (pip install 'foxlm[plot]')")
+    print(f"wrote {out}/{written}")
     return 0
 
 

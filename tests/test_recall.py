@@ -1,0 +1,229 @@
+"""Multi-query associative recall: the generator (foxlm/data/mqar.py, recipes/mqar.py) and `foxlm eval recall`.
+
+Whether a tiny FoX learns the task with `foxlm train` takes longer than a unit test on a CPU: that is measured by
+benchmarks/mqar_learning.py. Here the eval runs end to end on a random model (near chance) and, for its scoring, on a
+real model whose weights make it a fixed lookup table: its accuracy is known exactly from the documents.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from foxlm.cli import main
+from foxlm.data import TokenDataset, get_tokenizer, prepare
+from foxlm.data.mqar import MQARSpec, documents, recorded_task, sample, write_dataset
+from foxlm.eval import recall
+from foxlm.models import FoxConfig, FoxForCausalLM
+
+BYTE = get_tokenizer("byte")
+
+
+def _check_document(spec: MQARSpec, body: np.ndarray, answers: np.ndarray, length: int, pairs: int) -> None:
+    doc = np.concatenate([[BYTE.eot_id], body])
+    assert len(doc) == length and len(answers) == pairs
+    kv = doc[1:1 + 2 * pairs].reshape(pairs, 2)
+    keys, values = kv[:, 0], kv[:, 1]
+    assert len(set(keys.tolist())) == pairs and len(set(values.tolist())) == pairs
+    assert ((spec.keys[0] <= keys) & (keys < spec.keys[1])).all()
+    assert ((spec.values[0] <= values) & (values < spec.values[1])).all()
+    filler = doc[1 + 2 * pairs:length - 2 * pairs]
+    assert ((spec.filler[0] <= filler) & (filler < spec.filler[1])).all()
+    assert len(filler) == length - 1 - 4 * pairs
+    truth = dict(zip(keys.tolist(), values.tolist()))
+    # every answer is the value of the key just before it, each key queried once, and the queries end the document
+    assert sorted(doc[answers - 1].tolist()) == sorted(keys.tolist())
+    assert [truth[k] for k in doc[answers - 1].tolist()] == doc[answers].tolist()
+    assert answers[-1] == length - 1 and (np.diff(answers) == 2).all()
+    for k in keys.tolist():  # a key appears exactly twice: in its pair and in its query
+        assert (doc == k).sum() == 2
+
+
+def test_documents_hold_their_answers_within_the_ranges():
+    rng = np.random.default_rng()
+    for _ in range(50):
+        lo = int(rng.integers(0, 100))
+        spec = MQARSpec((lo, lo + int(rng.integers(12, 150))))
+        pairs = int(rng.integers(1, spec.third + 1))
+        length = 1 + 4 * pairs + int(rng.integers(0, 40))
+        body, answers = sample(spec, length, pairs, rng)
+        _check_document(spec, body, answers, length, pairs)
+
+
+def test_generator_is_deterministic_given_the_seed(tmp_path):
+    spec = MQARSpec((0, 96))
+    take = lambda seed: [next(it) for it in [documents(spec, (20, 60), [2, 5], seed)] for _ in range(30)]  # noqa
+    a, b, c = take(7), take(7), take(8)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not all(len(x) == len(y) and np.array_equal(x, y) for x, y in zip(a, c))
+    assert {len(x) + 1 for x in a} <= set(range(20, 61)) and len({len(x) for x in a}) > 1
+    metas = [write_dataset(tmp_path / name, spec, lengths=(20, 60), pairs=[2, 5], seed=7, tokens=3000,
+                           tokenizer="byte") for name in ("a", "b")]
+    digests = [[s["sha256"] for split in ("train", "val") for s in m["splits"][split]["shards"]] for m in metas]
+    assert digests[0] == digests[1]
+
+
+def test_dataset_alone_trains_as_a_foxlm_dataset(tmp_path):
+    spec = MQARSpec((0, 192))
+    meta = write_dataset(tmp_path / "mq", spec, lengths=(30, 50), pairs=[3, 6], seed=1, tokens=5000,
+                         val_fraction=0.1, tokenizer="byte")
+    for split, least in (("train", 5000), ("val", 500)):
+        ds = TokenDataset(tmp_path / "mq", split)
+        ds.verify()
+        docs = list(ds.documents())
+        assert sum(map(len, docs)) == len(ds.tokens) >= least
+        assert meta["synthetic"]["written"][split]["tokens"] == len(ds.tokens)
+        assert all(d[0] == BYTE.eot_id and BYTE.eot_id not in d[1:] and 30 <= len(d) <= 50 for d in docs)
+        assert all(d[1:].max() < 192 for d in docs)
+    train, val = (TokenDataset(tmp_path / "mq", s).document(0) for s in ("train", "val"))
+    assert not np.array_equal(train[:len(val)], val[:len(train)])  # separate streams
+    task = recorded_task(tmp_path / "mq")
+    assert task["vocab"] == [0, 192] and task["pairs"] == [3, 6] and task["seed"] == 1
+    assert recorded_task(tmp_path) is None
+
+
+def test_mixed_dataset_keeps_every_document_and_the_share(tmp_path):
+    text = tmp_path / "text"
+    text.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        (text / f"{i:02d}.txt").write_text(" ".join(rng.choice(["gate", "forget", "keys"], size=rng.integers(50, 400))))
+    base = tmp_path / "base"
+    prepare([text], base, tokenizer="byte", val_fraction=0.25, workers=0, progress=False)
+    spec = MQARSpec((0, 192))
+    meta = write_dataset(tmp_path / "mixed", spec, lengths=(30, 50), pairs=[4], seed=3, mix=base, mix_fraction=0.2)
+    assert meta["tokenizer"] == TokenDataset(base).meta["tokenizer"] and meta["synthetic"]["mixed_with"]["fraction"]
+    for split in ("train", "val"):
+        original = [d.tolist() for d in TokenDataset(base, split).documents()]
+        out = [d.tolist() for d in TokenDataset(tmp_path / "mixed", split).documents()]
+        kept = [d for d in out if d in original]
+        assert kept == original  # every document, in order
+        synthetic = [d for d in out if d not in original]
+        share = sum(map(len, synthetic)) / sum(map(len, out))
+        assert abs(share - 0.2) < 50 / sum(map(len, out)) + 1e-9  # within one document of the share
+        # spread through the split, not in one block: about the share in each half of its tokens
+        half = sum(map(len, out)) / 2
+        ends = np.cumsum([len(d) for d in out])
+        first = sum(len(d) for d, end in zip(out, ends) if d not in original and end <= half)
+        assert 0.1 < first / half < 0.3, first / half
+
+
+def test_bad_ranges_and_sizes_are_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="vocab: 200:300 goes past byte's 257 ids"):
+        MQARSpec((200, 300)).check(BYTE)
+    with pytest.raises(ValueError, match="end-of-text id 256"):
+        MQARSpec((250, 257)).check(BYTE)
+    with pytest.raises(ValueError, match="vocab: expected a range"):
+        MQARSpec((5, 5))
+    with pytest.raises(ValueError, match="pairs: expected 1 to 4"):
+        sample(MQARSpec((0, 12)), 40, 5, np.random.default_rng())
+    with pytest.raises(ValueError, match="length: 16 tokens cannot hold 4 pairs"):
+        sample(MQARSpec((0, 12)), 16, 4, np.random.default_rng())
+    with pytest.raises(ValueError, match="tokens, mix: expected exactly one"):
+        write_dataset(tmp_path / "x", MQARSpec((0, 12)), lengths=(20, 20), pairs=[2])
+    with pytest.raises(ValueError, match="mix_fraction"):
+        write_dataset(tmp_path / "x", MQARSpec((0, 12)), lengths=(20, 20), pairs=[2], mix=tmp_path, mix_fraction=1.0)
+
+
+def test_recipe_writes_a_dataset_and_refuses_bad_input_in_one_line(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("mqar_recipe", Path(__file__).parents[1] / "recipes/mqar.py")
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    assert recipe.main(["--out", str(tmp_path / "d"), "--tokens", "2000", "--tokenizer", "byte", "--vocab", "0:48",
+                        "--pairs", "2,3", "--length", "16:32"]) == 0
+    assert recorded_task(tmp_path / "d")["lengths"] == [16, 32]
+    assert recipe.main(["--out", str(tmp_path / "e"), "--tokens", "2000", "--tokenizer", "byte", "--vocab",
+                        "0:300"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mqar.py: error: vocab: 0:300 goes past" in err
+
+
+# ---------------------------------------------------------------- foxlm eval recall
+
+
+def _model(tmp_path: Path, name: str, seed: int = 0) -> FoxForCausalLM:
+    torch.manual_seed(seed)
+    model = FoxForCausalLM(FoxConfig.preset("fox-llama", "tiny", vocab_size=320, hidden_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, intermediate_size=128, bos_token_id=256,
+                                            eos_token_id=256, pad_token_id=256))
+    model.config.foxlm_tokenizer = BYTE.spec()  # as `foxlm train` records it
+    return model
+
+
+def test_recall_eval_runs_end_to_end_at_chance_on_a_random_model(tmp_path, capsys):
+    model = _model(tmp_path, "random", seed=1)
+    model.save_pretrained(tmp_path / "random")
+    out = tmp_path / "out"
+    argv = ["eval", "recall", str(tmp_path / "random"), "--vocab", "0:192", "--pairs", "2,8", "--lengths", "40,80",
+            "--samples", "24", "--batch-size", "8", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| pairs | 40 | 80 |" in printed and "wrote" in printed
+    result = json.loads((out / "recall.json").read_text())
+    cells = result["cells"]
+    assert [(c["context_length"], c["pairs"]) for c in cells] == [(40, 2), (40, 8), (80, 2), (80, 8)]
+    assert result["task"]["values"] == [64, 128]
+    # a model that knows nothing of the documents' values: P(right) = 1/64 a query, whatever it predicts
+    n = sum(c["queries"] for c in cells)
+    correct = sum(c["correct"] for c in cells)
+    assert n == 24 * (2 + 8) * 2 and all(c["chance_values"] == 1 / 64 for c in cells)
+    assert correct <= n / 64 + 4 * math.sqrt(n / 64) + 1, (correct, n)
+    assert (out / "recall.csv").read_text().count("\n") == 5 and (out / "recall.md").is_file()
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (out / "recall.png").stat().st_size > 10_000
+
+
+def _lookup_model(tmp_path: Path, table: dict[int, int]) -> FoxForCausalLM:
+    """A real FoX whose blocks add nothing (zero output projections) and whose embedding and head make it predict
+    ``table[x]`` after token ``x``: a model whose every prediction is known."""
+    model = _model(tmp_path, "lookup")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        emb.zero_()
+        head.zero_()
+        model.model.norm.weight.fill_(1.0)
+        for i, x in enumerate(sorted(table)):
+            emb[x, i] = 1.0
+            head[table[x], i] = 10.0
+    return model
+
+
+def test_recall_scores_exactly_what_the_model_predicts(tmp_path):
+    """A lookup model predicts a fixed value per key: right exactly where a document paired the key with it."""
+    spec = MQARSpec((0, 12))  # keys 0-3, values 4-7, filler 8-11
+    rng = np.random.default_rng(5)
+    table = {k: int(rng.integers(4, 8)) for k in range(4)} | {x: 0 for x in range(4, 12)} | {256: 0}
+    model = _lookup_model(tmp_path, table).eval()
+    cells = recall.run_recall(model, spec, [20, 33], [2, 3], bos_id=256, vocab_size=257, samples=40, seed=9,
+                              batch_size=16, show_progress=False)
+    for c in cells:
+        seqs, answers = recall.cell_sequences(spec, c.context_length, c.pairs, 40, 9, 256)
+        expected = sum(int(table[int(s[a - 1])] == s[a]) for s in seqs for a in answers)
+        assert c.correct == expected and c.queries == 40 * c.pairs
+        assert 0 < c.correct < c.queries  # both outcomes occur, so an off-by-one would show
+    assert "| 3 | " in recall.table(cells, 20) and "20 (1x)" in recall.table(cells, 20)
+
+
+def test_recall_cli_reads_the_task_from_the_training_data_and_refuses_without_one(tmp_path, capsys):
+    write_dataset(tmp_path / "mq", MQARSpec((0, 48)), lengths=(16, 24), pairs=[2, 3], tokens=2000, tokenizer="byte")
+    _model(tmp_path, "m").save_pretrained(tmp_path / "m")
+    assert main(["eval", "recall", str(tmp_path / "m"), "--data", str(tmp_path / "mq"), "--train-length", "16",
+                 "--samples", "4", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "out" / "recall.json").read_text())
+    assert result["lengths"] == [16, 32, 48, 64] and result["pairs"] == [2, 3] and result["task"]["vocab"] == [0, 48]
+    capsys.readouterr()
+    assert main(["eval", "recall", str(tmp_path / "m"), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("foxlm eval recall: error: --vocab: ") and err.count("\n") == 1
+    assert main(["eval", "recall", str(tmp_path / "m"), "--vocab", "0:48", "--pairs", "2", "--out",
+                 str(tmp_path / "out"), "--no-progress"]) == 2
+    assert "--lengths: " in capsys.readouterr().err
