@@ -2,8 +2,8 @@
 
 Importing foxlm registers model_type "fox" with transformers' AutoConfig, AutoModel and
 AutoModelForCausalLM, so ``AutoModelForCausalLM.from_pretrained(dir)`` loads foxlm checkpoints
-without trust_remote_code. It does so without importing torch or transformers itself (the command line's
-``--help`` stays instant): at once if transformers is already imported, else right after its first import.
+without trust_remote_code, and gives PEFT's adapters for "fox" the default target modules Llama's have. It does so without importing torch or transformers itself (the command line's
+``--help`` stays instant): at once if transformers (peft) is already imported, else right after its first import.
 Subpackages (``foxlm.models``, ``foxlm.ops``, ...) load on first access.
 """
 
@@ -25,35 +25,43 @@ def __getattr__(name: str):
 
 
 class _RegisterAfterLoad(importlib.abc.Loader):
-    """Runs transformers' own loader, then imports foxlm.models (which registers the Auto classes)."""
+    """Runs a module's own loader, then imports the foxlm module that registers foxlm with it."""
 
-    def __init__(self, loader: importlib.abc.Loader):
-        self.loader = loader
+    def __init__(self, loader: importlib.abc.Loader, then: str):
+        self.loader, self.then = loader, then
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
-        importlib.import_module(f"{__name__}.models")
+        importlib.import_module(self.then)
 
 
-class _TransformersHook(importlib.abc.MetaPathFinder):
-    """Finds ``transformers`` as the other finders do and wraps its loader; removes itself once used."""
+class _AfterImportHook(importlib.abc.MetaPathFinder):
+    """Finds ``name`` as the other finders do and wraps its loader to import ``then`` after it; removes itself once
+    used."""
+
+    def __init__(self, name: str, then: str):
+        self.name, self.then = name, then
 
     def find_spec(self, fullname: str, path=None, target=None):
-        if fullname != "transformers":
+        if fullname != self.name:
             return None
         sys.meta_path.remove(self)
         for finder in sys.meta_path:
             spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
             if spec is not None and spec.loader is not None:
-                spec.loader = _RegisterAfterLoad(spec.loader)
+                spec.loader = _RegisterAfterLoad(spec.loader, self.then)
                 return spec
         return None
 
 
-if "transformers" in sys.modules:
-    importlib.import_module(f"{__name__}.models")
-elif not any(isinstance(f, _TransformersHook) for f in sys.meta_path):
-    sys.meta_path.insert(0, _TransformersHook())
+# transformers: the Auto classes; peft: its default adapter targets for model_type "fox" (peft looks them up by
+# model_type in its own tables and reads nothing from the model or its config)
+for _name, _then in (("transformers", f"{__name__}.models"), ("peft", f"{__name__}.models.peft_defaults")):
+    if _name in sys.modules:
+        importlib.import_module(_then)
+    elif not any(isinstance(f, _AfterImportHook) and f.name == _name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImportHook(_name, _then))
+del _name, _then

@@ -162,7 +162,8 @@ class ForgettingAttention(nn.Module):
         dt = torch.promote_types(x.dtype, torch.float32)
         B, T = x.shape[:2]
         if self.gate == "data":
-            return F.logsigmoid(self.fgate_proj(x).to(dt))
+            w = self.fgate_proj.weight  # fp32 in a model loaded in bf16 (FoxPreTrainedModel._keep_in_fp32_modules)
+            return F.logsigmoid(self.fgate_proj(x.to(w.dtype)).to(dt))
         if self.gate == "bias":
             return F.logsigmoid(self.fgate_bias.to(dt)).expand(B, T, -1)
         if self.gate == "alibi":

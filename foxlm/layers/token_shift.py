@@ -31,4 +31,5 @@ class TokenShift(nn.Module):
         prev: [B, H, D] the x of the token before x[:, 0] (decoding with a cache; None = zeros),
         reset: [B, T] bool, True where token t must not see token t-1. Returns [B, T, H, D] (fused
         ``foxlm.ops.token_shift``, computed in fp32)."""
-        return token_shift(x, self.proj(h), prev=prev, reset=reset)
+        # proj may be fp32 in a model loaded in bf16 (FoxPreTrainedModel._keep_in_fp32_modules)
+        return token_shift(x, self.proj(h.to(self.proj.weight.dtype)), prev=prev, reset=reset)

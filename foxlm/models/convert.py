@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..data.assets import read_json, remove_stale_temporaries, replace_folder, temporary_path
+from .card import write_model_card
 from .configuration_fox import FoxConfig
 from .loading import DAMAGED_MODEL, reading_weights, verify_model_folder, write_manifest
 
@@ -340,7 +341,8 @@ def foxlm_to_authors(weights: dict[str, torch.Tensor], cfg: FoxConfig) -> dict[s
 
 # ------------------------------------------------------------------------------------------------------------ output
 # what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder with no more
-WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|manifest\.json")
+WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|manifest\.json"
+                     r"|README\.md")
 
 
 def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
@@ -457,6 +459,9 @@ def convert(
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+        loads = ("Load it with `import foxlm` and `AutoModelForCausalLM.from_pretrained`." if to == "foxlm"
+                 else "It is in the FoX authors' format, for their model classes.")
+        write_model_card(tmp, title=dst.name, source=f"Converted by `foxlm convert` from `{src}` (a {found} model). {loads}")
         write_manifest(tmp)  # checked whenever foxlm loads it
         replace_folder(tmp, dst)
     except BaseException:

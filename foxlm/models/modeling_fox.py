@@ -108,6 +108,10 @@ class FoxPreTrainedModel(PreTrainedModel):
     _no_split_modules = ["FoxBlock"]
     # attention is foxlm's own op (forgetting_attention), HF's "eager": so transformers refuses "sdpa", "flash_*"
     _supports_sdpa = False
+    # the forget gate and the token shift's mixing weights stay fp32 when from_pretrained loads in fp16 / bf16 (the
+    # strict list) and are never quantized (bitsandbytes skips the plain list): a gate's log f sums over the whole
+    # context, so a small error in it moves every attention weight; the layers cast their input to these dtypes
+    _keep_in_fp32_modules = _keep_in_fp32_modules_strict = ["fgate_proj", "fgate_bias", "k_shift.proj", "v_shift.proj"]
 
     def set_acp(self, enabled: bool, tolerance: float | None = None) -> None:
         """Turn Adaptive Computation Pruning on or off in every attention layer's forward, e.g. to evaluate a model

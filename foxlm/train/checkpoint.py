@@ -44,6 +44,7 @@ except ImportError:  # not POSIX
 from ..data.assets import read_json, replace_folder, sha256_file, temporary_path
 from ..data.tokenizer import same_tokenizer
 from ..models import FoxConfig
+from ..models.card import write_model_card
 from ..models.loading import (DAMAGED_MODEL, SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint,
                               list_checkpoints, load_checkpoint_model, read_model_weights, resolve_model_dir,
                               verify_checkpoint, write_manifest)
@@ -408,6 +409,11 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             load_shards({"model": weights}, ckpt / SHARDS, "src", no_dist=True)  # the model's keys only
             model.load_state_dict(weights)
             model.save_pretrained(tmp)
+        run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+        step = checkpoint_step(ckpt)
+        write_model_card(tmp, title=dst.name, run_dir=run_dir, step=step, source=(
+            f"Exported by `foxlm export` from step {step} of the `foxlm train` run `{run_dir or ckpt}`. Load it with "
+            "`import foxlm` and `AutoModelForCausalLM.from_pretrained`."))
         write_manifest(tmp)  # checked whenever foxlm loads it
         _fsync_tree(tmp)
         tmp.rename(dst)
