@@ -145,6 +145,12 @@ class _SdpaAttention(torch.autograd.Function):
         return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc_q, dc_k.to(c_k.dtype), None, None, None
 
 
+def sdpa_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
+    """(q, scale) to hand SDPA: a scale <= 0 folded into q. SDPA's fused CPU kernel applies its causal mask before
+    the scale, so -inf * scale would be NaN (0) or +inf (negative)."""
+    return (q * scale, 1.0) if scale <= 0 else (q, scale)
+
+
 def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torch.Tensor, torch.Tensor]:
     """_SdpaAttention's forward where no backward follows (eval, generation, prefill): (o in q's dtype, lse fp32).
 
@@ -152,8 +158,7 @@ def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torc
     the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask, and lse gets c_q - c_ref back. Runs of heads may
     get their own chunks (_head_groups), so one fast-forgetting head does not cut the others'.
     """
-    if scale <= 0:  # the fused CPU kernel applies its causal mask before the scale: -inf * scale would be NaN or +inf
-        q, scale = q * scale, 1.0
+    q, scale = sdpa_scale(q, scale)
     plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), True, functools.partial(_norms, q, k, scale))
     with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
         o, lse = _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from .acp import acp_threshold, check_logit_bound, check_tolerance
 from .backend import use_triton
-from .chunked import attention_from_cumsum
+from .chunked import attention_from_cumsum, sdpa_scale
 from .gate import gate_cumsum
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -212,8 +212,7 @@ def sequence_attention(
     if return_probs:
         return _o_and_probs(q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, window=window)
     if log_fgate is None and cu_seqlens is None and window is None:
-        if scale <= 0:  # SDPA's fused CPU kernel applies the causal mask before the scale (-inf * scale: NaN, +inf)
-            q, scale = q * scale, 1.0
+        q, scale = sdpa_scale(q, scale)
         o = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale,
             enable_gqa=k.shape[2] != Hq,
