@@ -30,8 +30,6 @@ INTERPRET_C_BLOCK = 2 * INTERPRET_TILE
 _INTERPRET_FWD = {"BLOCK_M": INTERPRET_TILE, "BLOCK_N": INTERPRET_TILE, "TILES": 0}
 _INTERPRET_BWD = {"BLOCK_M1": INTERPRET_TILE, "BLOCK_N1": INTERPRET_TILE, "BLOCK_M2": INTERPRET_TILE,
                   "BLOCK_N2": INTERPRET_TILE, "TILES": 0}
-# Copies of the atomic backward's row-sum accumulator (see _attn_bwd_kernel).
-DCQ_SLICES = 8
 # Tests' switch: the interpreter's tiles (and c_rel block) for the compiled kernels on the GPU too, so that the tests
 # written for them (tile counts, gate resets at tile starts, many tiles at small sizes) run the real kernels there.
 SMALL_TILES = False
@@ -272,8 +270,8 @@ def _backward_impl(
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
-    # rowsum(dS) [slices, B, Hq, Tq] in lse's layout; the atomic backward adds tiles' shares into DCQ_SLICES copies
-    dcq = lse.new_empty(1, *lse.shape) if deterministic else lse.new_zeros(DCQ_SLICES, *lse.shape)
+    # rowsum(dS) [B, Hq, Tq], lse's layout; the atomic backward adds tiles' shares into it
+    dcq = torch.empty_like(lse) if deterministic else torch.zeros_like(lse)
 
     def grid(m):
         blocks = triton.cdiv(len_k, m["BLOCK_N1"])
@@ -281,12 +279,12 @@ def _backward_impl(
 
     _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, crk, crq, thr, do, lse, delta, dq, dk, dv, dck, dcq, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-            *lse.stride()[:2], dcq.stride(0), Tq, Tk, Hq, Hk, Hk * n_seq, _head_group(Hk * n_seq, len_q, q, v),
-            Hq // Hk, scale * LOG2E.value, scale, window or 0,
-            LEN_BUCKET=_len_bucket(len_k), ATOMIC_DQ=not deterministic, DCQ_SLICES=dcq.shape[0], **meta)
+            *lse.stride()[:2], Tq, Tk, Hq, Hk, Hk * n_seq, _head_group(Hk * n_seq, len_q, q, v), Hq // Hk,
+            scale * LOG2E.value, scale, window or 0,
+            LEN_BUCKET=_len_bucket(len_k), ATOMIC_DQ=not deterministic, **meta)
     dq = dq.to(q.dtype)
     dc = dck.double()
-    dc[..., Tk - Tq:] += dcq.sum(0)  # the query side of the gate gradient (dlse is in it, through delta)
+    dc[..., Tk - Tq:] += dcq  # the query side of the gate gradient (dlse is in it, through delta)
     dlog_fgate = _reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float().contiguous()  # the fake's layout
     return dq, dk, dv, dlog_fgate
 

@@ -530,14 +530,13 @@ def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hq, hk, star
 
 @triton.jit
 def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, CU,
-                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh, sdcq,
+                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                      Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                      BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                      C_BLOCK: tl.constexpr,
                      VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, DCQ_SLICES: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr,
-                     LEN_BUCKET):
+                     ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
     query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
     With ``ATOMIC_DQ`` (not deterministic), dQ is accumulated atomically in the dK/dV loop instead: 5 matmuls
@@ -546,10 +545,7 @@ def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK
     The gate gradient's two sides come from the same dS: -colsum(dS) per key into DCK, rowsum(dS) per query into
     DCQ. In exact arithmetic rowsum_j(dS_ij) = dlse_i, but delta is computed from the rounded o: each row sum
     carries o's rounding, which the reverse cumsum would add up along the sequence. From the kernel's own dS, it
-    cancels between the two sides, and what is left is the error of dS on pairs across each position. With
-    ``ATOMIC_DQ`` the key blocks add their row sums into DCQ_SLICES copies of DCQ (``sdcq`` apart), key block n into
-    copy n % DCQ_SLICES, which the host sums: every key block adding into the same few cache lines of one copy
-    serialized on them.
+    cancels between the two sides, and what is left is the error of dS on pairs across each position.
     """
     hk, b, pid = _grid_position(Hk, HB, HG, False)
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
@@ -570,7 +566,7 @@ def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK
     DELTA += bt * slb
     start_n = pid * BLOCK_N1
     if start_n < len_k:
-        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ + (pid % DCQ_SLICES) * sdcq, b, hk, start_n, tok0, len_q, len_k, off,
+        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k, off,
                         sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                         G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, ATOMIC_DQ,
                         INTERPRET)
