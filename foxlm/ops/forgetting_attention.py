@@ -140,8 +140,8 @@ def forgetting_attention(
         logit_bound: U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq],
             e.g. from QK-norm weights); by default |scale| * max||q|| * max||k|| per (sequence, head).
         deterministic: the Triton backward without atomics (bitwise reproducible; it recomputes the
-            logits for dQ). False (FlashAttention's default) takes the faster backward for the head dim: at
-            head dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
+            logits for dQ). False (FlashAttention's default) takes the faster backward: with ACP at head
+            dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
             ``torch.use_deterministic_algorithms(True)``; the PyTorch path is always deterministic.
         check_gates: raise a ValueError for log gates that are positive, infinite or NaN (and for a tensor
             ``logit_bound`` that is negative, infinite or NaN); on CUDA this reads a flag back (a host sync).

@@ -48,7 +48,7 @@ _FWD_TILES = {
     256: [(64, 64, 4, 2), (64, 32, 4, 2)],
 }
 _BWD_TILES = {
-    64: [(64, 128, 128, 64, 8, 3), (64, 128, 128, 64, 8, 4)],
+    64: [(64, 64, 128, 64, 4, 3), (64, 64, 64, 64, 4, 3)],
     128: [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 8, 3)],
     256: [(16, 64, 64, 16, 4, 2), (32, 64, 64, 32, 8, 1)],
 }
@@ -248,8 +248,8 @@ def _backward_impl(
     cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32. Not ``deterministic``: the faster backward for the head dim,
-    which at head dims <= 64 accumulates dQ with fp32 atomics (slower than the deterministic one at d128)."""
+    """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32. Not ``deterministic``: the faster backward, which accumulates
+    dQ with fp32 atomics at head dims <= 64 under ACP and is the deterministic one elsewhere (docs/benchmarks.md)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
     Tq, Hq = q.shape[1:3]
@@ -261,7 +261,7 @@ def _backward_impl(
     thr = threshold.float().contiguous() if threshold is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     delta, crq = _bwd_preprocess(o, do, dlse, lse, c, cu_seqlens, meta["C_BLOCK"])
-    if not deterministic and max(meta["BLOCK_D"], meta["BLOCK_DV"]) > 64:
+    if not deterministic and (max(meta["BLOCK_D"], meta["BLOCK_DV"]) > 64 or threshold is None):
         deterministic = True
     if deterministic:
         dq = torch.empty_like(q)
