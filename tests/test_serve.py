@@ -135,7 +135,13 @@ def test_chat_completions_use_the_chat_template(client, model_folder, local):
 
 def test_bad_arguments_are_one_line(model_folder, tmp_path):
     line = one_line_error(foxlm("serve", tmp_path), "serve")
-    assert "has no config.json" in line and "foxlm export" in line
+    assert line.endswith(f"MODEL: {tmp_path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+    from foxlm.models import FoxConfig, FoxForCausalLM
+
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=256, num_hidden_layers=1)).save_pretrained(
+        tmp_path / "bytes")  # as a byte-level run's model: no tokenizer files
+    line = one_line_error(foxlm("serve", tmp_path / "bytes"), "serve")
+    assert "has no tokenizer.json (a byte-level model's has none)" in line
     line = one_line_error(foxlm("serve", model_folder, "--continuous-batching"), "serve")
     assert "--continuous-batching" in line and "forget gate" in line
 

@@ -41,11 +41,12 @@ def register(subparsers) -> None:
     p = subparsers.add_parser(
         "serve", help="serve a model behind an OpenAI-compatible API (transformers serve)",
         description="transformers' own OpenAI-compatible server (`transformers serve`: /v1/completions, "
-                    "/v1/chat/completions, streaming) for a foxlm save_pretrained folder, without trust_remote_code. "
+                    "/v1/chat/completions, streaming) for a foxlm model, without trust_remote_code. "
                     "Options after MODEL are transformers serve's (`foxlm serve MODEL --help` lists them), e.g. "
                     "--host, --port, --device, --dtype.",
     )
-    p.add_argument("model", metavar="MODEL", help="save_pretrained folder (`foxlm export` writes one)")
+    p.add_argument("model", metavar="MODEL", help="run dir (its latest checkpoint), checkpoint dir, save_pretrained dir "
+                                                  "or a hub name")
     p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve's options")
     p.set_defaults(func=run_serve)
 
@@ -58,10 +59,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if "--continuous-batching" in args.options:
         raise ValueError("--continuous-batching: not for FoX models (transformers' paged attention has no forget "
                          "gate); serve without it")
-    model = Path(args.model).expanduser()
-    if model.is_dir() and not (model / "config.json").is_file():
-        raise ValueError(f"MODEL: {args.model} has no config.json: expected a save_pretrained folder (`foxlm export "
-                         f"RUN DST` writes one from a run or checkpoint)")
+    model, path = args.model, Path(args.model).expanduser()
+    if path.exists():  # a local folder, checked against its manifest (else a hub name, which transformers fetches)
+        from foxlm.models.loading import resolve_model_dir
+
+        model = str(resolve_model_dir(path, "MODEL"))
+        if not (Path(model) / "tokenizer.json").is_file():
+            raise ValueError(f"MODEL: {model} has no tokenizer.json (a byte-level model's has none); transformers "
+                             f"serve needs a Hugging Face tokenizer")
+        if Path(model) != path:
+            print(f"foxlm serve: serving {args.model}'s model folder {model}, the model requests name",
+                  file=sys.stderr)
     try:
         from .serve import serve
     except ImportError as e:  # transformers' serve, its ModelLoader in particular, as of 5.25
@@ -71,7 +79,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
         raise ValueError(f"foxlm serve needs transformers>=5.25 (its `transformers serve`), not "
                          f"{transformers.__version__}: pip install 'foxlm[serve]'") from None
-    return serve(args.model, args.options)
+    return serve(model, args.options)
 
 
 def run(args: argparse.Namespace) -> int:
