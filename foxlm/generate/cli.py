@@ -45,8 +45,8 @@ def register(subparsers) -> None:
                     "Options after MODEL are transformers serve's (`foxlm serve MODEL --help` lists them), e.g. "
                     "--host, --port, --device, --dtype.",
     )
-    p.add_argument("model", metavar="MODEL", help="run dir (its latest checkpoint), checkpoint dir, save_pretrained dir "
-                                                  "or a hub name")
+    p.add_argument("model", metavar="MODEL",
+                   help="run dir (its latest checkpoint), checkpoint dir, save_pretrained dir or a hub name")
     p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve's options")
     p.set_defaults(func=run_serve)
 
