@@ -36,7 +36,8 @@ def user_error(command: str, exc: BaseException) -> int:
 
 # Optional dependencies (pyproject.toml's extras) by the module a command imports when it needs one.
 EXTRAS = {"matplotlib": "plot", "tensorboard": "tensorboard", "triton": "triton", "datasets": "data",
-          "pyarrow": "data", "lm_eval": "eval"}
+          "pyarrow": "data", "lm_eval": "eval", "fastapi": "serve", "uvicorn": "serve", "openai": "serve",
+          "pydantic": "serve", "wandb": "wandb"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,7 +17,8 @@ from foxlm.data import prepare
 from foxlm.data.assets import shakespeare_plays
 
 ROOT = Path(__file__).resolve().parent.parent
-OPTIONAL = {"triton", "matplotlib", "tensorboard", "datasets", "pyarrow", "lm-eval", "peft"}
+OPTIONAL = {"triton", "matplotlib", "tensorboard", "datasets", "pyarrow", "lm-eval", "peft", "wandb", "fastapi",
+            "uvicorn", "openai"}
 
 
 def _name(requirement: str) -> str:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
+from pathlib import Path
 
 
 def register(subparsers) -> None:
@@ -35,6 +37,49 @@ def register(subparsers) -> None:
                    help="model precision; auto = bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--stats", action="store_true", help="print timings and the cache size to stderr")
     p.set_defaults(func=run)
+
+    p = subparsers.add_parser(
+        "serve", help="serve a model behind an OpenAI-compatible API (transformers serve)",
+        description="transformers' own OpenAI-compatible server (`transformers serve`: /v1/completions, "
+                    "/v1/chat/completions, streaming) for a foxlm model, without trust_remote_code. "
+                    "Options after MODEL are transformers serve's (`foxlm serve MODEL --help` lists them), e.g. "
+                    "--host, --port, --device, --dtype.",
+    )
+    p.add_argument("model", metavar="MODEL",
+                   help="run dir (its latest checkpoint), checkpoint dir, save_pretrained dir or a hub name")
+    p.add_argument("options", nargs=argparse.REMAINDER, help="transformers serve's options")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    # checked before transformers' server is imported (seconds); transformers would name its own extra
+    for name in ("fastapi", "uvicorn", "openai", "pydantic"):  # what transformers' is_serve_available checks
+        if importlib.util.find_spec(name) is None:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+    if "--continuous-batching" in args.options:
+        raise ValueError("--continuous-batching: not for FoX models (transformers' paged attention has no forget "
+                         "gate); serve without it")
+    model, path = args.model, Path(args.model).expanduser()
+    if path.exists():  # a local folder, checked against its manifest (else a hub name, which transformers fetches)
+        from foxlm.models.loading import resolve_model_dir
+
+        model = str(resolve_model_dir(path, "MODEL"))
+        if not (Path(model) / "tokenizer.json").is_file():
+            raise ValueError(f"MODEL: {model} has no tokenizer.json (a byte-level model's has none); transformers "
+                             f"serve needs a Hugging Face tokenizer")
+        if Path(model) != path:
+            print(f"foxlm serve: serving {args.model}'s model folder {model}, the model requests name",
+                  file=sys.stderr)
+    try:
+        from .serve import serve
+    except ImportError as e:  # transformers' serve, its ModelLoader in particular, as of 5.25
+        if isinstance(e, ModuleNotFoundError) and e.name and not e.name.startswith("transformers"):
+            raise
+        import transformers
+
+        raise ValueError(f"foxlm serve needs transformers>=5.25 (its `transformers serve`), not "
+                         f"{transformers.__version__}: pip install 'foxlm[serve]'") from None
+    return serve(model, args.options)
 
 
 def run(args: argparse.Namespace) -> int:

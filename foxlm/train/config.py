@@ -89,6 +89,7 @@ class TrainConfig:
     seed: int = 0  # model initialization, data order and sampling
     progress: bool = True
     tensorboard: bool = True
+    wandb: bool = False  # the metrics to Weights & Biases too (the extra [wandb]; WANDB_MODE=offline: local files)
     sample_prompt: str | None = None  # printed sample at the end; None: the data's first tokens
     sample_tokens: int = 100  # 0: no sample
 

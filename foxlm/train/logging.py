@@ -1,12 +1,15 @@
-"""A run's logs on the main process: ``log.jsonl`` (one record per line), TensorBoard scalars, a progress bar.
+"""A run's logs on the main process: ``log.jsonl`` (one record per line), TensorBoard scalars, W&B metrics, a
+progress bar.
 
-TensorBoard tags are ``train/<key>`` for a step's record and ``val/<key>`` for the validation's (``val_loss`` in
-the JSONL is ``val/loss`` there). A resumed run purges the events the previous run logged after its checkpoint.
+TensorBoard tags and W&B keys are ``train/<key>`` for a step's record and ``val/<key>`` for the validation's
+(``val_loss`` in the JSONL is ``val/loss`` there). A resumed run purges the TensorBoard events the previous run logged
+after its checkpoint; in W&B it is a run of its own (W&B takes no step twice in one run).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,8 +39,11 @@ class RunLog:
     """JSONL + TensorBoard + progress bar, on the main process only (``main``); ``write`` prints a line."""
 
     def __init__(self, run_dir: Path, start_step: int, max_steps: int, *, main: bool, tensorboard: bool,
-                 progress: bool):
-        self.main, self.bar, self.tb, self.file = main, None, None, None
+                 progress: bool, wandb: bool = False, config: dict | None = None):
+        """``wandb``: log to Weights & Biases too (``config``, the run's train config, as its config), a run named
+        after ``run_dir`` in project ``foxlm`` (``WANDB_PROJECT``, ``WANDB_MODE`` etc. as W&B reads them), its
+        files in ``run_dir/wandb`` unless ``WANDB_DIR`` says where."""
+        self.main, self.bar, self.tb, self.wandb, self.file = main, None, None, None, None
         if not main:
             return
         log_path = run_dir / "log.jsonl"
@@ -55,6 +61,8 @@ class RunLog:
             else:
                 # readers drop the events at and after purge_step: what a killed run logged after the checkpoint
                 self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step > 0 else None)
+        if wandb:
+            self.wandb = _wandb_run(run_dir, config)
         if progress:
             from tqdm.auto import tqdm
 
@@ -67,10 +75,13 @@ class RunLog:
             return
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        scalars = {tensorboard_tag(key): value for key, value in record.items()
+                   if key != "step" and isinstance(value, (int, float))}
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    self.tb.add_scalar(tensorboard_tag(key), value, record["step"])
+            for tag, value in scalars.items():
+                self.tb.add_scalar(tag, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=record["step"])
 
     def progress(self, postfix: dict) -> None:
         if self.bar is not None:
@@ -96,5 +107,23 @@ class RunLog:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
         if self.file is not None:
             self.file.close()
+
+
+def _wandb_run(run_dir: Path, config: dict | None):
+    """A W&B run for ``RunLog`` (see there), or None with a line on stderr when wandb is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        print("wandb=true: no W&B logs, wandb is not installed (the extra [wandb]: pip install 'foxlm[wandb]'; "
+              "wandb=false silences this)", file=sys.stderr)
+        return None
+    try:
+        return wandb.init(project=os.environ.get("WANDB_PROJECT", "foxlm"), name=run_dir.name, config=config,
+                          dir=os.environ.get("WANDB_DIR") or run_dir)
+    except wandb.Error as e:  # e.g. no API key: one line, with the way to log without an account
+        raise ValueError(f"wandb=true: {e} (WANDB_MODE=offline logs to local files, `wandb sync` uploads them)") \
+            from None

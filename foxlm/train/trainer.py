@@ -511,7 +511,7 @@ class Trainer:
         if self.d.main:
             (self.run_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
         log = RunLog(self.run_dir, self.step, cfg.max_steps, main=self.d.main, tensorboard=cfg.tensorboard,
-                     progress=cfg.progress)
+                     progress=cfg.progress, wandb=cfg.wandb, config=cfg.to_dict())
         self._announce(log)
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()

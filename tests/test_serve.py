@@ -1,0 +1,155 @@
+"""``foxlm serve``: transformers' own OpenAI-compatible server for a foxlm model, queried over HTTP with the OpenAI
+client. The server runs as a user starts it (``foxlm serve MODEL --host 127.0.0.1 --port P``), in a child process,
+on a tiny random FoX model with the offline GPT-2 tokenizer and a chat template."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+from foxlm_cli import foxlm, one_line_error
+
+openai = pytest.importorskip("openai", reason="the [serve] extra is not installed: pip install 'foxlm[serve]'")
+
+# A chat template of the usual shape: one line per message, then the assistant's turn
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """A tiny random FoX model and the GPT-2 tokenizer, with a chat template, as a save_pretrained folder."""
+    from foxlm.data import get_tokenizer
+    from foxlm.data.tokenizer import save_fast_tokenizer
+    from foxlm.models import FoxConfig, FoxForCausalLM
+
+    tok = get_tokenizer("gpt2")
+    cfg = FoxConfig.preset("fox-pro", "tiny", vocab_size=tok.vocab_size, num_hidden_layers=1, hidden_size=32,
+                           num_attention_heads=2, intermediate_size=64, bos_token_id=tok.eot_id,
+                           eos_token_id=tok.eot_id)
+    cfg.foxlm_tokenizer = tok.spec()
+    folder = tmp_path_factory.mktemp("serve") / "fox"
+    torch.manual_seed(0)
+    FoxForCausalLM(cfg).save_pretrained(folder)
+    hf = tok.hf_tokenizer()
+    hf.chat_template = CHAT_TEMPLATE
+    save_fast_tokenizer(hf, folder)
+    assert "auto_map" not in json.loads((folder / "config.json").read_text())  # nothing for trust_remote_code
+    return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    """``foxlm serve`` on 127.0.0.1, ready (its /health answers); stopped with Ctrl-C as a user stops it."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "serve", str(model_folder), "--host", "127.0.0.1",
+                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"foxlm serve exited with {proc.returncode}:\n{proc.stdout.read()}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail("foxlm serve did not answer /health within 120 s")
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local(model_folder):
+    """The same model and tokenizer loaded here, for greedy decoding to compare with the server's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(model_folder).eval(), AutoTokenizer.from_pretrained(model_folder)
+
+
+def _greedy(local, ids: list[int]) -> str:
+    model, tok = local
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+    return tok.decode(out[0, len(ids):])
+
+
+def test_completions_greedy_and_streamed(client, model_folder, local):
+    """/v1/completions gives the FoX model's own greedy continuation; streamed, it comes in several chunks that add
+    up to the same text."""
+    prompt = "To be, or not to be"
+    args = dict(model=str(model_folder), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    done = client.completions.create(**args)
+    text = done.choices[0].text
+    assert done.usage.completion_tokens == NEW_TOKENS and done.choices[0].finish_reason == "length"
+    assert text == _greedy(local, local[1](prompt)["input_ids"])
+
+    chunks = [c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices]
+    pieces = [c for c in chunks if c]
+    # token by token, though a stream that falls behind joins what is waiting into one event
+    assert len(pieces) >= 2, chunks
+    assert "".join(pieces) == text
+
+
+def test_chat_completions_use_the_chat_template(client, model_folder, local):
+    messages = [{"role": "user", "content": "Good morrow, sweet lady."}]
+    done = client.chat.completions.create(model=str(model_folder), messages=messages, max_tokens=NEW_TOKENS,
+                                          temperature=0)
+    ids = local[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    assert done.choices[0].message.content == _greedy(local, list(ids))
+    assert done.usage.prompt_tokens == len(ids)
+
+
+def test_bad_arguments_are_one_line(model_folder, tmp_path):
+    line = one_line_error(foxlm("serve", tmp_path), "serve")
+    assert line.endswith(f"MODEL: {tmp_path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+    from foxlm.models import FoxConfig, FoxForCausalLM
+
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=256, num_hidden_layers=1)).save_pretrained(
+        tmp_path / "bytes")  # as a byte-level run's model: no tokenizer files
+    line = one_line_error(foxlm("serve", tmp_path / "bytes"), "serve")
+    assert "has no tokenizer.json (a byte-level model's has none)" in line
+    line = one_line_error(foxlm("serve", model_folder, "--continuous-batching"), "serve")
+    assert "--continuous-batching" in line and "forget gate" in line
+
+
+def test_a_missing_serving_dependency_names_the_extra(model_folder):
+    """Without fastapi (as without the [serve] extra): one line naming the extra, not transformers' own."""
+    child = f"import sys; sys.modules['fastapi'] = None; from foxlm.cli import main; sys.exit(main(['serve', " \
+            f"{str(model_folder)!r}]))"
+    proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "foxlm serve: error: this needs fastapi, which is not installed: pip install 'foxlm[serve]'"), proc.stderr
