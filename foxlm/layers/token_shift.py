@@ -18,7 +18,8 @@ class TokenShift(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
-        self.proj = nn.Linear(hidden_size, num_heads, bias=False)
+        # fp32 whatever the default dtype: in FoxPreTrainedModel._keep_in_fp32_modules_strict
+        self.proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=torch.float32)
 
     def forward(
         self,

@@ -113,6 +113,15 @@ class FoxPreTrainedModel(PreTrainedModel):
     # context, so a small error in it moves every attention weight; the layers cast their input to these dtypes
     _keep_in_fp32_modules = _keep_in_fp32_modules_strict = ["fgate_proj", "fgate_bias", "k_shift.proj", "v_shift.proj"]
 
+    def post_init(self) -> None:
+        """transformers' post_init, then the fp32 lists cut to the modules this config has (a LLaMA block has no
+        token shift, a "bias" gate no fgate_proj): transformers checks that every name it is given exists."""
+        super().post_init()
+        names = [name for name, _ in self.named_parameters()]
+        for attr in ("_keep_in_fp32_modules", "_keep_in_fp32_modules_strict"):
+            kept = {key for key in getattr(self, attr) if any(_names_module(name, key) for name in names)}
+            setattr(self, attr, kept)
+
     def set_acp(self, enabled: bool, tolerance: float | None = None) -> None:
         """Turn Adaptive Computation Pruning on or off in every attention layer's forward, e.g. to evaluate a model
         trained without it; ``tolerance``: a new epsilon (default: keep the config's). The layers read the config
@@ -397,6 +406,12 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             log_fgates=out.log_fgates,
             **{_CACHE_FIELD: getattr(out, _CACHE_FIELD)},
         )
+
+
+def _names_module(name: str, key: str) -> bool:
+    """Whether parameter ``name`` lies in a module (or is a parameter) that ``key`` names, as transformers matches
+    its ``_keep_in_fp32_modules``: ``key`` a whole dotted part of ``name``."""
+    return f".{key}." in f".{name}."
 
 
 def _as_count(num_items_in_batch: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
