@@ -7,6 +7,57 @@ a config.json path, ``foxlm.models.hf``).
 from __future__ import annotations
 
 import importlib.util
+import math
+
+# FoxConfig's fields and their defaults, declared once: ``FoxConfig`` takes exactly these arguments, and a training
+# config checks and prints ``model.*`` against them without importing torch or transformers. ``FoxConfig``'s
+# docstring says what each one means.
+FOX_FIELDS: dict[str, object] = dict(
+    vocab_size=50304,  # GPT-2 BPE's 50257 padded to a multiple of 64
+    hidden_size=768,
+    num_hidden_layers=12,
+    num_attention_heads=12,
+    num_key_value_heads=None,  # None: num_attention_heads (derived_fields)
+    head_dim=None,  # None: hidden_size // num_attention_heads
+    intermediate_size=None,  # None: 8/3 x hidden_size rounded up to a multiple of 256
+    rms_norm_eps=1e-6,
+    initializer_range=0.02,
+    gate="data",
+    qk_norm=False,
+    qk_norm_shared=False,
+    qk_norm_eps=None,
+    output_gate=False,
+    output_norm=False,
+    k_shift=False,
+    v_shift=False,
+    rope=False,
+    rope_theta=10000.0,
+    window=None,
+    acp=False,
+    acp_tolerance=math.exp(-10),
+    fuse_cross_entropy=True,
+    deterministic_attention=False,
+    train_length=None,
+    use_cache=True,
+    bos_token_id=50256,
+    eos_token_id=50256,
+    tie_word_embeddings=False,
+)
+
+
+def derived_fields(fields: dict) -> dict:
+    """``fields`` (every ``FOX_FIELDS`` key) with the sizes that default to None derived from the others, as
+    ``FoxConfig`` stores them; a size of the wrong type is left for ``FoxConfig``'s checks to name."""
+    out = dict(fields)
+    heads, hidden = out["num_attention_heads"], out["hidden_size"]
+    if out["num_key_value_heads"] is None:
+        out["num_key_value_heads"] = heads
+    if out["head_dim"] is None and isinstance(heads, int) and heads > 0:
+        out["head_dim"] = hidden // heads
+    if out["intermediate_size"] is None and isinstance(hidden, int):
+        out["intermediate_size"] = 256 * math.ceil(8 * hidden / 3 / 256)
+    return out
+
 
 # The Pro blocks' QK-norm epsilon is the FoX authors' (their QK-norm modules hard-code 1e-5, whatever the config's
 # norm_eps), so that a model foxlm trains converts to their format (`foxlm convert --to fox-authors`).

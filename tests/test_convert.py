@@ -29,7 +29,8 @@ from foxlm.cli import main
 from foxlm.data import get_tokenizer, prepare
 from foxlm.data.assets import shakespeare_plays
 from foxlm.models import FoxConfig, FoxForCausalLM, convert
-from foxlm.models.convert import AUTHORS_FOX, AUTHORS_TRANSFORMER, read_folder
+from foxlm.models.convert import read_folder
+from foxlm.models.state_dict_adapter import AUTHORS_FOX, AUTHORS_TRANSFORMER
 
 RTOL = 1e-4
 PRO = dict(use_k_shift=True, use_v_shift=True, qk_norm=True, use_output_gate=True, use_output_norm=True)

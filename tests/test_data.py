@@ -23,7 +23,8 @@ import pytest
 from foxlm.data.cli import register
 from foxlm.data import TokenDataset, get_tokenizer, prepare, same_tokenizer
 from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _TIKTOKEN_GPT2, _tiktoken_gpt2, _wheel_package
-from foxlm.data.assets import gpt2_files, sha256_file
+from foxlm.checkpoint.files import sha256_file
+from foxlm.data.assets import gpt2_files
 from foxlm.data.assets import shakespeare_plays
 from foxlm.data.sources import split_pieces
 from foxlm_cli import foxlm, one_line_error

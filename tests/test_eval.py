@@ -26,7 +26,7 @@ from foxlm.layers.attention import alibi_slopes
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TrainConfig
-from foxlm.train.checkpoint import write_checkpoint
+from foxlm.checkpoint.checkpointer import write_checkpoint
 from foxlm_cli import foxlm, one_line_error
 
 TRAIN_LENGTH = 320  # bytes: the easy-mode needle prompt needs ~250

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from foxlm.cli import main
 from foxlm.models import SIZES, FoxConfig, FoxForCausalLM, load_checkpoint_model
-from foxlm.models.baselines import baseline_config
+from foxlm.models.hf import hf_config
 from foxlm.models.hf import hf_config, use_chunked_loss
 from foxlm.presets import BASELINES
 from foxlm.train import load_config, train
@@ -129,7 +129,7 @@ def test_baseline_presets_match_fox_pro_parameters(arch):
     for size in SIZES:
         with torch.device("meta"):
             fox = FoxForCausalLM(FoxConfig.preset("fox-pro", size, vocab_size=vocab)).num_parameters()
-            config = baseline_config(arch, size, vocab_size=vocab)
+            config = hf_config(arch, {"vocab_size": vocab}, size)
             model = AutoModelForCausalLM.from_config(config)
         assert model.config.hidden_size == SIZES[size]["hidden_size"]
         assert abs(model.num_parameters() / fox - 1) < 0.05, (arch, size, model.num_parameters(), fox)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from foxlm.cli import main
-from foxlm.models.loading import verify_checkpoint
+from foxlm.checkpoint.manifest import verify_checkpoint
 from foxlm.train.logging import read_log
 
 

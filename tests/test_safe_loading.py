@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from foxlm.cli import main
-from foxlm.data.assets import sha256_file
+from foxlm.checkpoint.files import sha256_file
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

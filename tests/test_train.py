@@ -21,11 +21,12 @@ import torch
 import yaml
 
 from foxlm.data import TokenDataset, prepare
-from foxlm.data.assets import sha256_file, shakespeare_plays
+from foxlm.checkpoint.files import sha256_file
+from foxlm.data.assets import shakespeare_plays
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
-from foxlm.train.config import model_fields
+from foxlm.presets import FOX_FIELDS, derived_fields
 from foxlm.train.trainer import Trainer, param_groups
 from tokenizer_folders import llama_style_tokenizer
 
@@ -164,7 +165,7 @@ def test_print_config_shows_the_model_the_preset_builds(capsys):
 
     for arch, size in [("fox-pro", "tiny"), ("transformer-llama", "760m")]:
         built = FoxConfig.preset(arch, size).to_dict()
-        assert shown(f"arch={arch}", f"size={size}") == {k: built[k] for k in model_fields() - set(FROM_THE_DATA)}
+        assert shown(f"arch={arch}", f"size={size}") == {k: built[k] for k in set(FOX_FIELDS) - set(FROM_THE_DATA)}
     fields = shown("model.hidden_size=256", "model.num_attention_heads=2", "model.window=64")
     assert fields == {k: v for k, v in FoxConfig.preset("fox-pro", "tiny", hidden_size=256, num_attention_heads=2,
                                                         window=64).to_dict().items() if k in fields}
@@ -173,12 +174,15 @@ def test_print_config_shows_the_model_the_preset_builds(capsys):
     assert (mamba["hidden_size"], mamba["num_hidden_layers"], mamba["num_heads"]) == (768, 25, 24)
 
 
-def test_model_fields_read_from_source_are_foxconfigs_arguments():
-    """model.* keys are checked against FoxConfig's arguments as parsed from its source file (importing it would
-    import transformers): the parse must give what the class itself takes."""
+def test_foxconfig_takes_and_stores_the_declared_fields():
+    """model.* keys are checked against FOX_FIELDS (importing FoxConfig would import transformers): FoxConfig takes
+    exactly those fields and stores their defaults, with the sizes derived_fields derives."""
     import inspect
 
-    assert model_fields() == set(inspect.signature(FoxConfig.__init__).parameters) - {"self", "kwargs"}
+    assert set(inspect.signature(FoxConfig).parameters) - {"kwargs"} == set(FOX_FIELDS)
+    stored = FoxConfig().to_dict()
+    assert {k: stored[k] for k in FOX_FIELDS} == derived_fields(FOX_FIELDS)
+    assert (stored["num_key_value_heads"], stored["head_dim"], stored["intermediate_size"]) == (12, 64, 2048)
 
 
 def test_reading_and_printing_a_config_imports_neither_torch_nor_transformers():
@@ -410,7 +414,7 @@ def test_sigterm_in_a_first_long_step_stops_within_seconds_and_saves_nothing(byt
 def test_a_config_sized_for_a_gpu_warns_on_the_cpu():
     """fox-pro-125m (32 x 16384 tokens a step) on the CPU is warned about, from its FLOPs per step; the default job,
     sized for a CPU, and the same config on a GPU are not."""
-    from foxlm.train.trainer import cpu_warning, flops_per_token
+    from foxlm.train.metrics import cpu_warning, flops_per_token
 
     def step_flops(cfg) -> float:
         config = FoxConfig.preset(cfg.arch, cfg.size, train_length=cfg.seq_len, vocab_size=50304, **cfg.model)
@@ -427,7 +431,8 @@ def test_a_config_sized_for_a_gpu_warns_on_the_cpu():
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
-    from foxlm.train.checkpoint import verify_checkpoint, write_checkpoint
+    from foxlm.checkpoint.checkpointer import write_checkpoint
+    from foxlm.checkpoint.manifest import verify_checkpoint
 
     def save(text: str):
         def write(folder: Path) -> None:
@@ -600,7 +605,7 @@ def test_cli_reports_a_full_disk_in_one_line(byte_data, tmp_path):
 def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
     """A second `foxlm train` in a run folder while another holds it (here: a lock taken by this process through
     another open file, as another process would) stops before writing; the folder is free again once released."""
-    from foxlm.train.checkpoint import lock_run
+    from foxlm.checkpoint.run_folder import lock_run
 
     run = tmp_path / "run"
     run.mkdir()
@@ -653,12 +658,12 @@ def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeyp
     """Where flock fails (ENOLCK on some network or FUSE mounts; simulated here) training goes on, with a warning."""
     import errno
 
-    from foxlm.train import checkpoint
+    from foxlm.checkpoint import run_folder
 
     def no_flock(f, operation):
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(checkpoint.fcntl, "flock", no_flock)
+    monkeypatch.setattr(run_folder.fcntl, "flock", no_flock)
     with pytest.warns(UserWarning, match="cannot lock .*No locks available"):
         assert train(_cfg(byte_data, tmp_path / "run", "max_steps=2"))["step"] == 2
 
@@ -1019,7 +1024,7 @@ def test_hf_tokenizer_travels_with_the_data_the_run_and_its_export(tmp_path, cap
     moves: each carries the tokenizer, which is identified by its content, so the export folder itself is accepted as
     --tokenizer. A dataset that recorded the file's sha256 (before the content fingerprint) still loads."""
     from foxlm.cli import main
-    from foxlm.train.checkpoint import export_model
+    from foxlm.checkpoint.export import export_model
 
     plays = random.Random(0).sample(shakespeare_plays(), 2)
     folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from .assets import read_json
+from ..checkpoint.files import read_json
 from .sources import FORMAT
 from .tokenizer import TOKENIZER_DIR, Tokenizer, tokenizer_from_spec
 

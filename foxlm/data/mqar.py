@@ -28,7 +28,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .assets import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
+from ..checkpoint.files import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
 from .dataset import TokenDataset
 from .prepare import _SplitWriter, check_out_dir, token_dtype
 from .sources import FORMAT

@@ -33,7 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
-from .assets import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
+from ..checkpoint.files import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
 from .sources import FORMAT, PIECE_CHARS, Source, find_sources, is_token_dataset, source_events, source_size
 from .tokenizer import TOKENIZER_DIR, Tokenizer, copy_files, get_tokenizer
 

@@ -305,7 +305,7 @@ def _parquet_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> I
         import pyarrow.parquet as pq
     except ImportError as e:
         raise OSError("reading Parquet needs pyarrow (pip install pyarrow)") from e
-    from .assets import sha256_file
+    from ..checkpoint.files import sha256_file
 
     src.sha256 = sha256_file(src.path)
     pf = pq.ParquetFile(src.path)
@@ -320,7 +320,7 @@ def _hf_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterat
         import datasets
     except ImportError as e:
         raise OSError("reading a Hugging Face datasets folder needs `datasets` (pip install datasets)") from e
-    from .assets import sha256_file
+    from ..checkpoint.files import sha256_file
 
     loaded = datasets.load_from_disk(str(src.path))
     if src.split is not None:

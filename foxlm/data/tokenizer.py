@@ -21,7 +21,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
-from .assets import GPT2_FILES, gpt2_files, sha256_file
+from ..checkpoint.files import sha256_file
+from .assets import GPT2_FILES, gpt2_files
 
 # GPT-2's pre-tokenizer pattern (tiktoken's r50k_base).
 _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-import yaml
+
+from ..checkpoint.run_folder import read_train_config
 
 # Positions whose logits are computed at once (per batch): [chunk, V] fp32 stays a few hundred MB.
 _LOGIT_CHUNK_TOKENS = 2048
@@ -37,30 +38,17 @@ def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module
     return load_checkpoint_model(path).to(device).eval()
 
 
-def _run_config(checkpoint: str | os.PathLike) -> dict | None:
-    """The training config of the run a checkpoint belongs to (``<run>/train_config.yaml`` written by ``foxlm train``),
-    found from a run, checkpoint or ``save_pretrained`` dir; None if there is none."""
-    path = Path(checkpoint).expanduser().resolve()
-    for folder in (path, *list(path.parents)[:3]):
-        try:
-            cfg = yaml.safe_load((folder / "train_config.yaml").read_text())
-        except (OSError, yaml.YAMLError):
-            continue
-        if isinstance(cfg, dict):
-            return cfg
-    return None
-
-
 def run_train_length(checkpoint: str | os.PathLike) -> int | None:
-    """The training context (``seq_len``) recorded in a checkpoint's run; None if there is none."""
-    cfg = _run_config(checkpoint)
+    """The training context (``seq_len``) recorded in a checkpoint's run (``train_config.yaml``); None if there is
+    none."""
+    cfg = read_train_config(checkpoint)
     return cfg["seq_len"] if cfg is not None and isinstance(cfg.get("seq_len"), int) else None
 
 
 def run_train_data(checkpoint: str | os.PathLike) -> tuple[str, str | None] | None:
     """The dataset (``data``: a prepared folder as it was given, or "shakespeare") and the tokenizer recorded in a
     checkpoint's run; None if there is none."""
-    cfg = _run_config(checkpoint)
+    cfg = read_train_config(checkpoint)
     if cfg is None or not isinstance(cfg.get("data"), str):
         return None
     return cfg["data"], cfg.get("tokenizer")

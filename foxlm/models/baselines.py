@@ -3,31 +3,18 @@
 ``arch=mamba2`` is transformers' own ``Mamba2ForCausalLM`` (plain PyTorch on the CPU, its CUDA kernels where
 ``mamba_ssm`` is installed); ``hgrn2``, ``delta-net`` and ``gated-delta-net`` come from fla (flash-linear-attention,
 ``pip install 'foxlm[baselines]'``), whose Triton kernels need a CUDA GPU. The presets themselves (fox-pro's width,
-vocabulary and parameter count) are in ``foxlm.presets``.
+vocabulary and parameter count) are in ``foxlm.presets``, and ``foxlm.models.hf.hf_config`` builds their configs.
 """
 
 from __future__ import annotations
 
-from transformers import PretrainedConfig
-
-from ..presets import FLA, MODEL_TYPES, baseline_fields, check_fla
+from ..presets import FLA, check_fla
 
 
 def require_fla(arch: str) -> None:
     """Import fla (registering its models with the Auto classes), or a ValueError naming the extra."""
     check_fla(arch)
     import fla  # noqa: F401
-
-
-def baseline_config(arch: str, size: str, **overrides) -> PretrainedConfig:
-    """The config of baseline ``arch`` (one of ``BASELINES``) at ``size`` (tiny, 125m, 360m, 760m), with
-    ``overrides`` (fields of that config) applied."""
-    from .hf import hf_config  # hf imports this module
-
-    fields = baseline_fields(arch, size)
-    if arch in FLA:
-        require_fla(arch)
-    return hf_config(f"hf:{MODEL_TYPES[arch]}", {**fields, **overrides})
 
 
 def check_device(arch: str, device_type: str) -> None:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from ..checkpoint.run_folder import read_train_config
+
 CARD = "README.md"
 # the FoX block's parts a config switches on, in the card's words
 PARTS = {"qk_norm": "QK-norm", "output_gate": "output gate", "output_norm": "output norm", "k_shift": "key shift",
@@ -68,8 +70,6 @@ def write_model_card(folder: Path, *, title: str, source: str, run_dir: Path | N
     have); source: where the model came from and how it
     loads, in words;
     run_dir and step: the ``foxlm train`` run and checkpoint step it was exported from (training and evaluation)."""
-    import yaml
-
     config = json.loads((folder / "config.json").read_text())
     params = parameter_count(folder)
     lines = ["---", "library_name: transformers", "pipeline_tag: text-generation", "tags:", "- foxlm",
@@ -78,9 +78,8 @@ def write_model_card(folder: Path, *, title: str, source: str, run_dir: Path | N
              "## Architecture", "", *_architecture(config),
              f"- {params:,} parameters ({params / 1e6:.1f}M), stored as {config.get('dtype') or config.get('torch_dtype')}",
              "", "## Tokenizer", "", _tokenizer(folder, config), ""]
-    train_config = run_dir / "train_config.yaml" if run_dir is not None else None
-    if train_config is not None and train_config.is_file():
-        cfg = yaml.safe_load(train_config.read_text()) or {}
+    cfg = read_train_config(run_dir, up=0) if run_dir is not None else None
+    if cfg is not None:
         tokens = None if step is None else step * cfg.get("batch_size", 0) * cfg.get("seq_len", 0)
         lines += ["## Training", "",
                   f"- data: `{cfg.get('data')}`",

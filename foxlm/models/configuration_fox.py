@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-import math
+import inspect
 
 from transformers import PretrainedConfig
 
 from ..layers import GATES
 from ..ops.acp import check_tolerance
-from ..presets import ARCHS, SIZES
+from ..presets import ARCHS, FOX_FIELDS, SIZES, derived_fields
 
 
 class FoxConfig(PretrainedConfig):
     """Configuration of ``FoxModel`` / ``FoxForCausalLM``; ``FoxConfig.preset(arch, size)`` gives the paper models.
+
+    Its fields and their defaults are declared once, in ``foxlm.presets.FOX_FIELDS``; keyword arguments only.
 
     Args:
         vocab_size: 50304 = GPT-2 BPE's 50257 padded to a multiple of 64.
@@ -43,75 +45,22 @@ class FoxConfig(PretrainedConfig):
     attribute_map = {"max_position_embeddings": "train_length"}
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
-    def __init__(
-        self,
-        vocab_size: int = 50304,
-        hidden_size: int = 768,
-        num_hidden_layers: int = 12,
-        num_attention_heads: int = 12,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-        intermediate_size: int | None = None,
-        rms_norm_eps: float = 1e-6,
-        initializer_range: float = 0.02,
-        gate: str = "data",
-        qk_norm: bool = False,
-        qk_norm_shared: bool = False,
-        qk_norm_eps: float | None = None,
-        output_gate: bool = False,
-        output_norm: bool = False,
-        k_shift: bool = False,
-        v_shift: bool = False,
-        rope: bool = False,
-        rope_theta: float = 10000.0,
-        window: int | None = None,
-        acp: bool = False,
-        acp_tolerance: float = math.exp(-10),
-        fuse_cross_entropy: bool = True,
-        deterministic_attention: bool = False,
-        train_length: int | None = None,
-        use_cache: bool = True,
-        bos_token_id: int | None = 50256,
-        eos_token_id: int | None = 50256,
-        tie_word_embeddings: bool = False,
-        **kwargs,
-    ):
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_attention_heads if num_key_value_heads is None else num_key_value_heads
-        self.head_dim = head_dim
-        if head_dim is None and isinstance(num_attention_heads, int) and num_attention_heads > 0:
-            self.head_dim = hidden_size // num_attention_heads
-        self.intermediate_size = intermediate_size
-        if intermediate_size is None and isinstance(hidden_size, int):
-            self.intermediate_size = 256 * math.ceil(8 * hidden_size / 3 / 256)
-        self.rms_norm_eps = rms_norm_eps
-        self.initializer_range = initializer_range
-        self.gate = gate
-        self.qk_norm = qk_norm
-        self.qk_norm_shared = qk_norm_shared
-        self.qk_norm_eps = qk_norm_eps
-        self.output_gate = output_gate
-        self.output_norm = output_norm
-        self.k_shift = k_shift
-        self.v_shift = v_shift
-        self.rope = rope
-        self.rope_theta = rope_theta
-        self.window = window
-        self.acp = acp
-        self.acp_tolerance = acp_tolerance
-        self.fuse_cross_entropy = fuse_cross_entropy
-        self.deterministic_attention = deterministic_attention
-        self.train_length = train_length
-        self.use_cache = use_cache
+    def __init__(self, **kwargs):
+        fields = derived_fields({name: kwargs.pop(name, default) for name, default in FOX_FIELDS.items()})
+        hf_fields = {name: fields.pop(name) for name in ("bos_token_id", "eos_token_id", "tie_word_embeddings")}
+        for name, value in fields.items():
+            setattr(self, name, value)
         self._check()
-        super().__init__(
-            bos_token_id=bos_token_id, eos_token_id=eos_token_id, tie_word_embeddings=tie_word_embeddings, **kwargs
-        )
+        super().__init__(**hf_fields, **kwargs)
         if self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings: FoX models have an untied LM head")
+
+    # the arguments, as help() and inspect show them: those of FOX_FIELDS, keyword only, then PretrainedConfig's
+    __init__.__signature__ = inspect.Signature(
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+           for name, default in FOX_FIELDS.items()]
+        + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
     @classmethod
     def preset(cls, arch: str, size: str, **overrides) -> "FoxConfig":

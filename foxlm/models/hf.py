@@ -19,8 +19,9 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING, CONFIG_M
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from ..ops.cross_entropy import linear_cross_entropy
-from ..presets import BASELINES, HF_PREFIX
-from .baselines import baseline_config
+from ..presets import BASELINES, FLA, HF_PREFIX, MODEL_TYPES, baseline_fields
+from .baselines import require_fla
+
 
 def config_fields(config: PretrainedConfig) -> set[str]:
     """What ``model.*`` may set on ``config``: its class's constructor arguments and the attributes it holds."""
@@ -37,7 +38,10 @@ def hf_config(arch: str, fields: dict | None = None, size: str = "tiny") -> Pret
     ValueError naming it."""
     fields = dict(fields or {})
     if arch in BASELINES:
-        return baseline_config(arch, size, **fields)
+        if arch in FLA:
+            require_fla(arch)
+        fields = {**baseline_fields(arch, size), **fields}
+        arch = f"{HF_PREFIX}{MODEL_TYPES[arch]}"
     if arch.startswith(HF_PREFIX):
         model_type = arch[len(HF_PREFIX):]
         if model_type not in CONFIG_MAPPING:

@@ -10,12 +10,12 @@ _EXPORTS = {
     "TokenLoader": "loader",
     "TrainConfig": "config",
     "Trainer": "trainer",
-    "latest_valid_checkpoint": "foxlm.models.loading",
+    "latest_valid_checkpoint": "foxlm.checkpoint.run_folder",
     "load_checkpoint_model": "foxlm.models.loading",
     "load_config": "config",
     "lr_at": "trainer",
     "train": "trainer",
-    "verify_checkpoint": "foxlm.models.loading",
+    "verify_checkpoint": "foxlm.checkpoint.manifest",
 }
 __all__ = sorted(_EXPORTS)
 

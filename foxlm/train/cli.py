@@ -53,7 +53,7 @@ def _train(args: argparse.Namespace) -> int:
 
         print(printed_config(cfg), end="")
         return 0
-    from .checkpoint import DiskFullError  # not before --print-config, which needs neither torch nor a trainer
+    from ..checkpoint.checkpointer import DiskFullError  # not before --print-config, which needs neither torch nor a trainer
     from .trainer import Trainer, train
 
     trainer = Trainer(cfg)
@@ -71,7 +71,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from .checkpoint import export_model
+    from ..checkpoint.export import export_model
 
     print(f"exported {export_model(args.src, args.dst)}")  # a bad SRC or DST: foxlm.cli's one-line error
     return 0

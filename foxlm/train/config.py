@@ -8,9 +8,7 @@ which works from any folder.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
 import inspect
 import math
 import os
@@ -21,7 +19,8 @@ from pathlib import Path
 
 import yaml
 
-from ..presets import ARCHS, BASELINES, HF_PREFIX, SIZES, baseline_fields, check_fla, has_size, is_hf_arch
+from ..presets import (ARCHS, BASELINES, FOX_FIELDS, HF_PREFIX, SIZES, baseline_fields, check_fla, derived_fields,
+                       has_size, is_hf_arch)
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
@@ -144,8 +143,8 @@ class TrainConfig:
             self._validate_hf()
             return
         for key in self.model:
-            if key not in model_fields():
-                raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(model_fields())})")
+            if key not in FOX_FIELDS:
+                raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(FOX_FIELDS)})")
 
     def _validate_hf(self) -> None:
         """What a Hugging Face model (``arch=hf:...``, a config.json or a baseline) cannot do in foxlm's trainer."""
@@ -201,39 +200,6 @@ def config_keys_help() -> str:
     return "\n".join(rows)
 
 
-@functools.cache
-def _fox_init() -> ast.FunctionDef:
-    """``FoxConfig.__init__`` as parsed from its source: importing it would import torch and transformers."""
-    tree = ast.parse((Path(__file__).resolve().parent.parent / "models" / "configuration_fox.py").read_text())
-    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "FoxConfig")
-    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
-
-
-@functools.cache
-def model_fields() -> frozenset[str]:
-    """The fields of ``FoxConfig`` (its constructor's arguments): what ``model.*`` may set."""
-    init = _fox_init()
-    return frozenset(a.arg for a in init.args.args + init.args.kwonlyargs) - {"self"}
-
-
-def _default_value(node: ast.expr):
-    """A default of FoxConfig's signature: a literal, or ``math.<function>(<literals>)``."""
-    try:
-        return ast.literal_eval(node)
-    except ValueError:
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Name) and node.func.value.id == "math"):
-            return getattr(math, node.func.attr)(*map(ast.literal_eval, node.args))
-        raise
-
-
-@functools.cache
-def _fox_defaults() -> dict:
-    args = [a.arg for a in _fox_init().args.args if a.arg != "self"]
-    defaults = _fox_init().args.defaults
-    return {name: _default_value(node) for name, node in zip(args[len(args) - len(defaults):], defaults)}
-
-
 # model fields a run sets from its data's tokenizer and seq_len, whatever arch and size say
 FROM_THE_DATA = ("vocab_size", "bos_token_id", "eos_token_id", "train_length")
 
@@ -245,14 +211,7 @@ def resolved_model(cfg: TrainConfig) -> dict | None:
     if cfg.arch in BASELINES:
         fields = {**baseline_fields(cfg.arch, cfg.size), **cfg.model}
     elif cfg.arch in ARCHS:
-        fields = {**_fox_defaults(), **SIZES[cfg.size], **ARCHS[cfg.arch], **cfg.model}
-        # what FoxConfig derives from the others when they are None
-        if fields["num_key_value_heads"] is None:
-            fields["num_key_value_heads"] = fields["num_attention_heads"]
-        if fields["head_dim"] is None:
-            fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-        if fields["intermediate_size"] is None:
-            fields["intermediate_size"] = 256 * math.ceil(8 * fields["hidden_size"] / 3 / 256)
+        fields = derived_fields({**FOX_FIELDS, **SIZES[cfg.size], **ARCHS[cfg.arch], **cfg.model})
     else:
         return None
     return {k: v for k, v in fields.items() if k not in FROM_THE_DATA}

@@ -23,8 +23,10 @@ from typing import IO
 
 import torch
 import torch.distributed as dist
-import yaml
 
+from ..checkpoint.checkpointer import initialize_model, model_name, restore_checkpoint
+from ..checkpoint.export import export_model
+from ..checkpoint.run_folder import check_out_dir, checkpoint_step, list_checkpoints, resume_point, write_train_config
 from ..data import TokenDataset, ensure_default_corpus
 from ..models import FoxConfig, FoxForCausalLM
 from ..models.baselines import check_device
@@ -32,18 +34,14 @@ from ..models.hf import build_model, decoder_layers, hf_config, use_chunked_loss
 from ..ops.backend import use_triton
 from ..parallel import ContextParallel
 from ..presets import has_size, is_hf_arch
-from . import parallel
-from .checkpoint import (PendingCheckpoint, check_out_dir, check_run_folder, checkpoint_step, export_model,
-                         full_state_dicts, initialize_model, list_checkpoints, lock_run, model_name, restore_checkpoint,
-                         resume_point, write_checkpoint)
+from . import evaluation, parallel
+from .checkpointing import Checkpointer, take_run_folder
 from .config import TrainConfig
 from .cuda_graph import GraphedMicroStep
 from .loader import Batch, TokenLoader
 from .logging import RunLog
+from .metrics import Metrics, cpu_warning, duration
 from .preemption import Preempted, Preemption
-
-# Dense bf16 peak TFLOP/s per device, for the MFU estimate.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0}
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -61,29 +59,6 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-# Training FLOPs per step and process past which a CPU takes about a minute a step, or more (a 2-core CPU trained
-# fox-pro 125m at ~20 GFLOP/s in fp32; the default job needs ~3e10 a step).
-GPU_SIZED_FLOPS = 1e12
-
-
-def cpu_warning(flops_per_step: float, device: torch.device, what: str) -> str | None:
-    """The warning for a run of ``what`` whose steps (``flops_per_step`` per process) are sized for a GPU but run on
-    the CPU; None where they are not."""
-    if device.type != "cpu" or flops_per_step < GPU_SIZED_FLOPS:
-        return None
-    tflop = flops_per_step / 1e12
-    size = f"{tflop:,.0f}" if tflop >= 10 else f"{tflop:.1f}"
-    return (f"warning: {what} is sized for a GPU: about {size} TFLOP per step, a minute or more per step on a CPU "
-            f"(the default job, `foxlm train`, is sized for one); the time per step follows its first step")
-
-
-def flops_per_token(config: FoxConfig, num_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x (parameters except the embedding) + causal attention 6 x L x T x H x D."""
-    embed = config.vocab_size * config.hidden_size
-    attn = 6 * config.num_hidden_layers * seq_len * config.num_attention_heads * config.head_dim
-    return 6 * (num_params - embed) + attn
 
 
 def _causal_lm_loss(model: torch.nn.Module, autocast: bool, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -187,8 +162,9 @@ class Trainer:
         self._warning: str | None = None  # cpu_warning's, when the run starts
         self._lock: IO[str] | None = None  # out_dir's lock while the run holds it (rank 0)
         self._started: list[str] | None = None  # after start(): what it did, for the log ("resumed from ...")
-        self._pending: tuple[PendingCheckpoint, Callable[[Path], None], dict | None] | None = None  # save(background)
-        self._save_group: dist.ProcessGroup | None = None  # background saves' own gloo group
+        self.checkpointer = Checkpointer(self.run_dir, cfg.keep_last, self.d, self.tokenizer)
+        self.metrics = Metrics(self.model_config, self.num_params, cfg.seq_len, cfg.batch_size, self.hf,
+                               cfg.peak_tflops, self.device, self.d.world)
 
     def _graph_micro_step(self) -> GraphedMicroStep | None:
         """The micro-step replayed from a CUDA graph, as ``cuda_graph`` asks; its gradients stay at fixed addresses
@@ -212,66 +188,31 @@ class Trainer:
 
     # --- checkpoints ------------------------------------------------------------------------------------------
     def save(self, background: bool = False) -> list[Path]:
-        """Checkpoint the current step (collective: every process calls it). One process writes the whole state; several
-        write their shards of the model and optimizer with torch.distributed.checkpoint, nothing gathered on one, and
-        with ``background`` in a thread while training goes on, committed by the next ``save`` or ``finish_saving``.
-        Returns the checkpoints committed (on rank 0): a background save's from before, and this one unless in
-        the background."""
-        done = self.finish_saving()
-        module = parallel.unwrap(self.model)
-        sharded = self.d.world > 1
-        if sharded:
-            from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
-            shards = {"model": get_model_state_dict(module),
-                      "optimizer": get_optimizer_state_dict(module, self.optimizer)}
-            model_sd = optim_sd = None
-        else:
-            shards = None
-            model_sd, optim_sd = full_state_dicts(module, self.optimizer)
-        state = None
-        if self.d.main:
-            state = {
-                "step": self.step,
-                **({} if sharded else {"optimizer": optim_sd}),
-                "scheduler": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)},
-                "loader": self.loader.state_dict(),
-                "rng": {"cpu": torch.get_rng_state(),
-                        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
-                "bad_steps": self.bad_steps,
-                "tokens_seen": self.tokens_seen,
-                "tokenizer": self.tok_spec,
-                "world_size": self.d.world,
-                "config": self.cfg.to_dict(),
-            }
-        save_model = functools.partial(self._save_model, module, model_sd)
-        if sharded and background:
-            if self._save_group is None:  # DCP's thread must not interleave its collectives with the training's
-                self._save_group = dist.new_group(backend="gloo")
-            self._pending = PendingCheckpoint(self.run_dir, self.step, shards, self._save_group), save_model, state
-            return done
-        path = write_checkpoint(self.run_dir, self.step, save_model, state, self.cfg.keep_last, shards=shards)
-        self.d.barrier()
-        return done + ([path] if path is not None else [])
+        """Checkpoint the current step (collective: every process calls it; ``Checkpointer.save`` says how, and what
+        it returns)."""
+        return self.checkpointer.save(self.step, parallel.unwrap(self.model), self.optimizer, self._trainer_state,
+                                      background)
 
     def finish_saving(self) -> list[Path]:
         """Commit the checkpoint being written in the background, if any (collective); returns it on rank 0."""
-        if self._pending is None:
-            return []
-        (pending, save_model, state), self._pending = self._pending, None
-        path = pending.finish(save_model, state, self.cfg.keep_last)
-        return [path] if path is not None else []
+        return self.checkpointer.finish_saving()
 
-    def _save_model(self, module: torch.nn.Module, state_dict: dict | None, folder: Path) -> None:
-        """The model's ``save_pretrained`` folder (without ``state_dict``: its config alone, the weights being in the
-        shards), with the tokenizer in Hugging Face's format where there is one (all but byte), so that
-        ``AutoTokenizer`` loads it from the same folder."""
-        if state_dict is None:
-            module.config.save_pretrained(folder)
-        else:
-            module.save_pretrained(folder, state_dict=state_dict)
-        if hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(folder)
+    def _trainer_state(self, optimizer: dict | None) -> dict:
+        """What a checkpoint holds besides the model: counters, schedule, loader, RNG, and ``optimizer`` (the whole
+        optimizer state of one process; None: it is in the shards)."""
+        return {
+            "step": self.step,
+            **({} if optimizer is None else {"optimizer": optimizer}),
+            "scheduler": {"step": self.step, "lr": lr_at(max(self.step - 1, 0), self.cfg)},
+            "loader": self.loader.state_dict(),
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "bad_steps": self.bad_steps,
+            "tokens_seen": self.tokens_seen,
+            "tokenizer": self.tok_spec,
+            "world_size": self.d.world,
+            "config": self.cfg.to_dict(),
+        }
 
     def load(self, ckpt: Path) -> list[str]:
         """Restore model, optimizer, counters and RNG from a verified checkpoint; return the settings this run
@@ -355,34 +296,16 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=self.graphed is None)
         return record
 
-    @torch.no_grad()
     def evaluate(self) -> dict | None:
         """Over fixed validation batches (``eval_batches``, or fewer to read the split at most once): the mean loss
-        ``val_loss`` and, for a model with forget gates, ``val_acp_skipped``, the share of attention tiles ACP skips
-        there (or, with ACP off, would skip). None without a validation split."""
+        ``val_loss`` and, for a model with forget gates, ``val_acp_skipped`` (``evaluation.validation_loss``). None
+        without a validation split."""
         if self.val_loader is None:
             return None
-        module = parallel.unwrap(self.model)
-        gated = getattr(module.config, "gate", "none") != "none"  # a Hugging Face model has no forget gates
-        self.model.eval()
-        loss_sum = torch.zeros((), device=self.device)
-        count = 0.0
-        per_batch = self.cfg.batch_size * self.cfg.seq_len
-        try:
-            with module.probe_acp() if gated else contextlib.nullcontext() as share, self.preemption.interruptible():
-                for k in range(max(1, min(self.cfg.eval_batches, len(self.val_ds.tokens) // per_batch))):
-                    for b in self.val_loader.batch(k):
-                        loss_sum += self._forward(b).float() * b.num_targets
-                        count += b.num_targets
-        finally:
-            self.model.train()
-        total = self.d.sum(torch.tensor([count], device=self.device)).item()
-        out = {"val_loss": (self.d.sum(loss_sum) / total).item()}
-        if gated:
-            out["val_acp_skipped"] = (self.d.sum(share.per_head().mean().reshape(1)) / self.d.world).item()
-        return out
+        batches = max(1, min(self.cfg.eval_batches, len(self.val_ds.tokens) // (self.cfg.batch_size * self.cfg.seq_len)))
+        return evaluation.validation_loss(self.model, self._forward, self.val_loader, batches, self.d, self.device,
+                                          self.preemption.interruptible())
 
-    @torch.no_grad()
     def sample(self) -> str:
         """A sampled continuation of ``sample_prompt`` (default: the start of the first validation document)."""
         if self.cfg.sample_prompt is not None:
@@ -390,36 +313,9 @@ class Trainer:
         else:
             source = self.val_ds if self.val_ds.num_docs else self.train_ds
             prompt = source.document(0)[:24].tolist()
-        module = parallel.unwrap(self.model)
-        module.eval()
-        if not self.hf:
-            module.set_context_parallel(None)  # decoding holds whole sequences
-        generator_state = torch.get_rng_state()
-        torch.manual_seed(self.cfg.seed)
-        # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
-        with torch.compiler.set_stance("force_eager"), \
-                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            out = module.generate(torch.tensor([prompt], device=self.device), max_new_tokens=self.cfg.sample_tokens,
-                                  do_sample=True, top_k=50, temperature=0.8, pad_token_id=self.tokenizer.eot_id)
-        torch.set_rng_state(generator_state)
-        module.train()
-        return self.tokenizer.decode(out[0, 1:].tolist())
-
-    def _step_flops(self) -> float:
-        """Training FLOPs of one step (all processes): foxlm's count for its attention models, 6 N per token else."""
-        per_token = 6 * self.num_params if self.hf else \
-            flops_per_token(self.model_config, self.num_params, self.cfg.seq_len)
-        return per_token * self.cfg.batch_size * self.cfg.seq_len
-
-    def _mfu(self, tokens_per_s: float) -> float | None:
-        peak = self.cfg.peak_tflops
-        if peak is None and self.device.type == "cuda":
-            name = torch.cuda.get_device_name(self.device)
-            peak = next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
-        if peak is None or self.hf:  # the FLOP count below is that of foxlm's attention models
-            return None
-        per_token = flops_per_token(self.model_config, self.num_params, self.cfg.seq_len)
-        return tokens_per_s * per_token / (peak * 1e12 * self.d.world)
+        ids = evaluation.sample(self.model, prompt, self.cfg.sample_tokens, self.cfg.seed, self.device, self.autocast,
+                                self.tokenizer.eot_id, self.hf)
+        return self.tokenizer.decode(ids)
 
     # --- the run ----------------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -428,22 +324,8 @@ class Trainer:
         before anything is written. ``run()`` calls it when it was not called."""
         if self._started is not None:
             return
-        refused = None
-        if self.d.main:
-            try:
-                check_run_folder(self.run_dir)  # before anything is written there
-            except (ValueError, NotADirectoryError) as e:
-                refused = e
-            else:
-                self.run_dir.mkdir(parents=True, exist_ok=True)
-                self._lock = lock_run(self.run_dir)
+        self._lock = take_run_folder(self.run_dir, self.d, self.device)
         try:
-            if self.d.any(refused is not None, self.device):
-                raise refused or ValueError(f"out_dir: {self.run_dir} is refused (the main process says why)")
-            if self.d.any(self.d.main and self._lock is None, self.device):
-                holder = (self.run_dir / ".lock").read_text().strip() if self.d.main else "?"
-                raise ValueError(f"out_dir: {self.run_dir} is in use by another foxlm train (pid {holder}); wait for "
-                                 f"it to end, or train into a new out_dir")
             export = self.cfg.export_dir
             if export is not None and Path(export).expanduser().exists():
                 raise ValueError(f"export_dir: {export} exists; the run exports its model into a new folder")
@@ -495,7 +377,7 @@ class Trainer:
                   f"({self.tok_spec['name']}); {cfg.batch_size} x {cfg.seq_len} tokens per step, "
                   f"{micro} micro-batch{'es' if micro > 1 else ''} per process"
                   + ("; forward + backward replayed from a CUDA graph" if self.graphed is not None else ""))
-        self._warning = cpu_warning(self._step_flops() / self.d.world, self.device,
+        self._warning = cpu_warning(self.metrics.step_flops() / self.d.world, self.device,
                                     f"{name} at {cfg.batch_size} x {cfg.seq_len} tokens")
         if self._warning is not None and not self.finished:
             log.write(self._warning)
@@ -507,57 +389,37 @@ class Trainer:
                       f"fewer than seq_len + 1 = {cfg.seq_len + 1}")
 
     def _run(self) -> dict:
-        cfg = self.cfg
+        cfg, every = self.cfg, lambda n: n and self.step % n == 0  # noqa: E731
         if self.d.main:
-            (self.run_dir / "train_config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+            write_train_config(self.run_dir, cfg.to_dict())
         log = RunLog(self.run_dir, self.step, cfg.max_steps, main=self.d.main, tensorboard=cfg.tensorboard,
                      progress=cfg.progress, wandb=cfg.wandb, config=cfg.to_dict())
         self._announce(log)
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()
-        t0, tokens0 = time.perf_counter(), self.tokens_seen  # throughput since the last log line
-        every = lambda n: n and self.step % n == 0  # noqa: E731
+        self.metrics.reset(self.tokens_seen)
         self.micro_progress = log.within_step
         first = self.step + 1
         try:
             while not self.finished:
-                started = time.perf_counter()
-                record = self.train_step()
-                if self.step == first and (self._warning is not None or time.perf_counter() - started > 60):
-                    took = time.perf_counter() - started
-                    left = cfg.max_steps - self.step
-                    log.write(f"step {self.step} took {_duration(took)}; the {left:,} steps to max_steps="
-                              f"{cfg.max_steps:,} at that pace: about {_duration(took * left)}")
+                record = self._timed_step(log, first)
                 if summary["first_loss"] is None:
                     summary["first_loss"] = record["loss"]
                 summary["loss"] = record["loss"]
-                now = time.perf_counter()
-                tps = (self.tokens_seen - tokens0) / max(now - t0, 1e-9)
-                mfu = self._mfu(tps)
-                record.update(tokens_per_s=tps, **({"mfu": mfu} if mfu is not None else {}))
-                if record.get("skipped"):
-                    log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
-                              f"({self.bad_steps}/{cfg.max_bad_steps})")
                 # SIGTERM: every process stops after the same step (the save is collective), whichever received it
                 stop = not self.finished and self.d.any(self.preemption.requested, self.device)
-                if every(cfg.log_every) or self.finished or record.get("skipped") or stop:
-                    log.log(record)
-                    t0, tokens0 = now, self.tokens_seen
-                self._check_bad_steps()
-                log.progress({"loss": f"{record['loss']:.3f}", "tok/s": f"{tps:,.0f}",
-                              **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {})})
+                self._record(log, record, stop)
                 if (every(cfg.eval_every) or self.finished) and not stop:
                     self._validate(log, summary)
                 if every(cfg.save_every) or self.finished or stop:
-                    background = cfg.async_checkpoint and not (self.finished or stop)
-                    for path in self.save(background):
+                    for path in self.save(background=cfg.async_checkpoint and not (self.finished or stop)):
                         log.write(f"saved {path}")
                 if stop:
                     log.write(f"stopped by SIGTERM after step {self.step}; the same command resumes the run")
                     summary["stopped"] = "SIGTERM"
                     break
                 if every(cfg.eval_every) or every(cfg.save_every):  # not training time
-                    t0, tokens0 = time.perf_counter(), self.tokens_seen
+                    self.metrics.reset(self.tokens_seen)
             if cfg.export_dir is not None and "stopped" not in summary:
                 if self.d.main:
                     log.write(f"exported {export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir)}")
@@ -572,6 +434,34 @@ class Trainer:
         summary.update(step=self.step, bad_steps=self.bad_steps, tokens=self.tokens_seen, run_dir=str(self.run_dir),
                        checkpoint=str(saved[-1]) if saved else None)
         return summary
+
+    def _timed_step(self, log: RunLog, first: int) -> dict:
+        """``train_step``; after the run's ``first`` step, if it was slow (or the CPU warning was given), what the
+        rest will take at that pace."""
+        started = time.perf_counter()
+        record = self.train_step()
+        took = time.perf_counter() - started
+        if self.step == first and (self._warning is not None or took > 60):
+            left = self.cfg.max_steps - self.step
+            log.write(f"step {self.step} took {duration(took)}; the {left:,} steps to max_steps="
+                      f"{self.cfg.max_steps:,} at that pace: about {duration(took * left)}")
+        return record
+
+    def _record(self, log: RunLog, record: dict, stop: bool) -> None:
+        """Add the throughput to a step's record and log it (every ``log_every`` steps, at the end, on a skipped step
+        and before a stop); a run past ``max_bad_steps`` stops here."""
+        record.update(self.metrics.throughput(self.tokens_seen))
+        if record.get("skipped"):
+            log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
+                      f"({self.bad_steps}/{self.cfg.max_bad_steps})")
+        if (self.cfg.log_every and self.step % self.cfg.log_every == 0) or self.finished or record.get("skipped") \
+                or stop:
+            log.log(record)
+            self.metrics.reset(self.tokens_seen)
+        self._check_bad_steps()
+        mfu = record.get("mfu")
+        log.progress({"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
+                      **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {})})
 
     def _validate(self, log: RunLog, summary: dict) -> None:
         val = self.evaluate()
@@ -613,15 +503,6 @@ class Trainer:
                 kept, resumes = f"saved {written[0] if written else 'step ' + str(self.step)}", \
                     "the same command resumes the run"
         log.write(f"stopped by SIGTERM during step {self.step + 1}: {kept}; {resumes}")
-
-
-def _duration(seconds: float) -> str:
-    """``seconds`` as "42 s", "12 min", "3.5 h" or "2.1 days"."""
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h" if seconds < 2 * 86400 else f"{seconds / 86400:.1f} days"
 
 
 def train(cfg: TrainConfig | Trainer) -> dict:

@@ -1,11 +1,12 @@
-"""Reading a sharded checkpoint (torch.distributed.checkpoint, DCP) without running code from it.
+"""Sharded checkpoints (torch.distributed.checkpoint, DCP): each process saves and loads its own part of the model
+and optimizer state, and nothing is read as code.
 
-torch's ``FileSystemReader`` unpickles ``.metadata`` with plain ``pickle``, and its ``DefaultLoadPlanner`` loads the
-non-tensor entries of the ``.distcp`` shards (the optimizer's hyperparameters) with ``torch.load(weights_only=False)``:
-either runs whatever a crafted file names, and a checkpoint's manifest is written by whoever wrote it. Here the
-metadata is unpickled with DCP's own metadata classes allowed and nothing else, and bytes entries with
-``weights_only=True``; anything more is refused as ``UnsafeCheckpointError``. Tensors DCP already reads with
-``weights_only=True``.
+Saving is DCP's own (``save_shards``); reading is not. torch's ``FileSystemReader`` unpickles ``.metadata`` with
+plain ``pickle``, and its ``DefaultLoadPlanner`` loads the non-tensor entries of the ``.distcp`` shards (the
+optimizer's hyperparameters) with ``torch.load(weights_only=False)``: either runs whatever a crafted file names, and
+a checkpoint's manifest is written by whoever wrote it. Here the metadata is unpickled with DCP's own metadata
+classes allowed and nothing else, and bytes entries with ``weights_only=True``; anything more is refused as
+``UnsafeCheckpointError``. Tensors DCP already reads with ``weights_only=True``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from torch.distributed.checkpoint._traverse import set_element  # private, as De
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-__all__ = ["UnsafeCheckpointError", "load_shards", "read_shard_metadata"]
+__all__ = ["UnsafeCheckpointError", "full_state_dicts", "load_sharded", "load_shards", "read_shard_metadata",
+           "save_shards", "sharded_model_shapes", "sharded_state_dicts"]
 
 # What a DCP .metadata pickle names (torch 2.11 to 2.13): its dataclasses, the sizes, dtypes and layouts of tensors,
 # and the checkpoint's path. Each is plain data: building one runs nothing of the file's choosing.
@@ -112,3 +114,49 @@ def load_shards(state_dict: dict, folder: str | os.PathLike, arg: str = "checkpo
         if refused:
             raise UnsafeCheckpointError(f"{arg}: {Path(folder)}: {refused[0]}") from None
         raise
+
+
+def sharded_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This process's part of the model's and optimizer's state dicts (``{"model": ..., "optimizer": ...}``)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return {"model": get_model_state_dict(module), "optimizer": get_optimizer_state_dict(module, optimizer)}
+
+
+def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The whole model's and optimizer's state dicts on the CPU, by their parameter names (one process's save; runs
+    of several save shards instead)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(module, options=options), get_optimizer_state_dict(module, optimizer, options=options)
+
+
+def save_shards(shards: dict, folder: str | os.PathLike, background=None):
+    """Write this process's ``shards`` into ``folder`` (collective; DCP fsyncs its files); with ``background`` (a
+    process group used by nothing else) in a thread, from a copy in CPU memory: returns the future to wait on."""
+    import torch.distributed.checkpoint as dcp
+
+    if background is None:
+        dcp.save(shards, checkpoint_id=folder)
+        return None
+    return dcp.async_save(shards, checkpoint_id=folder, process_group=background)
+
+
+def load_sharded(module: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: str | os.PathLike,
+                 arg: str = "checkpoint", no_dist: bool = False) -> None:
+    """Load ``folder``'s shards into ``module`` and ``optimizer``: each process reads its own part, whatever the number
+    of processes that wrote them (safely, as ``load_shards``)."""
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    shards = sharded_state_dicts(module, optimizer)
+    load_shards(shards, folder, arg, no_dist=no_dist)
+    set_model_state_dict(module, shards["model"])
+    set_optimizer_state_dict(module, optimizer, shards["optimizer"])
+
+
+def sharded_model_shapes(folder: str | os.PathLike, arg: str = "checkpoint") -> dict[str, tuple[int, ...]]:
+    """The names and full shapes of the model weights in shard folder ``folder``, from its DCP metadata."""
+    metadata = read_shard_metadata(folder, arg).state_dict_metadata
+    return {key[len("model."):]: tuple(meta.size) for key, meta in metadata.items() if key.startswith("model.")}

@@ -1,0 +1,59 @@
+"""What the trainer evaluates while it trains: the validation loss (with ACP's share of skipped tiles), and a sampled
+continuation."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from . import parallel
+from .loader import Batch, TokenLoader
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, forward: Callable[[Batch], torch.Tensor], val_loader: TokenLoader,
+                    batches: int, d: parallel.Dist, device: torch.device,
+                    interruptible: contextlib.AbstractContextManager) -> dict:
+    """Over the first ``batches`` validation batches: the mean loss ``val_loss`` and, for a model with forget gates,
+    ``val_acp_skipped``, the share of attention tiles ACP skips there (or, with ACP off, would skip). ``forward``
+    gives a batch's mean loss; the model is back in training mode after, whatever happens."""
+    module = parallel.unwrap(model)
+    gated = getattr(module.config, "gate", "none") != "none"  # a Hugging Face model has no forget gates
+    model.eval()
+    loss_sum = torch.zeros((), device=device)
+    count = 0.0
+    try:
+        with module.probe_acp() if gated else contextlib.nullcontext() as share, interruptible:
+            for k in range(batches):
+                for b in val_loader.batch(k):
+                    loss_sum += forward(b).float() * b.num_targets
+                    count += b.num_targets
+    finally:
+        model.train()
+    total = d.sum(torch.tensor([count], device=device)).item()
+    out = {"val_loss": (d.sum(loss_sum) / total).item()}
+    if gated:
+        out["val_acp_skipped"] = (d.sum(share.per_head().mean().reshape(1)) / d.world).item()
+    return out
+
+
+@torch.no_grad()
+def sample(model: torch.nn.Module, prompt: list[int], tokens: int, seed: int, device: torch.device, autocast: bool,
+           eot_id: int, hf: bool) -> list[int]:
+    """The token ids of a sampled continuation of ``prompt`` (top-k 50, temperature 0.8, seeded with ``seed``; the
+    global RNG is left as it was), the prompt's first token dropped."""
+    module = parallel.unwrap(model)
+    module.eval()
+    if not hf:
+        module.set_context_parallel(None)  # decoding holds whole sequences
+    generator_state = torch.get_rng_state()
+    torch.manual_seed(seed)
+    # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
+    with torch.compiler.set_stance("force_eager"), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+        out = module.generate(torch.tensor([prompt], device=device), max_new_tokens=tokens, do_sample=True, top_k=50,
+                              temperature=0.8, pad_token_id=eot_id)
+    torch.set_rng_state(generator_state)
+    module.train()
+    return out[0, 1:].tolist()
