@@ -364,7 +364,7 @@ def _reverse_cumsum(dc: torch.Tensor, plan: _Plan) -> torch.Tensor:
     for r in range(plan.world):
         for a, g in enumerate(plan.chunks[r]):
             per_chunk[g] = gathered[r, a]
-    after = per_chunk.flip(0).cumsum(0).flip(0) - per_chunk  # sum over the chunks after g
+    after = reverse_cumsum(per_chunk, dim=0) - per_chunk  # sum over the chunks after g
     carry = torch.stack([after[g] for g in plan.chunks[plan.rank]], 1)  # [B, nloc, Hq]
     return (reverse_cumsum(dc4, dim=2) + carry[:, :, None]).reshape(B, -1, Hq)
 
