@@ -306,12 +306,12 @@ def main() -> None:
     torch.manual_seed(0)
     import triton
 
-    from foxlm.ops import triton_attention
+    from foxlm.ops.forgetting_attention import triton_op
 
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": datetime.date.today().isoformat()}
     print(env, flush=True)
-    kernels = (triton_attention._fwd, triton_attention._bwd)
+    kernels = (triton_op._fwd, triton_op._bwd)
     listed = [kernel.configs for kernel in kernels]
     for kernel in kernels:  # the correctness check needs no tuning
         kernel.configs = first_per_bucket(kernel.configs)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from foxlm.generate import CachedDecoder, PagedFoxCache, generate
 from foxlm.models import FoxConfig, FoxForCausalLM
-from foxlm.ops.decode import decode_attention_torch, forgetting_attention_decode
+from foxlm.ops.forgetting_attention.decode import decode_attention_torch, forgetting_attention_decode
 
 DTYPE = torch.bfloat16
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU only for a smoke run
@@ -195,12 +195,12 @@ def checks() -> dict:
 
 
 def sweep(out_dir: str, steps: int) -> None:
-    """Launch tuning of the decode kernel (``foxlm.ops.decode._TILE``, ``_SPLIT_KEYS``) on one layer's cache,
-    full and evicted, each variant checked against the fp64 PyTorch path; then the fox-pro rows again with
-    the best variant."""
+    """Launch tuning of the decode kernel (``foxlm.ops.forgetting_attention.decode._TILE``, ``_SPLIT_KEYS``) on one
+    layer's cache, full and evicted, each variant checked against the fp64 PyTorch path; then the fox-pro rows again
+    with the best variant."""
     import triton
 
-    import foxlm.ops.decode as dec
+    from foxlm.ops.forgetting_attention import decode as dec
 
     tiles = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 4)]
     split_keys = [1 << 30, 8192, 2048]

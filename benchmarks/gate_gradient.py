@@ -101,9 +101,9 @@ def main() -> None:
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     if args.model:
-        from foxlm.ops import triton_attention
+        from foxlm.ops.forgetting_attention import triton_op
 
-        triton_attention.SMALL_TILES = args.device == "cpu"
+        triton_op.SMALL_TILES = args.device == "cpu"
         for T in args.seqlens:
             model_check(T, args.device)
         return

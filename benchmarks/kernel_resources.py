@@ -1,8 +1,9 @@
 """Registers, spills, shared memory and the loops' machine code of the attention kernels' tuned tiles, without a GPU.
 
 Triton compiles for a target architecture offline (``triton.compile`` with a ``GPUTarget``) and its wheel ships
-``ptxas`` and ``nvdisasm``. This builds the forward and both backward kernels of ``foxlm.ops.triton_attention`` at
-every tile of their autotuning lists for one head dim (bf16, full causal, no ACP), specialized as Triton's launcher
+``ptxas`` and ``nvdisasm``. This builds the forward and both backward kernels of
+``foxlm.ops.forgetting_attention.triton_op`` at every tile of their autotuning lists for one head dim (bf16, full
+causal, no ACP), specialized as Triton's launcher
 specializes them at the training shapes (16-byte aligned pointers; strides and lengths multiples of 16: without
 that, loads are not vectorized and the register counts are those of another kernel). It prints what ptxas reports
 (registers, spills, shared memory, whether it serialized the wgmma instructions), then per loop of the SASS (the
@@ -26,8 +27,8 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from foxlm.ops import triton_attention as ta
-from foxlm.ops import triton_attention_kernels as tk
+from foxlm.ops.forgetting_attention import triton_op as ta
+from foxlm.ops.forgetting_attention import triton_kernels as tk
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV_": "*bf16",
             "C": "*fp64", "CR": "*fp32", "CRK": "*fp32", "CRQ": "*fp32", "THR": "*fp32", "LSE": "*fp32",

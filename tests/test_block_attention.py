@@ -5,10 +5,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import foxlm.ops.chunked as chunked
+from foxlm.ops.forgetting_attention import sdpa as sdpa_path
 from foxlm.ops import forgetting_attention, forgetting_attention_reference, gate_cumsum
-from foxlm.ops.acp import acp_threshold
-from foxlm.ops.chunked import attention_from_cumsum
+from foxlm.ops.forgetting_attention.acp import acp_threshold
+from foxlm.ops.forgetting_attention.sdpa import attention_from_cumsum
 
 
 def _inputs(B, T, Hq, Hk, D, Dv, seed, device="cpu"):
@@ -23,7 +23,7 @@ def _inputs(B, T, Hq, Hk, D, Dv, seed, device="cpu"):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Several query chunks per block, so the chunk loop is what gets tested."""
-    monkeypatch.setattr(chunked, "_CHUNK", 16)
+    monkeypatch.setattr(sdpa_path, "CHUNK_ROWS", 16)
 
 
 @pytest.mark.parametrize("Hq,Hk", [(4, 4), (4, 2)])

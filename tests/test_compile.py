@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from foxlm.models import FoxConfig, FoxForCausalLM
-from foxlm.ops import triton_attention as ta
+from foxlm.ops.forgetting_attention import triton_op as ta
 
 needs_triton = [
     pytest.mark.triton,

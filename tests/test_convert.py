@@ -132,7 +132,6 @@ def authors_forward(sd: dict[str, torch.Tensor], cfg: dict, ids: torch.Tensor) -
     (GroupNorm per head, or one RMSNorm over head_dim when shared; eps 1e-5), RoPE after it, logsigmoid gates summed
     into c_i - c_j, output RMSNorm times sigmoid(ogate), fused gate/up MLP (gate first)."""
     fox = cfg["model_type"] == AUTHORS_FOX
-    qk = 0.003 if fox and cfg["qk_norm"] else 0.15
     B, T_ = ids.shape
     D = C // H
     eps = cfg["norm_eps"]

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from foxlm.cli import main
 from foxlm.models import SIZES, FoxConfig, FoxForCausalLM, load_checkpoint_model
-from foxlm.models.hf import hf_config
 from foxlm.models.hf import hf_config, use_chunked_loss
 from foxlm.presets import BASELINES
 from foxlm.train import load_config, train

@@ -203,7 +203,7 @@ def test_any_cache_with_the_protocol_plugs_in():
     logits += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(5, 8)]
     torch.testing.assert_close(torch.cat(logits, 1), model(ids).logits, rtol=1e-9, atol=1e-9)
     assert isinstance(cache, KVCache)
-    kwargs = ["acp", "acp_tolerance", "logit_bound", "scale", "valid", "window"]
+    kwargs = ["prune", "scale", "valid", "window"]
     assert cache.calls[:2] == [(0, 5, kwargs), (1, 5, kwargs)] and len(cache.calls) == 8
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import foxlm.ops.chunked as chunked
-from foxlm.ops import forgetting_attention, forgetting_attention_reference, gate_cumsum
-from foxlm.ops.acp import data_logit_bound, prune_threshold
+from foxlm.ops import ACP, forgetting_attention, forgetting_attention_reference, gate_cumsum
+from foxlm.ops.forgetting_attention import sdpa as sdpa_path
+from foxlm.ops.forgetting_attention.acp import data_logit_bound, prune_threshold
 
 
 def _inputs(B, Tq, Tk, Hq, Hk, D, Dv=None, dtype=torch.float64, gate_scale=2.0, seed=0):
@@ -30,7 +30,7 @@ def _grads(o, lse, inputs, seed=1):
 @pytest.fixture
 def small_chunks(monkeypatch):
     """Force many query chunks so the chunk loop, not one big matrix, is what gets tested."""
-    monkeypatch.setattr(chunked, "_CHUNK", 16)
+    monkeypatch.setattr(sdpa_path, "CHUNK_ROWS", 16)
 
 
 @pytest.mark.parametrize("chunks", ["one", "many"])
@@ -38,10 +38,10 @@ def small_chunks(monkeypatch):
 @pytest.mark.parametrize("Tq,Tk,D,Dv", [(77, 77, 16, 16), (23, 77, 32, 24)])
 def test_chunked_matches_reference(monkeypatch, chunks, Hq, Hk, Tq, Tk, D, Dv):
     if chunks == "many":
-        monkeypatch.setattr(chunked, "_CHUNK", 16)
+        monkeypatch.setattr(sdpa_path, "CHUNK_ROWS", 16)
     q, k, v, log_f = _inputs(2, Tq, Tk, Hq, Hk, D, Dv)
-    plan = chunked._plan(gate_cumsum(log_f)[:, Tk - Tq:], gate_cumsum(log_f), None, Tk - Tq, chunked._CHUNK, False,
-                         None)
+    plan = sdpa_path._plan(gate_cumsum(log_f)[:, Tk - Tq:], gate_cumsum(log_f), None, Tk - Tq, sdpa_path.CHUNK_ROWS,
+                           False, None)
     assert (len(plan[0][1]) == 1) == (chunks == "one")
     inputs = [t.requires_grad_() for t in (q, k, v, log_f)]
     o, lse = forgetting_attention(q, k, v, log_f, return_lse=True)
@@ -57,7 +57,7 @@ def test_a_second_backward_through_the_graph_gives_the_same_gradients(monkeypatc
     """The backward reuses the forward's k' buffer as scratch: a retained graph's second backward (gradcheck does
     one) must neither be refused nor differ, with and without the lse gradient."""
     if chunks == "many":
-        monkeypatch.setattr(chunked, "_CHUNK", 16)
+        monkeypatch.setattr(sdpa_path, "CHUNK_ROWS", 16)
     q, k, v, log_f = _inputs(1, 60, 60, 2, 2, 16)
     inputs = [t.requires_grad_() for t in (q, k, v, log_f)]
     o, lse = forgetting_attention(q, k, v, log_f, return_lse=True)
@@ -122,11 +122,11 @@ def test_sliding_window_with_acp(small_chunks):
     assert (o - ro).abs().max() < 2 * tol * v.abs().max()
     threshold = prune_threshold(data_logit_bound(q, k, 0.25), 200, tol)
     c = torch.cumsum(log_f, 1)
-    starts = chunked.row_starts(c, c, 0, None, threshold, window)
+    starts = sdpa_path.row_starts(c, c, 0, None, threshold, window)
     pos = torch.arange(200)
     assert (starts[0, 1] == (pos - window + 1).clamp_min(0)).all()  # the window binds
     assert (starts[0, 0, 100:] > pos[100:] - window + 1).all()  # ACP binds
-    assert torch.equal(starts, torch.maximum(chunked.row_starts(c, c, 0, None, threshold), pos - window + 1))
+    assert torch.equal(starts, torch.maximum(sdpa_path.row_starts(c, c, 0, None, threshold), pos - window + 1))
 
 
 def test_bf16_inputs_compute_in_fp32():
@@ -166,7 +166,7 @@ def test_acp_pruned_mass_below_tolerance(small_chunks, varlen):
     bound = data_logit_bound(q, k, 0.25, cu)
     n = 200 if cu is None else cu[1:] - cu[:-1]
     c = torch.cumsum(log_f, 1)
-    starts = chunked.row_starts(c, c, 0, cu, prune_threshold(bound, n, tol))
+    starts = sdpa_path.row_starts(c, c, 0, cu, prune_threshold(bound, n, tol))
     assert (starts[..., -1] > 100).all()
 
 
@@ -251,7 +251,7 @@ def test_fp32_precise_where_c_restarts_at_a_packed_sequence():
     second sequence's rows are not re-centred on the first one's c (that cost ~1e-4); fp32 precision everywhere,
     also with a threshold (row_starts searches each sequence apart)."""
     from foxlm.ops import attention_from_cumsum
-    from foxlm.ops.reference import attention_from_cumsum_reference
+    from foxlm.ops.forgetting_attention.reference import attention_from_cumsum_reference
 
     cu = torch.tensor([0, 1000, 1200], dtype=torch.int32)
     q, k, v, _ = _inputs(1, 1200, 1200, 2, 2, 32)
@@ -268,21 +268,15 @@ def test_fp32_precise_where_c_restarts_at_a_packed_sequence():
             assert err < 1e-5, f"{name} (threshold {threshold is not None}): relative error {err:.1e}"
 
 
-def test_heads_that_forget_at_different_rates_get_their_own_chunks():
-    """One fast-forgetting head is split into short chunks while its neighbours keep long ones (runs of heads, here
-    across a GQA group's boundary); every output and gradient keeps fp32 precision against the fp64 oracle."""
-    from foxlm.ops import chunked
-
+@pytest.mark.parametrize("heads", [[0, 1, 2, 3], [0, 1, 2, 0]], ids=["one-fast-head", "half-fast"])
+def test_heads_that_forget_at_different_rates_keep_fp32_precision(heads):
+    """One fast-forgetting head beside slow ones (its own chunks, across a GQA group's boundary), or half of the heads
+    fast (one shared chunking): every output and gradient keeps fp32 precision against the fp64 oracle, with and
+    without a backward (the two paths chunk heads differently)."""
     q, k, v, _ = _inputs(1, 1024, 1024, 4, 2, 32)
     bias = torch.tensor([-4.0, 5.0, 5.0, 5.0], dtype=torch.float64)
     log_f = F.logsigmoid(torch.randn(1, 1024, 4, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-                         + bias)
-    groups = chunked._head_groups(gate_cumsum(log_f).numpy(), 1024, by_head=True)
-    assert [h for h, _ in groups] == [(0, 1), (1, 4)]
-    assert len(groups[0][1]) > 1 and groups[1][1] == [(0, 1024)]
-    # Where half of the heads forget fast, runs of heads would not save half of the chunks: one shared chunking.
-    both = gate_cumsum(log_f[..., [0, 1, 2, 0]]).numpy()
-    assert [h for h, _ in chunked._head_groups(both, 1024, by_head=True)] == [(0, 4)]
+                         + bias)[..., heads]
     got, want = _fp32_vs_fp64(_op, _oracle, (q, k, v, log_f))
     for name, err in zip(("o", "lse", "dq", "dk", "dv", "dlog_f"), _rel_errors(got, want)):
         assert err < 1e-5, f"{name}: relative error {err:.1e}"
@@ -303,22 +297,12 @@ def test_every_chunk_keeps_its_gates_within_the_span_the_precision_needs(by_head
     log_f = -rate * torch.rand(2, T, H, generator=g, dtype=torch.float64) * torch.tensor([2.0, 1.0, 0.1, 0.01])
     log_f[:, 1700] -= 70.0  # a jump: a cut of its own
     c = gate_cumsum(log_f).numpy()
-    for (h0, h1), ranges in chunked._head_groups(c, 2048, by_head):
+    for (h0, h1), ranges in sdpa_path._head_groups(c, 2048, by_head):
         assert [a for a, _ in ranges] == [0] + [b for _, b in ranges[:-1]] and ranges[-1][1] == T
         for a, b in ranges:
             span = (c[:, a:b, h0:h1].max(1) - c[:, a:b, h0:h1].min(1)).max()
-            assert span <= chunked._C_SPAN or b - a < 32, (rate, a, b, span)
+            assert span <= sdpa_path._C_SPAN or b - a < 32, (rate, a, b, span)
             assert b - a <= 2048
-
-
-def test_cuts_follow_the_kernels_query_blocks_where_even_chunks_would_be_short():
-    """A head whose gates span a little over _C_SPAN in 1k rows: two chunks, cut on a 256-row block (a 768-row chunk
-    runs on the kernel's large query blocks), not at 512."""
-    log_f = torch.full((1, 1024, 1), -70.0 / 1024, dtype=torch.float64)
-    c = gate_cumsum(log_f).numpy()
-    assert chunked._head_groups(c, 1 << 16, by_head=False) == [((0, 1), [(0, 768), (768, 1024)])]
-    log_f = torch.full((1, 4096, 1), -100.0 / 4096, dtype=torch.float64)  # even chunks of 2048 rows: even
-    assert chunked._head_groups(gate_cumsum(log_f).numpy(), 1 << 16, by_head=False)[0][1] == [(0, 2048), (2048, 4096)]
 
 
 def test_two_chunks_without_a_backward_take_two_kernel_calls_and_keep_fp32_precision(monkeypatch):
@@ -332,8 +316,8 @@ def test_two_chunks_without_a_backward_take_two_kernel_calls_and_keep_fp32_preci
     rate = torch.tensor([70.0 / 1024, 0.01, 0.001, 0.0001], dtype=torch.float64)
     log_f = -rate * (1 + 0.3 * torch.rand(2, 1024, 4, generator=g, dtype=torch.float64))
     calls = []
-    forward, backward = chunked._kernel(torch.device("cpu"))
-    monkeypatch.setattr(chunked, "_kernel", lambda device: (lambda *a, **kw: calls.append(1) or forward(*a, **kw),
+    forward, backward = sdpa_path._kernel(torch.device("cpu"))
+    monkeypatch.setattr(sdpa_path, "_kernel", lambda device: (lambda *a, **kw: calls.append(1) or forward(*a, **kw),
                                                             backward))
     with torch.no_grad():
         o, lse = forgetting_attention(q.float(), k.float(), v.float(), log_f.float(), return_lse=True)
@@ -347,18 +331,18 @@ def test_two_chunks_without_a_backward_take_two_kernel_calls_and_keep_fp32_preci
 def test_keys_that_underflow_for_every_row_are_not_computed(monkeypatch, qk_scale):
     """Keys whose weight is below fp32's smallest denormal for every row of a chunk are skipped: the result is that
     of computing them, also where large dot products (q, k scaled up) keep far keys in play and fewer are skipped."""
-    from foxlm.ops import chunked
+    from foxlm.ops.forgetting_attention import sdpa as sdpa_path
 
-    monkeypatch.setattr(chunked, "_SKIP_MIN_KEYS", 1)  # look for the skip before every chunk
+    monkeypatch.setattr(sdpa_path, "_SKIP_MIN_KEYS", 1)  # look for the skip before every chunk
     q, k, v, _ = _inputs(1, 1024, 1024, 2, 2, 32, dtype=torch.float32)
     q, k = q * qk_scale, k * qk_scale
     log_f = F.logsigmoid(torch.randn(1, 1024, 2, generator=torch.Generator().manual_seed(8)) - 2.0)
     c = gate_cumsum(log_f)
-    plan = chunked._plan(c, c, None, 0, 1 << 16, True, lambda: chunked._norms(q, k, 32 ** -0.5))
+    plan = sdpa_path._plan(c, c, None, 0, 1 << 16, True, lambda: sdpa_path._norms(q, k, 32 ** -0.5))
     first_keys = [calls[0][0] for _, chunks in plan for *_, calls in chunks if calls]
     assert max(first_keys) > 0, "nothing was skipped"
     got = forgetting_attention(q, k, v, log_f, return_lse=True)
-    monkeypatch.setattr(chunked, "_UNDERFLOW", math.inf)
+    monkeypatch.setattr(sdpa_path, "_UNDERFLOW", math.inf)
     want = forgetting_attention(q, k, v, log_f, return_lse=True)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-6)
@@ -373,7 +357,7 @@ def test_keys_that_underflow_for_every_row_are_not_computed(monkeypatch, qk_scal
 def test_zero_or_negative_scale_matches_reference(monkeypatch, scale, grad, prune):
     """A scale <= 0 is softmax attention like any other: the key-bias forward (no gradient), the gate channels (with
     one), the skip of underflowing keys and ACP give the fp64 reference's o, lse and gradients, not NaN."""
-    monkeypatch.setattr(chunked, "_SKIP_MIN_KEYS", 1)  # look for keys to skip before every chunk
+    monkeypatch.setattr(sdpa_path, "_SKIP_MIN_KEYS", 1)  # look for keys to skip before every chunk
     T, H, D = 256, 2, 16
     q, k, v = (torch.randn(1, T, H, D, requires_grad=grad) for _ in range(3))
     log_f = F.logsigmoid(torch.randn(1, T, H) - 1.0).requires_grad_(grad)
@@ -409,15 +393,15 @@ def test_sequence_attention_without_a_gate_takes_a_negative_scale(scale):
 def test_denormals_are_flushed_on_every_intra_op_thread_and_restored():
     """The kernels' worker threads flush denormals during the calls (torch's own setting reaches only the calling
     thread), and every thread has its mode back afterwards."""
-    from foxlm.ops import chunked
+    from foxlm.ops.forgetting_attention.denormals import _omp_parallel, flush_denormals
 
-    if chunked._omp_parallel() is None:
+    if _omp_parallel() is None:
         pytest.skip("torch's OpenMP runtime was not found: only the calling thread flushes")
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         tiny = torch.full((1 << 22,), 1e-39, dtype=torch.float32)  # large enough to be split over both threads
-        with chunked._flush_denormals():
+        with flush_denormals():
             assert (tiny.mul(1.0) == 0).all()
         assert (tiny.mul(1.0) != 0).all()
     finally:
@@ -451,12 +435,17 @@ def test_lse_gradient_flows():
     [
         (lambda a: a.update(q=a["q"][0]), "q"),
         (lambda a: a.update(k=torch.randn(1, 16, 3, 8, dtype=torch.float64), v=torch.randn(1, 16, 3, 8, dtype=torch.float64)), "multiple"),
-        (lambda a: a.update(log_fgate=a["log_fgate"].bfloat16()), "log_fgate"),
+        (lambda a: a.update(log_fgate=a["log_fgate"].int()), "log_fgate"),
         (lambda a: a.update(log_fgate=-a["log_fgate"] + 0.1), "log_fgate"),
         (lambda a: a.update(log_fgate=a["log_fgate"].masked_fill(torch.rand(1, 16, 4) < 0.1, float("nan"))), "log_fgate"),
         (lambda a: a.update(log_fgate=a["log_fgate"][:, :8]), "log_fgate"),
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32)), "cu_seqlens"),
-        (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 16], dtype=torch.int64)), "cu_seqlens"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 16], dtype=torch.int16)), "cu_seqlens"),
+        (lambda a: a.update(cu_seqlens=torch.tensor([0, 2**32 + 4, 16], dtype=torch.int64)), "cu_seqlens"),
+        (lambda a: a.update(window=4, window_size=(3, 0)), "window_size"),
+        (lambda a: a.update(window_size=(3, 2)), "window_size"),
+        (lambda a: a.update(window_size=3), "window_size"),
+        (lambda a: a.update(prune="yes"), "prune"),
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 15], dtype=torch.int32)), "cu_seqlens"),
         (lambda a: a.update(v=a["v"].float()), "dtype"),
         (lambda a: a.update(q=a["q"][:, :, :, :4]), "k"),
@@ -568,10 +557,10 @@ def test_attention_from_cumsum_matches_reference(small_chunks, monkeypatch, case
     SDPA's fused CPU kernel and through the plain-matmul kernel that GPU tensors take (here on the CPU); without
     gradients (the key-bias mask, heads chunked apart), outputs and lse."""
     from foxlm.ops import attention_from_cumsum
-    from foxlm.ops.reference import attention_from_cumsum_reference
+    from foxlm.ops.forgetting_attention.reference import attention_from_cumsum_reference
 
-    monkeypatch.setattr(chunked, "_CHUNK", 8)  # several chunks, some with no visible key
-    monkeypatch.setattr(chunked, "_fused", lambda device: fused)
+    monkeypatch.setattr(sdpa_path, "CHUNK_ROWS", 8)  # several chunks, some with no visible key
+    monkeypatch.setattr(sdpa_path, "_fused", lambda device: fused)
     B, Tq, Tk, Hq, Hk, q_offset, window, thr, packed = _CASES[case]
     cu = torch.tensor([0, 11, 12, 30, 50], dtype=torch.int32) if packed else None
     q, k, v, _ = _inputs(B, Tq, Tk, Hq, Hk, 16, 12, dtype=dtype, seed=len(case))
@@ -630,7 +619,7 @@ def test_attention_from_cumsum_returns_probabilities():
         (dict(window=0), "window"),
         (dict(threshold=torch.zeros(2, 2)), "threshold"),
         (dict(cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32)), "cu_seqlens"),
-        (dict(k=torch.zeros(1, 8, 0, 4), v=torch.zeros(1, 8, 0, 4)), "heads"),
+        (dict(k=torch.zeros(1, 8, 0, 4), v=torch.zeros(1, 8, 0, 4)), "head"),
     ],
 )
 def test_attention_from_cumsum_bad_input_names_the_argument(change, match):
@@ -644,7 +633,7 @@ def test_attention_from_cumsum_bad_input_names_the_argument(change, match):
 
 def test_reference_agrees_with_the_production_gate_cumsum():
     """The oracle sums the gates itself; fed the production gate_cumsum's c it gives the same attention."""
-    from foxlm.ops.reference import attention_from_cumsum_reference
+    from foxlm.ops.forgetting_attention.reference import attention_from_cumsum_reference
 
     cu = torch.tensor([0, 7, 30, 40], dtype=torch.int32)
     q, k, v, log_f = _inputs(1, 40, 40, 2, 2, 8)
@@ -684,3 +673,91 @@ def test_empty_batch_heads_or_head_dim_raise_value_error(dim):
     log_f = log_f[:, :, :0] if dim == 2 else log_f[:0] if dim == 0 else log_f
     with pytest.raises(ValueError, match="q, k, v"):
         forgetting_attention(empty, empty, empty, log_f)
+
+
+def test_reverse_cumsum_restarts_per_sequence():
+    """The gate gradient's reverse cumsum, the one the Triton backward and context parallelism share."""
+    from foxlm.ops.forgetting_attention.gate import reverse_cumsum, segment_ids
+
+    dc = torch.randn(2, 3, 50, dtype=torch.float64)
+    cu_seqlens = torch.tensor([0, 7, 8, 50], dtype=torch.int32)
+    seg = segment_ids(cu_seqlens, 50)
+    expected = torch.stack([(dc * (seg == seg[t]) * (torch.arange(50) >= t)).sum(-1) for t in range(50)], dim=-1)
+    torch.testing.assert_close(reverse_cumsum(dc, cu_seqlens), expected)
+    # along another dim (context parallelism's [B, chunks, L, H]): the same sums
+    torch.testing.assert_close(reverse_cumsum(dc.transpose(1, 2), dim=1), reverse_cumsum(dc).transpose(1, 2))
+
+
+# The conventions of flash_attn and fla that a user porting code meets, each against the fp64 reference.
+def _reference_and_grads(q, k, v, log_f, **kwargs):
+    leaves = [x.detach().double().requires_grad_() for x in (q, k, v, log_f)]
+    o = forgetting_attention_reference(*leaves, **kwargs)
+    return o, torch.autograd.grad(o.sum(), leaves)
+
+
+def test_int64_cu_seqlens_as_fla_passes_them():
+    """fla's varlen offsets are int64 (they used to be refused); they attend exactly as the int32 ones."""
+    q, k, v, log_f = (x.requires_grad_() for x in _inputs(1, 40, 40, 2, 1, 8))
+    cu = torch.tensor([0, 9, 25, 40], dtype=torch.int64)
+    o = forgetting_attention(q, k, v, log_f, cu_seqlens=cu)
+    want, want_grads = _reference_and_grads(q, k, v, log_f, cu_seqlens=cu.int())
+    torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+    for got, ref in zip(torch.autograd.grad(o.sum(), (q, k, v, log_f)), want_grads):
+        torch.testing.assert_close(got, ref, rtol=1e-9, atol=1e-9)
+
+
+def test_flash_attn_unbatched_varlen_layout():
+    """flash_attn_varlen_func's q [total, H, D] with cu_seqlens (it used to be refused): o [total, H, Dv] and lse
+    [H, total], as flash_attn returns them."""
+    q, k, v, log_f = _inputs(1, 40, 40, 4, 2, 8, Dv=6)
+    q, k, v, log_f = (x[0].requires_grad_() for x in (q, k, v, log_f))  # [total, H, D], log_f [total, H]
+    cu = torch.tensor([0, 13, 40], dtype=torch.int32)
+    o, lse = forgetting_attention(q, k, v, log_f, cu_seqlens=cu, return_lse=True)
+    assert o.shape == (40, 4, 6) and lse.shape == (4, 40)
+    leaves = [x.detach().double()[None].requires_grad_() for x in (q, k, v, log_f)]
+    want, want_lse = forgetting_attention_reference(*leaves, cu_seqlens=cu, return_lse=True)
+    torch.testing.assert_close(o, want[0], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), want_lse[0], rtol=1e-6, atol=1e-6)  # lse is fp32
+    got = torch.autograd.grad(o.sum(), (q, k, v, log_f))
+    for g, ref in zip(got, torch.autograd.grad(want.sum(), leaves)):
+        torch.testing.assert_close(g, ref[0], rtol=1e-9, atol=1e-9)
+    with pytest.raises(ValueError, match="k, v, log_fgate"):
+        forgetting_attention(q, k[None], v, log_f, cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_log_gates_are_upcast(dtype):
+    """A bf16 or fp16 log_fgate (a model's gate projection under autocast) is computed in fp32, as its fp32 copy
+    would be (it used to be refused), and its gradient comes back in its own dtype."""
+    q, k, v, log_f = _inputs(2, 24, 24, 2, 2, 8, dtype=torch.float32)
+    log_f = log_f.to(dtype).requires_grad_()
+    o = forgetting_attention(q, k, v, log_f)
+    (g,) = torch.autograd.grad(o.sum(), log_f)
+    assert o.dtype == torch.float32 and g.dtype == dtype
+    want, want_grads = _reference_and_grads(q, k, v, log_f)
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g.double(), want_grads[3].to(dtype).double(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("left", [-1, 0, 6, 100])
+def test_flash_attn_window_size_is_window(left):
+    """flash_attn's window_size=(left, 0) sees keys i - left <= j <= i: window = left + 1; (-1, 0) sees all."""
+    q, k, v, log_f = _inputs(1, 30, 30, 2, 2, 8)
+    o = forgetting_attention(q, k, v, log_f, window_size=(left, 0))
+    want = forgetting_attention_reference(q, k, v, log_f, window=None if left == -1 else left + 1)
+    torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+
+
+def test_acp_object_is_prune_true_with_its_fields():
+    """prune=ACP(tolerance, logit_bound), the value a model passes down, prunes as prune=True with the same two,
+    validated once, when made."""
+    q, k, v, log_f = _inputs(2, 64, 64, 2, 1, 8, gate_scale=4.0)
+    bound = torch.tensor([3.0, 5.0], dtype=torch.float64)
+    want = forgetting_attention(q, k, v, log_f, prune=True, tolerance=1e-3, logit_bound=bound)
+    assert torch.equal(forgetting_attention(q, k, v, log_f, prune=ACP(1e-3, bound)), want)
+    assert not torch.equal(want, forgetting_attention(q, k, v, log_f))  # it does prune here
+    for bad, match in ((dict(tolerance=2.0), "tolerance"), (dict(logit_bound=-1.0), "logit_bound")):
+        with pytest.raises(ValueError, match=match):
+            ACP(**bad)
+    with pytest.raises(ValueError, match="tolerance, logit_bound"):
+        forgetting_attention(q, k, v, log_f, prune=ACP(1e-3), tolerance=1e-2)

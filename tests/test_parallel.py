@@ -71,13 +71,13 @@ def _spawn(tmp_path, world: int, body: str) -> None:
 
 def _exact(rank, world):
     """Outputs and all four gradients equal the single-process op's: both layouts, GQA and MHA, low precision."""
-    import foxlm.ops.chunked as chunked
+    from foxlm.ops.forgetting_attention import sdpa as sdpa_path
 
     for layout in ("zigzag", "contiguous"):
         _check(layout, world)
         _check(layout, world, Hq=2, Hk=2, D=8, Dv=16, L=5, seed=1)
     _check("zigzag", world, dtype=torch.float32, seed=2, tol=1e-4)
-    chunked._CHUNK = 16  # several query chunks per block (this forked worker's copy only)
+    sdpa_path.CHUNK_ROWS = 16  # several query chunks per block (this forked worker's copy only)
     _check("zigzag", world, B=1, L=40, seed=5)
     _check("contiguous", world, dtype=torch.bfloat16, seed=3, tol=3e-2)
 
@@ -86,7 +86,7 @@ def _half_precision(rank, world):
     """bf16 over a few hundred tokens: outputs and all four gradients, the gate's included, within 5e-3 of the fp64
     reference (what the peers' kernels reach): the merge of the blocks through their lse must carry the blocks'
     outputs unrounded, or the gate gradient's row sums pick up bf16's rounding along the sequence."""
-    from foxlm.ops.reference import forgetting_attention_reference
+    from foxlm.ops.forgetting_attention.reference import forgetting_attention_reference
     from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
 
     for layout, prune in (("zigzag", False), ("contiguous", True)):

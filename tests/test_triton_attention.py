@@ -21,9 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from foxlm.ops import acp_stats, acp_threshold, forgetting_attention
-from foxlm.ops import triton_attention as ta
-from foxlm.ops.gate import gate_cumsum, segment_ids
-from foxlm.ops.reference import forgetting_attention_reference
+from foxlm.ops.forgetting_attention import triton_op as ta
+from foxlm.ops.forgetting_attention.gate import gate_cumsum, segment_ids
+from foxlm.ops.forgetting_attention.reference import forgetting_attention_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = [
@@ -518,14 +518,6 @@ def test_acp_stats_counts_skipped_tiles(varlen):
     assert 0 < overall < 1
 
 
-def test_reverse_cumsum_restarts_per_sequence():
-    dc = torch.randn(2, 3, 50, dtype=torch.float64)
-    cu_seqlens = torch.tensor([0, 7, 8, 50], dtype=torch.int32)
-    seg = segment_ids(cu_seqlens, 50)
-    expected = torch.stack([(dc * (seg == seg[t]) * (torch.arange(50) >= t)).sum(-1) for t in range(50)], dim=-1)
-    torch.testing.assert_close(ta._reverse_cumsum(dc, cu_seqlens), expected)
-
-
 @pytest.mark.parametrize("prune", [False, True])
 def test_torch_compile_traces_the_kernels_as_one_graph(prune):
     """The kernels are custom ops: torch.compile(fullgraph=True) traces through them (no graph break, no
@@ -620,3 +612,21 @@ def test_zero_or_negative_scale_matches_fp64_reference(scale):
         for prune in (False, True):
             o = forgetting_attention(*inputs, scale=scale, prune=prune)
             assert ((o.double() - ref).norm() / ref.norm()).item() < 2e-5, f"prune={prune}"
+
+
+def test_flash_attn_and_fla_conventions_on_the_kernels():
+    """The kernels take what a port from flash_attn or fla passes: int64 cu_seqlens, the unbatched [total, H, D]
+    layout, a bf16 log_fgate and window_size=(left, 0); against the fp64 reference on the same values."""
+    q, k, v, log_fgate = (x[0].detach().requires_grad_() for x in _inputs(1, 50, 50, 4, 2, 16, 16))
+    gate = log_fgate.detach().bfloat16().requires_grad_()
+    cu = torch.tensor([0, 17, 50], dtype=torch.int64)
+    o, lse = forgetting_attention(q, k, v, gate, cu_seqlens=cu, window_size=(20, 0), return_lse=True)
+    assert o.shape == (50, 4, 16) and lse.shape == (4, 50)
+    grads = torch.autograd.grad(o.sum(), (q, k, v, gate))
+    assert grads[3].dtype == torch.bfloat16
+    leaves = [x.detach().double()[None].requires_grad_() for x in (q, k, v, gate)]
+    want, want_lse = forgetting_attention_reference(*leaves, cu_seqlens=cu.int(), window=21, return_lse=True)
+    torch.testing.assert_close(o.double(), want[0], rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse[0], rtol=2e-5, atol=2e-5)
+    for got, ref in zip(grads, torch.autograd.grad(want.sum(), leaves)):
+        torch.testing.assert_close(got.double(), ref[0].to(got.dtype).double(), rtol=2e-2, atol=2e-3)

@@ -45,7 +45,7 @@ __all__ = ["DiskFullError", "PendingCheckpoint", "initialize_model", "load_train
            "restore_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
-DISPLAY_KEYS = {"resume", "progress", "tensorboard", "log_every", "peak_tflops", "sample_prompt", "sample_tokens",
+DISPLAY_KEYS = {"resume", "progress", "tensorboard", "wandb", "log_every", "peak_tflops", "sample_prompt", "sample_tokens",
                 "export_dir", "async_checkpoint"}
 
 

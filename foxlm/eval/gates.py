@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from ..ops import gate_cumsum
 from .utils import autocast, progress, pyplot
 
 
@@ -94,7 +95,7 @@ def decay_stats(log_fgates: list[torch.Tensor]) -> list[HeadDecay]:
 
 def decay_matrix(log_fgate: torch.Tensor) -> torch.Tensor:
     """log D_ij = c_i - c_j for j <= i, -inf above the diagonal: [T, H] -> [H, T, T] fp64."""
-    c = torch.cumsum(log_fgate.double(), dim=0).T  # [H, T]
+    c = gate_cumsum(log_fgate[None])[0].T  # [H, T]
     d = c[:, :, None] - c[:, None, :]
     T = log_fgate.shape[0]
     return d.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))

@@ -1,7 +1,8 @@
 """``PagedFoxCache``: the paged KV cache of foxlm's generation path, with forget-gate eviction.
 
 It implements ``foxlm.models.cache.KVCache`` (``attend``, token-shift state, ``get_seq_length``), so
-``FoxForCausalLM`` decodes with it unchanged. Layout (see ``foxlm.ops.decode``): one pool of pages shared
+``FoxForCausalLM`` decodes with it unchanged. Layout (see ``foxlm.ops.forgetting_attention.decode``): one pool of
+pages shared
 by all layers, k [P, page_size, D], v [P, page_size, Dv], gate cumsum c [P, page_size, G] fp64; a page table
 [L, B, Hk, max_pages] maps every (layer, row, kv head) logical page to a pool page; ``cache_start``
 [L, B, Hk] is the first live page. Only real tokens are stored (left padding is dropped), so rows have
@@ -25,10 +26,9 @@ import math
 import numpy as np
 import torch
 
-from ..ops import acp_threshold, attention_from_cumsum, sequence_attention
-from ..ops.acp import check_tolerance
-from ..ops.decode import default_num_splits, evictable_pages, forgetting_attention_decode
-from ..ops.gate import continue_cumsum
+from ..ops import ACP, attention_from_cumsum, sequence_attention
+from ..ops.forgetting_attention.decode import default_num_splits, evictable_pages, forgetting_attention_decode
+from ..ops.forgetting_attention.gate import continue_cumsum
 
 # New tokens per row up to which a forward is a decode step (the decode kernel) rather than prefill.
 DECODE_MAX_TQ = 16
@@ -69,7 +69,7 @@ class PagedFoxCache:
         if page_size < 1 or max_length < 1 or batch_size < 1:
             raise ValueError(f"page_size, max_length, batch_size: expected positive integers, "
                              f"got {page_size}, {max_length}, {batch_size}")
-        check_tolerance(tolerance)
+        ACP(tolerance)  # the eviction bound's epsilon, validated as ACP's
         self.num_layers, self.batch_size, self.max_length = num_layers, batch_size, max_length
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
@@ -210,9 +210,7 @@ class PagedFoxCache:
         scale: float,
         valid: torch.Tensor | None = None,
         window: int | None = None,
-        acp: bool = False,
-        acp_tolerance: float = math.exp(-10),
-        logit_bound: torch.Tensor | float | None = None,
+        prune: ACP | None = None,
     ) -> torch.Tensor:
         """``KVCache.attend``: store the new tokens' k, v and gate cumsum, and return their attention over the cache.
 
@@ -235,8 +233,7 @@ class PagedFoxCache:
                 q.to(self.dtype), self.k_pool, self.v_pool, self.c_pool, self.page_table[layer_idx],
                 self.cache_start[layer_idx], self.lengths, scale=scale, window=window, num_splits=self.num_splits,
             )
-        return self._prefill(layer_idx, q, k, v, log_fgate, scale, window,
-                             dict(prune=acp, tolerance=acp_tolerance, logit_bound=logit_bound))
+        return self._prefill(layer_idx, q, k, v, log_fgate, scale, window, prune)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor | None,
               valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -261,7 +258,7 @@ class PagedFoxCache:
         self.c_pool.view(-1, self.group).index_copy_(0, slot, cg)
         return c
 
-    def _prefill(self, layer, q, k, v, log_fgate, scale, window, acp) -> torch.Tensor:
+    def _prefill(self, layer, q, k, v, log_fgate, scale, window, prune: ACP | None) -> torch.Tensor:
         """Attention of new tokens row by row: the op for a fresh row, else from the cached keys and c."""
         B, T = q.shape[:2]
         o = q.new_zeros(*q.shape[:3], v.shape[-1])
@@ -274,7 +271,7 @@ class PagedFoxCache:
             if n == total:  # a fresh row: everything is in hand
                 lf = log_fgate[b:b + 1, new] if log_fgate is not None else None
                 o[b:b + 1, new] = sequence_attention(q[b:b + 1, new], k[b:b + 1, new], v[b:b + 1, new], lf,
-                                                     scale=scale, window=window, **acp)[0]
+                                                     scale=scale, window=window, prune=prune)[0]
                 continue
             for h in self._head_groups(layer, b):
                 heads = slice(h.start * self.group, h.stop * self.group)
@@ -282,11 +279,8 @@ class PagedFoxCache:
                 kk, vv, cc = self._gather(layer, b, h, first, total)
                 qq = q[b:b + 1, new, heads].to(self.dtype)
                 threshold = None
-                if acp["prune"]:
-                    bound = acp["logit_bound"]
-                    bound = bound[heads] if isinstance(bound, torch.Tensor) and bound.dim() else bound
-                    threshold = acp_threshold(qq, kk, scale=scale, tolerance=acp["tolerance"], logit_bound=bound,
-                                              window=window)
+                if prune is not None:
+                    threshold = prune.for_heads(heads).threshold(qq, kk, scale=scale, window=window)
                 o[b:b + 1, new, heads] = attention_from_cumsum(qq, kk, vv, cc[:, -n:], cc, scale=scale,
                                                                window=window, threshold=threshold)[0]
         return o

@@ -160,7 +160,8 @@ def generate(
         eos_token_id: a row stops at this token (the step loop ends when all rows have).
         vocab_size: only ids below it can be generated (the model's vocabulary is padded, e.g. 50304).
         evict: forget-gate cache eviction: free the cache pages whose keys have decayed so far that no future
-            query can give them more than ``tolerance`` of its attention (see ``foxlm.ops.decode``).
+            query can give them more than ``tolerance`` of its attention (see
+            ``foxlm.ops.forgetting_attention.decode``).
         page_size: cache page size in tokens (the eviction granularity).
         prefill_chunk: prompt columns per prefill forward (bounds activation memory of long prompts).
         cuda_graph: capture the decode step in a CUDA graph (default: on CUDA).

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import acp_stats, apply_rotary, sequence_attention
+from ..ops import ACP, acp_stats, apply_rotary, sequence_attention
 from ..parallel import ContextParallel, cp_acp_tile_stats, cp_forgetting_attention, previous_tokens
 from .norm import RMSNorm
 from .segments import Segments
@@ -228,8 +228,7 @@ class ForgettingAttention(nn.Module):
                 raise ValueError("rotary: this layer applies RoPE and needs the (cos, sin) of its positions")
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         log_fgate = self.log_fgate(x)
-        acp, tolerance = self.acp_config.acp, self.acp_config.acp_tolerance
-        bound = self.logit_bound() if acp else None
+        acp = ACP(self.acp_config.acp_tolerance, self.logit_bound()) if self.acp_config.acp else None
         probs = None
         if cache is None and self.acp_probe is not None and self.acp_probe.active:
             self.acp_probe.record(self, q, k, log_fgate, segments)
@@ -238,17 +237,17 @@ class ForgettingAttention(nn.Module):
             gate_cp = log_fgate if log_fgate is not None else x.new_zeros(
                 B, T, H, dtype=torch.promote_types(x.dtype, torch.float32))
             o = cp_forgetting_attention(q, k, v, gate_cp, group=cp.group, layout=cp.layout, scale=self.scale,
-                                        prune=acp, tolerance=tolerance, logit_bound=bound)
+                                        prune=acp)
         elif cache is None:
             o, probs = sequence_attention(
                 q, k, v, log_fgate, scale=self.scale, cu_seqlens=None if segments is None else segments.cu_seqlens,
                 max_seqlen=None if segments is None else segments.max_seqlen, window=self.window, prune=acp,
-                tolerance=tolerance, logit_bound=bound, deterministic=self.deterministic,
+                deterministic=self.deterministic,
                 return_probs=output_attentions,
             )
         else:
             o = cache.attend(self.layer_idx, q, k, v, log_fgate, scale=self.scale, valid=valid, window=self.window,
-                             acp=acp, acp_tolerance=tolerance, logit_bound=bound)
+                             prune=acp)
         gate = None if self.g_proj is None else self.g_proj(x)
         if self.o_norm is not None:  # the output norm and the output gate in one fused op
             o, gate = self.o_norm(o, gate=None if gate is None else gate.view(B, T, H, D)), None

@@ -11,15 +11,14 @@ the cached c with ``foxlm.ops.attention_from_cumsum``.
 
 from __future__ import annotations
 
-import math
 from typing import Protocol, runtime_checkable
 
 import torch
 from transformers.cache_utils import Cache
 
 from ..layers import Segments
-from ..ops import attention_from_cumsum, sequence_attention
-from ..ops.gate import continue_cumsum
+from ..ops import ACP, attention_from_cumsum, sequence_attention
+from ..ops.forgetting_attention.gate import continue_cumsum
 
 
 @runtime_checkable
@@ -39,9 +38,7 @@ class KVCache(Protocol):
         scale: float,
         valid: torch.Tensor | None = None,
         window: int | None = None,
-        acp: bool = False,
-        acp_tolerance: float = math.exp(-10),
-        logit_bound: torch.Tensor | float | None = None,
+        prune: ACP | None = None,
     ) -> torch.Tensor:
         """Append the new tokens and return their attention over everything cached: o [B, T, Hq, Dv].
 
@@ -49,15 +46,15 @@ class KVCache(Protocol):
         already token-shifted, QK-normed and rotated (exactly what is to be cached); log_fgate: [B, T, Hq] fp32
         log forget gates, or None for a model without a gate (attention without decay). The cache appends k, v
         and the gate cumsum c of the new tokens, c_t = c_{t-1} + log f_t, a running fp64 sum per (row, head)
-        (``foxlm.ops.gate.continue_cumsum``). Query i sees the cached keys j <= i with logits
+        (``foxlm.ops.forgetting_attention.gate.continue_cumsum``). Query i sees the cached keys j <= i with logits
         ``scale * q_i . k_j + c_i - c_j`` (T > 1 with a non-empty cache is chunked prefill: Tq < Tk).
         valid: [B, T] bool, False at padding: before a row's real tokens (left padding) or after them (right padding,
         which later calls' tokens follow). A padded key must never be seen by a real query, adds no decay, and
         leaves the token-shift state as it was; outputs at padded queries are finite but meaningless.
-        window: sliding-window attention (keys j > i - window). acp / acp_tolerance / logit_bound: the layer's
-        ACP setting; ``logit_bound`` ([Hq] fp32, from the QK-norm weights; None without QK-norm) bounds
+        window: sliding-window attention (keys j > i - window). prune: the layer's ACP setting (``foxlm.ops.ACP``),
+        or None; its ``logit_bound`` ([Hq] fp32, from the QK-norm weights; None without QK-norm) bounds
         |scale * q . k| for every token now and later, which is what makes evicting a key safe once
-        c_t - c_j < delta = -(2U + log N) + log(acp_tolerance) (``foxlm.ops.prune_threshold``): decay only grows.
+        c_t - c_j < delta = -(2U + log N) + log(tolerance) (``ACP.delta``): decay only grows.
         """
         ...
 
@@ -170,9 +167,7 @@ class FoxCache(Cache):
         scale: float,
         valid: torch.Tensor | None = None,
         window: int | None = None,
-        acp: bool = False,
-        acp_tolerance: float = math.exp(-10),
-        logit_bound: torch.Tensor | float | None = None,
+        prune: ACP | None = None,
     ) -> torch.Tensor:
         """``KVCache.attend``: ACP applies to the first prefill only; padded keys get c = +PAD_DECAY, so that
         c_i - c_j = -1e30 cuts them out of every real query's row exactly.
@@ -195,8 +190,7 @@ class FoxCache(Cache):
             segments = None if valid is None or bool(valid.all()) else Segments.from_mask(valid)
             o, _ = sequence_attention(
                 q, k, v, log_fgate, scale=scale, cu_seqlens=None if segments is None else segments.cu_seqlens,
-                max_seqlen=None if segments is None else segments.max_seqlen, window=window, prune=acp,
-                tolerance=acp_tolerance, logit_bound=logit_bound,
+                max_seqlen=None if segments is None else segments.max_seqlen, window=window, prune=prune,
             )
             return o
         n = layer.length

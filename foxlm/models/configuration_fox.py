@@ -7,7 +7,7 @@ import inspect
 from transformers import PretrainedConfig
 
 from ..layers import GATES
-from ..ops.acp import check_tolerance
+from ..ops.forgetting_attention.acp import check_tolerance
 from ..presets import ARCHS, FOX_FIELDS, SIZES, derived_fields
 
 

@@ -22,7 +22,7 @@ from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
-from ..ops.acp import check_tolerance
+from ..ops.forgetting_attention.acp import check_tolerance
 from ..ops.cross_entropy import linear_cross_entropy
 from ..parallel import ContextParallel, sequence_positions
 from .cache import FoxCache, KVCache

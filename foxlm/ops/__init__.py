@@ -1,21 +1,33 @@
-"""Forgetting Attention kernels, each beside its PyTorch reference."""
+"""foxlm's ops, each a Triton kernel beside its PyTorch path: Forgetting Attention (a package of its own) and the
+fused normalisation, activation, rotary, token-shift and loss ops around it."""
 
-from .acp import acp_stats, acp_threshold, acp_tile_stats, data_logit_bound, prune_threshold
 from .backend import use_backend
-from .chunked import attention_from_cumsum
-from .forgetting_attention import forgetting_attention, sequence_attention
-from .gate import gate_cumsum
-from .reference import forgetting_attention_reference
+from .forgetting_attention import (
+    ACP,
+    acp_stats,
+    acp_threshold,
+    acp_tile_stats,
+    attention_from_cumsum,
+    data_logit_bound,
+    forgetting_attention,
+    forgetting_attention_decode,
+    forgetting_attention_reference,
+    gate_cumsum,
+    prune_threshold,
+    sequence_attention,
+)
 from .rms_norm import rms_norm
 from .rotary import apply_rotary
 from .swiglu import swiglu
 
 __all__ = [
     "forgetting_attention",
+    "forgetting_attention_decode",
     "attention_from_cumsum",
     "sequence_attention",
     "forgetting_attention_reference",
     "gate_cumsum",
+    "ACP",
     "data_logit_bound",
     "prune_threshold",
     "acp_threshold",

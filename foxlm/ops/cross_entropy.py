@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 
 from .backend import interpreted, jit, require_runnable, tl, triton, use_triton
+from .checks import DTYPES
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 REDUCTIONS = ("mean", "sum", "none")
 # Rows per chunk by default: one chunk's fp32 logits take about 2**26 * 4 bytes = 256 MB.
 _CHUNK_ELEMENTS = 2**26
@@ -39,7 +39,7 @@ def _validate(hidden, weight, labels, reduction, chunk_size) -> None:
         got = getattr(weight, "shape", type(weight))
         raise ValueError(f"weight: expected a 2-D tensor [V, C={C}] with V >= 1, got {got}")
     for name, t in (("hidden", hidden), ("weight", weight)):
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise ValueError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
     if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (N,):
         raise ValueError(f"labels: expected a 1-D tensor [N={N}], got {getattr(labels, 'shape', type(labels))}")

@@ -21,9 +21,9 @@ import functools
 import torch
 
 from .backend import jit, require_runnable, tl, triton, use_triton
+from .checks import DTYPES
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Largest D the Triton kernels take (one row block must fit in registers); wider rows take the PyTorch path.
 MAX_DIM = 8192
 
@@ -156,7 +156,7 @@ def _rms_norm_torch(x, weight, eps, residual, gate, out_dtype):
 
 
 def _validate(x, weight, residual, gate, out_dtype) -> None:
-    if not isinstance(x, torch.Tensor) or x.dtype not in _DTYPES:
+    if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
         raise ValueError(f"x: expected a float16, bfloat16, float32 or float64 tensor, got {getattr(x, 'dtype', type(x))}")
     if (
         not isinstance(weight, torch.Tensor)
@@ -176,11 +176,11 @@ def _validate(x, weight, residual, gate, out_dtype) -> None:
             continue
         if shapes is not None and tuple(t.shape) not in shapes:
             raise ValueError(f"{name}: expected shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}")
-        if t.dtype not in _DTYPES:
+        if t.dtype not in DTYPES:
             raise ValueError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
         if t.device != x.device:
             raise ValueError(f"{name}: on {t.device}, but x is on {x.device}; all inputs must share a device")
-    if out_dtype is not None and out_dtype not in _DTYPES:
+    if out_dtype is not None and out_dtype not in DTYPES:
         raise ValueError(f"out_dtype: expected float16, bfloat16, float32 or float64, got {out_dtype}")
 
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 
 from .backend import jit, require_runnable, tl, triton, use_triton
+from .checks import DTYPES
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK_ELEMENTS = 2048  # half-rows' elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_HALF rows
 
 
@@ -41,8 +41,6 @@ def _rotary_kernel(X, COS, SIN, Y, N, T, H, sxb, sxt, sxh, scb, sct, SIGN: tl.co
     y_row = Y + r[:, None] * (2 * HALF) + i[None, :]
     tl.store(y_row, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
     tl.store(y_row + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
-
-
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
@@ -81,7 +79,7 @@ def _rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 def _validate(x, cos, sin) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[-1] % 2:
         raise ValueError(f"x: expected a 4-D tensor [B, T, H, D] with an even D, got {getattr(x, 'shape', type(x))}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise ValueError(f"x: expected float16, bfloat16, float32 or float64, got {x.dtype}")
     B, T, _, D = x.shape
     for name, t in (("cos", cos), ("sin", sin)):

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from .backend import jit, require_runnable, tl, triton, use_triton
+from .checks import DTYPES
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK = 2048
 
 
@@ -37,8 +37,6 @@ def _swiglu_bwd_kernel(G, U, DH, DG, DU, N, BLOCK: tl.constexpr):
     silu = g * sig
     tl.store(DG + offs, (dh * u * (sig + silu * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
     tl.store(DU + offs, (dh * silu).to(DU.dtype.element_ty), mask=mask)
-
-
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -77,7 +75,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """
     if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor):
         raise ValueError("gate, up: expected tensors")
-    if gate.dtype not in _DTYPES:
+    if gate.dtype not in DTYPES:
         raise ValueError(f"gate: expected float16, bfloat16, float32 or float64, got {gate.dtype}")
     if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
         raise ValueError(f"up: expected gate's shape {tuple(gate.shape)}, dtype {gate.dtype} and device "

@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 
 from .backend import jit, require_runnable, tl, triton, use_triton
+from .checks import DTYPES
 
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _BLOCK_ELEMENTS = 4096  # elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_D rows
 
 
@@ -134,7 +134,7 @@ def _token_shift_torch(x, alpha_logit, prev, reset) -> torch.Tensor:
 def _validate(x, alpha_logit, prev, reset) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"x: expected a 4-D tensor [B, T, H, D], got {getattr(x, 'shape', type(x))}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise ValueError(f"x: expected float16, bfloat16, float32 or float64, got {x.dtype}")
     B, T, H, D = x.shape
     if not isinstance(alpha_logit, torch.Tensor) or tuple(alpha_logit.shape) != (B, T, H):

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..ops.acp import acp_tile_stats, prune_threshold
-from ..ops.chunked import attention_from_cumsum
+from ..ops.checks import check_qkv
+from ..ops.forgetting_attention.acp import ACP, acp_tile_stats
+from ..ops.forgetting_attention.gate import gate_cumsum, reverse_cumsum
+from ..ops.forgetting_attention.sdpa import attention_from_cumsum
 from .layout import _world, chunks_per_rank, gather_sequence, rank_chunks
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_HEAD_DIM = 256
 
 
 @dataclass
@@ -103,7 +102,7 @@ class CPAcpStats:
 class _Plan:
     """Which (query chunk, key chunk, KV head) blocks are computed, and the gate carries; the same on every rank."""
 
-    def __init__(self, q, k, log_fgate, group, layout, scale, prune, tolerance, logit_bound):
+    def __init__(self, q, k, log_fgate, group, layout, scale, acp: ACP | None):
         self.group, self.layout = group, layout
         self.rank, self.world = _world(group)
         self.nloc = chunks_per_rank(layout)
@@ -122,8 +121,8 @@ class _Plan:
         self.carry = torch.cat([totals.new_zeros(1, B, Hq), totals.cumsum(0)[:-1]])
         causal = torch.ones(nc, nc, dtype=torch.bool).tril()
         self.threshold = None
-        if prune:
-            self.threshold = _threshold(q, k, scale, tolerance, logit_bound, nc * self.L, group)
+        if acp is not None:
+            self.threshold = _threshold(q, k, scale, acp, nc * self.L, group)
             edge = torch.cat([self.carry[1:], self.carry[-1:] + totals[-1:]])  # c at the end of each chunk
             # c_i - c_j <= c before chunk gq - c at the end of chunk gk, for any query i in gq and key j in gk
             bound = self.carry[:, None] - edge[None, :]  # [nc, nc, B, Hq]
@@ -136,7 +135,7 @@ class _Plan:
     def local_c(self, log_fgate: torch.Tensor) -> torch.Tensor:
         """This rank's global gate cumsum c: [B, Tl, Hq] fp64."""
         B, _, Hq = log_fgate.shape
-        local = log_fgate.detach().to(torch.float64).reshape(B, self.nloc, self.L, Hq).cumsum(2)
+        local = gate_cumsum(log_fgate.detach().reshape(B * self.nloc, self.L, Hq)).view(B, self.nloc, self.L, Hq)
         carry = torch.stack([self.carry[g] for g in self.chunks[self.rank]], 1)  # [B, nloc, Hq]
         return (local + carry[:, :, None]).reshape(B, -1, Hq)
 
@@ -156,22 +155,12 @@ def _all_gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
     return out.view(world, *x.shape)
 
 
-def _threshold(q, k, scale, tolerance, logit_bound, total, group) -> torch.Tensor:
-    """ACP's delta [B, Hq] for the whole sequence: U from all ranks' largest norms (or ``logit_bound``), N = T."""
-    B, _, Hq, _ = q.shape
-    if logit_bound is None:
-        dt = torch.promote_types(q.dtype, torch.float32)
-        qn = torch.linalg.vector_norm(q.detach(), dim=-1, dtype=dt).float().amax(1)  # [B, Hq]
-        kn = torch.linalg.vector_norm(k.detach(), dim=-1, dtype=dt).float().amax(1)  # [B, Hk]
-        both = torch.cat([qn, kn], 1)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-        qn, kn = both[:, :Hq], both[:, Hq:]
-        bound = abs(scale) * qn * kn.repeat_interleave(Hq // k.shape[2], dim=-1)  # |logits| <= U for any sign
-    elif isinstance(logit_bound, torch.Tensor):
-        bound = logit_bound.float().expand(B, Hq)
-    else:
-        bound = torch.full((B, Hq), float(logit_bound), dtype=torch.float32, device=q.device)
-    return prune_threshold(bound, total, tolerance)
+def _threshold(q, k, scale, acp: ACP, total, group) -> torch.Tensor:
+    """ACP's delta [B, Hq] for the whole sequence: U from all ranks' largest norms (or the ACP's bound), N = T."""
+    def reduce_max(t: torch.Tensor) -> None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+    return acp.threshold(q, k, scale=scale, num_keys=total, reduce_max=reduce_max)
 
 
 def _pack(k, v, c, plan: _Plan, units):
@@ -375,29 +364,17 @@ def _reverse_cumsum(dc: torch.Tensor, plan: _Plan) -> torch.Tensor:
     for r in range(plan.world):
         for a, g in enumerate(plan.chunks[r]):
             per_chunk[g] = gathered[r, a]
-    after = per_chunk.flip(0).cumsum(0).flip(0) - per_chunk  # sum over the chunks after g
+    after = reverse_cumsum(per_chunk, dim=0) - per_chunk  # sum over the chunks after g
     carry = torch.stack([after[g] for g in plan.chunks[plan.rank]], 1)  # [B, nloc, Hq]
-    return (dc4.flip(2).cumsum(2).flip(2) + carry[:, :, None]).reshape(B, -1, Hq)
+    return (reverse_cumsum(dc4, dim=2) + carry[:, :, None]).reshape(B, -1, Hq)
 
 
-def _validate(q, k, v, log_fgate, layout, tolerance) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D shard [B, T/P, H, D], got {getattr(t, 'shape', type(t))}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
+def _validate(q, k, v, log_fgate, layout) -> None:
+    check_qkv(q, k, v, what="a 4-D shard [B, T/P, H, D]")
     B, Tl, Hq, D = q.shape
-    if tuple(k.shape[:2]) != (B, Tl) or k.shape[-1] != D or tuple(v.shape[:3]) != tuple(k.shape[:3]):
+    if tuple(k.shape[:2]) != (B, Tl):
         raise ValueError(f"k, v: expected shards [B={B}, T/P={Tl}, Hk, D={D}] and [B, T/P, Hk, Dv], got "
                          f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if Hq % k.shape[2]:
-        raise ValueError(f"q: its {Hq} heads must be a multiple of k's {k.shape[2]} heads (GQA)")
-    if D > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"q, v: head dims up to {MAX_HEAD_DIM} are supported, got {D} and {v.shape[-1]}")
     if not isinstance(log_fgate, torch.Tensor) or tuple(log_fgate.shape) != (B, Tl, Hq):
         raise ValueError(f"log_fgate: expected a shard [B, T/P, Hq] = {(B, Tl, Hq)}, got "
                          f"{getattr(log_fgate, 'shape', None)}")
@@ -407,8 +384,6 @@ def _validate(q, k, v, log_fgate, layout, tolerance) -> None:
     if Tl % per:
         raise ValueError(f"q: a {layout} shard holds {per} equal chunks, so T/P={Tl} must be a multiple of {per} "
                          f"(the sequence a multiple of 2P; shard_sequence checks this)")
-    if not 0.0 < tolerance < 1.0:
-        raise ValueError(f"tolerance: expected a value in (0, 1), got {tolerance}")
     if bool((~(log_fgate <= 0) | log_fgate.isinf()).any()):
         raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
 
@@ -422,7 +397,7 @@ def cp_forgetting_attention(
     group: dist.ProcessGroup | None = None,
     layout: str = "zigzag",
     scale: float | None = None,
-    prune: bool = False,
+    prune: bool | ACP | None = False,
     tolerance: float = math.exp(-10),
     logit_bound: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -430,13 +405,15 @@ def cp_forgetting_attention(
 
     q: [B, T/P, Hq, D], k: [B, T/P, Hk, D], v: [B, T/P, Hk, Dv], log_fgate: [B, T/P, Hq] fp32, each as
     ``shard_sequence(x, dim=1, group=group, layout=layout)`` makes it; every rank of ``group`` calls this with
-    shards of the same shape. prune, tolerance, logit_bound: ACP as in ``forgetting_attention``, with N the whole
-    length T and U all-reduced over the group (a ``logit_bound`` must be the same on every rank).
+    shards of the same shape. prune (an ``ACP`` or a bool with tolerance and logit_bound): ACP as in
+    ``forgetting_attention``, with N the whole length T and U all-reduced over the group (a logit bound must be the
+    same on every rank).
     Returns o: [B, T/P, Hq, Dv] in q's dtype. Differentiable in q, k, v and log_fgate.
     """
-    _validate(q, k, v, log_fgate, layout, tolerance)
+    acp = ACP.of(prune, tolerance, logit_bound)
+    _validate(q, k, v, log_fgate, layout)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    plan = _Plan(q, k, log_fgate, group, layout, scale, prune, tolerance, logit_bound)
+    plan = _Plan(q, k, log_fgate, group, layout, scale, acp)
     return _CPForgettingAttention.apply(q, k, v, log_fgate, plan, scale)
 
 
@@ -457,9 +434,10 @@ def cp_acp_tile_stats(
     the share of the causal attention tiles (``block_m`` x ``block_n``) that ACP's delta skips, the number one
     process reports for the same sequence whatever P and the layout. The op itself skips chunk pairs, a coarser
     unit (``cp_acp_stats``)."""
-    _validate(q, k, k, log_fgate, layout, tolerance)
+    acp = ACP(tolerance, logit_bound)
+    _validate(q, k, k, log_fgate, layout)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    threshold = _threshold(q, k, scale, tolerance, logit_bound, q.shape[1] * dist.get_world_size(group), group)
+    threshold = _threshold(q, k, scale, acp, q.shape[1] * dist.get_world_size(group), group)
     with torch.no_grad():
         whole = gather_sequence(log_fgate.detach(), dim=1, group=group, layout=layout)
     return acp_tile_stats(whole, threshold, block_m=block_m, block_n=block_n)
@@ -482,9 +460,10 @@ def cp_acp_stats(
     Same shards and arguments as the op (a collective: every rank of ``group`` calls it); value_dim: Dv, by
     default D. Blocks are (chunk of queries x chunk of keys) per head, the op's unit of skipping.
     """
-    _validate(q, k, k if value_dim is None else k.new_empty(*k.shape[:3], value_dim), log_fgate, layout, tolerance)
+    acp = ACP(tolerance, logit_bound)
+    _validate(q, k, k if value_dim is None else k.new_empty(*k.shape[:3], value_dim), log_fgate, layout)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    plan = _Plan(q, k, log_fgate, group, layout, scale, True, tolerance, logit_bound)
+    plan = _Plan(q, k, log_fgate, group, layout, scale, acp)
     B, _, Hq, D = q.shape
     Dv = D if value_dim is None else value_dim
     L, Hk, G = plan.L, plan.Hk, plan.G

@@ -1,35 +1,33 @@
-"""Memory-bounded PyTorch Forgetting Attention from a gate cumsum: the CPU path, and attention from a KV cache.
+"""The PyTorch path of Forgetting Attention, from gate cumsums: the op on the CPU, and the engine of attention from a
+KV cache and of context parallelism on any device.
 
 The work runs in SDPA's fused CPU kernel (``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward),
 with the gate as two extra q/k channels where a backward follows (_SdpaAttention) and as a key-bias mask where none
 does (_bias_attention). Queries go in chunks, each against only the keys it can see, with c re-centred per chunk
-(_plan); memory is O(T) (the kernel is a flash kernel), never T x T. Causality, varlen, sliding windows and ACP share one mechanism:
-every query row i sees the keys [row_start_i, q_offset + i], where row_start is the start of its sequence, moved
-right to q_offset + i - window + 1 and past the keys ACP prunes (a pruned key range is not computed at all); keys
-whose weight underflows fp32 for every row of a chunk are not computed either. Off the CPU (the caches and context
-parallelism on a GPU; the op itself takes Triton there) the same chunks go through a plain-matmul softmax with the
-kernel's contract.
+(_plan); memory is O(T) (the kernel is a flash kernel), never T x T. Causality, varlen, sliding windows and ACP share
+one mechanism: every query row i sees the keys [row_start_i, q_offset + i], where row_start is the start of its
+sequence, moved right to q_offset + i - window + 1 and past the keys ACP prunes (a pruned key range is not computed
+at all); keys whose weight underflows fp32 for every row of a chunk are not computed either. Off the CPU the same
+chunks go through a plain-matmul softmax with the kernel's contract.
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import functools
 import math
-import os
-import re
-import threading
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..checks import check_qkv
+from .denormals import flush_denormals
 from .gate import segment_ids
 
-# Rows per query chunk at most (the fused kernel's memory does not grow with them: chunks exist to re-centre c), and
-# the largest gate span max(c) - min(c) within one: a bias re-centred to within +-32 loses at most 2e-6 to fp32.
-_CHUNK = 1 << 16
+# Rows per query chunk at most (the fused kernel's memory does not grow with them: chunks exist to re-centre c). A
+# knob for tests: lowered, small inputs cross chunk boundaries (and rows of a chunk that see no key).
+CHUNK_ROWS = 1 << 16
+# The largest gate span max(c) - min(c) within a chunk: a bias re-centred to within +-32 loses at most 2e-6 to fp32.
 _C_SPAN = 64.0
 # Off the CPU (the caches and context parallelism on a GPU) the kernel is _math_attention: at most this many
 # elements in one call's [B, H, rows, keys] score matrix; and at most this many in a masked call's explicit mask.
@@ -39,11 +37,11 @@ _MASK_ELEMENTS = 1 << 24
 # e^-110: zero in fp32, whose smallest denormal is e^-103.3 (the margin covers c's own rounding).
 _UNDERFLOW = 110.0
 _SKIP_MIN_KEYS = 1024  # keys before a chunk from which the skip is looked for
-# The forward flushes denormals (_flush_denormals) only from this many logits on: the flush costs 0.1-0.2 ms, and
-# the forward kernel meets few denormals (7% of its time at 16k tokens with gates 8x the benchmark's, else ~0), so
-# below this (about 2k tokens x 8 heads) the flush would cost more than it saves. The backward always flushes.
+# The forward flushes denormals (flush_denormals) only from this many logits on: the flush has a fixed cost and the
+# forward kernel meets few denormals, so below this the flush costs more than it saves. The backward always flushes.
 _FLUSH_MIN_LOGITS = 1 << 24
-# The fused kernel's query blocks: 256 rows for calls of at least 768 rows (64 or 32 below), see _cuts.
+# The fused kernel's query blocks: 256 rows for calls of at least 768 rows (64 or 32 below): _cuts keeps chunks
+# at least _KERNEL_ROWS long where it can.
 _Q_BLOCK, _KERNEL_ROWS = 256, 768
 
 
@@ -101,8 +99,8 @@ class _SdpaAttention(torch.autograd.Function):
 
     Where a backward follows, the gate goes in as channels: q' = [scale*q, c_q - c_ref, 1] and
     k' = [k, 1, c_ref - c_k] (v' = [v, 0, 0]), so the kernel's dot product at scale 1 is the gated logit. The q'
-    channel keeps the logits of the keys that carry mass small inside the kernel's fp32 sums (a key bias alone lost 3x
-    on dv and 1.5x on the gate gradient against the fp64 oracle). The backward reuses the forward's k' and v' (saved)
+    channel keeps the logits of the keys that carry mass small inside the kernel's fp32 sums (a key bias alone loses
+    precision on dv and the gate gradient). The backward reuses the forward's k' and v' (saved)
     and rebuilds q' per chunk the same way, so its probabilities agree with the forward's lse to the last bit; the
     k' channel's gradient is the column sums of dS, the gate's gradient. Without a backward, _bias_attention gives
     the gate as a key bias.
@@ -113,7 +111,7 @@ class _SdpaAttention(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), False, functools.partial(_norms, q, k, scale))
         cdt = torch.promote_types(q.dtype, torch.float32)
-        with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
+        with flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
             kp, vp = _kv_channels(k, v, q.shape[2], max(q.shape[-1], v.shape[-1]) + 2, cdt)
             o, lse = _channel_forward(q, kp, vp, c_q, c_k, row_start, q_offset, plan[0][1], scale)
         # q' is built per chunk (forward and backward alike, so bit for bit): saving it would add a copy of q to
@@ -131,7 +129,7 @@ class _SdpaAttention(torch.autograd.Function):
         (B, Tq, Hq, D), dtype, Hk, Dv = ctx.shapes
         if ctx.gqa:
             kp, vp = _kv_channels(kp, vp, Hq, o.shape[-1], o.dtype)
-        with _flush_denormals():
+        with flush_denormals():
             dq, dkp, dvp = _channel_backward(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, ctx.q_offset, ctx.plan,
                                              ctx.scale, Dv, ctx.gqa)
         dk, dv, dc_k = dkp[..., :D], dvp[..., :Dv], -dkp[..., -1]
@@ -160,7 +158,7 @@ def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torc
     """
     q, scale = sdpa_scale(q, scale)
     plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), True, functools.partial(_norms, q, k, scale))
-    with _flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
+    with flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
         o, lse = _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan,
                                torch.promote_types(q.dtype, torch.float32))
     return o.to(q.dtype), lse.float()
@@ -415,87 +413,16 @@ def _math_logits(q, k, is_causal, attn_mask, scale):
     return s if attn_mask is None else s + attn_mask
 
 
-@contextlib.contextmanager
-def _flush_denormals(on: bool = True):
-    """Flush fp32 denormals to zero on every intra-op thread during the kernel calls, then restore each thread's mode
-    (``on``: else nothing).
-
-    The gate drives many probabilities of a row below 1e-38, where the CPU computes with denormals at a fraction of
-    its speed (several times slower on the backward); values that small are zero to fp32's precision.
-    ``torch.set_flush_denormal`` sets the calling thread's mode only, and the OpenMP workers keep the mode they
-    started with, so the setting runs on each of them through the OpenMP runtime torch uses (where it is found; else
-    on the calling thread only). torch has no getter, so each thread's mode is read off a product of Python floats
-    (the same MXCSR flags govern them).
-    """
-    if not on:
-        yield
-        return
-    modes: dict[int, bool] = {}
-
-    def flush(on: bool | None) -> None:
-        tid = threading.get_ident()
-        if on:
-            modes[tid] = _TINY * _ONE == 0.0
-        torch.set_flush_denormal(bool(on) or modes.get(tid, False))
-
-    _on_all_threads(lambda: flush(True))
-    try:
-        yield
-    finally:
-        _on_all_threads(lambda: flush(None))
-
-
-_TINY, _ONE = 5e-324, 1.0  # the smallest double denormal, and a factor that keeps it unless denormals are flushed
-_OMP_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
-
-
-def _on_all_threads(fn) -> None:
-    """Run fn() once on each of torch's intra-op threads (the calling thread is one of them)."""
-    parallel, threads = _omp_parallel(), torch.get_num_threads()
-    if parallel is None or threads == 1:
-        fn()
-        return
-
-    def each(_):
-        try:
-            fn()
-        except Exception:  # noqa: BLE001 - an exception cannot cross the C frame; the mode is only a speed matter
-            pass
-
-    parallel(_OMP_CALLBACK(each), None, threads, 0)
-
-
-@functools.cache
-def _omp_parallel():
-    """GOMP_parallel(fn, data, num_threads, flags) of the OpenMP runtime loaded with torch (libgomp, or LLVM's and
-    Intel's, which export it too), or None. Where other packages loaded runtimes of their own, torch's comes first:
-    another runtime's threads are not the ones torch computes on."""
-    try:
-        with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if re.search(r"/lib[gi]?omp[-.\w]*\.so", line)}
-    except OSError:  # not Linux
-        return None
-    torch_dir = os.path.dirname(os.path.dirname(torch.__file__))  # site-packages: torch/lib and torch.libs
-    for path in sorted(paths, key=lambda p: (not p.startswith(os.path.join(torch_dir, "torch")), p)):
-        try:
-            fn = ctypes.CDLL(path).GOMP_parallel
-        except (OSError, AttributeError):
-            continue
-        fn.argtypes, fn.restype = [_OMP_CALLBACK, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint], None
-        return fn
-    return None
-
-
 def _heads(t: torch.Tensor) -> torch.Tensor:
     """[B, T, H, Dp] buffer -> the kernel's [B, H, T, Dp] view."""
     return t.transpose(1, 2)
 
 
 def _rows(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Query rows per chunk: _CHUNK for the fused kernel; off the CPU, bounded by _math_attention's score matrix."""
+    """Query rows per chunk: CHUNK_ROWS for the fused kernel; off the CPU, bounded by _math_attention's score matrix."""
     if _fused(q.device):
-        return _CHUNK
-    return min(_CHUNK, max(16, _MATH_ELEMENTS // max(1, q.shape[0] * q.shape[2] * k.shape[1])))
+        return CHUNK_ROWS
+    return min(CHUNK_ROWS, max(16, _MATH_ELEMENTS // max(1, q.shape[0] * q.shape[2] * k.shape[1])))
 
 
 def _group(t: torch.Tensor, heads: tuple[int, int] | None, hq: int, dtype: torch.dtype, dp: int) -> torch.Tensor:
@@ -527,9 +454,8 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
     (strong forgetting), down to 16 rows, so that the re-centred logits stay small (see _cuts for where). ``by_head``:
     one fast-forgetting head does not cut the others' chunks (a group is a run of adjacent heads, so that it is a
     view of q, k and v), where that at least halves the chunks times heads (a head's own calls run less efficiently
-    than a share of all heads': at 1k, where one head needs two chunks, the forward took 1.45x SDPA with runs of
-    heads and 1.34x with the shared chunks; at 16k, with 18 chunks for that head, 1.16x and 1.23x); else, and
-    always without ``by_head``, every head gets the shortest chunks any needs.
+    than a share of all heads'); else, and always without ``by_head``, every head gets the shortest chunks any
+    needs.
     """
     Tq = c.shape[1]
     jumps = (np.nonzero(np.abs(np.diff(c, axis=1)).max(axis=(0, 2), initial=0.0) > _C_SPAN)[0] + 1).tolist()
@@ -541,8 +467,7 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
     splits = [[min(max(1, math.ceil(x / _C_SPAN)) if math.isfinite(x) else 1, max(1, (b - a) // 16)) for x in row]
               for (a, b), row in zip(pieces, spans.tolist())]
     heads = c.shape[2]
-    # Runs of heads pay for their smaller kernel calls: worth it only where they save most of the merged chunks
-    # (merging neighbouring runs only, where that at most doubled their chunks, ran 1.04x slower at 4k, 1.07x at 16k).
+    # Runs of heads pay for their smaller kernel calls: worth it only where they save most of the merged chunks.
     if not by_head or sum(map(max, splits)) * heads < 2 * sum(map(sum, splits)):
         splits = [[max(row)] * heads for row in splits]
     runs: list[tuple[list[int], int, int]] = []  # (splits per piece, h0, h1)
@@ -565,12 +490,9 @@ def _head_groups(c: np.ndarray, rows: int, by_head: bool) -> list[tuple[tuple[in
 def _cuts(c: np.ndarray, a: int, b: int, n: int) -> list[int]:
     """The edges of the chunks of rows [a, b), which need n chunks for c's span (c: [B, Tq, G]), each spanning at most
     _C_SPAN (down to chunks of 16 to 31 rows): n even chunks (or one or two more, where the gates' rate is uneven)
-    where each has at least _KERNEL_ROWS rows; else the longest runs of _Q_BLOCK-row blocks whose span stays within
-    _C_SPAN; else (a single block spans more) n even chunks, each halved until it holds the span.
-
-    The kernel works on 256-row query blocks from 768 rows on and on 64-row ones below: at 1k tokens, two 512-row
-    chunks took 1.2x the kernel time of one 768-row and one 256-row chunk (forward; 1.06x forward + backward), which
-    cost what one chunk does.
+    where each has at least _KERNEL_ROWS rows (the kernel's larger query blocks); else the longest runs of
+    _Q_BLOCK-row blocks whose span stays within _C_SPAN; else (a single block spans more) n even chunks, each halved
+    until it holds the span.
     """
     if n == 1:
         return [a, b]
@@ -757,16 +679,9 @@ def _probs(q, k, c_q, c_k, row_start, lse, scale, q_offset) -> torch.Tensor:
 
 
 def _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D tensor [B, T, H, D], got {tuple(t.shape)}")
-    B, Tq, Hq, D = q.shape
-    Tk, Hk = k.shape[1], k.shape[2]
-    if k.shape[0] != B or k.shape[3] != D or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"k, v: expected [B={B}, Tk, Hk, D={D}] and [B, Tk, Hk, Dv], got {tuple(k.shape)} "
-                         f"and {tuple(v.shape)}")
-    if Hk == 0 or Hq % Hk:
-        raise ValueError(f"q: its {Hq} heads must be a multiple of k's {Hk} heads (GQA)")
+    check_qkv(q, k, v)
+    B, Tq, Hq, _ = q.shape
+    Tk = k.shape[1]
     for name, c, shape in (("c_q", c_q, (B, Tq, Hq)), ("c_k", c_k, (B, Tk, Hq))):
         if tuple(c.shape) != shape or c.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"{name}: expected a float32 or float64 gate cumsum {list(shape)}, "

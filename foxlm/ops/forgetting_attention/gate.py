@@ -1,4 +1,5 @@
-"""The forget gate's cumulative sum c and the packed-sequence index, shared by every attention path."""
+"""The forget gate's cumulative sum c, its reverse (the gate gradient from dc), and the packed-sequence index: the one
+home of each, shared by every attention path and by context parallelism."""
 
 from __future__ import annotations
 
@@ -26,6 +27,18 @@ def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None)
         seg = segment_ids(cu_seqlens, c.shape[1])
         c = c - before[:, seg]
     return c
+
+
+def reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None = None, dim: int = -1) -> torch.Tensor:
+    """sum_{t' >= t} dc_t' along ``dim`` in fp64, within each sequence of ``cu_seqlens`` (along the last dim): the
+    gradient of the log gates from the gradient of their cumsum c."""
+    rc = dc.double().flip(dim).cumsum(dim).flip(dim)
+    if cu_seqlens is None:
+        return rc
+    if dim not in (-1, rc.dim() - 1):
+        raise ValueError(f"dim: sequences of cu_seqlens run along the last dim, got dim={dim}")
+    ends = cu_seqlens[1:].long()[segment_ids(cu_seqlens, rc.shape[-1])]  # first position past each sequence
+    return rc - torch.nn.functional.pad(rc, (0, 1))[..., ends]
 
 
 def continue_cumsum(

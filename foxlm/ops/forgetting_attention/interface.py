@@ -9,13 +9,11 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from .acp import acp_threshold, check_logit_bound, check_tolerance
-from .backend import use_triton
-from .chunked import attention_from_cumsum, sdpa_scale
+from ..backend import use_triton
+from ..checks import DTYPES, check_qkv
+from .acp import ACP
 from .gate import gate_cumsum
-
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-MAX_HEAD_DIM = 256
+from .sdpa import attention_from_cumsum, sdpa_scale
 
 
 def _checking_values() -> bool:
@@ -32,56 +30,42 @@ def _bad_gates(log_fgate: torch.Tensor) -> torch.Tensor:
     return ~((hi <= 0) & (lo > -math.inf))
 
 
-def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates) -> None:
+def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, check_gates) -> None:
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or not math.isfinite(scale)):
         raise ValueError(f"scale: expected a finite number (any sign) or None, got {scale!r}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 4:
-            raise ValueError(f"{name}: expected a 4-D tensor [B, T, H, D], got {getattr(t, 'shape', type(t))}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}: expected float16, bfloat16, float32 or float64, got {t.dtype}")
-    for name, t in (("k", k), ("v", v), ("log_fgate", log_fgate)):
-        if t.device != q.device:
-            raise ValueError(f"{name}: on {t.device}, but q is on {q.device}; all inputs must share a device")
-    if 0 in (q.shape[0], q.shape[2], q.shape[3], k.shape[2], v.shape[3]):
-        raise ValueError(f"q, k, v: expected at least one batch row, head and head dim, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(f"k, v: expected q's dtype {q.dtype}, got {k.dtype} and {v.dtype}")
-    B, Tq, Hq, D = q.shape
-    if k.shape[0] != B or k.shape[-1] != D:
-        raise ValueError(f"k: expected [B={B}, Tk, Hk, D={D}], got {tuple(k.shape)}")
-    if v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"v: expected [B, Tk, Hk] = {tuple(k.shape[:3])} leading dims, got {tuple(v.shape)}")
-    Tk, Hk = k.shape[1], k.shape[2]
-    if Hq % Hk:
-        raise ValueError(f"q: its {Hq} heads must be a multiple of k's {Hk} heads (GQA)")
+    check_qkv(q, k, v)
+    if not isinstance(log_fgate, torch.Tensor) or log_fgate.device != q.device:
+        raise ValueError(f"log_fgate: expected a tensor on q's device {q.device}, got "
+                         f"{getattr(log_fgate, 'device', type(log_fgate))}")
+    B, Tq, Hq, _ = q.shape
+    Tk = k.shape[1]
     if Tq > Tk:
         raise ValueError(f"q: {Tq} queries but only {Tk} keys; queries are the last Tq <= Tk positions")
-    if D > MAX_HEAD_DIM or v.shape[-1] > MAX_HEAD_DIM:
-        raise ValueError(f"q, v: head dims up to {MAX_HEAD_DIM} are supported, got {D} and {v.shape[-1]}")
-    if not isinstance(log_fgate, torch.Tensor) or tuple(log_fgate.shape) != (B, Tk, Hq):
-        raise ValueError(f"log_fgate: expected shape [B, Tk, Hq] = {(B, Tk, Hq)}, got {getattr(log_fgate, 'shape', None)}")
-    if log_fgate.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"log_fgate: expected float32 (gate math is fp32), got {log_fgate.dtype}")
+    if tuple(log_fgate.shape) != (B, Tk, Hq):
+        raise ValueError(f"log_fgate: expected shape [B, Tk, Hq] = {(B, Tk, Hq)}, got {tuple(log_fgate.shape)}")
+    if log_fgate.dtype not in DTYPES:
+        raise ValueError(f"log_fgate: expected a float dtype (computed in float32 or float64), got {log_fgate.dtype}")
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
-    check_tolerance(tolerance)
-    check_logit_bound(logit_bound)
-    if isinstance(logit_bound, torch.Tensor) and logit_bound.device != q.device:
+    logit_bound = None if acp is None else acp.logit_bound
+    bound_tensor = isinstance(logit_bound, torch.Tensor)
+    if bound_tensor and logit_bound.device != q.device:
         raise ValueError(f"logit_bound: on {logit_bound.device}, but q is on {q.device}")
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError("max_seqlen: only meaningful together with cu_seqlens")
     else:
-        if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-            raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor [N+1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64)
+                or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
+            got = f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}"
+            raise ValueError(f"cu_seqlens: expected a 1-D int32 or int64 tensor [N+1], got {got}")
         if cu_seqlens.device != q.device:
             raise ValueError(f"cu_seqlens: on {cu_seqlens.device}, but q is on {q.device}")
         if B != 1 or Tq != Tk:
             raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
-    bound_tensor = isinstance(logit_bound, torch.Tensor)
+        if Tk >= 2**31:
+            raise ValueError(f"cu_seqlens: offsets up to 2^31 - 1 are supported, got {Tk} tokens")
     if not _checking_values() or (cu_seqlens is None and not check_gates):
         return
     # Every value check in one device tensor, read back with a single host sync.
@@ -104,6 +88,23 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, toleran
         raise ValueError(f"max_seqlen: {max_seqlen} is below the longest sequence, {int(lengths.max())}")
 
 
+def _window(window: int | None, window_size: tuple[int, int] | None) -> int | None:
+    """``window`` from FlashAttention's ``window_size=(left, right)``: left + 1 keys (left -1: unbounded), causal
+    attention only (right 0 or -1)."""
+    if window_size is None:
+        return window
+    if window is not None:
+        raise ValueError(f"window_size: give window={window} or window_size={window_size!r}, not both")
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) for x in window_size)):
+        raise ValueError(f"window_size: expected a pair of ints (left, right), got {window_size!r}")
+    left, right = window_size
+    if right not in (0, -1) or left < -1:
+        raise ValueError(f"window_size: attention is causal, so right must be 0 (or -1) and left >= -1, "
+                         f"got {window_size!r}")
+    return None if left == -1 else left + 1
+
+
 def forgetting_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -114,7 +115,8 @@ def forgetting_attention(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     window: int | None = None,
-    prune: bool = False,
+    window_size: tuple[int, int] | None = None,
+    prune: bool | ACP = False,
     tolerance: float = math.exp(-10),
     logit_bound: float | torch.Tensor | None = None,
     deterministic: bool = False,
@@ -124,21 +126,26 @@ def forgetting_attention(
     """Causal softmax attention with a forget gate: logits ``scale * q_i . k_j + c_i - c_j``.
 
     Args:
-        q: [B, Tq, Hq, D] queries, the last Tq positions of the sequence (Tq < Tk: chunked prefill).
+        q: [B, Tq, Hq, D] queries, the last Tq positions of the sequence (Tq < Tk: chunked prefill); with
+            ``cu_seqlens`` also FlashAttention's unbatched varlen layout [total, Hq, D] (then k, v, log_fgate and
+            the outputs drop the batch dim too).
         k: [B, Tk, Hk, D] keys; Hq must be a multiple of Hk (GQA / MQA).
         v: [B, Tk, Hk, Dv] values.
-        log_fgate: [B, Tk, Hq] fp32 log forget gates (<= 0); c is their cumsum, in fp64.
+        log_fgate: [B, Tk, Hq] log forget gates (<= 0); c is their cumsum, in fp64. Computed in fp32 (fp64 for
+            fp64): fp16 and bf16 gates are upcast, and their gradient comes back in their dtype.
         scale: logit scale, default 1/sqrt(D); any finite number (zero or negative too).
-        cu_seqlens: [N+1] int32 sequence offsets of packed input (B == 1): sequences never see each
+        cu_seqlens: [N+1] int32 or int64 sequence offsets of packed input (B == 1): sequences never see each
             other and the gate cumsum restarts at every sequence.
         max_seqlen: longest sequence in ``cu_seqlens`` (saves a host sync on GPU).
-        window: sliding-window attention (FlashAttention's ``window_size=(window - 1, 0)``): query i
-            sees only keys j with i - window < j <= i; None: all of its past.
-        prune: Adaptive Computation Pruning: skip the attention whose decay c_i - c_j is below
-            delta = -(2U + log N) + log(tolerance), which carries less than ``tolerance`` of any row's mass.
-        tolerance: the largest attention mass ACP may drop from a row.
-        logit_bound: U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq],
-            e.g. from QK-norm weights); by default |scale| * max||q|| * max||k|| per (sequence, head).
+        window: sliding-window attention: query i sees only keys j with i - window < j <= i; None: all of its
+            past.
+        window_size: FlashAttention's name for it: (left, 0) is window = left + 1, (-1, 0) no window.
+        prune: Adaptive Computation Pruning: True, or an ``ACP`` (its tolerance and logit bound): skip the
+            attention whose decay c_i - c_j is below delta = -(2U + log N) + log(tolerance), which carries less
+            than ``tolerance`` of any row's mass.
+        tolerance, logit_bound: the ``ACP`` of ``prune=True``: the largest attention mass ACP may drop from a row,
+            and U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq], e.g. from
+            QK-norm weights); by default |scale| * max||q|| * max||k|| per (sequence, head).
         deterministic: the Triton backward without atomics (bitwise reproducible; it recomputes the
             logits for dQ). False (FlashAttention's default) takes the faster backward: with ACP at head
             dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
@@ -147,7 +154,7 @@ def forgetting_attention(
             ``logit_bound`` that is negative, infinite or NaN); on CUDA this reads a flag back (a host sync).
             Callers whose gates are a logsigmoid by construction (the FoX layers, through ``sequence_attention``)
             turn it off: a NaN then reaches the loss, where the trainer counts and skips the step.
-        return_lse: also return the row log-sum-exp [B, Hq, Tq] (fp32).
+        return_lse: also return the row log-sum-exp [B, Hq, Tq] (fp32; [Hq, total] in the unbatched layout).
 
     Returns:
         o: [B, Tq, Hq, Dv] in q's dtype, and lse when ``return_lse``.
@@ -156,17 +163,31 @@ def forgetting_attention(
     path (or through the Triton kernels under ``TRITON_INTERPRET=1``); float64 always takes the PyTorch path.
     ``foxlm.ops.use_backend`` overrides the choice for a block of code.
     """
-    _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, tolerance, logit_bound, check_gates)
+    if cu_seqlens is not None and isinstance(q, torch.Tensor) and q.dim() == 3:  # flash_attn's varlen layout
+        if not all(isinstance(t, torch.Tensor) for t in (k, v, log_fgate)) or (k.dim(), v.dim(), log_fgate.dim()) != (
+                3, 3, 2):
+            raise ValueError(f"k, v, log_fgate: with q [total, Hq, D], expected [total, Hk, D], [total, Hk, Dv] and "
+                             f"[total, Hq], got {[tuple(getattr(t, 'shape', ())) for t in (k, v, log_fgate)]}")
+        out = forgetting_attention(
+            q[None], k[None], v[None], log_fgate[None], scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+            window=window, window_size=window_size, prune=prune, tolerance=tolerance, logit_bound=logit_bound,
+            deterministic=deterministic, check_gates=check_gates, return_lse=return_lse)
+        return (out[0][0], out[1][0]) if return_lse else out[0]
+    acp = ACP.of(prune, tolerance, logit_bound)
+    window = _window(window, window_size)
+    _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, check_gates)
+    if log_fgate.dtype not in (torch.float32, torch.float64):  # the gate math is fp32; autograd casts the gradient
+        log_fgate = log_fgate.float()
+    if cu_seqlens is not None and cu_seqlens.dtype != torch.int32:  # fla's int64 offsets (checked above)
+        cu_seqlens = cu_seqlens.int()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention
     threshold = None
-    if prune:
-        threshold = acp_threshold(
-            q, k, scale=scale, cu_seqlens=cu_seqlens, tolerance=tolerance, logit_bound=logit_bound, window=window
-        )
+    if acp is not None:
+        threshold = acp.threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, window=window)
     if use_triton(q):
-        from .triton_attention import triton_forgetting_attention
+        from .triton_op import triton_forgetting_attention
 
         o, lse = triton_forgetting_attention(
             q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window,
@@ -191,9 +212,7 @@ def sequence_attention(
     cu_seqlens: torch.Tensor | None = None,
     max_seqlen: int | None = None,
     window: int | None = None,
-    prune: bool = False,
-    tolerance: float = math.exp(-10),
-    logit_bound: float | torch.Tensor | None = None,
+    prune: ACP | None = None,
     deterministic: bool = False,
     return_probs: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -220,8 +239,7 @@ def sequence_attention(
         return o.transpose(1, 2), None
     if log_fgate is None:
         log_fgate = q.new_zeros(B, T, Hq, dtype=torch.promote_types(q.dtype, torch.float32))
-    kwargs = dict(scale=scale, window=window, prune=prune, logit_bound=logit_bound, tolerance=tolerance,
-                  deterministic=deterministic, check_gates=False)
+    kwargs = dict(scale=scale, window=window, prune=prune, deterministic=deterministic, check_gates=False)
     if cu_seqlens is None:
         return forgetting_attention(q, k, v, log_fgate, **kwargs), None
     q, k, v, log_fgate = (x.reshape(1, B * T, *x.shape[2:]) for x in (q, k, v, log_fgate))

@@ -27,8 +27,9 @@ import math
 
 import torch
 
+from ..backend import block_dim, interpreted, jit, tile_loop, tl, triton, use_triton
+from ..checks import check_dtype
 from .acp import prune_threshold
-from .backend import block_dim, interpreted, jit, tile_loop, tl, triton, use_triton
 
 
 _LOG2E = 1.4426950408889634
@@ -283,6 +284,7 @@ def decode_attention_torch(
 def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) -> None:
     if q.dim() != 4:
         raise ValueError(f"q: expected [B, Tq, Hq, D], got {tuple(q.shape)}")
+    check_dtype("q", q)
     B, Tq, Hq, D = q.shape
     if k_cache.dim() != 3 or k_cache.shape[2] != D:
         raise ValueError(f"k_cache: expected [num_pages, page_size, D={D}], got {tuple(k_cache.shape)}")

@@ -1,7 +1,8 @@
 """Plain PyTorch reference of Forgetting Attention: the oracle the kernels are tested against.
 
 It materialises the full ``[Tq, Tk]`` logit matrix, so it is for tests and small inputs only; pass fp64
-tensors to get an fp64 result. It shares no code with the paths it checks (its own cumsum and masks).
+tensors to get an fp64 result. It shares no code with the paths it checks: it keeps its own gate cumsum
+(``_naive_cumsum``, not ``gate.gate_cumsum``), masks and softmax, so that a fault in those cannot hide here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def attention_from_cumsum_reference(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention with logits ``scale * q_i . k_j + c_q[i] - c_k[j]``, computed naively (the contract of
-    ``foxlm.ops.chunked.attention_from_cumsum``).
+    ``foxlm.ops.attention_from_cumsum``).
 
     q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], c_q: [B, Tq, Hq], c_k: [B, Tk, Hq]. Query i sits
     at key position q_offset + i (default Tk - Tq) and sees keys j <= q_offset + i, j > q_offset + i - window,

@@ -1,4 +1,4 @@
-"""The host side of Forgetting Attention's Triton kernels (the kernels are in ``triton_attention_kernels``).
+"""The host side of Forgetting Attention's Triton kernels (the kernels are in ``triton_kernels``).
 
 Tile tables and autotuning, the launchers (``_forward_impl``, ``_backward_impl``), the ``torch.library`` custom ops
 that torch.compile traces, the eager ``autograd.Function`` over the same launchers, and the entry point
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from .backend import block_dim, interpreted, require_runnable
-from .gate import gate_cumsum, segment_ids
-from .triton_attention_kernels import (
+from ..backend import block_dim, interpreted, require_runnable
+from .gate import gate_cumsum, reverse_cumsum, segment_ids
+from .triton_kernels import (
     LOG2E,
     _attn_bwd_kernel,
     _attn_bwd_preprocess,
@@ -105,16 +105,6 @@ def _launch(kernel, grid, interpret_meta: dict, q: torch.Tensor, *args, **kwargs
         _TUNED[key] = kernel.best_config
     else:
         kernel.fn[grid](q, *args, **kwargs, **config.all_kwargs())
-
-
-def _reverse_cumsum(dc: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    """sum_{t' >= t} dc_t' along the last dim, within each sequence: [B, H, T] -> [B, H, T] fp64."""
-    rc = dc.double().flip(-1).cumsum(-1).flip(-1)
-    if cu_seqlens is None:
-        return rc
-    total = dc.shape[-1]
-    ends = cu_seqlens[1:].long()[segment_ids(cu_seqlens, total)]  # first position past each sequence
-    return rc - torch.nn.functional.pad(rc, (0, 1))[..., ends]
 
 
 # Bytes of the streamed tensors (K and V in the forward, Q and dO in the backward) that the programs in flight may
@@ -285,7 +275,7 @@ def _backward_impl(
     dq = dq.to(q.dtype)
     dc = dck.double()
     dc[..., Tk - Tq:] += dcq  # the query side of the gate gradient (dlse is in it, through delta)
-    dlog_fgate = _reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float().contiguous()  # the fake's layout
+    dlog_fgate = reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float().contiguous()  # the fake's layout
     return dq, dk, dv, dlog_fgate
 
 

@@ -33,7 +33,7 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   loop stops at the query block of its last key + window - 1.
 
 Under ``TRITON_INTERPRET=1`` (set before this module is imported) the same kernels run on CPU tensors.
-Only the ``@triton.jit`` code lives here; ``triton_attention`` tiles, launches and differentiates it.
+Only the ``@triton.jit`` code lives here; ``triton_op`` tiles, launches and differentiates it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .backend import cast, tile_loop
+from ..backend import cast, tile_loop
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
