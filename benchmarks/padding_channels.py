@@ -181,11 +181,6 @@ def reference(q, k, v, log_fgate, do, scale: float | None = None):
     return (o.detach(), *torch.autograd.grad(o, leaves, do.double()))
 
 
-def rounded_channels(dk: torch.Tensor, D: int, dtype: torch.dtype) -> torch.Tensor:
-    """dk' with its extra channels rounded to ``dtype`` (to nearest, as the kernels store dK)."""
-    return torch.cat([dk[..., :D], dk[..., D:].to(dtype).to(dk.dtype)], -1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seqlens", type=int, nargs="+", default=[256, 512])
@@ -200,36 +195,41 @@ def main() -> None:
     ta.SMALL_TILES = True
     D, (Hq, Hk) = args.head_dim, args.heads
     scale = 1.0 / math.sqrt(D)
-    paths = {  # name: (backend, unpadded op or None, padded Attention with fp32 extra channels where it can)
-        "kernel, atomic dQ": ("triton", dict(deterministic=False), kernel_attention(False, fp32_dk=True)),
-        "kernel, deterministic": ("triton", dict(deterministic=True), kernel_attention(True)),
-        "torch path": ("torch", {}, autograd_attention(forgetting_attention)),
-        "emulated": ("torch", None, emulated_attention(fp32_channels=Hq // Hk + 1)),
+    paths = {  # name: (backend, the unpadded op's arguments or None, padded Attentions with fp32 / bf16 channels)
+        "kernel, atomic dQ": ("triton", dict(deterministic=False), kernel_attention(False, fp32_dk=True),
+                              kernel_attention(False)),
+        "kernel, deterministic": ("triton", dict(deterministic=True), None, kernel_attention(True)),
+        "torch path": ("torch", {}, None, autograd_attention(forgetting_attention)),
+        "emulated": ("torch", None, emulated_attention(fp32_channels=Hq // Hk + 1), emulated_attention()),
     }
     print("relative error of d(log_fgate) against fp64; own: the op's own gate gradient; the rest from the channels")
     print(f"{'T':>5} {'path':<22} {'own':>8} {'cols only':>10} {'fp32 channels':>14} {'bf16 channels':>14}")
     for T in args.seqlens:
         x = inputs(1, T, Hq, Hk, D, seed=args.seed + T)
         expected = reference(*x)[-1]
-        for name, (backend, kwargs, attention) in paths.items():
+
+        runs = {}
+
+        def gate(attention, rows=True):  # from the channels of one padded run per Attention
+            if attention not in runs:
+                runs[attention] = attention(*pad(*x[:2]), *x[2:], scale)[1:3]
+            return gate_gradient_from_channels(*runs[attention], D, scale=scale, rows=rows)
+
+        def error(attention, rows=True):
+            return relative_error(gate(attention, rows), expected)
+
+        for name, (backend, kwargs, fp32, bf16) in paths.items():
             with use_backend(backend):
                 own = "-"
                 if kwargs is not None:
                     leaves = [t.detach().requires_grad_() for t in x[:4]]
                     o = forgetting_attention(*leaves, **kwargs)
                     own = f"{relative_error(torch.autograd.grad(o, leaves[3], x[4])[0], expected):8.1e}"
-                _, dq, dk, _ = attention(*pad(*x[:2]), *x[2:], scale)
-            cols, both = (relative_error(gate_gradient_from_channels(dq, dk, D, scale=scale, rows=r), expected)
-                          for r in (False, True))
-            fp32, rounded = "-", both  # the torch path's dK is bf16: its channels come rounded
-            if dk.dtype == torch.float32:
-                fp32 = f"{both:8.1e}"
-                dk = rounded_channels(dk, D, x[0].dtype)
-                rounded = relative_error(gate_gradient_from_channels(dq, dk, D, scale=scale), expected)
-            print(f"{T:>5} {name:<22} {own:>8} {cols:10.1e} {fp32:>14} {rounded:14.1e}", flush=True)
+                errs = [error(fp32 or bf16, rows=False), f"{error(fp32):8.1e}" if fp32 else "-", error(bf16)]
+            print(f"{T:>5} {name:<22} {own:>8} {errs[0]:10.1e} {errs[1]:>14} {errs[2]:14.1e}", flush=True)
         # powers of two commute with every rounding: the same bits
-        same = torch.equal(gate_gradient_from_padding(*x, kernel_attention(False), alpha=2.0 ** -6, beta=2.0 ** 6)[-1],
-                           gate_gradient_from_padding(*x, kernel_attention(False))[-1])
+        atomic = paths["kernel, atomic dQ"][3]
+        same = torch.equal(gate_gradient_from_padding(*x, atomic, alpha=2.0 ** -6, beta=2.0 ** 6)[-1], gate(atomic))
         print(f"{T:>5} kernel, atomic dQ, bf16 dK: alpha = 2^-6, beta = 2^6 give alpha = beta = 1's bits: {same}")
 
 

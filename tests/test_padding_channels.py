@@ -88,9 +88,9 @@ def test_bad_constants_and_scale_are_refused():
 @interpreter_only
 def test_kernel_gate_gradient_from_channels(small_tiles):
     """foxlm's atomic-dQ backward (dQ and the row sums in the dK/dV loop, as FlashAttention's backwards compute dQ)
-    at 256 tokens, bf16: the gate gradient from the channels reaches the target where the column channel keeps fp32,
-    and misses it with the column sums alone (the old error: the row sums carry o's rounding) or with the column
-    channel rounded to bf16, as dK is stored (the reverse cumsum adds up its rounding)."""
+    at 256 tokens, bf16: the gate gradient from the channels reaches the target where dK keeps fp32, and misses it
+    with the column sums alone (the old error: the row sums carry o's rounding) or with dK stored in bf16 as the
+    kernel stores it (the reverse cumsum adds up the column channel's rounding)."""
     B, T, H, D = 1, 256, 2, 48
     scale = 1.0 / math.sqrt(D)
     x = pc.inputs(B, T, H, H, D)
@@ -99,26 +99,26 @@ def test_kernel_gate_gradient_from_channels(small_tiles):
     assert dk.dtype == torch.float32 and dq.dtype == torch.bfloat16
     both, cols = (pc.relative_error(pc.gate_gradient_from_channels(dq, dk, D, scale=scale, rows=r), expected)
                   for r in (True, False))
-    rounded = pc.relative_error(pc.gate_gradient_from_channels(dq, pc.rounded_channels(dk, D, torch.bfloat16), D,
-                                                               scale=scale), expected)
-    assert both < TARGET, f"rows + columns, fp32 column channel: {both:.2e}"
+    assert both < TARGET, f"rows + columns, fp32 dK: {both:.2e}"
     assert cols > TARGET, f"columns only: {cols:.2e}"  # the test can fail: the old defect misses the target
-    # bf16's rounding of each column sum, random along the sequence (1.3e-2 median at 256 tokens, 5.5e-3 at best)
-    assert rounded > 1.5 * both, f"bf16 column channel {rounded:.2e} against fp32 {both:.2e}"
 
-    # The padding leaves the original channels as they were, bit for bit (the fp32 dK too, once rounded), and the
-    # kernel's bf16 dK rounds the column channel as the host does above. alpha, beta: powers of two scale every
-    # rounding alike, so they change no bit.
+    # The kernel as it is (bf16 dK), with alpha = 2^-6, beta = 2^6: the original channels bit for bit as without
+    # padding. The bf16 column channel's rounding is random along the sequence (1.3e-2 median at 256 tokens, 5.5e-3
+    # at best in 120 draws of a model of it), so the test asks for the ratio, not for a miss.
     leaves = [t.detach().requires_grad_() for t in x[:4]]
     o = forgetting_attention(*leaves, deterministic=False)
     plain = (o, *torch.autograd.grad(o, leaves[:3], x[4]))
-    for name, a, e in zip(("o", "dq", "dk", "dv"), (o32, dq[..., :D], dk[..., :D].bfloat16(), dv32), plain):
-        assert torch.equal(a, e), f"{name}, fp32 dK run"
     out = pc.gate_gradient_from_padding(*x, pc.kernel_attention(False), alpha=2.0 ** -6, beta=2.0 ** 6)
     for name, a, e in zip(("o", "dq", "dk", "dv"), out, plain):
         assert torch.equal(a, e), name
-    assert torch.equal(out[-1], pc.gate_gradient_from_channels(dq, pc.rounded_channels(dk, D, torch.bfloat16), D,
-                                                               scale=scale))
+    rounded = pc.relative_error(out[-1], expected)
+    assert rounded > 1.5 * both, f"bf16 dK {rounded:.2e} against fp32 dK {both:.2e}"
+    # alpha and beta change no bit (powers of two scale every rounding alike)
+    assert torch.equal(out[-1], pc.gate_gradient_from_padding(*x, pc.kernel_attention(False))[-1])
+    # The fp32 dK run is the same kernel but for the interpreter's fp32 sums (their order follows k's dtype): its
+    # original channels agree to bf16's last bit, far below bf16's error against fp64 (~3e-3).
+    for name, a, e in zip(("o", "dq", "dk", "dv"), (o32, dq[..., :D], dk[..., :D].bfloat16(), dv32), plain):
+        assert pc.relative_error(a, e.double()) < 3e-4, f"{name}, fp32 dK run"
 
 
 @pytest.mark.triton
