@@ -4,8 +4,9 @@ With c_i = sum_{l<=i} log f_l the logits are s_ij = scale q_i.k_j + c_i - c_j, s
 and d(log f_l) = sum_{t>=l} dc_t. A kernel whose epilogue cannot be changed (a GPU-only kernel taking the gate as a
 score_mod) still returns dQ and dK: padded channels make them carry both sums of its own dS without touching the
 logits. For GQA groups of G query heads, q' = [q, alpha e_g, 0] (g: the head's place in its group) and
-k' = [k, 0 (G channels), beta]: every extra product is alpha * 0 or 0 * beta, so the logits are unchanged, and
-dK''s channel D + g is scale alpha colsum(dS) of query head g of the group, dQ''s channel D + G scale beta rowsum(dS).
+k' = [k, 0 (G channels), beta]: every extra product is alpha * 0 or 0 * beta, so the logits are unchanged;
+channel D + g of dK' is scale alpha colsum(dS) of query head g of the group, channel D + G of dQ' scale beta
+rowsum(dS).
 
 In bf16 both sums must come from the same rounded dS: the row sums are zero only in exact arithmetic (delta comes
 from the rounded o), and the column sums carry the same rounding. ``rows=False`` takes the row sums as zero, as the
@@ -15,11 +16,12 @@ foxlm's kernel with dK stored in fp32, ``emulated_attention`` a dense model of a
 channels kept in fp32 or not, to show what a kernel needs.
 
     PYTHONPATH=. python benchmarks/padding_channels.py [--seqlens 256 512] [--head-dim 48] [--heads 2 2]
+    PYTHONPATH=. python benchmarks/padding_channels.py --emulated-only --seqlens 1024 4096
 
 prints the relative (Frobenius) error against the fp64 reference of d(log_fgate): the op's own, and from the channels
-(columns only; rows and columns with the extra channels in fp32; rounded to bf16), for foxlm's Triton kernels in
-Triton's interpreter (16 x 16 tiles), its PyTorch path and the emulation; and whether alpha = 2^-6, beta = 2^6 give
-the same bits as alpha = beta = 1.
+(columns only; rows and columns with dK in fp32; with dK in bf16) for foxlm's Triton kernels in Triton's interpreter
+(16 x 16 tiles), its PyTorch path and the emulation; and whether alpha = 2^-6, beta = 2^6 give the bits of
+alpha = beta = 1.
 """
 
 from __future__ import annotations
@@ -187,6 +189,7 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=48)
     parser.add_argument("--heads", type=int, nargs=2, default=[2, 2], metavar=("HQ", "HK"))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--emulated-only", action="store_true", help="the dense model alone (fast at 4k tokens)")
     args = parser.parse_args()
     os.environ["TRITON_INTERPRET"] = "1"  # before foxlm's kernels are imported
     from foxlm.ops import forgetting_attention, use_backend
@@ -219,6 +222,8 @@ def main() -> None:
             return relative_error(gate(attention, rows), expected)
 
         for name, (backend, kwargs, fp32, bf16) in paths.items():
+            if args.emulated_only and name != "emulated":
+                continue
             with use_backend(backend):
                 own = "-"
                 if kwargs is not None:
@@ -227,6 +232,8 @@ def main() -> None:
                     own = f"{relative_error(torch.autograd.grad(o, leaves[3], x[4])[0], expected):8.1e}"
                 errs = [error(fp32 or bf16, rows=False), f"{error(fp32):8.1e}" if fp32 else "-", error(bf16)]
             print(f"{T:>5} {name:<22} {own:>8} {errs[0]:10.1e} {errs[1]:>14} {errs[2]:14.1e}", flush=True)
+        if args.emulated_only:
+            continue
         # powers of two commute with every rounding: the same bits
         atomic = paths["kernel, atomic dQ"][3]
         same = torch.equal(gate_gradient_from_padding(*x, atomic, alpha=2.0 ** -6, beta=2.0 ** 6)[-1], gate(atomic))
