@@ -1,8 +1,8 @@
 """The gate gradient from padding channels (benchmarks/padding_channels.py): d(log_fgate) out of the extra channels of
 dQ and dK alone, as a GPU kernel without a custom epilogue would give it, against the fp64 reference.
 
-q' = [q, alpha, 0] and k' = [k, 0, beta] leave the logits unchanged; dK''s first extra channel is scale alpha
-colsum(dS), dQ''s second scale beta rowsum(dS). The kernels run in Triton's interpreter with 16 x 16 tiles (head dim 48
+q' = [q, alpha, 0] and k' = [k, 0, beta] leave the logits unchanged; dK's first extra channel is scale alpha
+colsum(dS), dQ's second scale beta rowsum(dS). The kernels run in Triton's interpreter with 16 x 16 tiles (head dim 48
 padded to 50, inside the kernels' 64-wide tile); fresh random inputs every run.
 """
 
@@ -25,11 +25,6 @@ _spec.loader.exec_module(pc)
 
 TARGET = 5e-3  # the gate-gradient issue's bound for bf16 against fp64 (relative, Frobenius)
 interpreter_only = pytest.mark.skipif(not ta._INTERPRETED, reason="fp32 dK from bf16 inputs: Triton's interpreter only")
-
-
-@pytest.fixture
-def small_tiles(monkeypatch):
-    monkeypatch.setattr(ta, "SMALL_TILES", True)
 
 
 EXACT_CASES = {  # name: (Hq, Hk, Tq, scale) with Tk = 40
@@ -86,7 +81,7 @@ def test_bad_constants_and_scale_are_refused():
 
 @pytest.mark.triton
 @interpreter_only
-def test_kernel_gate_gradient_from_channels(small_tiles):
+def test_kernel_gate_gradient_from_channels():
     """foxlm's atomic-dQ backward (dQ and the row sums in the dK/dV loop, as FlashAttention's backwards compute dQ)
     at 256 tokens, bf16: the gate gradient from the channels reaches the target where dK keeps fp32, and misses it
     with the column sums alone (the old error: the row sums carry o's rounding) or with dK stored in bf16 as the
@@ -123,7 +118,7 @@ def test_kernel_gate_gradient_from_channels(small_tiles):
 
 @pytest.mark.triton
 @interpreter_only
-def test_deterministic_kernel_outputs_unchanged_by_padding(small_tiles):
+def test_deterministic_kernel_outputs_unchanged_by_padding():
     """The deterministic backward (dQ in its own loop) on padded q and k: o, dq, dk, dv bitwise as without padding.
     Its gate gradient from the channels is not checked: only its bf16 dK is at hand (``kernel_attention``), whose
     rounding alone misses the target (docs/benchmarks.md)."""
