@@ -115,13 +115,15 @@ def kernel_attention(deterministic: bool, fp32_dk: bool = False) -> Attention:
     there the row sums would add unrounded dS and the column sums rounded dS."""
     if fp32_dk and deterministic:
         raise ValueError("fp32_dk: only for the atomic-dQ backward (deterministic=False)")
-    from foxlm.ops.triton_attention import triton_forgetting_attention
+    from foxlm.ops.forgetting_attention.triton_op import triton_forgetting_attention
 
     def run(q, k, v, log_fgate, do, scale):
         q, v = q.detach().requires_grad_(), v.detach().requires_grad_()
         k = (k.float() if fp32_dk else k).detach().requires_grad_()
+        # the kernels take the atomic-dQ backward with ACP only: a threshold of -inf there keeps every tile
+        threshold = None if deterministic else torch.full((q.shape[0], q.shape[2]), -math.inf)
         o, _ = triton_forgetting_attention(q, k, v, log_fgate.detach(), scale=scale, cu_seqlens=None,
-                                           max_seqlen=None, deterministic=deterministic)
+                                           max_seqlen=None, threshold=threshold, deterministic=deterministic)
         return (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
     return run
 
@@ -193,7 +195,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["TRITON_INTERPRET"] = "1"  # before foxlm's kernels are imported
     from foxlm.ops import forgetting_attention, use_backend
-    from foxlm.ops import triton_attention as ta
+    from foxlm.ops.forgetting_attention import triton_op as ta
 
     ta.SMALL_TILES = True
     D, (Hq, Hk) = args.head_dim, args.heads

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from foxlm.ops import forgetting_attention, forgetting_attention_reference
-from foxlm.ops import triton_attention as ta
+from foxlm.ops.forgetting_attention import triton_op as ta
 
 _spec = importlib.util.spec_from_file_location("padding_channels",
                                                Path(__file__).parents[1] / "benchmarks" / "padding_channels.py")
