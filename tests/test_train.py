@@ -27,7 +27,8 @@ from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TokenLoader, latest_valid_checkpoint, load_checkpoint_model, load_config, lr_at, train
 from foxlm.presets import FOX_FIELDS, derived_fields
-from foxlm.train.trainer import Trainer, param_groups
+from foxlm.train.optim import param_groups
+from foxlm.train.trainer import Trainer
 from tokenizer_folders import llama_style_tokenizer
 
 # A very small model on byte-level Shakespeare, on the CPU also where there is a GPU (the GPU tests add
@@ -513,7 +514,7 @@ def test_init_from_starts_a_new_run_from_trained_weights(byte_data, tmp_path, ca
     args = ("eval_every=0", "seq_len=64", "lr=1e-3", "model.window=48")
 
     trainer = Trainer(_cfg(byte_data, tuned, "max_steps=2", *args))
-    folder, changed = trainer.initialize(src)
+    folder, changed = trainer.checkpointer.initialize(src)
     assert folder == src / "checkpoints" / "step_0000030" / "model" and changed == ["window: None -> 48"]
     saved = load_checkpoint_model(src).state_dict()
     assert all(torch.equal(t, saved[name]) for name, t in trainer.model.state_dict().items())
