@@ -144,7 +144,7 @@ class Checkpointer:
         if hasattr(self.data.tokenizer, "save_pretrained"):
             self.data.tokenizer.save_pretrained(folder)
 
-    def start(self) -> tuple[dict | None, list[str]]:
+    def resume(self) -> tuple[dict | None, list[str]]:
         """Resume the run as ``resume`` says, else initialize its model from ``init_from`` (if set), after refusing
         an out_dir with checkpoints the run does not continue, or an existing ``export_dir``. Returns the resumed
         trainer state (its counters; None: a new run) and what was done, for the log."""

@@ -149,13 +149,13 @@ class Trainer:
     # --- the run ------------------------------------------------------------------------------------------------
     def start(self) -> None:
         """Lock ``out_dir`` (a second run there, e.g. a requeued job while the first still runs, is refused), then
-        resume or initialize the model as configured (``Checkpointer.start``): all that can refuse the run
+        resume or initialize the model as configured (``Checkpointer.resume``): all that can refuse the run
         (ValueError, FileNotFoundError), before anything is written. ``run()`` calls it when it was not called."""
         if self._started is not None:
             return
         self._lock = take_run_folder(self.run_dir, self.d, self.device)
         try:
-            state, notes = self.checkpointer.start()
+            state, notes = self.checkpointer.resume()
         except BaseException:
             self._unlock()
             raise
@@ -223,14 +223,12 @@ class Trainer:
                 started = time.perf_counter()
                 record = self.train_step()
                 took = time.perf_counter() - started
-                if self.step == first and (self._warning is not None or took > 60):  # how long the rest takes
-                    log.write(pace(self.step, took, cfg.max_steps))
-                if summary["first_loss"] is None:
+                if self.step == first:
                     summary["first_loss"] = record["loss"]
                 summary["loss"] = record["loss"]
                 # SIGTERM: every process stops after the same step (the save is collective), whichever received it
                 stop = not self.finished and self.d.any(self.preemption.requested, self.device)
-                self._record(log, record, stop)
+                self._record(log, record, stop, took, first=self.step == first)
                 if (every(cfg.eval_every) or self.finished) and not stop and (val := self.evaluate()) is not None:
                     summary["val_loss"] = val["val_loss"]
                     log.validation(self.step, val, acp=getattr(parallel.unwrap(self.model).config, "acp", False))
@@ -261,9 +259,12 @@ class Trainer:
                        checkpoint=str(saved[-1]) if saved else None)
         return summary
 
-    def _record(self, log: RunLog, record: dict, stop: bool) -> None:
-        """Add the throughput to a step's record and log it (every ``log_every`` steps, at the end, on a skipped step
-        and before a stop); a run past ``max_bad_steps`` stops here."""
+    def _record(self, log: RunLog, record: dict, stop: bool, took: float, first: bool) -> None:
+        """Add the throughput to the record of a step that ``took`` seconds and log it (every ``log_every`` steps, at
+        the end, on a skipped step and before a stop); after the run's ``first`` step, if it was slow (or the CPU
+        warning was given), what the rest will take at that pace. A run past ``max_bad_steps`` stops here."""
+        if first and (self._warning is not None or took > 60):
+            log.write(pace(self.step, took, self.cfg.max_steps))
         record.update(self.metrics.throughput(self.tokens_seen))
         if record.get("skipped"):
             log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
