@@ -43,7 +43,7 @@ import torch
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.train.cuda_graph import GraphedMicroStep
 from foxlm.train.metrics import PEAK_TFLOPS, flops_per_token
-from foxlm.train.trainer import param_groups
+from foxlm.train.optim import param_groups
 
 VOCAB = 50304
 

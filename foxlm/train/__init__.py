@@ -13,7 +13,7 @@ _EXPORTS = {
     "latest_valid_checkpoint": "foxlm.checkpoint.run_folder",
     "load_checkpoint_model": "foxlm.models.loading",
     "load_config": "config",
-    "lr_at": "trainer",
+    "lr_at": "optim",
     "train": "trainer",
     "verify_checkpoint": "foxlm.checkpoint.manifest",
 }

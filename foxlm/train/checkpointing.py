@@ -1,20 +1,29 @@
-"""The trainer's side of ``foxlm.checkpoint``: taking and locking its run folder, and saving its checkpoints (one
-process writes the whole state; several write their shards, maybe in the background)."""
+"""The trainer's side of ``foxlm.checkpoint``: taking and locking its run folder; saving its checkpoints (one process
+writes the whole state; several write their shards, maybe in the background), resuming from one, and initializing
+the model from a trained one."""
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
 import torch
 import torch.distributed as dist
+from transformers import PretrainedConfig
 
-from ..checkpoint.checkpointer import PendingCheckpoint, write_checkpoint
+from ..checkpoint.checkpointer import (PendingCheckpoint, initialize_model, model_name, restore_checkpoint,
+                                       write_checkpoint)
 from ..checkpoint.dcp import full_state_dicts, sharded_state_dicts
-from ..checkpoint.run_folder import check_run_folder, lock_holder, lock_run
+from ..checkpoint.run_folder import (check_out_dir, check_run_folder, checkpoint_step, list_checkpoints, lock_holder,
+                                     lock_run, resume_point)
 from . import parallel
+from .config import TrainConfig
+from .data import TrainData
+from .loader import TokenLoader
+from .optim import lr_at
 
 
 def take_run_folder(run_dir: Path, d: parallel.Dist, device: torch.device) -> IO[str] | None:
@@ -45,37 +54,41 @@ def take_run_folder(run_dir: Path, d: parallel.Dist, device: torch.device) -> IO
 
 
 class Checkpointer:
-    """Saves a run's checkpoints into ``run_dir``, keeping the last ``keep_last``; the model folder gets ``tokenizer``
-    in Hugging Face's format where it has one (all but byte), so that ``AutoTokenizer`` loads it from there."""
+    """A run's checkpoints in ``out_dir``, keeping the last ``keep_last``: each holds the step's model (with the data's
+    tokenizer in Hugging Face's format where it has one, all but byte, so that ``AutoTokenizer`` loads it from there),
+    optimizer, loader, RNG and counters. It resumes a run from one, or initializes a new run's model from a trained
+    one."""
 
-    def __init__(self, run_dir: Path, keep_last: int, d: parallel.Dist, tokenizer):
-        self.run_dir, self.keep_last, self.d, self.tokenizer = run_dir, keep_last, d, tokenizer
+    def __init__(self, cfg: TrainConfig, d: parallel.Dist, device: torch.device, model: torch.nn.Module,
+                 model_config: PretrainedConfig, optimizer: torch.optim.Optimizer, loader: TokenLoader,
+                 data: TrainData):
+        self.cfg, self.d, self.device, self.run_dir = cfg, d, device, Path(cfg.out_dir).expanduser()
+        self.module, self.model_config, self.optimizer = parallel.unwrap(model), model_config, optimizer
+        self.loader, self.data = loader, data
         self._pending: tuple[PendingCheckpoint, Callable[[Path], None], dict | None] | None = None
         self._save_group: dist.ProcessGroup | None = None  # background saves' own gloo group
 
-    def save(self, step: int, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: Callable[[dict | None], dict], background: bool = False) -> list[Path]:
-        """Checkpoint ``step`` of ``module`` (unwrapped) and ``optimizer`` (collective: every process calls it), with
-        rank 0's ``trainer_state(optimizer_state_dict)`` (None when sharded: the shards hold it). One process writes
-        the whole state; several write their shards with torch.distributed.checkpoint, nothing gathered on one, and
-        with ``background`` in a thread while training goes on, committed by the next ``save`` or ``finish_saving``.
+    def save(self, step: int, bad_steps: int, tokens_seen: int, background: bool = False) -> list[Path]:
+        """Checkpoint ``step`` with the run's counters (collective: every process calls it). One process writes the
+        whole state; several write their shards with torch.distributed.checkpoint, nothing gathered on one, and with
+        ``background`` in a thread while training goes on, committed by the next ``save`` or ``finish_saving``.
         Returns the checkpoints committed (on rank 0): a background save's from before, and this one unless in the
         background."""
         done = self.finish_saving()
         sharded = self.d.world > 1
         if sharded:
-            shards, model_sd, optim_sd = sharded_state_dicts(module, optimizer), None, None
+            shards, model_sd, optim_sd = sharded_state_dicts(self.module, self.optimizer), None, None
         else:
             shards = None
-            model_sd, optim_sd = full_state_dicts(module, optimizer)
-        state = trainer_state(optim_sd) if self.d.main else None
-        save_model = functools.partial(self._save_model, module, model_sd)
+            model_sd, optim_sd = full_state_dicts(self.module, self.optimizer)
+        state = self._trainer_state(step, bad_steps, tokens_seen, optim_sd) if self.d.main else None
+        save_model = functools.partial(self._save_model, model_sd)
         if sharded and background:
             if self._save_group is None:  # DCP's thread must not interleave its collectives with the training's
                 self._save_group = dist.new_group(backend="gloo")
             self._pending = PendingCheckpoint(self.run_dir, step, shards, self._save_group), save_model, state
             return done
-        path = write_checkpoint(self.run_dir, step, save_model, state, self.keep_last, shards=shards)
+        path = write_checkpoint(self.run_dir, step, save_model, state, self.cfg.keep_last, shards=shards)
         self.d.barrier()
         return done + ([path] if path is not None else [])
 
@@ -84,15 +97,84 @@ class Checkpointer:
         if self._pending is None:
             return []
         (pending, save_model, state), self._pending = self._pending, None
-        path = pending.finish(save_model, state, self.keep_last)
+        path = pending.finish(save_model, state, self.cfg.keep_last)
         return [path] if path is not None else []
 
-    def _save_model(self, module: torch.nn.Module, state_dict: dict | None, folder: Path) -> None:
+    def keep_last_step(self, step: int, bad_steps: int, tokens_seen: int, together: bool) -> str:
+        """After SIGTERM cut step ``step + 1`` short (collective): keep the last whole step, ``step``, saved unless
+        out_dir's newest checkpoint is of it. Several processes save only when they gave the step up ``together``:
+        else the others may be inside the step's collectives, which a save needs. Returns what was kept, and how the
+        run goes on, for the log."""
+        saved = list_checkpoints(self.run_dir) if self.d.main else []
+        resumes = "the same command resumes the run"
+        if self.d.world > 1 and not together:
+            return f"no save (it needs every process); {resumes}"
+        # from here every process takes the same branch: a save is collective
+        if step == 0:
+            return "no step finished, nothing saved; the same command starts the run again"
+        if self.d.any(bool(saved) and checkpoint_step(saved[-1]) == step, self.device):
+            return f"step {step} is saved; {resumes}"
+        written = self.save(step, bad_steps, tokens_seen)
+        return f"saved {written[0] if written else f'step {step}'}; {resumes}"
+
+    def _trainer_state(self, step: int, bad_steps: int, tokens_seen: int, optimizer: dict | None) -> dict:
+        """What a checkpoint holds besides the model: counters, schedule, loader, RNG, and ``optimizer`` (the whole
+        optimizer state of one process; None: it is in the shards)."""
+        return {
+            "step": step,
+            **({} if optimizer is None else {"optimizer": optimizer}),
+            "scheduler": {"step": step, "lr": lr_at(max(step - 1, 0), self.cfg)},
+            "loader": self.loader.state_dict(),
+            "rng": {"cpu": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "bad_steps": bad_steps,
+            "tokens_seen": tokens_seen,
+            "tokenizer": self.data.tok_spec,
+            "world_size": self.d.world,
+            "config": self.cfg.to_dict(),
+        }
+
+    def _save_model(self, state_dict: dict | None, folder: Path) -> None:
         """The model's ``save_pretrained`` folder (without ``state_dict``: its config alone, the weights being in the
         shards), with the tokenizer."""
         if state_dict is None:
-            module.config.save_pretrained(folder)
+            self.module.config.save_pretrained(folder)
         else:
-            module.save_pretrained(folder, state_dict=state_dict)
-        if hasattr(self.tokenizer, "save_pretrained"):
-            self.tokenizer.save_pretrained(folder)
+            self.module.save_pretrained(folder, state_dict=state_dict)
+        if hasattr(self.data.tokenizer, "save_pretrained"):
+            self.data.tokenizer.save_pretrained(folder)
+
+    def resume(self) -> tuple[dict | None, list[str]]:
+        """Resume the run as ``resume`` says, else initialize its model from ``init_from`` (if set), after refusing
+        an out_dir with checkpoints the run does not continue, or an existing ``export_dir``. Returns the resumed
+        trainer state (its counters; None: a new run) and what was done, for the log."""
+        export = self.cfg.export_dir
+        if export is not None and Path(export).expanduser().exists():
+            raise ValueError(f"export_dir: {export} exists; the run exports its model into a new folder")
+        ckpt = resume_point(self.run_dir, self.cfg.resume)
+        check_out_dir(self.run_dir, ckpt, self.cfg.resume)
+        if ckpt is not None:
+            state, changed = self.load(ckpt)
+            return state, [f"resumed from {ckpt} at step {state['step']}"
+                           + (f", with changed settings: {'; '.join(changed)}" if changed else "")]
+        if self.cfg.init_from is not None:
+            folder, differ = self.initialize(self.cfg.init_from)
+            return None, [f"initialized from {folder}"
+                          + (f", with changed model settings: {'; '.join(differ)}" if differ else "")]
+        return None, []
+
+    def load(self, ckpt: Path) -> tuple[dict, list[str]]:
+        """Restore model, optimizer, loader and RNG from a verified checkpoint; return its trainer state (counters) and
+        the settings this run changes from the checkpoint's run ("key: old -> new")."""
+        state, changed = restore_checkpoint(ckpt, self.module, self.optimizer, self.data.tok_spec, self.cfg.to_dict())
+        self.loader.load_state_dict(state["loader"])
+        torch.set_rng_state(state["rng"]["cpu"])
+        if state["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        return state, changed
+
+    def initialize(self, path: str | os.PathLike) -> tuple[Path, list[str]]:
+        """Load the weights of a trained model (a run folder, a checkpoint or a ``save_pretrained`` folder) into this
+        run's model; return its folder and the model settings this config changes from it ("key: old -> new")."""
+        return initialize_model(path, self.module, self.model_config, self.data.tok_spec, self.data.path,
+                                model_name(self.cfg.to_dict()))

@@ -9,7 +9,6 @@ which works from any folder.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import os
 import re
@@ -25,72 +24,80 @@ from ..presets import (ARCHS, BASELINES, FOX_FIELDS, HF_PREFIX, SIZES, baseline_
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 
 
+def _key(default, help: str = ""):
+    """A config key: its default (a dict default is copied for each config) and the meaning ``foxlm train --help``
+    shows."""
+    if isinstance(default, dict):
+        return field(default_factory=lambda: dict(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainConfig:
     # model
-    # fox-llama | fox-pro | transformer-llama | transformer-pro; the recurrent baselines mamba2 | hgrn2 | delta-net |
-    # gated-delta-net (fla's need a GPU); or any model registered with AutoModelForCausalLM: hf:MODEL_TYPE (e.g.
-    # hf:llama) or a config.json path, its fields set by model.*
-    arch: str = "fox-pro"
-    size: str = "tiny"  # tiny | 125m | 360m | 760m (foxlm's models and the baselines)
-    model: dict = field(default_factory=dict)  # the model config's overrides, e.g. {acp: true, hidden_size: 256}
-    # start from a trained model's weights (a run folder, a checkpoint or a save_pretrained folder), with a new
-    # optimizer, schedule and step count: fine-tuning, or training on at a longer seq_len; the weights must fit the
-    # model that arch, size and model.* build. Unused when the run resumes (resume=auto finding a checkpoint in out_dir,
-    # or resume=PATH).
-    init_from: str | None = None
+    arch: str = _key("fox-pro", "fox-llama | fox-pro | transformer-llama | transformer-pro; the recurrent baselines "
+                     "mamba2 | hgrn2 | delta-net | gated-delta-net (fla's need a GPU); or any model registered with "
+                     "AutoModelForCausalLM: hf:MODEL_TYPE (e.g. hf:llama) or a config.json path, its fields set by "
+                     "model.*")
+    size: str = _key("tiny", "tiny | 125m | 360m | 760m (foxlm's models and the baselines)")
+    model: dict = _key({}, "the model config's overrides, e.g. {acp: true, hidden_size: 256}")
+    init_from: str | None = _key(None, "start from a trained model's weights (a run folder, a checkpoint or a "
+                                 "save_pretrained folder), with a new optimizer, schedule and step count: fine-tuning, "
+                                 "or training on at a longer seq_len; the weights must fit the model that arch, size "
+                                 "and model.* build. Unused when the run resumes (resume=auto finding a checkpoint in "
+                                 "out_dir, or resume=PATH).")
     # data
-    data: str = "shakespeare"  # a `foxlm data prepare` folder, or "shakespeare" (the embedded corpus)
-    tokenizer: str | None = None  # expected tokenizer name; None: whatever the data was prepared with
-    seq_len: int = 256  # tokens per training sequence
-    batch_size: int = 16  # sequences per optimizer step, over all processes
-    micro_batch_size: int | None = None  # sequences per forward per process; None: batch_size / world size
-    packing: str = "windows"  # windows: random windows | documents: packed documents with cu_seqlens
+    data: str = _key("shakespeare", 'a `foxlm data prepare` folder, or "shakespeare" (the embedded corpus)')
+    tokenizer: str | None = _key(None, "expected tokenizer name; None: whatever the data was prepared with")
+    seq_len: int = _key(256, "tokens per training sequence")
+    batch_size: int = _key(16, "sequences per optimizer step, over all processes")
+    micro_batch_size: int | None = _key(None, "sequences per forward per process; None: batch_size / world size")
+    packing: str = _key("windows", "windows: random windows | documents: packed documents with cu_seqlens")
     # optimization
-    max_steps: int = 1000  # optimizer steps of the run
-    lr: float = 1e-3  # peak learning rate, after warmup_steps of linear warmup
-    min_lr: float = 1e-4  # cosine floor
-    warmup_steps: int = 100
-    weight_decay: float = 0.1  # not on norms, biases, gate biases (parameters with fewer than 2 dims)
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    grad_clip: float = 1.0  # 0: off
-    max_bad_steps: int = 10  # NaN/Inf losses skipped before the run stops
+    max_steps: int = _key(1000, "optimizer steps of the run")
+    lr: float = _key(1e-3, "peak learning rate, after warmup_steps of linear warmup")
+    min_lr: float = _key(1e-4, "cosine floor")
+    warmup_steps: int = _key(100)
+    weight_decay: float = _key(0.1, "not on norms, biases, gate biases (parameters with fewer than 2 dims)")
+    beta1: float = _key(0.9)
+    beta2: float = _key(0.95)
+    eps: float = _key(1e-8)
+    grad_clip: float = _key(1.0, "0: off")
+    max_bad_steps: int = _key(10, "NaN/Inf losses skipped before the run stops")
     # precision / speed / parallelism
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
-    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
-    compile: bool = False  # torch.compile each block
-    # replay each micro-batch's forward + backward from a CUDA graph (one GPU, packing=windows, no compile, the
-    # Triton kernels); auto: whenever those hold
-    cuda_graph: bool | str = False
-    activation_checkpointing: bool = False
-    parallel: str = "fsdp"  # under torchrun: fsdp (FSDP2 fully_shard) | ddp
-    # under torchrun: processes that split each sequence (context parallel, zigzag shards); the others (world / cp)
-    # split the batch. seq_len must be a multiple of 2 x cp; packing=windows only
-    cp: int = 1
-    peak_tflops: float | None = None  # per device, for MFU; None: known GPUs only
+    device: str = _key("auto", "auto | cpu | cuda | cuda:N")
+    precision: str = _key("auto", "auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32")
+    compile: bool = _key(False, "torch.compile each block")
+    cuda_graph: bool | str = _key(False, "replay each micro-batch's forward + backward from a CUDA graph (one GPU, "
+                                  "packing=windows, no compile, the Triton kernels); auto: whenever those hold")
+    activation_checkpointing: bool = _key(False)
+    parallel: str = _key("fsdp", "under torchrun: fsdp (FSDP2 fully_shard) | ddp")
+    cp: int = _key(1, "under torchrun: processes that split each sequence (context parallel, zigzag shards); the "
+                   "others (world / cp) split the batch. seq_len must be a multiple of 2 x cp; packing=windows only")
+    peak_tflops: float | None = _key(None, "per device, for MFU; None: known GPUs only")
     # evaluation / logging / checkpoints
-    eval_every: int = 100  # 0: only at the end
-    eval_batches: int = 10  # validation batches of batch_size sequences
-    log_every: int = 10
-    save_every: int = 500  # 0: only at the end
-    keep_last: int = 3
-    # several processes: write the shards in a background thread while training goes on (from a copy in CPU memory);
-    # such a checkpoint is committed, and so used, from the next save on. The last save waits.
-    async_checkpoint: bool = False
-    export_dir: str | None = None  # at the end, the final model as a save_pretrained folder there (foxlm export)
-    # a new or empty folder, or a run's own; None: runs/<data>-<arch>-<size> (the default job's:
-    # runs/shakespeare-fox-pro-tiny), so runs of other data or models do not meet
-    out_dir: str | None = None
-    resume: str = "auto"  # auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path;
-    # out_dir may hold no checkpoint this run does not continue from
-    seed: int = 0  # model initialization, data order and sampling
-    progress: bool = True
-    tensorboard: bool = True
-    wandb: bool = False  # the metrics to Weights & Biases too (the extra [wandb]; WANDB_MODE=offline: local files)
-    sample_prompt: str | None = None  # printed sample at the end; None: the data's first tokens
-    sample_tokens: int = 100  # 0: no sample
+    eval_every: int = _key(100, "0: only at the end")
+    eval_batches: int = _key(10, "validation batches of batch_size sequences")
+    log_every: int = _key(10)
+    save_every: int = _key(500, "0: only at the end")
+    keep_last: int = _key(3)
+    async_checkpoint: bool = _key(False, "several processes: write the shards in a background thread while training "
+                                  "goes on (from a copy in CPU memory); such a checkpoint is committed, and so used, "
+                                  "from the next save on. The last save waits.")
+    export_dir: str | None = _key(None, "at the end, the final model as a save_pretrained folder there (foxlm "
+                                  "export)")
+    out_dir: str | None = _key(None, "a new or empty folder, or a run's own; None: runs/<data>-<arch>-<size> (the "
+                               "default job's: runs/shakespeare-fox-pro-tiny), so runs of other data or models do not "
+                               "meet")
+    resume: str = _key("auto", "auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path; "
+                       "out_dir may hold no checkpoint this run does not continue from")
+    seed: int = _key(0, "model initialization, data order and sampling")
+    progress: bool = _key(True)
+    tensorboard: bool = _key(True)
+    wandb: bool = _key(False, "the metrics to Weights & Biases too (the extra [wandb]; WANDB_MODE=offline: local "
+                       "files)")
+    sample_prompt: str | None = _key(None, "printed sample at the end; None: the data's first tokens")
+    sample_tokens: int = _key(100, "0: no sample")
 
     def __post_init__(self) -> None:
         if self.out_dir is None:
@@ -181,22 +188,13 @@ def default_out_dir(arch: str, size: str, data: str) -> str:
 
 
 def config_keys_help() -> str:
-    """Every ``TrainConfig`` key with its default and, where its source comment gives one, its meaning: one per line,
-    for ``foxlm train --help``. The comments are read from this class's source, so the help cannot drift from it."""
-    meanings, block = {}, []
-    for line in inspect.getsource(TrainConfig).split("    def validate")[0].splitlines()[2:]:
-        code, _, comment = line.strip().partition("# ")
-        if not code:  # a comment line: one alone heads a section, several explain the field below
-            block = block + [comment.strip()] if line.strip() else []
-            continue
-        name = code.split(":")[0]
-        meanings[name] = comment.strip() or (" ".join(block) if len(block) > 1 else "")
-        block = []
+    """Every ``TrainConfig`` key with its default and, where it has one, its meaning (the field's ``help``): one per
+    line, for ``foxlm train --help``."""
     rows = []
     for f in dataclasses.fields(TrainConfig):
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         rows.append(f"  {f.name}={yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...')}"
-                    .rstrip() + (f"  ({meanings[f.name]})" if meanings.get(f.name) else ""))
+                    .rstrip() + (f"  ({f.metadata['help']})" if f.metadata["help"] else ""))
     return "\n".join(rows)
 
 

@@ -18,6 +18,9 @@ from typing import Callable
 
 import torch
 
+from ..ops.backend import use_triton
+from .config import TrainConfig
+
 
 class GraphedMicroStep:
     """``step(input_ids, labels, weight) -> loss``: adds ``weight * grad(loss)`` into the parameters' ``.grad``.
@@ -96,3 +99,24 @@ class GraphedMicroStep:
                 gc.enable()
         if [p.grad.data_ptr() for p in self.params] != grads:
             raise RuntimeError("cuda_graph: the captured backward replaced a gradient instead of adding into it")
+
+
+def graph_micro_step(cfg: TrainConfig, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     model: torch.nn.Module, device: torch.device, world: int, hf: bool) -> GraphedMicroStep | None:
+    """The trainer's micro-step replayed from a CUDA graph, as ``cfg.cuda_graph`` asks (``auto``: where one GPU, one
+    process, fixed shapes, eager blocks and the Triton kernels allow it); None: eager. A ValueError where ``true``
+    cannot be met. ``loss_fn`` must not hold the trainer: no reference cycle may keep a finished run's graph."""
+    on_gpu = device.type == "cuda"
+    # the PyTorch paths of the ops size their work on the host (not capturable): graphs need the Triton kernels
+    kernels = on_gpu and use_triton(torch.empty(0, device=device))
+    use_graph = cfg.cuda_graph
+    if use_graph == "auto":
+        use_graph = on_gpu and world == 1 and cfg.packing == "windows" and not cfg.compile and kernels and not hf
+    if not use_graph:
+        return None
+    if not on_gpu or world > 1:
+        raise ValueError(f"cuda_graph: needs one CUDA device and one process, got {device} x {world}")
+    if not kernels:
+        raise ValueError("cuda_graph: needs foxlm's Triton kernels (the PyTorch paths sync with the host), "
+                         "got use_backend('torch')")
+    return GraphedMicroStep(loss_fn, [p for p in model.parameters() if p.requires_grad])

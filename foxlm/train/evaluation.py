@@ -1,5 +1,5 @@
 """What the trainer evaluates while it trains: the validation loss (with ACP's share of skipped tiles), and a sampled
-continuation."""
+continuation of a prompt."""
 
 from __future__ import annotations
 
@@ -9,16 +9,19 @@ from collections.abc import Callable
 import torch
 
 from . import parallel
+from .data import TrainData
 from .loader import Batch, TokenLoader
 
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, forward: Callable[[Batch], torch.Tensor], val_loader: TokenLoader,
-                    batches: int, d: parallel.Dist, device: torch.device,
+                    max_batches: int, d: parallel.Dist, device: torch.device,
                     interruptible: contextlib.AbstractContextManager) -> dict:
-    """Over the first ``batches`` validation batches: the mean loss ``val_loss`` and, for a model with forget gates,
-    ``val_acp_skipped``, the share of attention tiles ACP skips there (or, with ACP off, would skip). ``forward``
-    gives a batch's mean loss; the model is back in training mode after, whatever happens."""
+    """Over the first ``max_batches`` validation batches (fewer, at least one, to read the split at most once): the
+    mean loss ``val_loss`` and, for a model with forget gates, ``val_acp_skipped``, the share of attention tiles ACP
+    skips there (or, with ACP off, would skip). ``forward`` gives a batch's mean loss; the model is back in training
+    mode after, whatever happens."""
+    batches = max(1, min(max_batches, len(val_loader.ds.tokens) // (val_loader.batch_size * val_loader.seq_len)))
     module = parallel.unwrap(model)
     gated = getattr(module.config, "gate", "none") != "none"  # a Hugging Face model has no forget gates
     model.eval()
@@ -37,6 +40,15 @@ def validation_loss(model: torch.nn.Module, forward: Callable[[Batch], torch.Ten
     if gated:
         out["val_acp_skipped"] = (d.sum(share.per_head().mean().reshape(1)) / d.world).item()
     return out
+
+
+def prompt_ids(text: str | None, data: TrainData) -> list[int]:
+    """The sample's prompt: ``text`` after an end-of-text token, as documents open; None: the first 24 tokens of the
+    first validation document (of the train split where the val split has none)."""
+    if text is not None:
+        return [data.tokenizer.eot_id] + data.tokenizer.encode(text)
+    source = data.val if data.val.num_docs else data.train
+    return source.document(0)[:24].tolist()
 
 
 @torch.no_grad()

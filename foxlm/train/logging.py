@@ -83,10 +83,22 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log(scalars, step=record["step"])
 
-    def progress(self, postfix: dict) -> None:
+    def progress(self, record: dict) -> None:
+        """Advance the bar by a step, showing its ``record``'s loss, throughput and, where known, MFU."""
         if self.bar is not None:
-            self.bar.set_postfix(postfix, refresh=False)
+            mfu = record.get("mfu")
+            self.bar.set_postfix({"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
+                                  **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {})}, refresh=False)
             self.bar.update(1)
+
+    def validation(self, step: int, val: dict, acp: bool) -> None:
+        """Log validation ``val`` at ``step`` and write its line (with ACP's share of skipped tiles, where measured;
+        ``acp``: whether the model skips them, or only would)."""
+        self.log({"step": step, **val})
+        line = f"step {step}: val loss {val['val_loss']:.4f}"
+        if "val_acp_skipped" in val:
+            line += f", ACP {'skips' if acp else 'would skip'} {val['val_acp_skipped']:.1%} of the attention tiles"
+        self.write(line)
 
     def within_step(self, done: int, of: int, seconds: float) -> None:
         """Progress inside a long step (a CPU step can take minutes): ``done`` of its ``of`` micro-batches after

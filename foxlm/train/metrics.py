@@ -72,6 +72,13 @@ class Metrics:
         return {"tokens_per_s": tps, **({"mfu": mfu} if mfu is not None else {})}
 
 
+def pace(step: int, took: float, max_steps: int) -> str:
+    """The line after a run's first step, ``step``, that took ``took`` seconds: what the rest takes at that pace."""
+    left = max_steps - step
+    return (f"step {step} took {duration(took)}; the {left:,} steps to max_steps={max_steps:,} at that pace: about "
+            f"{duration(took * left)}")
+
+
 def duration(seconds: float) -> str:
     """``seconds`` as "42 s", "12 min", "3.5 h" or "2.1 days"."""
     if seconds < 120:

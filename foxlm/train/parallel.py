@@ -142,6 +142,21 @@ def wrap(model: torch.nn.Module, parallel: str, d: Dist, device: torch.device) -
     return model
 
 
+def parallelize(model: torch.nn.Module, compile: bool, parallel: str, d: Dist, device: torch.device) -> torch.nn.Module:
+    """``model`` ready to train over ``d``'s processes, in torchtitan's order: its attention split over the ``"cp"``
+    processes where there are several, each block compiled (``compile``), then ``wrap``ped (``parallel``)."""
+    if d.cp_size > 1:
+        from ..parallel import ContextParallel
+
+        model.set_context_parallel(ContextParallel(d.cp_group))
+    if compile:
+        from ..models.hf import decoder_layers
+
+        for block in decoder_layers(model):
+            block.compile()
+    return wrap(model, parallel, d, device)
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The model inside a DDP wrapper (FSDP2 shards it in place)."""
     return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model

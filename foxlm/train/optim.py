@@ -1,0 +1,54 @@
+"""The trainer's optimization: AdamW with decoupled weight decay on matrices, the learning-rate schedule (linear warmup,
+cosine decay), and gradient clipping."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import parallel
+from .config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``max_steps``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW groups: decay on matrices (projections, embeddings, LM head), none on norms, biases and gate biases."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, d: parallel.Dist,
+                    device: torch.device) -> torch.optim.AdamW:
+    """AdamW over ``model``'s ``param_groups``, fused on a GPU (but for sharded FSDP2 parameters)."""
+    fused = device.type == "cuda" and not (d.world > 1 and cfg.parallel == "fsdp")
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=cfg.eps, **({"fused": True} if fused else {}))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set every parameter group's learning rate to ``lr``."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+    """The gradients' global norm, after clipping them to ``max_norm`` (when it is positive)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    else:
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
+    if hasattr(norm, "full_tensor"):  # DTensor under FSDP2
+        norm = norm.full_tensor()
+    return float(norm)

@@ -1,0 +1,36 @@
+"""foxlm.checkpoint.export: the folders transformers loads, a checkpoint's model/ and an export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, train
+
+from train.runs import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_folders_the_readme_hands_to_transformers_load(byte_data, tmp_path):
+    """The README's answer to which folder AutoModelForCausalLM takes: a checkpoint's model/ or an export, and not the
+    run folder or checkpoints/latest (transformers' own errors, before any foxlm code runs)."""
+    from transformers import AutoModelForCausalLM
+
+    from foxlm.cli import main
+
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=1"))
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    ckpt = latest_valid_checkpoint(run)
+    readme = " ".join((Path(__file__).parents[2] / "README.md").read_text().split())
+    assert "`AutoModelForCausalLM.from_pretrained` takes a model folder: a checkpoint's `model/`" in readme
+    for folder in (ckpt / "model", tmp_path / "export"):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert torch.equal(model.lm_head.weight, load_checkpoint_model(run).lm_head.weight)
+    for path in (run, run / "checkpoints" / "latest"):
+        with pytest.raises((OSError, ValueError)):
+            AutoModelForCausalLM.from_pretrained(path)
+

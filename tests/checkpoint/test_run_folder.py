@@ -1,0 +1,36 @@
+"""foxlm.checkpoint.run_folder: the latest valid checkpoint of a run; a damaged one is never loaded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from foxlm.models import FoxForCausalLM
+from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, train
+
+from train.runs import tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=4", "save_every=2", "eval_every=0"))
+    last = run / "checkpoints" / "step_0000004"
+    weights = last / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-7] ^= 0xFF  # flip bits in a weight
+    weights.write_bytes(bytes(data))
+    (run / "checkpoints" / ".step_0000006.tmp-1").mkdir()  # a half-written save left by a killed run
+    with pytest.warns(UserWarning, match="damaged checkpoint"):
+        assert latest_valid_checkpoint(run).name == "step_0000002"
+    with pytest.raises(ValueError, match="does not match its sha256"):
+        load_checkpoint_model(last)
+    with pytest.warns(UserWarning):
+        model = load_checkpoint_model(run)
+    assert isinstance(model, FoxForCausalLM)
+    direct = load_checkpoint_model(run / "checkpoints" / "step_0000002" / "model")
+    assert all(torch.equal(x, y) for x, y in zip(model.state_dict().values(), direct.state_dict().values()))
+    assert model.config.foxlm_tokenizer["name"] == "byte"
+    assert model.config.train_length == tiny_config(byte_data, run).seq_len  # lm-eval's context window (eval harness)
+

@@ -1,0 +1,233 @@
+"""foxlm.train.checkpointing: the run folder's lock, saving, exact resuming and init_from."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from foxlm.data import TokenDataset, prepare
+from foxlm.data.assets import shakespeare_plays
+from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, load_config, train
+from foxlm.train.trainer import Trainer
+
+from train.runs import TINY, logged_losses, subprocess_env, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
+    """SIGKILL a real `foxlm train` process after a checkpoint, resume it, compare with an uninterrupted run."""
+    extra = ["max_steps=30", "save_every=3", "keep_last=2", "eval_every=10", "packing=documents", "tensorboard=true"]
+    ref = tmp_path / "ref"
+    train(tiny_config(byte_data, ref, *extra))
+
+    run = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "foxlm.cli", "train", *TINY, f"data={byte_data}", f"out_dir={run}",
+           *extra]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                            env=subprocess_env())
+    for line in proc.stderr:
+        if "step_0000006" in line:  # two checkpoints exist: kill it mid-run
+            proc.send_signal(signal.SIGKILL)
+            break
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL
+    ckpt = latest_valid_checkpoint(run)
+    assert ckpt is not None and 6 <= int(ckpt.name.split("_")[1]) < 30
+
+    leftover = run / "checkpoints" / ".step_0000009.tmp-123"  # what a kill during a save leaves
+    leftover.mkdir(exist_ok=True)
+    (leftover / "trainer.pt").write_bytes(b"half-written")
+    summary = train(tiny_config(byte_data, run, *extra))
+    assert summary["step"] == 30 and not leftover.exists()
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "changed settings" not in err
+    assert logged_losses(run) == logged_losses(ref)  # exactly, step by step
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()  # each step once, with the resumed run's loss (purge_step drops what the killed run logged after)
+    assert {e.step: e.value for e in tb.Scalars("train/loss")} == pytest.approx(logged_losses(ref), rel=1e-6)
+    assert len(tb.Scalars("train/loss")) == 30
+    a, b = load_checkpoint_model(run), load_checkpoint_model(ref / "checkpoints" / "step_0000030")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == \
+        ["step_0000027", "step_0000030"]
+    assert (run / "checkpoints" / "latest").read_text() == "step_0000030"
+
+
+def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp_path, capsys):
+    """Another run's checkpoints, later ones than the resume point, or another model's are refused before anything
+    is written (pruning by step would delete them or the new run's own); a checkpoint starts a run in a new out_dir."""
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=4", "save_every=2", "eval_every=0"))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    cases = {("resume=never",): "another run's checkpoints",
+             (f"resume={run / 'checkpoints' / 'step_0000002'}",): "after step_0000002, which this run resumes from",
+             ("model.hidden_size=32",):
+                 r"trained as fox-pro tiny with model=\{'hidden_size': 64, .*\{'hidden_size': 32",
+             ("arch=transformer-pro",): "fgate_proj"}
+    for extra, message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            train(tiny_config(byte_data, run, "max_steps=6", "save_every=2", "eval_every=0", *extra))
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before  # nothing written or pruned
+
+    branch = tmp_path / "branch"
+    capsys.readouterr()
+    summary = train(tiny_config(byte_data, branch, "max_steps=6", "save_every=2", "eval_every=0",
+                         f"resume={run / 'checkpoints' / 'step_0000002'}"))
+    assert summary["step"] == 6 and min(logged_losses(branch)) == 3
+    assert f"at step 2, with changed settings: max_steps: 4 -> 6; out_dir: '{run}' -> '{branch}'\n" in \
+        capsys.readouterr().err
+    assert sorted(p.name for p in (branch / "checkpoints").iterdir()) == \
+        ["latest", "step_0000004", "step_0000006"]  # keep_last=3 of this run's own saves; none of the other run's
+    with pytest.raises(ValueError, match="checkpoints of another run than"):
+        train(tiny_config(byte_data, branch, "max_steps=8", f"resume={run / 'checkpoints' / 'step_0000004'}"))
+    damaged = tmp_path / "damaged" / "checkpoints" / "step_0000004"
+    shutil.copytree(run / "checkpoints" / "step_0000004", damaged)
+    (damaged / "trainer.pt").write_bytes(b"not the saved state")
+    with pytest.raises(ValueError, match="only checkpoints that do not verify"), pytest.warns(UserWarning):
+        train(tiny_config(byte_data, tmp_path / "damaged", "max_steps=8"))
+
+
+def test_init_from_starts_a_new_run_from_trained_weights(byte_data, tmp_path, capsys):
+    """init_from: a new run (step 0, its own optimizer and schedule) from another run's weights, bitwise; the model
+    settings it changes are reported; resuming the new run uses its own checkpoint, not init_from again."""
+    src = tmp_path / "src"
+    trained = train(tiny_config(byte_data, src, "max_steps=30", "eval_every=0"))
+    fresh = train(tiny_config(byte_data, tmp_path / "fresh", "max_steps=1", "eval_every=0"))
+    tuned = tmp_path / "tuned"
+    args = ("eval_every=0", "seq_len=64", "lr=1e-3", "model.window=48")
+
+    trainer = Trainer(tiny_config(byte_data, tuned, "max_steps=2", *args))
+    folder, changed = trainer.checkpointer.initialize(src)
+    assert folder == src / "checkpoints" / "step_0000030" / "model" and changed == ["window: None -> 48"]
+    saved = load_checkpoint_model(src).state_dict()
+    assert all(torch.equal(t, saved[name]) for name, t in trainer.model.state_dict().items())
+
+    capsys.readouterr()
+    summary = train(tiny_config(byte_data, tuned, "max_steps=2", f"init_from={src}", *args))
+    err = capsys.readouterr().err
+    assert f"initialized from {folder}, with changed model settings: window: None -> 48\n" in err
+    assert sorted(logged_losses(tuned)) == [1, 2] and summary["step"] == 2
+    assert summary["first_loss"] < fresh["first_loss"] - 1 and abs(summary["first_loss"] - trained["loss"]) < 0.5
+
+    summary = train(tiny_config(byte_data, tuned, "max_steps=4", f"init_from={tmp_path / 'gone'}", *args))
+    err = capsys.readouterr().err
+    assert "resumed from" in err and "initialized from" not in err and summary["step"] == 4
+
+
+def test_init_from_refuses_what_does_not_fit(byte_data, tmp_path):
+    src = tmp_path / "src"
+    train(tiny_config(byte_data, src, "max_steps=1", "eval_every=0"))
+    model = src / "checkpoints" / "step_0000001" / "model"
+    with pytest.raises(FileNotFoundError, match="init_from: .*nothing is not a run folder, a checkpoint folder"):
+        train(tiny_config(byte_data, tmp_path / "new", f"init_from={tmp_path / 'nothing'}"))
+    for extra, message in [("model.hidden_size=32", r"another model than this config's fox-pro tiny with model=\{'hid"),
+                           ("arch=transformer-pro", "fgate_proj")]:
+        with pytest.raises(ValueError, match=f"init_from: {model}.*{message}"):
+            train(tiny_config(byte_data, tmp_path / "new", f"init_from={src}", extra))
+    for key, value, message in [("foxlm_tokenizer", {"name": "gpt2"}, "was trained with the tokenizer"),
+                                ("model_type", "llama", "holds a 'llama' model, not a foxlm model")]:
+        other = tmp_path / key
+        shutil.copytree(model, other)
+        config = json.loads((other / "config.json").read_text())
+        (other / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=message):
+            train(tiny_config(byte_data, tmp_path / "new", f"init_from={other}"))
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
+    """A second `foxlm train` in a run folder while another holds it (here: a lock taken by this process through
+    another open file, as another process would) stops before writing; the folder is free again once released."""
+    from foxlm.checkpoint.run_folder import lock_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    held = lock_run(run)
+    try:
+        assert lock_run(run) is None
+        with pytest.raises(ValueError, match=rf"out_dir: .* is in use by another foxlm train \(pid {os.getpid()}\)"):
+            train(tiny_config(byte_data, run, "max_steps=2"))
+        assert sorted(p.name for p in run.iterdir()) == [".foxlm-run", ".lock"]
+    finally:
+        held.close()
+    assert train(tiny_config(byte_data, run, "max_steps=2"))["step"] == 2
+
+
+def test_a_folder_of_user_files_is_never_trained_into(byte_data, tmp_path, capsys):
+    """An out_dir holding a user's log.jsonl, train_config.yaml, tb/ events and notes but no checkpoints is refused
+    before anything is written there (a run used to overwrite them); a new or empty folder is taken, and so is a run's
+    own folder, also one killed before its first checkpoint, without touching the user's files added to it."""
+    from foxlm.cli import main
+
+    def files(folder: Path) -> dict:
+        return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+    mine = tmp_path / "mine"
+    (mine / "tb").mkdir(parents=True)
+    for name, text in {"log.jsonl": '{"step": 1, "loss": 0.25}\n', "train_config.yaml": "lr: 0.1\n",
+                       "tb/events.out.tfevents.1.host": "my events", "NOTES.md": "my notes"}.items():
+        (mine / name).write_text(text)
+    before = files(mine)
+    capsys.readouterr()
+    assert main(["train", *TINY, f"data={byte_data}", f"out_dir={mine}", "max_steps=2"]) == 2
+    assert capsys.readouterr().err == (f"foxlm train: error: out_dir: {mine} holds files no foxlm run wrote (NOTES.md, "
+                                       "log.jsonl, tb, train_config.yaml), which a run would overwrite or mix with its "
+                                       "own; train into a new or empty out_dir\n")
+    assert files(mine) == before and sorted(p.name for p in mine.iterdir()) == ["NOTES.md", "log.jsonl", "tb",
+                                                                                 "train_config.yaml"]
+    with pytest.raises(NotADirectoryError, match="out_dir: .*NOTES.md is a file; expected a folder for the run"):
+        train(tiny_config(byte_data, mine / "NOTES.md", "max_steps=2"))
+
+    run = tmp_path / "empty"
+    run.mkdir()
+    assert train(tiny_config(byte_data, run, "max_steps=2", "eval_every=0"))["step"] == 2
+    shutil.rmtree(run / "checkpoints")  # as if killed before its first save
+    (run / "NOTES.md").write_text("notes on the run")
+    assert train(tiny_config(byte_data, run, "max_steps=2", "eval_every=0"))["step"] == 2
+    assert (run / "NOTES.md").read_text() == "notes on the run" and len(logged_losses(run)) == 2
+
+
+def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeypatch):
+    """Where flock fails (ENOLCK on some network or FUSE mounts; simulated here) training goes on, with a warning."""
+    import errno
+
+    from foxlm.checkpoint import run_folder
+
+    def no_flock(f, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(run_folder.fcntl, "flock", no_flock)
+    with pytest.warns(UserWarning, match="cannot lock .*No locks available"):
+        assert train(tiny_config(byte_data, tmp_path / "run", "max_steps=2"))["step"] == 2
+
+
+def test_checkpoint_holds_an_hf_tokenizer_for_gpt2_data(tmp_path):
+    """A GPT-2 BPE run's checkpoint loads with the Auto classes alone: model and tokenizer from one folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tmp_path / "gpt2"
+    prepare(random.Random().sample(shakespeare_plays(), 2), data, tokenizer="gpt2", val_fraction=0.5, workers=0,
+            progress=False)
+    run = tmp_path / "run"
+    train(load_config(None, [*TINY, "tokenizer=gpt2", f"data={data}", f"out_dir={run}", "max_steps=2"]))
+    folder = latest_valid_checkpoint(run) / "model"  # the manifest, tokenizer files included, verified
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = tok("To be, or not to be", return_tensors="pt").input_ids
+    foxlm_tok = TokenDataset(data, "val").tokenizer()
+    assert ids.tolist()[0] == [foxlm_tok.eot_id] + foxlm_tok.encode("To be, or not to be")  # as documents open
+    assert tok.pad_token_id == model.config.bos_token_id == model.config.eos_token_id == foxlm_tok.eot_id
+    assert model(ids).logits.shape == (1, ids.shape[1], model.config.vocab_size)
+

@@ -1,0 +1,50 @@
+"""foxlm.train.logging: log.jsonl and TensorBoard across a resume."""
+
+from __future__ import annotations
+
+import pytest
+
+from foxlm.train import train
+
+from train.runs import logged_losses, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_resume_tolerates_a_torn_last_log_line(byte_data, tmp_path):
+    """A write of log.jsonl cut off (full disk, power loss) leaves a torn last line: resuming drops it and goes on; a
+    damaged line before the last is an error naming it."""
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=2", "eval_every=0"))
+    log = run / "log.jsonl"
+    whole = log.read_text()
+    log.write_text(whole + '{"step": 3, "loss": 4.1')
+    assert train(tiny_config(byte_data, run, "max_steps=3", "eval_every=0"))["step"] == 3
+    assert sorted(logged_losses(run)) == [1, 2, 3]
+    log.write_text('{"step": 1, "lo\n' + whole)
+    with pytest.raises(ValueError, match=f"{log}: line 1 is not a JSON record"):
+        train(tiny_config(byte_data, run, "max_steps=4", "eval_every=0"))
+
+
+def test_tensorboard_after_resume_holds_each_step_once_in_one_tag_scheme(tmp_path):
+    """A killed run logged steps 1-4 (checkpoint at 2); the resumed run logs from step 3 with log_every=2, so its
+    first event (4) does not go back in steps: only purge_step keeps the reader from holding step 4 twice."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from foxlm.train.logging import RunLog
+
+    killed = RunLog(tmp_path, 0, 6, main=True, tensorboard=True, progress=False)
+    for step in range(1, 5):
+        killed.log({"step": step, "loss": 10.0 + step})
+    killed.log({"step": 2, "val_loss": 9.0, "val_acp_skipped": 0.5})
+    killed.close()
+    resumed = RunLog(tmp_path, 2, 6, main=True, tensorboard=True, progress=False)
+    resumed.log({"step": 4, "loss": 1.5, "lr": 0.1})
+    resumed.log({"step": 4, "val_loss": 1.25})
+    resumed.close()
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    assert sorted(tb.Tags()["scalars"]) == ["train/loss", "train/lr", "val/acp_skipped", "val/loss"]
+    assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (4, 1.5)]
+    assert [(e.step, e.value) for e in tb.Scalars("val/loss")] == [(2, 9.0), (4, 1.25)]
+

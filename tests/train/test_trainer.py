@@ -1,0 +1,91 @@
+"""foxlm.train.trainer: the loop (NaN steps, recomputation and accumulation, torch.compile, the device), and
+what reads its logs."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from foxlm.train import train
+from foxlm.train.trainer import Trainer
+
+from train.runs import logged_losses, subprocess_env, tiny_config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
+    run = tmp_path / "nan"
+    cfg = tiny_config(byte_data, run, "lr=1e30", "min_lr=1e30", "warmup_steps=0",
+               "max_steps=20", "max_bad_steps=2", "grad_clip=0")
+    with pytest.raises(FloatingPointError, match=f"max_bad_steps=2.*; no checkpoint was saved in {run}$"):
+        train(cfg)
+    records = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    skipped = [r for r in records if r.get("skipped")]
+    assert len(skipped) == 3 and all(not math.isfinite(r["loss"]) or not math.isfinite(r.get("grad_norm", 0))
+                                     for r in skipped)
+
+
+def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tmp_path):
+    """Recomputing activations, or splitting the batch into micro-batches, changes no loss."""
+    extra = ["max_steps=3", "eval_every=0", "save_every=0", "packing=documents"]
+    train(tiny_config(byte_data, tmp_path / "plain", *extra))
+    train(tiny_config(byte_data, tmp_path / "ckpt", *extra, "activation_checkpointing=true", "micro_batch_size=1"))
+    plain, ckpt = logged_losses(tmp_path / "plain"), logged_losses(tmp_path / "ckpt")
+    assert plain.keys() == ckpt.keys() == {1, 2, 3}
+    assert all(ckpt[k] == pytest.approx(plain[k], rel=1e-5) for k in plain)
+
+
+def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
+    """compile=true (torch.compile of every block, inductor on the CPU) trains to the eager losses; the blocks break
+    their graph only where the chunked attention runs outside it, without a warning, and the sample at the end
+    decodes eagerly (one compile per cache length, else)."""
+    from torch._dynamo.utils import counters
+
+    extra = ["max_steps=2", "eval_every=0", "save_every=0"]
+    train(tiny_config(byte_data, tmp_path / "eager", *extra))
+    counters.clear()
+    trainer = Trainer(tiny_config(byte_data, tmp_path / "compiled", *extra, "compile=true"))
+    train(trainer)
+    assert counters["graph_break"] and all("torch.compiler.disable" in reason for reason in counters["graph_break"])
+    counters.clear()
+    trainer.cfg.sample_tokens = 4
+    trainer.sample()
+    assert not counters["frames"]  # dynamo never ran
+    eager, compiled = logged_losses(tmp_path / "eager"), logged_losses(tmp_path / "compiled")
+    assert eager.keys() == compiled.keys() == {1, 2}
+    assert all(compiled[k] == pytest.approx(eager[k], rel=1e-4) for k in eager)
+    # the final validation, whose ACP probe runs inside the compiled blocks
+    (ev,), (cv,) = ([json.loads(line) for line in (tmp_path / run / "log.jsonl").read_text().splitlines()
+                     if "val_loss" in line] for run in ("eager", "compiled"))
+    assert cv["val_loss"] == pytest.approx(ev["val_loss"], rel=1e-4)
+    assert cv["val_acp_skipped"] == pytest.approx(ev["val_acp_skipped"], abs=1e-6)
+
+
+def test_missing_gpu_is_a_clear_error(byte_data, tmp_path):
+    """(torchrun with more processes than GPUs asks for cuda:LOCAL_RANK: named here, not a CUDA error later.)"""
+    with pytest.raises(ValueError, match=r"device: cuda:99 is not one of the \d+ visible GPUs"):
+        Trainer(tiny_config(byte_data, tmp_path, "device=cuda:99"))
+
+
+def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):
+    """benchmarks/trained_gates.py at a tiny size on the CPU: trains through the CLI, reads the trainer's logs and
+    the evaluations' reports into one summary (its timings mean nothing here)."""
+    script = Path(__file__).parents[2] / "benchmarks" / "trained_gates.py"
+    subprocess.run([sys.executable, str(script), "--out", str(tmp_path), "--data", str(byte_data), "--size", "tiny",
+                    "--seq-len", "64", "--steps", "4", "--models", "transformer-pro", "fox-pro+acp",
+                    "--eval-sequences", "1"], check=True, env=subprocess_env(), capture_output=True, timeout=600)
+    (summary,) = tmp_path.glob("trained-gates-*.json")
+    runs = json.loads(summary.read_text())["runs"]
+    assert list(runs) == ["transformer-pro", "fox-pro+acp"]
+    assert runs["transformer-pro"]["vs_transformer-pro"] == 1.0 and "acp_skipped_overall" not in runs["transformer-pro"]
+    fox = runs["fox-pro+acp"]
+    assert fox["tokens_per_s"] > 0 and math.isfinite(fox["val_loss"])
+    assert 0.0 <= fox["acp_skipped_overall"] <= 1.0 and len(fox["acp_skipped_per_layer"]) == 4  # tiny: 4 layers
+    assert 0.0 <= fox["acp_max_abs_loss_change"] < 1e-3
+
