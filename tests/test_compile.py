@@ -1,18 +1,23 @@
-"""torch.compile of a fox-pro model on foxlm's Triton kernels (on the GPU, else in Triton's interpreter on CPU).
+"""torch.compile and torch.export of foxlm models, on foxlm's Triton kernels (on the GPU, else in Triton's interpreter
+on CPU) and on the CPU path.
 
-The attention kernels are custom ops the compiler keeps opaque; the fused norm and token-shift kernels step
-aside for their PyTorch path under the compiler, which fuses it itself. So a block compiles as one graph
-(``fullgraph=True``) and trains to the eager gradients. On the CPU path the attention's chunk plan runs outside
-the graph (``torch.compiler.disable``): no fullgraph there, but HF ``generate`` on compiled blocks compiles a
-fixed number of graphs, not one per decoded token.
+The attention ops are custom ops the compiler keeps opaque (on the CPU path, ``foxlm::attention_from_cumsum``,
+which plans its query chunks at run time); the fused norm and token-shift kernels step aside for their PyTorch path
+under the compiler, which fuses it itself. So a block, and a whole model's forward with its loss, compile as one
+graph (``fullgraph=True``) and train to the eager gradients; ``torch.export`` captures a forward; and HF
+``generate`` on compiled blocks compiles a fixed number of graphs, not one per decoded token.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.ops import forgetting_attention, gate_cumsum
+from foxlm.ops.cross_entropy import linear_cross_entropy
+from foxlm.ops.forgetting_attention import sdpa
 from foxlm.ops.forgetting_attention import triton_op as ta
 
 needs_triton = [
@@ -64,3 +69,115 @@ def test_generate_on_compiled_blocks_compiles_no_graph_per_token():
     assert graphs[0] > 0, "nothing was compiled"
     assert graphs[1] == graphs[0], f"graphs compiled for 4 and 16 new tokens: {graphs}"
     assert torch.equal(out, eager)
+
+
+# --- the CPU path (the PyTorch path of every op) ----------------------------------------------------------------------
+def _tiny() -> FoxConfig:
+    """fox-pro (token shift, QK-norm, output gate) with GQA, a sliding window and ACP: every branch of the CPU
+    attention's plan (masked chunks, per-head row starts) is in the graph."""
+    return FoxConfig.preset("fox-pro", "tiny", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=128, vocab_size=256, window=24, acp=True,
+                            bos_token_id=None, eos_token_id=None)
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Several query chunks per sequence, so that the compiled op plans more than one."""
+    monkeypatch.setattr(sdpa, "CHUNK_ROWS", 16)
+
+
+def _loss_and_grads(model, ids):
+    loss = model(input_ids=ids, labels=ids).loss
+    return loss, torch.autograd.grad(loss, list(model.parameters()))
+
+
+def test_cpu_block_compiles_fullgraph_and_matches_eager(small_chunks):
+    """A FoX block on the CPU path compiles as one graph and gives eager's outputs and gradients."""
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_tiny()).train()
+    block = model.model.layers[0]
+    x = torch.randn(2, 40, 64, requires_grad=True)
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    results = []
+    for fn in (block, compiled):
+        y = fn(x)[0]
+        results.append((y, torch.autograd.grad(y.square().sum(), [x, *block.parameters()])))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    for a, b in zip(results[1][1], results[0][1]):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_training_step_compiles_fullgraph_and_matches_eager(small_chunks):
+    """A whole FoxForCausalLM forward with its fused loss compiles as one graph on the CPU path (the attention's
+    plan and the cross-entropy's label check make no graph break), and its loss and backward are eager's."""
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_tiny()).train()
+    ids = torch.randint(0, 256, (2, 40))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    (loss, grads), (want, want_grads) = _loss_and_grads(compiled, ids), _loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, want, rtol=0, atol=0)
+    for a, b in zip(grads, want_grads):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_cpu_export_forward_matches_eager():
+    """torch.export captures a FoxForCausalLM forward (no cache) on the CPU path; the exported program gives
+    eager's logits, also for other token ids of the same shape."""
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_tiny()).eval()
+    ids = torch.randint(0, 256, (2, 40))
+    exported = torch.export.export(model, (), {"input_ids": ids, "use_cache": False})
+    for x in (ids, torch.randint(0, 256, (2, 40))):
+        with torch.no_grad():
+            want = model(input_ids=x, use_cache=False).logits
+        torch.testing.assert_close(exported.module()(input_ids=x, use_cache=False).logits, want, rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["plain", "gqa-window", "varlen-acp", "tail"])
+def test_cpu_attention_custom_ops_give_eager_bits(small_chunks, monkeypatch, case):
+    """The custom ops that the compiler sees (run here eagerly, as the compiled graph runs them) give the eager
+    path's o, lse and gradients to the bit; opcheck holds their fake shapes and autograd registration to theirs."""
+    g = torch.Generator().manual_seed(1)
+    Hk = 2 if case == "gqa-window" else 4
+    q, k, v = (torch.randn(1, 40, h, 16, generator=g) for h in (4, Hk, Hk))
+    log_f = F.logsigmoid(3 * torch.randn(1, 40, 4, generator=g))
+    kwargs = {
+        "plain": {}, "tail": {}, "gqa-window": {"window": 7},
+        "varlen-acp": {"cu_seqlens": torch.tensor([0, 9, 9, 40], dtype=torch.int32), "prune": True, "tolerance": 0.3},
+    }[case]
+
+    def run():
+        ts = [t.clone().requires_grad_() for t in (q, k, v, log_f)]
+        if case == "tail":  # a cache's call: queries the last 30 of 40 keys
+            c = gate_cumsum(ts[3])
+            o, lse = sdpa.attention_from_cumsum(ts[0][:, 10:], ts[1], ts[2], c[:, 10:], c, scale=0.3)
+        else:
+            o, lse = forgetting_attention(*ts, return_lse=True, **kwargs)
+        do, dl = torch.randn(o.shape, generator=g), torch.randn(lse.shape, generator=g)
+        return o, lse, *torch.autograd.grad((o * do).sum() + (lse * dl).sum(), ts)
+
+    g.manual_seed(2)
+    want = run()
+    with monkeypatch.context() as m:
+        m.setattr(torch.compiler, "is_compiling", lambda: True)
+        g.manual_seed(2)
+        got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    c = gate_cumsum(log_f)
+    leaves = [t.clone().requires_grad_() for t in (q[:, 10:], k, v, c[:, 10:], c)]
+    torch.library.opcheck(sdpa._forward_op, (*leaves, None, None, 0.3, 10, 5 if case == "gqa-window" else None, True))
+
+
+def test_compiled_loss_asserts_bad_labels_eager_raises_one_line():
+    """Compiled, a label outside [0, V) fails an in-graph assertion (no host sync); eagerly on the CPU it is a
+    one-line ValueError naming the argument."""
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    good, bad = torch.tensor([1, 2, 3, -100, 9, 0]), torch.tensor([1, 2, 3, -100, 10, 0])
+    compiled = torch.compile(linear_cross_entropy, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(hidden, weight, good), linear_cross_entropy(hidden, weight, good))
+    with pytest.raises(RuntimeError, match="labels: expected values in"):
+        compiled(hidden, weight, bad)
+    with pytest.raises(ValueError, match=r"^labels: expected values in \[0, 10\) or ignore_index=-100$"):
+        linear_cross_entropy(hidden, weight, bad)

@@ -225,13 +225,14 @@ def linear_cross_entropy(
     Gradients come back in the dtypes of hidden and weight. With "mean"/"sum" and grad enabled, the forward
     already computes them (keeping a [N, C] and a [V, C] tensor until the backward).
     CUDA tensors take the Triton kernel per chunk (CPU tensors under ``TRITON_INTERPRET=1``), float64 the
-    PyTorch path; ``foxlm.ops.use_backend`` overrides the choice. No host syncs: on CUDA a label outside
-    [0, V) other than ``ignore_index`` fails a device-side assertion (like ``F.cross_entropy``), on the CPU
-    it raises a ValueError.
+    PyTorch path; ``foxlm.ops.use_backend`` overrides the choice. No host syncs: on CUDA (and compiled) a label
+    outside [0, V) other than ``ignore_index`` fails an assertion (like ``F.cross_entropy``), on the CPU eagerly it
+    raises a ValueError.
     """
     _validate(hidden, weight, labels, reduction, chunk_size)
     in_range = ((labels >= 0) & (labels < weight.shape[0])) | (labels == ignore_index)
-    if labels.is_cuda:
+    # Compiled, the check stays in the graph as an assertion (bool() would break it at a host sync).
+    if labels.is_cuda or torch.compiler.is_compiling():
         torch._assert_async(in_range.all(), "labels: expected values in [0, V) or ignore_index")
     elif not bool(in_range.all()):
         raise ValueError(f"labels: expected values in [0, {weight.shape[0]}) or ignore_index={ignore_index}")

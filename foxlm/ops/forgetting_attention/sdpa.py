@@ -109,38 +109,55 @@ class _SdpaAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, c_q, c_k, row_start, scale, q_offset):
         ctx.set_materialize_grads(False)
-        plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), False, functools.partial(_norms, q, k, scale))
-        cdt = torch.promote_types(q.dtype, torch.float32)
-        with flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
-            kp, vp = _kv_channels(k, v, q.shape[2], max(q.shape[-1], v.shape[-1]) + 2, cdt)
-            o, lse = _channel_forward(q, kp, vp, c_q, c_k, row_start, q_offset, plan[0][1], scale)
+        chunks, kp, vp, o, lse = _channel_attention(q, k, v, c_q, c_k, row_start, scale, q_offset)
         # q' is built per chunk (forward and backward alike, so bit for bit): saving it would add a copy of q to
         # the backward's peak memory. GQA: k' and v' repeat k and v per query head, rebuilt rather than saved.
         gqa = q.shape[2] != k.shape[2]
         ctx.save_for_backward(q, k if gqa else kp, v if gqa else vp, o, lse, c_q, c_k, row_start)
-        ctx.plan, ctx.gqa, ctx.scale, ctx.q_offset = plan[0][1], gqa, scale, q_offset
-        ctx.shapes = (q.shape, q.dtype, k.shape[2], v.shape[-1])
+        ctx.plan, ctx.gqa, ctx.scale, ctx.q_offset = chunks, gqa, scale, q_offset
+        ctx.kv_shape = k.shape[2], v.shape[-1]
         # A view of o' (the backward never writes to it); where q is fp32, no copy.
         return o[..., :v.shape[-1]].to(q.dtype), lse.float()
 
     @staticmethod
     def backward(ctx, do, dlse):
         q, kp, vp, o, lse, c_q, c_k, row_start = ctx.saved_tensors
-        (B, Tq, Hq, D), dtype, Hk, Dv = ctx.shapes
         if ctx.gqa:
-            kp, vp = _kv_channels(kp, vp, Hq, o.shape[-1], o.dtype)
-        with flush_denormals():
-            dq, dkp, dvp = _channel_backward(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, ctx.q_offset, ctx.plan,
-                                             ctx.scale, Dv, ctx.gqa)
-        dk, dv, dc_k = dkp[..., :D], dvp[..., :Dv], -dkp[..., -1]
-        if Hq != Hk:
-            dk, dv = (g.unflatten(2, (Hk, Hq // Hk)).sum(3) for g in (dk, dv))
-        # Row sums of dS are dlse exactly (sum_j p_ij = 1).
-        if dlse is None:
-            dc_q = torch.zeros(B, Tq, Hq, dtype=c_q.dtype, device=c_q.device)
-        else:
-            dc_q = dlse.transpose(1, 2).masked_fill(lse.transpose(1, 2) == -math.inf, 0.0).to(c_q.dtype)
-        return dq.to(dtype), dk.to(dtype), dv.to(dtype), dc_q, dc_k.to(c_k.dtype), None, None, None
+            kp, vp = _kv_channels(kp, vp, q.shape[2], o.shape[-1], o.dtype)
+        grads = _channel_grads(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, ctx.q_offset, ctx.plan, ctx.scale,
+                               *ctx.kv_shape, ctx.gqa)
+        return *grads, None, None, None
+
+
+def _channel_attention(q, k, v, c_q, c_k, row_start, scale, q_offset):
+    """_SdpaAttention's forward: (its chunks, k', v', o' [B, Tq, Hq, Dp], lse [B, Hq, Tq]), k' holding the last
+    chunk's bias channel, o' and lse in q's dtype promoted to fp32."""
+    plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), False, functools.partial(_norms, q, k, scale))
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    with flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
+        kp, vp = _kv_channels(k, v, q.shape[2], max(q.shape[-1], v.shape[-1]) + 2, cdt)
+        o, lse = _channel_forward(q, kp, vp, c_q, c_k, row_start, q_offset, plan[0][1], scale)
+    return plan[0][1], kp, vp, o, lse
+
+
+def _channel_grads(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, q_offset, chunks, scale, hk, v_dim,
+                   rebuilt):
+    """_SdpaAttention's backward from _channel_attention's results (``rebuilt``: k' and v' are not the forward's):
+    the gradients of q, k, v (in q's dtype, summed over a GQA group's query heads), c_q and c_k (in theirs).
+    do: [B, Tq, Hq, Dv] or None, dlse: [B, Hq, Tq] or None."""
+    B, Tq, Hq, D = q.shape
+    with flush_denormals():
+        dq, dkp, dvp = _channel_backward(do, dlse, q, kp, vp, o, lse, c_q, c_k, row_start, q_offset, chunks, scale,
+                                         v_dim, rebuilt)
+    dk, dv, dc_k = dkp[..., :D], dvp[..., :v_dim], -dkp[..., -1]
+    if Hq != hk:
+        dk, dv = (g.unflatten(2, (hk, Hq // hk)).sum(3) for g in (dk, dv))
+    # Row sums of dS are dlse exactly (sum_j p_ij = 1).
+    if dlse is None:
+        dc_q = torch.zeros(B, Tq, Hq, dtype=c_q.dtype, device=c_q.device)
+    else:
+        dc_q = dlse.transpose(1, 2).masked_fill(lse.transpose(1, 2) == -math.inf, 0.0).to(c_q.dtype)
+    return dq.to(q.dtype), dk.to(q.dtype), dv.to(q.dtype), dc_q, dc_k.to(c_k.dtype)
 
 
 def sdpa_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
@@ -150,7 +167,8 @@ def sdpa_scale(q: torch.Tensor, scale: float) -> tuple[torch.Tensor, float]:
 
 
 def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torch.Tensor, torch.Tensor]:
-    """_SdpaAttention's forward where no backward follows (eval, generation, prefill): (o in q's dtype, lse fp32).
+    """_SdpaAttention's forward where no backward follows (eval, generation, prefill): (o [B, Tq, Hq, Dv],
+    lse [B, Hq, Tq]), both in q's dtype promoted to fp32.
 
     Softmax ignores a row's own c_q, so q, k and v go in as they are (no copies, head dim D instead of D + 2), with
     the bias c_ref - c_k as a broadcast [B, G, 1, keys] attn_mask, and lse gets c_q - c_ref back. Runs of heads may
@@ -159,9 +177,8 @@ def _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset) -> tuple[torc
     q, scale = sdpa_scale(q, scale)
     plan = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), True, functools.partial(_norms, q, k, scale))
     with flush_denormals(_logits(plan, q.shape[0], q.shape[2]) >= _FLUSH_MIN_LOGITS):
-        o, lse = _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan,
-                               torch.promote_types(q.dtype, torch.float32))
-    return o.to(q.dtype), lse.float()
+        return _mask_forward(q, k, v, c_q, c_k, row_start, scale, q_offset, plan,
+                             torch.promote_types(q.dtype, torch.float32))
 
 
 def _q_chunk(q: torch.Tensor, cq: torch.Tensor, c_ref: torch.Tensor, a: int, b: int, scale: float, dp: int,
@@ -699,11 +716,84 @@ def _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens) -> Non
                          f"Tk={Tk}, q_offset={q_offset}")
 
 
-# The chunks are planned on the host (.tolist(), bool(tensor), data-dependent shapes). In a compiled block
-# (compile=true) dynamo would break the graph at each of those and warn about every break, so this runs as one call
-# outside the graph, for every caller (the layers, the caches, context parallelism). The Triton path is a custom op,
-# inside the graph.
-@torch.compiler.disable
+# The chunks are planned on the host (.numpy(), .tolist(), data-dependent shapes), which neither dynamo nor
+# torch.export can trace. Under the compiler the op is therefore two torch.library custom ops, opaque to it, whose
+# functions plan at run time: one graph (fullgraph=True, torch.export) for every caller (the layers, the caches,
+# context parallelism). Eager calls skip the custom ops' dispatch (host time, as on the Triton path) and go through
+# _SdpaAttention, on the same functions; the ops' backward rebuilds k' and v' and plans again, the forward's bits.
+@torch.library.custom_op("foxlm::attention_from_cumsum", mutates_args=())
+def _forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c_q: torch.Tensor, c_k: torch.Tensor,
+    threshold: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float, q_offset: int,
+    window: int | None, channels: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o, lse [B, Hq, Tq], row starts): o' [B, Tq, Hq, Dp] of _SdpaAttention with ``channels`` (a backward
+    follows), else _bias_attention's o [B, Tq, Hq, Dv]; o and lse in q's dtype promoted to fp32; the row starts
+    [B, Hq, Tq] (row_starts), or [0] where every row sees keys from 0."""
+    row_start = _row_start(c_q, c_k, q_offset, cu_seqlens, threshold, window)
+    if channels:
+        o, lse = _channel_attention(q, k, v, c_q, c_k, row_start, scale, q_offset)[3:]
+    else:
+        o, lse = _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset)
+    # Contiguous, as the fake's: the kernel's outputs have strides that vary with the plan.
+    rs = q.new_empty(0, dtype=torch.long) if row_start is None else row_start
+    return o.contiguous(), lse.contiguous(), rs.contiguous()
+
+
+@_forward_op.register_fake
+def _(q, k, v, c_q, c_k, threshold, cu_seqlens, scale, q_offset, window, channels):
+    B, Tq, Hq, D = q.shape
+    dtype = torch.promote_types(q.dtype, torch.float32)
+    width = max(D, v.shape[-1]) + 2 if channels else v.shape[-1]
+    plain = cu_seqlens is None and threshold is None and window is None
+    return (q.new_empty(B, Tq, Hq, width, dtype=dtype), q.new_empty(B, Hq, Tq, dtype=dtype),
+            q.new_empty((0,) if plain else (B, Hq, Tq), dtype=torch.long))
+
+
+@torch.library.custom_op("foxlm::attention_from_cumsum_backward", mutates_args=())
+def _backward_op(
+    do: torch.Tensor, dlse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, c_q: torch.Tensor, c_k: torch.Tensor, row_start: torch.Tensor, scale: float, q_offset: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of q, k, v, c_q and c_k from the gradients of _forward_op's o' and lse (with ``channels``)."""
+    row_start = None if row_start.dim() == 1 else row_start
+    chunks = _plan(c_q, c_k, row_start, q_offset, _rows(q, k), False, functools.partial(_norms, q, k, scale))[0][1]
+    kp, vp = _kv_channels(k, v, q.shape[2], o.shape[-1], o.dtype)
+    grads = _channel_grads(do[..., :v.shape[-1]], dlse, q, kp, vp, o, lse, c_q, c_k, row_start, q_offset, chunks,
+                           scale, k.shape[2], v.shape[-1], True)
+    return tuple(g.contiguous() for g in grads)
+
+
+@_backward_op.register_fake
+def _(do, dlse, q, k, v, o, lse, c_q, c_k, row_start, scale, q_offset):
+    return tuple(t.new_empty(t.shape) for t in (q, k, v, c_q, c_k))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, c_q, c_k, _, _, scale, q_offset, _, channels = inputs
+    o, lse, row_start = output
+    if channels:
+        ctx.save_for_backward(q, k, v, o, lse, c_q, c_k, row_start)
+    ctx.scale, ctx.q_offset, ctx.channels = scale, q_offset, channels
+
+
+def _backward(ctx, do, dlse, _):
+    if not ctx.channels:
+        raise RuntimeError("foxlm::attention_from_cumsum: channels=False has no backward (its caller needs none)")
+    grads = _backward_op(do, dlse, *ctx.saved_tensors, ctx.scale, ctx.q_offset)
+    return *grads, None, None, None, None, None, None
+
+
+_forward_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _row_start(c_q, c_k, q_offset, cu_seqlens, threshold, window) -> torch.Tensor | None:
+    """row_starts, or None where every row sees keys from 0 (the plan then needs no mask)."""
+    if cu_seqlens is None and threshold is None and window is None:
+        return None
+    return row_starts(c_q, c_k, q_offset, cu_seqlens, threshold, window)
+
+
 def attention_from_cumsum(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -738,12 +828,18 @@ def attention_from_cumsum(
     """
     _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens)
     q_offset = k.shape[1] - q.shape[1] if q_offset is None else q_offset
-    plain = cu_seqlens is None and threshold is None and window is None  # every row sees keys from 0: no row starts
-    row_start = None if plain else row_starts(c_q, c_k, q_offset, cu_seqlens, threshold, window)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k)):
-        o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, float(scale), q_offset)
+    scale = float(scale)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
+    if torch.compiler.is_compiling():
+        o, lse, row_start = _forward_op(q, k, v, c_q, c_k, threshold, cu_seqlens, scale, q_offset, window, grad)
+        o, lse, row_start = o[..., :v.shape[-1]].to(q.dtype), lse.float(), None if row_start.dim() == 1 else row_start
     else:
-        o, lse = _bias_attention(q, k, v, c_q, c_k, row_start, float(scale), q_offset)
+        row_start = _row_start(c_q, c_k, q_offset, cu_seqlens, threshold, window)
+        if grad:
+            o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, scale, q_offset)
+        else:
+            o, lse = _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset)
+            o, lse = o.to(q.dtype), lse.float()
     if return_probs:
-        return o, lse, _probs(q, k, c_q, c_k, row_start, lse, float(scale), q_offset)
+        return o, lse, _probs(q, k, c_q, c_k, row_start, lse, scale, q_offset)
     return o, lse
