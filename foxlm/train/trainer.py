@@ -32,7 +32,7 @@ from ..models import FoxConfig, FoxForCausalLM
 from ..models.baselines import check_device
 from ..models.hf import build_model, decoder_layers, hf_config, use_chunked_loss
 from ..ops.backend import use_triton
-from ..parallel import ContextParallel
+from ..parallel import apply_context_parallel
 from ..presets import has_size, is_hf_arch
 from . import evaluation, parallel
 from .checkpointing import Checkpointer, take_run_folder
@@ -130,7 +130,7 @@ class Trainer:
         if cfg.activation_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.d.cp_size > 1:
-            model.set_context_parallel(ContextParallel(self.d.cp_group))
+            apply_context_parallel(model, self.d.cp_group)
         if cfg.compile:
             for block in decoder_layers(model):
                 block.compile()
