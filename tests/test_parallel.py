@@ -185,8 +185,9 @@ def _model(rank, world):
     """A tiny FoxForCausalLM run context-parallel on the shards (FoX Pro's token shift and QK-norm, ACP; a RoPE
     baseline) gives the whole sequence's per-token losses and every parameter's gradient, summed over the ranks;
     what a shard cannot do is refused by name."""
+    from foxlm.layers import AttentionBackend
     from foxlm.models import FoxConfig, FoxForCausalLM
-    from foxlm.parallel import ContextParallel, shard_sequence
+    from foxlm.parallel import ContextParallelAttention, apply_context_parallel, remove_context_parallel, shard_sequence
 
     cases = [("fox-pro", {"acp": True, "num_key_value_heads": 1}, "zigzag"), ("transformer-pro", {}, "contiguous")]
     for seed, (arch, extra, layout) in enumerate(cases):
@@ -198,7 +199,7 @@ def _model(rank, world):
         ref = model(ids, labels=ids, return_per_token_loss=True)
         ref_grads = torch.autograd.grad(ref.per_token_loss.sum(), list(model.parameters()))
         targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
-        model.set_context_parallel(ContextParallel(layout=layout))
+        assert apply_context_parallel(model, layout=layout) is model
         out = model(shard_sequence(ids, dim=1, layout=layout), shift_labels=shard_sequence(targets, dim=1,
                     layout=layout), return_per_token_loss=True)
         want = shard_sequence(F.pad(ref.per_token_loss.detach(), (0, 1)), dim=1, layout=layout)
@@ -214,9 +215,16 @@ def _model(rank, world):
         model(ids[:, :8], labels=ids[:, :8])
     with pytest.raises(ValueError, match="cu_seqlens / attention_mask: not available"):
         model(ids[:, :8], attention_mask=torch.ones(2, 8).index_fill_(1, torch.tensor([0]), 0))
-    with pytest.raises(ValueError, match="cp: expected a foxlm.parallel.ContextParallel or None, got ProcessGroup"):
-        model.set_context_parallel(dist.group.WORLD)
-    model.set_context_parallel(None)
+    with pytest.raises(ValueError, match="window: not available"):
+        model.model.layers[0].attn.window = 4
+        model(ids[:, :8], shift_labels=ids[:, :8])
+    model.model.layers[0].attn.window = None
+    with pytest.raises(ValueError, match="group: expected a ProcessGroup, a 1-D DeviceMesh or None, got int"):
+        apply_context_parallel(model, 0)
+    backends = [block.attn.attention_backend for block in model.model.layers]
+    assert all(isinstance(b, ContextParallelAttention) for b in backends)
+    remove_context_parallel(model)
+    assert all(type(block.attn.attention_backend) is AttentionBackend for block in model.model.layers)
     model(ids, labels=ids)
 
 
@@ -226,7 +234,7 @@ def _acp_share(rank, world):
     causal attention tiles."""
     from foxlm.layers.attention import ForgettingAttention
     from foxlm.models import FoxConfig, FoxForCausalLM
-    from foxlm.parallel import ContextParallel, shard_sequence
+    from foxlm.parallel import apply_context_parallel, remove_context_parallel, shard_sequence
 
     torch.manual_seed(0)
     config = FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=32, num_hidden_layers=2,
@@ -238,10 +246,10 @@ def _acp_share(rank, world):
     with torch.no_grad(), model.probe_acp(block_m=8, block_n=4) as one:
         model(ids)
     for layout in ("zigzag", "contiguous"):
-        model.set_context_parallel(ContextParallel(layout=layout))
+        apply_context_parallel(model, layout=layout)
         with torch.no_grad(), model.probe_acp(block_m=8, block_n=4) as cp:
             model(shard_sequence(ids, dim=1, layout=layout))
-        model.set_context_parallel(None)
+        remove_context_parallel(model)
         assert 0 < float(one.per_head().mean()) < 1, one.per_head()
         torch.testing.assert_close(cp.per_head(), one.per_head(), rtol=0, atol=1e-6, msg=layout)
 

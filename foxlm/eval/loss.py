@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..parallel import ContextParallel, gather_sequence, shard_sequence
+from ..parallel import (ContextParallel, apply_context_parallel, gather_sequence, remove_context_parallel,
+                        shard_sequence)
 from .utils import autocast, head_logprobs, hidden_states, next_token_logprobs, progress, pyplot
 
 
@@ -85,11 +86,11 @@ def per_token_loss(
 def _cp_logprobs(model: torch.nn.Module, ids: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
     """``next_token_logprobs`` with each sequence split over ``cp``'s ranks: ids [B, T+1] -> [B, T] on every rank."""
     inputs, targets = (shard_sequence(x, dim=1, group=cp.group, layout=cp.layout) for x in (ids[:, :-1], ids[:, 1:]))
-    model.set_context_parallel(cp)
+    apply_context_parallel(model, cp.group, layout=cp.layout)
     try:
         logp = head_logprobs(model, hidden_states(model, inputs), targets)
     finally:
-        model.set_context_parallel(None)
+        remove_context_parallel(model)
     return gather_sequence(logp, dim=1, group=cp.group, layout=cp.layout)
 
 

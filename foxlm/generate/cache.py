@@ -2,18 +2,17 @@
 
 It implements ``foxlm.models.cache.KVCache`` (``attend``, token-shift state, ``get_seq_length``), so
 ``FoxForCausalLM`` decodes with it unchanged. Layout (see ``foxlm.ops.forgetting_attention.decode``): one pool of
-pages shared
-by all layers, k [P, page_size, D], v [P, page_size, Dv], gate cumsum c [P, page_size, G] fp64; a page table
-[L, B, Hk, max_pages] maps every (layer, row, kv head) logical page to a pool page; ``cache_start``
+pages shared by all layers, k [P, page_size, D], v [P, page_size, Dv], gate cumsum c [P, page_size, G] fp64;
+a page table [L, B, Hk, max_pages] maps every (layer, row, kv head) logical page to a pool page; ``cache_start``
 [L, B, Hk] is the first live page. Only real tokens are stored (left padding is dropped), so rows have
 their own lengths.
 
 Steps: the first call of a forward (layer 0) books the new tokens' pages on the host (no device sync when
 the batch is unpadded) and moves the device-side ``write_pos`` / ``lengths``; every layer then writes its
-k, v, c and attends. Decode steps (T <= ``DECODE_MAX_TQ`` new tokens per row) go through the Triton
-flash-decoding kernel; prefill goes row by row through the fused op for a fresh row, and attends from the
-cached c (``attention_from_cumsum``, Tq < Tk) once the row has a cache.
-A decode step is free of host syncs and fixed in shape, so ``foxlm.generate`` captures it in a CUDA graph.
+k, v, c and attends through ``foxlm.ops.forgetting_attention_with_kvcache``, which picks the path (the
+flash-decoding kernel for decode steps; prefill row by row). The cache stores and books pages; it holds no
+attention math. A decode step is free of host syncs and fixed in shape, so ``foxlm.generate`` captures it in a
+CUDA graph.
 
 Eviction (``evict()``): with the per-head logit bound U of a QK-norm model, pages whose keys have decayed
 below delta = -(2U + log N) + log(tolerance) for all their query heads are freed (``evictable_pages``).
@@ -26,12 +25,10 @@ import math
 import numpy as np
 import torch
 
-from ..ops import ACP, attention_from_cumsum, sequence_attention
-from ..ops.forgetting_attention.decode import default_num_splits, evictable_pages, forgetting_attention_decode
+from ..ops import ACP, forgetting_attention_with_kvcache
+from ..ops.forgetting_attention.decode import default_num_splits, evictable_pages
 from ..ops.forgetting_attention.gate import continue_cumsum
 
-# New tokens per row up to which a forward is a decode step (the decode kernel) rather than prefill.
-DECODE_MAX_TQ = 16
 _TRASH_PAGE = 0  # padding is written here and never read
 
 
@@ -228,12 +225,12 @@ class PagedFoxCache:
                 self.begin(T, valid)
                 self._begun = False
         self.store(layer_idx, k, v, log_fgate, valid)
-        if T <= DECODE_MAX_TQ and valid is None and bool(self._len_before.min() > 0):
-            return forgetting_attention_decode(
-                q.to(self.dtype), self.k_pool, self.v_pool, self.c_pool, self.page_table[layer_idx],
-                self.cache_start[layer_idx], self.lengths, scale=scale, window=window, num_splits=self.num_splits,
-            )
-        return self._prefill(layer_idx, q, k, v, log_fgate, scale, window, prune)
+        return forgetting_attention_with_kvcache(
+            q, self.k_pool, self.v_pool, self.c_pool, k=k, v=v, log_fgate=log_fgate, cache_seqlens=self._len_before,
+            scale=scale, window=window, prune=prune, valid=valid, seqlens_new=self._len - self._len_before,
+            block_table=self.page_table[layer_idx], cache_start=self.cache_start[layer_idx],
+            cache_start_host=self._start[layer_idx], cache_lengths=self.lengths, num_splits=self.num_splits,
+        )
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor | None,
               valid: torch.Tensor | None = None) -> torch.Tensor:
@@ -257,50 +254,6 @@ class PagedFoxCache:
         cg = c.view(B, T, Hk, self.group).permute(0, 2, 1, 3).reshape(-1, self.group)
         self.c_pool.view(-1, self.group).index_copy_(0, slot, cg)
         return c
-
-    def _prefill(self, layer, q, k, v, log_fgate, scale, window, prune: ACP | None) -> torch.Tensor:
-        """Attention of new tokens row by row: the op for a fresh row, else from the cached keys and c."""
-        B, T = q.shape[:2]
-        o = q.new_zeros(*q.shape[:3], v.shape[-1])
-        n_new = self._len - self._len_before
-        for b in range(B):
-            n, total = int(n_new[b]), int(self._len[b])
-            if n == 0:
-                continue
-            new = slice(T - n, T)
-            if n == total:  # a fresh row: everything is in hand
-                lf = log_fgate[b:b + 1, new] if log_fgate is not None else None
-                o[b:b + 1, new] = sequence_attention(q[b:b + 1, new], k[b:b + 1, new], v[b:b + 1, new], lf,
-                                                     scale=scale, window=window, prune=prune)[0]
-                continue
-            for h in self._head_groups(layer, b):
-                heads = slice(h.start * self.group, h.stop * self.group)
-                first = int(self._start[layer, b, h.start]) * self.page_size
-                kk, vv, cc = self._gather(layer, b, h, first, total)
-                qq = q[b:b + 1, new, heads].to(self.dtype)
-                threshold = None
-                if prune is not None:
-                    threshold = prune.for_heads(heads).threshold(qq, kk, scale=scale, window=window)
-                o[b:b + 1, new, heads] = attention_from_cumsum(qq, kk, vv, cc[:, -n:], cc, scale=scale,
-                                                               window=window, threshold=threshold)[0]
-        return o
-
-    def _head_groups(self, layer: int, b: int) -> list[slice]:
-        """kv heads of row b with the same live start (one op call each; all of them when nothing was evicted)."""
-        start = self._start[layer, b]
-        if (start == start[0]).all():
-            return [slice(0, self.num_kv_heads)]
-        return [slice(h, h + 1) for h in range(self.num_kv_heads)]
-
-    def _gather(self, layer: int, b: int, heads: slice, first: int, total: int):
-        """Contiguous k, v [1, n, h, D] and c [1, n, h*G] of keys [first, total) of row b."""
-        ps = self.page_size
-        pages = self.page_table[layer, b, heads, first // ps: -(-total // ps)].long()  # [h, P]
-        lo, n = first % ps, total - first
-        kk = self.k_pool[pages].flatten(1, 2)[:, lo:lo + n].transpose(0, 1)[None]
-        vv = self.v_pool[pages].flatten(1, 2)[:, lo:lo + n].transpose(0, 1)[None]
-        cc = self.c_pool[pages].flatten(1, 2)[:, lo:lo + n].permute(1, 0, 2).reshape(1, n, -1)
-        return kk, vv, cc
 
     def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
         """The pre-shift projection [B, Hk, D] of stream ``name`` at each row's last token, or None."""

@@ -1,6 +1,7 @@
 """foxlm.layers: Forgetting Attention and the blocks around it (RMSNorm, SwiGLU, RoPE, token shift)."""
 
 from .attention import GATES, ACPConfig, ForgettingAttention, alibi_slopes
+from .attention_backend import AttentionBackend
 from .mlp import SwiGLU
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -10,6 +11,7 @@ from .token_shift import TokenShift
 __all__ = [
     "GATES",
     "ACPConfig",
+    "AttentionBackend",
     "ForgettingAttention",
     "RMSNorm",
     "RotaryEmbedding",

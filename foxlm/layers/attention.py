@@ -1,11 +1,11 @@
 """The Forgetting Attention layer, with every switch the FoX papers ablate.
 
 Data flows: x -> q, k~, v~ projections -> token shift (k, v) -> QK-norm -> RoPE -> attention with the
-forget gate -> output norm -> output gate -> o_proj. Attention of a whole sequence goes through
-``foxlm.ops.sequence_attention``, or, when the model runs context-parallel (``context_parallel`` set), through
-``foxlm.parallel.cp_forgetting_attention`` on this rank's shard of the sequence; a KV cache is talked to only
-through ``foxlm.models.cache.KVCache`` (``attend`` and the token-shift state methods). The layer holds no
-attention math.
+forget gate -> output norm -> output gate -> o_proj. The attention itself, and the token shift's look-back,
+go through one back-end object, ``attention_backend`` (``foxlm.layers.attention_backend``): by default whole
+sequences through ``foxlm.ops.sequence_attention`` or a KV cache (``foxlm.models.cache.KVCache``); context
+parallelism replaces it from outside (``foxlm.parallel.apply_context_parallel``). The layer holds no attention
+math and does not know which back-end it calls.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import ACP, acp_stats, apply_rotary, sequence_attention
-from ..parallel import ContextParallel, cp_acp_tile_stats, cp_forgetting_attention, previous_tokens
+from ..ops import ACP, apply_rotary
+from .attention_backend import AttentionBackend
 from .norm import RMSNorm
 from .segments import Segments
 from .token_shift import TokenShift
@@ -37,10 +37,9 @@ class ACPConfig:
 
 class ACPProbe:
     """What ACP skips (or, with ACP off, would skip) in the cache-less forwards of one attention layer while
-    ``active``: per forward, the share of attention tiles per head (``foxlm.ops.acp_stats`` with the layer's logit
-    bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``; in a
-    context-parallel layer, the same share over the whole sequence (``cp_acp_tile_stats``, a collective), so that it
-    is one number whatever ``cp``.
+    ``active``: per forward, the share of attention tiles per head (the back-end's ``tile_stats``, with the layer's
+    logit bound, ``tolerance`` and ``block_m`` x ``block_n`` tiles), [H] fp32 on the layer's device, in ``records``;
+    in a context-parallel layer, the same share over the whole sequence, so that it is one number whatever ``cp``.
     Turned on by ``FoxPreTrainedModel.probe_acp``; one object per layer for its lifetime, so that a compiled block
     sees only two values of ``active``."""
 
@@ -51,20 +50,9 @@ class ACPProbe:
     @torch.compiler.disable  # bookkeeping outside any compiled graph
     def record(self, attn: "ForgettingAttention", q, k, log_fgate, segments: "Segments | None") -> None:
         tolerance = attn.acp_config.acp_tolerance if self.tolerance is None else self.tolerance
-        q, k, log_fgate = q.detach(), k.detach(), log_fgate.detach()
-        cp = attn.context_parallel
-        if cp is not None:  # the same tiles over the whole sequence: the share does not depend on cp
-            per_head, _ = cp_acp_tile_stats(q, k, log_fgate, group=cp.group, layout=cp.layout, scale=attn.scale,
-                                            tolerance=tolerance, logit_bound=attn.logit_bound(), block_m=self.block_m,
-                                            block_n=self.block_n)
-            self.records.append(per_head)
-            return
-        if segments is not None:  # as sequence_attention: the segments index the flattened batch
-            q, k, log_fgate = (x.reshape(1, -1, *x.shape[2:]) for x in (q, k, log_fgate))
-        per_head, _ = acp_stats(q, k, log_fgate, scale=attn.scale,
-                                cu_seqlens=None if segments is None else segments.cu_seqlens, tolerance=tolerance,
-                                logit_bound=attn.logit_bound(), block_m=self.block_m, block_n=self.block_n)
-        self.records.append(per_head)
+        self.records.append(attn.attention_backend.tile_stats(
+            q.detach(), k.detach(), log_fgate.detach(), segments=segments, scale=attn.scale, tolerance=tolerance,
+            logit_bound=attn.logit_bound(), block_m=self.block_m, block_n=self.block_n))
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -93,6 +81,9 @@ class ForgettingAttention(nn.Module):
             (off). The logit bound comes from the QK-norm weights when ``qk_norm`` is on, from the data otherwise.
         deterministic: the fused attention backward without atomics (see ``forgetting_attention``).
         layer_idx: the index under which the layer talks to a KV cache.
+
+    ``attention_backend`` (an ``AttentionBackend`` by default) runs the attention and the token shift's look-back;
+    ``foxlm.parallel.apply_context_parallel`` replaces it.
     """
 
     def __init__(
@@ -151,7 +142,7 @@ class ForgettingAttention(nn.Module):
         self.o_norm = RMSNorm((num_heads, head_dim), norm_eps) if output_norm else None
         self.g_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False) if output_gate else None
         self.acp_probe = ACPProbe() if gate != "none" else None
-        self.context_parallel: ContextParallel | None = None  # set by FoxPreTrainedModel.set_context_parallel
+        self.attention_backend: nn.Module = AttentionBackend()
 
     @staticmethod
     def bias_gate_init(num_heads: int) -> torch.Tensor:
@@ -206,12 +197,9 @@ class ForgettingAttention(nn.Module):
         reset: [B, T] bool, where the token shift must not look back (segment starts, after padding).
         cache: a KV cache (``foxlm.models.cache.KVCache``): the new tokens attend to everything cached.
         valid: [B, T] bool, False at left padding (with a cache only).
-        Context-parallel (``context_parallel`` set): x is this rank's shard of the sequence, as
+        Context-parallel (``foxlm.parallel.apply_context_parallel``): x is this rank's shard of the sequence, as
         ``foxlm.parallel.shard_sequence(x, dim=1)`` makes it, and so are y and log_fgate.
         """
-        cp = self.context_parallel
-        if cp is not None:
-            cp.check(segments=segments, cache=cache, window=self.window, output_attentions=output_attentions)
         B, T, _ = x.shape
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_proj(x).view(B, T, H, D)
@@ -229,25 +217,13 @@ class ForgettingAttention(nn.Module):
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         log_fgate = self.log_fgate(x)
         acp = ACP(self.acp_config.acp_tolerance, self.logit_bound()) if self.acp_config.acp else None
-        probs = None
         if cache is None and self.acp_probe is not None and self.acp_probe.active:
             self.acp_probe.record(self, q, k, log_fgate, segments)
-        if cp is not None:
-            # gate="none": plain softmax attention is the gate log f = 0
-            gate_cp = log_fgate if log_fgate is not None else x.new_zeros(
-                B, T, H, dtype=torch.promote_types(x.dtype, torch.float32))
-            o = cp_forgetting_attention(q, k, v, gate_cp, group=cp.group, layout=cp.layout, scale=self.scale,
-                                        prune=acp)
-        elif cache is None:
-            o, probs = sequence_attention(
-                q, k, v, log_fgate, scale=self.scale, cu_seqlens=None if segments is None else segments.cu_seqlens,
-                max_seqlen=None if segments is None else segments.max_seqlen, window=self.window, prune=acp,
-                deterministic=self.deterministic,
-                return_probs=output_attentions,
-            )
-        else:
-            o = cache.attend(self.layer_idx, q, k, v, log_fgate, scale=self.scale, valid=valid, window=self.window,
-                             prune=acp)
+        o, probs = self.attention_backend.attend(
+            q, k, v, log_fgate, scale=self.scale, window=self.window, prune=acp, segments=segments, cache=cache,
+            valid=valid, layer_idx=self.layer_idx, output_attentions=output_attentions,
+            deterministic=self.deterministic,
+        )
         gate = None if self.g_proj is None else self.g_proj(x)
         if self.o_norm is not None:  # the output norm and the output gate in one fused op
             o, gate = self.o_norm(o, gate=None if gate is None else gate.view(B, T, H, D)), None
@@ -257,15 +233,6 @@ class ForgettingAttention(nn.Module):
         return self.o_proj(o), log_fgate, probs
 
     def _shift(self, shift: TokenShift, name: str, x, h, reset, cache, valid) -> torch.Tensor:
-        """Token shift of x: [B, T, Hk, D], continuing from (and updating) the cache's state."""
-        prev = None
-        cp = self.context_parallel
-        if cp is not None:  # each chunk of the shard continues from the token before it, on another rank
-            prev = previous_tokens(x, group=cp.group, layout=cp.layout)
-            xs, hs = x.chunk(len(prev), dim=1), h.chunk(len(prev), dim=1)
-            return torch.cat([shift(xc, hc, p) for xc, hc, p in zip(xs, hs, prev)], dim=1)
-        if cache is not None:
-            prev = cache.get_shift_state(self.layer_idx, name)
-            new = x if valid is None else x * valid[:, :, None, None].to(x.dtype)  # zeros at padding
-            cache.set_shift_state(self.layer_idx, name, new)
-        return shift(x, h, prev, reset)
+        """Token shift of x: [B, T, Hk, D] (stream ``name``), looking back through the attention back-end."""
+        return self.attention_backend.shift(shift, x, h, reset=reset, cache=cache, valid=valid,
+                                            layer_idx=self.layer_idx, name=name)

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.forgetting_attention.gate import cu_seqlens_of_starts
+
 
 @dataclass
 class Segments:
@@ -33,10 +35,7 @@ class Segments:
         t = torch.arange(T, device=starts.device).expand(B, T)
         ids = starts.long().cumsum(1) - 1
         positions = t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
-        offsets = torch.nonzero(starts.flatten()).flatten()
-        cu_seqlens = torch.cat([offsets, offsets.new_tensor([B * T])]).to(torch.int32)
-        max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return cls(starts, ids, positions, cu_seqlens, max_seqlen)
+        return cls(starts, ids, positions, *cu_seqlens_of_starts(starts))
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total: int) -> "Segments":

@@ -2,11 +2,10 @@
 
 ``ForgettingAttention`` never touches cache tensors; it talks to a cache only through ``KVCache``, so a different
 implementation (e.g. ``foxlm.generate``'s paged cache with forget-gate eviction and a Triton decode kernel) plugs
-in without changing the layer or the model. Caches store; the attention itself is ``foxlm.ops``'.
+in without changing the layer or the model. Caches store; the attention itself is one function of the op,
+``foxlm.ops.forgetting_attention_with_kvcache``, which picks the prompt, chunk or decode-step path.
 
-FoxCache, the default implementation, is a contiguous per-layer cache: the first call per layer runs the whole
-prompt through ``foxlm.ops.sequence_attention`` (the fused op on GPU, with ACP if asked), later calls attend from
-the cached c with ``foxlm.ops.attention_from_cumsum``.
+FoxCache, the default implementation, is a contiguous per-layer cache.
 """
 
 from __future__ import annotations
@@ -16,8 +15,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from transformers.cache_utils import Cache
 
-from ..layers import Segments
-from ..ops import ACP, attention_from_cumsum, sequence_attention
+from ..ops import ACP, forgetting_attention_with_kvcache
 from ..ops.forgetting_attention.gate import continue_cumsum
 
 
@@ -169,8 +167,8 @@ class FoxCache(Cache):
         window: int | None = None,
         prune: ACP | None = None,
     ) -> torch.Tensor:
-        """``KVCache.attend``: ACP applies to the first prefill only; padded keys get c = +PAD_DECAY, so that
-        c_i - c_j = -1e30 cuts them out of every real query's row exactly.
+        """``KVCache.attend``: store k, v and c (padded keys get c = +PAD_DECAY, so that c_i - c_j = -1e30 cuts them
+        out of every real query's row exactly), then attend through ``forgetting_attention_with_kvcache``.
 
         q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None,
         valid: [B, T] bool (False at left padding). Returns o: [B, T, Hq, Dv].
@@ -184,19 +182,11 @@ class FoxCache(Cache):
         if valid is not None:
             c = c.masked_fill(~valid[..., None], PAD_DECAY)
         layer.carry_shift(T, valid)
-        first = layer.length == 0
+        before = layer.length
         layer.append(k, v, c)
-        if first:
-            segments = None if valid is None or bool(valid.all()) else Segments.from_mask(valid)
-            o, _ = sequence_attention(
-                q, k, v, log_fgate, scale=scale, cu_seqlens=None if segments is None else segments.cu_seqlens,
-                max_seqlen=None if segments is None else segments.max_seqlen, window=window, prune=prune,
-            )
-            return o
-        n = layer.length
-        ck = layer.c[:, :n]
-        o, _ = attention_from_cumsum(q, layer.k[:, :n], layer.v[:, :n], ck[:, n - T:], ck, scale=scale, window=window)
-        return o
+        return forgetting_attention_with_kvcache(q, layer.k, layer.v, layer.c, k=k, v=v, log_fgate=log_fgate,
+                                                 cache_seqlens=before, scale=scale, window=window, prune=prune,
+                                                 valid=valid)
 
     def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
         """The pre-shift projection [B, Hk, D] of stream ``name`` at the last cached token, or None."""

@@ -128,17 +128,6 @@ class FoxPreTrainedModel(PreTrainedModel):
         (``FoxConfig.set_acp``)."""
         self.config.set_acp(bool(enabled), tolerance)
 
-    def set_context_parallel(self, cp: ContextParallel | None) -> None:
-        """Run every forward context-parallel over ``cp.group`` (e.g. ``ContextParallel(mesh.get_group("cp"))``):
-        each rank of it passes its ``cp.layout`` shard of the same rows (``foxlm.parallel.shard_sequence(input_ids,
-        dim=1)``) and ``shift_labels`` sharded alike, and gets its shard of the outputs. Attention, the token shift
-        and RoPE positions cross the shards. None: whole sequences again."""
-        if cp is not None and not isinstance(cp, ContextParallel):
-            raise ValueError(f"cp: expected a foxlm.parallel.ContextParallel or None, got {type(cp).__name__}")
-        for module in self.modules():
-            if isinstance(module, (ForgettingAttention, FoxModel)):
-                module.context_parallel = cp
-
     @contextlib.contextmanager
     def probe_acp(self, tolerance: float | None = None, block_m: int = 128, block_n: int = 64
                   ) -> Iterator[ACPShare]:
@@ -188,11 +177,16 @@ class FoxModel(FoxPreTrainedModel):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta) if config.rope else None  # once a forward
         self.gradient_checkpointing = False
-        self.context_parallel: ContextParallel | None = None  # set by set_context_parallel
         self.post_init()
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """What the attention layers' back-end runs over (``foxlm.parallel.apply_context_parallel``), or None for
+        whole sequences: RoPE positions and the defaults follow it."""
+        return self.layers[0].attn.attention_backend.cp if len(self.layers) else None
 
     def _default_use_cache(self, cu_seqlens: torch.Tensor | None, output_attentions: bool) -> bool:
         """What ``use_cache=None`` means: ``config.use_cache`` (True by default, as for transformers' models), except

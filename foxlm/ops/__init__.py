@@ -12,6 +12,7 @@ from .forgetting_attention import (
     forgetting_attention,
     forgetting_attention_decode,
     forgetting_attention_reference,
+    forgetting_attention_with_kvcache,
     gate_cumsum,
     prune_threshold,
     sequence_attention,
@@ -23,6 +24,7 @@ from .swiglu import swiglu
 __all__ = [
     "forgetting_attention",
     "forgetting_attention_decode",
+    "forgetting_attention_with_kvcache",
     "attention_from_cumsum",
     "sequence_attention",
     "forgetting_attention_reference",

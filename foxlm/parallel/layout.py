@@ -78,7 +78,7 @@ def gather_sequence(
 @dataclass(frozen=True)
 class ContextParallel:
     """How a model runs context-parallel: its inputs are this rank's shards (``layout``) of sequences split over
-    ``group`` (None: the default group). Set with ``FoxPreTrainedModel.set_context_parallel``."""
+    ``group`` (None: the default group). Installed on a model with ``apply_context_parallel``."""
 
     group: dist.ProcessGroup | None = None
     layout: str = "zigzag"
@@ -93,4 +93,5 @@ class ContextParallel:
                            ("window", window is not None), ("output_attentions", output_attentions)):
             if used:
                 raise ValueError(f"{name}: not available while the model runs context-parallel (one whole sequence "
-                                 f"per row is split over the ranks; set_context_parallel(None) for whole sequences)")
+                                 f"per row is split over the ranks; remove_context_parallel(model) for whole "
+                                 f"sequences)")

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..parallel import remove_context_parallel
 from . import parallel
 from .data import TrainData
 from .loader import Batch, TokenLoader
@@ -59,7 +60,7 @@ def sample(model: torch.nn.Module, prompt: list[int], tokens: int, seed: int, de
     module = parallel.unwrap(model)
     module.eval()
     if not hf:
-        module.set_context_parallel(None)  # decoding holds whole sequences
+        remove_context_parallel(module)  # decoding holds whole sequences
     generator_state = torch.get_rng_state()
     torch.manual_seed(seed)
     # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each

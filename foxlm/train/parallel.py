@@ -146,9 +146,9 @@ def parallelize(model: torch.nn.Module, compile: bool, parallel: str, d: Dist, d
     """``model`` ready to train over ``d``'s processes, in torchtitan's order: its attention split over the ``"cp"``
     processes where there are several, each block compiled (``compile``), then ``wrap``ped (``parallel``)."""
     if d.cp_size > 1:
-        from ..parallel import ContextParallel
+        from ..parallel import apply_context_parallel
 
-        model.set_context_parallel(ContextParallel(d.cp_group))
+        apply_context_parallel(model, d.cp_group)
     if compile:
         from ..models.hf import decoder_layers
 

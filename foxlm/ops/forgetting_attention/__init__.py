@@ -7,6 +7,8 @@
 - ``sdpa``: the PyTorch path, attention from gate cumsums in SDPA's fused CPU kernel (the op on the CPU, and the
   engine of attention from a KV cache and of context parallelism), with ``denormals`` for its CPU threads;
 - ``decode``: decoding against a paged KV cache;
+- ``kvcache``: ``forgetting_attention_with_kvcache``, attention over a KV cache (contiguous or paged), the one call
+  both caches make: it picks the prompt, chunk or decode-step path;
 - ``reference``: the naive fp64-capable oracle the others are tested against (it shares no code with them).
 """
 
@@ -14,6 +16,7 @@ from .acp import ACP, acp_stats, acp_threshold, acp_tile_stats, data_logit_bound
 from .decode import forgetting_attention_decode
 from .gate import gate_cumsum
 from .interface import forgetting_attention, sequence_attention
+from .kvcache import forgetting_attention_with_kvcache
 from .reference import forgetting_attention_reference
 from .sdpa import attention_from_cumsum
 
@@ -22,6 +25,7 @@ __all__ = [
     "forgetting_attention",
     "sequence_attention",
     "forgetting_attention_decode",
+    "forgetting_attention_with_kvcache",
     "attention_from_cumsum",
     "forgetting_attention_reference",
     "gate_cumsum",

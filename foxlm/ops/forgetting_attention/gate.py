@@ -12,6 +12,16 @@ def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
 
 
+def cu_seqlens_of_starts(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The varlen offsets of a [B, T] batch cut where ``starts`` is True (column 0 always starts one): cu_seqlens
+    [N+1] int32 over the flattened B*T tokens, and the longest sequence's length (one host sync)."""
+    starts = starts.clone()
+    starts[:, 0] = True
+    offsets = torch.nonzero(starts.flatten()).flatten()
+    cu_seqlens = torch.cat([offsets, offsets.new_tensor([starts.numel()])]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
 def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """c_t = sum_{l <= t} log f_l in fp64, restarting at every sequence of ``cu_seqlens``.
 
