@@ -15,7 +15,7 @@ import sys
 
 __version__ = "0.1.0"
 
-_SUBPACKAGES = ("data", "eval", "generate", "layers", "models", "ops", "parallel", "train")
+_SUBPACKAGES = ("checkpoint", "data", "eval", "generate", "layers", "models", "ops", "parallel", "train")
 
 
 def __getattr__(name: str):
@@ -25,36 +25,42 @@ def __getattr__(name: str):
 
 
 class _RegisterAfterLoad(importlib.abc.Loader):
-    """Runs a module's own loader, then imports the foxlm module that registers foxlm with it."""
+    """Runs a module's own loader, then retires its hook and imports the foxlm module that registers foxlm with it."""
 
-    def __init__(self, loader: importlib.abc.Loader, then: str):
-        self.loader, self.then = loader, then
+    def __init__(self, loader: importlib.abc.Loader, hook: _AfterImportHook):
+        self.loader, self.hook = loader, hook
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module) -> None:
         self.loader.exec_module(module)
-        importlib.import_module(self.then)
+        if self.hook in sys.meta_path:
+            sys.meta_path.remove(self.hook)
+        importlib.import_module(self.hook.then)
 
 
 class _AfterImportHook(importlib.abc.MetaPathFinder):
-    """Finds ``name`` as the other finders do and wraps its loader to import ``then`` after it; removes itself once
-    used."""
+    """Finds ``name`` as the other finders do and wraps its loader to import ``then`` after it. It stays until the
+    module is loaded: ``importlib.util.find_spec`` alone (transformers' check that peft is installed) loads nothing."""
 
     def __init__(self, name: str, then: str):
         self.name, self.then = name, then
 
     def find_spec(self, fullname: str, path=None, target=None):
-        if fullname != self.name:
+        if fullname != self.name or self not in sys.meta_path:
             return None
-        sys.meta_path.remove(self)
-        for finder in sys.meta_path:
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None:
-                spec.loader = _RegisterAfterLoad(spec.loader, self.then)
-                return spec
-        return None
+        at = sys.meta_path.index(self)
+        sys.meta_path.remove(self)  # the other finders' spec, without finding this one again
+        try:
+            for finder in sys.meta_path:
+                spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _RegisterAfterLoad(spec.loader, self)
+                    return spec
+            return None
+        finally:
+            sys.meta_path.insert(at, self)
 
 
 # transformers: the Auto classes; peft: its default adapter targets for model_type "fox" (peft looks them up by

@@ -50,9 +50,11 @@ def test_lora_without_target_modules_takes_llamas_default():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters() if p.requires_grad)
 
 
-def test_peft_imported_after_foxlm_gets_the_fox_default():
-    # the default comes from an import hook: foxlm first, peft second (the test process above may have either order)
-    code = ("import sys, foxlm; assert 'peft' not in sys.modules; "
+@pytest.mark.parametrize("probe", ["", "importlib.util.find_spec('peft'); from transformers import Trainer; "])
+def test_peft_imported_after_foxlm_gets_the_fox_default(probe):
+    # the default comes from an import hook: foxlm first, peft second (the test process above may have either order);
+    # a find_spec before the import (transformers' check that peft is installed) must leave the hook in place
+    code = ("import importlib.util, sys, foxlm; assert 'peft' not in sys.modules; " + probe +
             "from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as m; "
             "assert m['fox'] == m['llama'], m.get('fox')")
     subprocess.run([sys.executable, "-c", code], check=True)

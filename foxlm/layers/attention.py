@@ -128,11 +128,13 @@ class ForgettingAttention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
-        # fp32 whatever the default dtype: the gates are in FoxPreTrainedModel._keep_in_fp32_modules_strict
-        self.fgate_proj = nn.Linear(hidden_size, num_heads, bias=True, dtype=torch.float32) if gate == "data" else None
+        # at least fp32 whatever the default dtype (fp64 models stay fp64): the gates are in
+        # FoxPreTrainedModel._keep_in_fp32_modules_strict
+        gate_dtype = torch.promote_types(torch.get_default_dtype(), torch.float32)
+        self.fgate_proj = nn.Linear(hidden_size, num_heads, bias=True, dtype=gate_dtype) if gate == "data" else None
         self.fgate_bias = None
         if gate == "bias":
-            self.fgate_bias = nn.Parameter(self.bias_gate_init(num_heads).float())
+            self.fgate_bias = nn.Parameter(self.bias_gate_init(num_heads).to(gate_dtype))
         qk_eps = norm_eps if qk_norm_eps is None else qk_norm_eps
         self.q_norm = RMSNorm(head_dim if qk_norm_shared else (num_heads, head_dim), qk_eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim if qk_norm_shared else (num_kv_heads, head_dim), qk_eps) if qk_norm else None

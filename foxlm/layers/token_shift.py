@@ -18,8 +18,10 @@ class TokenShift(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int):
         super().__init__()
-        # fp32 whatever the default dtype: in FoxPreTrainedModel._keep_in_fp32_modules_strict
-        self.proj = nn.Linear(hidden_size, num_heads, bias=False, dtype=torch.float32)
+        # at least fp32 whatever the default dtype (fp64 models stay fp64): in
+        # FoxPreTrainedModel._keep_in_fp32_modules_strict
+        self.proj = nn.Linear(hidden_size, num_heads, bias=False,
+                              dtype=torch.promote_types(torch.get_default_dtype(), torch.float32))
 
     def forward(
         self,
