@@ -116,7 +116,8 @@ def main() -> None:
         for D in args.dims:
             for dtype in (getattr(torch, name) for name in args.dtypes):
                 q, k, v, lf, do = _inputs(T, args.heads, D, dtype, args.device, seed=T + D)
-                paths = {name: (lambda kw: lambda *x: forgetting_attention(*x, **kw))(kw) for name, kw in VARIANTS.items()}
+                paths = {name: (lambda kw: lambda *x: forgetting_attention(*x, **kw))(kw)
+                         for name, kw in VARIANTS.items()}
                 if fla is not None:
                     paths["fla"] = fla
                 ref_paths = {"window": lambda *x: forgetting_attention_reference(*x, window=512)}

@@ -2,7 +2,8 @@
 
 Importing foxlm registers model_type "fox" with transformers' AutoConfig, AutoModel and
 AutoModelForCausalLM, so ``AutoModelForCausalLM.from_pretrained(dir)`` loads foxlm checkpoints
-without trust_remote_code, and gives PEFT's adapters for "fox" the default target modules Llama's have. It does so without importing torch or transformers itself (the command line's
+without trust_remote_code, and gives PEFT's adapters for "fox" the default target modules Llama's have. It does so
+without importing torch or transformers itself (the command line's
 ``--help`` stays instant): at once if transformers (peft) is already imported, else right after its first import.
 Subpackages (``foxlm.models``, ``foxlm.ops``, ...) load on first access.
 """

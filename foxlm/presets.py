@@ -77,7 +77,7 @@ SIZES: dict[str, dict] = {
 }
 
 # The recurrent baselines. Each keeps fox-pro's width and vocabulary and matches its parameter count within 5%
-# (tests/test_hf_models.py checks every one): Mamba-2, which has no MLP, by its number of layers; the others by their
+# (tests/models/test_hf.py checks every one): Mamba-2, which has no MLP, by its number of layers; the others by their
 # MLP's intermediate_size.
 BASELINES = ("mamba2", "hgrn2", "delta-net", "gated-delta-net")
 # arch -> the transformers / fla model type it builds

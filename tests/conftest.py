@@ -24,11 +24,10 @@ import random  # noqa: E402
 
 import pytest  # noqa: E402
 
-from foxlm.ops.backend import triton  # noqa: E402
-
 from foxlm.data import prepare  # noqa: E402
 from foxlm.data.assets import shakespeare_plays  # noqa: E402
 from foxlm.ops import use_backend  # noqa: E402
+from foxlm.ops.backend import triton  # noqa: E402
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -107,3 +106,11 @@ def byte_data(tmp_path_factory):
     prepare(random.Random().sample(shakespeare_plays(), 3), out, tokenizer="byte", val_fraction=0.34, workers=0,
             progress=False)
     return out
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """The decode kernel's small key tiles, so that it walks several tiles per program at the tests' sizes."""
+    from foxlm.ops.forgetting_attention import decode
+
+    monkeypatch.setattr(decode, "_TILE", (32, 4, 1))

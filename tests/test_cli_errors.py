@@ -11,9 +11,9 @@ import time
 
 import pytest
 import torch
+from foxlm_cli import foxlm, one_line_error
 
 from foxlm.data import prepare
-from foxlm_cli import foxlm, one_line_error
 
 
 @pytest.fixture(scope="module")

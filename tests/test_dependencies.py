@@ -91,4 +91,5 @@ def test_cpu_path_runs_without_triton_and_missing_extras_name_themselves(tmp_pat
            "pip install 'foxlm[tensorboard]'" in done.stderr
     assert not (tmp_path / "run" / "tb").exists()
     assert "eval status 2" in done.stdout
-    assert "foxlm eval loss: error: this needs matplotlib, which is not installed: pip install 'foxlm[plot]'" in done.stderr
+    expected = "foxlm eval loss: error: this needs matplotlib, which is not installed: pip install 'foxlm[plot]'"
+    assert expected in done.stderr

@@ -19,7 +19,8 @@ WORDS = ["forget", "gate", "attention", "Emma", "Darcy", "Samuel", "light", "wat
 
 @pytest.fixture(scope="module")
 def recipe():
-    spec = importlib.util.spec_from_file_location("debian_corpus", Path(__file__).parents[1] / "recipes/debian_corpus.py")
+    script = Path(__file__).parents[1] / "recipes/debian_corpus.py"
+    spec = importlib.util.spec_from_file_location("debian_corpus", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

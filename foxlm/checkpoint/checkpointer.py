@@ -45,8 +45,8 @@ __all__ = ["DiskFullError", "PendingCheckpoint", "initialize_model", "load_train
            "restore_checkpoint", "write_checkpoint"]
 
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
-DISPLAY_KEYS = {"resume", "progress", "tensorboard", "wandb", "log_every", "peak_tflops", "sample_prompt", "sample_tokens",
-                "export_dir", "async_checkpoint"}
+DISPLAY_KEYS = {"resume", "progress", "tensorboard", "wandb", "log_every", "peak_tflops", "sample_prompt",
+                "sample_tokens", "export_dir", "async_checkpoint"}
 
 
 
@@ -176,8 +176,7 @@ def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.opt
     """Load a verified checkpoint's weights and optimizer state into ``module`` (unwrapped) and ``optimizer``, after
     checking that it was trained on ``tok_spec`` data as the same model. Returns its trainer state (counters, loader,
     RNG) and the settings of training config ``config`` that differ from the checkpoint's ("key: old -> new")."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
     state = load_trainer_state(ckpt)  # verifies the manifest first
     if not same_tokenizer(state["tokenizer"], tok_spec):  # its content: the folder may have moved since

@@ -126,8 +126,7 @@ def sharded_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimize
 def full_state_dicts(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """The whole model's and optimizer's state dicts on the CPU, by their parameter names (one process's save; runs
     of several save shards instead)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(module, options=options), get_optimizer_state_dict(module, optimizer, options=options)

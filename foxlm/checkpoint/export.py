@@ -14,6 +14,7 @@ from .files import fsync_tree, temporary_path
 from .manifest import verify_checkpoint, write_manifest
 from .run_folder import SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint
 
+
 def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Write the model of ``src`` (a run folder: its latest valid checkpoint, or a checkpoint folder, sharded or not)
     as a ``save_pretrained`` folder ``dst`` (safetensors, with the tokenizer where the checkpoint has one), for

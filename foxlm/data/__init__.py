@@ -3,8 +3,18 @@
 from .corpus import ensure_default_corpus
 from .dataset import ShardedTokens, TokenDataset
 from .prepare import prepare
-from .tokenizer import (BPETokenizer, ByteTokenizer, JSONGPT2Tokenizer, Tokenizer, check_tokenizer, get_tokenizer,
-                        matches_spec, model_tokenizer, same_tokenizer, tokenizer_from_spec)
+from .tokenizer import (
+                        BPETokenizer,
+                        ByteTokenizer,
+                        JSONGPT2Tokenizer,
+                        Tokenizer,
+                        check_tokenizer,
+                        get_tokenizer,
+                        matches_spec,
+                        model_tokenizer,
+                        same_tokenizer,
+                        tokenizer_from_spec,
+)
 
 __all__ = [
     "BPETokenizer",

@@ -7,8 +7,8 @@ which opens every document as its BOS and ends generation as its EOS; the model 
 ``name``. ``spec()`` is what is recorded in a dataset's ``meta.json`` and checked at training time; a folder's
 tokenizer (``bpe:``, ``hf:``) is identified there by its content (``fingerprint``), its name only says where it was
 read, so a dataset or model whose tokenizer folder moved finds it again in a copy it carries
-(``tokenizer_from_spec``). Those with a ``transformers`` equivalent also have ``hf_tokenizer()`` (eot as BOS, EOS and pad; ``tok(text)`` prepends it, as
-every training document begins with it) and ``save_pretrained(folder)``.
+(``tokenizer_from_spec``). Those with a ``transformers`` equivalent also have ``hf_tokenizer()`` (eot as BOS, EOS and
+pad; ``tok(text)`` prepends it, as every training document begins with it) and ``save_pretrained(folder)``.
 """
 
 from __future__ import annotations

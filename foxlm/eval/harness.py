@@ -65,10 +65,9 @@ class FoxLM(HFLM):
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
                  dtype: str | None = None, **kwargs):
-        from foxlm.models import load_checkpoint_model
-
         from foxlm.data.tokenizer import model_tokenizer
         from foxlm.device import resolve_device
+        from foxlm.models import load_checkpoint_model
 
         from .utils import run_train_length
 

@@ -17,8 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..parallel import (ContextParallel, apply_context_parallel, gather_sequence, remove_context_parallel,
-                        shard_sequence)
+from ..parallel import ContextParallel, apply_context_parallel, gather_sequence, remove_context_parallel, shard_sequence
 from .utils import autocast, head_logprobs, hidden_states, next_token_logprobs, progress, pyplot
 
 

@@ -121,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
         steady = f"then {rate:.1f} tokens/s" if rate is not None else "too few steps for a rate"
         print(f"time to first token {out.prefill_seconds:.3f} s (prefill of {sum(map(len, ids)):,} prompt tokens); "
               f"decode {out.decode_steps - 1} steps in {out.decode_seconds:.3f} s: first step "
-              f"{out.first_step_seconds:.3f} s (warm-up), {steady}; cache {out.cache['live_pages']}/{out.cache['full_pages']} pages "
+              f"{out.first_step_seconds:.3f} s (warm-up), {steady}; "
+              f"cache {out.cache['live_pages']}/{out.cache['full_pages']} pages "
               f"({100 * out.cache['fraction']:.1f}% of full)", file=sys.stderr)
     return 0

@@ -41,9 +41,11 @@ class Segments:
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total: int) -> "Segments":
         """cu_seqlens: [N+1] int32 document offsets of a packed row of ``total`` tokens (B == 1)."""
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
-            raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor [N+1], got {getattr(cu_seqlens, 'dtype', type(cu_seqlens))}")
+            got = getattr(cu_seqlens, "dtype", type(cu_seqlens))
+            raise ValueError(f"cu_seqlens: expected a 1-D int32 tensor [N+1], got {got}")
         lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-        if cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total or bool((lengths < 0).any()):
+        if (cu_seqlens.numel() < 2 or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != total
+                or bool((lengths < 0).any())):
             raise ValueError(f"cu_seqlens: expected sorted offsets from 0 to T={total}, got {cu_seqlens.tolist()}")
         starts = torch.zeros(1, total, dtype=torch.bool, device=cu_seqlens.device)
         starts[0, cu_seqlens[:-1][lengths > 0].long()] = True

@@ -65,7 +65,8 @@ def _eval_summaries(run_dir: Path) -> list[tuple[str, str]]:
             for p in sorted(run_dir.rglob("loss.json")) if (p.parent / "summary.md").is_file()]
 
 
-def write_model_card(folder: Path, *, title: str, source: str, run_dir: Path | None = None, step: int | None = None) -> None:
+def write_model_card(folder: Path, *, title: str, source: str, run_dir: Path | None = None,
+                     step: int | None = None) -> None:
     """Write ``folder``'s README.md from its config.json and weights. title: the model's name (the folder it will
     have); source: where the model came from and how it
     loads, in words;
@@ -76,7 +77,8 @@ def write_model_card(folder: Path, *, title: str, source: str, run_dir: Path | N
              "- forgetting-transformer", "---", "", f"# {title}", "",
              source, "",
              "## Architecture", "", *_architecture(config),
-             f"- {params:,} parameters ({params / 1e6:.1f}M), stored as {config.get('dtype') or config.get('torch_dtype')}",
+             f"- {params:,} parameters ({params / 1e6:.1f}M), stored as "
+             f"{config.get('dtype') or config.get('torch_dtype')}",
              "", "## Tokenizer", "", _tokenizer(folder, config), ""]
     cfg = read_train_config(run_dir, up=0) if run_dir is not None else None
     if cfg is not None:

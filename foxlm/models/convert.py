@@ -66,8 +66,8 @@ def _dtype_of(config: dict, weights: dict[str, torch.Tensor]) -> torch.dtype:
 
 # ------------------------------------------------------------------------------------------------------------ output
 # what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder with no more
-WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|manifest\.json"
-                     r"|README\.md")
+WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
+                     r"|model\.safetensors\.index\.json|manifest\.json|README\.md")
 
 
 def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
@@ -186,7 +186,8 @@ def convert(
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
         loads = ("Load it with `import foxlm` and `AutoModelForCausalLM.from_pretrained`." if to == "foxlm"
                  else "It is in the FoX authors' format, for their model classes.")
-        write_model_card(tmp, title=dst.name, source=f"Converted by `foxlm convert` from `{src}` (a {found} model). {loads}")
+        write_model_card(tmp, title=dst.name,
+                         source=f"Converted by `foxlm convert` from `{src}` (a {found} model). {loads}")
         write_manifest(tmp)  # checked whenever foxlm loads it
         replace_folder(tmp, dst)
     except BaseException:

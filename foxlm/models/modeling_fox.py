@@ -22,12 +22,11 @@ from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
-from ..ops.forgetting_attention.acp import check_tolerance
 from ..ops.cross_entropy import linear_cross_entropy
+from ..ops.forgetting_attention.acp import check_tolerance
 from ..parallel import ContextParallel, sequence_positions
 from .cache import FoxCache, KVCache
 from .configuration_fox import FoxConfig
-
 
 logger = logging.get_logger(__name__)
 
@@ -508,5 +507,6 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
     if attention_mask.dim() != 2 or tuple(attention_mask.shape) != (batch, length):
-        raise ValueError(f"attention_mask: expected a 2-D [B, T] = {(batch, length)} mask, got {tuple(attention_mask.shape)}")
+        raise ValueError(f"attention_mask: expected a 2-D [B, T] = {(batch, length)} mask, "
+                         f"got {tuple(attention_mask.shape)}")
     return attention_mask

@@ -19,7 +19,6 @@ import torch
 from .backend import interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
-
 REDUCTIONS = ("mean", "sum", "none")
 # Rows per chunk by default: one chunk's fp32 logits take about 2**26 * 4 bytes = 256 MB.
 _CHUNK_ELEMENTS = 2**26

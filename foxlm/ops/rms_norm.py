@@ -23,7 +23,6 @@ import torch
 from .backend import jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
-
 # Largest D the Triton kernels take (one row block must fit in registers); wider rows take the PyTorch path.
 MAX_DIM = 8192
 
@@ -157,7 +156,8 @@ def _rms_norm_torch(x, weight, eps, residual, gate, out_dtype):
 
 def _validate(x, weight, residual, gate, out_dtype) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
-        raise ValueError(f"x: expected a float16, bfloat16, float32 or float64 tensor, got {getattr(x, 'dtype', type(x))}")
+        got = getattr(x, "dtype", type(x))
+        raise ValueError(f"x: expected a float16, bfloat16, float32 or float64 tensor, got {got}")
     if (
         not isinstance(weight, torch.Tensor)
         or weight.dim() not in (1, 2)
@@ -171,7 +171,8 @@ def _validate(x, weight, residual, gate, out_dtype) -> None:
     gate_shapes = [tuple(x.shape)]
     if weight.dim() == 2:
         gate_shapes.append((*x.shape[:-2], x.shape[-2] * x.shape[-1]))
-    for name, t, shapes in (("weight", weight, None), ("residual", residual, [tuple(x.shape)]), ("gate", gate, gate_shapes)):
+    checks = (("weight", weight, None), ("residual", residual, [tuple(x.shape)]), ("gate", gate, gate_shapes))
+    for name, t, shapes in checks:
         if t is None:
             continue
         if shapes is not None and tuple(t.shape) not in shapes:
@@ -219,7 +220,8 @@ def rms_norm(
     s_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     D = x.shape[-1]
     # Under torch.compile the PyTorch path: the compiler fuses it with its neighbours itself.
-    if torch.compiler.is_compiling() or not (use_triton(x) and s_dtype != torch.float64 and 0 < x.numel() and D <= MAX_DIM):
+    fused = use_triton(x) and s_dtype != torch.float64 and 0 < x.numel() and D <= MAX_DIM
+    if torch.compiler.is_compiling() or not fused:
         return _rms_norm_torch(x, weight, eps, residual, gate, out_dtype)
     require_runnable(_rms_norm_fwd_kernel, x, "x")
     H = 1 if weight.dim() == 1 else weight.shape[0]

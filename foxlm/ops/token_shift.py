@@ -16,7 +16,6 @@ import torch
 from .backend import jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
-
 _BLOCK_ELEMENTS = 4096  # elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_D rows
 
 

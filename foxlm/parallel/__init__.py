@@ -1,7 +1,6 @@
 """Context parallelism: one sequence split over the ranks of a process group, attention computed across them."""
 
-from .attention import (CPAcpStats, Traffic, cp_acp_stats, cp_acp_tile_stats, cp_forgetting_attention,
-                        record_traffic)
+from .attention import CPAcpStats, Traffic, cp_acp_stats, cp_acp_tile_stats, cp_forgetting_attention, record_traffic
 from .backend import ContextParallelAttention, apply_context_parallel, remove_context_parallel
 from .halo import previous_tokens, sequence_positions
 from .layout import ContextParallel, gather_sequence, shard_sequence

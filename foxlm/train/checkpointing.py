@@ -14,11 +14,23 @@ import torch
 import torch.distributed as dist
 from transformers import PretrainedConfig
 
-from ..checkpoint.checkpointer import (PendingCheckpoint, initialize_model, model_name, restore_checkpoint,
-                                       write_checkpoint)
+from ..checkpoint.checkpointer import (
+    PendingCheckpoint,
+    initialize_model,
+    model_name,
+    restore_checkpoint,
+    write_checkpoint,
+)
 from ..checkpoint.dcp import full_state_dicts, sharded_state_dicts
-from ..checkpoint.run_folder import (check_out_dir, check_run_folder, checkpoint_step, list_checkpoints, lock_holder,
-                                     lock_run, resume_point)
+from ..checkpoint.run_folder import (
+    check_out_dir,
+    check_run_folder,
+    checkpoint_step,
+    list_checkpoints,
+    lock_holder,
+    lock_run,
+    resume_point,
+)
 from . import parallel
 from .config import TrainConfig
 from .data import TrainData

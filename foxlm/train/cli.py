@@ -53,7 +53,9 @@ def _train(args: argparse.Namespace) -> int:
 
         print(printed_config(cfg), end="")
         return 0
-    from ..checkpoint.checkpointer import DiskFullError  # not before --print-config, which needs neither torch nor a trainer
+    from ..checkpoint.checkpointer import (
+        DiskFullError,  # not before --print-config, which needs neither torch nor a trainer
+    )
     from .trainer import Trainer, train
 
     trainer = Trainer(cfg)

@@ -18,8 +18,18 @@ from pathlib import Path
 
 import yaml
 
-from ..presets import (ARCHS, BASELINES, FOX_FIELDS, HF_PREFIX, SIZES, baseline_fields, check_fla, derived_fields,
-                       has_size, is_hf_arch)
+from ..presets import (
+    ARCHS,
+    BASELINES,
+    FOX_FIELDS,
+    HF_PREFIX,
+    SIZES,
+    baseline_fields,
+    check_fla,
+    derived_fields,
+    has_size,
+    is_hf_arch,
+)
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
 

@@ -39,7 +39,8 @@ class Metrics:
 
     def __init__(self, model_config, num_params: int, seq_len: int, batch_size: int, hf: bool,
                  peak_tflops: float | None, device: torch.device, world: int):
-        self.model_config, self.num_params, self.seq_len, self.batch_size = model_config, num_params, seq_len, batch_size
+        self.model_config, self.num_params = model_config, num_params
+        self.seq_len, self.batch_size = seq_len, batch_size
         self.hf, self.world = hf, world
         if peak_tflops is None and device.type == "cuda":
             name = torch.cuda.get_device_name(device)

@@ -6,10 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from train.runs import tiny_config
 
 from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, train
-
-from train.runs import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

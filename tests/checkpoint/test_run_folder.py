@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from train.runs import tiny_config
 
 from foxlm.models import FoxForCausalLM
 from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, train
-
-from train.runs import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

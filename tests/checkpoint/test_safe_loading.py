@@ -19,14 +19,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from foxlm.cli import main
 from foxlm.checkpoint.files import sha256_file
+from foxlm.cli import main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # model.qk_norm_eps as the authors' classes have it, so that `foxlm convert --to fox-authors` takes the model
 TINY = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-        "model.intermediate_size=128", "model.qk_norm_eps=1.0e-5", "tokenizer=byte", "seq_len=32", "batch_size=2", "micro_batch_size=1",
+        "model.intermediate_size=128", "model.qk_norm_eps=1.0e-5", "tokenizer=byte", "seq_len=32", "batch_size=2",
+        "micro_batch_size=1",
         "warmup_steps=1", "eval_every=0", "log_every=1", "progress=false", "tensorboard=false", "sample_tokens=0"]
 
 

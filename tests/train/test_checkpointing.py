@@ -18,7 +18,6 @@ from foxlm.data import TokenDataset, prepare
 from foxlm.data.assets import shakespeare_plays
 from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, load_config, train
 from foxlm.train.trainer import Trainer
-
 from train.runs import TINY, logged_losses, subprocess_env, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

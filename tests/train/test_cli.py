@@ -12,7 +12,6 @@ import sys
 import pytest
 
 from foxlm.train import latest_valid_checkpoint, train
-
 from train.runs import TINY, subprocess_env, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

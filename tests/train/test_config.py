@@ -11,7 +11,6 @@ import yaml
 from foxlm.models import FoxConfig
 from foxlm.presets import FOX_FIELDS, derived_fields
 from foxlm.train import latest_valid_checkpoint, load_config
-
 from train.runs import subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")

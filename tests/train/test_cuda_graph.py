@@ -11,7 +11,6 @@ from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import load_config, train
 from foxlm.train.trainer import Trainer
-
 from train.runs import logged_losses, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

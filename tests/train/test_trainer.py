@@ -13,7 +13,6 @@ import pytest
 
 from foxlm.train import train
 from foxlm.train.trainer import Trainer
-
 from train.runs import logged_losses, subprocess_env, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")

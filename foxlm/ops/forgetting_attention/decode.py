@@ -31,7 +31,6 @@ from ..backend import block_dim, interpreted, jit, tile_loop, tl, triton, use_tr
 from ..checks import check_dtype
 from .acp import prune_threshold
 
-
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30
 

@@ -18,8 +18,8 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   block, to one fp64 difference per tile (that position's c minus the reference); see _c_tile. That is faster than
   converting each tile's fp64 c (docs/benchmarks.md). The limit: a logit's error is about an fp32 ulp of the decay
   between its query or key and the program's reference, so a gate that closes hard (log f = -1e4) inside a tile,
-  past the reference, costs ~1e-3 in the logits behind it (tests/test_triton_attention.py places such resets at
-  tile starts).
+  past the reference, costs ~1e-3 in the logits behind it (tests/ops/forgetting_attention/test_triton.py places such
+  resets at tile starts).
 * ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
   blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
@@ -415,8 +415,8 @@ def _bwd_dq_tile(state, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base
 
 
 @triton.jit
-def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k, off,
-                    sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
+def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k,
+                    off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
                     PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
@@ -465,17 +465,17 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ,
             hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
         dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
         state = tile_loop(_bwd_dkdv_tile, (dk, dv, dck), lo, tl.minimum(unmasked_lo, hi), BLOCK_M1, INTERPRET,
-                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base, d_base, sqt,
-                           sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1,
-                           C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
+                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base,
+                           d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
+                           BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
         state = tile_loop(_bwd_dkdv_tile, state, unmasked_lo, tl.minimum(unmasked_hi, hi), BLOCK_M1, INTERPRET,
-                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base, d_base, sqt,
-                           sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1,
-                           C_BLOCK, False, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
+                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base,
+                           d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
+                           BLOCK_M1, C_BLOCK, False, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
         dk, dv, dck = tile_loop(_bwd_dkdv_tile, state, unmasked_hi, hi, BLOCK_M1, INTERPRET,
-                                (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base, d_base,
-                                 sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
-                                 BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
+                                (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base,
+                                 l_base, d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D,
+                                 BLOCK_DV, BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
         tl.store(DCK + hq * sch + tok0 + kn, -dck, mask=kvalid)
     tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], cast(dk * scale, DK.dtype.element_ty, INTERPRET),
              mask=kvalid[:, None] & (offs_d < D)[None, :])
@@ -566,14 +566,14 @@ def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK
     DELTA += bt * slb
     start_n = pid * BLOCK_N1
     if start_n < len_k:
-        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k, off,
-                        sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
+        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k,
+                        off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                         G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, ATOMIC_DQ,
                         INTERPRET)
     start_m = pid * BLOCK_M2
     if not ATOMIC_DQ and start_m < len_q:
         for g in range(G):
-            _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hk * G + g, hk, start_m, tok0, len_q, len_k, off,
-                          sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
+            _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hk * G + g, hk, start_m, tok0, len_q,
+                          len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                           D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION, INTERPRET)
 

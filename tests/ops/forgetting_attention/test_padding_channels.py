@@ -19,7 +19,7 @@ from foxlm.ops import forgetting_attention, forgetting_attention_reference
 from foxlm.ops.forgetting_attention import triton_op as ta
 
 _spec = importlib.util.spec_from_file_location("padding_channels",
-                                               Path(__file__).parents[1] / "benchmarks" / "padding_channels.py")
+                                               Path(__file__).parents[3] / "benchmarks" / "padding_channels.py")
 pc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(pc)
 

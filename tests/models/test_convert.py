@@ -234,8 +234,10 @@ def test_transcription_matches_the_authors_code(monkeypatch):
     monkeypatch.setattr(llama, "flash_attn_func", lambda q, k, v, causal, window_size: attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q.new_zeros(q.shape[0], q.shape[2], q.shape[1]),
         sm_scale=q.shape[-1] ** -0.5).transpose(1, 2))
-    from forgetting_transformer.model.forgetting_transformer import (ForgettingTransformerConfig,
-                                                                     ForgettingTransformerForCausalLM)
+    from forgetting_transformer.model.forgetting_transformer import (
+        ForgettingTransformerConfig,
+        ForgettingTransformerForCausalLM,
+    )
     from forgetting_transformer.model.transformer.configuration_transformer import TransformerConfig
 
     classes = {AUTHORS_FOX: (ForgettingTransformerConfig, ForgettingTransformerForCausalLM),
@@ -498,10 +500,10 @@ def _fla_on_cpu(monkeypatch):
     SwiGLU by silu(g) * y, its attention by fla's naive_forgetting_attn (prefill) and ``_decode_step`` (one query
     per sequence against its cache). ``test_fla_cpu_replacements_match_fla_references`` checks these."""
     fla_attn = pytest.importorskip("fla.layers.forgetting_attn")
+    import fla.modules.mlp as fla_mlp
     from fla.modules import GroupNorm
     from fla.modules.norm.layernorm import group_norm_ref
     from fla.ops.forgetting_attn.naive import naive_forgetting_attn
-    import fla.modules.mlp as fla_mlp
 
     def prefill(q, k, v, g, scale=None, window_size=None, cu_seqlens=None):
         if cu_seqlens is not None:  # a padded batch, unpadded to one row: attend within each sequence

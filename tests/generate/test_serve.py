@@ -15,7 +15,6 @@ import urllib.request
 
 import pytest
 import torch
-
 from foxlm_cli import foxlm, one_line_error
 
 openai = pytest.importorskip("openai", reason="the [serve] extra is not installed: pip install 'foxlm[serve]'")

@@ -561,7 +561,7 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
     kernels here are interpreted): each reports registers, spills and whether ptxas serialized its wgmma, its dots
     lower to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions) spill
     nothing."""
-    root = Path(__file__).parents[1]
+    root = Path(__file__).parents[3]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root)
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_resources.py"), "--head-dim", "64"],

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from foxlm_cli import foxlm, one_line_error
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from foxlm.cli import main
@@ -18,7 +19,6 @@ from foxlm.models import SIZES, FoxConfig, FoxForCausalLM, load_checkpoint_model
 from foxlm.models.hf import hf_config, use_chunked_loss
 from foxlm.presets import BASELINES
 from foxlm.train import load_config, train
-from foxlm_cli import foxlm, one_line_error
 
 COMMON = ["device=cpu", "tokenizer=byte", "seq_len=32", "batch_size=4", "warmup_steps=2", "lr=3e-3", "min_lr=3e-4",
           "eval_batches=1", "eval_every=3", "log_every=1", "progress=false", "tensorboard=false", "sample_tokens=4",

@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch
-from test_decode import small_tiles  # noqa: F401 - a fixture
+from foxlm_cli import foxlm, one_line_error
 
 from foxlm.generate import CachedDecoder, GenerateOutput, PagedFoxCache, generate, sample_next
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
-from foxlm_cli import foxlm, one_line_error
 
 V = 512
 

@@ -19,16 +19,23 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from foxlm.data.cli import register
-from foxlm.data import TokenDataset, get_tokenizer, prepare, same_tokenizer
-from foxlm.data.assets import GPT2_BPE, GPT2_FILES, SHAKESPEARE, _TIKTOKEN_GPT2, _tiktoken_gpt2, _wheel_package
-from foxlm.checkpoint.files import sha256_file
-from foxlm.data.assets import gpt2_files
-from foxlm.data.assets import shakespeare_plays
-from foxlm.data.sources import split_pieces
 from foxlm_cli import foxlm, one_line_error
 from tokenizer_folders import llama_style_tokenizer
+
+from foxlm.checkpoint.files import sha256_file
+from foxlm.data import TokenDataset, get_tokenizer, prepare, same_tokenizer
+from foxlm.data.assets import (
+    _TIKTOKEN_GPT2,
+    GPT2_BPE,
+    GPT2_FILES,
+    SHAKESPEARE,
+    _tiktoken_gpt2,
+    _wheel_package,
+    gpt2_files,
+    shakespeare_plays,
+)
+from foxlm.data.cli import register
+from foxlm.data.sources import split_pieces
 
 
 @pytest.fixture(scope="module")
@@ -468,7 +475,7 @@ def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
     here = tmp_path / "here"
     here.mkdir()
     common = ["--tokenizer", "byte", "--no-progress"]
-    checkout = str(Path(__file__).resolve().parents[1])  # run from elsewhere, the child imports this checkout's foxlm
+    checkout = str(Path(__file__).resolve().parents[2])  # run from elsewhere, the child imports this checkout's foxlm
     done = foxlm("data", "prepare", text, "--out", ".", "--workers", "0", *common, cwd=here,
                  env={"PYTHONPATH": checkout})
     assert done.returncode == 0, done.stderr

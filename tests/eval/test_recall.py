@@ -132,7 +132,7 @@ def test_bad_ranges_and_sizes_are_refused_by_name(tmp_path):
 
 
 def test_recipe_writes_a_dataset_and_refuses_bad_input_in_one_line(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("mqar_recipe", Path(__file__).parents[1] / "recipes/mqar.py")
+    spec = importlib.util.spec_from_file_location("mqar_recipe", Path(__file__).parents[2] / "recipes/mqar.py")
     recipe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(recipe)
     assert recipe.main(["--out", str(tmp_path / "d"), "--tokens", "2000", "--tokenizer", "byte", "--vocab", "0:48",

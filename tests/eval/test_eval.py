@@ -17,7 +17,9 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from foxlm_cli import foxlm, one_line_error
 
+from foxlm.checkpoint.checkpointer import write_checkpoint
 from foxlm.cli import main
 from foxlm.data import TokenDataset, get_tokenizer, prepare
 from foxlm.data.assets import shakespeare_plays
@@ -26,8 +28,6 @@ from foxlm.layers.attention import alibi_slopes
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TrainConfig
-from foxlm.checkpoint.checkpointer import write_checkpoint
-from foxlm_cli import foxlm, one_line_error
 
 TRAIN_LENGTH = 320  # bytes: the easy-mode needle prompt needs ~250
 

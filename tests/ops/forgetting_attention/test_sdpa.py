@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxlm.ops.forgetting_attention import sdpa as sdpa_path
 from foxlm.ops import forgetting_attention, forgetting_attention_reference, gate_cumsum
+from foxlm.ops.forgetting_attention import sdpa as sdpa_path
 from foxlm.ops.forgetting_attention.acp import acp_threshold
 from foxlm.ops.forgetting_attention.sdpa import attention_from_cumsum
 

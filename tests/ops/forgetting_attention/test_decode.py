@@ -12,16 +12,7 @@ import torch.nn.functional as F
 from foxlm.ops import forgetting_attention_reference, gate_cumsum
 from foxlm.ops.forgetting_attention.decode import decode_attention_torch, evictable_pages, forgetting_attention_decode
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def small_tiles(monkeypatch):
-    """Small key tiles, so that the kernel walks several tiles per program at these sizes."""
-    from foxlm.ops.forgetting_attention import decode
-
-    monkeypatch.setattr(decode, "_TILE", (32, 4, 1))
 
 
 def _to(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from foxlm.cli import main
 from foxlm.checkpoint.manifest import verify_checkpoint
+from foxlm.cli import main
 from foxlm.train.logging import read_log
 
 
@@ -27,10 +27,11 @@ def test_export_and_convert_write_a_model_card(byte_data, tmp_path):
 
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(tmp_path / "export").parameters())
     val_step, val_loss = [(r["step"], r["val_loss"]) for r in read_log(run / "log.jsonl") if "val_loss" in r][-1]
-    for field in ("# export\n", "Forgetting Transformer (FoX), data forget gate; QK-norm, output gate, output norm, key shift, "
-                  "value shift", "1 layers, hidden size 32, 2 heads (2 key/value heads), MLP 64, vocabulary",
-                  f"- {params:,} parameters", "`byte`", f"- data: `{byte_data}`", "- steps: 2 of 2 (batch 2 x 16 tokens, "
-                  "64 tokens seen)", f"Validation loss at step {val_step}: {val_loss:.4f}", "`foxlm eval loss` (eval/)",
+    for field in ("# export\n", "Forgetting Transformer (FoX), data forget gate; QK-norm, output gate, output norm, "
+                  "key shift, value shift", "1 layers, hidden size 32, 2 heads (2 key/value heads), MLP 64, vocabulary",
+                  f"- {params:,} parameters", "`byte`", f"- data: `{byte_data}`",
+                  "- steps: 2 of 2 (batch 2 x 16 tokens, 64 tokens seen)",
+                  f"Validation loss at step {val_step}: {val_loss:.4f}", "`foxlm eval loss` (eval/)",
                   (run / "eval" / "summary.md").read_text().strip()):
         assert field in card, field
 

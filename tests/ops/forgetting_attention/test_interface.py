@@ -189,7 +189,8 @@ def test_gate_cumsum_precise_over_a_million_tokens():
     c32 = torch.cumsum(log_f, dim=1)[0, :, 0]
     i = torch.arange(T - 4096, T)
     j = i - torch.randint(1, 64, (4096,), generator=g)
-    exact = torch.tensor([math.fsum(log_f[0, jj + 1:ii + 1, 0].double().tolist()) for ii, jj in zip(i.tolist(), j.tolist())], dtype=torch.float64)
+    exact = torch.tensor([math.fsum(log_f[0, jj + 1:ii + 1, 0].double().tolist())
+                          for ii, jj in zip(i.tolist(), j.tolist())], dtype=torch.float64)
     err64 = ((c[i] - c[j]) - exact).abs().max().item()
     err32 = ((c32[i] - c32[j]).double() - exact).abs().max().item()
     print(f"max |error of c_i - c_j| at 1M tokens: fp64 cumsum {err64:.2e}, fp32 cumsum {err32:.2e}")
@@ -434,10 +435,12 @@ def test_lse_gradient_flows():
     "change,match",
     [
         (lambda a: a.update(q=a["q"][0]), "q"),
-        (lambda a: a.update(k=torch.randn(1, 16, 3, 8, dtype=torch.float64), v=torch.randn(1, 16, 3, 8, dtype=torch.float64)), "multiple"),
+        (lambda a: a.update(k=torch.randn(1, 16, 3, 8, dtype=torch.float64),
+                            v=torch.randn(1, 16, 3, 8, dtype=torch.float64)), "multiple"),
         (lambda a: a.update(log_fgate=a["log_fgate"].int()), "log_fgate"),
         (lambda a: a.update(log_fgate=-a["log_fgate"] + 0.1), "log_fgate"),
-        (lambda a: a.update(log_fgate=a["log_fgate"].masked_fill(torch.rand(1, 16, 4) < 0.1, float("nan"))), "log_fgate"),
+        (lambda a: a.update(log_fgate=a["log_fgate"].masked_fill(torch.rand(1, 16, 4) < 0.1, float("nan"))),
+         "log_fgate"),
         (lambda a: a.update(log_fgate=a["log_fgate"][:, :8]), "log_fgate"),
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32)), "cu_seqlens"),
         (lambda a: a.update(cu_seqlens=torch.tensor([0, 4, 16], dtype=torch.int16)), "cu_seqlens"),
@@ -517,7 +520,8 @@ def test_unchecked_gates_pass_nan_through_and_cu_seqlens_are_still_checked():
     o = forgetting_attention(q, k, v, log_f, check_gates=False)
     assert o[:, 5:, 1].isnan().all() and not o[:, :, 0].isnan().any()
     with pytest.raises(ValueError, match="cu_seqlens"):
-        forgetting_attention(q, k, v, log_f, check_gates=False, cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32))
+        forgetting_attention(q, k, v, log_f, check_gates=False,
+                             cu_seqlens=torch.tensor([0, 9, 4, 16], dtype=torch.int32))
 
 
 def _cumsum_case(B, Tq, Tk, Hq, q_offset, seed, cu_seqlens=None):
