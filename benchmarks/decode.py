@@ -75,7 +75,7 @@ def fill(cache: PagedFoxCache, model, ctx: int, gen: torch.Generator) -> None:
             log_f = F.logsigmoid(bias + 0.5 * torch.randn(B, ctx, Hq, device=DEV, generator=gen))
         cache.store(layer, k, v, log_f)
         for name in ("k", "v"):
-            cache.set_shift_state(layer, name, torch.randn(B, Hk, D, device=DEV, dtype=DTYPE, generator=gen))
+            cache.set_shift_state(layer, name, torch.randn(B, 1, Hk, D, device=DEV, dtype=DTYPE, generator=gen))
 
 
 def time_ours(model, B: int, ctx: int, steps: int, evict: bool) -> dict:

@@ -16,11 +16,12 @@ from .gate import gate_cumsum
 from .sdpa import attention_from_cumsum, sdpa_scale
 
 
-def _checking_values() -> bool:
-    """Value checks (gate sign, cu_seqlens order) need a host sync: skip them while compiling or capturing."""
+def _checking_values(x: torch.Tensor) -> bool:
+    """Value checks (gate sign, cu_seqlens order) need a host sync: skip them while compiling or capturing. Only a
+    CUDA tensor asks CUDA about capture: a CPU process forked from one that used CUDA cannot initialize it."""
     if torch.compiler.is_compiling():
         return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+    return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _bad_gates(log_fgate: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, ch
             raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
         if Tk >= 2**31:
             raise ValueError(f"cu_seqlens: offsets up to 2^31 - 1 are supported, got {Tk} tokens")
-    if not _checking_values() or (cu_seqlens is None and not check_gates):
+    if not _checking_values(q) or (cu_seqlens is None and not check_gates):
         return
     # Every value check in one device tensor, read back with a single host sync.
     no = torch.zeros((), dtype=torch.bool, device=q.device)

@@ -208,6 +208,15 @@ def _set_bias(kp: torch.Tensor, ck: torch.Tensor, c_ref: torch.Tensor, ks: int, 
     kp[:, ks:ke, :, -1] = c_ref[:, None] - ck[:, ks:ke]
 
 
+def _lerp(o1: torch.Tensor, o2: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """o1 + weight (o2 - o1) in o1's dtype. CUDA's lerp takes only a weight of o1's dtype; a wider weight (fp32 from
+    the lse of a bf16 call, or of SDPA under autocast) is applied in its own dtype, then rounded once."""
+    if weight.dtype == o1.dtype:
+        return torch.lerp(o1, o2, weight, out=out)
+    merged = torch.lerp(o1.to(weight.dtype), o2.to(weight.dtype), weight)
+    return merged.to(o1.dtype) if out is None else out.copy_(merged)
+
+
 def _attend(kernel, qc, kc, vc, calls, row_start, a, b, q_offset, bias, bias_start, scale, dv, out=None):
     """One query chunk against its calls' keys: (o [B, rows, G, dv], lse [B, G, rows]) of the kernel, merged over
     the calls through their lse (-inf where a row sees no key), and written into ``out`` (views of the results) where
@@ -229,8 +238,8 @@ def _attend(kernel, qc, kc, vc, calls, row_start, a, b, q_offset, bias, bias_sta
     (o1, l1), (o2, l2) = outs
     weight = torch.sigmoid(l2 - l1).transpose(1, 2)[..., None]
     if out is None:
-        return torch.lerp(o1, o2, weight), torch.logaddexp(l1, l2)
-    torch.lerp(o1, o2, weight, out=out[0])
+        return _lerp(o1, o2, weight), torch.logaddexp(l1, l2)
+    _lerp(o1, o2, weight, out=out[0])
     torch.logaddexp(l1, l2, out=out[1])
     return out
 
@@ -388,7 +397,7 @@ def _two_chunks(kernel, qg, kg, vg, cqt, ckt, chunks, scale, dv):
     lse = l1.double() + (cqt - ref1[:, :, None])  # the first call's share of each row's lse, [B, H, T]
     tail = lse[:, :, e:]
     second = l2.double() + (cqt[:, :, e:] - ref2[:, :, None])
-    o[:, e:].lerp_(o2.transpose(1, 2), torch.sigmoid(second - tail).to(cdt).transpose(1, 2)[..., None])
+    o[:, e:] = _lerp(o[:, e:], o2.transpose(1, 2), torch.sigmoid(second - tail).to(cdt).transpose(1, 2)[..., None])
     lse[:, :, e:] = torch.logaddexp(tail, second)
     return o[..., :dv], lse.to(cdt)
 
