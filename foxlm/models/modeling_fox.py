@@ -242,6 +242,13 @@ class FoxModel(FoxPreTrainedModel):
         if use_cache is None and cache is None:
             use_cache = self._default_use_cache(cu_seqlens, output_attentions)
         cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
+        order = None
+        if cache is None and cu_seqlens is None and attention_mask is not None and self.context_parallel is None:
+            order = _compaction(attention_mask, B, T)
+        if order is not None:  # each row's real tokens to its front: right padding, which a forward keeps inert
+            x = x.gather(1, order[..., None].expand_as(x))
+            attention_mask = attention_mask.gather(1, order)
+            position_ids = None if position_ids is None else position_ids.gather(1, order)
         segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache,
                                                     self.config.window)
         cp = self.context_parallel
@@ -269,10 +276,17 @@ class FoxModel(FoxPreTrainedModel):
                 log_fgates.append(log_fgate if log_fgate is not None else x.new_zeros(B, T, block.attn.num_heads,
                                                                                         dtype=torch.float32))
         x = self.norm(x)
+        if valid is None and cache is None and attention_mask is not None and segments is not None:
+            valid = attention_mask.bool()  # right padding of a cache-less forward: its output, the last real token's
         if valid is not None:
             x = _carry_over_padding(x, valid)
         if output_hidden_states:
             hidden_states.append(x)
+        if order is not None:  # back to the caller's positions
+            inverse = order.argsort(1)
+            x, hidden_states, log_fgates = (_unpermute(t, inverse) for t in (x, hidden_states, log_fgates))
+            attentions = [p if p is None else _unpermute(p.transpose(1, 2), inverse).transpose(1, 2)
+                          .gather(3, inverse[:, None, None, :].expand_as(p)) for p in attentions]
         return FoxModelOutput(
             last_hidden_state=x,
             hidden_states=tuple(hidden_states) if output_hidden_states else None,
@@ -436,6 +450,27 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
         raise ValueError(f"cache_implementation: FoX models decode with their own FoxCache, not a "
                          f"{type(cache).__name__}; leave cache_implementation unset (or 'dynamic')")
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
+
+
+def _compaction(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
+    """[B, T] per-row order that moves each row's real tokens to its front (in their order), or None where every row's
+    real tokens are one run. Padding between real tokens (generate without a cache on a right-padded batch appends
+    after the pads) becomes right padding, which a causal forward keeps inert; FoX has no positions to disturb, and
+    RoPE positions count real tokens only."""
+    mask = _check_mask(attention_mask, B, T).bool()
+    at = torch.arange(T, device=mask.device)
+    first = torch.where(mask, at, T).amin(1)
+    last = torch.where(mask, at, -1).amax(1)
+    if not bool((last - first + 1 > mask.sum(1)).any()):
+        return None
+    return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+
+
+def _unpermute(x, inverse: torch.Tensor):
+    """x [B, T, ...] (or a list of them) in the caller's token order, ``inverse`` undoing ``_compaction``'s."""
+    if isinstance(x, list):
+        return [_unpermute(t, inverse) for t in x]
+    return x.gather(1, inverse.view(*inverse.shape, *[1] * (x.dim() - 2)).expand_as(x))
 
 
 def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

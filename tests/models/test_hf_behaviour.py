@@ -142,16 +142,18 @@ def test_config_output_flags_and_return_dict(tmp_path):
     assert plain.train()(ids).past_key_values is None  # no decoding follows a training forward
 
 
-def _greedy(model, ids, mask=None, new=5):
+def _greedy(model, ids, mask=None, new=5, use_cache=True):
     out = model.generate(ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0,
-                         output_scores=True, return_dict_in_generate=True)
+                         output_scores=True, return_dict_in_generate=True, use_cache=use_cache)
     return out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1)  # [B, new], [B, new, V]
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
 @pytest.mark.parametrize("arch", ["fox-pro", "fox-llama", "transformer-pro"])
-def test_generate_on_right_padded_batch_equals_rows_alone(arch):
+def test_generate_on_right_padded_batch_equals_rows_alone(arch, use_cache):
     """generate on a right-padded batch: each row's tokens and scores are those of the row alone, unpadded (a pad
-    adds no key and no decay, the token shift skips it, its output is the last real token's). FoX raised."""
+    adds no key and no decay, the token shift skips it, its output is the last real token's). FoX raised. Without a
+    cache, generate appends after the pads: the forward moves each row's real tokens together."""
     model = _fox(arch).double().eval()
     lengths = [9, 5, 7]
     g = torch.Generator().manual_seed(4)
@@ -160,11 +162,32 @@ def test_generate_on_right_padded_batch_equals_rows_alone(arch):
     mask = torch.zeros(3, 9, dtype=torch.long)
     for i, row in enumerate(rows):
         ids[i, :len(row)], mask[i, :len(row)] = row, 1
-    tokens, scores = _greedy(model, ids, mask)
+    tokens, scores = _greedy(model, ids, mask, use_cache=use_cache)
     for i, row in enumerate(rows):
         want_tokens, want_scores = _greedy(model, row[None])
         assert torch.equal(tokens[i], want_tokens[0]), i
         torch.testing.assert_close(scores[i], want_scores[0], rtol=1e-9, atol=1e-9)
+
+
+def test_forward_without_cache_keeps_padding_between_real_tokens_inert():
+    """A cache-less forward whose rows have padding between real tokens: at every real position the outputs (logits,
+    hidden states, gates, attention among real tokens) are those of the row's real tokens alone."""
+    model = _fox("fox-pro").double().eval()
+    ids = torch.randint(1, VOCAB, (2, 8))
+    mask = torch.tensor([[1, 1, 1, 0, 0, 1, 1, 0], [0, 1, 1, 1, 1, 1, 1, 1]])
+    out = model(ids, attention_mask=mask, use_cache=False, output_hidden_states=True, output_attentions=True,
+                output_log_fgates=True)
+    for i in range(2):
+        real = mask[i].bool()
+        alone = model(ids[i:i + 1, real], use_cache=False, output_hidden_states=True, output_attentions=True,
+                      output_log_fgates=True)
+        torch.testing.assert_close(out.logits[i, real], alone.logits[0], rtol=1e-10, atol=1e-10)
+        for got, want in zip(out.hidden_states, alone.hidden_states):
+            torch.testing.assert_close(got[i, real], want[0], rtol=1e-10, atol=1e-10)
+        for got, want in zip(out.log_fgates, alone.log_fgates):
+            torch.testing.assert_close(got[i, real], want[0], rtol=1e-10, atol=1e-10)
+        for got, want in zip(out.attentions, alone.attentions):
+            torch.testing.assert_close(got[i][:, real][:, :, real], want[0], rtol=1e-10, atol=1e-10)
 
 
 def test_cached_padding_a_model_cannot_skip_is_refused():

@@ -142,11 +142,6 @@ FOX_SKIPS: dict[str, str] = {
     "test_retain_grad_hidden_states_attentions": "FoX's attention probabilities are a side output of its fused op, "
                                                  "not on the path to the hidden states, so they get no gradient",
 }
-_GAP = ("generate(use_cache=False) on right-padded rows puts new tokens after the pads; FoX's cache-less forward "
-        "takes one run of real tokens per row (only the cache path makes such pads inert)")
-FOX_SKIPS.update(dict.fromkeys(("test_greedy_generate_dict_outputs", "test_sample_generate_dict_output",
-                                "test_beam_search_generate_dict_output", "test_beam_sample_generate_dict_output"),
-                               _GAP))
 
 
 def _skip_fox(cls: type) -> type:
