@@ -560,7 +560,8 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
     """benchmarks/kernel_resources.py compiles every shipped d64 tile for sm_90a without a GPU (a subprocess: the
     kernels here are interpreted): each reports registers, spills and whether ptxas serialized its wgmma, its dots
     lower to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions) spill
-    nothing."""
+    nothing, but for the deterministic backward's dQ loops with their 128-row tile: that tile spills there (13 loads
+    in the masked loop) and was still the faster on an H100 and an H200 (docs/benchmarks.md, kernel resources)."""
     root = Path(__file__).parents[3]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root)
@@ -573,11 +574,14 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
     for row in rows:
         assert "registers" in row and "spill_stores" in row and "wgmma.mma_async" in row, row
         assert "mma.sync" not in row and "wgmma_serialized" in row, row
+    names = [line.split(" warps")[0] for line in rows]
     kernels = out.stdout.split("warps")[1:]
-    for kernel in kernels:
+    for name, kernel in zip(names, kernels):
         loops = re.findall(r"loop \d+: instructions (\d+), HGMMA (\d+), MUFU (\d+), LDL (\d+), STL (\d+)", kernel)
         assert loops and all(int(hgmma) > 0 for _, hgmma, *_ in loops), kernel
-        assert all(ldl == stl == "0" for *_, ldl, stl in loops), kernel
+        # the dK/dV loops (the first three) and every loop of the other kernels; the dQ loops of a 128-row dQ tile
+        checked = loops[:3] if "deterministic" in name and "+ 128x" in name else loops
+        assert all(ldl == stl == "0" for *_, ldl, stl in checked), name + kernel
 
 
 @pytest.mark.parametrize("used", ["o", "lse"])
