@@ -42,8 +42,8 @@ def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tm
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
     """compile=true (torch.compile of every block, inductor on the CPU) trains to the eager losses; the blocks break
-    their graph only where the chunked attention runs outside it, without a warning, and the sample at the end
-    decodes eagerly (one compile per cache length, else)."""
+    their graph only at the ACP probe (``torch.compiler.disable``d: it keeps host-side statistics), without a
+    warning, and the sample at the end decodes eagerly (one compile per cache length, else)."""
     from torch._dynamo.utils import counters
 
     extra = ["max_steps=2", "eval_every=0", "save_every=0"]
