@@ -44,13 +44,18 @@ def use_backend(name: str) -> Iterator[None]:
 
 
 def use_triton(x: torch.Tensor) -> bool:
-    """Whether an op on tensor ``x`` runs its Triton kernel (float64 always takes the PyTorch path)."""
+    """Whether an op on tensor ``x`` runs its Triton kernel (float64 always takes the PyTorch path, and so does
+    everything where Triton is not installed)."""
     if x.dtype == torch.float64 or _backend == "torch":
         return False
     if _backend == "triton":
+        if triton is None:
+            raise ValueError("backend 'triton' needs Triton, which is not installed: pip install 'foxlm[triton]'")
         if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
             raise ValueError("backend 'triton' needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors")
         return True
+    if triton is None:
+        return False
     return x.is_cuda or (x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
 
 
