@@ -56,7 +56,13 @@ class Segments:
         """attention_mask: [B, T], 1 for real tokens, 0 for padding; the ones of a row must be contiguous
         (left or right padding). Padding becomes segments of its own."""
         real = attention_mask.bool()
-        before = torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
-        if bool(((real & ~before).sum(1) > 1).any()):
+        if bool((cls.real_runs(real) > 1).any()):
             raise ValueError("attention_mask: the ones of every row must be contiguous (left or right padding)")
         return cls.from_starts(real != torch.cat([real[:, :1], real[:, :-1]], dim=1))
+
+    @staticmethod
+    def real_runs(attention_mask: torch.Tensor) -> torch.Tensor:
+        """attention_mask: [B, T] -> [B] int, the number of runs of real (nonzero) tokens in each row."""
+        real = attention_mask.bool()
+        before = torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
+        return (real & ~before).sum(1)

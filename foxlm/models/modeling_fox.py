@@ -458,10 +458,7 @@ def _compaction(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor | 
     after the pads) becomes right padding, which a causal forward keeps inert; FoX has no positions to disturb, and
     RoPE positions count real tokens only."""
     mask = _check_mask(attention_mask, B, T).bool()
-    at = torch.arange(T, device=mask.device)
-    first = torch.where(mask, at, T).amin(1)
-    last = torch.where(mask, at, -1).amax(1)
-    if not bool((last - first + 1 > mask.sum(1)).any()):
+    if not bool((Segments.real_runs(mask) > 1).any()):
         return None
     return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
 
