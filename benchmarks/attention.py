@@ -3,7 +3,7 @@
 q, k, v: [B, T, H, D] bf16 randn with B*T = 65,536 and H*D = 2048; the "standard" gate profile (per-head decay
 times log-spaced from 16 to 16,384 tokens); FLOPs = 4*B*H*T^2*D/2 forward, 3.5x that forward+backward; median
 of 10 timed runs after 3 warm-ups, CUDA events. Compared in the same run: foxlm, foxlm with ACP (effective
-TF/s: the unpruned FLOPs over the pruned time), both also with ``deterministic=True`` ("-det"), PyTorch SDPA
+TF/s: the unpruned FLOPs over the pruned time), PyTorch SDPA
 flash and cuDNN (no gate), fla's parallel_forgetting_attn when importable. Before timing, the kernels are checked
 against the fp64 reference.
 
@@ -66,9 +66,6 @@ def time_ms(fn, warmup: int = 3, reps: int = 10) -> float:
 QUICK_CASES = {  # the benchmark's own kernel specializations (no extra compiles)
     "d64 bf16 acp": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, prune=True),
     "d64 bf16": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16),
-    "d64 bf16 deterministic": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, deterministic=True),
-    "d64 bf16 acp deterministic": dict(B=2, Tq=1024, Tk=1024, Hq=4, Hk=4, D=64, dtype=torch.bfloat16, prune=True,
-                                       deterministic=True),
     "d128 bf16": dict(B=2, Tq=1024, Tk=1024, Hq=2, Hk=2, D=128, dtype=torch.bfloat16),
 }
 
@@ -93,8 +90,7 @@ def check(device, quick: bool = False) -> dict:
         k = torch.randn(B, Tk, Hk, D, device=device, dtype=dt, requires_grad=True)
         v = torch.randn(B, Tk, Hk, D, device=device, dtype=dt, requires_grad=True)
         g = standard_log_fgate(B, Tk, Hq, device).requires_grad_()
-        o, lse = forgetting_attention(q, k, v, g, cu_seqlens=cu, prune=c.get("prune", False),
-                                      deterministic=c.get("deterministic", False), return_lse=True)
+        o, lse = forgetting_attention(q, k, v, g, cu_seqlens=cu, prune=c.get("prune", False), return_lse=True)
         do, dl = torch.randn_like(o), torch.randn_like(lse)
         grads = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g), retain_graph=True)
         again = torch.autograd.grad((o.float() * do).sum() + (lse * dl).sum(), (q, k, v, g))
@@ -123,8 +119,6 @@ def bench(D: int, T: int, device, fla) -> dict:
     impls = {
         "foxlm": (lambda: forgetting_attention(q, k, v, g), (q, k, v, g), do),
         "foxlm+acp": (lambda: forgetting_attention(q, k, v, g, prune=True), (q, k, v, g), do),
-        "foxlm-det": (lambda: forgetting_attention(q, k, v, g, deterministic=True), (q, k, v, g), do),
-        "foxlm+acp-det": (lambda: forgetting_attention(q, k, v, g, prune=True, deterministic=True), (q, k, v, g), do),
     }
     for name, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
         def sdpa(backend=backend):

@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 VARIANTS = {  # name: forgetting_attention keyword arguments
     "foxlm": dict(),
-    "foxlm-det": dict(deterministic=True),
     "foxlm-acp": dict(prune=True),
     "foxlm-window": dict(window=512),
 }

@@ -115,9 +115,8 @@ def main() -> None:
              for m, n, w, s in ta._FWD_TILES[bucket]]
     for m1, n1, m2, n2, w, s in ta._BWD_TILES[bucket]:
         tiles = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
-        cases.append((f"backward, atomic dQ, {m1}x{n1}", tk._attn_bwd_kernel, dict(tiles, ATOMIC_DQ=True), w, s))
-        cases.append((f"backward, deterministic, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel,
-                      dict(tiles, ATOMIC_DQ=False), w, s))
+        cases.append((f"backward, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel, tiles, w, s))
+        cases.append((f"backward, ACP, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel, dict(tiles, PRUNE=True), w, s))
     print(f"sm_{args.arch}a, head dim {d}, bf16")
     for name, fn, tiles, warps, stages in cases:
         kernel = compile_kernel(fn, {**common, **tiles}, warps, stages, args.arch)

@@ -107,23 +107,20 @@ def gate_gradient_from_padding(
     return o, dq[..., :D], dk[..., :D], dv, dlog_fgate
 
 
-def kernel_attention(deterministic: bool, fp32_dk: bool = False) -> Attention:
-    """foxlm's Triton kernels as an ``Attention`` (CPU tensors: Triton's interpreter). ``fp32_dk``: k goes in as fp32
-    (its values are q's dtype's, so the logits are the same), which makes the kernel store dK unrounded, in fp32:
-    the extra channels as a kernel would keep them in a side buffer. Interpreter only (on a GPU the kernel's dots
-    take one dtype), and the atomic-dQ backward only: the deterministic one's dQ loop rounds dS to k's dtype, so
-    there the row sums would add unrounded dS and the column sums rounded dS."""
-    if fp32_dk and deterministic:
-        raise ValueError("fp32_dk: only for the atomic-dQ backward (deterministic=False)")
+def kernel_attention(prune: bool = False, fp32_dk: bool = False) -> Attention:
+    """foxlm's Triton kernels as an ``Attention`` (CPU tensors: Triton's interpreter). ``prune``: the ACP kernels
+    (a threshold of -inf: every tile kept), whose gate-gradient sums run on the tensor cores. ``fp32_dk``: k goes in
+    as fp32 (its values are q's dtype's, so the logits are the same), which makes the kernel store dK unrounded, in
+    fp32: the extra channels as a kernel would keep them in a side buffer. Interpreter only (on a GPU the kernel's
+    dots take one dtype); both of the backward's loops round dS to q's dtype, as with a bf16 k."""
     from foxlm.ops.forgetting_attention.triton_op import triton_forgetting_attention
 
     def run(q, k, v, log_fgate, do, scale):
         q, v = q.detach().requires_grad_(), v.detach().requires_grad_()
         k = (k.float() if fp32_dk else k).detach().requires_grad_()
-        # the kernels take the atomic-dQ backward with ACP only: a threshold of -inf there keeps every tile
-        threshold = None if deterministic else torch.full((q.shape[0], q.shape[2]), -math.inf)
+        threshold = torch.full((q.shape[0], q.shape[2]), -math.inf) if prune else None
         o, _ = triton_forgetting_attention(q, k, v, log_fgate.detach(), scale=scale, cu_seqlens=None,
-                                           max_seqlen=None, threshold=threshold, deterministic=deterministic)
+                                           max_seqlen=None, threshold=threshold)
         return (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
     return run
 
@@ -201,9 +198,8 @@ def main() -> None:
     D, (Hq, Hk) = args.head_dim, args.heads
     scale = 1.0 / math.sqrt(D)
     paths = {  # name: (backend, the unpadded op's arguments or None, padded Attentions with fp32 / bf16 channels)
-        "kernel, atomic dQ": ("triton", dict(deterministic=False), kernel_attention(False, fp32_dk=True),
-                              kernel_attention(False)),
-        "kernel, deterministic": ("triton", dict(deterministic=True), None, kernel_attention(True)),
+        "kernel": ("triton", {}, kernel_attention(fp32_dk=True), kernel_attention()),
+        "kernel, ACP": ("triton", dict(prune=True), kernel_attention(True, fp32_dk=True), kernel_attention(True)),
         "torch path": ("torch", {}, None, autograd_attention(forgetting_attention)),
         "emulated": ("torch", None, emulated_attention(fp32_channels=Hq // Hk + 1), emulated_attention()),
     }
@@ -237,9 +233,9 @@ def main() -> None:
         if args.emulated_only:
             continue
         # powers of two commute with every rounding: the same bits
-        atomic = paths["kernel, atomic dQ"][3]
-        same = torch.equal(gate_gradient_from_padding(*x, atomic, alpha=2.0 ** -6, beta=2.0 ** 6)[-1], gate(atomic))
-        print(f"{T:>5} kernel, atomic dQ, bf16 dK: alpha = 2^-6, beta = 2^6 give alpha = beta = 1's bits: {same}")
+        kernel = paths["kernel"][3]
+        same = torch.equal(gate_gradient_from_padding(*x, kernel, alpha=2.0 ** -6, beta=2.0 ** 6)[-1], gate(kernel))
+        print(f"{T:>5} kernel, bf16 dK: alpha = 2^-6, beta = 2^6 give alpha = beta = 1's bits: {same}")
 
 
 if __name__ == "__main__":

@@ -149,10 +149,9 @@ def forgetting_attention(
         tolerance, logit_bound: the ``ACP`` of ``prune=True``: the largest attention mass ACP may drop from a row,
             and U, a bound on |scale * q_i . k_j| (a float, or a tensor broadcastable to [B or N, Hq], e.g. from
             QK-norm weights); by default |scale| * max||q|| * max||k|| per (sequence, head).
-        deterministic: the Triton backward without atomics (bitwise reproducible; it recomputes the
-            logits for dQ). False (FlashAttention's default) takes the faster backward: with ACP at head
-            dims <= 64 it adds each tile's dQ into an fp32 buffer with atomics. On when
-            ``torch.use_deterministic_algorithms(True)``; the PyTorch path is always deterministic.
+        deterministic: FlashAttention's flag, accepted for its signature: every backward here is deterministic
+            (bitwise reproducible, no atomics; with the gate gradient's row sums in the kernel, the atomic-dQ
+            backward was no longer the faster: docs/benchmarks.md).
         check_gates: raise a ValueError for log gates that are positive, infinite or NaN (and for a tensor
             ``logit_bound`` that is negative, infinite or NaN); on CUDA this reads a flag back (a host sync).
             Callers whose gates are a logsigmoid by construction (the FoX layers, through ``sequence_attention``)
@@ -194,7 +193,7 @@ def forgetting_attention(
 
         o, lse = triton_forgetting_attention(
             q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, window=window,
-            threshold=threshold, deterministic=deterministic or torch.are_deterministic_algorithms_enabled(),
+            threshold=threshold,
         )
     else:
         c = gate_cumsum(log_fgate)  # not restarted per sequence: differences within a sequence are what matter

@@ -9,8 +9,7 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
 * backward: one program per (block, key head) computes dK/dV for its key block, looping over the query
   heads of its GQA group in a fixed order (deterministic GQA reduction), and dQ for the query block of
   the same index (balanced work under the causal mask). No atomics: the gate gradient is collected as
-  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64 (with atomic dQ, the row
-  sums are added atomically beside it). The dK/dV loop reads the
+  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64. The dK/dV loop reads the
   query side's c_rel with -lse already in it (one vector load a tile fewer).
 * gate precision: c is an fp64 cumsum, and c_i - c_j keeps its precision even when |c| reaches 1e6 (a
   million tokens): every program takes c relative to an fp64 reference (c at its first query or key). The
@@ -88,10 +87,39 @@ def _dot(a, b, acc, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _e0(ROWS: tl.constexpr, dtype: tl.constexpr):
-    """[ROWS, 16] in dtype, ones in column 0 and zeros elsewhere: x @ e_0's column 0 is x's row sums (16: the
-    narrowest tensor-core tile), and summing that row adds only zeros to them."""
-    return (tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0) + tl.zeros([ROWS, 16], tl.float32)).to(dtype)
+def _sums(x, acc, DOT_SUMS: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc plus the row sums of x [R, C]: acc [R] fp32, or with ``DOT_SUMS`` acc [R, 16] fp32 plus x @ e_0 (ones in
+    column 0, zeros elsewhere; 16: the narrowest tensor-core tile), to be summed over its 16 columns once after the
+    loop (``_sums_done``). The dot sums x as it stands (rounded to q's dtype, as the dots of dK and dQ see it) and
+    costs the loop no ALU work: measured faster under ACP, slower without it (the 128-row dQ tile's extra
+    accumulator spills; docs/benchmarks.md). Both sides of the gate gradient must sum alike: the reverse cumsum
+    cancels their rounding only when the row and column sums add the same values."""
+    if DOT_SUMS:
+        e0 = (tl.where(tl.arange(0, 16)[None, :] == 0, 1.0, 0.0) + tl.zeros([x.shape[1], 16], tl.float32))
+        out = _dot(x, e0.to(x.dtype), acc, PRECISION, INTERPRET)
+    else:
+        out = acc + tl.sum(x, 1)
+    return out
+
+
+@triton.jit
+def _sums_init(ROWS: tl.constexpr, DOT_SUMS: tl.constexpr):
+    """The zero accumulator of ``_sums``."""
+    if DOT_SUMS:
+        out = tl.zeros([ROWS, 16], dtype=tl.float32)
+    else:
+        out = tl.zeros([ROWS], dtype=tl.float32)
+    return out
+
+
+@triton.jit
+def _sums_done(acc, DOT_SUMS: tl.constexpr):
+    """The row sums [R] from a ``_sums`` accumulator."""
+    if DOT_SUMS:
+        out = tl.sum(acc, 1)
+    else:
+        out = acc
+    return out
 
 
 @triton.jit
@@ -333,13 +361,13 @@ def _attn_bwd_preprocess(O, DO, DLSE, LSE, C, START, DELTA, CRQ, sob, sot, soh, 
 
 
 @triton.jit
-def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, cq_base, cqr_base, l_base,
-                   d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D: tl.constexpr, DV: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr,
-                   MASK: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                   INTERPRET: tl.constexpr):
-    """Query tile [start_m, start_m + BLOCK_M) into the key block's (dk, dv, dck) (a ``tile_loop`` body)."""
-    dk, dv, dck = state
+def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, cq_base, cqr_base, l_base, d_base, sqt,
+                   sot, c_ref, qk_scale, len_q, off, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr,
+                   WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Query tile [start_m, start_m + BLOCK_M) into the key block's (dk, dv, dcs) (a ``tile_loop`` body); dcs: the
+    column sums of dS so far, [BLOCK_N] or with ``DOT_SUMS`` [BLOCK_N, 16] (dS^T @ e_0, see _sums)."""
+    dk, dv, dcs = state
     start_m = tl.multiple_of(start_m, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -356,44 +384,30 @@ def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, dq_bas
         delta = tl.load(d_base + offs_m)
         cq = _c_tile(cq_base, cqr_base, c_ref, start_m, offs_m, mvalid, MASK, C_BLOCK, False)
     st = _dot(k, tl.trans(q), None, PRECISION, INTERPRET)
-    if ATOMIC_DQ:  # dP^T's dot issued beside the logits' runs during the exp2 (the deterministic backward lost so)
-        dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
     st = st * qk_scale + (cq[None, :] - ck[:, None])
     if MASK:
         st = tl.where(_visible((off + offs_m)[None, :], kn[:, None], window, WINDOWED) & mvalid[None, :]
                       & kvalid[:, None], st, float("-inf"))
     pt = tl.math.exp2(st)
     dv = _dot(cast(pt, do.dtype, INTERPRET), do, dv, PRECISION, INTERPRET)
-    if not ATOMIC_DQ:
-        dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
+    dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
     dst = pt * (dpt - delta[None, :])
-    if ATOMIC_DQ:
-        # This tile's shares of dQ and of rowsum(dS), added into fp32 accumulators (FlashAttention-2's dQ). Both sums
-        # of dS come out of the tensor cores, as the first column of dS @ e_0 and of dS^T @ e_0: a reduction across
-        # the key rows would take shared memory and registers that the loop does not have (it spilled). Both sides of
-        # the gate gradient sum dS as the dots see it, rounded to q's dtype, so that they stay exact complements.
+    if DOT_SUMS:
         dst = cast(dst, q.dtype, INTERPRET)
         dk = _dot(dst, q, dk, PRECISION, INTERPRET)
-        dck += tl.sum(_dot(dst, _e0(dst.shape[1], dst.dtype), None, PRECISION, INTERPRET), 1)
-        dsq = tl.trans(dst)
-        dq = _dot(dsq, k, None, PRECISION, INTERPRET) * scale
-        tl.atomic_add(dq_base + rows[:, None] * sqt + offs_d[None, :], dq,
-                      mask=mvalid[:, None] & (offs_d < D)[None, :], sem="relaxed")
-        dcq = tl.sum(_dot(dsq, _e0(dst.shape[0], dst.dtype), None, PRECISION, INTERPRET), 1)
-        tl.atomic_add(dcq_base + offs_m, dcq, mask=mvalid, sem="relaxed")
     else:
         dk = _dot(cast(dst, q.dtype, INTERPRET), q, dk, PRECISION, INTERPRET)
-        dck += tl.sum(dst, 1)
-    return dk, dv, dck
+    return dk, dv, _sums(dst, dcs, DOT_SUMS, PRECISION, INTERPRET)
 
 
 @triton.jit
 def _bwd_dq_tile(state, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref,
                  qk_scale, len_k, window, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr, MASK: tl.constexpr,
-                 WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
-    """Key tile [start_n, start_n + BLOCK_N) into the query block's (dq, dcq) (a ``tile_loop`` body)."""
-    dq, dcq = state
+                 WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr, INTERPRET: tl.constexpr):
+    """Key tile [start_n, start_n + BLOCK_N) into the query block's (dq, drs) (a ``tile_loop`` body); drs: the row
+    sums of dS so far, [BLOCK_M] or with ``DOT_SUMS`` [BLOCK_M, 16] (see _sums)."""
+    dq, drs = state
     start_n = tl.multiple_of(start_n, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -410,20 +424,23 @@ def _bwd_dq_tile(state, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base
     p = tl.math.exp2(s)
     dp = _dot(do, tl.trans(v), None, PRECISION, INTERPRET)
     ds = p * (dp - delta[:, None])
-    dq = _dot(cast(ds, k.dtype, INTERPRET), k, dq, PRECISION, INTERPRET)
-    return dq, dcq + tl.sum(ds, 1)
+    if DOT_SUMS:  # rounded as _bwd_dkdv_tile rounds it, to q's dtype
+        ds = cast(ds, q.dtype, INTERPRET)
+        dq = _dot(ds, k, dq, PRECISION, INTERPRET)
+    else:
+        dq = _dot(cast(ds, q.dtype, INTERPRET), k, dq, PRECISION, INTERPRET)
+    return dq, _sums(ds, drs, DOT_SUMS, PRECISION, INTERPRET)
 
 
 @triton.jit
-def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k,
+def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k,
                     off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
-                    PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                    PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr,
                     INTERPRET: tl.constexpr):
     """dK, dV of key block [start_n, start_n + BLOCK_N1), summed over the G query heads of key head hk in a fixed
-    order (a deterministic GQA reduction), and -colsum(dS) per query head into DCK; with ``ATOMIC_DQ`` also
-    every tile's shares of dQ and of rowsum(dS), atomically added into DQ and DCQ (fp32)."""
+    order (a deterministic GQA reduction), and -colsum(dS) per query head into DCK."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     kn = start_n + tl.arange(0, BLOCK_N1)
@@ -454,8 +471,6 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ,
         d_base = DELTA + hq * slh + tok0
         q_base = Q + hq * sqh + tok0.to(tl.int64) * sqt
         do_base = DO + hq * soh + tok0.to(tl.int64) * sot
-        dq_base = DQ + hq * sqh + tok0.to(tl.int64) * sqt
-        dcq_base = DCQ + hq * slh + tok0
         c_ref = tl.load(c_base + start_n)
         ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
         hi = last_q
@@ -463,20 +478,20 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ,
             thr = tl.load(THR + b * Hq + hq).to(tl.float64)
             r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
             hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
-        dck = tl.zeros([BLOCK_N1], dtype=tl.float32)
-        state = tile_loop(_bwd_dkdv_tile, (dk, dv, dck), lo, tl.minimum(unmasked_lo, hi), BLOCK_M1, INTERPRET,
-                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base,
-                           d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
-                           BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
+        state = tile_loop(_bwd_dkdv_tile, (dk, dv, _sums_init(BLOCK_N1, DOT_SUMS)), lo, tl.minimum(unmasked_lo, hi),
+                          BLOCK_M1, INTERPRET,
+                          (k, v, ck, kn, kvalid, q_base, do_base, c_base + off, cqr_base, l_base, d_base, sqt,
+                           sot, c_ref, qk_scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
+                           BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, DOT_SUMS, INTERPRET))
         state = tile_loop(_bwd_dkdv_tile, state, unmasked_lo, tl.minimum(unmasked_hi, hi), BLOCK_M1, INTERPRET,
-                          (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base, l_base,
-                           d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
-                           BLOCK_M1, C_BLOCK, False, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
-        dk, dv, dck = tile_loop(_bwd_dkdv_tile, state, unmasked_hi, hi, BLOCK_M1, INTERPRET,
-                                (k, v, ck, kn, kvalid, q_base, do_base, dq_base, dcq_base, c_base + off, cqr_base,
-                                 l_base, d_base, sqt, sot, c_ref, qk_scale, scale, len_q, off, window, D, DV, BLOCK_D,
-                                 BLOCK_DV, BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, ATOMIC_DQ, INTERPRET))
-        tl.store(DCK + hq * sch + tok0 + kn, -dck, mask=kvalid)
+                          (k, v, ck, kn, kvalid, q_base, do_base, c_base + off, cqr_base, l_base, d_base, sqt,
+                           sot, c_ref, qk_scale, len_q, off, window, D, DV, BLOCK_D, BLOCK_DV,
+                           BLOCK_M1, C_BLOCK, False, WINDOWED, PRECISION, DOT_SUMS, INTERPRET))
+        dk, dv, dcs = tile_loop(_bwd_dkdv_tile, state, unmasked_hi, hi, BLOCK_M1, INTERPRET,
+                                (k, v, ck, kn, kvalid, q_base, do_base, c_base + off, cqr_base, l_base, d_base,
+                                 sqt, sot, c_ref, qk_scale, len_q, off, window, D, DV, BLOCK_D,
+                                 BLOCK_DV, BLOCK_M1, C_BLOCK, True, WINDOWED, PRECISION, DOT_SUMS, INTERPRET))
+        tl.store(DCK + hq * sch + tok0 + kn, -_sums_done(dcs, DOT_SUMS), mask=kvalid)
     tl.store(DK + hk * skh + krows[:, None] * skt + offs_d[None, :], cast(dk * scale, DK.dtype.element_ty, INTERPRET),
              mask=kvalid[:, None] & (offs_d < D)[None, :])
     tl.store(DV_ + hk * svh + krows[:, None] * svt + offs_dv[None, :], cast(dv, DV_.dtype.element_ty, INTERPRET),
@@ -488,7 +503,8 @@ def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hq, hk, star
                   sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, C_BLOCK: tl.constexpr,
-                  PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET: tl.constexpr):
+                  PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """dQ of query block [start_m, start_m + BLOCK_M2) of query head hq, and rowsum(dS) of its rows into DCQ."""
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -511,21 +527,23 @@ def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hq, hk, star
                                      PRUNE, WINDOWED)
     k_base = K + hk * skh + tok0.to(tl.int64) * skt
     v_base = V + hk * svh + tok0.to(tl.int64) * svt
-    state = (tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32), tl.zeros([BLOCK_M2], dtype=tl.float32))
+    state = (tl.zeros([BLOCK_M2, BLOCK_D], dtype=tl.float32), _sums_init(BLOCK_M2, DOT_SUMS))
     if WINDOWED:
         state = tile_loop(_bwd_dq_tile, state, lo, win_hi, BLOCK_N2, INTERPRET,
                        (q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
                         len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True, WINDOWED, PRECISION,
-                        INTERPRET))
+                        DOT_SUMS, INTERPRET))
     state = tile_loop(_bwd_dq_tile, state, win_hi, mask_lo, BLOCK_N2, INTERPRET,
                    (q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
-                    len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, False, WINDOWED, PRECISION, INTERPRET))
-    dq, dcq = tile_loop(_bwd_dq_tile, state, mask_lo, p_last + 1, BLOCK_N2, INTERPRET,
+                    len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, False, WINDOWED, PRECISION, DOT_SUMS,
+                    INTERPRET))
+    dq, drs = tile_loop(_bwd_dq_tile, state, mask_lo, p_last + 1, BLOCK_N2, INTERPRET,
                    (q, do, cq, delta, pos_m, mvalid, k_base, v_base, c_base, cr_base, skt, svt, c_ref, qk_scale,
-                    len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True, WINDOWED, PRECISION, INTERPRET))
+                    len_k, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_N2, C_BLOCK, True, WINDOWED, PRECISION, DOT_SUMS,
+                    INTERPRET))
     tl.store(DQ + hq * sqh + mrows[:, None] * sqt + offs_d[None, :], cast(dq * scale, DQ.dtype.element_ty, INTERPRET),
              mask=mvalid[:, None] & (offs_d < D)[None, :])
-    tl.store(DCQ + hq * slh + tok0 + offs_m, dcq, mask=mvalid)
+    tl.store(DCQ + hq * slh + tok0 + offs_m, _sums_done(drs, DOT_SUMS), mask=mvalid)
 
 
 @triton.jit
@@ -536,16 +554,15 @@ def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK
                      BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
                      C_BLOCK: tl.constexpr,
                      VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                     ATOMIC_DQ: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
+                     INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
     query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
-    With ``ATOMIC_DQ`` (not deterministic), dQ is accumulated atomically in the dK/dV loop instead: 5 matmuls
-    per tile instead of 7, one exp instead of two.
 
     The gate gradient's two sides come from the same dS: -colsum(dS) per key into DCK, rowsum(dS) per query into
     DCQ. In exact arithmetic rowsum_j(dS_ij) = dlse_i, but delta is computed from the rounded o: each row sum
     carries o's rounding, which the reverse cumsum would add up along the sequence. From the kernel's own dS, it
-    cancels between the two sides, and what is left is the error of dS on pairs across each position.
+    cancels between the two sides, and what is left is the error of dS on pairs across each position. Under ACP
+    (``PRUNE``) both sides sum on the tensor cores (``_sums``' DOT_SUMS: faster there, slower without ACP).
     """
     hk, b, pid = _grid_position(Hk, HB, HG, False)
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
@@ -566,14 +583,15 @@ def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK
     DELTA += bt * slb
     start_n = pid * BLOCK_N1
     if start_n < len_k:
-        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, b, hk, start_n, tok0, len_q, len_k,
+        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k,
                         off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, ATOMIC_DQ,
+                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, PRUNE,
                         INTERPRET)
     start_m = pid * BLOCK_M2
-    if not ATOMIC_DQ and start_m < len_q:
+    if start_m < len_q:
         for g in range(G):
             _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hk * G + g, hk, start_m, tok0, len_q,
                           len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION, INTERPRET)
+                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION, PRUNE,
+                          INTERPRET)
 

@@ -80,9 +80,8 @@ _fwd = triton.autotune(
 )(_attn_fwd_kernel)
 _bwd = triton.autotune(
     _configs(_BWD_TILES, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
-    key=[*_TUNE_KEY, "ATOMIC_DQ"],
+    key=_TUNE_KEY,
     prune_configs_by={"early_config_prune": _prune_configs},
-    reset_to_zero=["DQ", "DCQ"],  # the atomic accumulators: every timed run of a tile adds into them
 )(_attn_bwd_kernel)
 
 
@@ -194,10 +193,9 @@ def _dims(q, k, cu_seqlens, max_seqlen) -> tuple[int, int, int]:
 def _forward_impl(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor, scale: float,
     cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
-    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> o [B, Tq, Hq, Dv], lse [B, Hq, Tq] fp32, and for the backward c [B, Hq, Tk] fp64 (the gate cumsum) and
-    its key side's c_rel [B, Hq, Tk] fp32. ``deterministic`` only travels to the backward."""
+    its key side's c_rel [B, Hq, Tk] fp32."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     B, Tq, Hq, _ = q.shape
     Tk, Hk, Dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -224,7 +222,7 @@ _fwd_op = torch.library.custom_op("foxlm::forgetting_attention_fwd", mutates_arg
 
 
 @_fwd_op.register_fake
-def _(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic):
+def _(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold):
     B, Tq, Hq, _ = q.shape
     o = q.new_empty(B, Tq, Hq, v.shape[-1])
     lse = q.new_empty(B, Hq, Tq, dtype=torch.float32)
@@ -236,10 +234,8 @@ def _backward_impl(
     do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o: torch.Tensor, lse: torch.Tensor, c: torch.Tensor, crk: torch.Tensor, scale: float,
     cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
-    deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32. Not ``deterministic``: the faster backward, which accumulates
-    dQ with fp32 atomics at head dims <= 64 under ACP and is the deterministic one elsewhere (docs/benchmarks.md)."""
+    """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32, deterministic (no atomics)."""
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
     Tq, Hq = q.shape[1:3]
@@ -251,28 +247,18 @@ def _backward_impl(
     thr = threshold.float().contiguous() if threshold is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     delta, crq = _bwd_preprocess(o, do, dlse, lse, c, cu_seqlens, meta["C_BLOCK"])
-    if not deterministic and (max(meta["BLOCK_D"], meta["BLOCK_DV"]) > 64 or threshold is None):
-        deterministic = True
-    if deterministic:
-        dq = torch.empty_like(q)
-    else:  # an fp32 accumulator; it shares q's strides
-        q = q.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
-    # rowsum(dS) [B, Hq, Tq], lse's layout; the atomic backward adds tiles' shares into it
-    dcq = torch.empty_like(lse) if deterministic else torch.zeros_like(lse)
+    dcq = torch.empty_like(lse)  # rowsum(dS) [B, Hq, Tq], lse's layout
 
     def grid(m):
-        blocks = triton.cdiv(len_k, m["BLOCK_N1"])
-        return ((max(blocks, triton.cdiv(len_q, m["BLOCK_M2"])) if deterministic else blocks) * Hk * n_seq,)
+        return (max(triton.cdiv(len_k, m["BLOCK_N1"]), triton.cdiv(len_q, m["BLOCK_M2"])) * Hk * n_seq,)
 
     _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, crk, crq, thr, do, lse, delta, dq, dk, dv, dck, dcq, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hk, Hk * n_seq, _head_group(Hk * n_seq, len_q, q, v), Hq // Hk,
             scale * LOG2E.value, scale, window or 0,
-            LEN_BUCKET=_len_bucket(len_k), ATOMIC_DQ=not deterministic, **meta)
-    dq = dq.to(q.dtype)
+            LEN_BUCKET=_len_bucket(len_k), **meta)
     dc = dck.double()
     dc[..., Tk - Tq:] += dcq  # the query side of the gate gradient (dlse is in it, through delta)
     dlog_fgate = reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float().contiguous()  # the fake's layout
@@ -283,7 +269,7 @@ _bwd_op = torch.library.custom_op("foxlm::forgetting_attention_bwd", mutates_arg
 
 
 @_bwd_op.register_fake
-def _(do, dlse, q, k, v, o, lse, c, crk, scale, cu_seqlens, max_seqlen, window, threshold, deterministic):
+def _(do, dlse, q, k, v, o, lse, c, crk, scale, cu_seqlens, max_seqlen, window, threshold):
     B, Tk, Hq = k.shape[0], k.shape[1], q.shape[2]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             q.new_empty(B, Tk, Hq, dtype=torch.float32))
@@ -291,18 +277,18 @@ def _(do, dlse, q, k, v, o, lse, c, crk, scale, cu_seqlens, max_seqlen, window, 
 
 def _setup_context(ctx, inputs, output) -> None:
     """Save what the backward needs: the inputs, o, lse and the gate cumsum c with its key side's c_rel."""
-    q, k, v, _, scale, cu_seqlens, max_seqlen, window, threshold, deterministic = inputs
+    q, k, v, _, scale, cu_seqlens, max_seqlen, window, threshold = inputs
     o, lse, c, crk = output
     ctx.save_for_backward(q, k, v, o, lse, c, crk, cu_seqlens, threshold)
-    ctx.scale, ctx.max_seqlen, ctx.window, ctx.deterministic = scale, max_seqlen, window, deterministic
+    ctx.scale, ctx.max_seqlen, ctx.window = scale, max_seqlen, window
 
 
 def _saved_backward(ctx, do, dlse, backward) -> tuple:
-    """The gradients of the ten inputs, by ``backward`` (the custom op or its function) from what was saved."""
+    """The gradients of the nine inputs, by ``backward`` (the custom op or its function) from what was saved."""
     q, k, v, o, lse, c, crk, cu_seqlens, threshold = ctx.saved_tensors
     dq, dk, dv, dlog_fgate = backward(do, dlse, q, k, v, o, lse, c, crk, ctx.scale, cu_seqlens, ctx.max_seqlen,
-                                      ctx.window, threshold, ctx.deterministic)
-    return dq, dk, dv, dlog_fgate, None, None, None, None, None, None
+                                      ctx.window, threshold)
+    return dq, dk, dv, dlog_fgate, None, None, None, None, None
 
 
 def _backward(ctx, do, dlse, _dc, _crk):
@@ -340,19 +326,18 @@ def triton_forgetting_attention(
     max_seqlen: int | None,
     window: int | None = None,
     threshold: torch.Tensor | None = None,
-    deterministic: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused Forgetting Attention (inputs validated by ``forgetting_attention``), differentiable in all four.
 
     q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], log_fgate: [B, Tk, Hq] fp32.
     cu_seqlens: [N+1] int32 (B == 1) or None; window: query i sees keys j > i - window, or None;
-    threshold: ACP delta [B or N, Hq] fp32, or None; deterministic: False accumulates dQ with atomics.
+    threshold: ACP delta [B or N, Hq] fp32, or None. The backward is deterministic (no atomics).
     Returns o: [B, Tq, Hq, Dv] in q's dtype and lse: [B, Hq, Tq] fp32.
     """
     require_runnable(_attn_fwd_kernel, q, "q")
     if cu_seqlens is not None and max_seqlen is None:
         max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    args = (q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold, deterministic)
+    args = (q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold)
     if torch.compiler.is_compiling():
         o, lse, *_ = _fwd_op(*args)
         return o, lse

@@ -75,22 +75,21 @@ def test_bad_constants_and_scale_are_refused():
         pc.gate_gradient_from_padding(q, k, v, log_fgate, do, attention, beta=0.0)
     with pytest.raises(ValueError, match="scale: expected a nonzero scale"):
         pc.gate_gradient_from_padding(q, k, v, log_fgate, do, attention, scale=0.0)
-    with pytest.raises(ValueError, match="fp32_dk: only for the atomic-dQ backward"):
-        pc.kernel_attention(True, fp32_dk=True)
 
 
 @pytest.mark.triton
 @interpreter_only
-def test_kernel_gate_gradient_from_channels():
-    """foxlm's atomic-dQ backward (dQ and the row sums in the dK/dV loop, as FlashAttention's backwards compute dQ)
-    at 256 tokens, bf16: the gate gradient from the channels reaches the target where dK keeps fp32, and misses it
-    with the column sums alone (the old error: the row sums carry o's rounding) or with dK stored in bf16 as the
-    kernel stores it (the reverse cumsum adds up the column channel's rounding)."""
+@pytest.mark.parametrize("prune", [False, True])
+def test_kernel_gate_gradient_from_channels(prune):
+    """foxlm's backward (plain, and ACP's with its sums on the tensor cores) at 256 tokens, bf16: the gate gradient
+    from the channels reaches the target where dK keeps fp32, and misses it with the column sums alone (the old error:
+    the row sums carry o's rounding) or with dK stored in bf16 as the kernel stores it (the reverse cumsum adds up
+    the column channel's rounding)."""
     B, T, H, D = 1, 256, 2, 48
     scale = 1.0 / math.sqrt(D)
     x = pc.inputs(B, T, H, H, D)
     expected = pc.reference(*x)[-1]
-    o32, dq, dk, dv32 = pc.kernel_attention(False, fp32_dk=True)(*pc.pad(*x[:2]), *x[2:], scale)
+    o32, dq, dk, dv32 = pc.kernel_attention(prune, fp32_dk=True)(*pc.pad(*x[:2]), *x[2:], scale)
     assert dk.dtype == torch.float32 and dq.dtype == torch.bfloat16
     both, cols = (pc.relative_error(pc.gate_gradient_from_channels(dq, dk, D, scale=scale, rows=r), expected)
                   for r in (True, False))
@@ -100,33 +99,18 @@ def test_kernel_gate_gradient_from_channels():
     # The kernel as it is (bf16 dK), with alpha = 2^-6, beta = 2^6: the original channels bit for bit as without
     # padding. The bf16 column channel's rounding is random along the sequence (1.3e-2 median at 256 tokens, 5.5e-3
     # at best in 120 draws of a model of it), so the test asks for the ratio, not for a miss.
-    plain = pc.kernel_attention(False)(*x, scale)  # the same (atomic-dQ) backward without the padding
-    out = pc.gate_gradient_from_padding(*x, pc.kernel_attention(False), alpha=2.0 ** -6, beta=2.0 ** 6)
+    plain = pc.kernel_attention(prune)(*x, scale)  # the same backward without the padding
+    out = pc.gate_gradient_from_padding(*x, pc.kernel_attention(prune), alpha=2.0 ** -6, beta=2.0 ** 6)
     for name, a, e in zip(("o", "dq", "dk", "dv"), out, plain):
         assert torch.equal(a, e), name
     rounded = pc.relative_error(out[-1], expected)
     assert rounded > 1.5 * both, f"bf16 dK {rounded:.2e} against fp32 dK {both:.2e}"
     # alpha and beta change no bit (powers of two scale every rounding alike)
-    assert torch.equal(out[-1], pc.gate_gradient_from_padding(*x, pc.kernel_attention(False))[-1])
+    assert torch.equal(out[-1], pc.gate_gradient_from_padding(*x, pc.kernel_attention(prune))[-1])
     # The fp32 dK run is the same kernel but for the interpreter's fp32 sums (their order follows k's dtype): its
     # original channels agree to bf16's last bit, far below bf16's error against fp64 (~3e-3).
     for name, a, e in zip(("o", "dq", "dk", "dv"), (o32, dq[..., :D], dk[..., :D].bfloat16(), dv32), plain):
         assert pc.relative_error(a, e.double()) < 3e-4, f"{name}, fp32 dK run"
-
-
-@pytest.mark.triton
-@interpreter_only
-def test_deterministic_kernel_outputs_unchanged_by_padding():
-    """The deterministic backward (dQ in its own loop) on padded q and k: o, dq, dk, dv bitwise as without padding.
-    Its gate gradient from the channels is not checked: only its bf16 dK is at hand (``kernel_attention``), whose
-    rounding alone misses the target (docs/benchmarks.md)."""
-    x = pc.inputs(1, 64, 2, 2, 48)
-    leaves = [t.detach().requires_grad_() for t in x[:4]]
-    o = forgetting_attention(*leaves, deterministic=True)
-    plain = (o, *torch.autograd.grad(o, leaves[:3], x[4]))
-    out = pc.gate_gradient_from_padding(*x, pc.kernel_attention(True))
-    for name, a, e in zip(("o", "dq", "dk", "dv"), out, plain):
-        assert torch.equal(a, e), name
 
 
 def test_torch_path_outputs_unchanged_by_padding():

@@ -107,9 +107,9 @@ def test_matches_fp64_reference(name):
 
 
 @pytest.mark.parametrize("name", ["d64-gqa2", "tq<tk", "varlen", "window+acp"])
-def test_atomic_dq_backward_matches_fp64_reference(name):
-    """deterministic=False with ACP: dQ accumulated with atomics in the dK/dV loop (the faster backward there; without
-    ACP the deterministic one is faster and is taken), the same gradients."""
+def test_acp_backward_matches_fp64_reference(name):
+    """With ACP (nothing skipped at these sizes but the kernels' PRUNE paths run) the backward sums the gate gradient's
+    two sides on the tensor cores (``_sums``' DOT_SUMS): the same gradients."""
     if name == "window+acp":
         inputs, kwargs, ref_kwargs = _inputs(2, 50, 50, 4, 2, 32, 32), dict(window=19, prune=True), dict(window=19)
     else:
@@ -118,7 +118,7 @@ def test_atomic_dq_backward_matches_fp64_reference(name):
         ref_kwargs = dict(cu_seqlens=None if cu is None else torch.tensor(cu, dtype=torch.int32))
         kwargs = dict(ref_kwargs, prune=True)
     seed = int(torch.randint(1 << 30, ()))
-    out = _run(*inputs, seed=seed, deterministic=False, **kwargs)
+    out = _run(*inputs, seed=seed, **kwargs)
     _assert_close(out, _run(*inputs, seed=seed, reference=True, **ref_kwargs), rel=2e-5)
 
 
@@ -133,9 +133,8 @@ AUTOTUNED_CASES = {
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="the autotuned tiles are compiled for a GPU")
-@pytest.mark.parametrize("deterministic", [True, False])
 @pytest.mark.parametrize("name", list(AUTOTUNED_CASES))
-def test_autotuned_tiles_match_fp64_reference(monkeypatch, name, deterministic):
+def test_autotuned_tiles_match_fp64_reference(monkeypatch, name):
     """The tiles training runs with (bf16, autotuned per head dim) at sizes that cross many of them. bf16 keeps 8
     bits: ~3e-3 relative error on o, the gradients and the gate gradient, as the peers' kernels (FoX's authors',
     fla's) reach on the same inputs."""
@@ -147,15 +146,15 @@ def test_autotuned_tiles_match_fp64_reference(monkeypatch, name, deterministic):
         block_m, block_n = ta._FWD_TILES[64][0][:2]
         assert acp_stats(*inputs[:2], inputs[3], block_m=block_m, block_n=block_n)[1] > 0.1
     seed = int(torch.randint(1 << 30, ()))
-    out = _run(*inputs, seed=seed, cu_seqlens=cu_seqlens, deterministic=deterministic, **kwargs)
+    out = _run(*inputs, seed=seed, cu_seqlens=cu_seqlens, **kwargs)
     ref_kwargs = {key: value for key, value in kwargs.items() if key != "prune"}  # what ACP skips is < e^-10
     expected = _run(*inputs, seed=seed, reference=True, cu_seqlens=cu_seqlens, **ref_kwargs)
     _assert_close(out, expected, dict(o=5e-3, lse=1e-4, dq=5e-3, dk=5e-3, dv=5e-3, dlog_fgate=5e-3))
 
 
-@pytest.mark.parametrize("deterministic", [True, False])
+@pytest.mark.parametrize("prune", [False, True])
 @pytest.mark.parametrize("varlen", [False, True])
-def test_grouped_launch_order_matches_fp64_reference(monkeypatch, deterministic, varlen):
+def test_grouped_launch_order_matches_fp64_reference(monkeypatch, prune, varlen):
     """The grid runs (head, sequence) pairs in groups that fit in L2: with a tiny L2 budget each pair is its own
     group (3 x 2 pairs of 4 and 2 query blocks), and every program still finds its head, sequence and block."""
     x = torch.empty(1, 1, 1, 32, device="cpu")  # the CPU's L2 share: 24 MiB
@@ -167,8 +166,7 @@ def test_grouped_launch_order_matches_fp64_reference(monkeypatch, deterministic,
     else:
         inputs, cu = _inputs(3, 50, 50, 4, 2, 32, 32), None
     seed = int(torch.randint(1 << 30, ()))
-    # not deterministic: the atomic backward, taken with ACP
-    out = _run(*inputs, seed=seed, cu_seqlens=cu, deterministic=deterministic, prune=not deterministic)
+    out = _run(*inputs, seed=seed, cu_seqlens=cu, prune=prune)
     _assert_close(out, _run(*inputs, seed=seed, reference=True, cu_seqlens=cu), rel=2e-5)
 
 
@@ -185,14 +183,14 @@ GATE_CASES = {
     # name: (B, Tq, Tk, Hq, Hk, D, dtype, kwargs): a few hundred tokens, where the gate gradient's old error showed
     # (4.6e-2 at 256 tokens, 1e-1 at 512: the host's dlse in place of the row sums, in a reverse cumsum)
     "plain": (1, 256, 256, 2, 2, 64, torch.bfloat16, {}),
-    "atomic-dq": (1, 256, 256, 2, 2, 64, torch.bfloat16, dict(deterministic=False, prune=True)),
+    "acp-d64": (1, 256, 256, 2, 2, 64, torch.bfloat16, dict(prune=True)),
     "fp16": (1, 256, 256, 2, 2, 64, torch.float16, {}),
     "gqa2": (1, 256, 256, 4, 2, 32, torch.bfloat16, {}),
     "varlen": (1, 256, 256, 2, 1, 32, torch.bfloat16, dict(cu_seqlens=[0, 90, 91, 256])),
     "window": (1, 256, 256, 2, 2, 32, torch.bfloat16, dict(window=96)),
     "acp": (1, 256, 256, 2, 2, 32, torch.bfloat16, dict(prune=True)),
     "tq<tk": (1, 128, 256, 2, 1, 32, torch.bfloat16, {}),
-    "window+acp-atomic": (1, 256, 256, 2, 2, 32, torch.bfloat16, dict(window=96, prune=True, deterministic=False)),
+    "window+acp": (1, 256, 256, 2, 2, 32, torch.bfloat16, dict(window=96, prune=True)),
 }
 
 
@@ -210,7 +208,7 @@ def test_half_precision_gate_gradient(name):
         assert acp_stats(q, k, log_fgate, block_m=ta.INTERPRET_TILE, block_n=ta.INTERPRET_TILE)[1] > 0.1
     seed = int(torch.randint(1 << 30, ()))
     out = _run(q, k, v, log_fgate, seed=seed, **kwargs)
-    ref_kwargs = {key: value for key, value in kwargs.items() if key not in ("prune", "deterministic")}
+    ref_kwargs = {key: value for key, value in kwargs.items() if key != "prune"}
     expected = _run(q, k, v, log_fgate, seed=seed, reference=True, **ref_kwargs)
     _assert_close(out, expected, dict(o=5e-3, lse=1e-4, dq=5e-3, dk=5e-3, dv=5e-3, dlog_fgate=5e-3))
 
@@ -296,8 +294,8 @@ def test_loop_tiles_fit_in_c_rel_blocks():
 
 
 @pytest.mark.parametrize("name", ["causal", "tq<tk", "varlen", "window"])
-@pytest.mark.parametrize("deterministic", [True, False])
-def test_gate_precision_across_hard_resets(name, deterministic):
+@pytest.mark.parametrize("prune", [False, True])
+def test_gate_precision_across_hard_resets(name, prune):
     """Gates that close hard (log f = -1e4) in the middle of c_rel's blocks. The loops add c_rel (fp32 offsets from a
     block's end or start) to one fp64 difference per tile; a block position on the far side of a reset from the tile
     would cancel two terms of 1e4 into logits off by ulp(1e4) ~ 1e-3. The resets sit at tile starts (the kernels'
@@ -315,8 +313,8 @@ def test_gate_precision_across_hard_resets(name, deterministic):
     lf[:, resets] = -1.0e4
     inputs, seed, kwargs = (q, k, v, lf.requires_grad_()), int(torch.randint(1 << 30, ())), dict(cu_seqlens=cu,
                                                                                                 window=window)
-    # not deterministic: the atomic backward, taken with ACP (the resets' tiles carry no mass: nothing changes)
-    out = _run(*inputs, seed=seed, deterministic=deterministic, prune=not deterministic, **kwargs)
+    # with ACP the resets' tiles carry no mass: nothing changes, but the PRUNE kernels' sums run
+    out = _run(*inputs, seed=seed, prune=prune, **kwargs)
     _assert_close(out, _run(*inputs, seed=seed, reference=True, **kwargs), rel=2e-5)
 
 
@@ -473,10 +471,11 @@ def test_acp_pruned_mass_below_tolerance():
         assert err < bounds[name] + rounding, f"{name}: {err:.1e} above the implied {bounds[name]:.1e}"
 
 
-def test_backward_is_deterministic():
+@pytest.mark.parametrize("prune", [False, True])
+def test_backward_is_deterministic(prune):
     cu_seqlens = torch.tensor([0, 23, 24, 60], dtype=torch.int32)
     inputs = _inputs(1, 60, 60, 4, 2, 32, 32)
-    kwargs = dict(cu_seqlens=cu_seqlens, deterministic=True)
+    kwargs = dict(cu_seqlens=cu_seqlens, prune=prune)
     first, second = _run(*inputs, **kwargs), _run(*inputs, **kwargs)
     for name, a, b in zip(NAMES, first, second):
         assert torch.equal(a, b), name
@@ -548,8 +547,8 @@ def test_custom_ops_pass_opcheck():
     q, k, v, log_fgate = _inputs(2, 40, 40, 4, 2, 16, 16)
     cu = torch.tensor([0, 7, 40], dtype=torch.int32)
     utils = ("test_schema", "test_faketensor")
-    for args in ((q, k, v, log_fgate, 0.25, None, None, None, None, True),
-                 (q[:1], k[:1], v[:1], log_fgate[:1], 0.25, cu, 33, 9, None, False)):
+    for args in ((q, k, v, log_fgate, 0.25, None, None, None, None),
+                 (q[:1], k[:1], v[:1], log_fgate[:1], 0.25, cu, 33, 9, None)):
         torch.library.opcheck(ta._fwd_op, args, test_utils=utils)
         o, lse, c, crk = ta._fwd_op(*args)
         torch.library.opcheck(ta._bwd_op, (torch.randn_like(o), torch.randn_like(lse), *args[:3], o, lse, c, crk,
@@ -559,9 +558,10 @@ def test_custom_ops_pass_opcheck():
 def test_kernels_compile_for_hopper_with_tensor_core_dots():
     """benchmarks/kernel_resources.py compiles every shipped d64 tile for sm_90a without a GPU (a subprocess: the
     kernels here are interpreted): each reports registers, spills and whether ptxas serialized its wgmma, its dots
-    lower to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions) spill
-    nothing, but for the deterministic backward's dQ loops with their 128-row tile: that tile spills there (13 loads
-    in the masked loop) and was still the faster on an H100 and an H200 (docs/benchmarks.md, kernel resources)."""
+    lower to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions; ACP's
+    binary searches are loops without) spill nothing, but for the backward's dQ loops with their 128-row tile: that
+    tile spills there (13 loads in the masked loop) and was still the faster on an H100 and an H200
+    (docs/benchmarks.md, kernel resources)."""
     root = Path(__file__).parents[3]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root)
@@ -578,9 +578,10 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
     kernels = out.stdout.split("warps")[1:]
     for name, kernel in zip(names, kernels):
         loops = re.findall(r"loop \d+: instructions (\d+), HGMMA (\d+), MUFU (\d+), LDL (\d+), STL (\d+)", kernel)
-        assert loops and all(int(hgmma) > 0 for _, hgmma, *_ in loops), kernel
-        # the dK/dV loops (the first three) and every loop of the other kernels; the dQ loops of a 128-row dQ tile
-        checked = loops[:3] if "deterministic" in name and "+ 128x" in name else loops
+        tile_loops = [loop for loop in loops if int(loop[1]) > 0]
+        assert tile_loops, kernel
+        # the dK/dV loops (the first three) and every loop of the forward; the dQ loops of a 128-row dQ tile spill
+        checked = tile_loops[:3] if "+ 128x" in name else tile_loops
         assert all(ldl == stl == "0" for *_, ldl, stl in checked), name + kernel
 
 
