@@ -285,6 +285,7 @@ def main() -> None:
     import triton
 
     result.update(transformers=transformers.__version__, triton=triton.__version__)
+    os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, "decode.json")
 
     def save():

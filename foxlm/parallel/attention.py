@@ -151,7 +151,7 @@ class _Plan:
 def _all_gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
     """Every rank's x, stacked: [P, *x.shape]."""
     out = x.new_empty(world * x.shape[0], *x.shape[1:])
-    dist.all_gather_single(out, x.contiguous(), group=group)
+    dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # all_gather_single: torch >= 2.12 only
     return out.view(world, *x.shape)
 
 
