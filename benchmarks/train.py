@@ -60,7 +60,7 @@ def standard_gate_bias(model: FoxForCausalLM) -> None:
 
 def build(name: str, seq_len: int, size: str = "125m") -> tuple[torch.nn.Module, FoxConfig | None]:
     """``hf-llama``, or ``ARCH`` with options: ``+acp`` (standard gate biases), ``+acp@init`` (ACP, gates at
-    initialization), ``+deterministic`` (the attention backward without atomics, ``deterministic_attention``)."""
+    initialization)."""
     if name == "hf-llama":
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -71,11 +71,10 @@ def build(name: str, seq_len: int, size: str = "125m") -> tuple[torch.nn.Module,
                           rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
         return LlamaForCausalLM(cfg), None
     arch, *options = name.split("+")
-    unknown = set(options) - {"acp", "acp@init", "deterministic"}
+    unknown = set(options) - {"acp", "acp@init"}
     if unknown:
         raise ValueError(f"--models: unknown option(s) {sorted(unknown)} in {name!r}")
-    config = FoxConfig.preset(arch, size, acp=any(o.startswith("acp") for o in options),
-                              deterministic_attention="deterministic" in options)
+    config = FoxConfig.preset(arch, size, acp=any(o.startswith("acp") for o in options))
     model = FoxForCausalLM(config)
     if "acp" in options:
         standard_gate_bias(model)

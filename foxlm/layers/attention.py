@@ -79,7 +79,7 @@ class ForgettingAttention(nn.Module):
         acp_config: where the layer reads ``acp`` (Adaptive Computation Pruning in the forward pass) and
             ``acp_tolerance`` (its epsilon) at every forward: a ``FoxConfig`` in a model, default ``ACPConfig()``
             (off). The logit bound comes from the QK-norm weights when ``qk_norm`` is on, from the data otherwise.
-        deterministic: the fused attention backward without atomics (see ``forgetting_attention``).
+        deterministic: FlashAttention's flag, passed on (``forgetting_attention``: every backward is deterministic).
         layer_idx: the index under which the layer talks to a KV cache.
 
     ``attention_backend`` (an ``AttentionBackend`` by default) runs the attention and the token shift's look-back;

@@ -33,9 +33,9 @@ class FoxConfig(PretrainedConfig):
         acp, acp_tolerance: Adaptive Computation Pruning in training/eval forwards, and its epsilon.
         fuse_cross_entropy: training forwards with labels compute the LM head and loss a chunk of tokens at a
             time (``foxlm.ops.cross_entropy``) and return no logits.
-        deterministic_attention: the attention backward without atomics (bitwise reproducible, slower with
-            ACP at head dim 64); False, the default as in FlashAttention, lets it accumulate dQ with atomics (see
-            ``forgetting_attention``); ``torch.use_deterministic_algorithms(True)`` turns it on too.
+        deterministic_attention: passed to ``forgetting_attention`` as FlashAttention's ``deterministic``; every
+            attention backward is deterministic (no atomics) whatever its value. Kept so that configs that set it
+            load unchanged.
         train_length: the context length (tokens) the model was trained at, recorded by ``foxlm train``; None when
             unknown. Not a limit (FoX has no positional embedding): tools that ask for a model's length read it as
             ``max_position_embeddings`` (lm-eval's context window, ``generate``'s warning past it).
