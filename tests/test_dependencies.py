@@ -18,7 +18,7 @@ from foxlm.data.assets import shakespeare_plays
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONAL = {"triton", "matplotlib", "tensorboard", "datasets", "pyarrow", "lm-eval", "peft", "wandb", "fastapi",
-            "uvicorn", "openai"}
+            "uvicorn", "openai", "onnxscript"}
 
 
 def _name(requirement: str) -> str:

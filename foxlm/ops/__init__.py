@@ -14,6 +14,7 @@ from .forgetting_attention import (
     forgetting_attention_reference,
     forgetting_attention_with_kvcache,
     gate_cumsum,
+    onnx_translation_table,
     prune_threshold,
     sequence_attention,
 )
@@ -26,6 +27,7 @@ __all__ = [
     "forgetting_attention_decode",
     "forgetting_attention_with_kvcache",
     "attention_from_cumsum",
+    "onnx_translation_table",
     "sequence_attention",
     "forgetting_attention_reference",
     "gate_cumsum",

@@ -9,6 +9,7 @@
 - ``decode``: decoding against a paged KV cache;
 - ``kvcache``: ``forgetting_attention_with_kvcache``, attention over a KV cache (contiguous or paged), the one call
   both caches make: it picks the prompt, chunk or decode-step path;
+- ``onnx``: the PyTorch path's op as ONNX ops, for ``torch.onnx.export``;
 - ``reference``: the naive fp64-capable oracle the others are tested against (it shares no code with them).
 """
 
@@ -17,6 +18,7 @@ from .decode import forgetting_attention_decode
 from .gate import gate_cumsum
 from .interface import forgetting_attention, sequence_attention
 from .kvcache import forgetting_attention_with_kvcache
+from .onnx import onnx_translation_table
 from .reference import forgetting_attention_reference
 from .sdpa import attention_from_cumsum
 
@@ -27,6 +29,7 @@ __all__ = [
     "forgetting_attention_decode",
     "forgetting_attention_with_kvcache",
     "attention_from_cumsum",
+    "onnx_translation_table",
     "forgetting_attention_reference",
     "gate_cumsum",
     "data_logit_bound",

@@ -1,0 +1,85 @@
+"""The ONNX form of the PyTorch path's attention op, for ``torch.onnx.export(..., dynamo=True)``.
+
+Under ``torch.export`` the CPU path of ``forgetting_attention`` is one custom op, ``foxlm::attention_from_cumsum``
+(sdpa.py: its chunks are planned on the host, which no graph holds). ONNX has no such op; this translation writes it
+as dense masked softmax attention with the gate's bias, in fp32 (the op's own precision)::
+
+    torch.onnx.export(model, (input_ids,), dynamo=True, custom_translation_table=onnx_translation_table())
+
+Dense: memory grows as T^2 (the graph holds one [B, H, Tq, Tk] score tensor), as in transformers' eager attention.
+ACP's threshold is not applied: the skipped tiles carry less than its tolerance of the attention mass, and the
+ONNX graph computes them. Packed sequences (``cu_seqlens``) are refused at export.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def onnx_translation_table() -> dict:
+    """{op overload: ONNX function} for ``torch.onnx.export``'s ``custom_translation_table`` (needs onnxscript)."""
+    try:
+        import onnxscript  # noqa: F401
+    except ImportError as e:
+        raise ImportError("ONNX export needs onnxscript and onnx: pip install 'foxlm[onnx]'") from e
+    from . import sdpa  # noqa: F401  (registers the op)
+
+    return {torch.ops.foxlm.attention_from_cumsum.default: _attention_from_cumsum}
+
+
+def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, scale: float = 1.0,
+                           q_offset: int = 0, window: int | None = None, channels: bool = False):
+    """foxlm::attention_from_cumsum in ONNX ops: (o [B, Tq, Hq, Dv or the channel width], lse [B, Hq, Tq], row
+    starts). q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], c_q: [B, Tq, Hq], c_k: [B, Tk, Hq]."""
+    from onnxscript import FLOAT, INT64
+    from onnxscript import opset18 as op
+
+    if cu_seqlens is not None:
+        raise NotImplementedError("foxlm::attention_from_cumsum: packed sequences (cu_seqlens) have no ONNX form; "
+                                  "export the model on padded batches")
+    Hq, D = q.shape[2], q.shape[3]
+    Hk, Dv = k.shape[2], v.shape[3]
+    if not all(isinstance(n, int) for n in (Hq, D, Hk, Dv)):
+        raise NotImplementedError("foxlm::attention_from_cumsum: heads and head dims must be static to export")
+
+    def ints(*values):
+        return op.Constant(value_ints=list(values))
+
+    def heads_first(x, repeat: bool):  # [B, T, H, d] -> [B, H, T, d] fp32; repeat: a key head for each of its group
+        x = op.Transpose(op.Cast(x, to=FLOAT.dtype), perm=[0, 2, 1, 3])
+        if repeat and Hq != Hk:  # [B, Hk, T, d] -> [B, Hk, G, T, d] -> [B, Hq, T, d]
+            shape = op.Shape(x)
+            batch, rest = op.Slice(shape, ints(0), ints(1)), op.Slice(shape, ints(2), ints(4))
+            x = op.Expand(op.Unsqueeze(x, ints(2)), op.Concat(batch, ints(Hk, Hq // Hk), rest, axis=0))
+            x = op.Reshape(x, op.Concat(batch, ints(Hq), rest, axis=0))
+        return x
+
+    qh, kh, vh = heads_first(q, False), heads_first(k, True), heads_first(v, True)
+    s = op.Mul(op.MatMul(qh, op.Transpose(kh, perm=[0, 1, 3, 2])), op.Constant(value_float=float(scale)))
+    # the gate's bias c_i - c_j, taken in c's own precision (fp64 from the layers) before the cast: |c| grows with T
+    bias = op.Sub(op.Unsqueeze(op.Transpose(c_q, perm=[0, 2, 1]), ints(3)),
+                  op.Unsqueeze(op.Transpose(c_k, perm=[0, 2, 1]), ints(2)))
+    s = op.Add(s, op.Cast(bias, to=FLOAT.dtype))
+    zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
+    tq = op.Squeeze(op.Slice(op.Shape(q), ints(1), ints(2)), ints(0))
+    tk = op.Squeeze(op.Slice(op.Shape(k), ints(1), ints(2)), ints(0))
+    pos = op.Add(op.Range(zero, tq, one), op.Constant(value_int=int(q_offset)))  # [Tq] key position of each query
+    keys = op.Range(zero, tk, one)
+    visible = op.LessOrEqual(op.Unsqueeze(keys, ints(0)), op.Unsqueeze(pos, ints(1)))  # [Tq, Tk]
+    first = op.Expand(zero, op.Shape(pos))  # a row's first visible key
+    if window is not None:
+        first = op.Max(op.Sub(pos, op.Constant(value_int=int(window) - 1)), zero)
+        visible = op.And(visible, op.GreaterOrEqual(op.Unsqueeze(keys, ints(0)), op.Unsqueeze(first, ints(1))))
+    s = op.Where(visible, s, op.Constant(value_float=float("-inf")))
+    m = op.ReduceMax(s, ints(-1), keepdims=1)
+    p = op.Exp(op.Sub(s, m))
+    total = op.ReduceSum(p, ints(-1), keepdims=1)
+    lse = op.Squeeze(op.Add(m, op.Log(total)), ints(3))
+    o = op.Transpose(op.Div(op.MatMul(p, vh), total), perm=[0, 2, 1, 3])  # [B, Tq, Hq, Dv]
+    if channels:  # the op's widened output o' (its caller reads the first Dv channels)
+        o = op.Pad(o, ints(0, 0, 0, 0, 0, 0, 0, max(D, Dv) + 2 - Dv))
+    if threshold is None and window is None:
+        starts = op.Constant(value_ints=[])
+    else:  # [B, Hq, Tq], as the op's fake gives it
+        starts = op.Expand(op.Cast(first, to=INT64.dtype), op.Shape(lse))
+    return o, lse, starts
