@@ -273,3 +273,55 @@ if __name__ == "__main__":  # one torchrun worker: 4 of the 8 rows each, one ste
     if dist.get_rank() == 0:
         with open(os.path.join(root, "ddp.json"), "w") as f:
             json.dump(result, f)
+
+
+# What transformers' GenerationTesterMixin checks of a decoder (its file is not in transformers' sdist, so it cannot
+# run here): each decoding mode gives the same tokens with FoX's cache as without one, a generation continues from
+# the cache it returned, and inputs_embeds generate as the ids they embed.
+GENERATION_MODES = {
+    "greedy": dict(do_sample=False),
+    "sample": dict(do_sample=True, top_k=20),
+    "beam search": dict(num_beams=3, do_sample=False),
+    "beam sample": dict(num_beams=3, do_sample=True, top_k=20),
+    "beams, 2 returned": dict(num_beams=3, num_return_sequences=2, do_sample=False),
+}
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "fox-llama"])
+@pytest.mark.parametrize("mode", GENERATION_MODES)
+def test_generate_modes_give_the_same_tokens_with_and_without_cache(arch, mode):
+    """Beam search reorders the cache's rows (FoX's attention state and, in Pro, the token shift's last inputs) by
+    beam every step: a wrong reorder changes the beams' tokens against the cache-less recomputation."""
+    model = _fox(arch, num_key_value_heads=2, pad_token_id=0).eval()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(4))
+    out = []
+    for use_cache in (True, False):
+        torch.manual_seed(1)
+        out.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6,
+                                  use_cache=use_cache, **GENERATION_MODES[mode]))
+    rows = 4 if mode == "beams, 2 returned" else 2
+    assert out[0].shape == (rows, 13) and torch.equal(out[0], out[1])
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "fox-llama"])
+def test_generate_continues_from_returned_cache_and_from_inputs_embeds(arch):
+    model = _fox(arch, pad_token_id=0).eval()
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(5))
+    kw = dict(do_sample=False, min_new_tokens=3)
+    full = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, **kw)
+    first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, return_dict_in_generate=True,
+                           **kw)
+    seq = first.sequences
+    more = model.generate(seq, attention_mask=torch.ones_like(seq), past_key_values=first.past_key_values,
+                          max_new_tokens=3, **kw)
+    assert torch.equal(more, full)
+    embeds = model.get_input_embeddings()(ids)
+    from_embeds = model.generate(inputs_embeds=embeds, attention_mask=torch.ones_like(ids), max_new_tokens=6, **kw)
+    assert torch.equal(from_embeds, full[:, ids.shape[1]:])  # as for a Llama: only the new tokens
+
+
+def test_prompt_lookup_decoding_matches_greedy():
+    model = _fox("fox-pro", pad_token_id=0).eval()
+    ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6)).repeat(1, 2)  # repeats to find
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=3, **kw), model.generate(ids, **kw))
