@@ -134,7 +134,8 @@ class PagedFoxCache:
         """Book pages for a forward of T new tokens per row (``valid`` [B, T]: False at left padding).
 
         ``attend`` does this by itself at layer 0; call it before the forward instead when the positions of
-        the new tokens (``write_pos``) must be known first, or before replaying a captured decode step.
+        the new tokens (``write_pos``) must be known first, or before replaying a captured decode step (then
+        ``end_step`` after the replay, in which no ``attend`` ran to take the booking).
         """
         n_new = np.full(self.batch_size, T) if valid is None else valid.sum(1).cpu().numpy()
         new_len = self._len + n_new
@@ -159,6 +160,11 @@ class PagedFoxCache:
         self.write_pos.copy_(self.lengths)
         self.lengths.add_(T if valid is None else valid.sum(1).to(torch.int32))
         self._begun = True
+
+    def end_step(self) -> None:
+        """Close the step ``begin`` booked, where the forward ran without ``attend`` (a CUDA graph's replay):
+        the next forward books its own pages."""
+        self._begun = False
 
     def evict(self) -> int:
         """Free the pages no future query can give more than ``tolerance`` (see ``evictable_pages``).
@@ -219,11 +225,9 @@ class PagedFoxCache:
             raise ValueError(f"q, k: expected B={self.batch_size}, Hq={self.num_heads}, Hk={self.num_kv_heads}, "
                              f"got {tuple(q.shape)} and {tuple(k.shape)}")
         if layer_idx == 0:
-            if self._begun:
-                self._begun = False
-            else:
+            if not self._begun:
                 self.begin(T, valid)
-                self._begun = False
+            self.end_step()  # this forward takes the booking
         self.store(layer_idx, k, v, log_fgate, valid)
         return forgetting_attention_with_kvcache(
             q, self.k_pool, self.v_pool, self.c_pool, k=k, v=v, log_fgate=log_fgate, cache_seqlens=self._len_before,

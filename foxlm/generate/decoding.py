@@ -114,7 +114,7 @@ class CachedDecoder:
                 self._logits = self._forward()
             self._graph_version = cache.version
         self._graph.replay()
-        cache._begun = False  # the replay did what attend would have acknowledged
+        cache.end_step()
         return self._logits
 
 
