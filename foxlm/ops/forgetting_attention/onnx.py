@@ -2,7 +2,7 @@
 
 Under ``torch.export`` the CPU path of ``forgetting_attention`` is one custom op, ``foxlm::attention_from_cumsum``
 (sdpa.py: its chunks are planned on the host, which no graph holds). ONNX has no such op; this translation writes it
-as dense masked softmax attention with the gate's bias, in fp32 (the op's own precision)::
+as dense masked softmax attention with the gate's bias, in fp32 (fp64 for fp64 inputs), as the op computes::
 
     torch.onnx.export(model, (input_ids,), dynamo=True, custom_translation_table=onnx_translation_table())
 
@@ -31,7 +31,7 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
                            q_offset: int = 0, window: int | None = None, channels: bool = False):
     """foxlm::attention_from_cumsum in ONNX ops: (o [B, Tq, Hq, Dv or the channel width], lse [B, Hq, Tq], row
     starts). q: [B, Tq, Hq, D], k: [B, Tk, Hk, D], v: [B, Tk, Hk, Dv], c_q: [B, Tq, Hq], c_k: [B, Tk, Hq]."""
-    from onnxscript import FLOAT, INT64
+    from onnxscript import DOUBLE, FLOAT, INT64
     from onnxscript import opset18 as op
 
     if cu_seqlens is not None:
@@ -42,11 +42,14 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     if not all(isinstance(n, int) for n in (Hq, D, Hk, Dv)):
         raise NotImplementedError("foxlm::attention_from_cumsum: heads and head dims must be static to export")
 
+    # the op computes in q's dtype promoted to fp32 (fp64 stays fp64)
+    dtype = DOUBLE.dtype if q.dtype == DOUBLE.dtype else FLOAT.dtype
+
     def ints(*values):
         return op.Constant(value_ints=list(values))
 
     def heads_first(x, repeat: bool):  # [B, T, H, d] -> [B, H, T, d] fp32; repeat: a key head for each of its group
-        x = op.Transpose(op.Cast(x, to=FLOAT.dtype), perm=[0, 2, 1, 3])
+        x = op.Transpose(op.Cast(x, to=dtype), perm=[0, 2, 1, 3])
         if repeat and Hq != Hk:  # [B, Hk, T, d] -> [B, Hk, G, T, d] -> [B, Hq, T, d]
             shape = op.Shape(x)
             batch, rest = op.Slice(shape, ints(0), ints(1)), op.Slice(shape, ints(2), ints(4))
@@ -55,11 +58,12 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
         return x
 
     qh, kh, vh = heads_first(q, False), heads_first(k, True), heads_first(v, True)
-    s = op.Mul(op.MatMul(qh, op.Transpose(kh, perm=[0, 1, 3, 2])), op.Constant(value_float=float(scale)))
+    s = op.Mul(op.MatMul(qh, op.Transpose(kh, perm=[0, 1, 3, 2])), op.Cast(op.Constant(value_float=float(scale)),
+                                                                          to=dtype))
     # the gate's bias c_i - c_j, taken in c's own precision (fp64 from the layers) before the cast: |c| grows with T
     bias = op.Sub(op.Unsqueeze(op.Transpose(c_q, perm=[0, 2, 1]), ints(3)),
                   op.Unsqueeze(op.Transpose(c_k, perm=[0, 2, 1]), ints(2)))
-    s = op.Add(s, op.Cast(bias, to=FLOAT.dtype))
+    s = op.Add(s, op.Cast(bias, to=dtype))
     zero, one = op.Constant(value_int=0), op.Constant(value_int=1)
     tq = op.Squeeze(op.Slice(op.Shape(q), ints(1), ints(2)), ints(0))
     tk = op.Squeeze(op.Slice(op.Shape(k), ints(1), ints(2)), ints(0))
@@ -70,7 +74,7 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     if window is not None:
         first = op.Max(op.Sub(pos, op.Constant(value_int=int(window) - 1)), zero)
         visible = op.And(visible, op.GreaterOrEqual(op.Unsqueeze(keys, ints(0)), op.Unsqueeze(first, ints(1))))
-    s = op.Where(visible, s, op.Constant(value_float=float("-inf")))
+    s = op.Where(visible, s, op.Cast(op.Constant(value_float=float("-inf")), to=dtype))
     m = op.ReduceMax(s, ints(-1), keepdims=1)
     p = op.Exp(op.Sub(s, m))
     total = op.ReduceSum(p, ints(-1), keepdims=1)

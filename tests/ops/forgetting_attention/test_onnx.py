@@ -57,23 +57,27 @@ class _Attention(torch.nn.Module):
         return forgetting_attention(q, k, v, log_fgate, return_lse=True, **self.kwargs)
 
 
-@pytest.mark.parametrize("case", ["window", "tq<tk", "acp"])
-def test_op_exports_with_window_query_offset_and_acp(case, tmp_path):
-    """The op's window, queries at the end of longer keys (a cache's chunk), and ACP (whose threshold the ONNX form
-    does not apply: what it skips carries < e^-10 of a row's mass): o and lse as the op gives them."""
+@pytest.mark.parametrize("case", ["window", "tq<tk", "acp", "fp64"])
+def test_op_exports_with_window_query_offset_acp_and_fp64(case, tmp_path):
+    """The op's window, queries at the end of longer keys (a cache's chunk), ACP (whose threshold the ONNX form
+    does not apply: what it skips carries < e^-10 of a row's mass) and fp64 inputs (computed in fp64, as the op
+    does): o and lse as the op gives them."""
     g = torch.Generator().manual_seed(1)
     Tq = 11 if case == "tq<tk" else 30
-    q = torch.randn(2, Tq, 4, 16, generator=g)
-    k, v = (torch.randn(2, 30, 2, 16, generator=g) for _ in range(2))
+    dtype = torch.float64 if case == "fp64" else torch.float32
+    q = torch.randn(2, Tq, 4, 16, generator=g, dtype=dtype)
+    k, v = (torch.randn(2, 30, 2, 16, generator=g, dtype=dtype) for _ in range(2))
     log_fgate = F.logsigmoid(torch.randn(2, 30, 4, generator=g) + 1)
-    kwargs = {"window": dict(window=7), "tq<tk": {}, "acp": dict(prune=True)}[case]
+    kwargs = {"window": dict(window=7), "tq<tk": {}, "acp": dict(prune=True), "fp64": {}}[case]
     module = _Attention(**kwargs)
     session = _export(module, (q, k, v, log_fgate), tmp_path / "op.onnx")
     got = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), (q, k, v, log_fgate))})
     with torch.no_grad():
         want = module(q, k, v, log_fgate)
     for a, e in zip(got, want):
-        np.testing.assert_allclose(a, e.numpy(), rtol=1e-4, atol=1e-5)
+        assert a.dtype == e.numpy().dtype
+        np.testing.assert_allclose(a, e.numpy(), **(dict(rtol=1e-12, atol=1e-13) if case == "fp64" else
+                                                    dict(rtol=1e-4, atol=1e-5)))
 
 
 def test_packed_sequences_are_refused_at_export(tmp_path):
