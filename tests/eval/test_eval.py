@@ -58,12 +58,17 @@ def trained(corpus, tmp_path_factory):
         _train(model, builder, np.random.default_rng(0))
     run = tmp_path_factory.mktemp("run")  # laid out as `foxlm train` does
     (run / "train_config.yaml").write_text(yaml.safe_dump(TrainConfig(seq_len=TRAIN_LENGTH).to_dict()))
-    return write_checkpoint(run, 60, model.save_pretrained, {"step": 60}, keep_last=1)
+    return write_checkpoint(run, 100, model.save_pretrained, {"step": 100}, keep_last=1)
 
 
-def _train(model, builder, rng, steps=60, batch_size=4):
-    """AdamW on needle prompts of TRAIN_LENGTH tokens with the answer, at random depths, modes and haystack offsets."""
+def _train(model, builder, rng, steps=100, batch_size=4):
+    """AdamW on needle prompts of TRAIN_LENGTH tokens with the answer, at random depths, modes and haystack offsets.
+
+    The learning rate decays linearly to 0: at a constant 1e-2 the memorised answer's weakest token led its rival by
+    0.1 to 0.8 logits, or lost, as the seed or the machine's CPU kernels changed (the GPU lane's machine trained a
+    model that answered "... sit in San Francisco"); decayed over 100 steps it leads by 1.8 to 3.6 over six seeds."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / steps)
     n = TRAIN_LENGTH - len(builder.answer)
     for _ in range(steps):
         rows = [builder.build(n, float(rng.random()), str(rng.choice(niah.MODES)),
@@ -74,6 +79,7 @@ def _train(model, builder, rng, steps=60, batch_size=4):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
+        decay.step()
 
 
 @pytest.fixture(scope="module")
