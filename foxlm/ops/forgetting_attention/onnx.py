@@ -48,7 +48,7 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     def ints(*values):
         return op.Constant(value_ints=list(values))
 
-    def heads_first(x, repeat: bool):  # [B, T, H, d] -> [B, H, T, d] fp32; repeat: a key head for each of its group
+    def heads_first(x, repeat: bool):  # [B, T, H, d] -> [B, H, T, d] in dtype; repeat: a key head for each of its group
         x = op.Transpose(op.Cast(x, to=dtype), perm=[0, 2, 1, 3])
         if repeat and Hq != Hk:  # [B, Hk, T, d] -> [B, Hk, G, T, d] -> [B, Hq, T, d]
             shape = op.Shape(x)
@@ -70,7 +70,7 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     pos = op.Add(op.Range(zero, tq, one), op.Constant(value_int=int(q_offset)))  # [Tq] key position of each query
     keys = op.Range(zero, tk, one)
     visible = op.LessOrEqual(op.Unsqueeze(keys, ints(0)), op.Unsqueeze(pos, ints(1)))  # [Tq, Tk]
-    first = op.Expand(zero, op.Shape(pos))  # a row's first visible key
+    first = zero  # a row's first visible key
     if window is not None:
         first = op.Max(op.Sub(pos, op.Constant(value_int=int(window) - 1)), zero)
         visible = op.And(visible, op.GreaterOrEqual(op.Unsqueeze(keys, ints(0)), op.Unsqueeze(first, ints(1))))
@@ -85,5 +85,5 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     if threshold is None and window is None:
         starts = op.Constant(value_ints=[])
     else:  # [B, Hq, Tq], as the op's fake gives it
-        starts = op.Expand(op.Cast(first, to=INT64.dtype), op.Shape(lse))
+        starts = op.Expand(op.Cast(first, to=INT64.dtype), op.Shape(lse))  # first: [Tq], or 0 for every row
     return o, lse, starts

@@ -392,12 +392,9 @@ def _bwd_dkdv_tile(state, start_m, k, v, ck, kn, kvalid, q_base, do_base, cq_bas
     dv = _dot(cast(pt, do.dtype, INTERPRET), do, dv, PRECISION, INTERPRET)
     dpt = _dot(v, tl.trans(do), None, PRECISION, INTERPRET)
     dst = pt * (dpt - delta[None, :])
-    if DOT_SUMS:
-        dst = cast(dst, q.dtype, INTERPRET)
-        dk = _dot(dst, q, dk, PRECISION, INTERPRET)
-    else:
-        dk = _dot(cast(dst, q.dtype, INTERPRET), q, dk, PRECISION, INTERPRET)
-    return dk, dv, _sums(dst, dcs, DOT_SUMS, PRECISION, INTERPRET)
+    rounded = cast(dst, q.dtype, INTERPRET)  # as the dot sees it, and as _bwd_dq_tile rounds it
+    dk = _dot(rounded, q, dk, PRECISION, INTERPRET)
+    return dk, dv, _sums(rounded if DOT_SUMS else dst, dcs, DOT_SUMS, PRECISION, INTERPRET)
 
 
 @triton.jit
@@ -424,12 +421,9 @@ def _bwd_dq_tile(state, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base
     p = tl.math.exp2(s)
     dp = _dot(do, tl.trans(v), None, PRECISION, INTERPRET)
     ds = p * (dp - delta[:, None])
-    if DOT_SUMS:  # rounded as _bwd_dkdv_tile rounds it, to q's dtype
-        ds = cast(ds, q.dtype, INTERPRET)
-        dq = _dot(ds, k, dq, PRECISION, INTERPRET)
-    else:
-        dq = _dot(cast(ds, q.dtype, INTERPRET), k, dq, PRECISION, INTERPRET)
-    return dq, _sums(ds, drs, DOT_SUMS, PRECISION, INTERPRET)
+    rounded = cast(ds, q.dtype, INTERPRET)  # to q's dtype, as _bwd_dkdv_tile rounds it
+    dq = _dot(rounded, k, dq, PRECISION, INTERPRET)
+    return dq, _sums(rounded if DOT_SUMS else ds, drs, DOT_SUMS, PRECISION, INTERPRET)
 
 
 @triton.jit
