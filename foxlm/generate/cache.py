@@ -4,7 +4,7 @@ It implements ``foxlm.models.cache.KVCache`` (``attend``, token-shift state, ``g
 ``FoxForCausalLM`` decodes with it unchanged. Layout (see ``foxlm.ops.forgetting_attention.decode``): one pool of
 pages shared by all layers, k [P, page_size, D], v [P, page_size, Dv], gate cumsum c [P, page_size, G] fp64;
 a page table [L, B, Hk, max_pages] maps every (layer, row, kv head) logical page to a pool page; ``cache_start``
-[L, B, Hk] is the first live page. Only real tokens are stored (left padding is dropped), so rows have
+[L, B, Hk] is the first live page. Only real tokens are stored (padding, left or right, is dropped), so rows have
 their own lengths.
 
 Steps: the first call of a forward (layer 0) books the new tokens' pages on the host (no device sync when
@@ -131,7 +131,7 @@ class PagedFoxCache:
         return taken[::-1]
 
     def begin(self, T: int, valid: torch.Tensor | None = None) -> None:
-        """Book pages for a forward of T new tokens per row (``valid`` [B, T]: False at left padding).
+        """Book pages for a forward of T new tokens per row (``valid`` [B, T]: False at padding).
 
         ``attend`` does this by itself at layer 0; call it before the forward instead when the positions of
         the new tokens (``write_pos``) must be known first, or before replaying a captured decode step (then
@@ -218,7 +218,8 @@ class PagedFoxCache:
         """``KVCache.attend``: store the new tokens' k, v and gate cumsum, and return their attention over the cache.
 
         q: [B, T, Hq, D], k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None,
-        valid: [B, T] bool, False at left padding. Returns o: [B, T, Hq, Dv] (zeros at padding).
+        valid: [B, T] bool, False at padding (before and/or after a row's real tokens). Returns o: [B, T, Hq, Dv]
+        (zeros at padding).
         """
         B, T, Hq, _ = q.shape
         if B != self.batch_size or Hq != self.num_heads or k.shape[2] != self.num_kv_heads:
@@ -264,14 +265,22 @@ class PagedFoxCache:
         buf = self._shift.get((layer_idx, name))
         return None if buf is None else buf.clone()  # the layer overwrites the state before using it
 
-    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
-        """Keep the pre-shift projection of the newest of the tokens x: [B, T, Hk, D]."""
-        x = x[:, -1]
+    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Keep each row's pre-shift projection of its last real token among x: [B, T, Hk, D] (valid [B, T]: False
+        at padding); a row with none in this call (right padding after its prompt) keeps the state it had."""
         buf = self._shift.get((layer_idx, name))
-        if buf is None:
-            self._shift[(layer_idx, name)] = x.detach().clone()
+        if valid is None:
+            last = x[:, -1]
         else:
-            buf.copy_(x)
+            cols = torch.arange(x.shape[1], device=x.device)
+            at = torch.where(valid, cols, -1).amax(1)  # [B]; -1: no real token in this call
+            last = x.gather(1, at.clamp_min(0)[:, None, None, None].expand(-1, 1, *x.shape[2:]))[:, 0]
+            before = buf if buf is not None else torch.zeros_like(last)
+            last = torch.where((at >= 0)[:, None, None], last, before)
+        if buf is None:
+            self._shift[(layer_idx, name)] = last.detach().clone()
+        else:
+            buf.copy_(last)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns fed so far (left padding included), as ``FoxForCausalLM`` expects of ``attention_mask``."""

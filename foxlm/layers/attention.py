@@ -198,7 +198,7 @@ class ForgettingAttention(nn.Module):
             (``RotaryEmbedding`` of the positions), needed with ``rope``.
         reset: [B, T] bool, where the token shift must not look back (segment starts, after padding).
         cache: a KV cache (``foxlm.models.cache.KVCache``): the new tokens attend to everything cached.
-        valid: [B, T] bool, False at left padding (with a cache only).
+        valid: [B, T] bool, False at padding (with a cache only).
         Context-parallel (``foxlm.parallel.apply_context_parallel``): x is this rank's shard of the sequence, as
         ``foxlm.parallel.shard_sequence(x, dim=1)`` makes it, and so are y and log_fgate.
         """

@@ -72,7 +72,7 @@ class AttentionBackend(nn.Module):
         if cache is not None:
             prev = cache.get_shift_state(layer_idx, name)
             new = x if valid is None else x * valid[:, :, None, None].to(x.dtype)  # zeros at padding
-            cache.set_shift_state(layer_idx, name, new)
+            cache.set_shift_state(layer_idx, name, new, valid=valid)
         return shift(x, h, prev, reset)
 
     def tile_stats(

@@ -61,9 +61,10 @@ class KVCache(Protocol):
         real token seen (zeros before any), or None before the first token."""
         ...
 
-    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
+    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Hand over the new tokens' pre-shift projections x: [B, T, Hk, D] (zeros at padding); the layer reads
-        the state before shifting them. A cache keeps at least the last."""
+        the state before shifting them. valid: [B, T] bool, False at padding, as ``attend``'s. A cache keeps at least
+        each row's last real one (its state before the call where the row has none: right padding keeps it)."""
         ...
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -193,8 +194,9 @@ class FoxCache(Cache):
         hist = self._layer(layer_idx).shift.get(name)
         return None if hist is None else hist[:, -1]
 
-    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor) -> None:
-        """Store the pre-shift projections x: [B, T, Hk, D] of the new tokens for stream ``name``."""
+    def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Store the pre-shift projections x: [B, T, Hk, D] of the new tokens for stream ``name`` (``attend`` then
+        carries the state over this call's padding, from the ``valid`` it gets)."""
         layer = self._layer(layer_idx)
         old = layer.shift.get(name)
         # kept whole until attend() has carried the state over this call's padding and trims it

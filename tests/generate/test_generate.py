@@ -75,6 +75,51 @@ def test_paged_cache_matches_full_forward(arch, overrides, chunk):
     assert cache.lengths.tolist() == [len(r) for r in rows]
 
 
+@pytest.mark.parametrize("arch, chunk", [
+    ("fox-pro", 64),  # token shift: the state after a right-padded prompt is its last real token's
+    ("fox-pro", 7),  # chunked prefill: the short rows' last chunks are all padding
+    ("transformer-pro", 64),  # RoPE positions count real tokens only
+])
+def test_paged_cache_right_padding(arch, chunk):
+    """Right-padded prompts (HF-style: the mask then grows by ones), prefill and decode through the model with a
+    PagedFoxCache: each row's logits equal a cache-less forward of its real tokens (fp64)."""
+    model = _model(arch)
+    gen = torch.Generator().manual_seed(4)
+    prompts = _prompts(gen, (9, 21, 14))
+    width = max(map(len, prompts))
+    ids = torch.zeros(3, width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, :len(p)] = torch.tensor(p)
+        mask[b, :len(p)] = 1
+    cache = PagedFoxCache.from_model(model, 3, 40, page_size=4)
+    with torch.no_grad():
+        logits = torch.cat([model(input_ids=ids[:, a:a + chunk], attention_mask=mask[:, :a + chunk], cache=cache,
+                                  use_cache=True).logits for a in range(0, width, chunk)], 1)
+        last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])
+        rows = [list(p) for p in prompts]
+        torch.testing.assert_close(last, _full_logits(model, rows), rtol=1e-9, atol=1e-9)
+        for _ in range(3):
+            tokens = torch.randint(0, V, (3, 1), generator=gen)
+            rows = [r + [int(t)] for r, t in zip(rows, tokens)]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            out = model(input_ids=tokens, attention_mask=mask, cache=cache, use_cache=True)
+            torch.testing.assert_close(out.logits[:, -1], _full_logits(model, rows), rtol=1e-9, atol=1e-9)
+    assert cache.lengths.tolist() == [len(r) for r in rows]
+
+
+def test_paged_cache_refuses_padding_inside_a_call():
+    """A row whose real tokens are not one run in a call: a clear error, not attention over the wrong columns."""
+    model = _model("fox-llama")
+    cache = PagedFoxCache.from_model(model, 1, 16, page_size=4)
+    attn = model.model.layers[0].attn
+    q = torch.randn(1, 4, attn.num_heads, attn.head_dim, dtype=torch.float64)
+    k = torch.randn(1, 4, attn.num_kv_heads, attn.head_dim, dtype=torch.float64)
+    with pytest.raises(ValueError, match="valid: each row's real tokens must be one run"):
+        cache.attend(0, q, k, k.clone(), torch.full((1, 4, attn.num_heads), -0.1), scale=0.25,
+                     valid=torch.tensor([[True, False, True, True]]))
+
+
 def _fast_forgetting_model():
     """fox-pro whose heads forget at very different speeds (gate biases -1 .. 6): most pages can go."""
     model = _model("fox-pro", seed=3)

@@ -188,8 +188,8 @@ class _ProtocolOnlyCache:
     def get_shift_state(self, layer_idx, name):
         return self.inner.get_shift_state(layer_idx, name)
 
-    def set_shift_state(self, layer_idx, name, x):
-        self.inner.set_shift_state(layer_idx, name, x)
+    def set_shift_state(self, layer_idx, name, x, valid=None):
+        self.inner.set_shift_state(layer_idx, name, x, valid=valid)
 
     def get_seq_length(self, layer_idx=0):
         return self.inner.get_seq_length(layer_idx)

@@ -60,8 +60,9 @@ def forgetting_attention_with_kvcache(
     k_cache, v_cache, c_cache: the cache in either layout (module docstring), holding the new tokens.
     cache_seqlens: tokens each row held before this call (host: the path is picked without a device sync); an int
         for a contiguous cache.
-    valid: [B, T] bool, False at padding (a contiguous cache stores padding, with c = +1e30 at it; a paged cache
-        drops it). prune: ACP (``foxlm.ops.ACP``) for the prompt and chunks; window: sliding window.
+    valid: [B, T] bool, False at padding, before and/or after each row's one run of real tokens (a contiguous cache
+        stores padding, with c = +1e30 at it; a paged cache drops it). prune: ACP (``foxlm.ops.ACP``) for the prompt
+        and chunks; window: sliding window.
     Paged layout only: seqlens_new, the new tokens stored per row (host; default T); block_table [B, Hk, max_pages]
     int32; cache_start [B, Hk] int32, the first live page, and cache_start_host, its host copy; cache_lengths [B]
     int32, the rows' lengths after this call; num_splits: the decode kernel's key splits.
@@ -75,6 +76,7 @@ def forgetting_attention_with_kvcache(
         return forgetting_attention_decode(q.to(k_cache.dtype), k_cache, v_cache, c_cache, block_table, cache_start,
                                            cache_lengths, scale=scale, window=window, num_splits=num_splits)
     new = np.full(B, T) if seqlens_new is None else np.asarray(seqlens_new)
+    first = _first_real(valid, new, T)
     o = q.new_zeros(*q.shape[:3], v.shape[-1])
     G = q.shape[2] // k.shape[2]
     page_size = k_cache.shape[1]
@@ -82,7 +84,7 @@ def forgetting_attention_with_kvcache(
         n, total = int(new[b]), int(before[b] + new[b])
         if n == 0:
             continue
-        rows = slice(T - n, T)  # a paged cache holds real tokens only: they are the last n of the row
+        rows = slice(int(first[b]), int(first[b]) + n)  # a paged cache holds real tokens only, in the order they came
         if n == total:  # a fresh row: everything is in hand
             lf = log_fgate[b:b + 1, rows] if log_fgate is not None else None
             o[b:b + 1, rows] = sequence_attention(q[b:b + 1, rows], k[b:b + 1, rows], v[b:b + 1, rows], lf,
@@ -97,6 +99,20 @@ def forgetting_attention_with_kvcache(
             o[b:b + 1, rows, heads] = attention_from_cumsum(qq, kk, vv, cc[:, -n:], cc, scale=scale, window=window,
                                                             threshold=threshold)[0]
     return o
+
+
+def _first_real(valid: torch.Tensor | None, new: np.ndarray, T: int) -> np.ndarray:
+    """The column of each row's first new real token (host). A row's real tokens in a call are one run, with padding
+    before it (left), after it (right) or both, all of which a paged cache drops."""
+    if valid is None:
+        return T - new
+    cols = torch.arange(T, device=valid.device)
+    first, last, count = torch.stack([torch.where(valid, cols, T).amin(1), torch.where(valid, cols, -1).amax(1),
+                                      valid.sum(1)]).cpu().numpy()
+    if not np.array_equal(count, new) or ((count > 0) & (last - first + 1 != count)).any():
+        raise ValueError(f"valid: each row's real tokens must be one run of its seqlens_new ({new.tolist()}) tokens, "
+                         f"with padding before and/or after it; got {count.tolist()} real tokens a row")
+    return np.where(count > 0, first, 0)
 
 
 def _contiguous(q, k_cache, v_cache, c_cache, k, v, log_fgate, before, scale, window, prune, valid) -> torch.Tensor:
