@@ -8,9 +8,11 @@ specializes them at the training shapes (16-byte aligned pointers; strides and l
 that, loads are not vectorized and the register counts are those of another kernel). It prints what ptxas reports
 (registers, spills, shared memory, whether it serialized the wgmma instructions), then per loop of the SASS (the
 tile loops: a backward branch each) the instruction count, tensor-core (HGMMA), exp2 (MUFU) and spill (LDL/STL)
-instructions: spills matter in the loops, not around them. It times nothing.
+instructions: spills matter in the loops, not around them. With ``--kernels gluon`` (or ``all``, at a head dim the
+Gluon forward has tiles for, with the Triton release it was tested on) it compiles the Gluon forward (``gluon_fwd``)
+too, and reports its partitions' register budgets (``setmaxnreg``). It times nothing.
 
-    python benchmarks/kernel_resources.py [--head-dim 64] [--arch 90]
+    python benchmarks/kernel_resources.py [--head-dim 64] [--arch 90] [--kernels all|triton|gluon]
 """
 
 from __future__ import annotations
@@ -99,10 +101,39 @@ def loops(kernel, arch: int) -> list[dict]:
     return found
 
 
+def compile_gluon_forward(d: int, arch: int):
+    """The Gluon forward (``gluon_fwd``) at head dim d, bf16, as its launcher specializes it (descriptors of its
+    tiles; aligned pointers and T)."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from foxlm.ops.forgetting_attention import gluon_fwd as gf
+
+    block_m, block_n, stages = gf.TILES[d]
+
+    def descriptor(rows: int) -> str:  # as the launcher writes a TensorDescriptor's type
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        return f"tensordesc<bf16[{rows},{d}],{layout!r}>"
+
+    fn = gf._attn_fwd_gluon
+    constexprs = dict(G=1, D=d, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages)
+    types = {"q_desc": descriptor(block_m), "k_desc": descriptor(block_n), "v_desc": descriptor(block_n),
+             "c_ptr": "*fp64", "o_ptr": "*bf16", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in ("c_ptr", "o_ptr", "lse_ptr", "T")}
+    src = GluonASTSource(fn=fn, signature=signature, attrs=aligned,
+                         constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return f"gluon forward {block_m}x{block_n} (2 warpgroups)", triton.compile(
+        src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4)), stages
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
+    p.add_argument("--kernels", choices=["all", "triton", "gluon"], default="all",
+                   help="the Triton kernels, the Gluon forward (at its head dims, with its tested Triton), or both")
     args = p.parse_args()
     if ta._INTERPRETED:
         raise SystemExit("TRITON_INTERPRET=1 is set: the kernels are interpreted, unset it to compile them")
@@ -118,10 +149,19 @@ def main() -> None:
         cases.append((f"backward, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel, tiles, w, s))
         cases.append((f"backward, ACP, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel, dict(tiles, PRUNE=True), w, s))
     print(f"sm_{args.arch}a, head dim {d}, bf16")
-    for name, fn, tiles, warps, stages in cases:
-        kernel = compile_kernel(fn, {**common, **tiles}, warps, stages, args.arch)
+    built = []
+    if args.kernels != "gluon":
+        built = ((name, compile_kernel(fn, {**common, **tiles}, warps, stages, args.arch), f"warps {warps}", stages)
+                 for name, fn, tiles, warps, stages in cases)
+    gluon = triton.__version__ == ta.GLUON_TESTED["triton"] and d in ta.GLUON_TESTED["head_dims"]
+    if args.kernels != "triton" and gluon:
+        name, kernel, stages = compile_gluon_forward(d, args.arch)
+        built = [*built, (name, kernel, "warps 4+4+1", stages)]
+    for name, kernel, warps, stages in built:
         r = resources(kernel, args.arch)
-        print(f"{name:45s} warps {warps} stages {stages}: " + ", ".join(f"{k} {v}" for k, v in r.items()), flush=True)
+        r["setmaxnreg"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",
+                                                              kernel.asm["ptx"])})
+        print(f"{name:45s} {warps} stages {stages}: " + ", ".join(f"{k} {v}" for k, v in r.items()), flush=True)
         for i, loop in enumerate(loops(kernel, args.arch)):
             print(f"    loop {i}: " + ", ".join(f"{k} {v}" for k, v in loop.items()), flush=True)
 

@@ -1,8 +1,9 @@
 """The host side of Forgetting Attention's Triton kernels (the kernels are in ``triton_kernels``).
 
-Tile tables and autotuning, the launchers (``_forward_impl``, ``_backward_impl``), the ``torch.library`` custom ops
-that torch.compile traces, the eager ``autograd.Function`` over the same launchers, and the entry point
-``triton_forgetting_attention`` that ``forgetting_attention`` calls.
+Tile tables and autotuning, the launchers (``_forward_impl``, ``_backward_impl``; the forward hands the calls it was
+tested on to the Gluon forward, ``gluon_fwd``), the ``torch.library`` custom ops that torch.compile traces, the eager
+``autograd.Function`` over the same launchers, and the entry point ``triton_forgetting_attention`` that
+``forgetting_attention`` calls.
 """
 
 from __future__ import annotations
@@ -104,6 +105,26 @@ def _launch(kernel, grid, interpret_meta: dict, q: torch.Tensor, *args, **kwargs
         _TUNED[key] = kernel.best_config
     else:
         kernel.fn[grid](q, *args, **kwargs, **config.all_kwargs())
+
+
+# The Gluon forward (``gluon_fwd``, GPU only) runs where tests/ops/forgetting_attention/test_gluon.py passed on the
+# device: this GPU architecture, Triton release (Gluon's API changes between releases), head dims and dtypes; the Triton
+# forward everywhere else. GLUON_FORWARD switches it off (tests compare the two).
+GLUON_TESTED = dict(capability=(9, 0), triton="3.6.0", head_dims=(128,), dtypes=(torch.bfloat16, torch.float16))
+GLUON_FORWARD = True
+
+
+def _gluon_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, window, threshold,
+                    capability: tuple[int, int] | None, triton_version: str) -> bool:
+    """Whether the Gluon forward takes this call: the tested GPU and Triton (``capability``: the device's, None off
+    CUDA), dtype and head dim; the plain causal case (Tq == Tk, no packed sequences, window or ACP); q, k, v
+    contiguous and 16-byte aligned (TMA reads them as [B * T, H * D] matrices)."""
+    return (GLUON_FORWARD and capability == GLUON_TESTED["capability"]
+            and triton_version == GLUON_TESTED["triton"] and q.dtype in GLUON_TESTED["dtypes"]
+            and k.dtype == v.dtype == q.dtype and q.shape[-1] == v.shape[-1]
+            and q.shape[-1] in GLUON_TESTED["head_dims"] and q.shape[1] == k.shape[1]
+            and cu_seqlens is None and window is None and threshold is None
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
 
 
 # Bytes of the streamed tensors (K and V in the forward, Q and dO in the backward) that the programs in flight may
@@ -211,6 +232,12 @@ def _forward_impl(
 
     meta = _meta(q, v, cu_seqlens, threshold, window)
     crk = _relative_c(c, cu_seqlens, meta["C_BLOCK"])
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    if not _small_tiles() and _gluon_eligible(q, k, v, cu_seqlens, window, threshold, capability, triton.__version__):
+        from .gluon_fwd import gluon_forward  # imports Gluon, which only the tested Triton release is known to have
+
+        o, lse = gluon_forward(q, k, v, c, scale, _head_group(Hq * n_seq, len_k, q, v))
+        return o, lse, c, crk
     _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, crk, thr, o, lse, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v), Hq // Hk,
