@@ -59,6 +59,10 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, ch
         if max_seqlen is not None:
             raise ValueError("max_seqlen: only meaningful together with cu_seqlens")
     else:
+        # compiled, an int argument may arrive as a SymInt (a Python int when dynamo specializes it)
+        if max_seqlen is not None and (isinstance(max_seqlen, bool)
+                                       or not isinstance(max_seqlen, (numbers.Integral, torch.SymInt))):
+            raise ValueError(f"max_seqlen: expected an int (the longest sequence's length) or None, got {max_seqlen!r}")
         if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64)
                 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
             got = f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}"
@@ -182,6 +186,8 @@ def forgetting_attention(
         log_fgate = log_fgate.float()
     if cu_seqlens is not None and cu_seqlens.dtype != torch.int32:  # fla's int64 offsets (checked above)
         cu_seqlens = cu_seqlens.int()
+    if isinstance(max_seqlen, numbers.Integral):  # a NumPy int too: the kernels' grid and custom op take an int
+        max_seqlen = int(max_seqlen)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention

@@ -455,6 +455,8 @@ def test_lse_gradient_flows():
         (lambda a: a.update(tolerance=2.0), "tolerance"),
         (lambda a: a.update(q=torch.randn(1, 17, 4, 8, dtype=torch.float64)), "q"),
         (lambda a: a.update(max_seqlen=16), "max_seqlen"),
+        *[(lambda a, m=m: a.update(cu_seqlens=torch.tensor([0, 4, 16], dtype=torch.int32), max_seqlen=m),
+           "max_seqlen: expected an int") for m in ("16", 16.0, True, torch.tensor(16))],
         (lambda a: a.update(window=0), "window"),
         (lambda a: a.update(window=2.5), "window"),
         (lambda a: a.update(window=True), "window"),
