@@ -73,6 +73,15 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, ch
             raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
         if Tk >= 2**31:
             raise ValueError(f"cu_seqlens: offsets up to 2^31 - 1 are supported, got {Tk} tokens")
+    if bound_tensor:  # ACP.threshold expands it to one bound per (sequence, head)
+        rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        try:
+            fits = torch.broadcast_shapes(logit_bound.shape, (rows, Hq)) == (rows, Hq)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"logit_bound: expected a tensor broadcastable to [{'B' if cu_seqlens is None else 'N'}="
+                             f"{rows}, Hq={Hq}], got shape {tuple(logit_bound.shape)}")
     if not _checking_values(q) or (cu_seqlens is None and not check_gates):
         return
     # Every value check in one device tensor, read back with a single host sync.
