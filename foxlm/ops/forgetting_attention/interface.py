@@ -193,8 +193,8 @@ def forgetting_attention(
     _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, check_gates)
     if log_fgate.dtype not in (torch.float32, torch.float64):  # the gate math is fp32; autograd casts the gradient
         log_fgate = log_fgate.float()
-    if cu_seqlens is not None and cu_seqlens.dtype != torch.int32:  # fla's int64 offsets (checked above)
-        cu_seqlens = cu_seqlens.int()
+    if cu_seqlens is not None:  # fla's int64 offsets (checked above); the kernels read them with stride 1
+        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
     if isinstance(max_seqlen, numbers.Integral):  # a NumPy int too: the kernels' grid and custom op take an int
         max_seqlen = int(max_seqlen)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
