@@ -26,8 +26,10 @@ def check_tolerance(tolerance: float, name: str = "tolerance") -> None:
 
 def check_logit_bound(logit_bound: float | torch.Tensor | None) -> None:
     """A host-number bound must be finite and >= 0 (a tensor's values are checked with the op's value checks)."""
-    if logit_bound is not None and not isinstance(logit_bound, torch.Tensor) and not 0.0 <= logit_bound < math.inf:
-        raise ValueError(f"logit_bound: expected a finite bound >= 0 on |scale * q . k|, got {logit_bound}")
+    if logit_bound is None or isinstance(logit_bound, torch.Tensor):
+        return
+    if isinstance(logit_bound, bool) or not isinstance(logit_bound, numbers.Real) or not 0.0 <= logit_bound < math.inf:
+        raise ValueError(f"logit_bound: expected a finite bound >= 0 on |scale * q . k|, got {logit_bound!r}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -293,9 +293,11 @@ def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) ->
         raise ValueError(f"k_cache, v_cache: expected q's dtype {q.dtype}, got {k_cache.dtype} and {v_cache.dtype}")
     if k_cache.stride(2) != 1 or v_cache.stride(2) != 1 or q.stride(3) != 1:
         raise ValueError("q, k_cache, v_cache: the head dim must be contiguous")
-    if page_table.dim() != 3 or page_table.shape[0] != B or page_table.dtype != torch.int32:
-        raise ValueError(f"page_table: expected int32 [B={B}, Hk, max_pages], "
-                         f"got {page_table.dtype} {tuple(page_table.shape)}")
+    # The kernel reads a page table's pages and the lengths with stride 1.
+    if (page_table.dim() != 3 or page_table.shape[0] != B or page_table.dtype != torch.int32
+            or page_table.stride(2) != 1):
+        raise ValueError(f"page_table: expected int32 [B={B}, Hk, max_pages] with contiguous pages, "
+                         f"got {page_table.dtype} {tuple(page_table.shape)} strides {page_table.stride()}")
     Hk = page_table.shape[1]
     if Hq % Hk:
         raise ValueError(f"q: its {Hq} heads must be a multiple of the cache's {Hk} kv heads")
@@ -306,8 +308,9 @@ def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) ->
     if cache_start.dtype != torch.int32 or tuple(cache_start.shape) != (B, Hk) or not cache_start.is_contiguous():
         raise ValueError(f"cache_start: expected contiguous int32 [{B}, {Hk}], "
                          f"got {cache_start.dtype} {tuple(cache_start.shape)}")
-    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (B,):
-        raise ValueError(f"lengths: expected int32 [{B}], got {lengths.dtype} {tuple(lengths.shape)}")
+    if lengths.dtype != torch.int32 or tuple(lengths.shape) != (B,) or not lengths.is_contiguous():
+        raise ValueError(f"lengths: expected contiguous int32 [{B}], got {lengths.dtype} {tuple(lengths.shape)} "
+                         f"strides {lengths.stride()}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache), ("c_cache", c_cache), ("page_table", page_table),
                     ("cache_start", cache_start), ("lengths", lengths)):
         if t.device != q.device:

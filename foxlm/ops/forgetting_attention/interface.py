@@ -59,6 +59,10 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, ch
         if max_seqlen is not None:
             raise ValueError("max_seqlen: only meaningful together with cu_seqlens")
     else:
+        # compiled, an int argument may arrive as a SymInt (a Python int when dynamo specializes it)
+        if max_seqlen is not None and (isinstance(max_seqlen, bool)
+                                       or not isinstance(max_seqlen, (numbers.Integral, torch.SymInt))):
+            raise ValueError(f"max_seqlen: expected an int (the longest sequence's length) or None, got {max_seqlen!r}")
         if (not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype not in (torch.int32, torch.int64)
                 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2):
             got = f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} {tuple(getattr(cu_seqlens, 'shape', ()))}"
@@ -69,6 +73,15 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, ch
             raise ValueError(f"cu_seqlens: packed input needs B == 1 and Tq == Tk, got B={B}, Tq={Tq}, Tk={Tk}")
         if Tk >= 2**31:
             raise ValueError(f"cu_seqlens: offsets up to 2^31 - 1 are supported, got {Tk} tokens")
+    if bound_tensor:  # ACP.threshold expands it to one bound per (sequence, head)
+        rows = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        try:
+            fits = torch.broadcast_shapes(logit_bound.shape, (rows, Hq)) == (rows, Hq)
+        except RuntimeError:
+            fits = False
+        if not fits:
+            raise ValueError(f"logit_bound: expected a tensor broadcastable to [{'B' if cu_seqlens is None else 'N'}="
+                             f"{rows}, Hq={Hq}], got shape {tuple(logit_bound.shape)}")
     if not _checking_values(q) or (cu_seqlens is None and not check_gates):
         return
     # Every value check in one device tensor, read back with a single host sync.
@@ -180,8 +193,10 @@ def forgetting_attention(
     _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, check_gates)
     if log_fgate.dtype not in (torch.float32, torch.float64):  # the gate math is fp32; autograd casts the gradient
         log_fgate = log_fgate.float()
-    if cu_seqlens is not None and cu_seqlens.dtype != torch.int32:  # fla's int64 offsets (checked above)
-        cu_seqlens = cu_seqlens.int()
+    if cu_seqlens is not None:  # fla's int64 offsets (checked above); the kernels read them with stride 1
+        cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
+    if isinstance(max_seqlen, numbers.Integral):  # a NumPy int too: the kernels' grid and custom op take an int
+        max_seqlen = int(max_seqlen)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention

@@ -199,3 +199,9 @@ def test_decode_bad_input():
         forgetting_attention_decode(q[:, :, :3], kc, vc, cc, pt, start, lengths)
     with pytest.raises(ValueError, match="lengths"):
         forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths.long())
+    # the kernel reads pages and lengths with stride 1: strided views read other entries (NaN pages, wrong lengths)
+    with pytest.raises(ValueError, match="page_table"):
+        forgetting_attention_decode(q, kc, vc, cc, pt.repeat_interleave(2, dim=2)[..., ::2], start, lengths)
+    with pytest.raises(ValueError, match="lengths"):
+        forgetting_attention_decode(q.expand(2, -1, -1, -1), kc, vc, cc, pt.expand(2, -1, -1),
+                                    start.expand(2, -1).contiguous(), torch.tensor([3, 0, 3, 0], dtype=torch.int32)[::2])

@@ -455,6 +455,8 @@ def test_lse_gradient_flows():
         (lambda a: a.update(tolerance=2.0), "tolerance"),
         (lambda a: a.update(q=torch.randn(1, 17, 4, 8, dtype=torch.float64)), "q"),
         (lambda a: a.update(max_seqlen=16), "max_seqlen"),
+        *[(lambda a, m=m: a.update(cu_seqlens=torch.tensor([0, 4, 16], dtype=torch.int32), max_seqlen=m),
+           "max_seqlen: expected an int") for m in ("16", 16.0, True, torch.tensor(16))],
         (lambda a: a.update(window=0), "window"),
         (lambda a: a.update(window=2.5), "window"),
         (lambda a: a.update(window=True), "window"),
@@ -655,6 +657,17 @@ def test_prune_rejects_a_bad_logit_bound(bound):
         forgetting_attention(q, k, v, log_f, prune=True, logit_bound=bound)
     with pytest.raises(ValueError, match="logit_bound"):
         forgetting_attention(q, k, v, log_f, prune=True, logit_bound=torch.full((1, 2), bound, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("bound,cu", [("1.0", None), (True, None), (torch.ones(3), None), (torch.ones(2, 2), None),
+                                      (torch.ones(3, 2), [0, 5, 16]), (torch.ones(2, 1), [0, 3, 9, 16])])
+def test_prune_rejects_a_logit_bound_of_the_wrong_type_or_shape(bound, cu):
+    """A bound that is no number, or a tensor that does not broadcast to [B or N, Hq], is named: a string raised
+    an unnamed TypeError, a bool was taken as 0 or 1, a tensor raised expand()'s RuntimeError."""
+    q, k, v, log_f = _inputs(1, 16, 16, 2, 2, 8)
+    cu = None if cu is None else torch.tensor(cu, dtype=torch.int32)
+    with pytest.raises(ValueError, match="logit_bound: expected"):
+        forgetting_attention(q, k, v, log_f, prune=True, logit_bound=bound, cu_seqlens=cu)
 
 
 def test_prune_with_a_nan_key_leaves_earlier_rows_as_without_prune():

@@ -635,3 +635,11 @@ def test_flash_attn_and_fla_conventions_on_the_kernels():
     torch.testing.assert_close(lse.double(), want_lse[0], rtol=2e-5, atol=2e-5)
     for got, ref in zip(grads, torch.autograd.grad(want.sum(), leaves)):
         torch.testing.assert_close(got.double(), ref[0].to(got.dtype).double(), rtol=2e-2, atol=2e-3)
+
+
+def test_strided_cu_seqlens_are_read_as_their_values():
+    """An int32 cu_seqlens view with a stride (every other element of a buffer) went to the kernels as it was; they
+    read it with stride 1, so offsets came from the wrong elements and o and the gradients were garbage."""
+    cu = torch.tensor([0, 7, 17, 7, 40, 7], dtype=torch.int32)[::2]
+    assert not cu.is_contiguous()
+    _check(_inputs(1, 40, 40, 2, 1, 16, 16), rel=2e-5, cu_seqlens=cu)
