@@ -263,7 +263,10 @@ def _backward_impl(
     cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32, deterministic (no atomics)."""
-    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    # The kernel writes each gradient with its input's strides, into empty_like's buffer: an input whose strides
+    # empty_like does not keep (a view with gaps, e.g. k and v split from one fused projection) is copied first.
+    q, k, v = (x if x.stride(-1) == 1 and torch.empty_like(x, device="meta").stride() == x.stride() else x.contiguous()
+               for x in (q, k, v))
     n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
     Tq, Hq = q.shape[1:3]
     Tk, Hk = k.shape[1], k.shape[2]

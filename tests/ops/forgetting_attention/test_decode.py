@@ -203,5 +203,6 @@ def test_decode_bad_input():
     with pytest.raises(ValueError, match="page_table"):
         forgetting_attention_decode(q, kc, vc, cc, pt.repeat_interleave(2, dim=2)[..., ::2], start, lengths)
     with pytest.raises(ValueError, match="lengths"):
+        strided = torch.tensor([3, 0, 3, 0], dtype=torch.int32)[::2]
         forgetting_attention_decode(q.expand(2, -1, -1, -1), kc, vc, cc, pt.expand(2, -1, -1),
-                                    start.expand(2, -1).contiguous(), torch.tensor([3, 0, 3, 0], dtype=torch.int32)[::2])
+                                    start.expand(2, -1).contiguous(), strided)

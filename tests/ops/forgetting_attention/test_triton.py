@@ -585,6 +585,24 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
         assert all(ldl == stl == "0" for *_, ldl, stl in checked), name + kernel
 
 
+def test_gradients_of_views_with_gaps():
+    """k and v split from one fused projection along the head dim (views whose last dim is contiguous but which
+    leave gaps): the backward writes each gradient with its input's strides, so it must not get a buffer laid out
+    otherwise (it wrote out of bounds). Gradients equal the fp64 reference's."""
+    q, _, _, log_fgate = _inputs(1, 37, 37, 4, 2, 16, 16)
+    kv = torch.randn(1, 37, 2, 32, requires_grad=True)
+    k, v = kv[..., :16], kv[..., 16:]
+    do = torch.randn(1, 37, 4, 16)
+    o = forgetting_attention(q, k, v, log_fgate)
+    grads = torch.autograd.grad(o, (q, kv, log_fgate), do)
+    ref_q, ref_kv, ref_f = (t.detach().double().requires_grad_() for t in (q, kv, log_fgate))
+    ref = forgetting_attention_reference(ref_q, ref_kv[..., :16], ref_kv[..., 16:], ref_f)
+    expected = torch.autograd.grad(ref, (ref_q, ref_kv, ref_f), do.double())
+    for name, a, e in zip(("dq", "dkv", "dlog_fgate"), grads, expected):
+        err = ((a.double() - e).norm() / e.norm()).item()
+        assert err < 2e-5, f"{name}: relative error {err:.2e}"
+
+
 @pytest.mark.parametrize("used", ["o", "lse"])
 def test_gradients_when_one_output_is_unused(used):
     """A loss of o alone (no lse gradient reaches the backward) or of lse alone (no o gradient): the kernels' gradients
