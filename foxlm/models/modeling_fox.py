@@ -346,7 +346,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         return_per_token_loss: bool = False,
         shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
         **kwargs,
     ) -> FoxCausalLMOutput | tuple:
@@ -357,7 +357,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         since its last token's target is on another rank; then .per_token_loss is [B, T].
         num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
         accumulation and processes): .loss is then the sum over this batch's labels divided by it.
-        logits_to_keep: compute logits for the last n positions only (0: all). Other arguments as in
+        logits_to_keep: compute logits for the last n positions only (0: all), or, as a 1-D tensor, for the
+        positions it lists (transformers' two forms). Other arguments as in
         ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
         and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
         out = self.model(
@@ -385,7 +386,9 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             raise ValueError(f"{name}: expected shape {tuple(h.shape[:2])}, got {tuple(given.shape)}")
         # every position predicts its shift_labels entry; with labels, all but the last predict the next label
         targets = shift_labels if shift_labels is not None else None if labels is None else labels[:, 1:]
-        if logits_to_keep and targets is None:
+        if isinstance(logits_to_keep, torch.Tensor) and targets is None:
+            h = h[:, logits_to_keep.to(h.device)]
+        elif logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
         reduction = "mean" if num_items_in_batch is None else "sum"

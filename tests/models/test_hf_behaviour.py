@@ -137,6 +137,17 @@ def test_padding_free_batch_keeps_documents_apart_as_in_llama(arch):
     torch.testing.assert_close(got[1], model(rows[1:], use_cache=False).logits[0])
 
 
+def test_logits_to_keep_as_positions_as_in_llama():
+    """logits_to_keep as a tensor lists the positions to keep (transformers' second form), as an int the last n. FoX
+    read a one-element tensor as a count (tensor([2]): the last two positions) and refused a longer one."""
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    for model in (_llama().eval(), _fox().eval()):
+        full = model(ids, use_cache=False).logits
+        for keep in (torch.tensor([2]), torch.tensor([0, 4, 8])):
+            torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=keep).logits, full[:, keep])
+        torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=3).logits, full[:, -3:])
+
+
 def test_config_output_flags_and_return_dict(tmp_path):
     """output_hidden_states / output_attentions / use_cache / return_dict from the config (from_pretrained's
     kwargs), and return_dict=False gives the output's fields as a tuple, as for transformers' models."""
