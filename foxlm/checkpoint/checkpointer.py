@@ -162,13 +162,26 @@ def model_name(cfg: dict) -> str:
 
 
 def _weights_differ(found: dict[str, tuple[int, ...]], module: torch.nn.Module) -> str | None:
-    """None if weights of these names and shapes are exactly ``module``'s (unsharded), else how they differ."""
+    """None if weights of these names and shapes are exactly ``module``'s (unsharded), else how they differ. A weight
+    tied to another (a tied LM head) may be absent where the other is there: ``save_pretrained`` writes it once."""
     expected = {name: tuple(t.shape) for name, t in module.state_dict().items()}
+    for names in _tied_names(module):
+        if any(name in found for name in names):
+            for name in names - set(found):
+                expected.pop(name, None)
     if found == expected:
         return None
     differ = sorted(set(found) ^ set(expected)) or [n for n in expected if found[n] != expected[n]]
     return (f"{len(differ)} weights differ (e.g. {differ[0]}: {found.get(differ[0], 'absent')} there, "
             f"{expected.get(differ[0], 'absent')} here)")
+
+
+def _tied_names(module: torch.nn.Module) -> list[set[str]]:
+    """The state-dict names of each parameter that ``module`` holds under several names (tied weights)."""
+    names: dict[int, set[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), set()).add(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.optim.Optimizer, tok_spec: dict,

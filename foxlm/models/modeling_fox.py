@@ -223,7 +223,9 @@ class FoxModel(FoxPreTrainedModel):
 
         attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens; rows must be one run of
             ones (left or right padding; left only with a cache). Padding is kept apart from real tokens.
-        position_ids: [B, T] RoPE positions (default: from the mask / document starts / cache length).
+        position_ids: [B, T] RoPE positions (default: from the mask / document starts / cache length). Without
+            a mask, a cache or cu_seqlens, a position that does not follow the one before starts a new document,
+            as in transformers' models (the padding-free batches of ``DataCollatorWithFlattening``).
         cu_seqlens: [N+1] int32 offsets of documents packed into one row (B == 1): documents never see
             each other, the gate cumsum and the token shift restart, RoPE positions restart.
         past_key_values / cache: a KV cache (``FoxCache`` or any ``KVCache``); the new tokens
@@ -249,8 +251,11 @@ class FoxModel(FoxPreTrainedModel):
             x = x.gather(1, order[..., None].expand_as(x))
             attention_mask = attention_mask.gather(1, order)
             position_ids = None if position_ids is None else position_ids.gather(1, order)
+        packed = None
+        if cache is None and cu_seqlens is None and attention_mask is None and self.context_parallel is None:
+            packed = _packed_starts(position_ids, B, T)
         segments, positions, reset, valid = _layout(B, T, x.device, cu_seqlens, attention_mask, position_ids, cache,
-                                                    self.config.window)
+                                                    self.config.window, packed)
         cp = self.context_parallel
         if cp is not None:
             cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
@@ -346,7 +351,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         return_per_token_loss: bool = False,
         shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
         **kwargs,
     ) -> FoxCausalLMOutput | tuple:
@@ -357,7 +362,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         since its last token's target is on another rank; then .per_token_loss is [B, T].
         num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
         accumulation and processes): .loss is then the sum over this batch's labels divided by it.
-        logits_to_keep: compute logits for the last n positions only (0: all). Other arguments as in
+        logits_to_keep: compute logits for the last n positions only (0: all), or, as a 1-D tensor, for the
+        positions it lists (transformers' two forms). Other arguments as in
         ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
         and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
         out = self.model(
@@ -385,7 +391,9 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             raise ValueError(f"{name}: expected shape {tuple(h.shape[:2])}, got {tuple(given.shape)}")
         # every position predicts its shift_labels entry; with labels, all but the last predict the next label
         targets = shift_labels if shift_labels is not None else None if labels is None else labels[:, 1:]
-        if logits_to_keep and targets is None:
+        if isinstance(logits_to_keep, torch.Tensor) and targets is None:
+            h = h[:, logits_to_keep.to(h.device)]
+        elif logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
         reduction = "mean" if num_items_in_batch is None else "sum"
@@ -483,14 +491,26 @@ def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(fill[..., None], carried, x)
 
 
-def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, window=None):
+def _packed_starts(position_ids: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
+    """[B, T] bool, True where a position does not follow the one before (a document of a padding-free batch
+    starts there, as transformers' ``find_packed_sequence_indices`` reads position_ids), or None where none does."""
+    if position_ids is None or T < 2 or position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) \
+            or position_ids.shape[1] != T:
+        return None
+    starts = torch.cat([torch.zeros_like(position_ids[:, :1], dtype=torch.bool),
+                        position_ids[:, 1:] - position_ids[:, :-1] != 1], dim=1).expand(B, T)
+    return starts if bool(starts.any()) else None
+
+
+def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, window=None, packed=None):
     """How the [B, T] new tokens are laid out: (segments, RoPE positions [B, T], token-shift reset [B, T] or
     None, valid [B, T] or None). Packed documents and padding without a cache become ``Segments``; with a
     cache, padding becomes ``valid`` (the cache keeps padded keys out of reach, adds no decay at them and
     carries the token-shift state over them) and positions count real tokens only. Left padding, and right
     padding that later calls continue after (generate on a right-padded batch), are inert; a real token after
     padding that follows real tokens in the same call is refused (the token shift looks back one position),
-    and so is any padding between real tokens with a sliding window (it counts cache slots)."""
+    and so is any padding between real tokens with a sliding window (it counts cache slots). ``packed``: [B, T]
+    document starts read off position_ids (``_packed_starts``), segments too."""
     segments = reset = valid = None
     if cu_seqlens is not None:
         if B != 1:
@@ -512,6 +532,8 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, windo
             position_ids = torch.arange(past, past + T, device=device).expand(B, T)
     elif attention_mask is not None and not bool(_check_mask(attention_mask, B, T).all()):
         segments = Segments.from_mask(attention_mask)
+    elif packed is not None:
+        segments = Segments.from_starts(packed)
     if segments is not None:
         reset = segments.starts
         if position_ids is None:

@@ -177,8 +177,13 @@ class Checkpointer:
 
     def load(self, ckpt: Path) -> tuple[dict, list[str]]:
         """Restore model, optimizer, loader and RNG from a verified checkpoint; return its trainer state (counters) and
-        the settings this run changes from the checkpoint's run ("key: old -> new")."""
+        the settings this run changes from the checkpoint's run ("key: old -> new"). The optimizer's hyperparameters
+        are this run's (a changed weight_decay, beta1, beta2 or eps applies, as reported): loading a state dict would
+        bring back the checkpoint's."""
+        settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         state, changed = restore_checkpoint(ckpt, self.module, self.optimizer, self.data.tok_spec, self.cfg.to_dict())
+        for group, own in zip(self.optimizer.param_groups, settings):
+            group.update(own)
         self.loader.load_state_dict(state["loader"])
         torch.set_rng_state(state["rng"]["cpu"])
         if state["rng"]["cuda"] and torch.cuda.is_available():

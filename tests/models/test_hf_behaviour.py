@@ -112,6 +112,42 @@ def test_shift_labels_win_over_labels_as_in_llama(training):
     torch.testing.assert_close(model(ids, shift_labels=shift).loss, want)  # FoX: shift_labels alone too
 
 
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_padding_free_batch_keeps_documents_apart_as_in_llama(arch):
+    """transformers' DataCollatorWithFlattening packs rows into one with position_ids restarting at each document
+    (no mask): a Llama without a cache keeps the documents apart; FoX attended, decayed and token-shifted across
+    them, so the logits and the loss differed from those of the documents alone."""
+    from transformers import DataCollatorWithFlattening
+
+    g = torch.Generator().manual_seed(6)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 1, 7)]
+    batch = DataCollatorWithFlattening()([{"input_ids": d} for d in docs])
+    for model in (_llama(), _fox(arch).double()):
+        for training in (True, False):
+            model.train(training)
+            logits = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+            alone = [model(torch.tensor([d]), use_cache=False).logits[0] for d in docs]
+            torch.testing.assert_close(logits[0], torch.cat(alone), rtol=1e-6, atol=1e-6)
+            losses = [model(torch.tensor([d]), labels=torch.tensor([d])).loss * (len(d) - 1) for d in docs
+                      if len(d) > 1]
+            torch.testing.assert_close(model(**batch, use_cache=False).loss, sum(losses) / (13 - len(docs)))
+    rows = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])  # a batch of rows, each packed: the rows' own documents
+    got = model(rows, position_ids=torch.tensor([[0, 1, 0, 1], [0, 1, 2, 3]]), use_cache=False).logits
+    torch.testing.assert_close(got[0, 2:], model(rows[:1, 2:], use_cache=False).logits[0])
+    torch.testing.assert_close(got[1], model(rows[1:], use_cache=False).logits[0])
+
+
+def test_logits_to_keep_as_positions_as_in_llama():
+    """logits_to_keep as a tensor lists the positions to keep (transformers' second form), as an int the last n. FoX
+    read a one-element tensor as a count (tensor([2]): the last two positions) and refused a longer one."""
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    for model in (_llama().eval(), _fox().eval()):
+        full = model(ids, use_cache=False).logits
+        for keep in (torch.tensor([2]), torch.tensor([0, 4, 8])):
+            torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=keep).logits, full[:, keep])
+        torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=3).logits, full[:, -3:])
+
+
 def test_config_output_flags_and_return_dict(tmp_path):
     """output_hidden_states / output_attentions / use_cache / return_dict from the config (from_pretrained's
     kwargs), and return_dict=False gives the output's fields as a tuple, as for transformers' models."""

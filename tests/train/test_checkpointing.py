@@ -125,6 +125,39 @@ def test_init_from_starts_a_new_run_from_trained_weights(byte_data, tmp_path, ca
     assert "resumed from" in err and "initialized from" not in err and summary["step"] == 4
 
 
+def test_a_resumed_run_trains_with_the_optimizer_settings_it_reports(byte_data, tmp_path):
+    """Resuming with another weight_decay, beta1, beta2 or eps: the log reports them changed, and the optimizer uses
+    them. Loading the optimizer's state dict brought the checkpoint's back, so the report was untrue."""
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=2", "eval_every=0", "weight_decay=0.1"))
+    trainer = Trainer(tiny_config(byte_data, run, "max_steps=4", "eval_every=0", "weight_decay=0.01", "beta1=0.8",
+                                  "beta2=0.9", "eps=1e-5"))
+    _, (note,) = trainer.checkpointer.resume()
+    assert "weight_decay: 0.1 -> 0.01; beta1: 0.9 -> 0.8; beta2: 0.95 -> 0.9; eps: 1e-08 -> 1e-05" in note
+    decay, no_decay = trainer.optimizer.param_groups
+    assert (decay["weight_decay"], no_decay["weight_decay"]) == (0.01, 0.0)
+    assert all(tuple(g["betas"]) == (0.8, 0.9) and g["eps"] == 1e-5 for g in (decay, no_decay))
+    assert trainer.optimizer.state[decay["params"][0]]["step"] == 2  # the moments are the checkpoint's
+
+
+def test_a_model_with_tied_embeddings_resumes_and_initializes(byte_data, tmp_path):
+    """hf:gpt2 ties its LM head to the embedding, so save_pretrained writes that weight once: resuming reproduces an
+    uninterrupted run and init_from takes its weights. Both refused it ("lm_head.weight: absent there")."""
+    gpt2 = [t for t in TINY if not t.startswith("model.")] + [
+        "arch=hf:gpt2", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "eval_every=0", "save_every=2"]
+    config = lambda run, *extra: load_config(None, [*gpt2, f"data={byte_data}", f"out_dir={run}", *extra])  # noqa
+    train(config(tmp_path / "ref", "max_steps=4"))
+    run = tmp_path / "run"
+    train(config(run, "max_steps=2"))
+    train(config(run, "max_steps=4"))
+    assert logged_losses(run) == logged_losses(tmp_path / "ref") and len(logged_losses(run)) == 4
+    trainer = Trainer(config(tmp_path / "new", "max_steps=1"))
+    trainer.checkpointer.initialize(run)
+    saved = load_checkpoint_model(run).state_dict()
+    assert all(torch.equal(t, saved[name]) for name, t in trainer.model.state_dict().items())
+    assert trainer.model.lm_head.weight is trainer.model.transformer.wte.weight  # still tied
+
+
 def test_init_from_refuses_what_does_not_fit(byte_data, tmp_path):
     src = tmp_path / "src"
     train(tiny_config(byte_data, src, "max_steps=1", "eval_every=0"))
