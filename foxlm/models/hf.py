@@ -3,7 +3,8 @@
 ``arch=hf:MODEL_TYPE`` names a model type registered with ``AutoConfig`` and ``AutoModelForCausalLM`` (``hf:llama``,
 ``hf:mamba2``, ...), ``arch=PATH/config.json`` a config file; ``model.<field>=...`` sets that config's fields. foxlm's
 own presets (``fox-pro``, ...) stay the default. Such a model trains with foxlm's chunked linear cross-entropy on its
-backbone's hidden states and LM head (``use_chunked_loss``), so the fp32 logits of a whole batch never exist.
+backbone's hidden states and LM head (``use_chunked_loss``), so the fp32 logits of a whole batch never exist, unless
+it soft-caps or scales its logits (Gemma 2, Cohere, Granite): then with its own loss.
 """
 
 from __future__ import annotations
@@ -88,14 +89,28 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     raise ValueError(f"parallel: cannot find the blocks of {type(model).__name__} to shard them; use parallel=ddp")
 
 
+# Config fields through which transformers' causal LMs change their logits after the LM head (Gemma 2's soft cap,
+# Cohere's and Falcon-H1's scales, Granite's divisor), with the value that changes nothing.
+_LOGIT_TRANSFORMS = {"final_logit_softcapping": None, "logit_scale": 1.0, "logits_scaling": 1.0,
+                     "lm_head_multiplier": 1.0}
+
+
+def logit_transforms(config: PretrainedConfig) -> dict:
+    """The fields of ``config`` by which its model's logits are not just the LM head's output."""
+    return {name: getattr(config, name) for name, neutral in _LOGIT_TRANSFORMS.items()
+            if getattr(config, name, neutral) not in (neutral, None)}
+
+
 def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model(input_ids=..., labels=...)`` return ``.loss`` from ``linear_cross_entropy`` on the backbone's
     hidden states and the LM head, chunk by chunk, instead of the model's own loss over [B, T, V] fp32 logits.
-    Calls without labels (generation, evaluation) run the model's own forward. The model is the one called, so
-    DDP and FSDP2 hooks run as usual. ``num_items_in_batch`` (what HF's ``Trainer`` passes a forward that takes
-    ``**kwargs``) makes the loss the sum over the labels divided by it, as in transformers' own loss. Returns
-    ``model``."""
+    Calls without labels (generation, evaluation) run the model's own forward, and so do the calls of a model whose
+    logits are more than its LM head's output (``logit_transforms``: a soft cap or a scale), whose own loss is then
+    the right one. The model is the one called, so DDP and FSDP2 hooks run as usual. ``num_items_in_batch`` (what
+    HF's ``Trainer`` passes a forward that takes ``**kwargs``) makes the loss the sum over the labels divided by it,
+    as in transformers' own loss. Returns ``model``."""
     own_forward = model.forward
+    own_loss = bool(logit_transforms(model.config))
 
     def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
@@ -105,6 +120,10 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"{key}: {type(model).__name__} does not take {key} (packing=documents and cp > 1 "
                                  f"are for foxlm's own models)")
+        if own_loss:
+            if num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            return own_forward(input_ids=input_ids, labels=labels, **kwargs)
         kwargs.setdefault("use_cache", False)
         hidden = model.base_model(input_ids=input_ids, **kwargs).last_hidden_state  # [B, T, C]
         head = model.get_output_embeddings()
