@@ -61,12 +61,13 @@ def sample(model: torch.nn.Module, prompt: list[int], tokens: int, seed: int, de
     module.eval()
     if not hf:
         remove_context_parallel(module)  # decoding holds whole sequences
-    generator_state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
-    with torch.compiler.set_stance("force_eager"), torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-        out = module.generate(torch.tensor([prompt], device=device), max_new_tokens=tokens, do_sample=True, top_k=50,
-                              temperature=0.8, pad_token_id=eot_id)
-    torch.set_rng_state(generator_state)
+    # the CPU's and the device's generators, both of which manual_seed reseeds, come back as they were
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
+        with (torch.compiler.set_stance("force_eager"),
+              torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)):
+            out = module.generate(torch.tensor([prompt], device=device), max_new_tokens=tokens, do_sample=True,
+                                  top_k=50, temperature=0.8, pad_token_id=eot_id)
     module.train()
     return out[0, 1:].tolist()

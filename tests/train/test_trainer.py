@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from foxlm.train import train
 from foxlm.train.trainer import Trainer
@@ -88,3 +89,20 @@ def test_trained_gates_benchmark_runs_end_to_end(byte_data, tmp_path):
     assert 0.0 <= fox["acp_skipped_overall"] <= 1.0 and len(fox["acp_skipped_per_layer"]) == 4  # tiny: 4 layers
     assert 0.0 <= fox["acp_max_abs_loss_change"] < 1e-3
 
+
+
+def test_sample_leaves_the_global_generators_as_they_were(device):
+    """The end-of-training sample is seeded on its own: the CPU's and the GPU's generators come back unchanged, and the
+    same seed gives the same tokens."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.train.evaluation import sample
+
+    torch.manual_seed(0)
+    model = FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=64, num_hidden_layers=1)).to(device)
+    before = torch.get_rng_state(), torch.cuda.get_rng_state() if device == "cuda" else None
+    runs = [sample(model, [1, 2, 3], 5, seed=7, device=torch.device(device), autocast=False, eot_id=0, hf=False)
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 7
+    assert torch.equal(torch.get_rng_state(), before[0])
+    if device == "cuda":
+        assert torch.equal(torch.cuda.get_rng_state(), before[1])
