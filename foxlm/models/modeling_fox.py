@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
@@ -316,6 +317,17 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """transformers' preparation, after refusing a given cache that is not a transformers ``Cache`` (a
+        ``PagedFoxCache``, any bare ``KVCache``): ``generate`` reorders, repeats and crops its cache by transformers'
+        API, and would fail deep inside (or, with beams, at the first forward) on one without it."""
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
+        if cache is not None and not isinstance(cache, (Cache, tuple)):  # a tuple: transformers' own error
+            raise ValueError(f"past_key_values: HF generate decodes FoX models with a FoxCache (or none: it makes one), "
+                             f"got a {type(cache).__name__}; foxlm.generate.generate decodes with a PagedFoxCache, and "
+                             f"any KVCache plugs into the model's forward")
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, *args, **kwargs) -> dict:
         """transformers' update, then, for a batch with padding after real tokens (right padding), RoPE positions

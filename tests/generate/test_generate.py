@@ -120,6 +120,21 @@ def test_paged_cache_refuses_padding_inside_a_call():
                      valid=torch.tensor([[True, False, True, True]]))
 
 
+def test_hf_generate_refuses_a_paged_cache():
+    """HF ``generate`` cannot drive a PagedFoxCache (a fixed batch, no beam reordering, no cropping, not a transformers
+    Cache): a one-line error naming past_key_values and foxlm's own generate, not an AttributeError from deep inside
+    transformers, nor a batch-size mismatch at the first beam-search forward."""
+    model = _model("fox-pro")
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(6))
+    for kwargs in (dict(), dict(num_beams=2), dict(prompt_lookup_num_tokens=2)):
+        cache = PagedFoxCache.from_model(model, 2, 16, page_size=4)
+        with pytest.raises(ValueError, match=r"past_key_values: HF generate decodes .* got a PagedFoxCache; "
+                                             r".*foxlm\.generate\.generate"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3,
+                           do_sample=False, pad_token_id=0, **kwargs)
+        assert cache.get_seq_length() == 0  # refused before any forward
+
+
 def _fast_forgetting_model():
     """fox-pro whose heads forget at very different speeds (gate biases -1 .. 6): most pages can go."""
     model = _model("fox-pro", seed=3)
