@@ -84,6 +84,7 @@ class PagedFoxCache:
         self.write_pos = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.c_last = torch.zeros(L, B, num_heads, dtype=torch.float64, device=self.device)
         self._shift: dict[tuple[int, str], torch.Tensor] = {}
+        self._last_output: torch.Tensor | None = None  # filled in place: a captured decode step writes it
         # Host mirrors: what is booked where, so that steps need no device sync.
         self._table = np.zeros((L, B, Hk, self.max_pages), dtype=np.int64)
         self._start = np.zeros((L, B, Hk), dtype=np.int64)
@@ -281,6 +282,16 @@ class PagedFoxCache:
             self._shift[(layer_idx, name)] = last.detach().clone()
         else:
             buf.copy_(last)
+
+    def get_last_output(self) -> torch.Tensor | None:
+        """The model's output [B, C] at each row's last real token (``KVCache``), or None before any forward."""
+        return self._last_output
+
+    def set_last_output(self, x: torch.Tensor) -> None:
+        if self._last_output is None:
+            self._last_output = x.detach().clone()
+        else:
+            self._last_output.copy_(x)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns fed so far (left padding included), as ``FoxForCausalLM`` expects of ``attention_mask``."""

@@ -279,8 +279,11 @@ class FoxModel(FoxPreTrainedModel):
         x = self.norm(x)
         if valid is None and cache is None and attention_mask is not None and segments is not None:
             valid = attention_mask.bool()  # right padding of a cache-less forward: its output, the last real token's
+        keeps_output = cache is not None and hasattr(cache, "set_last_output")
         if valid is not None:
-            x = _carry_over_padding(x, valid)
+            x = _carry_over_padding(x, valid, cache.get_last_output() if keeps_output else None)
+        if keeps_output:
+            cache.set_last_output(x[:, -1])  # the last real token's so far (carried over this call's padding)
         if output_hidden_states:
             hidden_states.append(x)
         if order is not None:  # back to the caller's positions
@@ -482,13 +485,16 @@ def _unpermute(x, inverse: torch.Tensor):
     return x.gather(1, inverse.view(*inverse.shape, *[1] * (x.dim() - 2)).expand_as(x))
 
 
-def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, C] with, at each padded position after a real token of the same call, that token's state: a pad
-    is inert, so the state after it is the one before it (generate reads the next token off a right-padded
-    prompt's last position)."""
+def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [B, T, C] with, at each padded position after a real token, that token's state: a pad is inert, so the
+    state after it is the one before it (generate reads the next token off a right-padded prompt's last position).
+    before: [B, C] the state of each row's last real token of earlier calls (a cache's ``get_last_output``), for
+    the positions with no real token before them in this call; None: leave those."""
     T = x.shape[1]
     last = torch.where(valid, torch.arange(T, device=x.device), -1).cummax(1).values  # last real position <= t
     fill = (last >= 0) & ~valid
+    if before is not None:
+        x = torch.where((last < 0)[..., None], before[:, None].to(x.dtype), x)
     if not bool(fill.any()):
         return x
     carried = x.gather(1, last.clamp_min(0)[..., None].expand(-1, -1, x.shape[2]))

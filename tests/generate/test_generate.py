@@ -99,6 +99,8 @@ def test_paged_cache_right_padding(arch, chunk):
         last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])
         rows = [list(p) for p in prompts]
         torch.testing.assert_close(last, _full_logits(model, rows), rtol=1e-9, atol=1e-9)
+        # the last column too (where generate reads), in a chunk of padding only as well: the cache kept the output
+        torch.testing.assert_close(logits[:, -1], _full_logits(model, rows), rtol=1e-9, atol=1e-9)
         for _ in range(3):
             tokens = torch.randint(0, V, (3, 1), generator=gen)
             rows = [r + [int(t)] for r, t in zip(rows, tokens)]
