@@ -332,6 +332,14 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
                              f"any KVCache plugs into the model's forward")
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused: transformers' continuous batching (``generate_batch``, ``generate(cache_implementation="paged")``)
+        attends through its own paged cache and kernels, which have no forget gate; its loop would log each request's
+        failure and ``generate`` return the prompts alone."""
+        raise ValueError("cache_implementation: FoX models do not run transformers' continuous batching ('paged', "
+                         "generate_batch): its paged attention has no forget gate; use generate without it, or "
+                         "foxlm.generate.generate (foxlm's paged cache)")
+
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, *args, **kwargs) -> dict:
         """transformers' update, then, for a batch with padding after real tokens (right padding), RoPE positions
         that count real tokens: transformers (>= 5) continues from the last position, a pad's 0."""
