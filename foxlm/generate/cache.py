@@ -134,9 +134,10 @@ class PagedFoxCache:
     def begin(self, T: int, valid: torch.Tensor | None = None) -> None:
         """Book pages for a forward of T new tokens per row (``valid`` [B, T]: False at padding).
 
-        ``attend`` does this by itself at layer 0; call it before the forward instead when the positions of
-        the new tokens (``write_pos``) must be known first, or before replaying a captured decode step (then
-        ``end_step`` after the replay, in which no ``attend`` ran to take the booking).
+        The first write of a forward (``set_shift_state`` or ``attend`` at layer 0) does this by itself, before it
+        changes anything, so that a refused forward leaves the cache as it was; call it before the forward instead
+        when the positions of the new tokens (``write_pos``) must be known first, or before replaying a captured
+        decode step (then ``end_step`` after the replay, in which no ``attend`` ran to take the booking).
         """
         n_new = np.full(self.batch_size, T) if valid is None else valid.sum(1).cpu().numpy()
         new_len = self._len + n_new
@@ -269,6 +270,8 @@ class PagedFoxCache:
     def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep each row's pre-shift projection of its last real token among x: [B, T, Hk, D] (valid [B, T]: False
         at padding); a row with none in this call (right padding after its prompt) keeps the state it had."""
+        if layer_idx == 0 and not self._begun:  # a forward's first write: book (checks max_length) before any change
+            self.begin(x.shape[1], valid)
         buf = self._shift.get((layer_idx, name))
         if valid is None:
             last = x[:, -1]

@@ -122,6 +122,24 @@ def test_paged_cache_refuses_padding_inside_a_call():
                      valid=torch.tensor([[True, False, True, True]]))
 
 
+def test_paged_cache_refuses_max_length_and_stays_as_it_was():
+    """A forward past the cache's max_length is a one-line error naming max_length, raised before any state changes:
+    a later forward that fits decodes as if the refused one never came (the token shift's state of the first layer
+    had been overwritten by the refused tokens)."""
+    model = _model("fox-pro")
+    gen = torch.Generator().manual_seed(8)
+    ids, extra, fits = (torch.randint(0, V, (2, n), generator=gen) for n in (6, 3, 2))
+    cache = PagedFoxCache.from_model(model, 2, 8, page_size=4)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="max_length: a row would hold 9 tokens, the cache was made for 8"):
+            model(extra, cache=cache, use_cache=True)
+        got = model(fits, cache=cache, use_cache=True).logits
+        want = model(torch.cat([ids, fits], 1)).logits[:, -2:]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert cache.lengths.tolist() == [8, 8]
+
+
 def test_hf_generate_refuses_a_paged_cache():
     """HF ``generate`` cannot drive a PagedFoxCache (a fixed batch, no beam reordering, no cropping, not a transformers
     Cache): a one-line error naming past_key_values and foxlm's own generate, not an AttributeError from deep inside
