@@ -270,6 +270,8 @@ class PagedFoxCache:
     def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep each row's pre-shift projection of its last real token among x: [B, T, Hk, D] (valid [B, T]: False
         at padding); a row with none in this call (right padding after its prompt) keeps the state it had."""
+        if x.shape[0] != self.batch_size or x.shape[2] != self.num_kv_heads:
+            raise ValueError(f"x: expected B={self.batch_size}, Hk={self.num_kv_heads}, got {tuple(x.shape)}")
         if layer_idx == 0 and not self._begun:  # a forward's first write: book (checks max_length) before any change
             self.begin(x.shape[1], valid)
         buf = self._shift.get((layer_idx, name))

@@ -123,9 +123,9 @@ def test_paged_cache_refuses_padding_inside_a_call():
 
 
 def test_paged_cache_refuses_max_length_and_stays_as_it_was():
-    """A forward past the cache's max_length is a one-line error naming max_length, raised before any state changes:
-    a later forward that fits decodes as if the refused one never came (the token shift's state of the first layer
-    had been overwritten by the refused tokens)."""
+    """A forward past the cache's max_length (or of another batch size) is a one-line error, raised before any state
+    changes: a later forward that fits decodes as if the refused ones never came (the token shift's state of the first
+    layer had been overwritten by the refused tokens)."""
     model = _model("fox-pro")
     gen = torch.Generator().manual_seed(8)
     ids, extra, fits = (torch.randint(0, V, (2, n), generator=gen) for n in (6, 3, 2))
@@ -134,6 +134,8 @@ def test_paged_cache_refuses_max_length_and_stays_as_it_was():
         model(ids, cache=cache, use_cache=True)
         with pytest.raises(ValueError, match="max_length: a row would hold 9 tokens, the cache was made for 8"):
             model(extra, cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"x: expected B=2, Hk=2, got \(3, 1, 2, 16\)"):
+            model(fits[:1].repeat(3, 1)[:, :1], cache=cache, use_cache=True)  # another batch: refused as well
         got = model(fits, cache=cache, use_cache=True).logits
         want = model(torch.cat([ids, fits], 1)).logits[:, -2:]
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
