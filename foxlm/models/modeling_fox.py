@@ -327,9 +327,9 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         API, and would fail deep inside (or, with beams, at the first forward) on one without it."""
         cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
         if cache is not None and not isinstance(cache, (Cache, tuple)):  # a tuple: transformers' own error
-            raise ValueError(f"past_key_values: HF generate decodes FoX models with a FoxCache (or none: it makes one), "
-                             f"got a {type(cache).__name__}; foxlm.generate.generate decodes with a PagedFoxCache, and "
-                             f"any KVCache plugs into the model's forward")
+            raise ValueError(f"past_key_values: HF generate decodes FoX models with a FoxCache (or none: it makes "
+                             f"one), got a {type(cache).__name__}; foxlm.generate.generate decodes with a "
+                             f"PagedFoxCache, and any KVCache plugs into the model's forward")
         return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
 
     def init_continuous_batching(self, *args, **kwargs):
