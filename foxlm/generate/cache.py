@@ -84,6 +84,7 @@ class PagedFoxCache:
         self.write_pos = torch.zeros(B, dtype=torch.int32, device=self.device)
         self.c_last = torch.zeros(L, B, num_heads, dtype=torch.float64, device=self.device)
         self._shift: dict[tuple[int, str], torch.Tensor] = {}
+        self._last_output: torch.Tensor | None = None  # filled in place: a captured decode step writes it
         # Host mirrors: what is booked where, so that steps need no device sync.
         self._table = np.zeros((L, B, Hk, self.max_pages), dtype=np.int64)
         self._start = np.zeros((L, B, Hk), dtype=np.int64)
@@ -133,9 +134,10 @@ class PagedFoxCache:
     def begin(self, T: int, valid: torch.Tensor | None = None) -> None:
         """Book pages for a forward of T new tokens per row (``valid`` [B, T]: False at padding).
 
-        ``attend`` does this by itself at layer 0; call it before the forward instead when the positions of
-        the new tokens (``write_pos``) must be known first, or before replaying a captured decode step (then
-        ``end_step`` after the replay, in which no ``attend`` ran to take the booking).
+        The first write of a forward (``set_shift_state`` or ``attend`` at layer 0) does this by itself, before it
+        changes anything, so that a refused forward leaves the cache as it was; call it before the forward instead
+        when the positions of the new tokens (``write_pos``) must be known first, or before replaying a captured
+        decode step (then ``end_step`` after the replay, in which no ``attend`` ran to take the booking).
         """
         n_new = np.full(self.batch_size, T) if valid is None else valid.sum(1).cpu().numpy()
         new_len = self._len + n_new
@@ -268,6 +270,10 @@ class PagedFoxCache:
     def set_shift_state(self, layer_idx: int, name: str, x: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep each row's pre-shift projection of its last real token among x: [B, T, Hk, D] (valid [B, T]: False
         at padding); a row with none in this call (right padding after its prompt) keeps the state it had."""
+        if x.shape[0] != self.batch_size or x.shape[2] != self.num_kv_heads:
+            raise ValueError(f"x: expected B={self.batch_size}, Hk={self.num_kv_heads}, got {tuple(x.shape)}")
+        if layer_idx == 0 and not self._begun:  # a forward's first write: book (checks max_length) before any change
+            self.begin(x.shape[1], valid)
         buf = self._shift.get((layer_idx, name))
         if valid is None:
             last = x[:, -1]
@@ -281,6 +287,16 @@ class PagedFoxCache:
             self._shift[(layer_idx, name)] = last.detach().clone()
         else:
             buf.copy_(last)
+
+    def get_last_output(self) -> torch.Tensor | None:
+        """The model's output [B, C] at each row's last real token (``KVCache``), or None before any forward."""
+        return self._last_output
+
+    def set_last_output(self, x: torch.Tensor) -> None:
+        if self._last_output is None:
+            self._last_output = x.detach().clone()
+        else:
+            self._last_output.copy_(x)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns fed so far (left padding included), as ``FoxForCausalLM`` expects of ``attention_mask``."""

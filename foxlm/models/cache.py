@@ -23,7 +23,10 @@ from ..ops.forgetting_attention.gate import continue_cumsum
 class KVCache(Protocol):
     """What a KV cache offers ``ForgettingAttention``. Caches for HF ``generate`` with beams or several sequences
     per prompt also have ``reorder_cache(beam_idx)``, ``batch_select_indices(indices)``,
-    ``batch_repeat_interleave(repeats)`` and ``reset()``."""
+    ``batch_repeat_interleave(repeats)`` and ``reset()``. A cache may also keep the model's output at each row's
+    last real token, ``get_last_output()`` / ``set_last_output(x)`` ([B, C], None before any call), which
+    ``FoxModel`` returns at a padded position with no real token before it in its own call (a right-padded row's
+    chunk of padding only: generate reads the next token off the last position); both of foxlm's caches do."""
 
     def attend(
         self,
@@ -149,6 +152,7 @@ class FoxCache(Cache):
     def __init__(self, num_layers: int | None = None):
         super().__init__(layers=[])
         self._layers: list[_LayerCache] = [_LayerCache() for _ in range(num_layers or 0)]
+        self._last_output: torch.Tensor | None = None
 
     def _layer(self, layer_idx: int) -> _LayerCache:
         while len(self._layers) <= layer_idx:
@@ -205,27 +209,40 @@ class FoxCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._layers[layer_idx].length if layer_idx < len(self._layers) else 0
 
+    def get_last_output(self) -> torch.Tensor | None:
+        """The model's output [B, C] at each row's last real token (see ``KVCache``), or None (none kept)."""
+        return self._last_output
+
+    def set_last_output(self, x: torch.Tensor) -> None:
+        self._last_output = x.detach().clone()  # a copy: x is a view into the forward's whole [B, T, C] output
+
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1  # grows without bound
 
     def reset(self) -> None:
         self._layers = [_LayerCache() for _ in self._layers]
+        self._last_output = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def _apply(self, fn) -> None:
         for layer in self._layers:
-            layer.apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
+            layer.apply(fn)
+        if self._last_output is not None:
+            self._last_output = fn(self._last_output)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.reorder_cache(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        for layer in self._layers:
-            layer.apply(lambda x: x.repeat_interleave(repeats, dim=0))
+        self._apply(lambda x: x.repeat_interleave(repeats, dim=0))
 
     def crop(self, max_length: int) -> None:
         """Drop rejected tokens, as HF's assisted decoding does: ``-n`` drops the last n tokens (transformers
         >= 5.24 passes only these, and 0 for nothing), a positive value keeps that many (earlier versions).
-        In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go."""
+        In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go. The kept last real output goes
+        (None until the next call): padding before the next call's first real token has a meaningless output."""
         length = self.get_seq_length()
         if max_length == 0:
             return
@@ -238,6 +255,7 @@ class FoxCache(Cache):
             return
         for layer in self._layers:
             layer.crop(max_length)
+        self._last_output = None
 
     def __len__(self) -> int:
         return len(self._layers)

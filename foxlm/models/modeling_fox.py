@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 from transformers.utils import logging
@@ -283,8 +284,11 @@ class FoxModel(FoxPreTrainedModel):
         x = self.norm(x)
         if valid is None and cache is None and attention_mask is not None and segments is not None:
             valid = attention_mask.bool()  # right padding of a cache-less forward: its output, the last real token's
+        keeps_output = cache is not None and hasattr(cache, "set_last_output")
         if valid is not None:
-            x = _carry_over_padding(x, valid)
+            x = _carry_over_padding(x, valid, cache.get_last_output() if keeps_output else None)
+        if keeps_output:
+            cache.set_last_output(x[:, -1])  # the last real token's so far (carried over this call's padding)
         if output_hidden_states:
             hidden_states.append(x)
         if order is not None:  # back to the caller's positions
@@ -321,6 +325,25 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value: nn.Linear) -> None:
         self.lm_head = value
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """transformers' preparation, after refusing a given cache that is not a transformers ``Cache`` (a
+        ``PagedFoxCache``, any bare ``KVCache``): ``generate`` reorders, repeats and crops its cache by transformers'
+        API, and would fail deep inside (or, with beams, at the first forward) on one without it."""
+        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
+        if cache is not None and not isinstance(cache, (Cache, tuple)):  # a tuple: transformers' own error
+            raise ValueError(f"past_key_values: HF generate decodes FoX models with a FoxCache (or none: it makes "
+                             f"one), got a {type(cache).__name__}; foxlm.generate.generate decodes with a "
+                             f"PagedFoxCache, and any KVCache plugs into the model's forward")
+        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Refused: transformers' continuous batching (``generate_batch``, ``generate(cache_implementation="paged")``)
+        attends through its own paged cache and kernels, which have no forget gate; its loop would log each request's
+        failure and ``generate`` return the prompts alone."""
+        raise ValueError("cache_implementation: FoX models do not run transformers' continuous batching ('paged', "
+                         "generate_batch): its paged attention has no forget gate; use generate without it, or "
+                         "foxlm.generate.generate (foxlm's paged cache)")
 
     def _update_model_kwargs_for_generation(self, outputs, model_kwargs: dict, *args, **kwargs) -> dict:
         """transformers' update, then, for a batch with padding after real tokens (right padding), RoPE positions
@@ -478,13 +501,16 @@ def _unpermute(x, inverse: torch.Tensor):
     return x.gather(1, inverse.view(*inverse.shape, *[1] * (x.dim() - 2)).expand_as(x))
 
 
-def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """x: [B, T, C] with, at each padded position after a real token of the same call, that token's state: a pad
-    is inert, so the state after it is the one before it (generate reads the next token off a right-padded
-    prompt's last position)."""
+def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor, before: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [B, T, C] with, at each padded position after a real token, that token's state: a pad is inert, so the
+    state after it is the one before it (generate reads the next token off a right-padded prompt's last position).
+    before: [B, C] the state of each row's last real token of earlier calls (a cache's ``get_last_output``), for
+    the positions with no real token before them in this call; None: leave those."""
     T = x.shape[1]
     last = torch.where(valid, torch.arange(T, device=x.device), -1).cummax(1).values  # last real position <= t
     fill = (last >= 0) & ~valid
+    if before is not None:
+        x = torch.where((last < 0)[..., None], before[:, None].to(x.dtype), x)
     if not bool(fill.any()):
         return x
     carried = x.gather(1, last.clamp_min(0)[..., None].expand(-1, -1, x.shape[2]))

@@ -99,6 +99,8 @@ def test_paged_cache_right_padding(arch, chunk):
         last = torch.stack([logits[b, len(p) - 1] for b, p in enumerate(prompts)])
         rows = [list(p) for p in prompts]
         torch.testing.assert_close(last, _full_logits(model, rows), rtol=1e-9, atol=1e-9)
+        # the last column too (where generate reads), in a chunk of padding only as well: the cache kept the output
+        torch.testing.assert_close(logits[:, -1], _full_logits(model, rows), rtol=1e-9, atol=1e-9)
         for _ in range(3):
             tokens = torch.randint(0, V, (3, 1), generator=gen)
             rows = [r + [int(t)] for r, t in zip(rows, tokens)]
@@ -118,6 +120,41 @@ def test_paged_cache_refuses_padding_inside_a_call():
     with pytest.raises(ValueError, match="valid: each row's real tokens must be one run"):
         cache.attend(0, q, k, k.clone(), torch.full((1, 4, attn.num_heads), -0.1), scale=0.25,
                      valid=torch.tensor([[True, False, True, True]]))
+
+
+def test_paged_cache_refuses_max_length_and_stays_as_it_was():
+    """A forward past the cache's max_length (or of another batch size) is a one-line error, raised before any state
+    changes: a later forward that fits decodes as if the refused ones never came (the token shift's state of the first
+    layer had been overwritten by the refused tokens)."""
+    model = _model("fox-pro")
+    gen = torch.Generator().manual_seed(8)
+    ids, extra, fits = (torch.randint(0, V, (2, n), generator=gen) for n in (6, 3, 2))
+    cache = PagedFoxCache.from_model(model, 2, 8, page_size=4)
+    with torch.no_grad():
+        model(ids, cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match="max_length: a row would hold 9 tokens, the cache was made for 8"):
+            model(extra, cache=cache, use_cache=True)
+        with pytest.raises(ValueError, match=r"x: expected B=2, Hk=2, got \(3, 1, 2, 16\)"):
+            model(fits[:1].repeat(3, 1)[:, :1], cache=cache, use_cache=True)  # another batch: refused as well
+        got = model(fits, cache=cache, use_cache=True).logits
+        want = model(torch.cat([ids, fits], 1)).logits[:, -2:]
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+    assert cache.lengths.tolist() == [8, 8]
+
+
+def test_hf_generate_refuses_a_paged_cache():
+    """HF ``generate`` cannot drive a PagedFoxCache (a fixed batch, no beam reordering, no cropping, not a transformers
+    Cache): a one-line error naming past_key_values and foxlm's own generate, not an AttributeError from deep inside
+    transformers, nor a batch-size mismatch at the first beam-search forward."""
+    model = _model("fox-pro")
+    ids = torch.randint(0, V, (2, 5), generator=torch.Generator().manual_seed(6))
+    for kwargs in (dict(), dict(num_beams=2), dict(prompt_lookup_num_tokens=2)):
+        cache = PagedFoxCache.from_model(model, 2, 16, page_size=4)
+        with pytest.raises(ValueError, match=r"past_key_values: HF generate decodes .* got a PagedFoxCache; "
+                                             r".*foxlm\.generate\.generate"):
+            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=3,
+                           do_sample=False, pad_token_id=0, **kwargs)
+        assert cache.get_seq_length() == 0  # refused before any forward
 
 
 def _fast_forgetting_model():

@@ -205,6 +205,28 @@ def test_generate_on_right_padded_batch_equals_rows_alone(arch, use_cache):
         torch.testing.assert_close(scores[i], want_scores[0], rtol=1e-9, atol=1e-9)
 
 
+@pytest.mark.parametrize("chunk", [2, 4])
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_generate_with_chunked_prefill_on_right_padded_batch_equals_rows_alone(arch, chunk):
+    """generate(prefill_chunk_size=...) on a right-padded batch: a short row's last prefill chunk holds only padding,
+    and the next token is read off its last position; it is the row's last real token's output, kept by the cache
+    from an earlier call (it was a pad's meaningless one: other tokens and scores)."""
+    model = _fox(arch).double().eval()
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(1, VOCAB, (n,), generator=g) for n in (9, 5, 7)]
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    mask = torch.zeros(3, 9, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)], mask[i, :len(row)] = row, 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                         output_scores=True, return_dict_in_generate=True, prefill_chunk_size=chunk)
+    tokens, scores = out.sequences[:, ids.shape[1]:], torch.stack(out.scores, 1)
+    for i, row in enumerate(rows):
+        want_tokens, want_scores = _greedy(model, row[None])
+        assert torch.equal(tokens[i], want_tokens[0]), i
+        torch.testing.assert_close(scores[i], want_scores[0], rtol=1e-9, atol=1e-9)
+
+
 def test_forward_without_cache_keeps_padding_between_real_tokens_inert():
     """A cache-less forward whose rows have padding between real tokens: at every real position the outputs (logits,
     hidden states, gates, attention among real tokens) are those of the row's real tokens alone."""

@@ -174,6 +174,19 @@ def test_other_hf_caches_and_attention_implementations_are_refused(tmp_path):
     torch.testing.assert_close(eager(ids).logits, model(ids).logits)
 
 
+def test_continuous_batching_is_refused():
+    """transformers' continuous batching (``cache_implementation="paged"``, ``generate_batch``) runs its own paged
+    attention, without a forget gate: FoX refuses it in one line. generate returned the prompts alone, as if nothing
+    had been generated, after the batching loop had logged every request's failure."""
+    from transformers import GenerationConfig
+
+    model = _model("fox-pro")
+    with pytest.raises(ValueError, match="cache_implementation: .*continuous batching.*foxlm.generate.generate"):
+        model.generate(_ids(1, 5), max_new_tokens=2, do_sample=False, cache_implementation="paged", pad_token_id=0)
+    with pytest.raises(ValueError, match="cache_implementation: .*continuous batching"):
+        model.generate_batch(inputs=[[1, 2, 3]], generation_config=GenerationConfig(max_new_tokens=2))
+
+
 class _ProtocolOnlyCache:
     """A cache that is not an HF Cache and only speaks the protocol of foxlm.models.cache (as a paged cache
     would): it keeps everything itself, here by delegating to a FoxCache per layer, and counts calls."""
