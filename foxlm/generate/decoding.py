@@ -182,70 +182,74 @@ def generate(
     if evict and model.config.gate == "none":
         raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "
                          "so eviction would free nothing")
-    model.eval()
-    device = next(model.parameters()).device
-    B, width = len(prompts), max(len(p) for p in prompts)
-    ids = torch.zeros(B, width, dtype=torch.long)
-    mask = torch.zeros(B, width, dtype=torch.long)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p)
-        mask[b, width - len(p):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    padded = bool((mask == 0).any())
-    max_length = width + max_new_tokens
-    num_pages = None
-    if evict:  # start with the prompts' pages (plus one per row and head); the pool grows if it must
-        cfg = model.config
-        per_row = sum(-(-(len(p) + page_size) // page_size) for p in prompts)
-        num_pages = 1 + cfg.num_hidden_layers * cfg.num_key_value_heads * per_row
-    cache = PagedFoxCache.from_model(model, B, max_length, page_size=page_size, num_pages=num_pages,
-                                     tolerance=tolerance)
-    if evict and cache.logit_bounds is None:
-        raise ValueError("evict: needs a QK-norm model (qk_norm=True), whose norm weights bound every logit")
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+    was_training = model.training
+    model.eval()  # no dropout while decoding; the caller's mode comes back after
+    try:
+        device = next(model.parameters()).device
+        B, width = len(prompts), max(len(p) for p in prompts)
+        ids = torch.zeros(B, width, dtype=torch.long)
+        mask = torch.zeros(B, width, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            ids[b, width - len(p):] = torch.tensor(p)
+            mask[b, width - len(p):] = 1
+        ids, mask = ids.to(device), mask.to(device)
+        padded = bool((mask == 0).any())
+        max_length = width + max_new_tokens
+        num_pages = None
+        if evict:  # start with the prompts' pages (plus one per row and head); the pool grows if it must
+            cfg = model.config
+            per_row = sum(-(-(len(p) + page_size) // page_size) for p in prompts)
+            num_pages = 1 + cfg.num_hidden_layers * cfg.num_key_value_heads * per_row
+        cache = PagedFoxCache.from_model(model, B, max_length, page_size=page_size, num_pages=num_pages,
+                                         tolerance=tolerance)
+        if evict and cache.logit_bounds is None:
+            raise ValueError("evict: needs a QK-norm model (qk_norm=True), whose norm weights bound every logit")
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
 
-    def next_tokens(logits: torch.Tensor) -> torch.Tensor:
-        if vocab_size is not None:
-            logits = logits[:, :vocab_size]
-        return sample_next(logits, **pick)
+        def next_tokens(logits: torch.Tensor) -> torch.Tensor:
+            if vocab_size is not None:
+                logits = logits[:, :vocab_size]
+            return sample_next(logits, **pick)
 
-    t0 = time.perf_counter()
-    for a in range(0, width, prefill_chunk):
-        b = min(width, a + prefill_chunk)
-        out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b] if padded else None, cache=cache,
-                    use_cache=True, logits_to_keep=1)
-    tokens = next_tokens(out.logits[:, -1])
-    if evict:
-        cache.evict()
-    sync()
-    t1 = time.perf_counter()
-
-    new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
-    new[:, 0] = tokens
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    decoder = CachedDecoder(model, cache, cuda_graph)
-    steps, first_step = 1, 0.0
-    for i in range(1, max_new_tokens):
-        if eos_token_id is not None:
-            done |= tokens == eos_token_id
-            if i % 16 == 0 and bool(done.all()):  # a host sync now and then, not every step
-                break
-        tokens = next_tokens(decoder.step(tokens))
-        if eos_token_id is not None:
-            tokens = tokens.masked_fill(done, eos_token_id)
-        new[:, i] = tokens
-        steps += 1
-        if evict and i % page_size == 0:
+        t0 = time.perf_counter()
+        for a in range(0, width, prefill_chunk):
+            b = min(width, a + prefill_chunk)
+            out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b] if padded else None, cache=cache,
+                        use_cache=True, logits_to_keep=1)
+        tokens = next_tokens(out.logits[:, -1])
+        if evict:
             cache.evict()
-        if i == 1:  # the warm-up step, timed apart: one sync
-            sync()
-            first_step = time.perf_counter() - t1
-    sync()
-    t2 = time.perf_counter()
-    sequences = []
-    for row in new[:, :steps].tolist():
-        if eos_token_id is not None and eos_token_id in row:
-            row = row[: row.index(eos_token_id) + 1]
-        sequences.append(row)
-    return GenerateOutput(sequences, cache.stats(), t1 - t0, t2 - t1, steps, first_step, B)
+        sync()
+        t1 = time.perf_counter()
+
+        new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+        new[:, 0] = tokens
+        done = torch.zeros(B, dtype=torch.bool, device=device)
+        decoder = CachedDecoder(model, cache, cuda_graph)
+        steps, first_step = 1, 0.0
+        for i in range(1, max_new_tokens):
+            if eos_token_id is not None:
+                done |= tokens == eos_token_id
+                if i % 16 == 0 and bool(done.all()):  # a host sync now and then, not every step
+                    break
+            tokens = next_tokens(decoder.step(tokens))
+            if eos_token_id is not None:
+                tokens = tokens.masked_fill(done, eos_token_id)
+            new[:, i] = tokens
+            steps += 1
+            if evict and i % page_size == 0:
+                cache.evict()
+            if i == 1:  # the warm-up step, timed apart: one sync
+                sync()
+                first_step = time.perf_counter() - t1
+        sync()
+        t2 = time.perf_counter()
+        sequences = []
+        for row in new[:, :steps].tolist():
+            if eos_token_id is not None and eos_token_id in row:
+                row = row[: row.index(eos_token_id) + 1]
+            sequences.append(row)
+        return GenerateOutput(sequences, cache.stats(), t1 - t0, t2 - t1, steps, first_step, B)
+    finally:
+        model.train(was_training)

@@ -234,6 +234,18 @@ def test_generate_eos_and_sampling():
         generate(model, [[1], []], 2)
 
 
+def test_generate_gives_the_model_back_in_its_mode():
+    """generate decodes in eval mode and leaves a training model training (HF generate changes no mode)."""
+    model = _model("fox-llama", seed=7)
+    prompts = [[5, 6, 7], [8] * 11]
+    expected = generate(model, prompts, 4).sequences  # from eval mode
+    model.train()
+    assert generate(model, prompts, 4).sequences == expected and model.training
+    model.eval()
+    generate(model, prompts, 2)
+    assert not model.training
+
+
 def test_sample_next_top_p():
     gen = torch.Generator().manual_seed(0)
     logits = torch.log(torch.tensor([[0.05, 0.6, 0.3, 0.05]])).expand(200, 4)
