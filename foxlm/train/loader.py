@@ -14,6 +14,7 @@ parallelism (``cp_size > 1``) the processes of one share each take their zigzag 
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,7 @@ class TokenLoader:
         self.packing, self.seed, self.rank, self.world, self.shuffle = packing, seed, rank, world_size, shuffle
         self.cp_rank, self.cp_size = cp_rank, cp_size
         self._epoch_cache: tuple[int, np.ndarray, np.ndarray] | None = None
+        self._fingerprint: str | None = None
 
     @property
     def grad_accum(self) -> int:
@@ -69,7 +71,18 @@ class TokenLoader:
 
     def state_dict(self) -> dict:
         return {"seed": self.seed, "seq_len": self.seq_len, "batch_size": self.batch_size, "packing": self.packing,
-                "num_tokens": len(self.ds.tokens)}
+                "num_tokens": len(self.ds.tokens), "data": self.fingerprint()}
+
+    def fingerprint(self) -> str:
+        """A hash of the split's document boundaries and of its first and last tokens: data prepared again
+        differently (another tokenizer, order or source) but to the same length still tells itself apart."""
+        if self._fingerprint is None:
+            n = len(self.ds.tokens)
+            h = hashlib.sha256(np.ascontiguousarray(self.ds.doc_offsets).tobytes())
+            for part in (self.ds.tokens[:4096], self.ds.tokens[max(n - 4096, 0):n]):
+                h.update(np.ascontiguousarray(np.asarray(part)).tobytes())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
 
     def load_state_dict(self, state: dict) -> None:
         """Check that a checkpoint's loader matches this one (the step counter itself lives with the trainer)."""

@@ -48,3 +48,20 @@ def test_loader_deterministic_and_split_over_processes(byte_data, packing):
         assert (np.bincount(seen, minlength=len(counts)) <= counts).all()
         assert (seen == eot).sum() >= ds.num_docs - 1
 
+
+
+def test_resume_refuses_other_data_of_the_same_length(tmp_path):
+    """The same plays prepared in another order: as many tokens, other data. A checkpoint's loader state from one
+    refuses the other (a resume would not reproduce the run); the same folder is accepted."""
+    from foxlm.data import prepare
+    from foxlm.data.assets import shakespeare_plays
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    for name, order in (("a", plays), ("b", plays[::-1])):
+        prepare(order, tmp_path / name, tokenizer="byte", val_fraction=0.0, workers=0, progress=False)
+    kw = dict(seq_len=32, batch_size=4, micro_batch_size=4)
+    a, b = (TokenLoader(TokenDataset(tmp_path / name), **kw) for name in "ab")
+    assert len(a.ds.tokens) == len(b.ds.tokens)
+    TokenLoader(TokenDataset(tmp_path / "a"), **kw).load_state_dict(a.state_dict())
+    with pytest.raises(ValueError, match="data: the checkpoint's loader used"):
+        b.load_state_dict(a.state_dict())
