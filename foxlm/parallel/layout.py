@@ -31,7 +31,11 @@ def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_initialized():
         raise RuntimeError("foxlm.parallel: torch.distributed is not initialised (call init_process_group first)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:  # torch.distributed's answer outside the group: positions and shards would come out wrong
+        raise ValueError(f"group: this process (rank {dist.get_rank()} of the world) is not a member of it; call "
+                         f"context-parallel ops on the ranks of the group only")
+    return rank, dist.get_world_size(group)
 
 
 def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, fields: dict) -> None:

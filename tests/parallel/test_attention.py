@@ -165,7 +165,8 @@ def _halo(rank, world):
 
 
 def _errors(rank, world):
-    from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
+    from foxlm.parallel import (cp_forgetting_attention, gather_sequence, previous_tokens, sequence_positions,
+                                shard_sequence)
 
     x = torch.randn(1, 6, 2, 4)
     with pytest.raises(ValueError, match="multiple of 4"):
@@ -187,6 +188,14 @@ def _errors(rank, world):
         cp_forgetting_attention(q, q, q, torch.full(q.shape[:3], -0.1))
     with pytest.raises(ValueError, match="prune: expected the same on every rank"):
         cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1), prune=rank == 0)
+    # a process outside the group: torch.distributed gives it rank -1, which made wrong positions and tokens
+    outside = dist.new_group([1])
+    if rank == 0:
+        for call in (lambda: sequence_positions(4, group=outside), lambda: previous_tokens(x, group=outside),
+                     lambda: shard_sequence(x, dim=1, group=outside),
+                     lambda: cp_forgetting_attention(q, q, q, torch.full(q.shape[:3], -0.1), group=outside)):
+            with pytest.raises(ValueError, match=r"group: this process \(rank 0 of the world\) is not a member"):
+                call()
 
 
 def _model(rank, world):
