@@ -260,6 +260,7 @@ class FoxModel(FoxPreTrainedModel):
         cp = self.context_parallel
         if cp is not None:
             cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
+            cp.check_shard("input_ids" if inputs_embeds is None else "inputs_embeds", (B, T), x.device)
             if position_ids is None:  # RoPE rotates by the position in the whole sequence
                 positions = sequence_positions(T, group=cp.group, layout=cp.layout, device=x.device).expand(B, T)
         attentions_unavailable = output_attentions and cache is not None

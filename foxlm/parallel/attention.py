@@ -27,7 +27,7 @@ from ..ops.checks import check_qkv
 from ..ops.forgetting_attention.acp import ACP, acp_tile_stats
 from ..ops.forgetting_attention.gate import gate_cumsum, reverse_cumsum
 from ..ops.forgetting_attention.sdpa import attention_from_cumsum
-from .layout import _world, chunks_per_rank, gather_sequence, rank_chunks
+from .layout import _world, check_same_on_ranks, chunks_per_rank, gather_sequence, rank_chunks
 
 
 @dataclass
@@ -369,7 +369,7 @@ def _reverse_cumsum(dc: torch.Tensor, plan: _Plan) -> torch.Tensor:
     return (reverse_cumsum(dc4, dim=2) + carry[:, :, None]).reshape(B, -1, Hq)
 
 
-def _validate(q, k, v, log_fgate, layout) -> None:
+def _validate(q, k, v, log_fgate, layout, group, acp: ACP | None) -> None:
     check_qkv(q, k, v, what="a 4-D shard [B, T/P, H, D]")
     B, Tl, Hq, D = q.shape
     if tuple(k.shape[:2]) != (B, Tl):
@@ -379,13 +379,18 @@ def _validate(q, k, v, log_fgate, layout) -> None:
         raise ValueError(f"log_fgate: expected a shard [B, T/P, Hq] = {(B, Tl, Hq)}, got "
                          f"{getattr(log_fgate, 'shape', None)}")
     if log_fgate.dtype not in (torch.float32, torch.float64) or log_fgate.device != q.device:
-        raise ValueError(f"log_fgate: expected float32 on {q.device}, got {log_fgate.dtype} on {log_fgate.device}")
+        raise ValueError(f"log_fgate: expected float32 or float64 on {q.device}, got {log_fgate.dtype} on "
+                         f"{log_fgate.device}")
     per = chunks_per_rank(layout)
     if Tl % per:
         raise ValueError(f"q: a {layout} shard holds {per} equal chunks, so T/P={Tl} must be a multiple of {per} "
                          f"(the sequence a multiple of 2P; shard_sequence checks this)")
     if bool((~(log_fgate <= 0) | log_fgate.isinf()).any()):
         raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
+    data_bound = acp is not None and acp.logit_bound is None  # then the ranks all-reduce their norms
+    check_same_on_ranks(group, q.device, {"q.shape": q.shape, "k.shape": k.shape, "v.shape": v.shape,
+                                          "q.dtype": q.dtype, "layout": layout, "prune": acp is not None,
+                                          "logit_bound is None": data_bound})
 
 
 def cp_forgetting_attention(
@@ -411,7 +416,7 @@ def cp_forgetting_attention(
     Returns o: [B, T/P, Hq, Dv] in q's dtype. Differentiable in q, k, v and log_fgate.
     """
     acp = ACP.of(prune, tolerance, logit_bound)
-    _validate(q, k, v, log_fgate, layout)
+    _validate(q, k, v, log_fgate, layout, group, acp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     plan = _Plan(q, k, log_fgate, group, layout, scale, acp)
     return _CPForgettingAttention.apply(q, k, v, log_fgate, plan, scale)
@@ -435,7 +440,7 @@ def cp_acp_tile_stats(
     process reports for the same sequence whatever P and the layout. The op itself skips chunk pairs, a coarser
     unit (``cp_acp_stats``)."""
     acp = ACP(tolerance, logit_bound)
-    _validate(q, k, k, log_fgate, layout)
+    _validate(q, k, k, log_fgate, layout, group, acp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     threshold = _threshold(q, k, scale, acp, q.shape[1] * dist.get_world_size(group), group)
     with torch.no_grad():
@@ -461,7 +466,7 @@ def cp_acp_stats(
     default D. Blocks are (chunk of queries x chunk of keys) per head, the op's unit of skipping.
     """
     acp = ACP(tolerance, logit_bound)
-    _validate(q, k, k if value_dim is None else k.new_empty(*k.shape[:3], value_dim), log_fgate, layout)
+    _validate(q, k, k if value_dim is None else k.new_empty(*k.shape[:3], value_dim), log_fgate, layout, group, acp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     plan = _Plan(q, k, log_fgate, group, layout, scale, acp)
     B, _, Hq, D = q.shape

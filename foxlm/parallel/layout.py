@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..ops.checks import DTYPES
+
 LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -29,7 +31,53 @@ def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
     if not dist.is_initialized():
         raise RuntimeError("foxlm.parallel: torch.distributed is not initialised (call init_process_group first)")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:  # torch.distributed's answer outside the group: positions and shards would come out wrong
+        raise ValueError(f"group: this process (rank {dist.get_rank()} of the world) is not a member of it; call "
+                         f"context-parallel ops on the ranks of the group only")
+    return rank, dist.get_world_size(group)
+
+
+def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, fields: dict) -> None:
+    """Refuse, on every rank alike, arguments that differ between the ranks of ``group``: ``fields`` maps what the
+    message names to a shape (a tuple of ints), a dtype, a layout or a bool. A collective (one all-gather of a few
+    integers, read on the host): without it, shards of different shapes abort one process inside the
+    communication library and let another return a wrong result."""
+    rank, world = _world(group)
+    if world == 1:
+        return
+    codes = {name: _encode(value) for name, value in fields.items()}
+    local = torch.tensor([c for code in codes.values() for c in code], dtype=torch.int64, device=device)
+    gathered = local.new_empty(world * local.numel())
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    per_rank = gathered.view(world, -1).tolist()
+    start = 0
+    for name, code in codes.items():
+        got = [tuple(row[start:start + len(code)]) for row in per_rank]
+        if len(set(got)) > 1:
+            shown = ", ".join(f"rank {r}: {_decode(fields[name], g)}" for r, g in enumerate(got))
+            raise ValueError(f"{name}: expected the same on every rank of the context-parallel group, got {shown}")
+        start += len(code)
+
+
+def _encode(value) -> tuple[int, ...]:
+    if isinstance(value, torch.dtype):
+        return (DTYPES.index(value),)
+    if isinstance(value, str):
+        return (LAYOUTS.index(value),)
+    if isinstance(value, bool):
+        return (int(value),)
+    return tuple(int(d) for d in value)
+
+
+def _decode(like, code: tuple[int, ...]):
+    if isinstance(like, torch.dtype):
+        return DTYPES[code[0]]
+    if isinstance(like, str):
+        return repr(LAYOUTS[code[0]])
+    if isinstance(like, bool):
+        return bool(code[0])
+    return code
 
 
 def shard_sequence(
@@ -85,6 +133,18 @@ class ContextParallel:
 
     def __post_init__(self):
         chunks_per_rank(self.layout)
+
+    def check_shard(self, name: str, shape: tuple[int, int], device: torch.device) -> None:
+        """Refuse a model input ``name`` of ``shape`` [B, T/P] that is no shard of this layout, or whose shape
+        differs between the ranks (a collective: ranks passing shards of different lengths would otherwise abort
+        in the communication library or compute with each other's wrong tokens)."""
+        _, world = _world(self.group)
+        per = chunks_per_rank(self.layout)
+        if shape[1] == 0 or shape[1] % per:
+            raise ValueError(f"{name}: a {self.layout} shard holds {per} equal chunks, so its length {shape[1]} must "
+                             f"be a positive multiple of {per} (the whole sequence a multiple of {per * world}: "
+                             f"shard_sequence(x, dim=1) makes such shards)")
+        check_same_on_ranks(self.group, device, {f"{name}.shape": tuple(shape)})
 
     def check(self, *, segments=None, cache=None, window=None, output_attentions=False) -> None:
         """Refuse, by name, what a shard of a sequence cannot do: packed documents or padding, a KV cache, a

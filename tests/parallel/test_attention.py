@@ -165,7 +165,8 @@ def _halo(rank, world):
 
 
 def _errors(rank, world):
-    from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
+    from foxlm.parallel import (cp_forgetting_attention, gather_sequence, previous_tokens, sequence_positions,
+                                shard_sequence)
 
     x = torch.randn(1, 6, 2, 4)
     with pytest.raises(ValueError, match="multiple of 4"):
@@ -179,6 +180,22 @@ def _errors(rank, world):
         cp_forgetting_attention(q, q, q, torch.full((1, 3, 2), -0.1))
     with pytest.raises(ValueError, match="log_fgate"):
         cp_forgetting_attention(q, q, q, torch.full((1, 3, 2), 0.5), layout="contiguous")
+    # shards of different lengths on the ranks: an error on every rank, not an abort in gloo on one rank and a
+    # wrong output on the other
+    q = torch.randn(1, 4 + 2 * rank, 2, 4)
+    with pytest.raises(ValueError, match=r"q.shape: expected the same on every rank .* rank 0: \(1, 4, 2, 4\), "
+                                         r"rank 1: \(1, 6, 2, 4\)"):
+        cp_forgetting_attention(q, q, q, torch.full(q.shape[:3], -0.1))
+    with pytest.raises(ValueError, match="prune: expected the same on every rank"):
+        cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1), prune=rank == 0)
+    # a process outside the group: torch.distributed gives it rank -1, which made wrong positions and tokens
+    outside = dist.new_group([1])
+    if rank == 0:
+        for call in (lambda: sequence_positions(4, group=outside), lambda: previous_tokens(x, group=outside),
+                     lambda: shard_sequence(x, dim=1, group=outside),
+                     lambda: cp_forgetting_attention(q, q, q, torch.full(q.shape[:3], -0.1), group=outside)):
+            with pytest.raises(ValueError, match=r"group: this process \(rank 0 of the world\) is not a member"):
+                call()
 
 
 def _model(rank, world):
@@ -219,6 +236,15 @@ def _model(rank, world):
         model.model.layers[0].attn.window = 4
         model(ids[:, :8], shift_labels=ids[:, :8])
     model.model.layers[0].attn.window = None
+    # a shard the layout cannot split, and shards whose shapes differ between the ranks, by the input's name
+    apply_context_parallel(model)  # zigzag
+    with pytest.raises(ValueError, match="input_ids: a zigzag shard holds 2 equal chunks, so its length 3 must"):
+        model(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="inputs_embeds: a zigzag shard"):
+        model(inputs_embeds=torch.zeros(1, 3, 32, dtype=torch.float64), position_ids=torch.arange(3)[None])
+    with pytest.raises(ValueError, match=r"input_ids.shape: expected the same on every rank .* rank 0: \(1, 4\), "
+                                         r"rank 1: \(2, 4\)"):
+        model(torch.zeros(1 + rank, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="group: expected a ProcessGroup, a 1-D DeviceMesh or None, got int"):
         apply_context_parallel(model, 0)
     backends = [block.attn.attention_backend for block in model.model.layers]
