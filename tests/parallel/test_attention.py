@@ -165,8 +165,13 @@ def _halo(rank, world):
 
 
 def _errors(rank, world):
-    from foxlm.parallel import (cp_forgetting_attention, gather_sequence, previous_tokens, sequence_positions,
-                                shard_sequence)
+    from foxlm.parallel import (
+        cp_forgetting_attention,
+        gather_sequence,
+        previous_tokens,
+        sequence_positions,
+        shard_sequence,
+    )
 
     x = torch.randn(1, 6, 2, 4)
     with pytest.raises(ValueError, match="multiple of 4"):
