@@ -75,7 +75,8 @@ class FoxLM(HFLM):
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-        model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
+        # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
+        model = load_checkpoint_model(pretrained, dtype=getattr(torch, dtype)).to(dev).eval()
         tok = _as_hf(model_tokenizer(model.config, tokenizer))  # the one `foxlm train` recorded, else GPT-2 BPE
         if not kwargs.get("max_length"):
             length = getattr(model.config, "train_length", None) or run_train_length(pretrained)

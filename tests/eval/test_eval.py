@@ -490,6 +490,38 @@ def test_harness_context_window_is_the_training_length(tmp_path):
         FoxLM(pretrained=str(tmp_path / "unknown"), device="cpu")
 
 
+def _gpt2_model(path, **overrides):
+    """A tiny FoX in GPT-2's vocabulary with the tokenizer files, as ``--model hf`` and ``--model foxlm`` load it."""
+    from foxlm.eval.harness import save_hf_tokenizer
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, bos_token_id=50256,
+              eos_token_id=50256, pad_token_id=50256, train_length=64)
+    FoxForCausalLM(_config(**(kw | overrides))).save_pretrained(path)
+    save_hf_tokenizer(path)
+    return path
+
+
+def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
+    """``--model foxlm`` with dtype=bfloat16 loads the model as from_pretrained does (the forget gate stays fp32, as
+    in lm-eval's own ``--model hf``), rather than casting every weight: the same log-likelihoods as ``--model hf``."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    ours = FoxLM(pretrained=str(path), device="cpu", dtype="bfloat16")
+    gates = {n: p.dtype for n, p in ours.model.named_parameters() if "fgate" in n}
+    assert gates and set(gates.values()) == {torch.float32}, gates
+    reqs = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0),
+            Instance("loglikelihood", {}, ("To be, or not to be:", " that is the question"), 1)]
+    theirs = HFLM(pretrained=str(path), device="cpu", dtype="bfloat16")
+    assert [x for x, _ in ours.loglikelihood(reqs, disable_tqdm=True)] == \
+        [x for x, _ in theirs.loglikelihood(reqs, disable_tqdm=True)]
+
+
 def test_harness_without_lm_eval_names_the_extra(tmp_path):
     """Where lm-eval is not installed (the README's first command does not install it), one line says how."""
     (tmp_path / "lm_eval").mkdir()  # shadows the installed package as an absent one
