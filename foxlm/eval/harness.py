@@ -89,6 +89,16 @@ class FoxLM(HFLM):
         with _quiet(logging.getLogger("lm_eval.models.huggingface"), _PASSED_A_MODEL):
             super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
 
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        """HFLM's, with each text encoded without the tokenizer's BOS: lm-eval opens the first window with
+        ``prefix_token_id`` (that same end-of-text token) already, so the tokenizer's BOS would be scored as the
+        text's first token, log p(BOS | BOS) counted into every perplexity."""
+        add_bos, self.add_bos_token = self.add_bos_token, False
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.add_bos_token = add_bos
+
 
 # HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and
 # passes every other argument on): not the user's doing, nothing to act on

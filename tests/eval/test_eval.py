@@ -502,6 +502,25 @@ def _gpt2_model(path, **overrides):
     return path
 
 
+def test_harness_rolling_loglikelihood_scores_each_token_once(tmp_path):
+    """A perplexity task's log-likelihood is the text's, after the end-of-text prefix: the tokenizer's own BOS is not
+    put in as well and scored as the text's first token (lm-eval's windows open with the prefix already)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from foxlm.eval.harness import FoxLM, hf_tokenizer
+
+    path = _gpt2_model(tmp_path / "m")
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+    lm = FoxLM(pretrained=str(path), device="cpu")
+    (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    ids = hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) + 1 <= lm.max_length  # one window: the direct sum below is the whole protocol
+    model = utils.load_model(path, torch.device("cpu"))
+    direct = float(utils.next_token_logprobs(model, torch.tensor([[50256] + ids])).sum())
+    assert got == pytest.approx(direct, abs=1e-3)
+
+
 def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
     """``--model foxlm`` with dtype=bfloat16 loads the model as from_pretrained does (the forget gate stays fp32, as
     in lm-eval's own ``--model hf``), rather than casting every weight: the same log-likelihoods as ``--model hf``."""
