@@ -264,6 +264,22 @@ def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, 
     assert used == len(val[0]) // (length + 1) > 1
 
 
+def test_loss_cli_auto_windows_keep_bos_led_documents_when_max_sequences_are_there(untrained, corpus, tmp_path,
+                                                                                     capsys):
+    """--max-sequences 2 over two long-enough documents: --windows auto reads each document's first window (BOS-led),
+    as --windows first does, not the later windows of the first document, which start mid-document."""
+    assert len(list(TokenDataset(corpus, "train").documents())) == 2
+    csvs = {}
+    for windows in ("first", "auto"):
+        out = tmp_path / windows
+        assert main(["eval", "loss", str(untrained), "--data", str(corpus), "--split", "train", "--train-length", "64",
+                     "--eval-length", "255", "--max-sequences", "2", "--windows", windows, "--out", str(out),
+                     "--no-progress"]) == 0
+        csvs[windows] = _read_csv(out / "per_token_loss.csv")
+    assert "--windows auto" not in capsys.readouterr().err
+    assert csvs["auto"] == csvs["first"]
+
+
 def test_perplexity_axis_is_logarithmic(untrained, corpus):
     """P(1) is about the vocabulary's size: on a linear axis it flattens the rest of P(l)."""
     doc = next(TokenDataset(corpus, "val").documents())[:65]
