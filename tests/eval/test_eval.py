@@ -344,6 +344,13 @@ def test_answer_found_ignores_case_and_punctuation():
     assert not niah.answer_found(" eat a sandwich and sit in Golden Gate Park on a sunny day.")
 
 
+def test_answer_found_needs_whole_words():
+    """The answer phrase inside longer words is not the answer."""
+    assert niah.answer_found("Answer: eat a sandwich and sit in Dolores Park on a sunny day. Then go home")
+    assert not niah.answer_found(" eat a sandwich and sit in Dolores Park on a sunny days")
+    assert not niah.answer_found(" Beat a sandwich and sit in Dolores Park on a sunny day.")
+
+
 def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
     out = tmp_path / "niah"
     rc = main(["eval", "niah", str(trained), "--data", str(corpus), "--lengths", "260,400", "--depths", "0,0.5,1",
