@@ -69,7 +69,7 @@ def register(subparsers) -> None:
     loss.add_argument("--windows", choices=("auto", "first", "all"), default="auto",
                       help="first: each long-enough document's first eval-length + 1 tokens (BOS-led); all: also "
                            f"its later non-overlapping windows (which start mid-document); auto (default): first when "
-                           f"that gives at least {MIN_SEQUENCES} sequences, else all")
+                           f"that gives at least {MIN_SEQUENCES} sequences (or --max-sequences), else all")
     loss.add_argument("--cp", type=int, default=1,
                       help="context parallel: under `torchrun --nproc-per-node N`, --cp N splits each sequence over "
                            "the N processes, for contexts longer than one device holds (--eval-length a multiple "
@@ -317,7 +317,9 @@ def _run_loss(args, cp) -> int:
         else:
             runs.append((m, lab + (" + ACP" if args.acp == "on" else ""), {"on": True, "off": False}.get(args.acp)))
     docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences)
-    every = args.windows == "all" or (args.windows == "auto" and len(docs) < MIN_SEQUENCES)
+    # auto: BOS-led windows whenever there are as many as asked for; later ones start mid-document, without context
+    enough = min(MIN_SEQUENCES, args.max_sequences or MIN_SEQUENCES)
+    every = args.windows == "all" or (args.windows == "auto" and len(docs) < enough)
     seqs = _windows(docs, eval_length + 1, every)[:args.max_sequences]
     if args.windows == "auto" and every:
         print(f"--windows auto: {len(docs)} held-out documents have {eval_length + 1} tokens, so all their "

@@ -75,7 +75,8 @@ class FoxLM(HFLM):
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
-        model = load_checkpoint_model(pretrained).to(device=dev, dtype=getattr(torch, dtype)).eval()
+        # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
+        model = load_checkpoint_model(pretrained, dtype=getattr(torch, dtype)).to(dev).eval()
         tok = _as_hf(model_tokenizer(model.config, tokenizer))  # the one `foxlm train` recorded, else GPT-2 BPE
         if not kwargs.get("max_length"):
             length = getattr(model.config, "train_length", None) or run_train_length(pretrained)
@@ -87,6 +88,16 @@ class FoxLM(HFLM):
             # another architecture outside a run: lm-eval reads its config's length (max_position_embeddings, ...)
         with _quiet(logging.getLogger("lm_eval.models.huggingface"), _PASSED_A_MODEL):
             super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+
+    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
+        """HFLM's, with each text encoded without the tokenizer's BOS: lm-eval opens the first window with
+        ``prefix_token_id`` (that same end-of-text token) already, so the tokenizer's BOS would be scored as the
+        text's first token, log p(BOS | BOS) counted into every perplexity."""
+        add_bos, self.add_bos_token = self.add_bos_token, False
+        try:
+            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+        finally:
+            self.add_bos_token = add_bos
 
 
 # HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and

@@ -47,8 +47,9 @@ def normalize(text: str) -> str:
 
 
 def answer_found(completion: str) -> bool:
-    """Whether the whole answer phrase appears in ``completion`` (case, punctuation and spacing ignored)."""
-    return normalize(ANSWER) in normalize(completion)
+    """Whether the whole answer phrase appears in ``completion`` as whole words (case, punctuation and spacing
+    ignored): "... on a sunny days" or "Beat a sandwich ..." is another phrase."""
+    return f" {normalize(ANSWER)} " in f" {normalize(completion)} "
 
 
 def haystack_tokens(tokenizer, documents: list[np.ndarray]) -> np.ndarray:

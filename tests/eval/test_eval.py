@@ -264,6 +264,22 @@ def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, 
     assert used == len(val[0]) // (length + 1) > 1
 
 
+def test_loss_cli_auto_windows_keep_bos_led_documents_when_max_sequences_are_there(untrained, corpus, tmp_path,
+                                                                                     capsys):
+    """--max-sequences 2 over two long-enough documents: --windows auto reads each document's first window (BOS-led),
+    as --windows first does, not the later windows of the first document, which start mid-document."""
+    assert len(list(TokenDataset(corpus, "train").documents())) == 2
+    csvs = {}
+    for windows in ("first", "auto"):
+        out = tmp_path / windows
+        assert main(["eval", "loss", str(untrained), "--data", str(corpus), "--split", "train", "--train-length", "64",
+                     "--eval-length", "255", "--max-sequences", "2", "--windows", windows, "--out", str(out),
+                     "--no-progress"]) == 0
+        csvs[windows] = _read_csv(out / "per_token_loss.csv")
+    assert "--windows auto" not in capsys.readouterr().err
+    assert csvs["auto"] == csvs["first"]
+
+
 def test_perplexity_axis_is_logarithmic(untrained, corpus):
     """P(1) is about the vocabulary's size: on a linear axis it flattens the rest of P(l)."""
     doc = next(TokenDataset(corpus, "val").documents())[:65]
@@ -326,6 +342,13 @@ def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
 def test_answer_found_ignores_case_and_punctuation():
     assert niah.answer_found(" Eat a sandwich, and sit in Dolores  Park on a sunny day!\n")
     assert not niah.answer_found(" eat a sandwich and sit in Golden Gate Park on a sunny day.")
+
+
+def test_answer_found_needs_whole_words():
+    """The answer phrase inside longer words is not the answer."""
+    assert niah.answer_found("Answer: eat a sandwich and sit in Dolores Park on a sunny day. Then go home")
+    assert not niah.answer_found(" eat a sandwich and sit in Dolores Park on a sunny days")
+    assert not niah.answer_found(" Beat a sandwich and sit in Dolores Park on a sunny day.")
 
 
 def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
@@ -488,6 +511,57 @@ def test_harness_context_window_is_the_training_length(tmp_path):
     FoxForCausalLM(_config(**gpt2)).save_pretrained(tmp_path / "unknown")
     with pytest.raises(ValueError, match="max_length: .* records no training length"):
         FoxLM(pretrained=str(tmp_path / "unknown"), device="cpu")
+
+
+def _gpt2_model(path, **overrides):
+    """A tiny FoX in GPT-2's vocabulary with the tokenizer files, as ``--model hf`` and ``--model foxlm`` load it."""
+    from foxlm.eval.harness import save_hf_tokenizer
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, bos_token_id=50256,
+              eos_token_id=50256, pad_token_id=50256, train_length=64)
+    FoxForCausalLM(_config(**(kw | overrides))).save_pretrained(path)
+    save_hf_tokenizer(path)
+    return path
+
+
+def test_harness_rolling_loglikelihood_scores_each_token_once(tmp_path):
+    """A perplexity task's log-likelihood is the text's, after the end-of-text prefix: the tokenizer's own BOS is not
+    put in as well and scored as the text's first token (lm-eval's windows open with the prefix already)."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from foxlm.eval.harness import FoxLM, hf_tokenizer
+
+    path = _gpt2_model(tmp_path / "m")
+    text = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer"
+    lm = FoxLM(pretrained=str(path), device="cpu")
+    (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)], disable_tqdm=True)
+    ids = hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) + 1 <= lm.max_length  # one window: the direct sum below is the whole protocol
+    model = utils.load_model(path, torch.device("cpu"))
+    direct = float(utils.next_token_logprobs(model, torch.tensor([[50256] + ids])).sum())
+    assert got == pytest.approx(direct, abs=1e-3)
+
+
+def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
+    """``--model foxlm`` with dtype=bfloat16 loads the model as from_pretrained does (the forget gate stays fp32, as
+    in lm-eval's own ``--model hf``), rather than casting every weight: the same log-likelihoods as ``--model hf``."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    ours = FoxLM(pretrained=str(path), device="cpu", dtype="bfloat16")
+    gates = {n: p.dtype for n, p in ours.model.named_parameters() if "fgate" in n}
+    assert gates and set(gates.values()) == {torch.float32}, gates
+    reqs = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0),
+            Instance("loglikelihood", {}, ("To be, or not to be:", " that is the question"), 1)]
+    theirs = HFLM(pretrained=str(path), device="cpu", dtype="bfloat16")
+    assert [x for x, _ in ours.loglikelihood(reqs, disable_tqdm=True)] == \
+        [x for x, _ in theirs.loglikelihood(reqs, disable_tqdm=True)]
 
 
 def test_harness_without_lm_eval_names_the_extra(tmp_path):
