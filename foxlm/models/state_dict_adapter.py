@@ -247,6 +247,19 @@ def _name_pairs(cfg: FoxConfig, fmt: str) -> list[tuple[str, str, str]]:
     return pairs
 
 
+def foxlm_shapes(cfg: FoxConfig) -> dict[str, torch.Size]:
+    """The shape of every tensor foxlm's model of ``cfg`` saves (the model built on the meta device: no memory)."""
+    from .modeling_fox import FoxForCausalLM
+
+    with torch.device("meta"):
+        return {name: t.shape for name, t in FoxForCausalLM(cfg).state_dict().items()}
+
+
+def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(t.shape) != want:
+        raise ValueError(f"weights: {name} has shape {list(t.shape)}, but the config asks for {list(want)}")
+
+
 def _check_rope_table(name: str, t: torch.Tensor, cfg: FoxConfig) -> None:
     """A saved RoPE frequency buffer must be the one rope_theta gives (foxlm recomputes it)."""
     half = cfg.head_dim // 2
@@ -257,12 +270,15 @@ def _check_rope_table(name: str, t: torch.Tensor, cfg: FoxConfig) -> None:
 
 def peer_to_foxlm(weights: dict[str, torch.Tensor], cfg: FoxConfig, fmt: str) -> dict[str, torch.Tensor]:
     """The foxlm state dict of a peer's (``fmt``: "fox-authors" or "fla"); every tensor must be used."""
-    left, out = dict(weights), {}
+    left, out, shapes = dict(weights), {}, foxlm_shapes(cfg)
     H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for src, dst, kind in _name_pairs(cfg, fmt):
         if src not in left:
             raise ValueError(f"weights: {src} is missing (the config asks for it)")
         t = left.pop(src)
+        want = shapes[dst]
+        want = (math.prod(want),) if kind == "heads" else (2 * want[0], *want[1:]) if kind == "glu" else tuple(want)
+        _check_shape(src, t, want)
         if kind == "heads":
             t = t.view(Hk if ".k_norm." in src else H, D)
         if kind == "glu":
@@ -279,6 +295,10 @@ def peer_to_foxlm(weights: dict[str, torch.Tensor], cfg: FoxConfig, fmt: str) ->
 
 def foxlm_to_authors(weights: dict[str, torch.Tensor], cfg: FoxConfig) -> dict[str, torch.Tensor]:
     """The authors' state dict of a foxlm one (the inverse of ``peer_to_foxlm(..., "fox-authors")``)."""
+    for name, shape in foxlm_shapes(cfg).items():
+        if name not in weights:
+            raise ValueError(f"weights: {name} is missing (the config asks for it)")
+        _check_shape(name, weights[name], tuple(shape))
     left, out = dict(weights), {}
     for src, dst, kind in _name_pairs(cfg, "fox-authors"):
         t = left.pop(dst)

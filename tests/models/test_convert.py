@@ -406,6 +406,40 @@ def test_weights_that_do_not_fit_the_config_are_errors(tmp_path):
         convert(tmp_path / "missing", tmp_path / "dst")
 
 
+def test_weights_of_the_wrong_shape_are_errors_naming_them_in_both_directions(tmp_path):
+    """A tensor whose shape the config does not give is refused naming it: from the authors' format (was a
+    load_state_dict or view traceback) and to it (a foxlm folder with a wrong-shaped or missing tensor was written
+    out as a complete authors' folder, or was a KeyError traceback)."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-pro"])
+    sd = authors_weights(cfg, gen)
+    cases = {"model.layers.0.attn.q_proj.weight": torch.randn(C, C // 2),  # loaded into the model: size mismatch
+             "model.layers.1.attn.output_norm.weight": torch.randn(C + H),  # viewed as [H, D] first
+             "model.layers.0.mlp.gate_proj.weight": torch.randn(2 * 256 + 2, C)}  # split in two halves
+    for name, bad in cases.items():
+        _write(tmp_path / name, cfg, {**sd, name: bad})
+        assert main(["convert", str(tmp_path / name), str(tmp_path / "dst")]) == 2
+        with pytest.raises(ValueError, match=re.escape(f"weights: {name} has shape {list(bad.shape)}, but the "
+                                                       "config asks for")):
+            convert(tmp_path / name, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "fox")
+    fox = load_file(tmp_path / "fox" / "model.safetensors")
+    for name, change in (("wrong", {"model.layers.0.attn.q_proj.weight": torch.randn(3, 3)}),
+                         ("missing", {"lm_head.weight": None})):
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "fox" / "config.json", tmp_path / name)
+        save_file({k: change.get(k, v) for k, v in fox.items() if change.get(k, v) is not None},
+                  str(tmp_path / name / "model.safetensors"))
+        message = "has shape [3, 3], but the config asks for [64, 64]" if name == "wrong" else \
+            "lm_head.weight is missing"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            convert(tmp_path / name, tmp_path / "authors", to="fox-authors")
+        assert main(["convert", str(tmp_path / name), str(tmp_path / "authors"), "--to", "fox-authors"]) == 2
+    assert not (tmp_path / "authors").exists()
+
+
 def test_dst_is_never_clobbered_without_overwrite(tmp_path):
     gen = torch.Generator().manual_seed(0)
     cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
