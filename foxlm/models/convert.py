@@ -42,16 +42,34 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
          lambda p: torch.load(p, map_location="cpu", weights_only=True)),
     ):
         if (folder / index).is_file():
-            shards = sorted(set(read_json(folder / index, DAMAGED_MODEL)["weight_map"].values()))
+            shards = _shards(folder / index)
         elif (folder / single).is_file():
             shards = [single]
         else:
             continue
         for shard in shards:
+            if not (folder / shard).is_file():
+                raise ValueError(f"src: {folder / shard}, a shard {index} names, is missing; {DAMAGED_MODEL}")
             with reading_weights(folder / shard, "src"):
-                weights.update(load(folder / shard))
+                part = load(folder / shard)
+            if not isinstance(part, dict) or not all(isinstance(t, torch.Tensor) for t in part.values()):
+                raise ValueError(f"src: {folder / shard} holds no state dict (a dict of tensors)")
+            if (twice := sorted(part.keys() & weights.keys())):
+                raise ValueError(f"src: {twice[0]} is in {folder / shard} and in an earlier shard; {DAMAGED_MODEL}")
+            weights.update(part)
         return config, weights
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
+
+
+def _shards(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names: plain file names in its folder."""
+    weight_map = read_json(index, DAMAGED_MODEL).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: expected a weight_map of tensor names to shard files; {DAMAGED_MODEL}")
+    shards = sorted(set(weight_map.values()))
+    if (outside := [f for f in shards if Path(f).name != f]):
+        raise ValueError(f"{index}: shard {outside[0]!r} is not a file of its folder; {DAMAGED_MODEL}")
+    return shards
 
 
 def _dtype_of(config: dict, weights: dict[str, torch.Tensor]) -> torch.dtype:
@@ -107,7 +125,7 @@ def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> di
         if isinstance(raw.get("foxlm_tokenizer"), dict):  # SRC's own copy first: the recorded folder may have moved
             return tokenizer_from_spec(raw["foxlm_tokenizer"], [src]).spec()
         if (src / "tokenizer_config.json").is_file():
-            cls = json.loads((src / "tokenizer_config.json").read_text()).get("tokenizer_class")
+            cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class")
             names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
             tokenizer = names.get(cls)
         elif fmt == "fox-authors":

@@ -369,6 +369,43 @@ def test_sharded_bin_and_old_config_fields(tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "bf16" / "model.safetensors").values())
 
 
+def test_a_damaged_index_shard_or_tokenizer_config_is_an_error_naming_the_file(tmp_path):
+    """A source folder whose index, shards or tokenizer_config.json are damaged: one error naming the file (these were
+    KeyError, AttributeError and TypeError tracebacks), and a tensor in two shards is refused, not one copy dropped."""
+    gen = torch.Generator().manual_seed(3)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(cfg, gen)
+    names = sorted(sd)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    cases = {
+        "no-weight-map": ({"metadata": {}}, {}, "expected a weight_map of tensor names to shard files"),
+        "list-weight-map": ({"weight_map": ["a.bin"]}, {}, "expected a weight_map of tensor names to shard files"),
+        "outside": ({"weight_map": {"x": "../other/a.bin"}}, {}, "shard '../other/a.bin' is not a file of its folder"),
+        "missing-shard": ({"weight_map": {"x": "a.bin", "y": "b.bin"}}, {"a.bin": sd},
+                          "b.bin, a shard pytorch_model.bin.index.json names, is missing"),
+        "twice": ({"weight_map": {"x": "a.bin", "y": "b.bin"}},
+                  {"a.bin": {k: sd[k] for k in first}, "b.bin": {k: sd[k] * 2 for k in [first[0], *second]}},
+                  f"src: {first[0]} is in .*b.bin and in an earlier shard"),
+        "not-a-dict": ({"weight_map": {"x": "a.bin"}}, {"a.bin": [sd[first[0]]]}, "a.bin holds no state dict"),
+    }
+    for name, (index, shards, message) in cases.items():
+        src = tmp_path / name
+        src.mkdir()
+        (src / "config.json").write_text(json.dumps(cfg))
+        (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+        for file, state in shards.items():
+            torch.save(state, src / file)
+        with pytest.raises(ValueError, match=message):
+            convert(src, tmp_path / "dst")
+        assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
+    _write(tmp_path / "tok", cfg, sd)
+    for text, message in (("{bad", "not valid JSON"), ("[1]", "expected a JSON object, found a list")):
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(text)
+        with pytest.raises(ValueError, match=f"tokenizer_config.json: {re.escape(message)}.*; pass --tokenizer"):
+            convert(tmp_path / "tok", tmp_path / "dst")
+    convert(tmp_path / "tok", tmp_path / "dst", tokenizer="json-gpt2")  # not read when --tokenizer names one
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(fgate_type="fixed", fgate_bias_init=True, decay_time_min=1.0, decay_time_max=9.0), "fgate_type='fixed'"),
     (dict(ogate_act="silu", use_output_gate=True), "ogate_act='silu'"),
