@@ -347,10 +347,10 @@ def test_foxlm_models_the_authors_classes_cannot_express_are_errors(change, mess
 
 
 def test_sharded_bin_and_old_config_fields(tmp_path):
-    """A pytorch_model.bin (read with weights_only) split over two shards, with no dtype field and a null
-    max_position_embeddings; --dtype bfloat16 casts."""
+    """A pytorch_model.bin (read with weights_only) split over two shards, with no dtype field, a null
+    max_position_embeddings and a null rope_base (no RoPE: not read); --dtype bfloat16 casts."""
     gen = torch.Generator().manual_seed(3)
-    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    cfg = {**authors_config(**AUTHORS_ARCHS["fox-llama"]), "rope_base": None}
     del cfg["torch_dtype"]
     sd = authors_weights(cfg, gen)
     src = tmp_path / "src"
@@ -417,6 +417,12 @@ def test_a_damaged_index_shard_or_tokenizer_config_is_an_error_naming_the_file(t
     (dict(intermediate_size=100), "intermediate_size=100, but the weights have 256"),
     (dict(hidden_ratio=3), "hidden_ratio=3 gives an MLP of 256"),
     (dict(num_heads=None), "num_heads is missing"),
+    (dict(use_rope="false"), "use_rope='false'; expected true or false"),  # was read as true: RoPE added
+    (dict(num_heads=0), "num_heads=0; expected a positive int"),  # these were tracebacks
+    (dict(hidden_size="64"), "hidden_size='64'; expected a positive int"),
+    (dict(hidden_ratio="4"), "hidden_ratio='4'; expected a positive number"),
+    (dict(log_pruning_tolerance="-10"), "log_pruning_tolerance='-10'; expected a number"),
+    (dict(num_kv_heads=0), "num_kv_heads=0; expected a positive int"),  # was read as "no GQA"
 ])
 def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tmp_path):
     gen = torch.Generator().manual_seed(0)
@@ -427,6 +433,7 @@ def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tm
     _write(tmp_path / "src", {**base, **change}, sd)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         convert(tmp_path / "src", tmp_path / "dst")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
     assert not (tmp_path / "dst").exists()
 
 
