@@ -81,7 +81,8 @@ class _Fields:
         value = self(key, required)
         ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) and value > 0
         if value is not None and not ok:
-            raise ValueError(f"config.json: {key}={value!r}; expected a positive {'number' if kind is float else 'int'}")
+            what = "number" if kind is float else "int"
+            raise ValueError(f"config.json: {key}={value!r}; expected a positive {what}")
         return value
 
     def flag(self, key: str) -> bool:
