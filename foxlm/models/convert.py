@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.files import read_json, remove_stale_temporaries, replace_folder, temporary_path
+from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
 from ..checkpoint.manifest import verify_model_folder, write_manifest
 from ..checkpoint.weights import DAMAGED_MODEL, reading_weights
 from .card import write_model_card
@@ -98,6 +98,8 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
     if dst.resolve() == Path.home().resolve():
         raise ValueError(f"dst: {dst} is the home folder; convert into a folder of its own")
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
+        if (parent := next((p for p in dst.parents if p.exists()), None)) is not None and not parent.is_dir():
+            raise ValueError(f"dst: {parent} is a file, not a folder to write {dst} in")
         return
     model_type = None
     if (dst / "config.json").is_file():
@@ -155,6 +157,8 @@ def convert(
 
     src = Path(src).expanduser()
     dst = Path(os.path.abspath(Path(dst).expanduser()))  # "." and ".." name their folder
+    if dst.is_symlink():  # the model goes where the link points, and the link stays (a swap would move it)
+        dst = dst.resolve()
     if to not in ("foxlm", "fox-authors"):
         raise ValueError(f"to: expected 'foxlm' or 'fox-authors', got {to!r}")
     if dtype != "auto" and dtype not in DTYPES:
@@ -207,6 +211,7 @@ def convert(
         write_model_card(tmp, title=dst.name,
                          source=f"Converted by `foxlm convert` from `{src}` (a {found} model). {loads}")
         write_manifest(tmp)  # checked whenever foxlm loads it
+        fsync_tree(tmp)  # on disk before the swap deletes a replaced model
         replace_folder(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

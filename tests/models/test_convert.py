@@ -16,6 +16,7 @@ import os
 import random
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -549,6 +550,28 @@ def test_overwrite_replaces_only_what_convert_wrote(tmp_path, monkeypatch, capsy
     assert main(["convert", str(proj / "src"), "."]) == 0
     assert (tmp_path / "here" / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_overwrite_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path, monkeypatch):
+    """DST a symlink to a converted model, --overwrite: was an rmtree traceback after the swap, the link replaced by a
+    real folder and a `.LINK.foxlm-old-PID` link left behind; now the model where it points is replaced, every file
+    flushed to disk before the swap. A DST under a file is one line naming that file."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    _write(tmp_path / "src", cfg, authors_weights(cfg, gen))
+    convert(tmp_path / "src", tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "link"), "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "src"]
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == tmp_path / "real"
+    assert load_file(tmp_path / "real" / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    written = sorted(p.name for p in (tmp_path / "real").iterdir())
+    assert sorted(Path(f).name for f in synced if ".real.foxlm-tmp-" in f) == written
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"dst: {tmp_path / 'file'} is a file, not a folder to write"):
+        convert(tmp_path / "src", tmp_path / "file" / "sub" / "out")
 
 
 def test_a_damaged_config_is_named(tmp_path):
