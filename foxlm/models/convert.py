@@ -72,14 +72,14 @@ def _shards(index: Path) -> list[str]:
     return shards
 
 
-def _dtype_of(config: dict, weights: dict[str, torch.Tensor]) -> torch.dtype:
-    """The checkpoint's dtype: config ``dtype`` (transformers >= 4.56) or ``torch_dtype`` (older), else the weights'."""
-    name = config.get("dtype") or config.get("torch_dtype")
-    if name is not None:
-        if name not in DTYPES:
-            raise ValueError(f"dtype: config.json says {name!r}; expected one of {sorted(DTYPES)}")
-        return DTYPES[name]
-    return next(t.dtype for t in weights.values() if t.is_floating_point())
+def _dtype_of(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    """The checkpoint's dtype: that of its floating tensors, or float32 where they mix dtypes (no tensor loses
+    precision). config.json's dtype field is not read: it is a label, and a wrong one would cast the weights down."""
+    found = {t.dtype for t in weights.values() if t.is_floating_point()}
+    if not found <= set(DTYPES.values()):
+        names = sorted(str(d).removeprefix("torch.") for d in found - set(DTYPES.values()))
+        raise ValueError(f"dtype: the weights hold {', '.join(names)} tensors; pass one of {sorted(DTYPES)}")
+    return found.pop() if len(found) == 1 else torch.float32
 
 
 # ------------------------------------------------------------------------------------------------------------ output
@@ -149,7 +149,8 @@ def convert(
 
     src_format: "auto" (from config.json's model_type), "fox-authors" or "fla" (for ``to="foxlm"``), "foxlm" (for
         ``to="fox-authors"``). to: "foxlm" (a folder ``AutoModelForCausalLM`` loads after ``import foxlm``) or
-        "fox-authors" (the authors' classes' format). dtype: "auto" (the source's) or float32 / bfloat16 / float16.
+        "fox-authors" (the authors' classes' format). dtype: "auto" (the source weights': float32 where they mix
+        dtypes) or float32 / bfloat16 / float16.
     tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records; the authors' models: their
         JSON-escaped GPT-2, "json-gpt2"). overwrite: replace an existing foxlm / authors model folder at ``dst``.
     """
@@ -174,7 +175,7 @@ def convert(
     if found not in wanted:
         raise ValueError(f"src: a {found!r} model converts to {to!r} only from {' or '.join(wanted)}")
     _prepare_dst(dst, src, overwrite)
-    target = _dtype_of(raw, weights) if dtype == "auto" else DTYPES[dtype]
+    target = _dtype_of(weights) if dtype == "auto" else DTYPES[dtype]
 
     if to == "foxlm":
         fields = authors_config(raw, weights) if found == "fox-authors" else fla_config(raw, weights)

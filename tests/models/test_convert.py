@@ -407,6 +407,28 @@ def test_a_damaged_index_shard_or_tokenizer_config_is_an_error_naming_the_file(t
     convert(tmp_path / "tok", tmp_path / "dst", tokenizer="json-gpt2")  # not read when --tokenizer names one
 
 
+def test_auto_dtype_is_the_weights_never_a_narrower_label(tmp_path):
+    """--dtype auto keeps the weights' dtype (bf16 stays bf16, both ways); a config.json whose dtype label says
+    bfloat16 over float32 weights no longer casts them down, and weights of mixed dtypes become float32."""
+    gen = torch.Generator().manual_seed(4)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-pro"])
+    sd = authors_weights(cfg, gen)
+    cases = {"bf16": ("bfloat16", {k: v.bfloat16() for k, v in sd.items()}, torch.bfloat16),
+             "mislabelled": ("bfloat16", sd, torch.float32),
+             "mixed": ("float32", {k: v.half() if k.startswith("model.layers.1.") else v for k, v in sd.items()},
+                       torch.float32)}
+    for name, (label, weights, want) in cases.items():
+        _write(tmp_path / name, {**cfg, "torch_dtype": label}, weights)
+        convert(tmp_path / name, tmp_path / f"{name}-fox")
+        got = load_file(tmp_path / f"{name}-fox" / "model.safetensors")
+        assert {t.dtype for t in got.values()} == {want}, name
+        if name == "mislabelled":
+            assert all(torch.equal(got[k], sd[k]) for k in ("lm_head.weight", "model.norm.weight"))
+    convert(tmp_path / "bf16-fox", tmp_path / "bf16-authors", to="fox-authors")
+    assert {t.dtype for t in load_file(tmp_path / "bf16-authors" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16-authors" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(fgate_type="fixed", fgate_bias_init=True, decay_time_min=1.0, decay_time_max=9.0), "fgate_type='fixed'"),
     (dict(ogate_act="silu", use_output_gate=True), "ogate_act='silu'"),
