@@ -64,6 +64,17 @@ def _area_cli(area: str):
     return sys.modules[name]
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command ``args`` ran: ``foxlm eval loss``'s for ``foxlm eval loss ...``."""
+    dest = "command"
+    while True:
+        sub = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+        name = getattr(args, dest, None) if sub is not None else None
+        if name not in getattr(sub, "choices", {}):
+            return parser
+        parser, dest = sub.choices[name], f"{name}_command"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -77,7 +88,9 @@ def _main(argv: list[str] | None) -> int:
     # (read when transformers is first imported, which the command line does only later; =0 brings them back)
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:  # argparse's own message names no command and shows the top level's usage
+        _command_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -189,3 +189,17 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line():
     child.send_signal(signal.SIGINT)
     _, err = child.communicate(timeout=60)
     assert child.returncode == 130 and err.strip() == "foxlm: interrupted", (child.returncode, err)
+
+
+@pytest.mark.parametrize("args,command", [
+    (("convert", "src", "dst", "--bogus"), "convert"),
+    (("eval", "loss", "ckpt", "--out", "o", "--bogus", "1"), "eval loss"),
+    (("data", "prepare", "in", "--out", "o", "--bogus"), "data prepare"),
+])
+def test_an_unknown_option_is_named_by_its_command(args, command):
+    """An unknown option is reported by the (sub)command it was given to, with that command's usage; argparse's own
+    message came from the top level (`foxlm: error:`, `usage: foxlm [-h] [--debug] COMMAND ...`)."""
+    run = foxlm(*args)
+    line = one_line_error(run, command)
+    assert line.endswith(f"unrecognized arguments: {' '.join(args[args.index('--bogus'):])}"), line
+    assert f"usage: foxlm {command} " in run.stderr, run.stderr

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.files import read_json, remove_stale_temporaries, replace_folder, temporary_path
+from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
 from ..checkpoint.manifest import verify_model_folder, write_manifest
 from ..checkpoint.weights import DAMAGED_MODEL, reading_weights
 from .card import write_model_card
@@ -42,26 +42,44 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
          lambda p: torch.load(p, map_location="cpu", weights_only=True)),
     ):
         if (folder / index).is_file():
-            shards = sorted(set(read_json(folder / index, DAMAGED_MODEL)["weight_map"].values()))
+            shards = _shards(folder / index)
         elif (folder / single).is_file():
             shards = [single]
         else:
             continue
         for shard in shards:
+            if not (folder / shard).is_file():
+                raise ValueError(f"src: {folder / shard}, a shard {index} names, is missing; {DAMAGED_MODEL}")
             with reading_weights(folder / shard, "src"):
-                weights.update(load(folder / shard))
+                part = load(folder / shard)
+            if not isinstance(part, dict) or not all(isinstance(t, torch.Tensor) for t in part.values()):
+                raise ValueError(f"src: {folder / shard} holds no state dict (a dict of tensors)")
+            if (twice := sorted(part.keys() & weights.keys())):
+                raise ValueError(f"src: {twice[0]} is in {folder / shard} and in an earlier shard; {DAMAGED_MODEL}")
+            weights.update(part)
         return config, weights
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
 
 
-def _dtype_of(config: dict, weights: dict[str, torch.Tensor]) -> torch.dtype:
-    """The checkpoint's dtype: config ``dtype`` (transformers >= 4.56) or ``torch_dtype`` (older), else the weights'."""
-    name = config.get("dtype") or config.get("torch_dtype")
-    if name is not None:
-        if name not in DTYPES:
-            raise ValueError(f"dtype: config.json says {name!r}; expected one of {sorted(DTYPES)}")
-        return DTYPES[name]
-    return next(t.dtype for t in weights.values() if t.is_floating_point())
+def _shards(index: Path) -> list[str]:
+    """The shard files a ``*.index.json`` names: plain file names in its folder."""
+    weight_map = read_json(index, DAMAGED_MODEL).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{index}: expected a weight_map of tensor names to shard files; {DAMAGED_MODEL}")
+    shards = sorted(set(weight_map.values()))
+    if (outside := [f for f in shards if Path(f).name != f]):
+        raise ValueError(f"{index}: shard {outside[0]!r} is not a file of its folder; {DAMAGED_MODEL}")
+    return shards
+
+
+def _dtype_of(weights: dict[str, torch.Tensor]) -> torch.dtype:
+    """The checkpoint's dtype: that of its floating tensors, or float32 where they mix dtypes (no tensor loses
+    precision). config.json's dtype field is not read: it is a label, and a wrong one would cast the weights down."""
+    found = {t.dtype for t in weights.values() if t.is_floating_point()}
+    if not found <= set(DTYPES.values()):
+        names = sorted(str(d).removeprefix("torch.") for d in found - set(DTYPES.values()))
+        raise ValueError(f"dtype: the weights hold {', '.join(names)} tensors; pass one of {sorted(DTYPES)}")
+    return found.pop() if len(found) == 1 else torch.float32
 
 
 # ------------------------------------------------------------------------------------------------------------ output
@@ -80,6 +98,8 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
     if dst.resolve() == Path.home().resolve():
         raise ValueError(f"dst: {dst} is the home folder; convert into a folder of its own")
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
+        if (parent := next((p for p in dst.parents if p.exists()), None)) is not None and not parent.is_dir():
+            raise ValueError(f"dst: {parent} is a file, not a folder to write {dst} in")
         return
     model_type = None
     if (dst / "config.json").is_file():
@@ -107,7 +127,7 @@ def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> di
         if isinstance(raw.get("foxlm_tokenizer"), dict):  # SRC's own copy first: the recorded folder may have moved
             return tokenizer_from_spec(raw["foxlm_tokenizer"], [src]).spec()
         if (src / "tokenizer_config.json").is_file():
-            cls = json.loads((src / "tokenizer_config.json").read_text()).get("tokenizer_class")
+            cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class")
             names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
             tokenizer = names.get(cls)
         elif fmt == "fox-authors":
@@ -129,7 +149,8 @@ def convert(
 
     src_format: "auto" (from config.json's model_type), "fox-authors" or "fla" (for ``to="foxlm"``), "foxlm" (for
         ``to="fox-authors"``). to: "foxlm" (a folder ``AutoModelForCausalLM`` loads after ``import foxlm``) or
-        "fox-authors" (the authors' classes' format). dtype: "auto" (the source's) or float32 / bfloat16 / float16.
+        "fox-authors" (the authors' classes' format). dtype: "auto" (the source weights': float32 where they mix
+        dtypes) or float32 / bfloat16 / float16.
     tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records; the authors' models: their
         JSON-escaped GPT-2, "json-gpt2"). overwrite: replace an existing foxlm / authors model folder at ``dst``.
     """
@@ -137,6 +158,8 @@ def convert(
 
     src = Path(src).expanduser()
     dst = Path(os.path.abspath(Path(dst).expanduser()))  # "." and ".." name their folder
+    if dst.is_symlink():  # the model goes where the link points, and the link stays (a swap would move it)
+        dst = dst.resolve()
     if to not in ("foxlm", "fox-authors"):
         raise ValueError(f"to: expected 'foxlm' or 'fox-authors', got {to!r}")
     if dtype != "auto" and dtype not in DTYPES:
@@ -152,7 +175,7 @@ def convert(
     if found not in wanted:
         raise ValueError(f"src: a {found!r} model converts to {to!r} only from {' or '.join(wanted)}")
     _prepare_dst(dst, src, overwrite)
-    target = _dtype_of(raw, weights) if dtype == "auto" else DTYPES[dtype]
+    target = _dtype_of(weights) if dtype == "auto" else DTYPES[dtype]
 
     if to == "foxlm":
         fields = authors_config(raw, weights) if found == "fox-authors" else fla_config(raw, weights)
@@ -189,6 +212,7 @@ def convert(
         write_model_card(tmp, title=dst.name,
                          source=f"Converted by `foxlm convert` from `{src}` (a {found} model). {loads}")
         write_manifest(tmp)  # checked whenever foxlm loads it
+        fsync_tree(tmp)  # on disk before the swap deletes a replaced model
         replace_folder(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -76,6 +76,22 @@ class _Fields:
             raise ValueError(f"config.json: {key} is missing (needed to build the model)")
         return value
 
+    def positive(self, key: str, kind: type = int, required: bool = False):
+        """A positive int (``kind`` int) or number (``kind`` float), or None unless ``required``."""
+        value = self(key, required)
+        ok = isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool) and value > 0
+        if value is not None and not ok:
+            what = "number" if kind is float else "int"
+            raise ValueError(f"config.json: {key}={value!r}; expected a positive {what}")
+        return value
+
+    def flag(self, key: str) -> bool:
+        """A true/false field (null: false); a string such as "false" is an error, not true."""
+        value = self(key)
+        if value is not None and not isinstance(value, bool):
+            raise ValueError(f"config.json: {key}={value!r}; expected true or false")
+        return bool(value)
+
     def expect(self, key: str, allowed: tuple, why: str):
         value = self(key)
         if value not in allowed:
@@ -92,7 +108,7 @@ def _intermediate_size(f: _Fields, weights: dict[str, torch.Tensor], hidden: int
     if key not in weights:
         raise ValueError(f"weights: {key} is missing")
     size = weights[key].shape[1]
-    given, ratio = f("intermediate_size"), f("hidden_ratio")
+    given, ratio = f.positive("intermediate_size"), f.positive("hidden_ratio", float)
     if given is not None and given != size:
         raise ValueError(f"config.json: intermediate_size={given}, but the weights have {size}")
     if given is None and ratio is not None:
@@ -104,7 +120,7 @@ def _intermediate_size(f: _Fields, weights: dict[str, torch.Tensor], hidden: int
 
 def _common_config(f: _Fields, weights: dict[str, torch.Tensor]) -> dict:
     """The FoxConfig fields both peers' configs share."""
-    hidden, heads = f("hidden_size", True), f("num_heads", True)
+    hidden, heads = f.positive("hidden_size", required=True), f.positive("num_heads", required=True)
     if hidden % heads:
         raise ValueError(f"config.json: num_heads={heads} does not divide hidden_size={hidden}")
     if "model.embeddings.weight" not in weights:
@@ -114,12 +130,12 @@ def _common_config(f: _Fields, weights: dict[str, torch.Tensor]) -> dict:
         raise ValueError(f"config.json: vocab_size={f('vocab_size')}, but the embedding has {vocab} rows")
     f.expect("tie_word_embeddings", (False,), "foxlm models have an untied LM head")
     f.expect("hidden_act", ("swish", "silu"), "foxlm's MLP is SwiGLU")
-    layers = f("num_hidden_layers", True)
+    layers = f.positive("num_hidden_layers", required=True)
     f("foxlm_tokenizer")  # the tokenizer record (``_tokenizer_spec``), written by foxlm's export
     return dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-        num_key_value_heads=f("num_kv_heads") or heads, head_dim=hidden // heads,
-        intermediate_size=_intermediate_size(f, weights, hidden), rms_norm_eps=f("norm_eps"),
+        num_key_value_heads=f.positive("num_kv_heads") or heads, head_dim=hidden // heads,
+        intermediate_size=_intermediate_size(f, weights, hidden), rms_norm_eps=f.positive("norm_eps", float),
         bos_token_id=f("bos_token_id"), eos_token_id=f("eos_token_id"),
     )
 
@@ -130,7 +146,9 @@ def authors_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
     f = _Fields(raw, _peer_defaults(mtype))
     out = _common_config(f, weights)
     f.expect("attention_bias", (False,), "foxlm's projections have no bias")
-    out.update(rope=bool(f("use_rope")), rope_theta=float(f("rope_base")))
+    rope = f.flag("use_rope")
+    theta = f.positive("rope_base", float, required=rope)  # read only under RoPE
+    out.update(rope=rope, **({} if theta is None else {"rope_theta": float(theta)}))
     window = f("window_size")
     if mtype == AUTHORS_TRANSFORMER:
         out.update(gate="none", window=window)
@@ -142,11 +160,13 @@ def authors_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
         gates = {"full": "data", "bias_only": "bias", "none": "none"}
         fgate = f.expect("fgate_type", tuple(gates), "foxlm has no fixed forget gate of arbitrary values")
         tolerance = f("log_pruning_tolerance")
-        qk_norm, shared = bool(f("qk_norm")), bool(f("qk_norm_share_param_across_head"))
+        if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))):
+            raise ValueError(f"config.json: log_pruning_tolerance={tolerance!r}; expected a number (a log) or null")
+        qk_norm, shared = f.flag("qk_norm"), f.flag("qk_norm_share_param_across_head")
         out.update(
             gate=gates[fgate], qk_norm=qk_norm, qk_norm_shared=qk_norm and shared,
-            qk_norm_eps=PEER_QK_NORM_EPS if qk_norm else None, output_gate=bool(f("use_output_gate")),
-            output_norm=bool(f("use_output_norm")), k_shift=bool(f("use_k_shift")), v_shift=bool(f("use_v_shift")),
+            qk_norm_eps=PEER_QK_NORM_EPS if qk_norm else None, output_gate=f.flag("use_output_gate"),
+            output_norm=f.flag("use_output_norm"), k_shift=f.flag("use_k_shift"), v_shift=f.flag("use_v_shift"),
             acp=tolerance is not None, **({} if tolerance is None else {"acp_tolerance": math.exp(tolerance)}),
         )
     if (left := f.leftover()):
@@ -161,9 +181,9 @@ def fla_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
     f.expect("qkv_bias", (False,), "foxlm's projections have no bias")
     f.expect("window_size", (None,), "fla's attention ignores it in the forward pass but truncates its cache")
     f.expect("attnres_block_size", (None,), "foxlm has no attention residuals")
-    qk_norm = bool(f("qk_norm"))
+    qk_norm = f.flag("qk_norm")
     out.update(gate="data", qk_norm=qk_norm, qk_norm_eps=PEER_QK_NORM_EPS if qk_norm else None,
-               output_gate=bool(f("use_output_gate")))
+               output_gate=f.flag("use_output_gate"))
     if (left := f.leftover()):
         raise ValueError(f"config.json: {', '.join(left)}: unknown to foxlm's converter; refusing to drop it")
     return out
@@ -247,6 +267,19 @@ def _name_pairs(cfg: FoxConfig, fmt: str) -> list[tuple[str, str, str]]:
     return pairs
 
 
+def foxlm_shapes(cfg: FoxConfig) -> dict[str, torch.Size]:
+    """The shape of every tensor foxlm's model of ``cfg`` saves (the model built on the meta device: no memory)."""
+    from .modeling_fox import FoxForCausalLM
+
+    with torch.device("meta"):
+        return {name: t.shape for name, t in FoxForCausalLM(cfg).state_dict().items()}
+
+
+def _check_shape(name: str, t: torch.Tensor, want: tuple[int, ...]) -> None:
+    if tuple(t.shape) != want:
+        raise ValueError(f"weights: {name} has shape {list(t.shape)}, but the config asks for {list(want)}")
+
+
 def _check_rope_table(name: str, t: torch.Tensor, cfg: FoxConfig) -> None:
     """A saved RoPE frequency buffer must be the one rope_theta gives (foxlm recomputes it)."""
     half = cfg.head_dim // 2
@@ -257,12 +290,15 @@ def _check_rope_table(name: str, t: torch.Tensor, cfg: FoxConfig) -> None:
 
 def peer_to_foxlm(weights: dict[str, torch.Tensor], cfg: FoxConfig, fmt: str) -> dict[str, torch.Tensor]:
     """The foxlm state dict of a peer's (``fmt``: "fox-authors" or "fla"); every tensor must be used."""
-    left, out = dict(weights), {}
+    left, out, shapes = dict(weights), {}, foxlm_shapes(cfg)
     H, Hk, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     for src, dst, kind in _name_pairs(cfg, fmt):
         if src not in left:
             raise ValueError(f"weights: {src} is missing (the config asks for it)")
         t = left.pop(src)
+        want = shapes[dst]
+        want = (math.prod(want),) if kind == "heads" else (2 * want[0], *want[1:]) if kind == "glu" else tuple(want)
+        _check_shape(src, t, want)
         if kind == "heads":
             t = t.view(Hk if ".k_norm." in src else H, D)
         if kind == "glu":
@@ -279,6 +315,10 @@ def peer_to_foxlm(weights: dict[str, torch.Tensor], cfg: FoxConfig, fmt: str) ->
 
 def foxlm_to_authors(weights: dict[str, torch.Tensor], cfg: FoxConfig) -> dict[str, torch.Tensor]:
     """The authors' state dict of a foxlm one (the inverse of ``peer_to_foxlm(..., "fox-authors")``)."""
+    for name, shape in foxlm_shapes(cfg).items():
+        if name not in weights:
+            raise ValueError(f"weights: {name} is missing (the config asks for it)")
+        _check_shape(name, weights[name], tuple(shape))
     left, out = dict(weights), {}
     for src, dst, kind in _name_pairs(cfg, "fox-authors"):
         t = left.pop(dst)

@@ -16,6 +16,7 @@ import os
 import random
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -347,10 +348,10 @@ def test_foxlm_models_the_authors_classes_cannot_express_are_errors(change, mess
 
 
 def test_sharded_bin_and_old_config_fields(tmp_path):
-    """A pytorch_model.bin (read with weights_only) split over two shards, with no dtype field and a null
-    max_position_embeddings; --dtype bfloat16 casts."""
+    """A pytorch_model.bin (read with weights_only) split over two shards, with no dtype field, a null
+    max_position_embeddings and a null rope_base (no RoPE: not read); --dtype bfloat16 casts."""
     gen = torch.Generator().manual_seed(3)
-    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    cfg = {**authors_config(**AUTHORS_ARCHS["fox-llama"]), "rope_base": None}
     del cfg["torch_dtype"]
     sd = authors_weights(cfg, gen)
     src = tmp_path / "src"
@@ -369,6 +370,65 @@ def test_sharded_bin_and_old_config_fields(tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "bf16" / "model.safetensors").values())
 
 
+def test_a_damaged_index_shard_or_tokenizer_config_is_an_error_naming_the_file(tmp_path):
+    """A source folder whose index, shards or tokenizer_config.json are damaged: one error naming the file (these were
+    KeyError, AttributeError and TypeError tracebacks), and a tensor in two shards is refused, not one copy dropped."""
+    gen = torch.Generator().manual_seed(3)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(cfg, gen)
+    names = sorted(sd)
+    first, second = names[: len(names) // 2], names[len(names) // 2:]
+    cases = {
+        "no-weight-map": ({"metadata": {}}, {}, "expected a weight_map of tensor names to shard files"),
+        "list-weight-map": ({"weight_map": ["a.bin"]}, {}, "expected a weight_map of tensor names to shard files"),
+        "outside": ({"weight_map": {"x": "../other/a.bin"}}, {}, "shard '../other/a.bin' is not a file of its folder"),
+        "missing-shard": ({"weight_map": {"x": "a.bin", "y": "b.bin"}}, {"a.bin": sd},
+                          "b.bin, a shard pytorch_model.bin.index.json names, is missing"),
+        "twice": ({"weight_map": {"x": "a.bin", "y": "b.bin"}},
+                  {"a.bin": {k: sd[k] for k in first}, "b.bin": {k: sd[k] * 2 for k in [first[0], *second]}},
+                  f"src: {first[0]} is in .*b.bin and in an earlier shard"),
+        "not-a-dict": ({"weight_map": {"x": "a.bin"}}, {"a.bin": [sd[first[0]]]}, "a.bin holds no state dict"),
+    }
+    for name, (index, shards, message) in cases.items():
+        src = tmp_path / name
+        src.mkdir()
+        (src / "config.json").write_text(json.dumps(cfg))
+        (src / "pytorch_model.bin.index.json").write_text(json.dumps(index))
+        for file, state in shards.items():
+            torch.save(state, src / file)
+        with pytest.raises(ValueError, match=message):
+            convert(src, tmp_path / "dst")
+        assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
+    _write(tmp_path / "tok", cfg, sd)
+    for text, message in (("{bad", "not valid JSON"), ("[1]", "expected a JSON object, found a list")):
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(text)
+        with pytest.raises(ValueError, match=f"tokenizer_config.json: {re.escape(message)}.*; pass --tokenizer"):
+            convert(tmp_path / "tok", tmp_path / "dst")
+    convert(tmp_path / "tok", tmp_path / "dst", tokenizer="json-gpt2")  # not read when --tokenizer names one
+
+
+def test_auto_dtype_is_the_weights_never_a_narrower_label(tmp_path):
+    """--dtype auto keeps the weights' dtype (bf16 stays bf16, both ways); a config.json whose dtype label says
+    bfloat16 over float32 weights no longer casts them down, and weights of mixed dtypes become float32."""
+    gen = torch.Generator().manual_seed(4)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-pro"])
+    sd = authors_weights(cfg, gen)
+    cases = {"bf16": ("bfloat16", {k: v.bfloat16() for k, v in sd.items()}, torch.bfloat16),
+             "mislabelled": ("bfloat16", sd, torch.float32),
+             "mixed": ("float32", {k: v.half() if k.startswith("model.layers.1.") else v for k, v in sd.items()},
+                       torch.float32)}
+    for name, (label, weights, want) in cases.items():
+        _write(tmp_path / name, {**cfg, "torch_dtype": label}, weights)
+        convert(tmp_path / name, tmp_path / f"{name}-fox")
+        got = load_file(tmp_path / f"{name}-fox" / "model.safetensors")
+        assert {t.dtype for t in got.values()} == {want}, name
+        if name == "mislabelled":
+            assert all(torch.equal(got[k], sd[k]) for k in ("lm_head.weight", "model.norm.weight"))
+    convert(tmp_path / "bf16-fox", tmp_path / "bf16-authors", to="fox-authors")
+    assert {t.dtype for t in load_file(tmp_path / "bf16-authors" / "model.safetensors").values()} == {torch.bfloat16}
+    assert json.loads((tmp_path / "bf16-authors" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(fgate_type="fixed", fgate_bias_init=True, decay_time_min=1.0, decay_time_max=9.0), "fgate_type='fixed'"),
     (dict(ogate_act="silu", use_output_gate=True), "ogate_act='silu'"),
@@ -380,6 +440,12 @@ def test_sharded_bin_and_old_config_fields(tmp_path):
     (dict(intermediate_size=100), "intermediate_size=100, but the weights have 256"),
     (dict(hidden_ratio=3), "hidden_ratio=3 gives an MLP of 256"),
     (dict(num_heads=None), "num_heads is missing"),
+    (dict(use_rope="false"), "use_rope='false'; expected true or false"),  # was read as true: RoPE added
+    (dict(num_heads=0), "num_heads=0; expected a positive int"),  # these were tracebacks
+    (dict(hidden_size="64"), "hidden_size='64'; expected a positive int"),
+    (dict(hidden_ratio="4"), "hidden_ratio='4'; expected a positive number"),
+    (dict(log_pruning_tolerance="-10"), "log_pruning_tolerance='-10'; expected a number"),
+    (dict(num_kv_heads=0), "num_kv_heads=0; expected a positive int"),  # was read as "no GQA"
 ])
 def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tmp_path):
     gen = torch.Generator().manual_seed(0)
@@ -390,6 +456,7 @@ def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tm
     _write(tmp_path / "src", {**base, **change}, sd)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         convert(tmp_path / "src", tmp_path / "dst")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 2
     assert not (tmp_path / "dst").exists()
 
 
@@ -404,6 +471,40 @@ def test_weights_that_do_not_fit_the_config_are_errors(tmp_path):
     _write(tmp_path / "missing", cfg, sd)
     with pytest.raises(ValueError, match=r"model.layers.1.attn.fgate_proj.bias is missing"):
         convert(tmp_path / "missing", tmp_path / "dst")
+
+
+def test_weights_of_the_wrong_shape_are_errors_naming_them_in_both_directions(tmp_path):
+    """A tensor whose shape the config does not give is refused naming it: from the authors' format (was a
+    load_state_dict or view traceback) and to it (a foxlm folder with a wrong-shaped or missing tensor was written
+    out as a complete authors' folder, or was a KeyError traceback)."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-pro"])
+    sd = authors_weights(cfg, gen)
+    cases = {"model.layers.0.attn.q_proj.weight": torch.randn(C, C // 2),  # loaded into the model: size mismatch
+             "model.layers.1.attn.output_norm.weight": torch.randn(C + H),  # viewed as [H, D] first
+             "model.layers.0.mlp.gate_proj.weight": torch.randn(2 * 256 + 2, C)}  # split in two halves
+    for name, bad in cases.items():
+        _write(tmp_path / name, cfg, {**sd, name: bad})
+        assert main(["convert", str(tmp_path / name), str(tmp_path / "dst")]) == 2
+        with pytest.raises(ValueError, match=re.escape(f"weights: {name} has shape {list(bad.shape)}, but the "
+                                                       "config asks for")):
+            convert(tmp_path / name, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "fox")
+    fox = load_file(tmp_path / "fox" / "model.safetensors")
+    for name, change in (("wrong", {"model.layers.0.attn.q_proj.weight": torch.randn(3, 3)}),
+                         ("missing", {"lm_head.weight": None})):
+        (tmp_path / name).mkdir()
+        shutil.copy(tmp_path / "fox" / "config.json", tmp_path / name)
+        save_file({k: change.get(k, v) for k, v in fox.items() if change.get(k, v) is not None},
+                  str(tmp_path / name / "model.safetensors"))
+        message = "has shape [3, 3], but the config asks for [64, 64]" if name == "wrong" else \
+            "lm_head.weight is missing"
+        with pytest.raises(ValueError, match=re.escape(message)):
+            convert(tmp_path / name, tmp_path / "authors", to="fox-authors")
+        assert main(["convert", str(tmp_path / name), str(tmp_path / "authors"), "--to", "fox-authors"]) == 2
+    assert not (tmp_path / "authors").exists()
 
 
 def test_dst_is_never_clobbered_without_overwrite(tmp_path):
@@ -471,6 +572,28 @@ def test_overwrite_replaces_only_what_convert_wrote(tmp_path, monkeypatch, capsy
     assert main(["convert", str(proj / "src"), "."]) == 0
     assert (tmp_path / "here" / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
+
+
+def test_overwrite_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path, monkeypatch):
+    """DST a symlink to a converted model, --overwrite: was an rmtree traceback after the swap, the link replaced by a
+    real folder and a `.LINK.foxlm-old-PID` link left behind; now the model where it points is replaced, every file
+    flushed to disk before the swap. A DST under a file is one line naming that file."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    _write(tmp_path / "src", cfg, authors_weights(cfg, gen))
+    convert(tmp_path / "src", tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "link"), "--overwrite", "--dtype", "bfloat16"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real", "src"]
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == tmp_path / "real"
+    assert load_file(tmp_path / "real" / "model.safetensors")["lm_head.weight"].dtype == torch.bfloat16
+    written = sorted(p.name for p in (tmp_path / "real").iterdir())
+    assert sorted(Path(f).name for f in synced if ".real.foxlm-tmp-" in f) == written
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match=f"dst: {tmp_path / 'file'} is a file, not a folder to write"):
+        convert(tmp_path / "src", tmp_path / "file" / "sub" / "out")
 
 
 def test_a_damaged_config_is_named(tmp_path):
