@@ -42,14 +42,21 @@ def temporary_path(dest: Path, kind: str) -> Path:
 
 
 def remove_stale_temporaries(dest: Path) -> None:
-    """Delete the temporary folders (``temporary_path``) that killed processes left beside ``dest``."""
+    """Delete the temporary folders (``temporary_path``) that killed processes left beside ``dest``. A process killed
+    inside ``replace_folder``'s swap, after it set the old copy aside and before it moved the new one in, left no
+    ``dest``: its old copy, the last complete one, is put back first."""
     if not dest.parent.is_dir():
         return
-    ours = re.compile(rf"\.{re.escape(dest.name)}\.foxlm-(?:tmp|old)-(\d+)")
-    for entry in dest.parent.iterdir():
-        match = ours.fullmatch(entry.name)
-        if match and entry.is_dir() and not entry.is_symlink() and not _alive(int(match.group(1))):
-            shutil.rmtree(entry, ignore_errors=True)
+    ours = re.compile(rf"\.{re.escape(dest.name)}\.foxlm-(tmp|old)-(\d+)")
+    stale = [(entry, match.group(1)) for entry in dest.parent.iterdir()
+             if (match := ours.fullmatch(entry.name)) and entry.is_dir() and not entry.is_symlink()
+             and not _alive(int(match.group(2)))]
+    aside = sorted((entry for entry, kind in stale if kind == "old"), key=lambda e: e.stat().st_mtime)
+    if aside and not dest.exists() and not dest.is_symlink():
+        aside[-1].rename(dest)
+        stale = [(entry, kind) for entry, kind in stale if entry != aside[-1]]
+    for entry, _ in stale:
+        shutil.rmtree(entry, ignore_errors=True)
 
 
 def _alive(pid: int) -> bool:

@@ -33,3 +33,27 @@ def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
     assert model.config.foxlm_tokenizer["name"] == "byte"
     assert model.config.train_length == tiny_config(byte_data, run).seq_len  # lm-eval's context window (eval harness)
 
+
+
+def test_a_swap_killed_halfway_leaves_the_old_copy_to_be_put_back(tmp_path):
+    """replace_folder killed after it set the old copy aside and before it moved the new one in: no folder at the
+    destination, the old copy and the new one as temporaries of a dead process. The next writer's clean-up puts the
+    old copy back (a complete one survives, as replace_folder promises) and deletes the new one's leftover."""
+    import subprocess
+    import sys
+
+    from foxlm.checkpoint.files import remove_stale_temporaries
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    dest = tmp_path / "model"
+    old, new = tmp_path / f".model.foxlm-old-{dead}", tmp_path / f".model.foxlm-tmp-{dead}"
+    old.mkdir()
+    (old / "weights").write_text("the old, complete model")
+    new.mkdir()
+    (new / "weights").write_text("the new one, maybe half written")
+    remove_stale_temporaries(dest)
+    assert (dest / "weights").read_text() == "the old, complete model"
+    assert not old.exists() and not new.exists()
+    remove_stale_temporaries(dest)  # nothing stale left: the model stays
+    assert (dest / "weights").is_file()
