@@ -88,6 +88,7 @@ NAMES = ("o", "lse", "dq", "dk", "dv", "dlog_fgate")
 
 
 @pytest.mark.gpu
+@pytest.mark.triton  # the op on its kernels (conftest's backend), not the PyTorch path
 @gpu_tested
 @pytest.mark.parametrize("B, T, Hq, Hk, dtype", [
     (2, 1000, 4, 2, torch.bfloat16),  # GQA, T not a multiple of the 128-query block
@@ -126,6 +127,7 @@ def test_gluon_forward_matches_fp64_reference(B, T, Hq, Hk, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.triton
 @gpu_tested
 def test_other_calls_keep_the_triton_forward():
     """Window, ACP, packed sequences, Tq < Tk, d64 and fp32 on the GPU: not for Gluon, and still right."""
