@@ -238,6 +238,49 @@ def test_pieces_tokenize_like_the_whole_text(gpt2, plays):
     assert [i for p in pieces for i in gpt2.encode(p)] == gpt2.encode(text)
 
 
+def _tokenizer_folder(folder, texts, pre_tokenizer, decoder, alphabet=()):
+    """A BPE tokenizer.json folder trained on ``texts`` with ``pre_tokenizer``, ``</s>`` as its end of text."""
+    from tokenizers import Tokenizer, models, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=500, special_tokens=["<s>", "</s>"],
+                                                       initial_alphabet=list(alphabet)))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_long_documents_get_the_ids_of_their_whole_text(tmp_path, plays):
+    """A long document read in pieces gets exactly the ids its tokenizer gives the whole text, for every kind:
+    json-gpt2 (GPT-2 merges ")" with the "\\" of the escaped "\n" after it), Hugging Face folders whose
+    pre-tokenizer joins what follows whitespace (Metaspace, as SentencePiece's) or runs into it (Llama 3's regex)."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    rng = random.Random()
+    texts = []
+    for _ in range(3):
+        chars = list(_random_text(rng, plays, 6000))
+        for _ in range(100):
+            chars.insert(rng.randrange(len(chars)), rng.choice(["):\n", "(x)\t", "} \n", ".\n\n", "é\u00a0"]))
+        texts.append("".join(chars))
+    llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizers = ["json-gpt2", "gpt2",
+                  _tokenizer_folder(tmp_path / "metaspace", texts, pre_tokenizers.Metaspace(), decoders.Metaspace()),
+                  _tokenizer_folder(tmp_path / "llama3", texts, pre_tokenizers.Sequence(
+                      [pre_tokenizers.Split(Regex(llama3), "isolated"), byte_level]), decoders.ByteLevel(),
+                      pre_tokenizers.ByteLevel.alphabet())]
+    src = texts_to_files(tmp_path / "src", texts)
+    for i, name in enumerate(tokenizers):
+        prepare(src, tmp_path / f"out{i}", tokenizer=name, val_fraction=0.0, workers=0, progress=False,
+                piece_chars=200)
+        tok = get_tokenizer(name)
+        docs = sorted(d.tolist() for d in TokenDataset(tmp_path / f"out{i}").documents())
+        assert docs == sorted([tok.eot_id] + tok.encode(t) for t in texts), name
+
+
 def _write_corpus(root, rng, plays):
     """A mixed corpus with bad inputs; returns the texts of the good documents in input order."""
     docs = {}
