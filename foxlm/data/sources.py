@@ -1,7 +1,7 @@
 """Streaming document readers for ``foxlm data prepare``.
 
 Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per
-line, under ``text_key``), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folders saved with
+line, under ``text_key``), all UTF-8 (a leading byte-order mark is dropped), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folders saved with
 ``save_to_disk`` and ``hub:NAME``, a dataset ``datasets.load_dataset(NAME, streaming=True)`` streams (a Hub name or a
 local dataset folder; both need ``datasets``). A dataset with a validation split (``validation``, ``valid`` or ``val``)
 keeps its own splits: its ``train`` split is trained on, its validation split held out, any other split (``test``) left
@@ -257,7 +257,7 @@ def _open_binary(path: Path, on_bytes: Callable[[int], None]) -> tuple[io.Buffer
 def _text_file_events(src: Source, on_bytes, cuts: Cuts) -> Iterator[Event]:
     stream, raw = _open_binary(src.path, on_bytes)
     with stream:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="strict")  # a byte-order mark is no text
         buf, seen_text = "", False
         while block := stream.read(cuts.chars):
             buf += decoder.decode(block)
@@ -285,7 +285,7 @@ def _jsonl_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line.decode("utf-8"))
+                obj = json.loads(line.decode("utf-8-sig" if lineno == 1 else "utf-8"))  # no byte-order mark
                 text = obj[text_key] if isinstance(obj, dict) else None
             except UnicodeDecodeError as e:
                 yield "skip", ("bad UTF-8", f"line {lineno}: {e.reason} at byte {e.start}")

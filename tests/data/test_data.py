@@ -309,6 +309,21 @@ def _write_corpus(root, rng, plays):
     return ordered
 
 
+def test_a_byte_order_mark_is_not_text(tmp_path, gpt2, plays):
+    """A UTF-8 byte-order mark (as Windows tools write) opens no document: a text file's text is read without it and
+    a JSON Lines file's first line is a document, not bad JSON; a mark inside the text stays."""
+    rng = random.Random()
+    texts = [_random_text(rng, plays, 500) for _ in range(3)]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(b"\xef\xbb\xbf" + texts[0].encode())
+    lines = [json.dumps({"text": t}) for t in texts[1:] + ["\ufeffkept"]]
+    (tmp_path / "src" / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    docs = [d.tolist() for d in TokenDataset(tmp_path / "out").documents()]
+    assert meta["skipped"]["count"] == 0
+    assert docs == [[gpt2.eot_id] + gpt2.encode(t) for t in texts + ["\ufeffkept"]]
+
+
 def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
     rng = random.Random()
     ordered = _write_corpus(tmp_path, rng, plays)
