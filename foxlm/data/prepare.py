@@ -311,8 +311,9 @@ def prepare(
         _tokenize(sources, docs, tokenizer, dtype, text_key, workers, Cuts(piece_chars, tok.cut_spaces), progress)
         meta = _meta(tok, dtype, val_fraction, text_key, {name: w.finish() for name, w in writers.items()}, docs)
         if meta["num_docs"] == 0:
+            first = [f"; the first: {e['source']}: {e['detail']}" for e in meta["skipped"]["examples"][:1]]
             raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: "
-                             f"{meta['skipped']['by_reason']})")
+                             f"{meta['skipped']['by_reason']}{''.join(first)})")  # the error alone says what to fix
         copy_files(tok, tmp / TOKENIZER_DIR)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     except BaseException:

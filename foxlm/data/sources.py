@@ -303,13 +303,13 @@ def _jsonl_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[
         src.sha256 = raw.sha256.hexdigest()
 
 
-def _column_events(src: Source, batches: Iterator[list], total_rows: int, on_bytes, cuts: Cuts):
+def _column_events(src: Source, text_key: str, batches: Iterator[list], total_rows: int, on_bytes, cuts: Cuts):
     """Events of string rows arriving in batches; progress is spread over the source's on-disk size."""
     done_rows, done_bytes = 0, 0
     for batch in batches:
         for text in batch:
             if not isinstance(text, str):
-                yield "skip", ("no text", f"row {done_rows}: not a string")
+                yield "skip", ("no text", f"row {done_rows}: {text_key!r} is {type(text).__name__}, not a string")
             else:
                 yield from document_events(text, cuts)
             done_rows += 1
@@ -328,9 +328,9 @@ def _parquet_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterato
     src.sha256 = sha256_file(src.path)
     pf = pq.ParquetFile(src.path)
     if text_key not in pf.schema_arrow.names:
-        raise OSError(f"no column {text_key!r} (columns: {pf.schema_arrow.names})")
+        raise OSError(f"no column {text_key!r} (text_key, --text-key; columns: {pf.schema_arrow.names})")
     batches = (b.column(0).to_pylist() for b in pf.iter_batches(batch_size=1024, columns=[text_key]))
-    yield from _column_events(src, batches, pf.metadata.num_rows, on_bytes, cuts)
+    yield from _column_events(src, text_key, batches, pf.metadata.num_rows, on_bytes, cuts)
 
 
 def _hf_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Event]:
@@ -351,10 +351,10 @@ def _hf_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Eve
     src.sha256 = digest.hexdigest()
     for ds in parts:
         if text_key not in ds.column_names:
-            raise OSError(f"no column {text_key!r} (columns: {ds.column_names})")
+            raise OSError(f"no column {text_key!r} (text_key, --text-key; columns: {ds.column_names})")
     total = sum(len(ds) for ds in parts)
     batches = (b[text_key] for ds in parts for b in ds.select_columns([text_key]).iter(batch_size=1024))
-    yield from _column_events(src, batches, total, on_bytes, cuts)
+    yield from _column_events(src, text_key, batches, total, on_bytes, cuts)
 
 
 def _hub_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Event]:
@@ -365,9 +365,10 @@ def _hub_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Ev
     for name in [src.split] if src.split is not None else sorted(loaded):
         ds = loaded[name]
         if ds.column_names is not None and text_key not in ds.column_names:
-            raise OSError(f"no column {text_key!r} in split {name!r} (columns: {ds.column_names})")
+            raise OSError(f"no column {text_key!r} (text_key, --text-key) in split {name!r} "
+                          f"(columns: {ds.column_names})")
         batches = (b[text_key] for b in ds.select_columns([text_key]).iter(batch_size=1024))
-        yield from _column_events(src, batches, 0, on_bytes, cuts)
+        yield from _column_events(src, text_key, batches, 0, on_bytes, cuts)
 
 
 def _arrow_files(src: Source) -> list[Path]:

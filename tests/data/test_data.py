@@ -511,6 +511,23 @@ def test_overwrite_never_deletes_user_files(tmp_path):
     assert (tmp_path / "ds" / "notes.txt").read_text() == "mine"
 
 
+def test_a_missing_or_non_text_column_is_named(tmp_path):
+    """Parquet without the text column, or with a column of numbers there: the error names the column, the flag
+    and the file, not only a count of 'unreadable' or 'no text' documents."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"content": ["a b", "c d"], "n": [1, 2]}), tmp_path / "src" / "x.parquet")
+    file = tmp_path / "src" / "x.parquet"
+    with pytest.raises(ValueError, match=re.escape(f"{file}: OSError: no column 'text' (text_key, --text-key; columns: "
+                                                   "['content', 'n'])")):
+        prepare([file], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    with pytest.raises(ValueError, match=re.escape(f"{file}: row 0: 'n' is int, not a string")):
+        prepare([file], tmp_path / "out", tokenizer="byte", workers=0, progress=False, text_key="n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_prepare_errors_are_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "blank.txt").write_text("  \n")
