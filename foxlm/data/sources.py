@@ -1,12 +1,12 @@
 """Streaming document readers for ``foxlm data prepare``.
 
-Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per
-line, under ``text_key``), all UTF-8 (a leading byte-order mark is dropped), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folders saved with
-``save_to_disk`` and ``hub:NAME``, a dataset ``datasets.load_dataset(NAME, streaming=True)`` streams (a Hub name or a
-local dataset folder; both need ``datasets``). A dataset with a validation split (``validation``, ``valid`` or ``val``)
-keeps its own splits: its ``train`` split is trained on, its validation split held out, any other split (``test``) left
-unread; one without is read whole and split like any input. Every reader yields *events* so that memory stays flat
-whatever the size:
+Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per line,
+under ``text_key``), both UTF-8 (a leading byte-order mark is dropped), Parquet (needs ``pyarrow``), local Hugging
+Face ``datasets`` folders saved with ``save_to_disk`` and ``hub:NAME``, a dataset ``datasets.load_dataset(NAME,
+streaming=True)`` streams (a Hub name or a local dataset folder; both need ``datasets``). A dataset with a validation
+split (``validation``, ``valid`` or ``val``) keeps its own splits: its ``train`` split is trained on, its validation
+split held out, any other split (``test``) left unread; one without is read whole and split like any input. Every
+reader yields *events* so that memory stays flat whatever the size:
 
 - ``("piece", text)``: the next piece of the current document. Long texts are cut into pieces of about
   ``Cuts.chars`` characters only where the tokenizer splits anyway (for GPT-2's pre-tokenizer: where whitespace
