@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 
 from ..checkpoint.files import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
-from .sources import FORMAT, PIECE_CHARS, Source, find_sources, is_token_dataset, source_events, source_size
+from .sources import FORMAT, PIECE_CHARS, Cuts, Source, find_sources, is_token_dataset, source_events, source_size
 from .tokenizer import TOKENIZER_DIR, Tokenizer, copy_files, get_tokenizer
 
 BATCH_CHARS = 1 << 18
@@ -124,11 +124,11 @@ class _SplitWriter:
                 "num_docs": sum(s["num_docs"] for s in self.shards), "shards": self.shards}
 
 
-def _batches(sources: list[Source], text_key: str, on_bytes, piece_chars: int) -> Iterator[list]:
+def _batches(sources: list[Source], text_key: str, on_bytes, cuts: Cuts) -> Iterator[list]:
     """Group events into batches of about ``BATCH_CHARS`` characters: ``[(source_index, kind, payload), ...]``."""
     batch, chars = [], 0
     for si, src in enumerate(sources):
-        for kind, payload in source_events(src, text_key, on_bytes, piece_chars):
+        for kind, payload in source_events(src, text_key, on_bytes, cuts):
             batch.append((si, kind, payload))
             chars += len(payload) if kind == "piece" else 0
             if chars >= BATCH_CHARS:
@@ -225,7 +225,7 @@ def _ignore_sigint(name: str) -> None:
 
 
 def _tokenize(sources: list[Source], docs: _Documents, tokenizer: str, dtype: str, text_key: str, workers: int,
-              piece_chars: int, progress: bool) -> None:
+              cuts: Cuts, progress: bool) -> None:
     """Read every source, tokenize its pieces in ``workers`` processes (0: here) and hand them to ``docs``."""
     from tqdm.auto import tqdm
 
@@ -241,7 +241,7 @@ def _tokenize(sources: list[Source], docs: _Documents, tokenizer: str, dtype: st
         _init_worker(tokenizer)
     try:
         in_flight: collections.deque = collections.deque()
-        for batch in _batches(sources, text_key, bar.update, piece_chars):
+        for batch in _batches(sources, text_key, bar.update, cuts):
             texts = [p for _, kind, p in batch if kind == "piece"]
             if pool is None:
                 docs.consume(batch, _encode_batch(texts, dtype))
@@ -308,11 +308,12 @@ def prepare(
     try:
         writers = {s: _SplitWriter(tmp, s, dtype, tok.eot_id, shard_tokens) for s in ("train", "val")}
         docs = _Documents(sources, writers, val_fraction)
-        _tokenize(sources, docs, tokenizer, dtype, text_key, workers, piece_chars, progress)
+        _tokenize(sources, docs, tokenizer, dtype, text_key, workers, Cuts(piece_chars, tok.cut_spaces), progress)
         meta = _meta(tok, dtype, val_fraction, text_key, {name: w.finish() for name, w in writers.items()}, docs)
         if meta["num_docs"] == 0:
+            first = [f"; the first: {e['source']}: {e['detail']}" for e in meta["skipped"]["examples"][:1]]
             raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: "
-                             f"{meta['skipped']['by_reason']})")
+                             f"{meta['skipped']['by_reason']}{''.join(first)})")  # the error alone says what to fix
         copy_files(tok, tmp / TOKENIZER_DIR)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     except BaseException:

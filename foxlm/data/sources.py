@@ -1,16 +1,17 @@
 """Streaming document readers for ``foxlm data prepare``.
 
-Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per
-line, under ``text_key``), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folders saved with
-``save_to_disk`` and ``hub:NAME``, a dataset ``datasets.load_dataset(NAME, streaming=True)`` streams (a Hub name or a
-local dataset folder; both need ``datasets``). A dataset with a validation split (``validation``, ``valid`` or ``val``)
-keeps its own splits: its ``train`` split is trained on, its validation split held out, any other split (``test``) left
-unread; one without is read whole and split like any input. Every reader yields *events* so that memory stays flat
-whatever the size:
+Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per line,
+under ``text_key``), both UTF-8 (a leading byte-order mark is dropped), Parquet (needs ``pyarrow``), local Hugging
+Face ``datasets`` folders saved with ``save_to_disk`` and ``hub:NAME``, a dataset ``datasets.load_dataset(NAME,
+streaming=True)`` streams (a Hub name or a local dataset folder; both need ``datasets``). A dataset with a validation
+split (``validation``, ``valid`` or ``val``) keeps its own splits: its ``train`` split is trained on, its validation
+split held out, any other split (``test``) left unread; one without is read whole and split like any input. Every
+reader yields *events* so that memory stays flat whatever the size:
 
 - ``("piece", text)``: the next piece of the current document. Long texts are cut into pieces of about
-  ``piece_chars`` characters where whitespace follows a non-space, where GPT-2's pre-tokenizer splits anyway,
-  so tokenizing the pieces one by one gives exactly the ids of the whole text.
+  ``Cuts.chars`` characters only where the tokenizer splits anyway (for GPT-2's pre-tokenizer: where whitespace
+  follows a non-space), so tokenizing the pieces one by one gives exactly the ids of the whole text; for a
+  tokenizer with no such place (``Cuts.spaces=None``) a document is one piece.
 - ``("end", None)``: the current document is complete.
 - ``("skip", (category, detail))``: the current document (possibly after some pieces) is dropped; categories:
   ``bad UTF-8``, ``empty``, ``bad JSON``, ``no text`` (missing or non-string field), ``unreadable``.
@@ -30,6 +31,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -39,56 +41,72 @@ JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
 PIECE_CHARS = 1 << 20
 FORMAT = "foxlm.tokens/1"  # the meta.json format of what `prepare` writes: never read back as text
-# Unicode White_Space, what the tokenizer's regex calls \s (Python's str.isspace() also takes \x1c-\x1f).
-_WS_CLASS = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
-_WHITESPACE = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | frozenset(
+# Unicode White_Space, what GPT-2's pre-tokenizer regex calls \s (Python's str.isspace() also takes \x1c-\x1f).
+UNICODE_SPACES = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205f\u3000") | frozenset(
     chr(c) for c in range(0x2000, 0x200B))
-_SAFE_CUT = re.compile(f"[^{_WS_CLASS}](?=[{_WS_CLASS}])")
 _CUT_SEARCH = 4096
 VAL_SPLITS = ("validation", "valid", "val")
 HUB_PREFIX = "hub:"
 RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
 
 
-def safe_cut(text: str, limit: int) -> int:
-    """Largest ``i <= limit`` (searching back a few KiB) where whitespace starts after a non-space; 0 if none.
+@dataclass(frozen=True)
+class Cuts:
+    """How long documents are cut into pieces: about every ``chars`` characters, just before a character of
+    ``spaces`` that follows one not in it (``safe_cut``), where the tokenizer's ids do not change; ``spaces=None``
+    (a tokenizer that may merge across any place, see ``Tokenizer.cut_spaces``): never, documents are read whole."""
 
-    GPT-2's pre-tokenizer always ends a pre-token there (none of its patterns runs from a non-space into
-    whitespace, and its lookaheads only look forward), so tokenizing ``text[:i]`` and ``text[i:]`` one after the
-    other gives exactly the ids of ``text``; trivially so for bytes.
+    chars: int = PIECE_CHARS
+    spaces: frozenset[str] | None = UNICODE_SPACES
+
+
+@lru_cache(maxsize=4)
+def _safe_cut_pattern(spaces: frozenset[str]) -> re.Pattern:
+    chars = "".join(re.escape(c) for c in sorted(spaces))
+    return re.compile(f"[^{chars}](?=[{chars}])")
+
+
+def safe_cut(text: str, limit: int, spaces: frozenset[str] = UNICODE_SPACES) -> int:
+    """Largest ``i <= limit`` (searching back a few KiB) where a character of ``spaces`` follows one not in it; 0 if
+    none.
+
+    With Unicode whitespace as ``spaces``, GPT-2's pre-tokenizer always ends a pre-token there (none of its patterns
+    runs from a non-space into whitespace, and its lookaheads only look forward), so tokenizing ``text[:i]`` and
+    ``text[i:]`` one after the other gives exactly the ids of ``text``; trivially so for bytes.
     """
     limit = min(limit, len(text) - 1)
     for i in range(limit, max(limit - _CUT_SEARCH, 0), -1):
-        if text[i] in _WHITESPACE and text[i - 1] not in _WHITESPACE:
+        if text[i] in spaces and text[i - 1] not in spaces:
             return i
     return 0
 
 
-def split_pieces(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[str]:
+def split_pieces(text: str, piece_chars: int = PIECE_CHARS,
+                 spaces: frozenset[str] | None = UNICODE_SPACES) -> Iterator[str]:
     """Cut ``text`` into pieces of about ``piece_chars`` at safe places (see ``safe_cut``); a run with no safe place
-    within ``RUN_PIECES`` pieces is cut where it is (see ``forced_cut``)."""
-    while len(text) > piece_chars:
-        yield text[:(cut := safe_cut(text, piece_chars) or forced_cut(text, piece_chars))]
+    within ``RUN_PIECES`` pieces is cut where it is (see ``forced_cut``). ``spaces=None``: ``text`` whole."""
+    while spaces is not None and len(text) > piece_chars:
+        yield text[:(cut := safe_cut(text, piece_chars, spaces) or forced_cut(text, piece_chars, spaces))]
         text = text[cut:]
     yield text
 
 
-def forced_cut(text: str, piece_chars: int) -> int:
+def forced_cut(text: str, piece_chars: int, spaces: frozenset[str] = UNICODE_SPACES) -> int:
     """Where to cut ``text`` that has no safe place near ``piece_chars``: the first safe place after it, or, in a run
     of more than ``RUN_PIECES * piece_chars`` characters without whitespace, ``piece_chars`` itself.
 
     The tokenizer holds a whole pre-token in memory (a 100 MB run took GBs), so such runs are split as tiktoken's
     users do; the ids differ from the unsplit run's only at the cut."""
-    m = _SAFE_CUT.search(text, piece_chars, RUN_PIECES * piece_chars)
+    m = _safe_cut_pattern(spaces).search(text, piece_chars, RUN_PIECES * piece_chars)
     return m.end() if m is not None else min(piece_chars, len(text))
 
 
-def document_events(text: str, piece_chars: int = PIECE_CHARS) -> Iterator[Event]:
+def document_events(text: str, cuts: Cuts = Cuts()) -> Iterator[Event]:
     """Events of one in-memory document."""
     if not text.strip():
         yield "skip", ("empty", "no text")
         return
-    for piece in split_pieces(text, piece_chars):
+    for piece in split_pieces(text, cuts.chars, cuts.spaces):
         yield "piece", piece
     yield "end", None
 
@@ -236,19 +254,19 @@ def _open_binary(path: Path, on_bytes: Callable[[int], None]) -> tuple[io.Buffer
     return stream, raw
 
 
-def _text_file_events(src: Source, on_bytes, piece_chars: int) -> Iterator[Event]:
+def _text_file_events(src: Source, on_bytes, cuts: Cuts) -> Iterator[Event]:
     stream, raw = _open_binary(src.path, on_bytes)
     with stream:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="strict")
+        decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="strict")  # a byte-order mark is no text
         buf, seen_text = "", False
-        while block := stream.read(piece_chars):
+        while block := stream.read(cuts.chars):
             buf += decoder.decode(block)
             seen_text = seen_text or bool(buf.strip())
-            while len(buf) > piece_chars:
-                if not (cut := safe_cut(buf, piece_chars)):
-                    if len(buf) <= RUN_PIECES * piece_chars:  # the run may end in the next block
+            while cuts.spaces is not None and len(buf) > cuts.chars:
+                if not (cut := safe_cut(buf, cuts.chars, cuts.spaces)):
+                    if len(buf) <= RUN_PIECES * cuts.chars:  # the run may end in the next block
                         break
-                    cut = forced_cut(buf, piece_chars)
+                    cut = forced_cut(buf, cuts.chars, cuts.spaces)
                 yield "piece", buf[:cut]
                 buf = buf[cut:]
         buf += decoder.decode(b"", final=True)
@@ -260,14 +278,14 @@ def _text_file_events(src: Source, on_bytes, piece_chars: int) -> Iterator[Event
     yield "end", None
 
 
-def _jsonl_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+def _jsonl_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Event]:
     stream, raw = _open_binary(src.path, on_bytes)
     with stream:
         for lineno, line in enumerate(stream, 1):
             if not line.strip():
                 continue
             try:
-                obj = json.loads(line.decode("utf-8"))
+                obj = json.loads(line.decode("utf-8-sig" if lineno == 1 else "utf-8"))  # no byte-order mark
                 text = obj[text_key] if isinstance(obj, dict) else None
             except UnicodeDecodeError as e:
                 yield "skip", ("bad UTF-8", f"line {lineno}: {e.reason} at byte {e.start}")
@@ -281,26 +299,26 @@ def _jsonl_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Ite
             if not isinstance(text, str):
                 yield "skip", ("no text", f"line {lineno}: {text_key!r} is not a string")
                 continue
-            yield from document_events(text, piece_chars)
+            yield from document_events(text, cuts)
         src.sha256 = raw.sha256.hexdigest()
 
 
-def _column_events(src: Source, batches: Iterator[list], total_rows: int, on_bytes, piece_chars: int):
+def _column_events(src: Source, text_key: str, batches: Iterator[list], total_rows: int, on_bytes, cuts: Cuts):
     """Events of string rows arriving in batches; progress is spread over the source's on-disk size."""
     done_rows, done_bytes = 0, 0
     for batch in batches:
         for text in batch:
             if not isinstance(text, str):
-                yield "skip", ("no text", f"row {done_rows}: not a string")
+                yield "skip", ("no text", f"row {done_rows}: {text_key!r} is {type(text).__name__}, not a string")
             else:
-                yield from document_events(text, piece_chars)
+                yield from document_events(text, cuts)
             done_rows += 1
         advance = src.bytes * done_rows // max(total_rows, 1) - done_bytes
         on_bytes(advance)
         done_bytes += advance
 
 
-def _parquet_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+def _parquet_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Event]:
     try:
         import pyarrow.parquet as pq
     except ImportError as e:
@@ -310,12 +328,12 @@ def _parquet_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> I
     src.sha256 = sha256_file(src.path)
     pf = pq.ParquetFile(src.path)
     if text_key not in pf.schema_arrow.names:
-        raise OSError(f"no column {text_key!r} (columns: {pf.schema_arrow.names})")
+        raise OSError(f"no column {text_key!r} (text_key, --text-key; columns: {pf.schema_arrow.names})")
     batches = (b.column(0).to_pylist() for b in pf.iter_batches(batch_size=1024, columns=[text_key]))
-    yield from _column_events(src, batches, pf.metadata.num_rows, on_bytes, piece_chars)
+    yield from _column_events(src, text_key, batches, pf.metadata.num_rows, on_bytes, cuts)
 
 
-def _hf_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+def _hf_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Event]:
     try:
         import datasets
     except ImportError as e:
@@ -333,13 +351,13 @@ def _hf_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterat
     src.sha256 = digest.hexdigest()
     for ds in parts:
         if text_key not in ds.column_names:
-            raise OSError(f"no column {text_key!r} (columns: {ds.column_names})")
+            raise OSError(f"no column {text_key!r} (text_key, --text-key; columns: {ds.column_names})")
     total = sum(len(ds) for ds in parts)
     batches = (b[text_key] for ds in parts for b in ds.select_columns([text_key]).iter(batch_size=1024))
-    yield from _column_events(src, batches, total, on_bytes, piece_chars)
+    yield from _column_events(src, text_key, batches, total, on_bytes, cuts)
 
 
-def _hub_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Iterator[Event]:
+def _hub_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Event]:
     """A streamed dataset (``hub:NAME``), split by split in name order; no size or hash is known beforehand."""
     import datasets
 
@@ -347,9 +365,10 @@ def _hub_events(src: Source, text_key: str, on_bytes, piece_chars: int) -> Itera
     for name in [src.split] if src.split is not None else sorted(loaded):
         ds = loaded[name]
         if ds.column_names is not None and text_key not in ds.column_names:
-            raise OSError(f"no column {text_key!r} in split {name!r} (columns: {ds.column_names})")
+            raise OSError(f"no column {text_key!r} (text_key, --text-key) in split {name!r} "
+                          f"(columns: {ds.column_names})")
         batches = (b[text_key] for b in ds.select_columns([text_key]).iter(batch_size=1024))
-        yield from _column_events(src, batches, 0, on_bytes, piece_chars)
+        yield from _column_events(src, text_key, batches, 0, on_bytes, cuts)
 
 
 def _arrow_files(src: Source) -> list[Path]:
@@ -367,13 +386,13 @@ def source_size(src: Source) -> int:
 
 
 def source_events(src: Source, text_key: str, on_bytes: Callable[[int], None],
-                  piece_chars: int = PIECE_CHARS) -> Iterator[Event]:
+                  cuts: Cuts = Cuts()) -> Iterator[Event]:
     """Events of one source; an unreadable source or a decoding error ends in a ``skip`` event, never a crash."""
-    readers = {"text": lambda: _text_file_events(src, on_bytes, piece_chars),
-               "jsonl": lambda: _jsonl_events(src, text_key, on_bytes, piece_chars),
-               "parquet": lambda: _parquet_events(src, text_key, on_bytes, piece_chars),
-               "hf": lambda: _hf_events(src, text_key, on_bytes, piece_chars),
-               "hub": lambda: _hub_events(src, text_key, on_bytes, piece_chars)}
+    readers = {"text": lambda: _text_file_events(src, on_bytes, cuts),
+               "jsonl": lambda: _jsonl_events(src, text_key, on_bytes, cuts),
+               "parquet": lambda: _parquet_events(src, text_key, on_bytes, cuts),
+               "hf": lambda: _hf_events(src, text_key, on_bytes, cuts),
+               "hub": lambda: _hub_events(src, text_key, on_bytes, cuts)}
     if src.error is not None:  # found unreadable (a folder that could not be listed)
         yield "skip", ("unreadable", src.error)
         return

@@ -23,6 +23,7 @@ from typing import Callable, Protocol, Sequence
 
 from ..checkpoint.files import sha256_file
 from .assets import GPT2_FILES, gpt2_files
+from .sources import UNICODE_SPACES
 
 # GPT-2's pre-tokenizer pattern (tiktoken's r50k_base).
 _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -33,6 +34,9 @@ class Tokenizer(Protocol):
     name: str
     vocab_size: int
     eot_id: int
+    # where a text may be cut without changing its ids: just before one of these characters that follows one not in
+    # it (``sources.safe_cut``); None: nowhere (pieces of a long document would not encode as the whole)
+    cut_spaces: frozenset[str] | None
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -43,6 +47,8 @@ class Tokenizer(Protocol):
 
 class BPETokenizer:
     """GPT-2-style byte-level BPE from ``encoder.json`` + ``vocab.bpe``, run by tiktoken."""
+
+    cut_spaces = UNICODE_SPACES  # GPT-2's pre-tokenizer ends a pre-token where whitespace follows a non-space
 
     def __init__(self, encoder_json: str | os.PathLike, vocab_bpe: str | os.PathLike, name: str | None = None):
         import tiktoken
@@ -105,6 +111,7 @@ class HFTokenizer:
         self.vocab_size = max(vocab.values()) + 1
         self.eot_token = _eot_token(self.folder, vocab)
         self.eot_id = vocab[self.eot_token]
+        self.cut_spaces = UNICODE_SPACES if _gpt2_pre_tokenized(self._tok) else None
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -141,6 +148,19 @@ def _hf_fingerprint(tok) -> str:
                                       if not (t.get("special") and vocab.get(t["content"]) == t["id"])),
                                      key=lambda t: t["id"])
     return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def _gpt2_pre_tokenized(tok) -> bool:
+    """Whether a ``tokenizers.Tokenizer`` splits text as GPT-2 does (no normalizer, the ByteLevel pre-tokenizer with
+    its regex and no prefix space, no added token holding whitespace), so it never merges across whitespace that
+    follows a non-space: others may (a Metaspace prefix on every piece, Llama 3's ``[^\\s...]+[\\r\\n]*``)."""
+    content = json.loads(tok.to_str())
+    pre = content.get("pre_tokenizer") or {}
+    if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
+        pre = pre["pretokenizers"][0]
+    gpt2 = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
+    added = [t["content"] for t in content.get("added_tokens") or [] if not t.get("special")]
+    return content.get("normalizer") is None and gpt2 and not any(c in UNICODE_SPACES for t in added for c in t)
 
 
 _EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -196,6 +216,7 @@ class JSONGPT2Tokenizer:
     ``eot_id`` of ``"gpt2"``."""
 
     name = "json-gpt2"
+    cut_spaces = frozenset(" ")  # the only whitespace json.dumps leaves unescaped (its "\\n" is no space to GPT-2)
 
     def __init__(self):
         self._bpe = BPETokenizer(*gpt2_files(), name="gpt2")
@@ -221,6 +242,7 @@ class ByteTokenizer:
     name = "byte"
     vocab_size = 257
     eot_id = 256
+    cut_spaces = UNICODE_SPACES  # bytes merge nowhere
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))

@@ -238,6 +238,49 @@ def test_pieces_tokenize_like_the_whole_text(gpt2, plays):
     assert [i for p in pieces for i in gpt2.encode(p)] == gpt2.encode(text)
 
 
+def _tokenizer_folder(folder, texts, pre_tokenizer, decoder, alphabet=()):
+    """A BPE tokenizer.json folder trained on ``texts`` with ``pre_tokenizer``, ``</s>`` as its end of text."""
+    from tokenizers import Tokenizer, models, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizer, decoder
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=500, special_tokens=["<s>", "</s>"],
+                                                       initial_alphabet=list(alphabet)))
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    return str(folder)
+
+
+def test_long_documents_get_the_ids_of_their_whole_text(tmp_path, plays):
+    """A long document read in pieces gets exactly the ids its tokenizer gives the whole text, for every kind:
+    json-gpt2 (GPT-2 merges ")" with the "\\" of the escaped "\n" after it), Hugging Face folders whose
+    pre-tokenizer joins what follows whitespace (Metaspace, as SentencePiece's) or runs into it (Llama 3's regex)."""
+    from tokenizers import Regex, decoders, pre_tokenizers
+
+    rng = random.Random()
+    texts = []
+    for _ in range(3):
+        chars = list(_random_text(rng, plays, 6000))
+        for _ in range(100):
+            chars.insert(rng.randrange(len(chars)), rng.choice(["):\n", "(x)\t", "} \n", ".\n\n", "é\u00a0"]))
+        texts.append("".join(chars))
+    llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+              r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizers = ["json-gpt2", "gpt2",
+                  _tokenizer_folder(tmp_path / "metaspace", texts, pre_tokenizers.Metaspace(), decoders.Metaspace()),
+                  _tokenizer_folder(tmp_path / "llama3", texts, pre_tokenizers.Sequence(
+                      [pre_tokenizers.Split(Regex(llama3), "isolated"), byte_level]), decoders.ByteLevel(),
+                      pre_tokenizers.ByteLevel.alphabet())]
+    src = texts_to_files(tmp_path / "src", texts)
+    for i, name in enumerate(tokenizers):
+        prepare(src, tmp_path / f"out{i}", tokenizer=name, val_fraction=0.0, workers=0, progress=False,
+                piece_chars=200)
+        tok = get_tokenizer(name)
+        docs = sorted(d.tolist() for d in TokenDataset(tmp_path / f"out{i}").documents())
+        assert docs == sorted([tok.eot_id] + tok.encode(t) for t in texts), name
+
+
 def _write_corpus(root, rng, plays):
     """A mixed corpus with bad inputs; returns the texts of the good documents in input order."""
     docs = {}
@@ -264,6 +307,21 @@ def _write_corpus(root, rng, plays):
     (root / "b.jsonl").write_bytes("\n".join(lines).encode() + b"\n" + b'{"text": "\xff"}\n')
     ordered = [docs[k] for k in sorted(docs)] + jsonl_docs
     return ordered
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path, gpt2, plays):
+    """A UTF-8 byte-order mark (as Windows tools write) opens no document: a text file's text is read without it and
+    a JSON Lines file's first line is a document, not bad JSON; a mark inside the text stays."""
+    rng = random.Random()
+    texts = [_random_text(rng, plays, 500) for _ in range(3)]
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(b"\xef\xbb\xbf" + texts[0].encode())
+    lines = [json.dumps({"text": t}) for t in texts[1:] + ["\ufeffkept"]]
+    (tmp_path / "src" / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + "\n".join(lines).encode())
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    docs = [d.tolist() for d in TokenDataset(tmp_path / "out").documents()]
+    assert meta["skipped"]["count"] == 0
+    assert docs == [[gpt2.eot_id] + gpt2.encode(t) for t in texts + ["\ufeffkept"]]
 
 
 def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
@@ -451,6 +509,23 @@ def test_overwrite_never_deletes_user_files(tmp_path):
     assert "other files (notes.txt)" in one_line_error(
         foxlm("data", "prepare", mydocs / "doc1.txt", "--out", tmp_path / "ds", *common), "data prepare")
     assert (tmp_path / "ds" / "notes.txt").read_text() == "mine"
+
+
+def test_a_missing_or_non_text_column_is_named(tmp_path):
+    """Parquet without the text column, or with a column of numbers there: the error names the column, the flag
+    and the file, not only a count of 'unreadable' or 'no text' documents."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "src").mkdir()
+    pq.write_table(pa.table({"content": ["a b", "c d"], "n": [1, 2]}), tmp_path / "src" / "x.parquet")
+    file = tmp_path / "src" / "x.parquet"
+    with pytest.raises(ValueError, match=re.escape(f"{file}: OSError: no column 'text' (text_key, --text-key; columns: "
+                                                   "['content', 'n'])")):
+        prepare([file], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    with pytest.raises(ValueError, match=re.escape(f"{file}: row 0: 'n' is int, not a string")):
+        prepare([file], tmp_path / "out", tokenizer="byte", workers=0, progress=False, text_key="n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_prepare_errors_are_one_line(tmp_path):
