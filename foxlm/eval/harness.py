@@ -58,8 +58,9 @@ class FoxLM(HFLM):
     ``max_length``, else the training length the model's config records (``train_length``, or the ``seq_len`` of the
     run it is in); a foxlm model with neither needs ``max_length``, rather than lm-eval's silent 2048 (another
     architecture gets lm-eval's own reading of its config). ``device``
-    (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16``; default bfloat16
-    on CUDA) place the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or folder) defaults to the one
+    (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16`` | ``auto``, the
+    saved weights', as lm-eval's ``--model hf`` takes it; default bfloat16 on CUDA) place the model; ``tokenizer`` (a
+    ``foxlm.data.get_tokenizer`` name or folder) defaults to the one
     the model's config records, else GPT-2 BPE.
     """
 
@@ -73,10 +74,12 @@ class FoxLM(HFLM):
 
         dev = resolve_device(device)
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype: expected 'float32', 'bfloat16' or 'float16', got {dtype!r}")
+        if dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"dtype: expected 'float32', 'bfloat16', 'float16' or 'auto' (the saved weights'), "
+                             f"got {dtype!r}")
         # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
-        model = load_checkpoint_model(pretrained, dtype=getattr(torch, dtype)).to(dev).eval()
+        model = load_checkpoint_model(pretrained, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        model = model.to(dev).eval()
         tok = _as_hf(model_tokenizer(model.config, tokenizer))  # the one `foxlm train` recorded, else GPT-2 BPE
         if not kwargs.get("max_length"):
             length = getattr(model.config, "train_length", None) or run_train_length(pretrained)

@@ -564,6 +564,19 @@ def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
         [x for x, _ in theirs.loglikelihood(reqs, disable_tqdm=True)]
 
 
+def test_harness_auto_dtype_is_the_saved_weights(tmp_path):
+    """dtype=auto (as lm-eval's ``--model hf`` takes it): the weights' saved dtype, the forget gate still fp32."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    FoxForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path)
+    model = FoxLM(pretrained=str(path), device="cpu", dtype="auto").model
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert dtypes["lm_head.weight"] == torch.bfloat16
+    assert {d for n, d in dtypes.items() if "fgate" in n} == {torch.float32}
+
+
 def test_harness_without_lm_eval_names_the_extra(tmp_path):
     """Where lm-eval is not installed (the README's first command does not install it), one line says how."""
     (tmp_path / "lm_eval").mkdir()  # shadows the installed package as an absent one
