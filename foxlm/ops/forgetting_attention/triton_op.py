@@ -257,16 +257,20 @@ def _(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, threshold):
                                                                                  dtype=torch.float32)
 
 
+def _grad_keeps_strides(x: torch.Tensor) -> bool:
+    """Whether empty_like(x), the gradient's buffer, has x's strides, with which the kernel writes it: not so for a
+    view with gaps (k and v split from one fused projection), which is copied first. Contiguous inputs, the usual
+    case, need no check (no meta tensor a call)."""
+    return x.is_contiguous() or (x.stride(-1) == 1 and torch.empty_like(x, device="meta").stride() == x.stride())
+
+
 def _backward_impl(
     do: torch.Tensor, dlse: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     o: torch.Tensor, lse: torch.Tensor, c: torch.Tensor, crk: torch.Tensor, scale: float,
     cu_seqlens: torch.Tensor | None, max_seqlen: int | None, window: int | None, threshold: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """-> dq, dk, dv, dlog_fgate [B, Tk, Hq] fp32, deterministic (no atomics)."""
-    # The kernel writes each gradient with its input's strides, into empty_like's buffer: an input whose strides
-    # empty_like does not keep (a view with gaps, e.g. k and v split from one fused projection) is copied first.
-    q, k, v = (x if x.stride(-1) == 1 and torch.empty_like(x, device="meta").stride() == x.stride() else x.contiguous()
-               for x in (q, k, v))
+    q, k, v = (x if _grad_keeps_strides(x) else x.contiguous() for x in (q, k, v))
     n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
     Tq, Hq = q.shape[1:3]
     Tk, Hk = k.shape[1], k.shape[2]
