@@ -146,10 +146,13 @@ def bench(D: int, T: int, device, fla) -> dict:
     return row
 
 
+KERNEL_NAMES = ("fwd", "bwd_dkdv", "bwd_dq")
+
+
 def record_tuning(kernels) -> list:
     """Log every (kernel, key, tile, median ms) the autotuner measures."""
     log = []
-    for name, kernel in zip(("fwd", "bwd"), kernels):
+    for name, kernel in zip(KERNEL_NAMES, kernels):
         def bench(*args, config, _orig=kernel._bench, _name=name, **kwargs):
             ms = _orig(*args, config=config, **kwargs)
             key = {k: kwargs[k] for k in ("LEN_BUCKET", "BLOCK_D", "PRUNE")}
@@ -305,7 +308,7 @@ def main() -> None:
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
            "date": datetime.date.today().isoformat()}
     print(env, flush=True)
-    kernels = (triton_op._fwd, triton_op._bwd)
+    kernels = (triton_op._fwd, triton_op._bwd_dkdv, triton_op._bwd_dq)
     listed = [kernel.configs for kernel in kernels]
     for kernel in kernels:  # the correctness check needs no tuning
         kernel.configs = first_per_bucket(kernel.configs)
@@ -324,7 +327,7 @@ def main() -> None:
             with open(path, "w") as f:  # after every shape, so that a run cut short still reports
                 json.dump({"env": env, "check_rel_err": errors, "rows": rows, "tuning_ms": timings}, f, indent=1)
     tuned = {
-        name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in zip(("fwd", "bwd"), kernels)
+        name: {str(key): str(cfg) for key, cfg in kernel.cache.items()} for name, kernel in zip(KERNEL_NAMES, kernels)
     }
     result = {"env": env, "check_rel_err": errors, "rows": rows, "autotuned": tuned, "tuning_ms": timings}
     with open(path, "w") as f:

@@ -1,7 +1,7 @@
 """Registers, spills, shared memory and the loops' machine code of the attention kernels' tuned tiles, without a GPU.
 
 Triton compiles for a target architecture offline (``triton.compile`` with a ``GPUTarget``) and its wheel ships
-``ptxas`` and ``nvdisasm``. This builds the forward and both backward kernels of
+``ptxas`` and ``nvdisasm``. This builds the forward and the two backward kernels (dK/dV, dQ) of
 ``foxlm.ops.forgetting_attention.triton_op`` at every tile of their autotuning lists for one head dim (bf16, full
 causal, no ACP), specialized as Triton's launcher
 specializes them at the training shapes (16-byte aligned pointers; strides and lengths multiples of 16: without
@@ -144,10 +144,13 @@ def main() -> None:
                   PRECISION="tf32", INTERPRET=False, TILES=bucket, C_BLOCK=ta.C_BLOCK)
     cases = [(f"forward {m}x{n}", tk._attn_fwd_kernel, dict(BLOCK_M=m, BLOCK_N=n), w, s)
              for m, n, w, s in ta._FWD_TILES[bucket]]
-    for m1, n1, m2, n2, w, s in ta._BWD_TILES[bucket]:
-        tiles = dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2)
-        cases.append((f"backward, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel, tiles, w, s))
-        cases.append((f"backward, ACP, {m1}x{n1} + {m2}x{n2}", tk._attn_bwd_kernel, dict(tiles, PRUNE=True), w, s))
+    backward = ((tk._attn_bwd_dkdv_kernel, ta._DKDV_TILES, "1", "dK/dV"),
+                (tk._attn_bwd_dq_kernel, ta._DQ_TILES, "2", "dQ"))
+    for kernel, table, side, name in backward:
+        for m, n, w, s in table[bucket]:
+            tiles = {f"BLOCK_M{side}": m, f"BLOCK_N{side}": n}
+            cases.append((f"backward {name} {m}x{n}", kernel, tiles, w, s))
+            cases.append((f"backward {name}, ACP, {m}x{n}", kernel, dict(tiles, PRUNE=True), w, s))
     print(f"sm_{args.arch}a, head dim {d}, bf16")
     built = []
     if args.kernels != "gluon":

@@ -6,10 +6,10 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
 * forward: one program per (query block, head); key tiles left of the diagonal run without masks, the
   tiles that cross the diagonal (or the end of the sequence) with them; the loop's logits leave out c_i, a
   constant of query i's softmax row, which joins its lse at the end;
-* backward: one program per (block, key head) computes dK/dV for its key block, looping over the query
-  heads of its GQA group in a fixed order (deterministic GQA reduction), and dQ for the query block of
-  the same index (balanced work under the causal mask). No atomics: the gate gradient is collected as
-  rowsum(dS) beside dQ and -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64. The dK/dV loop reads the
+* backward: two kernels, each with its own tiles and warps. One program per (key block, key head) computes
+  dK/dV, looping over the query heads of its GQA group in a fixed order (deterministic GQA reduction); one per
+  (query block, query head) computes dQ. No atomics: the gate gradient is collected as rowsum(dS) beside dQ and
+  -colsum(dS) beside dK/dV, then reverse-cumsummed in fp64. The dK/dV loop reads the
   query side's c_rel with -lse already in it (one vector load a tile fewer).
 * gate precision: c is an fp64 cumsum, and c_i - c_j keeps its precision even when |c| reaches 1e6 (a
   million tokens): every program takes c relative to an fp64 reference (c at its first query or key). The
@@ -541,51 +541,51 @@ def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hq, hk, star
 
 
 @triton.jit
-def _attn_bwd_kernel(Q, K, V, C, CRK, CRQ, THR, DO, LSE, DELTA, DQ, DK, DV_, DCK, DCQ, CU,
-                     sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
-                     Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
-                     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                     BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr,
-                     C_BLOCK: tl.constexpr,
-                     VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                     INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
-    """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, then dQ of query block ``pid`` of each
-    query head of the group. Under the causal mask the work of the two halves adds up to the same for every pid.
+def _attn_bwd_dkdv_kernel(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, CU,
+                          sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
+                          Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
+                          D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
+                          VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                          INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
+    """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, and -colsum(dS) of its keys per query head
+    into DCK (the key side of the gate gradient).
 
-    The gate gradient's two sides come from the same dS: -colsum(dS) per key into DCK, rowsum(dS) per query into
-    DCQ. In exact arithmetic rowsum_j(dS_ij) = dlse_i, but delta is computed from the rounded o: each row sum
-    carries o's rounding, which the reverse cumsum would add up along the sequence. From the kernel's own dS, it
-    cancels between the two sides, and what is left is the error of dS on pairs across each position. Under ACP
-    (``PRUNE``) both sides sum on the tensor cores (``_sums``' DOT_SUMS: faster there, slower without ACP).
+    In exact arithmetic the query side, rowsum_j(dS_ij), is dlse_i, but delta is computed from the rounded o: each
+    row sum carries o's rounding, which the reverse cumsum would add up along the sequence. Taken from the kernels'
+    own dS (``_attn_bwd_dq_kernel``), it cancels between the two sides, and what is left is the error of dS on pairs
+    across each position. Under ACP (``PRUNE``) both sides sum on the tensor cores (``_sums``' DOT_SUMS: faster
+    there, slower without ACP). The dQ kernel is separate, so that each loop gets its own tile and warps.
     """
     hk, b, pid = _grid_position(Hk, HB, HG, False)
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
     bt = _tensor_batch(b, VARLEN)
-    Q += bt * sqb
-    K += bt * skb
-    V += bt * svb
-    DO += bt * sob
-    DQ += bt * sqb
-    DK += bt * skb
-    DV_ += bt * svb
-    C += bt * scb
-    CRK += bt * scb
-    CRQ += bt * scb
-    DCK += bt * scb
-    DCQ += bt * slb
-    LSE += bt * slb
-    DELTA += bt * slb
     start_n = pid * BLOCK_N1
     if start_n < len_k:
-        _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k,
-                        off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                        G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE, WINDOWED, PRECISION, PRUNE,
-                        INTERPRET)
+        _bwd_dkdv_block(Q + bt * sqb, K + bt * skb, V + bt * svb, C + bt * scb, CRQ + bt * scb, THR, DO + bt * sob,
+                        LSE + bt * slb, DELTA + bt * slb, DK + bt * skb, DV_ + bt * svb, DCK + bt * scb, b, hk,
+                        start_n, tok0, len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq,
+                        qk_scale, scale, window, G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE,
+                        WINDOWED, PRECISION, PRUNE, INTERPRET)
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, CU,
+                        sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
+                        Tq, Tk, Hq, HB, HG, G: tl.constexpr, qk_scale, scale, window,
+                        D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                        BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, C_BLOCK: tl.constexpr,
+                        VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
+                        INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
+    """Program (hq, b, pid): dQ of query block ``pid`` of query head hq, and rowsum(dS) of its rows into DCQ (the
+    query side of the gate gradient, see ``_attn_bwd_dkdv_kernel``)."""
+    hq, b, pid = _grid_position(Hq, HB, HG, True)
+    tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
+    bt = _tensor_batch(b, VARLEN)
     start_m = pid * BLOCK_M2
     if start_m < len_q:
-        for g in range(G):
-            _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hk * G + g, hk, start_m, tok0, len_q,
-                          len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
-                          D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION, PRUNE,
-                          INTERPRET)
-
+        _bwd_dq_block(Q + bt * sqb, K + bt * skb, V + bt * svb, C + bt * scb, CRK + bt * scb, THR, DO + bt * sob,
+                      LSE + bt * slb, DELTA + bt * slb, DQ + bt * sqb, DCQ + bt * slb, b, hq, hq // G, start_m, tok0,
+                      len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                      window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION,
+                      PRUNE, INTERPRET)

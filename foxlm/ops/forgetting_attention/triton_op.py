@@ -15,7 +15,8 @@ from ..backend import block_dim, interpreted, require_runnable
 from .gate import gate_cumsum, reverse_cumsum, segment_ids
 from .triton_kernels import (
     LOG2E,
-    _attn_bwd_kernel,
+    _attn_bwd_dkdv_kernel,
+    _attn_bwd_dq_kernel,
     _attn_bwd_preprocess,
     _attn_fwd_kernel,
     _relative_c_kernel,
@@ -29,8 +30,8 @@ INTERPRET_TILE = 16
 C_BLOCK = 128
 INTERPRET_C_BLOCK = 2 * INTERPRET_TILE
 _INTERPRET_FWD = {"BLOCK_M": INTERPRET_TILE, "BLOCK_N": INTERPRET_TILE, "TILES": 0}
-_INTERPRET_BWD = {"BLOCK_M1": INTERPRET_TILE, "BLOCK_N1": INTERPRET_TILE, "BLOCK_M2": INTERPRET_TILE,
-                  "BLOCK_N2": INTERPRET_TILE, "TILES": 0}
+_INTERPRET_DKDV = {"BLOCK_M1": INTERPRET_TILE, "BLOCK_N1": INTERPRET_TILE, "TILES": 0}
+_INTERPRET_DQ = {"BLOCK_M2": INTERPRET_TILE, "BLOCK_N2": INTERPRET_TILE, "TILES": 0}
 # Tests' switch: the interpreter's tiles (and c_rel block) for the compiled kernels on the GPU too, so that the tests
 # written for them (tile counts, gate resets at tile starts, many tiles at small sizes) run the real kernels there.
 SMALL_TILES = False
@@ -40,18 +41,24 @@ def _small_tiles() -> bool:
     return _INTERPRETED or SMALL_TILES
 
 
-# Autotuned tiles per padded head dim (the larger of D and Dv): FWD (BLOCK_M, BLOCK_N, warps, stages),
-# BWD (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, warps, stages). Chosen by timing (docs/benchmarks.md) and ptxas
-# register reports (no spills where the tile allows); the first of each list is the usual winner.
+# Autotuned tiles per padded head dim (the larger of D and Dv): FWD (BLOCK_M, BLOCK_N, warps, stages), the backward's
+# DKDV (BLOCK_M1, BLOCK_N1, warps, stages) and DQ (BLOCK_M2, BLOCK_N2, warps, stages). Chosen by timing
+# (docs/benchmarks.md) and ptxas register reports (no spills where the tile allows); the first of each list is the
+# usual winner.
 _FWD_TILES = {
     64: [(128, 64, 4, 3), (128, 128, 8, 3)],
     128: [(128, 128, 8, 3), (128, 64, 8, 3)],
     256: [(64, 64, 4, 2), (64, 32, 4, 2)],
 }
-_BWD_TILES = {
-    64: [(64, 64, 128, 64, 4, 3), (64, 64, 64, 64, 4, 3)],
-    128: [(64, 64, 64, 64, 4, 2), (32, 128, 128, 32, 8, 3)],
-    256: [(16, 64, 64, 16, 4, 2), (32, 64, 64, 32, 8, 1)],
+_DKDV_TILES = {
+    64: [(64, 64, 4, 3), (64, 128, 8, 3)],
+    128: [(64, 64, 4, 2), (32, 128, 8, 3)],
+    256: [(16, 64, 4, 2), (32, 64, 8, 1)],
+}
+_DQ_TILES = {
+    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    128: [(64, 64, 4, 2), (128, 32, 8, 3)],
+    256: [(64, 16, 4, 2), (64, 32, 8, 1)],
 }
 
 
@@ -76,14 +83,17 @@ def _prune_configs(configs, named_args, **kwargs):
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
 _INTERPRETED = interpreted(_attn_fwd_kernel)
 _TUNE_KEY = ["LEN_BUCKET", "BLOCK_D", "BLOCK_DV", "VARLEN", "PRUNE", "WINDOWED"]
-_fwd = triton.autotune(
-    _configs(_FWD_TILES, ("BLOCK_M", "BLOCK_N")), key=_TUNE_KEY, prune_configs_by={"early_config_prune": _prune_configs}
-)(_attn_fwd_kernel)
-_bwd = triton.autotune(
-    _configs(_BWD_TILES, ("BLOCK_M1", "BLOCK_N1", "BLOCK_M2", "BLOCK_N2")),
-    key=_TUNE_KEY,
-    prune_configs_by={"early_config_prune": _prune_configs},
-)(_attn_bwd_kernel)
+
+
+def _autotuned(kernel, tiles: dict, names: tuple[str, ...]):
+    """The kernel autotuned over its tile table, keeping the head dim's tiles."""
+    prune = {"early_config_prune": _prune_configs}
+    return triton.autotune(_configs(tiles, names), key=_TUNE_KEY, prune_configs_by=prune)(kernel)
+
+
+_fwd = _autotuned(_attn_fwd_kernel, _FWD_TILES, ("BLOCK_M", "BLOCK_N"))
+_bwd_dkdv = _autotuned(_attn_bwd_dkdv_kernel, _DKDV_TILES, ("BLOCK_M1", "BLOCK_N1"))
+_bwd_dq = _autotuned(_attn_bwd_dq_kernel, _DQ_TILES, ("BLOCK_M2", "BLOCK_N2"))
 
 
 # The config that the autotuner chose per (kernel, device, dtype, tuning key): once it has chosen, the kernel is
@@ -285,14 +295,14 @@ def _backward_impl(
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
     dcq = torch.empty_like(lse)  # rowsum(dS) [B, Hq, Tq], lse's layout
 
-    def grid(m):
-        return (max(triton.cdiv(len_k, m["BLOCK_N1"]), triton.cdiv(len_q, m["BLOCK_M2"])) * Hk * n_seq,)
-
-    _launch(_bwd, grid, _INTERPRET_BWD, q, k, v, c, crk, crq, thr, do, lse, delta, dq, dk, dv, dck, dcq, cu,
-            *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
-            *lse.stride()[:2], Tq, Tk, Hq, Hk, Hk * n_seq, _head_group(Hk * n_seq, len_q, q, v), Hq // Hk,
-            scale * LOG2E.value, scale, window or 0,
-            LEN_BUCKET=_len_bucket(len_k), **meta)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2], *lse.stride()[:2])
+    tail = dict(LEN_BUCKET=_len_bucket(len_k), **meta)
+    _launch(_bwd_dkdv, lambda m: (triton.cdiv(len_k, m["BLOCK_N1"]) * Hk * n_seq,), _INTERPRET_DKDV, q, k, v, c,
+            crq, thr, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
+            _head_group(Hk * n_seq, len_q, q, v), Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
+    _launch(_bwd_dq, lambda m: (triton.cdiv(len_q, m["BLOCK_M2"]) * Hq * n_seq,), _INTERPRET_DQ, q, k, v, c, crk,
+            thr, do, lse, delta, dq, dcq, cu, *strides, Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v),
+            Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
     dc = dck.double()
     dc[..., Tk - Tq:] += dcq  # the query side of the gate gradient (dlse is in it, through delta)
     dlog_fgate = reverse_cumsum(dc, cu_seqlens).transpose(1, 2).float().contiguous()  # the fake's layout

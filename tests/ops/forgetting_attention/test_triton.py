@@ -288,7 +288,8 @@ def test_loop_tiles_fit_in_c_rel_blocks():
     """An unmasked tile adds c_rel of one C_BLOCK-long block to one per-tile difference (_c_tile): every loop's tile
     (the forward's and dQ's key tiles, dK/dV's query tiles) must divide the block, on the GPU and the CPU."""
     tiles = [(ta.C_BLOCK, t[1]) for ts in ta._FWD_TILES.values() for t in ts]
-    tiles += [(ta.C_BLOCK, t[i]) for ts in ta._BWD_TILES.values() for t in ts for i in (0, 3)]
+    tiles += [(ta.C_BLOCK, t[0]) for ts in ta._DKDV_TILES.values() for t in ts]
+    tiles += [(ta.C_BLOCK, t[1]) for ts in ta._DQ_TILES.values() for t in ts]
     tiles += [(ta.INTERPRET_C_BLOCK, ta.INTERPRET_TILE)]
     assert all(block % tile == 0 for block, tile in tiles), tiles
 
@@ -559,9 +560,9 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
     """benchmarks/kernel_resources.py compiles every shipped d64 tile for sm_90a without a GPU (a subprocess: the
     kernels here are interpreted): each reports registers, spills and whether ptxas serialized its wgmma, its dots
     lower to Hopper's wgmma, and its tile loops (at least one per kernel, each with tensor-core instructions; ACP's
-    binary searches are loops without) spill nothing, but for the backward's dQ loops with their 128-row tile: that
-    tile spills there (13 loads in the masked loop) and was still the faster on an H100 and an H200
-    (docs/benchmarks.md, kernel resources)."""
+    binary searches are loops without) spill nothing, but for the dQ loops of a 128-row tile with 4 warps: that tile
+    spills there (15 loads in the masked loop) and was the faster on an H100 and an H200 in the kernel that computed
+    dK/dV and dQ in one program (docs/benchmarks.md, kernel resources)."""
     root = Path(__file__).parents[3]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(root)
@@ -569,7 +570,7 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line for line in out.stdout.splitlines() if "warps" in line]
-    expected = len(ta._FWD_TILES[64]) + 2 * len(ta._BWD_TILES[64])
+    expected = len(ta._FWD_TILES[64]) + 2 * len(ta._DKDV_TILES[64]) + 2 * len(ta._DQ_TILES[64])
     assert len(rows) == expected, out.stdout
     for row in rows:
         assert "registers" in row and "spill_stores" in row and "wgmma.mma_async" in row, row
@@ -580,9 +581,9 @@ def test_kernels_compile_for_hopper_with_tensor_core_dots():
         loops = re.findall(r"loop \d+: instructions (\d+), HGMMA (\d+), MUFU (\d+), LDL (\d+), STL (\d+)", kernel)
         tile_loops = [loop for loop in loops if int(loop[1]) > 0]
         assert tile_loops, kernel
-        # the dK/dV loops (the first three) and every loop of the forward; the dQ loops of a 128-row dQ tile spill
-        checked = tile_loops[:3] if "+ 128x" in name else tile_loops
-        assert all(ldl == stl == "0" for *_, ldl, stl in checked), name + kernel
+        # a 128-row dQ tile spills in its loops with 4 warps (docs/benchmarks.md, kernel resources)
+        if not (name.startswith("backward dQ") and " 128x" in name and kernel.startswith(" 4 ")):
+            assert all(ldl == stl == "0" for *_, ldl, stl in tile_loops), name + kernel
 
 
 def test_gradients_of_views_with_gaps():
