@@ -149,8 +149,9 @@ def main() -> None:
     for kernel, table, side, name in backward:
         for m, n, w, s in table[bucket]:
             tiles = {f"BLOCK_M{side}": m, f"BLOCK_N{side}": n}
-            cases.append((f"backward {name} {m}x{n}", kernel, tiles, w, s))
-            cases.append((f"backward {name}, ACP, {m}x{n}", kernel, dict(tiles, PRUNE=True), w, s))
+            cases.append((f"backward {name} {m}x{n}", kernel, dict(tiles, DOT_SUMS=ta.DOT_SUMS["plain"]), w, s))
+            acp = dict(tiles, DOT_SUMS=ta.DOT_SUMS["acp"], PRUNE=True)
+            cases.append((f"backward {name}, ACP, {m}x{n}", kernel, acp, w, s))
     print(f"sm_{args.arch}a, head dim {d}, bf16")
     built = []
     if args.kernels != "gluon":

@@ -547,15 +547,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, CU
                           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                           BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
                           VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                          INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
+                          DOT_SUMS: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """Program (hk, b, pid): dK, dV of key block ``pid`` of key head hk, and -colsum(dS) of its keys per query head
     into DCK (the key side of the gate gradient).
 
     In exact arithmetic the query side, rowsum_j(dS_ij), is dlse_i, but delta is computed from the rounded o: each
     row sum carries o's rounding, which the reverse cumsum would add up along the sequence. Taken from the kernels'
     own dS (``_attn_bwd_dq_kernel``), it cancels between the two sides, and what is left is the error of dS on pairs
-    across each position. Under ACP (``PRUNE``) both sides sum on the tensor cores (``_sums``' DOT_SUMS: faster
-    there, slower without ACP). The dQ kernel is separate, so that each loop gets its own tile and warps.
+    across each position. With ``DOT_SUMS`` both sides sum on the tensor cores (see ``_sums``; the host picks it).
+    The dQ kernel is separate, so that each loop gets its own tile and warps.
     """
     hk, b, pid = _grid_position(Hk, HB, HG, False)
     tok0, len_q, len_k, off = _seq_bounds(CU, b, Tq, Tk, VARLEN)
@@ -566,7 +566,7 @@ def _attn_bwd_dkdv_kernel(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, CU
                         LSE + bt * slb, DELTA + bt * slb, DK + bt * skb, DV_ + bt * svb, DCK + bt * scb, b, hk,
                         start_n, tok0, len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq,
                         qk_scale, scale, window, G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE,
-                        WINDOWED, PRECISION, PRUNE, INTERPRET)
+                        WINDOWED, PRECISION, DOT_SUMS, INTERPRET)
 
 
 @triton.jit
@@ -576,7 +576,7 @@ def _attn_bwd_dq_kernel(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, CU,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                         BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, C_BLOCK: tl.constexpr,
                         VARLEN: tl.constexpr, PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                        INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
+                        DOT_SUMS: tl.constexpr, INTERPRET: tl.constexpr, TILES: tl.constexpr, LEN_BUCKET):
     """Program (hq, b, pid): dQ of query block ``pid`` of query head hq, and rowsum(dS) of its rows into DCQ (the
     query side of the gate gradient, see ``_attn_bwd_dkdv_kernel``)."""
     hq, b, pid = _grid_position(Hq, HB, HG, True)
@@ -588,4 +588,4 @@ def _attn_bwd_dq_kernel(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, CU,
                       LSE + bt * slb, DELTA + bt * slb, DQ + bt * sqb, DCQ + bt * slb, b, hq, hq // G, start_m, tok0,
                       len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
                       window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION,
-                      PRUNE, INTERPRET)
+                      DOT_SUMS, INTERPRET)

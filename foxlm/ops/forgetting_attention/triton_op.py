@@ -56,7 +56,7 @@ _DKDV_TILES = {
     256: [(16, 64, 4, 2), (32, 64, 8, 1)],
 }
 _DQ_TILES = {
-    64: [(128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
     128: [(64, 64, 4, 2), (128, 32, 8, 3)],
     256: [(64, 16, 4, 2), (64, 32, 8, 1)],
 }
@@ -196,6 +196,11 @@ def _bwd_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     return delta, crq
 
 
+# Whether the backward takes the gate gradient's row and column sums as dS @ e_0 dots (``_sums`` in the kernels)
+# rather than fp32 reductions, without ACP and with it: chosen by timing (docs/benchmarks.md).
+DOT_SUMS = {"plain": False, "acp": True}
+
+
 def _len_bucket(n: int) -> int:
     return min(triton.next_power_of_2(max(n, 1)), 1 << 15)
 
@@ -295,8 +300,9 @@ def _backward_impl(
     dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
     dcq = torch.empty_like(lse)  # rowsum(dS) [B, Hq, Tq], lse's layout
 
+    dot_sums = DOT_SUMS["acp" if threshold is not None else "plain"]
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2], *lse.stride()[:2])
-    tail = dict(LEN_BUCKET=_len_bucket(len_k), **meta)
+    tail = dict(LEN_BUCKET=_len_bucket(len_k), DOT_SUMS=dot_sums, **meta)
     _launch(_bwd_dkdv, lambda m: (triton.cdiv(len_k, m["BLOCK_N1"]) * Hk * n_seq,), _INTERPRET_DKDV, q, k, v, c,
             crq, thr, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
             _head_group(Hk * n_seq, len_q, q, v), Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
