@@ -339,6 +339,18 @@ def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
         builder.build(700, 1.5, "easy", 0)
 
 
+def test_prompt_builder_keeps_the_depth_where_no_sentence_ends_before_it():
+    """A haystack with no sentence end between its start and the requested depth: the needle stays at that depth
+    (the haystack's first token is no sentence end; it moved there)."""
+    tok = get_tokenizer("byte")
+    hay = np.array(tok.encode("word " * 400), dtype=np.int64)
+    builder = niah.PromptBuilder(tok, hay)
+    n = builder.haystack_length(600, "standard")
+    for depth in (0.0, 0.1, 0.3, 1.0):
+        ids, pos = builder.build(600, depth, "standard", offset=0)
+        assert pos - 1 == round(depth * n)
+
+
 def test_answer_found_ignores_case_and_punctuation():
     assert niah.answer_found(" Eat a sandwich, and sit in Dolores  Park on a sunny day!\n")
     assert not niah.answer_found(" eat a sandwich and sit in Golden Gate Park on a sunny day.")
