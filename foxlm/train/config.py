@@ -123,6 +123,9 @@ class TrainConfig:
         for name in ("seq_len", "batch_size", "max_steps", "eval_batches", "log_every", "keep_last", "cp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.seq_len < 2:  # a sequence of one token predicts nothing: the step's loss would divide by 0 targets
+            raise ValueError(f"seq_len: expected at least 2 tokens (a target needs a token before it), got "
+                             f"{self.seq_len}")
         for name in ("warmup_steps", "eval_every", "save_every", "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
@@ -145,6 +148,8 @@ class TrainConfig:
             if not 0 <= getattr(self, name) < math.inf:
                 off = " (0: no clipping)" if name == "grad_clip" else ""
                 raise ValueError(f"{name}: expected a non-negative, finite number{off}, got {getattr(self, name)}")
+        if self.peak_tflops is not None and not 0 < self.peak_tflops < math.inf:  # MFU divides by it
+            raise ValueError(f"peak_tflops: expected a positive, finite number (or null), got {self.peak_tflops}")
         if self.cuda_graph not in (True, False, "auto"):
             raise ValueError(f"cuda_graph: expected true, false or auto, got {self.cuda_graph!r}")
         if self.cuda_graph is True and (self.packing != "windows" or self.compile):

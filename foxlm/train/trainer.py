@@ -50,6 +50,7 @@ class Trainer:
     initializes), ``run()`` trains and returns a summary."""
 
     def __init__(self, cfg: TrainConfig):
+        cfg.validate()  # one built in Python, not by load_config, too: min_lr < 0 would train at a negative lr
         self.cfg = cfg
         self.d, self.device = parallel.setup(cfg.device, cfg.cp)
         self.run_dir = Path(cfg.out_dir).expanduser()

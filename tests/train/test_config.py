@@ -49,6 +49,19 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert (default.arch, default.size, default.data, default.tokenizer) == ("fox-pro", "tiny", "shakespeare", "gpt2")
 
 
+def test_values_a_run_would_divide_by_are_refused_up_front():
+    """seq_len=1 leaves no target (the step's token-weighted loss divided by 0), peak_tflops=0 divides the MFU: both
+    stopped the run with a ZeroDivisionError after its model was built; a negative peak logged a negative MFU."""
+    errors = {"seq_len=1": r"seq_len: expected at least 2 tokens .*got 1$",
+              "peak_tflops=0": r"peak_tflops: expected a positive, finite number \(or null\), got 0.0$",
+              "peak_tflops=-5": r"peak_tflops: expected a positive, finite number \(or null\), got -5.0$",
+              "peak_tflops=.inf": r"peak_tflops: expected a positive, finite number \(or null\), got inf$"}
+    for override, message in errors.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(None, [override])
+    assert load_config(None, ["seq_len=2", "peak_tflops=989"]).peak_tflops == 989.0
+
+
 def test_values_are_typed_by_their_key_not_by_yaml_1_1(tmp_path, capsys):
     """A string key keeps the text as written (YAML 1.1 read 0777 as 511, 1:30 as 90, off as False and ~ as null,
     dropping an export or init_from silently); other keys read YAML 1.2, strictly, with one-line errors naming the key.

@@ -3,6 +3,7 @@ what reads its logs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -39,6 +40,17 @@ def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tm
     plain, ckpt = logged_losses(tmp_path / "plain"), logged_losses(tmp_path / "ckpt")
     assert plain.keys() == ckpt.keys() == {1, 2, 3}
     assert all(ckpt[k] == pytest.approx(plain[k], rel=1e-5) for k in plain)
+
+
+def test_a_config_built_in_python_is_validated(byte_data, tmp_path):
+    """A TrainConfig made in Python (not by load_config) is checked as the command line's: min_lr < 0 trained on at
+    a negative learning rate (gradient ascent) once the cosine fell below 0, and lr < 0 failed inside AdamW with a
+    message naming no key."""
+    cfg = tiny_config(byte_data, tmp_path / "run", "max_steps=4", "warmup_steps=0", "eval_every=0")
+    for key, value in {"min_lr": -1e-3, "lr": -1.0}.items():
+        with pytest.raises(ValueError, match=f"^{key}: expected"):
+            Trainer(dataclasses.replace(cfg, **{key: value}))
+    assert not (tmp_path / "run").exists()
 
 
 def test_torch_compile_keeps_the_losses(byte_data, tmp_path):
