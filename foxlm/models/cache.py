@@ -78,7 +78,7 @@ class KVCache(Protocol):
 # Gate cumsum stored for padded keys: every real query has c_i - c_j <= -1e30 against them.
 PAD_DECAY = 1e30
 # Pre-shift projections FoxCache keeps per layer and stream: how far back ``crop`` can go in a model with
-# token shift (assisted decoding crops the rejected candidates: a few to a few dozen tokens).
+# token shift, unless the cache records its past for a rollback (``FoxCache.activate_past_recording``).
 SHIFT_HISTORY = 256
 
 
@@ -120,10 +120,10 @@ class _LayerCache:
         self.c_last = torch.where(last[:, None] >= 0, kept, 0.0)  # only padding so far: sum 0
         self.length = length
 
-    def carry_shift(self, T: int, valid: torch.Tensor | None) -> None:
+    def carry_shift(self, T: int, valid: torch.Tensor | None, trim: bool = True) -> None:
         """Settle the token-shift history of the T tokens just handed over: a padded position keeps the state
         before it (the last real token's projection, zeros before any), so that the token after right padding
-        shifts from the last real token; then keep the last ``SHIFT_HISTORY``."""
+        shifts from the last real token; then keep the last ``SHIFT_HISTORY`` (all of it without ``trim``)."""
         for name, hist in self.shift.items():
             if valid is not None:
                 new, before = hist[:, -T:], hist[:, -T - 1:-T] if hist.shape[1] > T else torch.zeros_like(hist[:, :1])
@@ -132,7 +132,11 @@ class _LayerCache:
                 both = torch.cat([before, new], 1)
                 new = both.gather(1, source.view(*source.shape, 1, 1).expand(-1, -1, *new.shape[2:]))
                 hist = torch.cat([hist[:, :-T], new], 1)
-            self.shift[name] = hist[:, -SHIFT_HISTORY:]
+            self.shift[name] = hist[:, -SHIFT_HISTORY:] if trim else hist
+
+    def trim_shift(self) -> None:
+        """Keep the last ``SHIFT_HISTORY`` of the token-shift history."""
+        self.shift = {name: hist[:, -SHIFT_HISTORY:] for name, hist in self.shift.items()}
 
     def apply(self, fn) -> None:
         """Apply ``fn`` to every batch-major tensor (beam reordering and friends)."""
@@ -153,6 +157,13 @@ class FoxCache(Cache):
         super().__init__(layers=[])
         self._layers: list[_LayerCache] = [_LayerCache() for _ in range(num_layers or 0)]
         self._last_output: torch.Tensor | None = None
+        self._record_past = False
+
+    def activate_past_recording(self, **kwargs) -> None:
+        """Keep the whole token-shift history from now to each ``crop``, so that a crop can drop any number of
+        tokens (transformers' hook, called before assisted decoding: its drafts can be longer than
+        ``SHIFT_HISTORY``). Each crop, ``crop(0)`` included, trims the history back to ``SHIFT_HISTORY``."""
+        self._record_past = True
 
     def _layer(self, layer_idx: int) -> _LayerCache:
         while len(self._layers) <= layer_idx:
@@ -186,7 +197,7 @@ class FoxCache(Cache):
         layer.c_last = c[:, -1]
         if valid is not None:
             c = c.masked_fill(~valid[..., None], PAD_DECAY)
-        layer.carry_shift(T, valid)
+        layer.carry_shift(T, valid, trim=not self._record_past)
         before = layer.length
         layer.append(k, v, c)
         return forgetting_attention_with_kvcache(q, layer.k, layer.v, layer.c, k=k, v=v, log_fgate=log_fgate,
@@ -241,21 +252,20 @@ class FoxCache(Cache):
     def crop(self, max_length: int) -> None:
         """Drop rejected tokens, as HF's assisted decoding does: ``-n`` drops the last n tokens (transformers
         >= 5.24 passes only these, and 0 for nothing), a positive value keeps that many (earlier versions).
-        In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go. The kept last real output goes
-        (None until the next call): padding before the next call's first real token has a meaningless output."""
+        In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go, any number while the cache records
+        its past (``activate_past_recording``). The kept last real output goes (None until the next call): padding
+        before the next call's first real token has a meaningless output."""
         length = self.get_seq_length()
-        if max_length == 0:
-            return
-        if max_length < 0:
-            max_length = length + max_length
-        if max_length >= length:
-            return
-        if max_length <= 0:
+        keep = length + max_length if max_length < 0 else max_length if max_length > 0 else length
+        if keep <= 0:
             self.reset()
-            return
-        for layer in self._layers:
-            layer.crop(max_length)
-        self._last_output = None
+        elif keep < length:
+            for layer in self._layers:
+                layer.crop(keep)
+            self._last_output = None
+        if self._record_past:  # the history a crop could reach is the tokens since this one
+            for layer in self._layers:
+                layer.trim_shift()
 
     def __len__(self) -> int:
         return len(self._layers)

@@ -330,13 +330,23 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
         """transformers' preparation, after refusing a given cache that is not a transformers ``Cache`` (a
         ``PagedFoxCache``, any bare ``KVCache``): ``generate`` reorders, repeats and crops its cache by transformers'
-        API, and would fail deep inside (or, with beams, at the first forward) on one without it."""
-        cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
+        API, and would fail deep inside (or, with beams, at the first forward) on one without it. The empty
+        DynamicCache transformers makes becomes a FoxCache here, not at the first forward: assisted decoding calls
+        the cache's ``activate_past_recording`` before it, so that its crops can drop drafts of any length."""
+        key = "cache" if "cache" in model_kwargs else "past_key_values"  # transformers >= 5.24: "cache"
+        cache = model_kwargs.get(key)
         if cache is not None and not isinstance(cache, (Cache, tuple)):  # a tuple: transformers' own error
             raise ValueError(f"past_key_values: HF generate decodes FoX models with a FoxCache (or none: it makes "
                              f"one), got a {type(cache).__name__}; foxlm.generate.generate decodes with a "
                              f"PagedFoxCache, and any KVCache plugs into the model's forward")
-        return super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        key = "cache" if "cache" in model_kwargs else "past_key_values"
+        made = model_kwargs.get(key)
+        if cache is None and type(made) is DynamicCache and made.get_seq_length() == 0:
+            model_kwargs[key] = FoxCache(self.config.num_hidden_layers)
+            if getattr(generation_config, "is_assistant", False):  # transformers recorded the DynamicCache's past
+                model_kwargs[key].activate_past_recording()
+        return result
 
     def init_continuous_batching(self, *args, **kwargs):
         """Refused: transformers' continuous batching (``generate_batch``, ``generate(cache_implementation="paged")``)

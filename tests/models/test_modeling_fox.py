@@ -2,10 +2,12 @@
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache
+from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, StoppingCriteria,
+                          StoppingCriteriaList)
 
 import foxlm  # noqa: F401  (registers the Auto classes)
 from foxlm.models import ARCHS, FoxCache, FoxConfig, FoxForCausalLM, FoxModel, KVCache
+from foxlm.models.cache import SHIFT_HISTORY
 
 VOCAB = 97
 SMALL = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
@@ -73,6 +75,30 @@ def test_assisted_generation_equals_greedy():
     for draft in (_model("fox-pro"), _model("fox-pro", seed=3)):  # all candidates accepted; most rejected
         assisted = model.generate(ids, assistant_model=draft, max_new_tokens=12, do_sample=False)
         assert torch.equal(assisted, greedy)
+
+
+class _StopAfter(StoppingCriteria):
+    """Stops generate at ``length`` tokens, its max_new_tokens left high: the assistant drafts up to that."""
+
+    def __init__(self, length: int):
+        self.length = length
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_assisted_generation_with_drafts_longer_than_the_shift_history():
+    """Drafts of more than SHIFT_HISTORY tokens, rejected at once: the main model's and the draft's caches drop them
+    all (transformers has them record their past), and the tokens are the greedy ones."""
+    model = _model("fox-pro")
+    draft = _model("fox-pro", seed=3, num_hidden_layers=1)
+    draft.generation_config.update(num_assistant_tokens=SHIFT_HISTORY + 4, num_assistant_tokens_schedule="constant",
+                                   assistant_confidence_threshold=0.0)  # always the whole draft
+    ids = _ids(1, 4)
+    greedy = model.generate(ids, max_new_tokens=2, do_sample=False)
+    assisted = model.generate(ids, assistant_model=draft, max_new_tokens=SHIFT_HISTORY + 8, do_sample=False,
+                              stopping_criteria=StoppingCriteriaList([_StopAfter(6)]))  # two drafts
+    assert torch.equal(assisted[:, :6], greedy)
 
 
 def test_crop_beyond_the_shift_history_raises():
