@@ -2,8 +2,14 @@
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModel, AutoModelForCausalLM, DynamicCache, StoppingCriteria,
-                          StoppingCriteriaList)
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    DynamicCache,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 import foxlm  # noqa: F401  (registers the Auto classes)
 from foxlm.models import ARCHS, FoxCache, FoxConfig, FoxForCausalLM, FoxModel, KVCache
