@@ -88,8 +88,8 @@ class PromptBuilder:
         """The nearest position at or before ``cut`` (within a lookback) just after a sentence end and before
         whitespace, so that the needle reads as a sentence of its own; ``cut`` itself if there is none."""
         for i in range(cut, max(0, cut - _BOUNDARY_LOOKBACK) - 1, -1):
-            if i == 0 or i == len(hay):  # the haystack's ends: boundaries only where asked for (a cut of a text)
-                return i if i == cut else cut
+            if i == 0 or i == len(hay):  # the haystack's ends are boundaries only where asked for (a cut of a text)
+                return cut
             if _SENTENCE_END.search(self.tok.decode(hay[i - 1:i])) and self.tok.decode(hay[i:i + 1])[:1].isspace():
                 return i
         return cut
