@@ -165,6 +165,11 @@ class FoxCache(Cache):
         ``SHIFT_HISTORY``). Each crop, ``crop(0)`` included, trims the history back to ``SHIFT_HISTORY``."""
         self._record_past = True
 
+    def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
+        """0: no layer keeps recurrent states to roll back (transformers asks before it records the past, e.g. for
+        the deferred stop check of ``generate`` on Apple GPUs; the token shift's history is kept whole instead)."""
+        return 0
+
     def _layer(self, layer_idx: int) -> _LayerCache:
         while len(self._layers) <= layer_idx:
             self._layers.append(_LayerCache())

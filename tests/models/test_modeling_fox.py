@@ -107,6 +107,31 @@ def test_assisted_generation_with_drafts_longer_than_the_shift_history():
     assert torch.equal(assisted[:, :6], greedy)
 
 
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_deferred_stop_check_can_roll_back_the_cache(arch):
+    """transformers' ``generate`` on Apple GPUs defers its stop check by a step (``DeferredStopCheck``) and, when it
+    returns the cache, asks the cache how many recurrent states to record before that step (it raised on a FoxCache),
+    then crops the extra token. Its set-up runs here on a real FoxCache (its events need a GPU: the loop's steps and
+    the crop of ``finish`` are taken by hand): the cropped cache continues as one that never saw the extra token."""
+    DeferredStopCheck = getattr(pytest.importorskip("transformers.generation.utils"), "DeferredStopCheck", None)
+    if DeferredStopCheck is None:
+        pytest.skip("this transformers has no deferred stop check")
+    model = _model(arch)
+    ids, steps = _ids(2, 5), _ids(2, 3, seed=2)
+    kept, rolled_back = FoxCache(), FoxCache()
+    for cache in (kept, rolled_back):
+        model(ids, past_key_values=cache, use_cache=True)
+    DeferredStopCheck(ids, 20, rolled_back, cache_is_returned=True)
+    for t in range(3):
+        model(steps[:, t:t + 1], past_key_values=rolled_back, use_cache=True)
+        if t < 2:
+            model(steps[:, t:t + 1], past_key_values=kept, use_cache=True)
+    rolled_back.crop(-1)  # DeferredStopCheck.finish's undo of the extra step
+    nxt = _ids(2, 1, seed=4)
+    torch.testing.assert_close(model(nxt, past_key_values=rolled_back, use_cache=True).logits,
+                               model(nxt, past_key_values=kept, use_cache=True).logits, rtol=0, atol=0)
+
+
 def test_crop_beyond_the_shift_history_raises():
     model = _model("fox-pro")
     cache = FoxCache()
