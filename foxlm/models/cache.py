@@ -132,7 +132,9 @@ class _LayerCache:
                 both = torch.cat([before, new], 1)
                 new = both.gather(1, source.view(*source.shape, 1, 1).expand(-1, -1, *new.shape[2:]))
                 hist = torch.cat([hist[:, :-T], new], 1)
-            self.shift[name] = hist[:, -SHIFT_HISTORY:] if trim else hist
+            self.shift[name] = hist
+        if trim:
+            self.trim_shift()
 
     def trim_shift(self) -> None:
         """Keep the last ``SHIFT_HISTORY`` of the token-shift history."""
