@@ -9,8 +9,9 @@ that, loads are not vectorized and the register counts are those of another kern
 (registers, spills, shared memory, whether it serialized the wgmma instructions), then per loop of the SASS (the
 tile loops: a backward branch each) the instruction count, tensor-core (HGMMA), exp2 (MUFU) and spill (LDL/STL)
 instructions: spills matter in the loops, not around them. With ``--kernels gluon`` (or ``all``, at a head dim the
-Gluon forward has tiles for, with the Triton release it was tested on) it compiles the Gluon forward (``gluon_fwd``)
-too, and reports its partitions' register budgets (``setmaxnreg``). It times nothing.
+Gluon kernels have tiles for, with the Triton release they were tested on) it compiles the Gluon forward
+(``gluon_fwd``) and dK/dV (``gluon_bwd``, with ACP and without) too, and reports their partitions' register budgets
+(``setmaxnreg``). It times nothing.
 
     python benchmarks/kernel_resources.py [--head-dim 64] [--arch 90] [--kernels all|triton|gluon]
 """
@@ -128,12 +129,43 @@ def compile_gluon_forward(d: int, arch: int):
         src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4)), stages
 
 
+def compile_gluon_backward(d: int, arch: int, prune: bool):
+    """The Gluon dK/dV (``gluon_bwd``) at head dim d, bf16, one query head per key head, with ACP or without, as its
+    launcher specializes it."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from foxlm.ops.forgetting_attention import gluon_bwd as gb
+
+    block_n, block_m, stages = gb.TILES[d]
+
+    def descriptor(rows: int) -> str:
+        layout = gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)
+        return f"tensordesc<bf16[{rows},{d}],{layout!r}>"
+
+    fn = gb._attn_bwd_dkdv_gluon
+    constexprs = dict(G=1, D=d, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, C_BLOCK=ta.C_BLOCK, PRUNE=prune,
+                      ROUND_SUMS=ta.DOT_SUMS["acp" if prune else "plain"])
+    vectors = ("c_ptr", "crq_ptr", "lse_ptr", "delta_ptr", "dck_ptr", "dk_ptr", "dv_ptr", "thr_ptr")
+    types = {"k_desc": descriptor(block_n), "v_desc": descriptor(block_n), "q_desc": descriptor(block_m),
+             "do_desc": descriptor(block_m), "c_ptr": "*fp64", "dk_ptr": "*bf16", "dv_ptr": "*bf16",
+             "qk_scale": "fp32", "scale": "fp32"}
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n in vectors else "i32")
+                 for n in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in (*vectors, "T")}
+    src = GluonASTSource(fn=fn, signature=signature, attrs=aligned,
+                         constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return (f"gluon dK/dV{', ACP,' if prune else ''} {2 * block_n}x{block_m} (2 warpgroups)",
+            triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4)), stages)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     p.add_argument("--kernels", choices=["all", "triton", "gluon"], default="all",
-                   help="the Triton kernels, the Gluon forward (at its head dims, with its tested Triton), or both")
+                   help="the Triton kernels, the Gluon ones (at their head dims, with their tested Triton), or both")
     args = p.parse_args()
     if ta._INTERPRETED:
         raise SystemExit("TRITON_INTERPRET=1 is set: the kernels are interpreted, unset it to compile them")
@@ -161,6 +193,11 @@ def main() -> None:
     if args.kernels != "triton" and gluon:
         name, kernel, stages = compile_gluon_forward(d, args.arch)
         built = [*built, (name, kernel, "warps 4+4+1", stages)]
+    if args.kernels != "triton" and triton.__version__ == ta.GLUON_BWD_TESTED["triton"] and d in ta.GLUON_BWD_TESTED[
+            "head_dims"]:
+        for prune in (False, True):
+            name, kernel, stages = compile_gluon_backward(d, args.arch, prune)
+            built = [*built, (name, kernel, "warps 4+4+1", stages)]
     for name, kernel, warps, stages in built:
         r = resources(kernel, args.arch)
         r["setmaxnreg"] = sorted({int(n) for n in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)",

@@ -124,17 +124,36 @@ GLUON_TESTED = dict(capability=(9, 0), triton="3.6.0", head_dims=(128,), dtypes=
 GLUON_FORWARD = True
 
 
+# The Gluon dK/dV (``gluon_bwd``, GPU only) likewise, where that file's backward tests passed; the Triton dK/dV
+# kernel elsewhere. GLUON_BACKWARD switches it off.
+GLUON_BWD_TESTED = dict(capability=(9, 0), triton="3.6.0", head_dims=(128,), dtypes=(torch.bfloat16, torch.float16))
+GLUON_BACKWARD = True
+
+
+def _gluon_case(tested: dict, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, window,
+                capability: tuple[int, int] | None, triton_version: str, *tma: torch.Tensor) -> bool:
+    """The tested GPU and Triton (``capability``: the device's, None off CUDA), dtype and head dim; Tq == Tk without
+    packed sequences or a window; q, k, v and ``tma`` contiguous and 16-byte aligned (TMA reads them as
+    [B * T, H * D] matrices)."""
+    return (capability == tested["capability"] and triton_version == tested["triton"]
+            and q.dtype in tested["dtypes"] and k.dtype == v.dtype == q.dtype and q.shape[-1] == v.shape[-1]
+            and q.shape[-1] in tested["head_dims"] and q.shape[1] == k.shape[1]
+            and cu_seqlens is None and window is None
+            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v, *tma)))
+
+
 def _gluon_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens, window, threshold,
                     capability: tuple[int, int] | None, triton_version: str) -> bool:
-    """Whether the Gluon forward takes this call: the tested GPU and Triton (``capability``: the device's, None off
-    CUDA), dtype and head dim; the plain causal case (Tq == Tk, no packed sequences, window or ACP); q, k, v
-    contiguous and 16-byte aligned (TMA reads them as [B * T, H * D] matrices)."""
-    return (GLUON_FORWARD and capability == GLUON_TESTED["capability"]
-            and triton_version == GLUON_TESTED["triton"] and q.dtype in GLUON_TESTED["dtypes"]
-            and k.dtype == v.dtype == q.dtype and q.shape[-1] == v.shape[-1]
-            and q.shape[-1] in GLUON_TESTED["head_dims"] and q.shape[1] == k.shape[1]
-            and cu_seqlens is None and window is None and threshold is None
-            and all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)))
+    """Whether the Gluon forward takes this call: ``_gluon_case`` without ACP."""
+    return (GLUON_FORWARD and threshold is None
+            and _gluon_case(GLUON_TESTED, q, k, v, cu_seqlens, window, capability, triton_version))
+
+
+def _gluon_bwd_eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, cu_seqlens, window,
+                        capability: tuple[int, int] | None, triton_version: str) -> bool:
+    """Whether the Gluon dK/dV takes this backward: ``_gluon_case``, ACP or not, dO read by TMA too."""
+    return (GLUON_BACKWARD and do.shape == q.shape
+            and _gluon_case(GLUON_BWD_TESTED, q, k, v, cu_seqlens, window, capability, triton_version, do))
 
 
 # Bytes of the streamed tensors (K and V in the forward, Q and dO in the backward) that the programs in flight may
@@ -296,16 +315,23 @@ def _backward_impl(
     thr = threshold.float().contiguous() if threshold is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     delta, crq = _bwd_preprocess(o, do, dlse, lse, c, cu_seqlens, meta["C_BLOCK"])
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+    dq = torch.empty_like(q)
     dcq = torch.empty_like(lse)  # rowsum(dS) [B, Hq, Tq], lse's layout
 
     dot_sums = DOT_SUMS["acp" if threshold is not None else "plain"]
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2], *lse.stride()[:2])
     tail = dict(LEN_BUCKET=_len_bucket(len_k), DOT_SUMS=dot_sums, **meta)
-    _launch(_bwd_dkdv, lambda m: (triton.cdiv(len_k, m["BLOCK_N1"]) * Hk * n_seq,), _INTERPRET_DKDV, q, k, v, c,
-            crq, thr, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
-            _head_group(Hk * n_seq, len_q, q, v), Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
+    capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    if not _small_tiles() and _gluon_bwd_eligible(q, k, v, do, cu_seqlens, window, capability, triton.__version__):
+        from .gluon_bwd import gluon_dkdv  # imports Gluon, which only the tested Triton release is known to have
+
+        dk, dv, dck = gluon_dkdv(q, k, v, do, c, crq, lse, delta, threshold, scale, meta["C_BLOCK"], dot_sums)
+    else:
+        dk, dv = torch.empty_like(k), torch.empty_like(v)
+        dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
+        _launch(_bwd_dkdv, lambda m: (triton.cdiv(len_k, m["BLOCK_N1"]) * Hk * n_seq,), _INTERPRET_DKDV, q, k, v, c,
+                crq, thr, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
+                _head_group(Hk * n_seq, len_q, q, v), Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
     _launch(_bwd_dq, lambda m: (triton.cdiv(len_q, m["BLOCK_M2"]) * Hq * n_seq,), _INTERPRET_DQ, q, k, v, c, crk,
             thr, do, lse, delta, dq, dcq, cu, *strides, Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v),
             Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
