@@ -87,7 +87,8 @@ class RunLog:
         """Advance the bar by a step, showing its ``record``'s loss, throughput and, where known, MFU."""
         if self.bar is not None:
             mfu = record.get("mfu")
-            self.bar.set_postfix({"loss": f"{record['loss']:.3f}", "tok/s": f"{record['tokens_per_s']:,.0f}",
+            loss = f"{record['loss']:.3f}" if "loss" in record else "-"  # a step without targets has none
+            self.bar.set_postfix({"loss": loss, "tok/s": f"{record['tokens_per_s']:,.0f}",
                                   **({"mfu": f"{100 * mfu:.1f}%"} if mfu is not None else {})}, refresh=False)
             self.bar.update(1)
 

@@ -86,12 +86,19 @@ class Trainer:
         b = b.to(self.device)
         return self._loss(b.input_ids, b.labels, b.cu_seqlens, b.shifted)
 
-    def _forward_backward(self, micro: list[Batch]) -> float:
-        """Accumulate the gradient of the step's mean loss over its micro-batches (and processes); return the loss."""
+    def _forward_backward(self, micro: list[Batch]) -> float | None:
+        """Accumulate the gradient of the step's mean loss over its micro-batches (and processes); return the loss.
+
+        The loss is that of HF ``Trainer`` with ``num_items_in_batch`` (and torchtitan's): the sum of the token losses
+        of all micro-batches and processes over the step's count of targets. A micro-batch without targets (packed
+        one-token segments) adds 0: its mean loss is 0 (foxlm's losses average over ``max(count, 1)``) and its weight
+        0. A step without a target anywhere has no loss: None, and no forward or backward runs."""
         started = time.perf_counter()
         total = float(sum(b.num_targets for b in micro))
         if self.d.world > 1:
             total = self.d.sum(torch.tensor([total], device=self.device)).item()
+        if not total:  # every process sees the same total: all of them skip the step
+            return None
         loss_sum = torch.zeros((), device=self.device)
         for i, b in enumerate(micro):
             if i and self._stop_between_micro and self.d.any(self.preemption.requested, self.device):
@@ -112,7 +119,10 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step (or a skipped one); returns the step's record. SIGTERM may cut the forward and backward
-        short (``Preempted``): the model, optimizer and counters then hold the last whole step."""
+        short (``Preempted``): the model, optimizer and counters then hold the last whole step. A non-finite loss or
+        gradient skips the update and counts as a bad step (``max_bad_steps``); a global batch without a single
+        target (every label ignored) skips it too, with no ``loss`` in the record, and is not a bad step: the step
+        counter, the schedule and the data go on."""
         lr = lr_at(self.step, self.cfg)
         set_lr(self.optimizer, lr)
         micro = self.loader.batch(self.step)
@@ -121,7 +131,11 @@ class Trainer:
             loss = self._forward_backward(micro)
         self.tokens_seen += sum(b.input_ids.numel() for b in micro) * self.d.world  # whole sequences
         self.step += 1
-        record = {"step": self.step, "loss": loss, "lr": lr, "tokens": self.tokens_seen}
+        record = {"step": self.step, "lr": lr, "tokens": self.tokens_seen}
+        if loss is None:  # no target: nothing to learn, and AdamW would still move the weights (momentum, decay)
+            record["skipped"] = True
+            return record
+        record["loss"] = loss
         grad_norm = None
         if math.isfinite(loss):
             record["grad_norm"] = grad_norm = clip_gradients(self.model, self.cfg.grad_clip)
@@ -224,9 +238,10 @@ class Trainer:
                 started = time.perf_counter()
                 record = self.train_step()
                 took = time.perf_counter() - started
-                if self.step == first:
-                    summary["first_loss"] = record["loss"]
-                summary["loss"] = record["loss"]
+                if "loss" in record:
+                    if summary["first_loss"] is None:
+                        summary["first_loss"] = record["loss"]
+                    summary["loss"] = record["loss"]
                 # SIGTERM: every process stops after the same step (the save is collective), whichever received it
                 stop = not self.finished and self.d.any(self.preemption.requested, self.device)
                 self._record(log, record, stop, took, first=self.step == first)
@@ -267,7 +282,9 @@ class Trainer:
         if first and (self._warning is not None or took > 60):
             log.write(pace(self.step, took, self.cfg.max_steps))
         record.update(self.metrics.throughput(self.tokens_seen))
-        if record.get("skipped"):
+        if record.get("skipped") and "loss" not in record:
+            log.write(f"warning: step {self.step}: no target in the batch (every label ignored), step skipped")
+        elif record.get("skipped"):
             log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
                       f"({self.bad_steps}/{self.cfg.max_bad_steps})")
         if (self.cfg.log_every and self.step % self.cfg.log_every == 0) or self.finished or record.get("skipped") \

@@ -32,6 +32,57 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
                                      for r in skipped)
 
 
+@pytest.fixture(scope="module")
+def three_token_docs(tmp_path_factory):
+    """Documents of 3 byte tokens (<|endoftext|> a b): packed into rows of 2 tokens, every third row is "b <eot>",
+    a document's last token and the next one's first, so no token of that row is a target."""
+    from foxlm.data.prepare import prepare
+
+    folder = tmp_path_factory.mktemp("three")
+    (folder / "docs.jsonl").write_text('{"text": "ab"}\n' * 60)
+    prepare([folder / "docs.jsonl"], folder / "data", tokenizer="byte", val_fraction=0.2, workers=0, progress=False)
+    return folder / "data"
+
+
+def test_a_micro_batch_without_targets_adds_nothing_to_the_step(three_token_docs, tmp_path):
+    """Steps 1 and 3 hold a micro-batch whose labels are all ignored: the step's loss is the sum over its targets
+    over their count, as in one micro-batch (no NaN, no skipped step)."""
+    extra = ["seq_len=2", "batch_size=2", "packing=documents", "max_steps=3", "eval_every=0", "warmup_steps=0"]
+    split = Trainer(tiny_config(three_token_docs, tmp_path / "split", *extra, "micro_batch_size=1"))
+    assert [[b.num_targets for b in split.loader.batch(s)] for s in range(3)] == [[1, 0], [1, 1], [0, 1]]
+    assert train(split)["bad_steps"] == 0
+    train(tiny_config(three_token_docs, tmp_path / "whole", *extra))
+    whole, parts = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "split")
+    assert whole.keys() == parts.keys() == {1, 2, 3}
+    assert all(math.isfinite(parts[k]) and parts[k] == pytest.approx(whole[k], rel=1e-5) for k in whole)
+
+
+def test_a_step_without_targets_is_skipped_with_a_warning(three_token_docs, tmp_path, capsys):
+    """A global batch whose labels are all ignored has no loss: the step leaves the model and optimizer as they were,
+    logs a warning and no loss, is not a bad step, and the run goes on (it crashed dividing by 0 targets)."""
+    extra = ["seq_len=2", "batch_size=1", "packing=documents", "max_steps=3", "eval_every=0", "warmup_steps=0"]
+    trainer = Trainer(tiny_config(three_token_docs, tmp_path / "steps", *extra))
+    assert [b.num_targets for b in trainer.loader.batch(1)] == [0]
+    trainer.start()
+    try:
+        assert math.isfinite(trainer.train_step()["loss"])
+        params = list(trainer.model.parameters())
+        before = [p.detach().clone() for p in params]
+        moments = {k: v.clone() for k, v in trainer.optimizer.state[params[0]].items()}
+        record = trainer.train_step()
+    finally:
+        trainer._unlock()
+    assert record["skipped"] and "loss" not in record and trainer.bad_steps == 0 and trainer.step == 2
+    assert all(torch.equal(p, q) for p, q in zip(before, params))
+    assert all(torch.equal(v, trainer.optimizer.state[params[0]][k]) for k, v in moments.items())
+    summary = train(tiny_config(three_token_docs, tmp_path / "run", *extra))
+    assert summary["step"] == 3 and summary["bad_steps"] == 0 and math.isfinite(summary["loss"])
+    assert "warning: step 2: no target in the batch (every label ignored), step skipped" in capsys.readouterr().err
+    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    (two,) = [r for r in records if r["step"] == 2]
+    assert two["skipped"] and "loss" not in two and "grad_norm" not in two
+
+
 def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tmp_path):
     """Recomputing activations, or splitting the batch into micro-batches, changes no loss."""
     extra = ["max_steps=3", "eval_every=0", "save_every=0", "packing=documents"]
