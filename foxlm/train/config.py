@@ -88,7 +88,8 @@ class TrainConfig:
     # evaluation / logging / checkpoints
     eval_every: int = _key(100, "0: only at the end")
     eval_batches: int = _key(10, "validation batches of batch_size sequences")
-    log_every: int = _key(10)
+    log_every: int = _key(10, "steps per log record; its loss is the mean of those steps' losses (skipped steps "
+                          "apart: logged at once), its tokens_per_s their training throughput")
     save_every: int = _key(500, "0: only at the end")
     keep_last: int = _key(3)
     async_checkpoint: bool = _key(False, "several processes: write the shards in a background thread while training "

@@ -63,8 +63,12 @@ class Metrics:
         return tokens_per_s * per_token / (self.peak_tflops * 1e12 * self.world)
 
     def reset(self, tokens_seen: int) -> None:
-        """Measure throughput from now on (after a log line, or time that is not training)."""
+        """Measure throughput from now on (after a log line)."""
         self.t0, self.tokens0 = time.perf_counter(), tokens_seen
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` that were not training (validation, a checkpoint) out of the throughput."""
+        self.t0 += seconds
 
     def throughput(self, tokens_seen: int) -> dict:
         """``tokens_per_s`` since the last ``reset`` and, where it is known, ``mfu``."""

@@ -72,6 +72,7 @@ class Trainer:
         self.metrics = Metrics(self.model_config, self.num_params, cfg.seq_len, cfg.batch_size, self.hf,
                                cfg.peak_tflops, self.device, self.d.world)
         self.step, self.bad_steps, self.tokens_seen = 0, 0, 0
+        self._interval = [0.0, 0]  # (sum of the losses, steps) that updated the model since the last logged loss
         self.preemption = Preemption()  # replaced by the one run() installs for SIGTERM
         # several processes agree on a stop between micro-batches where that costs nothing (the CPU: no device to
         # sync with), so that a long CPU step stops within seconds; on a GPU steps are short: after the step
@@ -231,6 +232,7 @@ class Trainer:
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()
         self.metrics.reset(self.tokens_seen)
+        self._interval = [0.0, 0]
         self.micro_progress = log.within_step
         first = self.step + 1
         try:
@@ -245,6 +247,7 @@ class Trainer:
                 # SIGTERM: every process stops after the same step (the save is collective), whichever received it
                 stop = not self.finished and self.d.any(self.preemption.requested, self.device)
                 self._record(log, record, stop, took, first=self.step == first)
+                started = time.perf_counter()  # validation and checkpoints are not training time
                 if (every(cfg.eval_every) or self.finished) and not stop and (val := self.evaluate()) is not None:
                     summary["val_loss"] = val["val_loss"]
                     log.validation(self.step, val, acp=getattr(parallel.unwrap(self.model).config, "acp", False))
@@ -256,8 +259,7 @@ class Trainer:
                     log.write(f"stopped by SIGTERM after step {self.step}; the same command resumes the run")
                     summary["stopped"] = "SIGTERM"
                     break
-                if every(cfg.eval_every) or every(cfg.save_every):  # not training time
-                    self.metrics.reset(self.tokens_seen)
+                self.metrics.exclude(time.perf_counter() - started)
             if cfg.export_dir is not None and "stopped" not in summary:
                 if self.d.main:
                     log.write(f"exported {export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir)}")
@@ -277,19 +279,26 @@ class Trainer:
 
     def _record(self, log: RunLog, record: dict, stop: bool, took: float, first: bool) -> None:
         """Add the throughput to the record of a step that ``took`` seconds and log it (every ``log_every`` steps, at
-        the end, on a skipped step and before a stop); after the run's ``first`` step, if it was slow (or the CPU
-        warning was given), what the rest will take at that pace. A run past ``max_bad_steps`` stops here."""
+        the end and before a stop, with the mean loss of the steps that updated the model since the last such record,
+        as HF ``Trainer`` and torchtitan log it, and the tokens/s of the training time since then; a skipped step at
+        once, with its own loss); after the run's ``first`` step, if it was slow (or the CPU warning was given), what
+        the rest will take at that pace. A run past ``max_bad_steps`` stops here."""
         if first and (self._warning is not None or took > 60):
             log.write(pace(self.step, took, self.cfg.max_steps))
+        if not record.get("skipped"):
+            self._interval[0] += record["loss"]
+            self._interval[1] += 1
         record.update(self.metrics.throughput(self.tokens_seen))
         if record.get("skipped") and "loss" not in record:
             log.write(f"warning: step {self.step}: no target in the batch (every label ignored), step skipped")
         elif record.get("skipped"):
             log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
                       f"({self.bad_steps}/{self.cfg.max_bad_steps})")
-        if (self.cfg.log_every and self.step % self.cfg.log_every == 0) or self.finished or record.get("skipped") \
-                or stop:
+        if record.get("skipped"):
             log.log(record)
+        elif self.step % self.cfg.log_every == 0 or self.finished or stop:
+            log.log({**record, "loss": self._interval[0] / self._interval[1]})
+            self._interval = [0.0, 0]
             self.metrics.reset(self.tokens_seen)
         if self.bad_steps > self.cfg.max_bad_steps:
             ckpts = list_checkpoints(self.run_dir)

@@ -47,3 +47,15 @@ def test_tensorboard_after_resume_holds_each_step_once_in_one_tag_scheme(tmp_pat
     assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(1, 11.0), (2, 12.0), (4, 1.5)]
     assert [(e.step, e.value) for e in tb.Scalars("val/loss")] == [(2, 9.0), (4, 1.25)]
 
+
+
+def test_a_log_record_holds_the_mean_loss_of_its_steps(byte_data, tmp_path):
+    """log_every=2 logs at steps 2, 4 and the last, 5, the mean of the losses of the steps since the previous record
+    (as HF Trainer and torchtitan do), not the loss of the step at which it logs."""
+    extra = ["max_steps=5", "eval_every=0", "save_every=0"]
+    train(tiny_config(byte_data, tmp_path / "each", *extra))
+    train(tiny_config(byte_data, tmp_path / "pairs", *extra, "log_every=2"))
+    each, pairs = logged_losses(tmp_path / "each"), logged_losses(tmp_path / "pairs")
+    assert pairs.keys() == {2, 4, 5}
+    expected = {2: (each[1] + each[2]) / 2, 4: (each[3] + each[4]) / 2, 5: each[5]}
+    assert all(pairs[k] == pytest.approx(expected[k], rel=1e-5) for k in expected)
