@@ -12,10 +12,12 @@ from .config import TrainConfig
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``max_steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
+    """Linear warmup to ``lr`` over ``warmup_steps``, then cosine decay to ``min_lr`` at ``max_steps``. A warmup
+    longer than the run is cut to ``max_steps`` (the trainer warns): the last step reaches ``lr``."""
+    warmup = min(cfg.warmup_steps, cfg.max_steps)
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
 
 

@@ -215,6 +215,9 @@ class Trainer:
                                     f"{name} at {cfg.batch_size} x {cfg.seq_len} tokens")
         if self._warning is not None and not self.finished:
             log.write(self._warning)
+        if cfg.warmup_steps > cfg.max_steps and not self.finished:
+            log.write(f"warning: warmup_steps={cfg.warmup_steps} is more than max_steps={cfg.max_steps}: warming up "
+                      f"over the {cfg.max_steps} steps instead, to lr={cfg.lr} at the last")
         if self.finished:
             log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise "
                       f"max_steps to continue it)")

@@ -25,3 +25,16 @@ def test_lr_schedule_and_weight_decay_groups(byte_data, tmp_path):
     assert any("norm" in n for n in no_decay_names) and any("fgate_proj.bias" in n for n in no_decay_names)
     assert all(p.dim() >= 2 for p in decay["params"]) and no_decay["weight_decay"] == 0.0
 
+
+
+def test_a_warmup_longer_than_the_run_is_cut_to_it_with_a_warning(byte_data, tmp_path, capsys):
+    """warmup_steps=15 (the default job's) with max_steps=4: the lr never reached its peak (4/15 of it at the end);
+    the warmup is cut to the run, its last step at lr, and the run says so."""
+    from foxlm.train import train
+
+    cfg = tiny_config(byte_data, tmp_path / "run", "max_steps=4", "warmup_steps=15", "lr=1e-3", "min_lr=1e-4",
+                      "eval_every=0")
+    assert [lr_at(s, cfg) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    train(cfg)
+    assert ("warning: warmup_steps=15 is more than max_steps=4: warming up over the 4 steps instead, to lr=0.001 at "
+            "the last") in capsys.readouterr().err
