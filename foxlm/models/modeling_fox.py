@@ -348,6 +348,18 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
                 model_kwargs[key].activate_past_recording()
         return result
 
+    def _assisted_decoding(self, *args, **kwargs):
+        """transformers' assisted decoding, then the cache stops recording its past (transformers' off-switch, as its
+        deferred stop check does): transformers leaves it on, so that a generate continuing on the returned cache
+        kept the token-shift history of every token since the last crop."""
+        try:
+            return super()._assisted_decoding(*args, **kwargs)
+        finally:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
+            for layer in getattr(cache, "layers", ()):
+                if hasattr(layer, "record_past"):
+                    layer.record_past = False
+
     def init_continuous_batching(self, *args, **kwargs):
         """Refused: transformers' continuous batching (``generate_batch``, ``generate(cache_implementation="paged")``)
         attends through its own paged cache and kernels, which have no forget gate; its loop would log each request's
