@@ -540,6 +540,41 @@ def test_probe_acp_records_what_acp_skips(arch, padded):
     assert all(not layer.attn.acp_probe.active for layer in model.model.layers)
 
 
+def test_probe_acp_leaves_every_layer_as_it_was():
+    """Leaving probe_acp, normally or by an exception, restores each layer's probe (settings, and the records list
+    itself): an inner probe_acp leaves the outer one recording with its own tile sizes, and after the blocks a forward
+    records nothing and gives the same outputs bitwise."""
+    model = _model("fox-pro")
+    with torch.no_grad():  # fast-forgetting gates: shares above 0, which the tile sizes and tolerance change
+        for layer in model.model.layers:
+            layer.attn.fgate_proj.bias.fill_(-4.0)
+    ids = _ids(2, 40)
+    probes = [layer.attn.acp_probe for layer in model.model.layers]
+    before = [((p.active, p.tolerance, p.block_m, p.block_n), p.records) for p in probes]
+
+    def assert_as_before():
+        for p, (settings, records) in zip(probes, before, strict=True):
+            assert (p.active, p.tolerance, p.block_m, p.block_n) == settings and p.records is records
+        assert not any(records for _, records in before)  # nothing recorded outside a block
+
+    logits = model(ids).logits
+    with model.probe_acp(block_m=8, block_n=4) as alone:
+        model(ids)
+    assert_as_before()
+    with model.probe_acp(block_m=8, block_n=4) as outer:
+        model(ids)
+        with pytest.raises(KeyError), model.probe_acp(tolerance=1e-3, block_m=16, block_n=8) as inner:
+            model(ids)
+            raise KeyError("the body fails")
+        model(ids)
+    assert_as_before()
+    assert [len(r) for r in outer.records] == [2, 2] and [len(r) for r in inner.records] == [1, 1]
+    torch.testing.assert_close(outer.per_head(), alone.per_head(), rtol=0, atol=0)
+    assert not torch.equal(inner.per_head(), alone.per_head())
+    assert torch.equal(model(ids).logits, logits)
+    assert_as_before()
+
+
 def test_probe_acp_rejects_bad_arguments():
     with pytest.raises(ValueError, match="no forget gates"):
         with _model("transformer-pro").probe_acp():
