@@ -83,12 +83,25 @@ SHIFT_HISTORY = 256
 
 
 class _LayerCache:
-    """Keys, values and gate cumsum of one layer, in buffers that double when full."""
+    """Keys, values and gate cumsum of one layer, in buffers that double when full. ``record_past``: whether the
+    token-shift history is kept whole until the next crop (``FoxCache.activate_past_recording``); transformers turns
+    it off on each of ``cache.layers``, as on its own layers, and that trims the history back."""
 
-    def __init__(self):
+    def __init__(self, record_past: bool = False):
         self.length = 0
         self.k = self.v = self.c = self.c_last = None
         self.shift: dict[str, torch.Tensor] = {}
+        self._record_past = record_past
+
+    @property
+    def record_past(self) -> bool:
+        return self._record_past
+
+    @record_past.setter
+    def record_past(self, on: bool) -> None:
+        self._record_past = on
+        if not on:  # back to what a cache that never recorded keeps
+            self.trim_shift()
 
     def append(self, k: torch.Tensor, v: torch.Tensor, c: torch.Tensor) -> None:
         n = self.length + k.shape[1]
@@ -156,16 +169,19 @@ class FoxCache(Cache):
     """
 
     def __init__(self, num_layers: int | None = None):
-        super().__init__(layers=[])
-        self._layers: list[_LayerCache] = [_LayerCache() for _ in range(num_layers or 0)]
+        # the layers are transformers' ``cache.layers``: it switches recording off through their ``record_past``
+        super().__init__(layers=[_LayerCache() for _ in range(num_layers or 0)])
         self._last_output: torch.Tensor | None = None
-        self._record_past = False
+        self._record_past = False  # for layers made before any exists (FoxCache() fills its layers at the first call)
 
     def activate_past_recording(self, **kwargs) -> None:
         """Keep the whole token-shift history from now to each ``crop``, so that a crop can drop any number of
         tokens (transformers' hook, called before assisted decoding: its drafts can be longer than
-        ``SHIFT_HISTORY``). Each crop, ``crop(0)`` included, trims the history back to ``SHIFT_HISTORY``."""
+        ``SHIFT_HISTORY``). Each crop, ``crop(0)`` included, trims the history back to ``SHIFT_HISTORY``, and so does
+        switching recording off (transformers sets ``record_past = False`` on each of ``layers``)."""
         self._record_past = True
+        for layer in self.layers:
+            layer.record_past = True
 
     def get_recurrent_states_to_keep(self, layer_idx: int | None = None) -> int:
         """0: no layer keeps recurrent states to roll back (transformers asks before it records the past, e.g. for
@@ -173,9 +189,9 @@ class FoxCache(Cache):
         return 0
 
     def _layer(self, layer_idx: int) -> _LayerCache:
-        while len(self._layers) <= layer_idx:
-            self._layers.append(_LayerCache())
-        return self._layers[layer_idx]
+        while len(self.layers) <= layer_idx:  # a new layer records as its siblings do
+            self.layers.append(_LayerCache(self.layers[0].record_past if self.layers else self._record_past))
+        return self.layers[layer_idx]
 
     def attend(
         self,
@@ -204,7 +220,7 @@ class FoxCache(Cache):
         layer.c_last = c[:, -1]
         if valid is not None:
             c = c.masked_fill(~valid[..., None], PAD_DECAY)
-        layer.carry_shift(T, valid, trim=not self._record_past)
+        layer.carry_shift(T, valid, trim=not layer.record_past)
         before = layer.length
         layer.append(k, v, c)
         return forgetting_attention_with_kvcache(q, layer.k, layer.v, layer.c, k=k, v=v, log_fgate=log_fgate,
@@ -225,7 +241,7 @@ class FoxCache(Cache):
         layer.shift[name] = x.detach() if old is None else torch.cat([old, x.detach()], dim=1)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._layers[layer_idx].length if layer_idx < len(self._layers) else 0
+        return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
 
     def get_last_output(self) -> torch.Tensor | None:
         """The model's output [B, C] at each row's last real token (see ``KVCache``), or None (none kept)."""
@@ -238,14 +254,14 @@ class FoxCache(Cache):
         return -1  # grows without bound
 
     def reset(self) -> None:
-        self._layers = [_LayerCache() for _ in self._layers]
+        self.layers = [_LayerCache(layer.record_past) for layer in self.layers]
         self._last_output = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._apply(lambda x: x.index_select(0, beam_idx.to(x.device)))
 
     def _apply(self, fn) -> None:
-        for layer in self._layers:
+        for layer in self.layers:
             layer.apply(fn)
         if self._last_output is not None:
             self._last_output = fn(self._last_output)
@@ -267,18 +283,18 @@ class FoxCache(Cache):
         if keep <= 0:
             self.reset()
         elif keep < length:
-            for layer in self._layers:
+            for layer in self.layers:
                 layer.crop(keep)
             self._last_output = None
-        if self._record_past:  # the history a crop could reach is the tokens since this one
-            for layer in self._layers:
+        for layer in self.layers:
+            if layer.record_past:  # the history a crop could reach is the tokens since this one
                 layer.trim_shift()
 
     def __len__(self) -> int:
-        return len(self._layers)
+        return len(self.layers)
 
     def __repr__(self) -> str:
-        return f"FoxCache(layers={len(self._layers)}, length={self.get_seq_length()})"
+        return f"FoxCache(layers={len(self.layers)}, length={self.get_seq_length()})"
 
     @property
     def is_compileable(self) -> bool:
@@ -286,7 +302,7 @@ class FoxCache(Cache):
 
     @property
     def is_initialized(self) -> bool:
-        return any(layer.length for layer in self._layers)
+        return any(layer.length for layer in self.layers)
 
     @property
     def is_croppable(self) -> bool:
@@ -294,16 +310,16 @@ class FoxCache(Cache):
 
     @property
     def is_sliding(self) -> list[bool]:
-        return [False] * len(self._layers)
+        return [False] * len(self.layers)
 
     @property
     def is_linear(self) -> list[bool]:
-        return [False] * len(self._layers)
+        return [False] * len(self.layers)
 
     @property
     def is_dummy(self) -> list[bool]:
-        return [False] * len(self._layers)
+        return [False] * len(self.layers)
 
     @property
     def batch_size(self) -> int:
-        return next((layer.k.shape[0] for layer in self._layers if layer.k is not None), -1)
+        return next((layer.k.shape[0] for layer in self.layers if layer.k is not None), -1)

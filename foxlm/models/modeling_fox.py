@@ -133,7 +133,8 @@ class FoxPreTrainedModel(PreTrainedModel):
                   ) -> Iterator[ACPShare]:
         """Within the block, every cache-less forward records what ACP skips in each layer (or, with ACP off, would
         skip): the share of attention tiles of ``block_m`` queries x ``block_n`` keys (the forward kernel's) whose
-        mass is below ``tolerance`` (default: the config's). Yields an ``ACPShare``, read after the forwards."""
+        mass is below ``tolerance`` (default: the config's). Yields an ``ACPShare``, read after the forwards. On
+        leaving (an exception too), every layer's probe is as it was: an enclosing ``probe_acp`` records on."""
         if self.config.gate == "none":
             raise ValueError("probe_acp: the model has no forget gates (gate='none'); ACP applies to FoX models only")
         if tolerance is not None:
@@ -142,14 +143,15 @@ class FoxPreTrainedModel(PreTrainedModel):
             raise ValueError(f"block_m, block_n: expected tile sizes >= 1, got {block_m} and {block_n}")
         probes = [m.acp_probe for m in self.modules() if isinstance(m, ForgettingAttention)]
         share = ACPShare([[] for _ in probes])
+        before = [dict(vars(probe)) for probe in probes]  # its records list itself: an outer block's
         for probe, records in zip(probes, share.records):
             probe.active, probe.tolerance, probe.block_m, probe.block_n, probe.records = (
                 True, tolerance, block_m, block_n, records)
         try:
             yield share
         finally:
-            for probe in probes:
-                probe.active, probe.records = False, []
+            for probe, state in zip(probes, before):
+                vars(probe).update(state)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -347,6 +349,18 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             if getattr(generation_config, "is_assistant", False):  # transformers recorded the DynamicCache's past
                 model_kwargs[key].activate_past_recording()
         return result
+
+    def _assisted_decoding(self, *args, **kwargs):
+        """transformers' assisted decoding, then the cache stops recording its past (transformers' off-switch, as its
+        deferred stop check does): transformers leaves it on, so that a generate continuing on the returned cache
+        kept the token-shift history of every token since the last crop."""
+        try:
+            return super()._assisted_decoding(*args, **kwargs)
+        finally:
+            cache = kwargs.get("cache", kwargs.get("past_key_values"))  # transformers >= 5.24: "cache"
+            for layer in getattr(cache, "layers", ()):
+                if hasattr(layer, "record_past"):
+                    layer.record_past = False
 
     def init_continuous_batching(self, *args, **kwargs):
         """Refused: transformers' continuous batching (``generate_batch``, ``generate(cache_implementation="paged")``)

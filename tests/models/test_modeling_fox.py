@@ -10,6 +10,7 @@ from transformers import (
     StoppingCriteria,
     StoppingCriteriaList,
 )
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import foxlm  # noqa: F401  (registers the Auto classes)
 from foxlm.models import ARCHS, FoxCache, FoxConfig, FoxForCausalLM, FoxModel, KVCache
@@ -130,6 +131,60 @@ def test_deferred_stop_check_can_roll_back_the_cache(arch):
     nxt = _ids(2, 1, seed=4)
     torch.testing.assert_close(model(nxt, past_key_values=rolled_back, use_cache=True).logits,
                                model(nxt, past_key_values=kept, use_cache=True).logits, rtol=0, atol=0)
+
+
+# generate's cache argument and output field: "cache" from transformers 5.24, "past_key_values" before
+CACHE = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _returned_cache(out) -> FoxCache:
+    return out[CACHE]
+
+
+def _assert_generates_on_as_plain(model, cache: FoxCache, seq: torch.Tensor) -> None:
+    """A greedy generate going on from ``cache`` (which holds ``seq``, but its last token where generate left it) after
+    a few more prompt tokens gives the tokens of a plain generate of the whole input, and leaves the token-shift
+    history that generate's cache keeps (the input is longer than SHIFT_HISTORY: a recording cache keeps more)."""
+    ids = torch.cat([seq, _ids(1, 3, seed=5)], 1)
+    assert ids.shape[1] + 8 > SHIFT_HISTORY
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    on = model.generate(ids, **{CACHE: cache}, max_new_tokens=8, do_sample=False, return_dict_in_generate=True)
+    assert _returned_cache(on) is cache and torch.equal(on.sequences, plain.sequences)
+    assert len(cache.layers) == model.config.num_hidden_layers and all(layer.shift for layer in cache.layers)
+    for got, want in zip(cache.layers, _returned_cache(plain).layers, strict=True):
+        assert {n: h.shape for n, h in got.shift.items()} == {n: h.shape for n, h in want.shift.items()}
+
+
+def test_deferred_stop_check_finish_stops_the_recording():
+    """``DeferredStopCheck.finish`` switches the returned cache's past recording off, through ``record_past`` on each
+    of ``cache.layers`` (a FoxCache had none, so it recorded on: its history grew with every token to the next crop,
+    which a plain generate never makes). The loop's steps are taken by hand (its events need a GPU)."""
+    DeferredStopCheck = getattr(pytest.importorskip("transformers.generation.utils"), "DeferredStopCheck", None)
+    if DeferredStopCheck is None:
+        pytest.skip("this transformers has no deferred stop check")
+    model = _model("fox-pro")
+    prompt, steps = _ids(1, SHIFT_HISTORY - 6), _ids(1, 2, seed=2)
+    cache = FoxCache()
+    model(prompt, past_key_values=cache, use_cache=True)
+    check = DeferredStopCheck(prompt, SHIFT_HISTORY + 20, cache, cache_is_returned=True)
+    assert cache.is_recording_past(0)
+    for t in range(2):  # the second step is the extra one that finish undoes
+        model(steps[:, t:t + 1], past_key_values=cache, use_cache=True)
+    check.stop_reported = True  # what the step after the stop read off the device
+    assert check.finish() == 1 and cache.get_seq_length() == SHIFT_HISTORY - 5
+    assert not any(cache.is_recording_past(i) for i in range(len(cache)))
+    _assert_generates_on_as_plain(model, cache, torch.cat([prompt, steps[:, :1]], 1))
+
+
+def test_assisted_generation_returns_a_cache_that_no_longer_records():
+    """transformers leaves the cache of assisted decoding recording its past; FoxForCausalLM switches it off, so that
+    a plain generate going on from the returned cache trims its token-shift history as one that never recorded."""
+    model, draft = _model("fox-pro"), _model("fox-pro", seed=3, num_hidden_layers=1)
+    out = model.generate(_ids(1, SHIFT_HISTORY - 8), assistant_model=draft, max_new_tokens=4, do_sample=False,
+                         return_dict_in_generate=True)
+    cache = _returned_cache(out)
+    _assert_generates_on_as_plain(model, cache, out.sequences)
+    assert not any(layer.record_past for layer in cache.layers)
 
 
 def test_crop_beyond_the_shift_history_raises():
@@ -483,6 +538,41 @@ def test_probe_acp_records_what_acp_skips(arch, padded):
         model(ids[:, :20], cache=FoxCache(), use_cache=True)  # decoding through a cache is not recorded
     torch.testing.assert_close(again.per_head(), got)
     assert all(not layer.attn.acp_probe.active for layer in model.model.layers)
+
+
+def test_probe_acp_leaves_every_layer_as_it_was():
+    """Leaving probe_acp, normally or by an exception, restores each layer's probe (settings, and the records list
+    itself): an inner probe_acp leaves the outer one recording with its own tile sizes, and after the blocks a forward
+    records nothing and gives the same outputs bitwise."""
+    model = _model("fox-pro")
+    with torch.no_grad():  # fast-forgetting gates: shares above 0, which the tile sizes and tolerance change
+        for layer in model.model.layers:
+            layer.attn.fgate_proj.bias.fill_(-4.0)
+    ids = _ids(2, 40)
+    probes = [layer.attn.acp_probe for layer in model.model.layers]
+    before = [((p.active, p.tolerance, p.block_m, p.block_n), p.records) for p in probes]
+
+    def assert_as_before():
+        for p, (settings, records) in zip(probes, before, strict=True):
+            assert (p.active, p.tolerance, p.block_m, p.block_n) == settings and p.records is records
+        assert not any(records for _, records in before)  # nothing recorded outside a block
+
+    logits = model(ids).logits
+    with model.probe_acp(block_m=8, block_n=4) as alone:
+        model(ids)
+    assert_as_before()
+    with model.probe_acp(block_m=8, block_n=4) as outer:
+        model(ids)
+        with pytest.raises(KeyError), model.probe_acp(tolerance=1e-3, block_m=16, block_n=8) as inner:
+            model(ids)
+            raise KeyError("the body fails")
+        model(ids)
+    assert_as_before()
+    assert [len(r) for r in outer.records] == [2, 2] and [len(r) for r in inner.records] == [1, 1]
+    torch.testing.assert_close(outer.per_head(), alone.per_head(), rtol=0, atol=0)
+    assert not torch.equal(inner.per_head(), alone.per_head())
+    assert torch.equal(model(ids).logits, logits)
+    assert_as_before()
 
 
 def test_probe_acp_rejects_bad_arguments():

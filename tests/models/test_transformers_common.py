@@ -168,7 +168,7 @@ class _FoxCommon(_Common):
         """transformers' check reads its own layered caches; a FoxCache also holds the gate cumsum and the
         token-shift states, compared here alike."""
         self.assertEqual(len(cache1), len(cache2))
-        for a, b in zip(cache1._layers, cache2._layers):
+        for a, b in zip(cache1.layers, cache2.layers):
             self.assertEqual(a.length, b.length)
             for name in ("k", "v", "c"):
                 torch.testing.assert_close(getattr(a, name)[:, :a.length], getattr(b, name)[:, :b.length])
