@@ -167,12 +167,12 @@ def test_deferred_stop_check_finish_stops_the_recording():
     cache = FoxCache()
     model(prompt, past_key_values=cache, use_cache=True)
     check = DeferredStopCheck(prompt, SHIFT_HISTORY + 20, cache, cache_is_returned=True)
-    assert cache.is_recording_past(0)
+    assert all(layer.record_past for layer in cache.layers)  # what finish switches off (is_recording_past: 5.25+)
     for t in range(2):  # the second step is the extra one that finish undoes
         model(steps[:, t:t + 1], past_key_values=cache, use_cache=True)
     check.stop_reported = True  # what the step after the stop read off the device
     assert check.finish() == 1 and cache.get_seq_length() == SHIFT_HISTORY - 5
-    assert not any(cache.is_recording_past(i) for i in range(len(cache)))
+    assert not any(layer.record_past for layer in cache.layers)
     _assert_generates_on_as_plain(model, cache, torch.cat([prompt, steps[:, :1]], 1))
 
 
