@@ -423,6 +423,19 @@ def test_callers_denormal_mode_is_restored(flush):
     assert (tiny == 0.0) == flush
 
 
+def test_double_backward_raises_a_clear_error():
+    """A gradient penalty differentiates the op's backward, which is not differentiable: the first-order gradient
+    with create_graph=True is the plain one, and differentiating it raises, rather than failing inside the backward
+    with an error about out= arguments."""
+    q, k, v, log_f = (t.requires_grad_() for t in _inputs(1, 20, 20, 2, 1, 8))
+    o = forgetting_attention(q, k, v, log_f)
+    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_f).square().sum(), q)
+    torch.testing.assert_close(dq, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (o.sum() + dq.square().sum()).backward()
+
+
 def test_lse_gradient_flows():
     q, k, v, log_f = _inputs(1, 20, 20, 2, 2, 8)
     log_f.requires_grad_()
