@@ -348,8 +348,8 @@ def forgetting_attention_decode(
         o: [B, Tq, Hq, Dv] in q's dtype (and lse).
     """
     _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths)
-    if window is not None and window < 1:
-        raise ValueError(f"window: expected a positive number of tokens or None, got {window}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
     if use_triton(q):
