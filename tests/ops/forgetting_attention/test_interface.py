@@ -693,6 +693,17 @@ def test_prune_with_a_nan_key_leaves_earlier_rows_as_without_prune():
     torch.testing.assert_close(pruned, plain, rtol=0, atol=0, equal_nan=True)
 
 
+@pytest.mark.parametrize("Tq,Tk", [(0, 0), (0, 5)])
+def test_prune_without_queries_is_the_empty_result(Tq, Tk):
+    """No queries (an empty sequence, or an empty chunk of prefill) give empty o and lse and zero gradients without
+    ACP; prune=True took the data's logit bound, a max over no queries, and raised an IndexError from amax."""
+    inputs = [t.requires_grad_() for t in _inputs(1, Tq, Tk, 2, 1, 8)]
+    o, lse = forgetting_attention(*inputs, prune=True, return_lse=True)
+    assert o.shape == (1, 0, 2, 8) and lse.shape == (1, 2, 0)
+    for g in torch.autograd.grad(o.sum() + lse.sum(), inputs):
+        assert not g.any()
+
+
 @pytest.mark.parametrize("dim", [0, 2, 3])
 def test_empty_batch_heads_or_head_dim_raise_value_error(dim):
     """Issue 23: B, H or D of 0 used to end in a RuntimeError or ZeroDivisionError."""
