@@ -277,7 +277,7 @@ def decode_attention_torch(
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.softmax(s, dim=-1) @ vh
-    return o.permute(0, 2, 1, 3).to(q.dtype), lse.float()
+    return o.permute(0, 2, 1, 3).to(q.dtype).contiguous(), lse.float()  # contiguous, as the kernel's o
 
 
 def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) -> None:

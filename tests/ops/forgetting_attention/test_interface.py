@@ -436,6 +436,18 @@ def test_double_backward_raises_a_clear_error():
         (o.sum() + dq.square().sum()).backward()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_output_is_contiguous_as_flash_attn_s(dtype, grad):
+    """o is contiguous, as flash_attn_func's and fla's are, with or without a backward to follow: a port's
+    o.view(B, T, -1) worked in eval but raised in training, where o was a view of the wider q/k channel buffer."""
+    q, k, v, log_f = (t.to(dtype) for t in _inputs(1, 12, 12, 2, 1, 16, 8))
+    q.requires_grad_(grad)
+    o = forgetting_attention(q, k, v, log_f)
+    assert o.is_contiguous()
+    o.view(1, 12, -1)
+
+
 def test_lse_gradient_flows():
     q, k, v, log_f = _inputs(1, 20, 20, 2, 2, 8)
     log_f.requires_grad_()
