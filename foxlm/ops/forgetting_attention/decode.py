@@ -277,7 +277,7 @@ def decode_attention_torch(
     s = s.masked_fill(~ok, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     o = torch.softmax(s, dim=-1) @ vh
-    return o.permute(0, 2, 1, 3).to(q.dtype), lse.float()
+    return o.permute(0, 2, 1, 3).to(q.dtype).contiguous(), lse.float()  # contiguous, as the kernel's o
 
 
 def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) -> None:
@@ -348,8 +348,8 @@ def forgetting_attention_decode(
         o: [B, Tq, Hq, Dv] in q's dtype (and lse).
     """
     _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths)
-    if window is not None and window < 1:
-        raise ValueError(f"window: expected a positive number of tokens or None, got {window}")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
     if use_triton(q):

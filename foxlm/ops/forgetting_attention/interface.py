@@ -201,7 +201,7 @@ def forgetting_attention(
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention
     threshold = None
-    if acp is not None:
+    if acp is not None and q.shape[1]:  # no queries, nothing to prune (the data's bound would be a max over none)
         threshold = acp.threshold(q, k, scale=scale, cu_seqlens=cu_seqlens, window=window)
     if use_triton(q):
         from .triton_op import triton_forgetting_attention

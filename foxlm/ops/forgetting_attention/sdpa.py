@@ -19,6 +19,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from ..checks import check_qkv
 from .denormals import flush_denormals
@@ -116,10 +117,11 @@ class _SdpaAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k if gqa else kp, v if gqa else vp, o, lse, c_q, c_k, row_start)
         ctx.plan, ctx.gqa, ctx.scale, ctx.q_offset = chunks, gqa, scale, q_offset
         ctx.kv_shape = k.shape[2], v.shape[-1]
-        # A view of o' (the backward never writes to it); where q is fp32, no copy.
-        return o[..., :v.shape[-1]].to(q.dtype), lse.float()
+        # Contiguous, as flash_attn's o (a port may .view it): o' is wider than Dv, so this copies where q is fp32.
+        return o[..., :v.shape[-1]].to(q.dtype).contiguous(), lse.float()
 
     @staticmethod
+    @once_differentiable  # the kernel's backward has none: differentiating it raises, not a failure inside it
     def backward(ctx, do, dlse):
         q, kp, vp, o, lse, c_q, c_k, row_start = ctx.saved_tensors
         if ctx.gqa:
@@ -841,14 +843,15 @@ def attention_from_cumsum(
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
     if torch.compiler.is_compiling():
         o, lse, row_start = _forward_op(q, k, v, c_q, c_k, threshold, cu_seqlens, scale, q_offset, window, grad)
-        o, lse, row_start = o[..., :v.shape[-1]].to(q.dtype), lse.float(), None if row_start.dim() == 1 else row_start
+        o, lse = o[..., :v.shape[-1]].to(q.dtype).contiguous(), lse.float()
+        row_start = None if row_start.dim() == 1 else row_start
     else:
         row_start = _row_start(c_q, c_k, q_offset, cu_seqlens, threshold, window)
         if grad:
             o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, scale, q_offset)
         else:
             o, lse = _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset)
-            o, lse = o.to(q.dtype), lse.float()
+            o, lse = o.to(q.dtype).contiguous(), lse.float()  # o: a view where D > Dv
     if return_probs:
         return o, lse, _probs(q, k, c_q, c_k, row_start, lse, scale, q_offset)
     return o, lse

@@ -206,3 +206,27 @@ def test_decode_bad_input():
         strided = torch.tensor([3, 0, 3, 0], dtype=torch.int32)[::2]
         forgetting_attention_decode(q.expand(2, -1, -1, -1), kc, vc, cc, pt.expand(2, -1, -1),
                                     start.expand(2, -1).contiguous(), strided)
+
+
+@pytest.mark.parametrize("window", [0, -3, True, 2.5])
+def test_decode_bad_window_names_the_argument(window):
+    """A window that is not a positive int gets forgetting_attention's one-line error, not a Triton type error deep
+    in the kernel's launch (bool, float) or, on the PyTorch path, a float window silently taken as one."""
+    q = torch.randn(1, 1, 2, 8)
+    kc, vc = torch.randn(2, 4, 8), torch.randn(2, 4, 8)
+    cc = torch.zeros(2, 4, 2, dtype=torch.float64)
+    pt = torch.zeros(1, 1, 2, dtype=torch.int32)
+    start, lengths = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="window: expected a positive number of tokens"):
+        forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, window=window)
+
+
+def test_decode_output_is_contiguous():
+    """o is contiguous on the PyTorch path too, as the kernel's and flash_attn_with_kvcache's are: with Tq > 1 it was
+    a permuted view, which a port's o.view(B, Tq, -1) refused."""
+    q = torch.randn(1, 2, 4, 8)
+    kc, vc = torch.randn(5, 4, 8), torch.randn(5, 4, 8)
+    cc = torch.zeros(5, 4, 2, dtype=torch.float64)
+    pt = torch.zeros(1, 2, 3, dtype=torch.int32)
+    start, lengths = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    assert forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths).is_contiguous()

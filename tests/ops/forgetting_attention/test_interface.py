@@ -423,6 +423,31 @@ def test_callers_denormal_mode_is_restored(flush):
     assert (tiny == 0.0) == flush
 
 
+def test_double_backward_raises_a_clear_error():
+    """A gradient penalty differentiates the op's backward, which is not differentiable: the first-order gradient
+    with create_graph=True is the plain one, and differentiating it raises, rather than failing inside the backward
+    with an error about out= arguments."""
+    q, k, v, log_f = (t.requires_grad_() for t in _inputs(1, 20, 20, 2, 1, 8))
+    o = forgetting_attention(q, k, v, log_f)
+    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_f).square().sum(), q)
+    torch.testing.assert_close(dq, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (o.sum() + dq.square().sum()).backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad", [False, True])
+def test_output_is_contiguous_as_flash_attn_s(dtype, grad):
+    """o is contiguous, as flash_attn_func's and fla's are, with or without a backward to follow: a port's
+    o.view(B, T, -1) worked in eval but raised in training, where o was a view of the wider q/k channel buffer."""
+    q, k, v, log_f = (t.to(dtype) for t in _inputs(1, 12, 12, 2, 1, 16, 8))
+    q.requires_grad_(grad)
+    o = forgetting_attention(q, k, v, log_f)
+    assert o.is_contiguous()
+    o.view(1, 12, -1)
+
+
 def test_lse_gradient_flows():
     q, k, v, log_f = _inputs(1, 20, 20, 2, 2, 8)
     log_f.requires_grad_()
@@ -678,6 +703,17 @@ def test_prune_with_a_nan_key_leaves_earlier_rows_as_without_prune():
     pruned = forgetting_attention(q, k, v, log_f, prune=True)
     assert plain[0, :5].isfinite().all()
     torch.testing.assert_close(pruned, plain, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("Tq,Tk", [(0, 0), (0, 5)])
+def test_prune_without_queries_is_the_empty_result(Tq, Tk):
+    """No queries (an empty sequence, or an empty chunk of prefill) give empty o and lse and zero gradients without
+    ACP; prune=True took the data's logit bound, a max over no queries, and raised an IndexError from amax."""
+    inputs = [t.requires_grad_() for t in _inputs(1, Tq, Tk, 2, 1, 8)]
+    o, lse = forgetting_attention(*inputs, prune=True, return_lse=True)
+    assert o.shape == (1, 0, 2, 8) and lse.shape == (1, 2, 0)
+    for g in torch.autograd.grad(o.sum() + lse.sum(), inputs):
+        assert not g.any()
 
 
 @pytest.mark.parametrize("dim", [0, 2, 3])

@@ -625,6 +625,19 @@ def test_gradients_when_one_output_is_unused(used):
         assert err < 2e-5, f"{name}: relative error {err:.2e}"
 
 
+def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+    """A gradient penalty differentiates the kernels' backward, which is not differentiable: its gradient came back
+    without a graph, so a loss of o plus the penalty silently lost the penalty's dependence on the inputs. It must
+    raise instead, with the first-order gradient unchanged."""
+    q, k, v, log_fgate = _inputs(1, 20, 20, 2, 1, 16, 16)
+    o = forgetting_attention(q, k, v, log_fgate)
+    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_fgate).square().sum(), q)
+    torch.testing.assert_close(dq, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        (o.sum() + dq.square().sum()).backward()
+
+
 @pytest.mark.parametrize("scale", [-1.0, 0.0])
 def test_zero_or_negative_scale_matches_fp64_reference(scale):
     """A scale <= 0 is plain softmax attention: the kernels match the fp64 reference, with and without a gradient
