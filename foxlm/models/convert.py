@@ -124,8 +124,11 @@ def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> di
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
     if tokenizer is None:
-        if isinstance(raw.get("foxlm_tokenizer"), dict):  # SRC's own copy first: the recorded folder may have moved
-            return tokenizer_from_spec(raw["foxlm_tokenizer"], [src]).spec()
+        if (record := raw.get("foxlm_tokenizer")) is not None:  # SRC's own copy first: the recorded folder may move
+            if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+                raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
+                                 "tokenizer record (a mapping with a name); pass --tokenizer")
+            return tokenizer_from_spec(record, [src]).spec()
         if (src / "tokenizer_config.json").is_file():
             cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class")
             names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
