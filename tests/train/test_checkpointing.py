@@ -179,6 +179,33 @@ def test_init_from_refuses_what_does_not_fit(byte_data, tmp_path):
     assert not (tmp_path / "new" / "checkpoints").exists()
 
 
+def test_init_from_a_sharded_folder_reads_only_the_shards_its_index_names_there(byte_data, tmp_path, capsys):
+    """A save_pretrained folder without a manifest (from the hub) whose model.safetensors.index.json is damaged, names
+    a shard outside the folder, or a missing one: a one-line error naming init_from and the file (the first was a
+    KeyError traceback, the second read a file of another folder)."""
+    from foxlm.cli import main
+
+    src = tmp_path / "src"
+    train(tiny_config(byte_data, src, "max_steps=1", "eval_every=0"))
+    hub = tmp_path / "hub"
+    shutil.copytree(src / "checkpoints" / "step_0000001" / "model", hub)
+    (hub / "model.safetensors").rename(hub / "model-00001-of-00001.safetensors")
+    (tmp_path / "elsewhere.safetensors").write_bytes((hub / "model-00001-of-00001.safetensors").read_bytes())
+    index = hub / "model.safetensors.index.json"
+    for weight_map, message in [(None, "expected a weight_map of tensor names to shard files"),
+                                ({"x": "../elsewhere.safetensors"}, "shard '../elsewhere.safetensors' is not a file of "
+                                                                    "its folder"),
+                                ({"x": "model-00002-of-00002.safetensors"},
+                                 "model-00002-of-00002.safetensors, a shard model.safetensors.index.json names, is "
+                                 "missing")]:
+        index.write_text(json.dumps({"metadata": {}} if weight_map is None else {"weight_map": weight_map}))
+        capsys.readouterr()
+        assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"init_from={hub}"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"init_from: {hub}" in err and message in err, err
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
 def test_a_run_folder_in_use_is_refused(byte_data, tmp_path):
     """A second `foxlm train` in a run folder while another holds it (here: a lock taken by this process through
     another open file, as another process would) stops before writing; the folder is free again once released."""
