@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -203,6 +204,28 @@ def test_init_from_a_sharded_folder_reads_only_the_shards_its_index_names_there(
         assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"init_from={hub}"]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and f"init_from: {hub}" in err and message in err, err
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_resume_names_a_folder_that_is_no_checkpoint(byte_data, tmp_path, capsys):
+    """resume=PATH of a run folder, a checkpoint's model/, an export or nothing at all: a one-line error naming resume
+    and what it takes (it was "checkpoint PATH: no readable manifest.json ([Errno 2] ...)", or a FileNotFoundError for
+    an export's missing trainer.pt), before anything is written."""
+    from foxlm.cli import main
+
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=2", "save_every=2", "eval_every=0"))
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    ckpt = run / "checkpoints" / "step_0000002"
+    for path, extra in [(run, f" \\(resume=auto with out_dir={run} continues that run\\)"),
+                        (ckpt / "model", ""), (tmp_path / "export", ""), (tmp_path / "nothing", "")]:
+        capsys.readouterr()
+        assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"resume={path}"]) == 2
+        err = capsys.readouterr().err
+        kind = " but a run folder" if extra else ""
+        expected = (f"foxlm train: error: resume: {path} is not a checkpoint folder{kind}; expected auto, never, or a "
+                    f"checkpoint: a checkpoints/step_NNNNNNN folder .*{extra}$")
+        assert "Traceback" not in err and re.fullmatch(expected, err.strip()), err
     assert not (tmp_path / "new" / "checkpoints").exists()
 
 
