@@ -178,3 +178,22 @@ def test_exported_and_converted_models_are_verified_on_load(sharded, byte_data, 
     capsys.readouterr()
     line = _refused(main(["convert", str(converted), str(tmp_path / "back")]), capsys.readouterr().err, "convert")
     assert "config.json does not match its sha256" in line, line
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_in_one_line(byte_data, tmp_path, capsys):
+    """A one-process checkpoint whose trainer.pt holds a pickle that would run a shell command (its manifest
+    recomputed to match), or a truncated one: refused by a one-line error naming resume and the file, nothing run
+    (these were torch's traceback, advising to load it again with weights_only=False)."""
+    run, marker = tmp_path / "run", tmp_path / "code-ran"
+    common = ["train", *TINY, f"data={byte_data}", "save_every=2"]
+    assert main([*common, "max_steps=2", f"out_dir={run}"]) == 0
+    ckpt = run / "checkpoints" / "step_0000002"
+    good = (ckpt / "trainer.pt").read_bytes()
+    for name, write in [("code", lambda f: torch.save({"step": RunsCode(marker)}, f)),
+                        ("truncated", lambda f: f.write_bytes(good[: len(good) // 2]))]:
+        write(ckpt / "trainer.pt")
+        _rehash(ckpt)
+        capsys.readouterr()
+        line = _refused(main([*common, "max_steps=3", f"out_dir={tmp_path / name}", f"resume={ckpt}"]),
+                        capsys.readouterr().err, "train")
+        assert f"resume: {ckpt / 'trainer.pt'}" in line and not marker.exists(), line
