@@ -52,6 +52,10 @@ def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
             raise FileNotFoundError(f"{arg}: run {path} has no complete checkpoint")
         _refuse_sharded(ckpt, arg)
         return ckpt / "model"
+    if (path / "config.json").is_file():  # a save_pretrained folder, but its weights are a pickle or missing
+        raise FileNotFoundError(f"{arg}: {path} holds no model.safetensors (or its shards); foxlm reads weights from "
+                                "safetensors only, never a pickle such as pytorch_model.bin: save the model again with "
+                                "save_pretrained where you trust it")
     raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
 
 

@@ -197,3 +197,22 @@ def test_a_trainer_state_that_would_run_code_is_refused_in_one_line(byte_data, t
         line = _refused(main([*common, "max_steps=3", f"out_dir={tmp_path / name}", f"resume={ckpt}"]),
                         capsys.readouterr().err, "train")
         assert f"resume: {ckpt / 'trainer.pt'}" in line and not marker.exists(), line
+
+
+def test_a_model_folder_with_pickled_weights_is_refused_by_name(byte_data, tmp_path, capsys):
+    """A save_pretrained folder whose weights are pytorch_model.bin (here a pickle that would run a command): never
+    unpickled, and the error says that foxlm reads safetensors only (it said the folder was no save_pretrained
+    folder)."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+
+    folder, marker = tmp_path / "bin", tmp_path / "code-ran"
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=256, num_hidden_layers=1)).save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"lm_head.weight": RunsCode(marker)}, folder / "pytorch_model.bin")
+    for command, args in [("generate", ["generate", str(folder), "--prompt", "Hi", "--device", "cpu"]),
+                          ("train", ["train", *TINY, f"data={byte_data}", "max_steps=1", f"out_dir={tmp_path / 'r'}",
+                                     f"init_from={folder}"])]:
+        capsys.readouterr()
+        line = _refused(main(args), capsys.readouterr().err, command)
+        assert f"{folder} holds no model.safetensors (or its shards); foxlm reads weights from safetensors only" in line
+        assert not marker.exists()
