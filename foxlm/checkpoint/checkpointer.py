@@ -37,9 +37,9 @@ from ..models import FoxConfig
 from ..presets import FOX_FIELDS, has_size
 from .dcp import load_sharded, save_shards, sharded_model_shapes
 from .files import fsync_tree, read_json, replace_folder, sha256_file, write_atomic
-from .manifest import verify_checkpoint, write_manifest
+from .manifest import MANIFEST, verify_checkpoint, write_manifest
 from .run_folder import SHARDS, checkpoint_name, is_sharded, list_checkpoints
-from .weights import DAMAGED_MODEL, read_model_weights, resolve_model_dir
+from .weights import DAMAGED_MODEL, read_model_weights, reading_weights, resolve_model_dir
 
 __all__ = ["DiskFullError", "PendingCheckpoint", "initialize_model", "load_trainer_state", "model_name",
            "restore_checkpoint", "write_checkpoint"]
@@ -119,7 +119,10 @@ class PendingCheckpoint:
             return None
         replace_folder(self.tmp, self.final)  # a step saved again (Trainer.save called twice) is swapped, never lost
         write_atomic(self.final.parent / "latest", self.final.name)
-        for old in list_checkpoints(self.run_dir)[:-keep_last]:
+        # foxlm's own only: it renames none into place without its manifest.json, so a step_* folder without one (a
+        # user's, or a link to one) is neither counted nor deleted
+        ours = [p for p in list_checkpoints(self.run_dir) if not p.is_symlink() and (p / MANIFEST).is_file()]
+        for old in ours[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
         return self.final
 
@@ -147,12 +150,13 @@ def _disk_full(error: BaseException, folder: Path) -> bool:
     return "inline_container.cc" in str(error) and shutil.disk_usage(folder).free < (16 << 20)
 
 
-def load_trainer_state(ckpt: str | os.PathLike) -> dict:
-    """The non-model state of a verified checkpoint (safe: ``weights_only=True``)."""
+def load_trainer_state(ckpt: str | os.PathLike, arg: str = "resume") -> dict:
+    """The non-model state of a verified checkpoint (safe: ``weights_only=True``); errors name the argument ``arg``."""
     problem = verify_checkpoint(ckpt)
     if problem is not None:
-        raise ValueError(f"checkpoint {ckpt}: {problem}; refusing to load it")
-    return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=True)
+        raise ValueError(f"{arg}: checkpoint {ckpt}: {problem}; refusing to load it")
+    with reading_weights(Path(ckpt) / "trainer.pt", arg):  # a crafted one: an error, not torch's advice to unpickle it
+        return torch.load(Path(ckpt) / "trainer.pt", map_location="cpu", weights_only=True)
 
 
 def model_name(cfg: dict) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -12,7 +13,7 @@ from ..models.card import write_model_card
 from .dcp import load_shards
 from .files import fsync_tree, temporary_path
 from .manifest import verify_checkpoint, write_manifest
-from .run_folder import SHARDS, checkpoint_step, is_sharded, latest_valid_checkpoint
+from .run_folder import SHARDS, is_sharded, latest_valid_checkpoint
 
 
 def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
@@ -45,7 +46,8 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
             model.load_state_dict(weights)
             model.save_pretrained(tmp)
         run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
-        step = checkpoint_step(ckpt)
+        # the step the (verified) manifest records, not the folder's name: a checkpoint copied under another name
+        step = json.loads((ckpt / "manifest.json").read_text()).get("step")
         write_model_card(tmp, title=dst.name, run_dir=run_dir, step=step, source=(
             f"Exported by `foxlm export` from step {step} of the `foxlm train` run `{run_dir or ckpt}`. Load it with "
             "`import foxlm` and `AutoModelForCausalLM.from_pretrained`."))

@@ -29,13 +29,16 @@ def verify_checkpoint(ckpt: str | os.PathLike) -> str | None:
         manifest = json.loads((ckpt / MANIFEST).read_text())
     except (OSError, ValueError) as e:
         return f"no readable manifest.json ({e})"
-    for name, digest in manifest.get("files", {}).items():
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        return "manifest.json is damaged (expected its files' sha256 under \"files\")"
+    for name, digest in files.items():
         path = ckpt / name
         if not path.is_file():
             return f"{name} is missing"
         if sha256_file(path) != digest:
             return f"{name} does not match its sha256"
-    if not manifest.get("files"):
+    if not files:
         return "empty manifest"
     return None
 

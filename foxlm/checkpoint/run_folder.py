@@ -22,7 +22,7 @@ from typing import IO
 
 import yaml
 
-from .manifest import verify_checkpoint
+from .manifest import MANIFEST, verify_checkpoint
 
 try:
     import fcntl
@@ -92,7 +92,13 @@ def resume_point(run_dir: Path, resume: str) -> Path | None:
         return None
     if resume == "auto":
         return latest_valid_checkpoint(run_dir)
-    return Path(resume).expanduser()
+    ckpt = Path(resume).expanduser()
+    if not ((ckpt / MANIFEST).is_file() and (ckpt / "trainer.pt").is_file()):
+        run = (ckpt / "checkpoints").is_dir()
+        raise ValueError(f"resume: {ckpt} is not a checkpoint folder{' but a run folder' if run else ''}; expected "
+                         f"auto, never, or a checkpoint: a checkpoints/step_NNNNNNN folder holding {MANIFEST} and "
+                         f"trainer.pt{f' (resume=auto with out_dir={ckpt} continues that run)' if run else ''}")
+    return ckpt
 
 
 def check_out_dir(run_dir: Path, ckpt: Path | None, resume: str) -> None:

@@ -52,6 +52,10 @@ def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
             raise FileNotFoundError(f"{arg}: run {path} has no complete checkpoint")
         _refuse_sharded(ckpt, arg)
         return ckpt / "model"
+    if (path / "config.json").is_file():  # a save_pretrained folder, but its weights are a pickle or missing
+        raise FileNotFoundError(f"{arg}: {path} holds no model.safetensors (or its shards); foxlm reads weights from "
+                                "safetensors only, never a pickle such as pytorch_model.bin: save the model again with "
+                                "save_pretrained where you trust it")
     raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
 
 
@@ -74,12 +78,24 @@ def reading_weights(where: str | os.PathLike, arg: str) -> Iterator[None]:
         raise ValueError(f"{arg}: {where} is damaged or not a weights file (not a complete torch zip archive)") from e
 
 
+def index_shards(index: Path, arg: str) -> list[str]:
+    """The shard files a ``*.index.json`` names, each a file of its folder (errors name the argument ``arg``)."""
+    weight_map = read_json(index, DAMAGED_MODEL).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+        raise ValueError(f"{arg}: {index}: expected a weight_map of tensor names to shard files; {DAMAGED_MODEL}")
+    shards = sorted(set(weight_map.values()))
+    if (outside := [f for f in shards if Path(f).name != f]):  # never read a file outside the model's folder
+        raise ValueError(f"{arg}: {index}: shard {outside[0]!r} is not a file of its folder; {DAMAGED_MODEL}")
+    if (missing := [f for f in shards if not (index.parent / f).is_file()]):
+        raise ValueError(f"{arg}: {index.parent / missing[0]}, a shard {index.name} names, is missing; {DAMAGED_MODEL}")
+    return shards
+
+
 def read_model_weights(folder: str | os.PathLike, arg: str = "path") -> dict[str, torch.Tensor]:
     """The weights of a ``save_pretrained`` folder: ``model.safetensors``, or the shards its index names."""
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(read_json(index, DAMAGED_MODEL)["weight_map"].values())) if index.is_file() \
-        else ["model.safetensors"]
+    files = index_shards(index, arg) if index.is_file() else ["model.safetensors"]
     weights = {}
     for name in files:
         with reading_weights(folder / name, arg):

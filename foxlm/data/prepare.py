@@ -40,6 +40,8 @@ from .tokenizer import TOKENIZER_DIR, Tokenizer, copy_files, get_tokenizer
 BATCH_CHARS = 1 << 18
 MAX_SKIP_EXAMPLES = 100
 _SHARD_FILE = re.compile(r"(train|val)-\d{5}\.(bin|idx)")
+# what a dataset's tokenizer/ holds (``copy_files``: a folder tokenizer's files)
+_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "encoder.json", "vocab.bpe"}
 
 _worker_tok: Tokenizer | None = None
 
@@ -163,10 +165,17 @@ def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: boo
     if not overwrite:
         raise FileExistsError(f"out_dir (--out): {out_dir} already holds a dataset; pass overwrite=True / --overwrite "
                               "to replace it")
-    foreign = [name for name in entries if name != "meta.json" and not _SHARD_FILE.fullmatch(name)]
+    foreign = [name for name in entries if name != "meta.json" and not _SHARD_FILE.fullmatch(name)
+               and not (name == TOKENIZER_DIR and _is_tokenizer_copy(out_dir / name))]
     if foreign:
         raise FileExistsError(f"out_dir (--out): {out_dir} holds a dataset and other files ({', '.join(foreign[:5])})"
                               "; --overwrite replaces only a folder that holds nothing but a dataset")
+
+
+def _is_tokenizer_copy(folder: Path) -> bool:
+    """Whether ``folder`` holds nothing but the tokenizer files ``copy_files`` copies into a dataset."""
+    return folder.is_dir() and not folder.is_symlink() and all(
+        e.name in _TOKENIZER_FILES and e.is_file() and not e.is_symlink() for e in folder.iterdir())
 
 
 class _Documents:

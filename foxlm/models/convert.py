@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
 from ..checkpoint.manifest import verify_model_folder, write_manifest
-from ..checkpoint.weights import DAMAGED_MODEL, reading_weights
+from ..checkpoint.weights import DAMAGED_MODEL, index_shards, reading_weights
 from .card import write_model_card
 from .configuration_fox import FoxConfig
 from .state_dict_adapter import FORMATS, authors_config, fla_config, foxlm_to_authors, peer_to_foxlm, to_authors_config
@@ -42,14 +42,12 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
          lambda p: torch.load(p, map_location="cpu", weights_only=True)),
     ):
         if (folder / index).is_file():
-            shards = _shards(folder / index)
+            shards = index_shards(folder / index, "src")
         elif (folder / single).is_file():
             shards = [single]
         else:
             continue
         for shard in shards:
-            if not (folder / shard).is_file():
-                raise ValueError(f"src: {folder / shard}, a shard {index} names, is missing; {DAMAGED_MODEL}")
             with reading_weights(folder / shard, "src"):
                 part = load(folder / shard)
             if not isinstance(part, dict) or not all(isinstance(t, torch.Tensor) for t in part.values()):
@@ -59,17 +57,6 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
             weights.update(part)
         return config, weights
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
-
-
-def _shards(index: Path) -> list[str]:
-    """The shard files a ``*.index.json`` names: plain file names in its folder."""
-    weight_map = read_json(index, DAMAGED_MODEL).get("weight_map")
-    if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-        raise ValueError(f"{index}: expected a weight_map of tensor names to shard files; {DAMAGED_MODEL}")
-    shards = sorted(set(weight_map.values()))
-    if (outside := [f for f in shards if Path(f).name != f]):
-        raise ValueError(f"{index}: shard {outside[0]!r} is not a file of its folder; {DAMAGED_MODEL}")
-    return shards
 
 
 def _dtype_of(weights: dict[str, torch.Tensor]) -> torch.dtype:
@@ -124,8 +111,11 @@ def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> di
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
     if tokenizer is None:
-        if isinstance(raw.get("foxlm_tokenizer"), dict):  # SRC's own copy first: the recorded folder may have moved
-            return tokenizer_from_spec(raw["foxlm_tokenizer"], [src]).spec()
+        if (record := raw.get("foxlm_tokenizer")) is not None:  # SRC's own copy first: the recorded folder may move
+            if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+                raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
+                                 "tokenizer record (a mapping with a name); pass --tokenizer")
+            return tokenizer_from_spec(record, [src]).spec()
         if (src / "tokenizer_config.json").is_file():
             cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class")
             names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}

@@ -26,3 +26,26 @@ def test_saving_a_step_again_replaces_it_whole(tmp_path):
     assert (path / "model" / "weights.txt").read_text() == "second" and verify_checkpoint(path) is None
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000003"]
 
+
+
+def test_keep_last_deletes_only_checkpoints_foxlm_wrote(tmp_path):
+    """Pruning to keep_last removes older checkpoints foxlm saved, never a step_* folder it did not write (one
+    without a manifest.json, which every saved checkpoint has), nor what a step_* link points to."""
+    from foxlm.checkpoint.checkpointer import write_checkpoint
+
+    def save(folder: Path) -> None:
+        folder.mkdir()
+        (folder / "weights.txt").write_text("w")
+
+    root = tmp_path / "run" / "checkpoints"
+    mine = root / "step_0000001"
+    mine.mkdir(parents=True)
+    (mine / "notes.txt").write_text("a user's")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("a user's")
+    (root / "step_0000002").symlink_to(tmp_path / "kept")
+    for step in (3, 4, 5):
+        write_checkpoint(tmp_path / "run", step, save, {"step": step}, keep_last=2)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000001", "step_0000002", "step_0000004",
+                                                      "step_0000005"]
+    assert (mine / "notes.txt").read_text() == "a user's" and (tmp_path / "kept" / "notes.txt").is_file()

@@ -33,3 +33,19 @@ def test_the_folders_the_readme_hands_to_transformers_load(byte_data, tmp_path):
         with pytest.raises((OSError, ValueError)):
             AutoModelForCausalLM.from_pretrained(path)
 
+
+
+def test_a_checkpoint_copied_under_another_name_exports(byte_data, tmp_path):
+    """A checkpoint folder the user copied and renamed ("best") is still a checkpoint: its manifest records its
+    step (this was refused as "not a step_NNNNNNN folder", an error naming no argument)."""
+    import shutil
+
+    from foxlm.cli import main
+
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=2", "save_every=2"))
+    shutil.copytree(latest_valid_checkpoint(run), tmp_path / "best")
+    assert main(["export", str(tmp_path / "best"), str(tmp_path / "export")]) == 0
+    assert "from step 2 of" in (tmp_path / "export" / "README.md").read_text()
+    exported = load_checkpoint_model(tmp_path / "export")
+    assert torch.equal(exported.lm_head.weight, load_checkpoint_model(run).lm_head.weight)

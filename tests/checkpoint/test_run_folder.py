@@ -57,3 +57,17 @@ def test_a_swap_killed_halfway_leaves_the_old_copy_to_be_put_back(tmp_path):
     assert not old.exists() and not new.exists()
     remove_stale_temporaries(dest)  # nothing stale left: the model stays
     assert (dest / "weights").is_file()
+
+
+def test_a_checkpoint_with_a_damaged_manifest_is_skipped_and_refused(byte_data, tmp_path):
+    """A manifest.json that is valid JSON but no manifest (a list, files not a mapping): the checkpoint is damaged,
+    skipped on resume and refused by name on load (these were AttributeError tracebacks)."""
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=4", "save_every=2", "eval_every=0"))
+    last = run / "checkpoints" / "step_0000004"
+    for text in ("[]", '{"files": ["model/config.json"]}'):
+        (last / "manifest.json").write_text(text)
+        with pytest.warns(UserWarning, match="skipping damaged checkpoint .*step_0000004: manifest.json is damaged"):
+            assert latest_valid_checkpoint(run).name == "step_0000002"
+        with pytest.raises(ValueError, match="path: checkpoint .*step_0000004: manifest.json is damaged"):
+            load_checkpoint_model(last)

@@ -178,3 +178,41 @@ def test_exported_and_converted_models_are_verified_on_load(sharded, byte_data, 
     capsys.readouterr()
     line = _refused(main(["convert", str(converted), str(tmp_path / "back")]), capsys.readouterr().err, "convert")
     assert "config.json does not match its sha256" in line, line
+
+
+def test_a_trainer_state_that_would_run_code_is_refused_in_one_line(byte_data, tmp_path, capsys):
+    """A one-process checkpoint whose trainer.pt holds a pickle that would run a shell command (its manifest
+    recomputed to match), or a truncated one: refused by a one-line error naming resume and the file, nothing run
+    (these were torch's traceback, advising to load it again with weights_only=False)."""
+    run, marker = tmp_path / "run", tmp_path / "code-ran"
+    common = ["train", *TINY, f"data={byte_data}", "save_every=2"]
+    assert main([*common, "max_steps=2", f"out_dir={run}"]) == 0
+    ckpt = run / "checkpoints" / "step_0000002"
+    good = (ckpt / "trainer.pt").read_bytes()
+    for name, write in [("code", lambda f: torch.save({"step": RunsCode(marker)}, f)),
+                        ("truncated", lambda f: f.write_bytes(good[: len(good) // 2]))]:
+        write(ckpt / "trainer.pt")
+        _rehash(ckpt)
+        capsys.readouterr()
+        line = _refused(main([*common, "max_steps=3", f"out_dir={tmp_path / name}", f"resume={ckpt}"]),
+                        capsys.readouterr().err, "train")
+        assert f"resume: {ckpt / 'trainer.pt'}" in line and not marker.exists(), line
+
+
+def test_a_model_folder_with_pickled_weights_is_refused_by_name(byte_data, tmp_path, capsys):
+    """A save_pretrained folder whose weights are pytorch_model.bin (here a pickle that would run a command): never
+    unpickled, and the error says that foxlm reads safetensors only (it said the folder was no save_pretrained
+    folder)."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+
+    folder, marker = tmp_path / "bin", tmp_path / "code-ran"
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=256, num_hidden_layers=1)).save_pretrained(folder)
+    (folder / "model.safetensors").unlink()
+    torch.save({"lm_head.weight": RunsCode(marker)}, folder / "pytorch_model.bin")
+    for command, args in [("generate", ["generate", str(folder), "--prompt", "Hi", "--device", "cpu"]),
+                          ("train", ["train", *TINY, f"data={byte_data}", "max_steps=1", f"out_dir={tmp_path / 'r'}",
+                                     f"init_from={folder}"])]:
+        capsys.readouterr()
+        line = _refused(main(args), capsys.readouterr().err, command)
+        assert f"{folder} holds no model.safetensors (or its shards); foxlm reads weights from safetensors only" in line
+        assert not marker.exists()

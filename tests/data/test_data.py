@@ -512,6 +512,23 @@ def test_overwrite_never_deletes_user_files(tmp_path):
     assert (tmp_path / "ds" / "notes.txt").read_text() == "mine"
 
 
+def test_overwrite_replaces_a_dataset_carrying_its_tokenizer(tmp_path):
+    """A dataset prepared with a tokenizer folder carries a copy in tokenizer/: --overwrite replaces it (it was
+    refused as "other files (tokenizer)"), but not once a user's file is in that folder."""
+    (tmp_path / "doc.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 20)
+    tok = llama_style_tokenizer(tmp_path / "tok", ["the quick brown fox jumps over the lazy dog"] * 20)
+    common = dict(tokenizer=str(tok), workers=0, progress=False, val_fraction=0.0)
+    prepare([tmp_path / "doc.txt"], tmp_path / "ds", **common)
+    assert sorted(p.name for p in (tmp_path / "ds" / "tokenizer").iterdir()) == ["tokenizer.json",
+                                                                               "tokenizer_config.json"]
+    (tmp_path / "doc.txt").write_text("the lazy dog\n")
+    assert prepare([tmp_path / "doc.txt"], tmp_path / "ds", overwrite=True, **common)["num_docs"] == 1
+    (tmp_path / "ds" / "tokenizer" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"other files \(tokenizer\)"):
+        prepare([tmp_path / "doc.txt"], tmp_path / "ds", overwrite=True, **common)
+    assert (tmp_path / "ds" / "tokenizer" / "notes.txt").read_text() == "mine"
+
+
 def test_a_missing_or_non_text_column_is_named(tmp_path):
     """Parquet without the text column, or with a column of numbers there: the error names the column, the flag
     and the file, not only a count of 'unreadable' or 'no text' documents."""

@@ -617,6 +617,22 @@ def test_a_damaged_config_is_named(tmp_path):
         load_checkpoint_model(tmp_path / "model")
 
 
+def test_a_damaged_tokenizer_record_is_an_error_naming_the_field(tmp_path):
+    """A foxlm_tokenizer in SRC's config.json that is no record: an error naming it (these were KeyError and
+    AttributeError tracebacks, and a string record was passed over for the authors' default tokenizer)."""
+    gen = torch.Generator().manual_seed(0)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(cfg, gen)
+    for i, record in enumerate(({}, {"name": 3}, "gpt2")):
+        _write(tmp_path / f"src{i}", {**cfg, "foxlm_tokenizer": record}, sd)
+        with pytest.raises(ValueError, match=f"src: .*config.json records foxlm_tokenizer={re.escape(repr(record))}, "
+                                             "expected a tokenizer record .*; pass --tokenizer"):
+            convert(tmp_path / f"src{i}", tmp_path / "dst")
+        assert main(["convert", str(tmp_path / f"src{i}"), str(tmp_path / "dst")]) == 2
+    convert(tmp_path / "src0", tmp_path / "dst", tokenizer="gpt2")  # not read when --tokenizer names one
+    assert FoxForCausalLM.from_pretrained(tmp_path / "dst").config.foxlm_tokenizer["name"] == "gpt2"
+
+
 # --------------------------------------------------------------------------------------------------------- fla
 def _fla_on_cpu(monkeypatch):
     """fla's model code with its Triton-only kernels replaced by PyTorch: its GroupNorm by fla's group_norm_ref, its

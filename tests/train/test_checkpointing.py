@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -176,6 +177,55 @@ def test_init_from_refuses_what_does_not_fit(byte_data, tmp_path):
         (other / "config.json").write_text(json.dumps({**config, key: value}))
         with pytest.raises(ValueError, match=message):
             train(tiny_config(byte_data, tmp_path / "new", f"init_from={other}"))
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_init_from_a_sharded_folder_reads_only_the_shards_its_index_names_there(byte_data, tmp_path, capsys):
+    """A save_pretrained folder without a manifest (from the hub) whose model.safetensors.index.json is damaged, names
+    a shard outside the folder, or a missing one: a one-line error naming init_from and the file (the first was a
+    KeyError traceback, the second read a file of another folder)."""
+    from foxlm.cli import main
+
+    src = tmp_path / "src"
+    train(tiny_config(byte_data, src, "max_steps=1", "eval_every=0"))
+    hub = tmp_path / "hub"
+    shutil.copytree(src / "checkpoints" / "step_0000001" / "model", hub)
+    (hub / "model.safetensors").rename(hub / "model-00001-of-00001.safetensors")
+    (tmp_path / "elsewhere.safetensors").write_bytes((hub / "model-00001-of-00001.safetensors").read_bytes())
+    index = hub / "model.safetensors.index.json"
+    for weight_map, message in [(None, "expected a weight_map of tensor names to shard files"),
+                                ({"x": "../elsewhere.safetensors"}, "shard '../elsewhere.safetensors' is not a file of "
+                                                                    "its folder"),
+                                ({"x": "model-00002-of-00002.safetensors"},
+                                 "model-00002-of-00002.safetensors, a shard model.safetensors.index.json names, is "
+                                 "missing")]:
+        index.write_text(json.dumps({"metadata": {}} if weight_map is None else {"weight_map": weight_map}))
+        capsys.readouterr()
+        assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"init_from={hub}"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and f"init_from: {hub}" in err and message in err, err
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+def test_resume_names_a_folder_that_is_no_checkpoint(byte_data, tmp_path, capsys):
+    """resume=PATH of a run folder, a checkpoint's model/, an export or nothing at all: a one-line error naming resume
+    and what it takes (it was "checkpoint PATH: no readable manifest.json ([Errno 2] ...)", or a FileNotFoundError for
+    an export's missing trainer.pt), before anything is written."""
+    from foxlm.cli import main
+
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=2", "save_every=2", "eval_every=0"))
+    assert main(["export", str(run), str(tmp_path / "export")]) == 0
+    ckpt = run / "checkpoints" / "step_0000002"
+    for path, extra in [(run, f" \\(resume=auto with out_dir={run} continues that run\\)"),
+                        (ckpt / "model", ""), (tmp_path / "export", ""), (tmp_path / "nothing", "")]:
+        capsys.readouterr()
+        assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"resume={path}"]) == 2
+        err = capsys.readouterr().err
+        kind = " but a run folder" if extra else ""
+        expected = (f"foxlm train: error: resume: {path} is not a checkpoint folder{kind}; expected auto, never, or a "
+                    f"checkpoint: a checkpoints/step_NNNNNNN folder .*{extra}$")
+        assert "Traceback" not in err and re.fullmatch(expected, err.strip()), err
     assert not (tmp_path / "new" / "checkpoints").exists()
 
 
