@@ -452,6 +452,15 @@ def run_gates(args) -> int:
     from .utils import heldout_documents
 
     _check_exist([args.checkpoint])
+    # before anything runs or is written: --num-sequences 0 was an IndexError, a bad tile or tolerance was refused
+    # only after the maps were drawn
+    for flag, value, least in (("--length", args.length, 2), ("--num-sequences", args.num_sequences, 1),
+                               ("--map-length", args.map_length, 2), ("--block-m", args.block_m, 1),
+                               ("--block-n", args.block_n, 1)):
+        if value < least:
+            raise ValueError(f"{flag}: expected at least {least}, got {value}")
+    if not 0.0 < args.tolerance < 1.0:
+        raise ValueError(f"--tolerance: expected a value in (0, 1), got {args.tolerance}")
     (model,), data, _, out = _setup(args, [args.checkpoint])
     if getattr(model.config, "gate", None) is None:
         raise ValueError(f"CHECKPOINT: {args.checkpoint} is a {model.config.model_type!r} model, without forget gates "

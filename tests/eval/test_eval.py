@@ -449,6 +449,20 @@ def test_gates_cli(trained, corpus, tmp_path):
     assert meta["acp_skipped_overall"] == pytest.approx(per_head.mean(), abs=1e-6)
 
 
+@pytest.mark.parametrize("flag,value,message", [
+    ("--num-sequences", "0", "--num-sequences: expected at least 1, got 0"),  # was an IndexError's traceback
+    ("--map-length", "0", "--map-length: expected at least 2, got 0"),  # was a blank figure per layer
+    ("--block-m", "0", "--block-m: expected at least 1, got 0"),
+    ("--tolerance", "2", r"--tolerance: expected a value in \(0, 1\), got 2.0"),
+])
+def test_gates_cli_refuses_bad_numbers_before_writing(untrained, corpus, tmp_path, capsys, flag, value, message):
+    """A bad count, tile or tolerance is one line naming its flag, before any figure is written."""
+    out = tmp_path / "gates"
+    _refused(capsys, message, ["eval", "gates", str(untrained), "--data", str(corpus), "--length", "256", flag, value,
+                               "--out", str(out), "--no-progress"])
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
     """Fixed ALiBi gates: log f_h = -m_h, so tau_h = 1/m_h; with QK-norm the logit bound is sqrt(D) for every
     head, so the skipped tiles follow in closed form from c_i - c_j = -m_h (i - j)."""
