@@ -16,10 +16,14 @@ MIN_SEQUENCES = 16  # fewer sequences than this give a noisy per-token curve (e.
 
 
 def _ints(text: str) -> list[int]:
+    """Lengths or counts: an empty list would mean the default to recall (silently) and a crash to niah."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        vals = [int(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return vals
 
 
 def _fractions(text: str) -> list[float]:

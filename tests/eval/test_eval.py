@@ -316,6 +316,23 @@ def test_eval_defaults_to_the_data_a_run_trained_on(untrained, corpus, tmp_path,
 # ---------------------------------------------------------------- needle in a haystack
 
 
+@pytest.mark.parametrize("argv", [
+    ["niah", "--lengths", ""],  # was "max() arg is an empty sequence"
+    ["niah", "--lengths", "300,-1"],
+    ["recall", "--lengths", ""],  # was silently the default 1x-4x the training length
+    ["recall", "--pairs", ","],  # was silently the recorded numbers of pairs
+    ["recall", "--pairs", "0"],
+])
+def test_empty_or_non_positive_lists_are_refused(tmp_path, capsys, argv):
+    command, flag, value = argv
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", command, str(tmp_path), flag, value, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (f"foxlm eval {command}: error: argument {flag}: expected comma-separated positive "
+                                    f"integers, got {value!r}")
+
+
 def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
     tok = get_tokenizer("byte")
     builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents())))
