@@ -363,6 +363,9 @@ def run_niah(args) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
         raise ValueError(f"--modes: expected a comma-separated subset of {niah.MODES}, got {args.modes!r}")
+    if args.trials < 1:
+        raise ValueError(f"--trials: expected at least 1, got {args.trials}")
+    _check_train_length(args)
     _check_exist([args.checkpoint])
     (model,), data, tok, out = _setup(args, [args.checkpoint])
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))

@@ -333,6 +333,16 @@ def test_empty_or_non_positive_lists_are_refused(tmp_path, capsys, argv):
                                     f"integers, got {value!r}")
 
 
+@pytest.mark.parametrize("flag,value,message", [
+    ("--trials", "0", "--trials: expected at least 1, got 0"),  # was "trials, batch_size: ..."
+    ("--train-length", "0", "--train-length: expected a positive number of tokens, got 0"),  # was taken, for the plot
+])
+def test_niah_cli_refuses_bad_numbers_naming_the_flag(untrained, corpus, tmp_path, capsys, flag, value, message):
+    _refused(capsys, message, ["eval", "niah", str(untrained), "--data", str(corpus), "--lengths", "300", "--depths",
+                               "0.5", "--modes", "easy", flag, value, "--out", str(tmp_path / "out"), "--no-progress"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
     tok = get_tokenizer("byte")
     builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents())))
