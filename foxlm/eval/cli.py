@@ -111,6 +111,9 @@ def register(subparsers) -> None:
                              "default: the data the checkpoint's run trained on")
     recall.add_argument("--train-length", type=int, default=None,
                         help="training context length (default: read from the checkpoint's run or config)")
+    recall.add_argument("--tokenizer", default=None,
+                        help="gpt2, json-gpt2, byte, or a tokenizer folder, for a model that records none (default: "
+                             "the one the model records, else GPT-2 BPE)")
     recall.add_argument("--samples", type=int, default=64, help="documents per cell (default 64)")
     recall.add_argument("--seed", type=int, default=1, help="seed of the evaluation documents (default 1)")
     recall.add_argument("--out", required=True, help="output folder for recall.csv, recall.json, recall.md and "
@@ -430,7 +433,7 @@ def run_recall(args) -> int:
         raise ValueError(f"--lengths: {args.checkpoint} records no training length to take 1x-4x of; pass --lengths "
                          "or --train-length")
     lengths = args.lengths or [k * train_length for k in (1, 2, 3, 4)]
-    tok = model_tokenizer(model.config)
+    tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)  # its error may say: pass --tokenizer
     spec.check(tok)
     out.mkdir(parents=True, exist_ok=True)
     cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
