@@ -16,6 +16,7 @@ From Python, ``import foxlm.eval.harness`` then ``lm_eval.simple_evaluate(model=
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -72,6 +73,10 @@ class FoxLM(HFLM):
 
         from .utils import run_train_length
 
+        unknown = sorted(set(kwargs) - _HFLM_ARGS)
+        if unknown:  # HFLM hands these to from_pretrained, which a model built here never reaches: silently dropped
+            raise ValueError(f"--model_args: --model foxlm takes no {', '.join(unknown)} (expected pretrained, "
+                             "tokenizer, device, dtype or another argument of lm-eval's HFLM: max_length, ...)")
         dev = resolve_device(device)
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -102,6 +107,11 @@ class FoxLM(HFLM):
         finally:
             self.add_bos_token = add_bos
 
+
+# The named arguments of HFLM (lm-eval's own) that a user may set: any other key would go to its from_pretrained,
+# never called here; the backend is "causal"
+_HFLM_ARGS = frozenset(name for name, p in inspect.signature(HFLM.__init__).parameters.items()
+                       if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - {"self", "pretrained", "backend"}
 
 # HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and
 # passes every other argument on): not the user's doing, nothing to act on

@@ -597,6 +597,19 @@ def test_harness_rolling_loglikelihood_scores_each_token_once(tmp_path):
     assert got == pytest.approx(direct, abs=1e-3)
 
 
+@pytest.mark.parametrize("key", ["bach_size", "backend"])
+def test_harness_model_args_that_would_be_dropped_are_refused(tmp_path, key):
+    """A key HFLM does not take (a typo such as bach_size=8) went to its from_pretrained, never called for a model
+    built here: silently dropped. backend= was a TypeError's traceback (the adapter sets it)."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    with pytest.raises(ValueError, match=f"--model_args: --model foxlm takes no {key} "):
+        FoxLM(pretrained=str(path), device="cpu", **{key: "8"})
+    assert FoxLM(pretrained=str(path), device="cpu", batch_size=3, max_batch_size=8).batch_size == 3
+
+
 def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
     """``--model foxlm`` with dtype=bfloat16 loads the model as from_pretrained does (the forget gate stays fp32, as
     in lm-eval's own ``--model hf``), rather than casting every weight: the same log-likelihoods as ``--model hf``."""
