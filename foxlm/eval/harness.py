@@ -85,7 +85,12 @@ class FoxLM(HFLM):
         # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
         model = load_checkpoint_model(pretrained, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         model = model.to(dev).eval()
-        tok = _as_hf(model_tokenizer(model.config, tokenizer))  # the one `foxlm train` recorded, else GPT-2 BPE
+        try:  # the one `foxlm train` recorded, else GPT-2 BPE
+            tok = _as_hf(model_tokenizer(model.config, tokenizer, what=pretrained))
+        except ValueError as e:  # the command line's advice, in lm-eval's terms
+            if not str(e).endswith("pass --tokenizer"):
+                raise
+            raise ValueError(str(e).removesuffix("--tokenizer") + "tokenizer=NAME_OR_FOLDER in --model_args") from None
         if not kwargs.get("max_length"):
             length = getattr(model.config, "train_length", None) or run_train_length(pretrained)
             if length is not None:

@@ -545,6 +545,18 @@ def test_harness_model_uses_the_recorded_tokenizer(tmp_path):
         FoxLM(pretrained=str(tmp_path / "m"), device="cpu")
 
 
+def test_harness_model_without_a_fitting_tokenizer_names_the_model_arg(tmp_path):
+    """A model that records no tokenizer, too small for GPT-2 BPE: the advice is lm-eval's tokenizer= (there is no
+    --tokenizer flag in lm_eval's command line), naming the model."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    FoxForCausalLM(_config(num_hidden_layers=1)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer: {tmp_path / 'm'} records no tokenizer and gpt2 (50257 "
+                                                   "ids) does not fit its vocabulary of 257; pass tokenizer=")):
+        FoxLM(pretrained=str(tmp_path / "m"), device="cpu")
+
+
 def test_harness_context_window_is_the_training_length(tmp_path):
     """lm-eval's window is the recorded training length, through both adapters (``--model foxlm`` and ``--model hf``
     with the config's ``max_position_embeddings``), or the user's ``max_length``; a model that records none is an
