@@ -91,7 +91,11 @@ class FoxLM(HFLM):
             if not str(e).endswith("pass --tokenizer"):
                 raise
             raise ValueError(str(e).removesuffix("--tokenizer") + "tokenizer=NAME_OR_FOLDER in --model_args") from None
-        if not kwargs.get("max_length"):
+        given = kwargs.get("max_length")
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
+            # 0 read as "not given" (the training length instead), a negative one went on to lm-eval's truncation
+            raise ValueError(f"max_length: expected a positive number of tokens in --model_args, got {given!r}")
+        if given is None:
             length = getattr(model.config, "train_length", None) or run_train_length(pretrained)
             if length is not None:
                 kwargs["max_length"] = length

@@ -572,6 +572,9 @@ def test_harness_context_window_is_the_training_length(tmp_path):
     save_hf_tokenizer(tmp_path / "trained")
     assert FoxLM(pretrained=str(tmp_path / "trained"), device="cpu").max_length == 96
     assert FoxLM(pretrained=str(tmp_path / "trained"), device="cpu", max_length=40).max_length == 40
+    for bad in (0, -5):  # 0 was read as not given: the training length, silently
+        with pytest.raises(ValueError, match=f"max_length: expected a positive number of tokens .*, got {bad}"):
+            FoxLM(pretrained=str(tmp_path / "trained"), device="cpu", max_length=bad)
     assert HFLM(pretrained=str(tmp_path / "trained"), device="cpu").max_length == 96
     FoxForCausalLM(_config(**gpt2)).save_pretrained(tmp_path / "unknown")
     with pytest.raises(ValueError, match="max_length: .* records no training length"):
