@@ -60,6 +60,8 @@ def test_a_malformed_or_unsafe_config_file_is_one_line(tmp_path, text, message):
     ("lr=[1", "train: error: lr: expected float, got '[1', which is not valid YAML"),
     ("max_steps=!!python/object/apply:os.system [true]", "max_steps: expected int, got '!!python"),
     ("model.window=!!python/name:os.system", "model.window: '!!python/name:os.system' is not valid YAML"),
+    ("model.hidden_size=abc", "model.hidden_size: expected int, got 'abc'"),  # was a TypeError's traceback
+    ("model.qk_norm=1", "model.qk_norm: expected bool, got 1"),
 ])
 def test_a_malformed_or_unsafe_override_is_one_line(override, message):
     assert message in one_line_error(foxlm("train", "--print-config", override), "train")
