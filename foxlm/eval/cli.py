@@ -161,8 +161,17 @@ def _setup(args, checkpoints: list[str]):
     device = resolve_device(args.device)
     models = [load_model(c, device) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
-    data = Path(args.data) if args.data else _training_data(checkpoints, specs, args.progress)
-    tok = TokenDataset(data, args.split).tokenizer([m.config._name_or_path for m in models if m.config._name_or_path])
+    data = Path(args.data).expanduser() if args.data else _training_data(checkpoints, specs, args.progress)
+    if not (data / "meta.json").is_file():  # TokenDataset's own message names a "path", not the flag
+        raise FileNotFoundError(f"--data: {data} is not a prepared dataset (no meta.json); prepare text with "
+                                "`foxlm data prepare FILES_OR_DIRS --out DIR` and pass DIR")
+    try:
+        dataset = TokenDataset(data, args.split)
+    except ValueError as e:
+        if not str(e).startswith("split: "):
+            raise
+        raise ValueError(f"--{e}") from None
+    tok = dataset.tokenizer([m.config._name_or_path for m in models if m.config._name_or_path])
     for c, m, spec in zip(checkpoints, models, specs):
         if spec is not None and not matches_spec(tok, spec):
             raise ValueError(f"--data: {data} was prepared with {tok.name}, but {c} was trained with "

@@ -240,6 +240,18 @@ def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
         assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
 
 
+@pytest.mark.parametrize("what", ["text folder", "missing", "split"])
+def test_bad_data_or_split_is_one_line_naming_the_flag(untrained, corpus, tmp_path, capsys, what):
+    """--data naming a folder of raw text (or nothing), or a split the data has not: the message names the flag
+    (it said "path: ..." and "split: ...")."""
+    data, split = {"text folder": (tmp_path, "val"), "missing": (tmp_path / "nope", "val"),
+                   "split": (corpus, "test")}[what]
+    message = "--split: expected one of \\['train', 'val'\\], got 'test'" if what == "split" else \
+        f"--data: {re.escape(str(data))} is not a prepared dataset \\(no meta.json\\)"
+    _refused(capsys, message, ["eval", "gates", str(untrained), "--data", str(data), "--split", split, "--out",
+                               str(tmp_path / "out"), "--no-progress"])
+
+
 def test_out_that_is_a_file_is_one_line_naming_the_flag(untrained, corpus, tmp_path, capsys):
     """--out naming a file (or a path under one) is refused before the models load, naming --out (mkdir said only
     "File exists"); the file is kept."""
