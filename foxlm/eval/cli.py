@@ -332,7 +332,7 @@ def _run_loss(args, cp) -> int:
             runs += [(m, lab, False), (m, f"{lab} + ACP", True)]
         else:
             runs.append((m, lab + (" + ACP" if args.acp == "on" else ""), {"on": True, "off": False}.get(args.acp)))
-    docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences)
+    docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences, what="--eval-length")
     # auto: BOS-led windows whenever there are as many as asked for; later ones start mid-document, without context
     enough = min(MIN_SEQUENCES, args.max_sequences or MIN_SEQUENCES)
     every = args.windows == "all" or (args.windows == "auto" and len(docs) < enough)
@@ -484,7 +484,7 @@ def run_gates(args) -> int:
     if getattr(model.config, "gate", None) is None:
         raise ValueError(f"CHECKPOINT: {args.checkpoint} is a {model.config.model_type!r} model, without forget gates "
                          f"or attention maps to analyse; foxlm eval gates needs a foxlm model (model_type 'fox')")
-    docs = heldout_documents(data, args.split, args.length, None)
+    docs = heldout_documents(data, args.split, args.length, None, what="--length")
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
     decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)
     for layer, a in enumerate(attn):

@@ -222,7 +222,7 @@ def test_set_acp_switches_every_layer():
 
 
 def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path, capsys):
-    _refused(capsys, "length: no 'val' document",
+    _refused(capsys, "--eval-length: no 'val' document",  # the flag, not "length:"
              ["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",
               str(tmp_path), "--no-progress"])
     _refused(capsys, "--train-length: .* records no training length",  # none in its config, not in a run, not given
