@@ -60,6 +60,8 @@ def test_a_malformed_or_unsafe_config_file_is_one_line(tmp_path, text, message):
     ("lr=[1", "train: error: lr: expected float, got '[1', which is not valid YAML"),
     ("max_steps=!!python/object/apply:os.system [true]", "max_steps: expected int, got '!!python"),
     ("model.window=!!python/name:os.system", "model.window: '!!python/name:os.system' is not valid YAML"),
+    ("model.hidden_size=abc", "model.hidden_size: expected int, got 'abc'"),  # was a TypeError's traceback
+    ("model.qk_norm=1", "model.qk_norm: expected bool, got 1"),
 ])
 def test_a_malformed_or_unsafe_override_is_one_line(override, message):
     assert message in one_line_error(foxlm("train", "--print-config", override), "train")
@@ -203,3 +205,21 @@ def test_an_unknown_option_is_named_by_its_command(args, command):
     line = one_line_error(run, command)
     assert line.endswith(f"unrecognized arguments: {' '.join(args[args.index('--bogus'):])}"), line
     assert f"usage: foxlm {command} " in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("kind,reason", [("folder", "Is a directory"), ("missing", "No such file or directory"),
+                                         ("latin-1", "can't decode byte 0xe9")])
+def test_an_unreadable_prompt_file_is_one_line_naming_the_flag(tmp_path, model_folder, capsys, kind, reason):
+    """`generate --prompt-file` on a folder, a missing file or a file that is not UTF-8: one line naming the flag and
+    the file (it was the bare OSError or UnicodeDecodeError, naming neither the flag nor, for the codec, the file)."""
+    from foxlm.cli import main
+
+    path = tmp_path / kind
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "latin-1":
+        path.write_bytes("café".encode("latin-1"))
+    assert main(["generate", str(model_folder), "--prompt-file", str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"foxlm generate: error: --prompt-file: cannot read {path} as UTF-8 text (") and \
+        reason in err and err.count("\n") == 1, err

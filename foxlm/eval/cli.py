@@ -16,10 +16,14 @@ MIN_SEQUENCES = 16  # fewer sequences than this give a noisy per-token curve (e.
 
 
 def _ints(text: str) -> list[int]:
+    """Lengths or counts: an empty list would mean the default to recall (silently) and a crash to niah."""
     try:
-        return [int(x) for x in text.split(",") if x]
+        vals = [int(x) for x in text.split(",") if x]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        vals = []
+    if not vals or any(v < 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return vals
 
 
 def _fractions(text: str) -> list[float]:
@@ -107,6 +111,9 @@ def register(subparsers) -> None:
                              "default: the data the checkpoint's run trained on")
     recall.add_argument("--train-length", type=int, default=None,
                         help="training context length (default: read from the checkpoint's run or config)")
+    recall.add_argument("--tokenizer", default=None,
+                        help="gpt2, json-gpt2, byte, or a tokenizer folder, for a model that records none (default: "
+                             "the one the model records, else GPT-2 BPE)")
     recall.add_argument("--samples", type=int, default=64, help="documents per cell (default 64)")
     recall.add_argument("--seed", type=int, default=1, help="seed of the evaluation documents (default 1)")
     recall.add_argument("--out", required=True, help="output folder for recall.csv, recall.json, recall.md and "
@@ -154,8 +161,17 @@ def _setup(args, checkpoints: list[str]):
     device = resolve_device(args.device)
     models = [load_model(c, device) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
-    data = Path(args.data) if args.data else _training_data(checkpoints, specs, args.progress)
-    tok = TokenDataset(data, args.split).tokenizer([m.config._name_or_path for m in models if m.config._name_or_path])
+    data = Path(args.data).expanduser() if args.data else _training_data(checkpoints, specs, args.progress)
+    if not (data / "meta.json").is_file():  # TokenDataset's own message names a "path", not the flag
+        raise FileNotFoundError(f"--data: {data} is not a prepared dataset (no meta.json); prepare text with "
+                                "`foxlm data prepare FILES_OR_DIRS --out DIR` and pass DIR")
+    try:
+        dataset = TokenDataset(data, args.split)
+    except ValueError as e:
+        if not str(e).startswith("split: "):
+            raise
+        raise ValueError(f"--{e}") from None
+    tok = dataset.tokenizer([m.config._name_or_path for m in models if m.config._name_or_path])
     for c, m, spec in zip(checkpoints, models, specs):
         if spec is not None and not matches_spec(tok, spec):
             raise ValueError(f"--data: {data} was prepared with {tok.name}, but {c} was trained with "
@@ -316,7 +332,7 @@ def _run_loss(args, cp) -> int:
             runs += [(m, lab, False), (m, f"{lab} + ACP", True)]
         else:
             runs.append((m, lab + (" + ACP" if args.acp == "on" else ""), {"on": True, "off": False}.get(args.acp)))
-    docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences)
+    docs = heldout_documents(data, args.split, eval_length + 1, args.max_sequences, what="--eval-length")
     # auto: BOS-led windows whenever there are as many as asked for; later ones start mid-document, without context
     enough = min(MIN_SEQUENCES, args.max_sequences or MIN_SEQUENCES)
     every = args.windows == "all" or (args.windows == "auto" and len(docs) < enough)
@@ -359,6 +375,9 @@ def run_niah(args) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
         raise ValueError(f"--modes: expected a comma-separated subset of {niah.MODES}, got {args.modes!r}")
+    if args.trials < 1:
+        raise ValueError(f"--trials: expected at least 1, got {args.trials}")
+    _check_train_length(args)
     _check_exist([args.checkpoint])
     (model,), data, tok, out = _setup(args, [args.checkpoint])
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
@@ -423,7 +442,7 @@ def run_recall(args) -> int:
         raise ValueError(f"--lengths: {args.checkpoint} records no training length to take 1x-4x of; pass --lengths "
                          "or --train-length")
     lengths = args.lengths or [k * train_length for k in (1, 2, 3, 4)]
-    tok = model_tokenizer(model.config)
+    tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)  # its error may say: pass --tokenizer
     spec.check(tok)
     out.mkdir(parents=True, exist_ok=True)
     cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
@@ -452,11 +471,20 @@ def run_gates(args) -> int:
     from .utils import heldout_documents
 
     _check_exist([args.checkpoint])
+    # before anything runs or is written: --num-sequences 0 was an IndexError, a bad tile or tolerance was refused
+    # only after the maps were drawn
+    for flag, value, least in (("--length", args.length, 2), ("--num-sequences", args.num_sequences, 1),
+                               ("--map-length", args.map_length, 2), ("--block-m", args.block_m, 1),
+                               ("--block-n", args.block_n, 1)):
+        if value < least:
+            raise ValueError(f"{flag}: expected at least {least}, got {value}")
+    if not 0.0 < args.tolerance < 1.0:
+        raise ValueError(f"--tolerance: expected a value in (0, 1), got {args.tolerance}")
     (model,), data, _, out = _setup(args, [args.checkpoint])
     if getattr(model.config, "gate", None) is None:
         raise ValueError(f"CHECKPOINT: {args.checkpoint} is a {model.config.model_type!r} model, without forget gates "
                          f"or attention maps to analyse; foxlm eval gates needs a foxlm model (model_type 'fox')")
-    docs = heldout_documents(data, args.split, args.length, None)
+    docs = heldout_documents(data, args.split, args.length, None, what="--length")
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
     decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)
     for layer, a in enumerate(attn):

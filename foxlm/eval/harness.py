@@ -16,6 +16,7 @@ From Python, ``import foxlm.eval.harness`` then ``lm_eval.simple_evaluate(model=
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -72,6 +73,10 @@ class FoxLM(HFLM):
 
         from .utils import run_train_length
 
+        unknown = sorted(set(kwargs) - _HFLM_ARGS)
+        if unknown:  # HFLM hands these to from_pretrained, which a model built here never reaches: silently dropped
+            raise ValueError(f"--model_args: --model foxlm takes no {', '.join(unknown)} (expected pretrained, "
+                             "tokenizer, device, dtype or another argument of lm-eval's HFLM: max_length, ...)")
         dev = resolve_device(device)
         dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -80,8 +85,17 @@ class FoxLM(HFLM):
         # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
         model = load_checkpoint_model(pretrained, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         model = model.to(dev).eval()
-        tok = _as_hf(model_tokenizer(model.config, tokenizer))  # the one `foxlm train` recorded, else GPT-2 BPE
-        if not kwargs.get("max_length"):
+        try:  # the one `foxlm train` recorded, else GPT-2 BPE
+            tok = _as_hf(model_tokenizer(model.config, tokenizer, what=pretrained))
+        except ValueError as e:  # the command line's advice, in lm-eval's terms
+            if not str(e).endswith("pass --tokenizer"):
+                raise
+            raise ValueError(str(e).removesuffix("--tokenizer") + "tokenizer=NAME_OR_FOLDER in --model_args") from None
+        given = kwargs.get("max_length")
+        if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
+            # 0 read as "not given" (the training length instead), a negative one went on to lm-eval's truncation
+            raise ValueError(f"max_length: expected a positive number of tokens in --model_args, got {given!r}")
+        if given is None:
             length = getattr(model.config, "train_length", None) or run_train_length(pretrained)
             if length is not None:
                 kwargs["max_length"] = length
@@ -102,6 +116,11 @@ class FoxLM(HFLM):
         finally:
             self.add_bos_token = add_bos
 
+
+# The named arguments of HFLM (lm-eval's own) that a user may set: any other key would go to its from_pretrained,
+# never called here; the backend is "causal"
+_HFLM_ARGS = frozenset(name for name, p in inspect.signature(HFLM.__init__).parameters.items()
+                       if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - {"self", "pretrained", "backend"}
 
 # HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and
 # passes every other argument on): not the user's doing, nothing to act on

@@ -83,16 +83,17 @@ def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, start: 
     return head_logprobs(model, hidden, input_ids[:, start + 1:])
 
 
-def heldout_documents(data: str | os.PathLike, split: str, min_length: int, max_docs: int | None) -> list[np.ndarray]:
+def heldout_documents(data: str | os.PathLike, split: str, min_length: int, max_docs: int | None,
+                      what: str = "length") -> list[np.ndarray]:
     """Documents of a prepared dataset (``foxlm data prepare``) with at least ``min_length`` tokens, in order.
 
     Each document starts with the ``<|endoftext|>`` BOS, as in training. Raises ``ValueError`` when none is
-    long enough, naming the longest one.
+    long enough, naming the longest one and ``what`` asked for the length (a command's flag).
     """
     from foxlm.data import TokenDataset
 
     if min_length < 2:
-        raise ValueError(f"length: expected at least 2 tokens, got {min_length}")
+        raise ValueError(f"{what}: expected at least 2 tokens, got {min_length}")
     docs, longest = [], 0
     for doc in TokenDataset(data, split).documents():
         longest = max(longest, len(doc))
@@ -102,7 +103,7 @@ def heldout_documents(data: str | os.PathLike, split: str, min_length: int, max_
                 break
     if not docs:
         raise ValueError(
-            f"length: no {split!r} document of {data} has {min_length} tokens (the longest has {longest}); "
+            f"{what}: no {split!r} document of {data} has {min_length} tokens (the longest has {longest}); "
             "evaluate at a shorter length or prepare a corpus with longer documents"
         )
     return docs

@@ -95,8 +95,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-new-tokens: expected a positive number of tokens, got {args.max_new_tokens}")
     prompts = list(args.prompt)
     if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            prompts.append(f.read())
+        try:
+            prompts.append(Path(args.prompt_file).expanduser().read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:  # bare, it named neither the flag nor, at times, the file
+            reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise ValueError(f"--prompt-file: cannot read {args.prompt_file} as UTF-8 text ({reason})") from None
     if not prompts:
         raise ValueError("--prompt: give at least one --prompt or --prompt-file")
     device = resolve_device(args.device)

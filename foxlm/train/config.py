@@ -165,9 +165,10 @@ class TrainConfig:
         if hf:
             self._validate_hf()
             return
-        for key in self.model:
+        for key, value in self.model.items():
             if key not in FOX_FIELDS:
                 raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(FOX_FIELDS)})")
+            _check_field_type(key, value)
 
     def _validate_hf(self) -> None:
         """What a Hugging Face model (``arch=hf:...``, a config.json or a baseline) cannot do in foxlm's trainer."""
@@ -190,6 +191,19 @@ class TrainConfig:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _check_field_type(key: str, value) -> None:
+    """A ``model.*`` number or switch of the wrong type (model.hidden_size=abc) is refused here: building the model
+    from it was a TypeError's traceback."""
+    default = FOX_FIELDS[key]
+    kind = type(default) if default is not None else float if key == "qk_norm_eps" else int  # None: a derived size
+    if kind is str or (value is None and default is None):
+        return
+    ok = isinstance(value, bool) if kind is bool else \
+        isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
+    if not ok:
+        raise ValueError(f"model.{key}: expected {kind.__name__}, got {value!r}")
 
 
 def default_out_dir(arch: str, size: str, data: str) -> str:

@@ -222,7 +222,7 @@ def test_set_acp_switches_every_layer():
 
 
 def test_loss_cli_rejects_bad_lengths(untrained, corpus, tmp_path, capsys):
-    _refused(capsys, "length: no 'val' document",
+    _refused(capsys, "--eval-length: no 'val' document",  # the flag, not "length:"
              ["eval", "loss", str(untrained), "--data", str(corpus), "--train-length", "100000", "--out",
               str(tmp_path), "--no-progress"])
     _refused(capsys, "--train-length: .* records no training length",  # none in its config, not in a run, not given
@@ -238,6 +238,18 @@ def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
     if not torch.cuda.is_available():
         no_gpu = foxlm("eval", "gates", untrained, "--data", corpus, "--device", "cuda", "--out", tmp_path / "out")
         assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
+
+
+@pytest.mark.parametrize("what", ["text folder", "missing", "split"])
+def test_bad_data_or_split_is_one_line_naming_the_flag(untrained, corpus, tmp_path, capsys, what):
+    """--data naming a folder of raw text (or nothing), or a split the data has not: the message names the flag
+    (it said "path: ..." and "split: ...")."""
+    data, split = {"text folder": (tmp_path, "val"), "missing": (tmp_path / "nope", "val"),
+                   "split": (corpus, "test")}[what]
+    message = "--split: expected one of \\['train', 'val'\\], got 'test'" if what == "split" else \
+        f"--data: {re.escape(str(data))} is not a prepared dataset \\(no meta.json\\)"
+    _refused(capsys, message, ["eval", "gates", str(untrained), "--data", str(data), "--split", split, "--out",
+                               str(tmp_path / "out"), "--no-progress"])
 
 
 def test_out_that_is_a_file_is_one_line_naming_the_flag(untrained, corpus, tmp_path, capsys):
@@ -314,6 +326,33 @@ def test_eval_defaults_to_the_data_a_run_trained_on(untrained, corpus, tmp_path,
 
 
 # ---------------------------------------------------------------- needle in a haystack
+
+
+@pytest.mark.parametrize("argv", [
+    ["niah", "--lengths", ""],  # was "max() arg is an empty sequence"
+    ["niah", "--lengths", "300,-1"],
+    ["recall", "--lengths", ""],  # was silently the default 1x-4x the training length
+    ["recall", "--pairs", ","],  # was silently the recorded numbers of pairs
+    ["recall", "--pairs", "0"],
+])
+def test_empty_or_non_positive_lists_are_refused(tmp_path, capsys, argv):
+    command, flag, value = argv
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", command, str(tmp_path), flag, value, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == (f"foxlm eval {command}: error: argument {flag}: expected comma-separated positive "
+                                    f"integers, got {value!r}")
+
+
+@pytest.mark.parametrize("flag,value,message", [
+    ("--trials", "0", "--trials: expected at least 1, got 0"),  # was "trials, batch_size: ..."
+    ("--train-length", "0", "--train-length: expected a positive number of tokens, got 0"),  # was taken, for the plot
+])
+def test_niah_cli_refuses_bad_numbers_naming_the_flag(untrained, corpus, tmp_path, capsys, flag, value, message):
+    _refused(capsys, message, ["eval", "niah", str(untrained), "--data", str(corpus), "--lengths", "300", "--depths",
+                               "0.5", "--modes", "easy", flag, value, "--out", str(tmp_path / "out"), "--no-progress"])
+    assert not (tmp_path / "out").exists()
 
 
 def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
@@ -449,6 +488,20 @@ def test_gates_cli(trained, corpus, tmp_path):
     assert meta["acp_skipped_overall"] == pytest.approx(per_head.mean(), abs=1e-6)
 
 
+@pytest.mark.parametrize("flag,value,message", [
+    ("--num-sequences", "0", "--num-sequences: expected at least 1, got 0"),  # was an IndexError's traceback
+    ("--map-length", "0", "--map-length: expected at least 2, got 0"),  # was a blank figure per layer
+    ("--block-m", "0", "--block-m: expected at least 1, got 0"),
+    ("--tolerance", "2", r"--tolerance: expected a value in \(0, 1\), got 2.0"),
+])
+def test_gates_cli_refuses_bad_numbers_before_writing(untrained, corpus, tmp_path, capsys, flag, value, message):
+    """A bad count, tile or tolerance is one line naming its flag, before any figure is written."""
+    out = tmp_path / "gates"
+    _refused(capsys, message, ["eval", "gates", str(untrained), "--data", str(corpus), "--length", "256", flag, value,
+                               "--out", str(out), "--no-progress"])
+    assert not out.exists() or not any(out.iterdir())
+
+
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
     """Fixed ALiBi gates: log f_h = -m_h, so tau_h = 1/m_h; with QK-norm the logit bound is sqrt(D) for every
     head, so the skipped tiles follow in closed form from c_i - c_j = -m_h (i - j)."""
@@ -504,6 +557,18 @@ def test_harness_model_uses_the_recorded_tokenizer(tmp_path):
         FoxLM(pretrained=str(tmp_path / "m"), device="cpu")
 
 
+def test_harness_model_without_a_fitting_tokenizer_names_the_model_arg(tmp_path):
+    """A model that records no tokenizer, too small for GPT-2 BPE: the advice is lm-eval's tokenizer= (there is no
+    --tokenizer flag in lm_eval's command line), naming the model."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    FoxForCausalLM(_config(num_hidden_layers=1)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer: {tmp_path / 'm'} records no tokenizer and gpt2 (50257 "
+                                                   "ids) does not fit its vocabulary of 257; pass tokenizer=")):
+        FoxLM(pretrained=str(tmp_path / "m"), device="cpu")
+
+
 def test_harness_context_window_is_the_training_length(tmp_path):
     """lm-eval's window is the recorded training length, through both adapters (``--model foxlm`` and ``--model hf``
     with the config's ``max_position_embeddings``), or the user's ``max_length``; a model that records none is an
@@ -519,6 +584,9 @@ def test_harness_context_window_is_the_training_length(tmp_path):
     save_hf_tokenizer(tmp_path / "trained")
     assert FoxLM(pretrained=str(tmp_path / "trained"), device="cpu").max_length == 96
     assert FoxLM(pretrained=str(tmp_path / "trained"), device="cpu", max_length=40).max_length == 40
+    for bad in (0, -5):  # 0 was read as not given: the training length, silently
+        with pytest.raises(ValueError, match=f"max_length: expected a positive number of tokens .*, got {bad}"):
+            FoxLM(pretrained=str(tmp_path / "trained"), device="cpu", max_length=bad)
     assert HFLM(pretrained=str(tmp_path / "trained"), device="cpu").max_length == 96
     FoxForCausalLM(_config(**gpt2)).save_pretrained(tmp_path / "unknown")
     with pytest.raises(ValueError, match="max_length: .* records no training length"):
@@ -554,6 +622,19 @@ def test_harness_rolling_loglikelihood_scores_each_token_once(tmp_path):
     model = utils.load_model(path, torch.device("cpu"))
     direct = float(utils.next_token_logprobs(model, torch.tensor([[50256] + ids])).sum())
     assert got == pytest.approx(direct, abs=1e-3)
+
+
+@pytest.mark.parametrize("key", ["bach_size", "backend"])
+def test_harness_model_args_that_would_be_dropped_are_refused(tmp_path, key):
+    """A key HFLM does not take (a typo such as bach_size=8) went to its from_pretrained, never called for a model
+    built here: silently dropped. backend= was a TypeError's traceback (the adapter sets it)."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    with pytest.raises(ValueError, match=f"--model_args: --model foxlm takes no {key} "):
+        FoxLM(pretrained=str(path), device="cpu", **{key: "8"})
+    assert FoxLM(pretrained=str(path), device="cpu", batch_size=3, max_batch_size=8).batch_size == 3
 
 
 def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):

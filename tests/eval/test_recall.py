@@ -227,3 +227,17 @@ def test_recall_cli_reads_the_task_from_the_training_data_and_refuses_without_on
     assert main(["eval", "recall", str(tmp_path / "m"), "--vocab", "0:48", "--pairs", "2", "--out",
                  str(tmp_path / "out"), "--no-progress"]) == 2
     assert "--lengths: " in capsys.readouterr().err
+
+
+def test_recall_cli_takes_the_tokenizer_a_model_records_none_of(tmp_path, capsys):
+    """A byte-level model saved without a recorded tokenizer: the error says "pass --tokenizer", and recall takes it
+    (it had no such option)."""
+    model = _model(tmp_path, "m")
+    del model.config.foxlm_tokenizer
+    model.save_pretrained(tmp_path / "m")
+    argv = ["eval", "recall", str(tmp_path / "m"), "--vocab", "0:48", "--pairs", "2", "--lengths", "16", "--samples",
+            "2", "--out", str(tmp_path / "out"), "--no-progress"]
+    assert main(argv) == 2
+    assert "pass --tokenizer" in capsys.readouterr().err
+    assert main(argv + ["--tokenizer", "byte"]) == 0
+    assert json.loads((tmp_path / "out" / "recall.json").read_text())["cells"][0]["queries"] == 4
