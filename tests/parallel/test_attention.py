@@ -233,6 +233,33 @@ def _model(rank, world):
             # the token shift computes in fp32, so its rounding is the limit
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()),
                                        msg=f"{arch}: {name}")
+    # labels ignored unevenly over the shards: .loss is the whole rows' mean on every rank, and the gradients
+    # averaged over the ranks (as DDP / FSDP2 do) are one process's; with num_items_in_batch, HF's sum over it
+    labels = ids.clone()
+    labels[0, :5 * world] = -100
+    remove_context_parallel(model)
+    ref = model(ids, labels=labels)
+    ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+    apply_context_parallel(model, layout=layout)
+    shift = shard_sequence(torch.cat([labels[:, 1:], torch.full_like(ids[:, :1], -100)], 1), dim=1, layout=layout)
+    count = int((labels[:, 1:] != -100).sum())
+    for kwargs, reduce in (({}, world), ({"num_items_in_batch": count}, 1)):
+        out = model(shard_sequence(ids, dim=1, layout=layout), shift_labels=shift, **kwargs)
+        value = out.loss.detach().clone()
+        dist.all_reduce(value)
+        torch.testing.assert_close(value / reduce, ref.loss.detach(), rtol=1e-9, atol=1e-9, msg=str(kwargs))
+        for got, expected in zip(torch.autograd.grad(out.loss, list(model.parameters())), ref_grads):
+            got = got.clone()
+            dist.all_reduce(got)
+            torch.testing.assert_close(got / reduce, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+    # packed documents marked by restarting position_ids (padding-free batches) would be crossed: refused, on
+    # every rank even where only one rank's shard holds a restart
+    pos = shard_sequence(torch.arange(8 * world), dim=0, layout=layout)
+    with pytest.raises(ValueError, match="position_ids: under context parallelism expected the shard's positions"):
+        model(shard_sequence(ids, dim=1, layout=layout), position_ids=pos % 4)
+    model(shard_sequence(ids, dim=1, layout=layout), position_ids=pos)  # the shard's own positions are fine
+    with pytest.raises(ValueError, match=r"position_ids are the shard's: expected the same on every rank"):
+        model(shard_sequence(ids, dim=1, layout=layout), position_ids=pos if rank else pos * 0)
     with pytest.raises(ValueError, match="labels: a context-parallel shard"):
         model(ids[:, :8], labels=ids[:, :8])
     with pytest.raises(ValueError, match="cu_seqlens / attention_mask: not available"):
@@ -250,6 +277,8 @@ def _model(rank, world):
     with pytest.raises(ValueError, match=r"input_ids.shape: expected the same on every rank .* rank 0: \(1, 4\), "
                                          r"rank 1: \(2, 4\)"):
         model(torch.zeros(1 + rank, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input_ids.shape: expected the same on every rank .* rank 0: \(1, 3\)"):
+        model(torch.zeros(1, 3 + rank, dtype=torch.long))  # a bad length on one rank: no rank waits for it
     with pytest.raises(ValueError, match="group: expected a ProcessGroup, a 1-D DeviceMesh or None, got int"):
         apply_context_parallel(model, 0)
     backends = [block.attn.attention_backend for block in model.model.layers]
