@@ -7,11 +7,15 @@ gradients with ``cp_forgetting_attention`` on the shards.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+TIMEOUT_S = 120
 
 
 def _inputs(B, T, Hq, Hk, D, Dv, dtype, seed, gate_bias=(3.0,)):
@@ -65,8 +69,15 @@ def _worker(rank: int, world: int, init: str, body: str) -> None:
 def _spawn(tmp_path, world: int, body: str) -> None:
     # fork: the workers start with torch and foxlm already imported (seconds each under spawn); one intra-op
     # thread in each, as DataLoader workers do, keeps OpenMP safe after the fork
-    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), body), nprocs=world, join=True,
-                       start_method="fork")
+    # a deadline: a rank left waiting in a collective fails the test instead of hanging it
+    ctx = mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), body), nprocs=world, join=False,
+                             start_method="fork")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"{body}: the {world} processes did not finish within {TIMEOUT_S} s")
 
 
 def _exact(rank, world):
@@ -191,6 +202,11 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match=r"q.shape: expected the same on every rank .* rank 0: \(1, 4, 2, 4\), "
                                          r"rank 1: \(1, 6, 2, 4\)"):
         cp_forgetting_attention(q, q, q, torch.full(q.shape[:3], -0.1))
+    # a bad gate or a bad length on one rank only: an error on every rank, none left waiting in a collective
+    with pytest.raises(ValueError, match=r"log_fgate finite and <= 0: expected the same on every rank"):
+        cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1 if rank else float("nan")))
+    with pytest.raises(ValueError, match=r"q.shape: expected the same on every rank .* rank 0: \(1, 3, 2, 4\)"):
+        cp_forgetting_attention(q[:, :3 + rank], q[:, :3 + rank], q[:, :3 + rank], torch.full((1, 3 + rank, 2), -0.1))
     with pytest.raises(ValueError, match="prune: expected the same on every rank"):
         cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1), prune=rank == 0)
     # a process outside the group: torch.distributed gives it rank -1, which made wrong positions and tokens
