@@ -26,6 +26,7 @@ from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, Sw
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.forgetting_attention.acp import check_tolerance
 from ..parallel import ContextParallel, sequence_positions
+from ..parallel.layout import chunks_per_rank
 from .cache import FoxCache, KVCache
 from .configuration_fox import FoxConfig
 
@@ -262,9 +263,17 @@ class FoxModel(FoxPreTrainedModel):
         cp = self.context_parallel
         if cp is not None:
             cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
-            cp.check_shard("input_ids" if inputs_embeds is None else "inputs_embeds", (B, T), x.device)
-            if position_ids is None:  # RoPE rotates by the position in the whole sequence
-                positions = sequence_positions(T, group=cp.group, layout=cp.layout, device=x.device).expand(B, T)
+            # positions that restart mark packed documents, which attention and the token shift would cross
+            positions_ok, whole = True, None
+            if T and T % chunks_per_rank(cp.layout) == 0:  # else check_shard refuses the length
+                whole = sequence_positions(T, group=cp.group, layout=cp.layout, device=x.device).expand(B, T)
+                positions_ok = position_ids is None or torch.equal(position_ids.to(x.device).expand(B, T), whole)
+            cp.check_shard("input_ids" if inputs_embeds is None else "inputs_embeds", (B, T), x.device,
+                           {"position_ids are the shard's": positions_ok})
+            if not positions_ok:
+                raise ValueError("position_ids: under context parallelism expected the shard's positions in the whole "
+                                 "sequence (shard_sequence(arange(T), dim=0)); packed documents are not supported")
+            positions = whole  # RoPE rotates by the position in the whole sequence
         attentions_unavailable = output_attentions and cache is not None
         if attentions_unavailable:  # as transformers' SDPA attention: a warning and no weights, not an error
             logger.warning_once("FoX attention through a KV cache does not support `output_attentions=True`: the "
@@ -407,9 +416,10 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
         shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name); they win
         over labels when both come, as in transformers' ForCausalLMLoss. A context-parallel shard needs them,
-        since its last token's target is on another rank; then .per_token_loss is [B, T].
+        since its last token's target is on another rank; then .per_token_loss is [B, T], and .loss is the mean
+        over the whole rows' counted labels on every rank (``ContextParallel.mean_loss``).
         num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
-        accumulation and processes): .loss is then the sum over this batch's labels divided by it.
+        accumulation and processes): .loss is then the sum over this batch's (this shard's) labels divided by it.
         logits_to_keep: compute logits for the last n positions only (0: all), or, as a 1-D tensor, for the
         positions it lists (transformers' two forms). Other arguments as in
         ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
@@ -444,7 +454,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         elif logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
-        reduction = "mean" if num_items_in_batch is None else "sum"
+        cp = self.model.context_parallel
+        reduction = "mean" if num_items_in_batch is None and cp is None else "sum"
         if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
             loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                         reduction=reduction)
@@ -460,6 +471,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
                 loss = per_token.sum() if reduction == "sum" else per_token.sum() / (targets != -100).sum().clamp_min(1)
         if loss is not None and num_items_in_batch is not None:
             loss = loss / _as_count(num_items_in_batch, loss.device)
+        elif loss is not None and cp is not None:  # the shards' counts differ: a mean of their means is not the mean
+            loss = cp.mean_loss(loss, (targets != -100).sum())
         return FoxCausalLMOutput(
             loss=loss,
             logits=logits,

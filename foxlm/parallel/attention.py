@@ -382,15 +382,18 @@ def _validate(q, k, v, log_fgate, layout, group, acp: ACP | None) -> None:
         raise ValueError(f"log_fgate: expected float32 or float64 on {q.device}, got {log_fgate.dtype} on "
                          f"{log_fgate.device}")
     per = chunks_per_rank(layout)
+    gate_ok = not bool((~(log_fgate <= 0) | log_fgate.isinf()).any())
+    data_bound = acp is not None and acp.logit_bound is None  # then the ranks all-reduce their norms
+    # what may hold on one rank only is compared first, so that every rank raises and none waits in a collective
+    check_same_on_ranks(group, q.device, {"q.shape": q.shape, "k.shape": k.shape, "v.shape": v.shape,
+                                          "q.dtype": q.dtype, "layout": layout, "prune": acp is not None,
+                                          "logit_bound is None": data_bound,
+                                          "log_fgate finite and <= 0": gate_ok})
     if Tl % per:
         raise ValueError(f"q: a {layout} shard holds {per} equal chunks, so T/P={Tl} must be a multiple of {per} "
                          f"(the sequence a multiple of 2P; shard_sequence checks this)")
-    if bool((~(log_fgate <= 0) | log_fgate.isinf()).any()):
+    if not gate_ok:
         raise ValueError("log_fgate: expected finite log forget gates <= 0, without NaN (use logsigmoid)")
-    data_bound = acp is not None and acp.logit_bound is None  # then the ranks all-reduce their norms
-    check_same_on_ranks(group, q.device, {"q.shape": q.shape, "k.shape": k.shape, "v.shape": v.shape,
-                                          "q.dtype": q.dtype, "layout": layout, "prune": acp is not None,
-                                          "logit_bound is None": data_bound})
 
 
 def cp_forgetting_attention(

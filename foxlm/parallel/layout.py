@@ -134,17 +134,29 @@ class ContextParallel:
     def __post_init__(self):
         chunks_per_rank(self.layout)
 
-    def check_shard(self, name: str, shape: tuple[int, int], device: torch.device) -> None:
-        """Refuse a model input ``name`` of ``shape`` [B, T/P] that is no shard of this layout, or whose shape
-        differs between the ranks (a collective: ranks passing shards of different lengths would otherwise abort
-        in the communication library or compute with each other's wrong tokens)."""
+    def check_shard(self, name: str, shape: tuple[int, int], device: torch.device, fields: dict | None = None) -> None:
+        """Refuse a model input ``name`` of ``shape`` [B, T/P] that is no shard of this layout, or whose shape (or
+        any of ``fields``, as ``check_same_on_ranks`` takes them) differs between the ranks (a collective: ranks
+        passing shards of different lengths would otherwise abort in the communication library or compute with each
+        other's wrong tokens). The comparison comes first, so that a bad shard on one rank is an error on all."""
         _, world = _world(self.group)
         per = chunks_per_rank(self.layout)
+        check_same_on_ranks(self.group, device, {f"{name}.shape": tuple(shape), **(fields or {})})
         if shape[1] == 0 or shape[1] % per:
             raise ValueError(f"{name}: a {self.layout} shard holds {per} equal chunks, so its length {shape[1]} must "
                              f"be a positive multiple of {per} (the whole sequence a multiple of {per * world}: "
                              f"shard_sequence(x, dim=1) makes such shards)")
-        check_same_on_ranks(self.group, device, {f"{name}.shape": tuple(shape)})
+
+    def mean_loss(self, local_sum: torch.Tensor, local_count: torch.Tensor) -> torch.Tensor:
+        """The mean token loss of the whole rows from this rank's sum over its shard's ``local_count`` targets (a
+        collective): its value is one process's on every rank, and its gradient is P times this rank's share, so
+        that DDP / FSDP2, which average gradients over the ranks (the dp x cp mesh, as foxlm's trainer and
+        torchtitan), give one process's gradient. Summing the gradients over the ranks instead gives P times it."""
+        world = dist.get_world_size(self.group)
+        stats = torch.stack([local_sum.detach().double(), local_count.double()])
+        dist.all_reduce(stats, group=self.group)
+        scaled = local_sum * world
+        return (scaled + (stats[0] - scaled.detach()).to(scaled.dtype)) / stats[1].clamp_min(1).to(scaled.dtype)
 
     def check(self, *, segments=None, cache=None, window=None, output_attentions=False) -> None:
         """Refuse, by name, what a shard of a sequence cannot do: packed documents or padding, a KV cache, a

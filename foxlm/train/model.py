@@ -51,5 +51,7 @@ def causal_lm_loss(model: torch.nn.Module, autocast: bool, input_ids: torch.Tens
     """The model's mean next-token loss on input_ids / labels [B, T], under bf16 autocast when ``autocast``;
     ``shifted``: labels are the targets of the tokens (a context-parallel shard's)."""
     targets = {"shift_labels" if shifted else "labels": labels}
+    if shifted:  # this shard's own mean: the trainer weighs it by the shard's count (a CP model's mean is the rows')
+        targets["num_items_in_batch"] = (labels != -100).sum().clamp_min(1)
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         return model(input_ids=input_ids, cu_seqlens=cu_seqlens, use_cache=False, **targets).loss

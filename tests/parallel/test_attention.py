@@ -7,11 +7,15 @@ gradients with ``cp_forgetting_attention`` on the shards.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+TIMEOUT_S = 120
 
 
 def _inputs(B, T, Hq, Hk, D, Dv, dtype, seed, gate_bias=(3.0,)):
@@ -65,8 +69,15 @@ def _worker(rank: int, world: int, init: str, body: str) -> None:
 def _spawn(tmp_path, world: int, body: str) -> None:
     # fork: the workers start with torch and foxlm already imported (seconds each under spawn); one intra-op
     # thread in each, as DataLoader workers do, keeps OpenMP safe after the fork
-    mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), body), nprocs=world, join=True,
-                       start_method="fork")
+    # a deadline: a rank left waiting in a collective fails the test instead of hanging it
+    ctx = mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), body), nprocs=world, join=False,
+                             start_method="fork")
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in ctx.processes:
+                process.kill()
+            pytest.fail(f"{body}: the {world} processes did not finish within {TIMEOUT_S} s")
 
 
 def _exact(rank, world):
@@ -191,6 +202,11 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match=r"q.shape: expected the same on every rank .* rank 0: \(1, 4, 2, 4\), "
                                          r"rank 1: \(1, 6, 2, 4\)"):
         cp_forgetting_attention(q, q, q, torch.full(q.shape[:3], -0.1))
+    # a bad gate or a bad length on one rank only: an error on every rank, none left waiting in a collective
+    with pytest.raises(ValueError, match=r"log_fgate finite and <= 0: expected the same on every rank"):
+        cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1 if rank else float("nan")))
+    with pytest.raises(ValueError, match=r"q.shape: expected the same on every rank .* rank 0: \(1, 3, 2, 4\)"):
+        cp_forgetting_attention(q[:, :3 + rank], q[:, :3 + rank], q[:, :3 + rank], torch.full((1, 3 + rank, 2), -0.1))
     with pytest.raises(ValueError, match="prune: expected the same on every rank"):
         cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1), prune=rank == 0)
     # a process outside the group: torch.distributed gives it rank -1, which made wrong positions and tokens
@@ -233,6 +249,33 @@ def _model(rank, world):
             # the token shift computes in fp32, so its rounding is the limit
             torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()),
                                        msg=f"{arch}: {name}")
+    # labels ignored unevenly over the shards: .loss is the whole rows' mean on every rank, and the gradients
+    # averaged over the ranks (as DDP / FSDP2 do) are one process's; with num_items_in_batch, HF's sum over it
+    labels = ids.clone()
+    labels[0, :5 * world] = -100
+    remove_context_parallel(model)
+    ref = model(ids, labels=labels)
+    ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+    apply_context_parallel(model, layout=layout)
+    shift = shard_sequence(torch.cat([labels[:, 1:], torch.full_like(ids[:, :1], -100)], 1), dim=1, layout=layout)
+    count = int((labels[:, 1:] != -100).sum())
+    for kwargs, reduce in (({}, world), ({"num_items_in_batch": count}, 1)):
+        out = model(shard_sequence(ids, dim=1, layout=layout), shift_labels=shift, **kwargs)
+        value = out.loss.detach().clone()
+        dist.all_reduce(value)
+        torch.testing.assert_close(value / reduce, ref.loss.detach(), rtol=1e-9, atol=1e-9, msg=str(kwargs))
+        for got, expected in zip(torch.autograd.grad(out.loss, list(model.parameters())), ref_grads):
+            got = got.clone()
+            dist.all_reduce(got)
+            torch.testing.assert_close(got / reduce, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+    # packed documents marked by restarting position_ids (padding-free batches) would be crossed: refused, on
+    # every rank even where only one rank's shard holds a restart
+    pos = shard_sequence(torch.arange(8 * world), dim=0, layout=layout)
+    with pytest.raises(ValueError, match="position_ids: under context parallelism expected the shard's positions"):
+        model(shard_sequence(ids, dim=1, layout=layout), position_ids=pos % 4)
+    model(shard_sequence(ids, dim=1, layout=layout), position_ids=pos)  # the shard's own positions are fine
+    with pytest.raises(ValueError, match=r"position_ids are the shard's: expected the same on every rank"):
+        model(shard_sequence(ids, dim=1, layout=layout), position_ids=pos if rank else pos * 0)
     with pytest.raises(ValueError, match="labels: a context-parallel shard"):
         model(ids[:, :8], labels=ids[:, :8])
     with pytest.raises(ValueError, match="cu_seqlens / attention_mask: not available"):
@@ -250,6 +293,8 @@ def _model(rank, world):
     with pytest.raises(ValueError, match=r"input_ids.shape: expected the same on every rank .* rank 0: \(1, 4\), "
                                          r"rank 1: \(2, 4\)"):
         model(torch.zeros(1 + rank, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"input_ids.shape: expected the same on every rank .* rank 0: \(1, 3\)"):
+        model(torch.zeros(1, 3 + rank, dtype=torch.long))  # a bad length on one rank: no rank waits for it
     with pytest.raises(ValueError, match="group: expected a ProcessGroup, a 1-D DeviceMesh or None, got int"):
         apply_context_parallel(model, 0)
     backends = [block.attn.attention_backend for block in model.model.layers]
