@@ -625,16 +625,17 @@ def test_gradients_when_one_output_is_unused(used):
         assert err < 2e-5, f"{name}: relative error {err:.2e}"
 
 
-def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+@pytest.mark.parametrize("power", [1, 2])
+def test_double_backward_raises_instead_of_dropping_the_second_order_term(power):
     """A gradient penalty differentiates the kernels' backward, which is not differentiable: its gradient came back
     without a graph, so a loss of o plus the penalty silently lost the penalty's dependence on the inputs. It must
-    raise instead, with the first-order gradient unchanged."""
+    raise instead, with the first-order gradient unchanged, also under o.sum()'s constant incoming gradient."""
     q, k, v, log_fgate = _inputs(1, 20, 20, 2, 1, 16, 16)
     o = forgetting_attention(q, k, v, log_fgate)
-    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_fgate).square().sum(), q)
+    (dq,) = torch.autograd.grad(o.pow(power).sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_fgate).pow(power).sum(), q)
     torch.testing.assert_close(dq, want, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="forgetting_attention: cannot differentiate twice"):
         (o.sum() + dq.square().sum()).backward()
 
 
