@@ -164,6 +164,23 @@ def _halo(rank, world):
                            shard_sequence(torch.arange(T), dim=0, layout=layout))
 
 
+def _double_backward(rank, world):
+    """A gradient penalty differentiates cp_forgetting_attention's backward, which has no derivative (detached block
+    gradients, received buffers): under o.sum()'s constant incoming gradient its gradients came back without a
+    graph and the penalty silently lost its dependence on the inputs. It must raise on every rank, first order
+    unchanged."""
+    from foxlm.parallel import cp_forgetting_attention, shard_sequence
+
+    q, k, v, log_f, _ = _inputs(1, 4 * world, 2, 2, 8, 8, torch.float64, 0)
+    local = [shard_sequence(t, dim=1).requires_grad_() for t in (q, k, v, log_f)]
+    o = cp_forgetting_attention(*local)
+    grads = torch.autograd.grad(o.sum(), local, create_graph=True)
+    for got, want in zip(grads, torch.autograd.grad(cp_forgetting_attention(*local).sum(), local)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="cp_forgetting_attention: cannot differentiate twice"):
+        (o.sum() + sum(g.square().sum() for g in grads)).backward()
+
+
 def _errors(rank, world):
     from foxlm.parallel import (
         cp_forgetting_attention,
@@ -312,3 +329,7 @@ def test_four_processes_token_shift_and_positions(tmp_path):
 def test_errors_are_named(tmp_path):
     _spawn(tmp_path, 2, "_errors")
 
+
+
+def test_two_processes_double_backward_raises(tmp_path):
+    _spawn(tmp_path, 2, "_double_backward")
