@@ -165,10 +165,10 @@ def _halo(rank, world):
 
 
 def _double_backward(rank, world):
-    """A gradient penalty differentiates cp_forgetting_attention's backward, which has no derivative (detached block
-    gradients, received buffers): under o.sum()'s constant incoming gradient its gradients came back without a
-    graph and the penalty silently lost its dependence on the inputs. It must raise on every rank, first order
-    unchanged."""
+    """A gradient penalty differentiates cp_forgetting_attention's and previous_tokens' backward, which have no
+    derivative (detached block gradients, received buffers): their gradients came back without a graph, or with
+    only part of it, and the penalty silently lost its dependence on the inputs. They must raise on every rank,
+    first order unchanged."""
     from foxlm.parallel import cp_forgetting_attention, shard_sequence
 
     q, k, v, log_f, _ = _inputs(1, 4 * world, 2, 2, 8, 8, torch.float64, 0)
@@ -179,6 +179,19 @@ def _double_backward(rank, world):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="cp_forgetting_attention: cannot differentiate twice"):
         (o.sum() + sum(g.square().sum() for g in grads)).backward()
+
+    from foxlm.parallel import previous_tokens
+
+    # previous_tokens' backward adds the gradients other ranks send, which come without a graph: a penalty lost
+    # their dependence on x (the local ones kept theirs, so nothing raised)
+    for layout in ("zigzag", "contiguous"):
+        x = shard_sequence(torch.randn(2, 4 * world, 3, dtype=torch.float64), dim=1, layout=layout).requires_grad_()
+        prev = previous_tokens(x, layout=layout)
+        (dx,) = torch.autograd.grad(prev.square().sum(), x, create_graph=True)
+        (want,) = torch.autograd.grad(previous_tokens(x, layout=layout).square().sum(), x)
+        torch.testing.assert_close(dx, want, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="previous_tokens: cannot differentiate twice"):
+            (prev.sum() + dx.square().sum()).backward()
 
 
 def _errors(rank, world):
