@@ -639,6 +639,16 @@ def test_double_backward_raises_instead_of_dropping_the_second_order_term(power)
         (o.sum() + dq.square().sum()).backward()
 
 
+def test_compiled_ops_double_backward_raises():
+    """Under the compiler the op is the custom op foxlm::forgetting_attention_fwd, whose backward is a custom op with
+    no autograd of its own: a second derivative through it raises (torch.library's error), even from o.sum()."""
+    q, k, v, log_fgate = _inputs(1, 20, 20, 2, 1, 16, 16)
+    o = torch.ops.foxlm.forgetting_attention_fwd(q, k, v, log_fgate, 0.25, None, None, None, None)[0]
+    (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        dq.square().sum().backward()
+
+
 @pytest.mark.parametrize("scale", [-1.0, 0.0])
 def test_zero_or_negative_scale_matches_fp64_reference(scale):
     """A scale <= 0 is plain softmax attention: the kernels match the fp64 reference, with and without a gradient
