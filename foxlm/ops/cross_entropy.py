@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .autograd import first_order_only
 from .backend import interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
@@ -194,6 +195,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return _reduce(losses, count, reduction)
 
     @staticmethod
+    @first_order_only("linear_cross_entropy")  # gradients from the forward's sweep, or a sweep's in-place math
     def backward(ctx, grad):
         if ctx.reduction == "none":
             hidden, weight, labels = ctx.saved_tensors

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from .autograd import first_order_only
 from .backend import jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
@@ -125,6 +126,7 @@ class _RMSNorm(torch.autograd.Function):
         return y if s is None else (y, s)
 
     @staticmethod
+    @first_order_only("rms_norm")  # the kernel writes the gradients without a graph
     def backward(ctx, dy, ds=None):
         x, weight, gate, rstd = ctx.saved_tensors
         N, H, D = x.shape

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from .autograd import first_order_only
 from .backend import jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
@@ -106,6 +107,7 @@ class _TokenShift(torch.autograd.Function):
         return y
 
     @staticmethod
+    @first_order_only("token_shift")  # the kernel writes the gradients without a graph
     def backward(ctx, dy):
         x, alpha_logit, prev, reset = ctx.saved_tensors
         B, T, H, _ = x.shape

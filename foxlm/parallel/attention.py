@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..ops.autograd import first_order_only
 from ..ops.checks import check_qkv
 from ..ops.forgetting_attention.acp import ACP, acp_tile_stats
 from ..ops.forgetting_attention.gate import gate_cumsum, reverse_cumsum
@@ -270,6 +271,7 @@ class _CPForgettingAttention(torch.autograd.Function):
         return o.to(q.dtype)
 
     @staticmethod
+    @first_order_only("cp_forgetting_attention")  # in-place sums of detached block gradients and received buffers
     def backward(ctx, do):
         q, k, v, c, o, lse = ctx.saved_tensors
         plan, scale = ctx.plan, ctx.scale

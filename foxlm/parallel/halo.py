@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..ops.autograd import first_order_only
 from .layout import _world, chunks_per_rank, rank_chunks
 
 
@@ -50,6 +51,7 @@ class _PreviousTokens(torch.autograd.Function):
         return prev
 
     @staticmethod
+    @first_order_only("previous_tokens")  # the gradients received from other ranks come without a graph
     def backward(ctx, dprev):
         group, layout = ctx.group, ctx.layout
         rank, world = _world(group)

@@ -195,6 +195,25 @@ def test_triton_rows_equal_the_torch_path_in_place(dtype, v, device):
             torch.testing.assert_close(g_triton, g_torch, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-6)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_double_backward_raises(backend, reduction, device):
+    """The backward's gradients come from the forward's sweep ("mean", "sum") or a sweep's in-place math ("none"),
+    without a graph: a penalty on them silently lost its dependence on hidden and weight (under the loss's own
+    constant incoming gradient, torch's once_differentiable would not have caught it). It must raise, first order
+    unchanged."""
+    hidden, weight, labels = _inputs(torch.float32, n=9, v=13, c=8, device=device)
+    with use_backend(backend):
+        loss = linear_cross_entropy(hidden, weight, labels, reduction=reduction, chunk_size=4).sum()
+        dh, dw = torch.autograd.grad(loss, (hidden, weight), create_graph=True)
+        want = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, reduction=reduction,
+                                                        chunk_size=4).sum(), (hidden, weight))
+    for got, w in zip((dh, dw), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy: cannot differentiate twice"):
+        (loss + dh.square().sum() + dw.square().sum()).backward()
+
+
 # --- FoxForCausalLM ------------------------------------------------------------------------------------------
 SMALL = dict(vocab_size=97, hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
              bos_token_id=None, eos_token_id=None)
@@ -252,3 +271,24 @@ def test_labels_out_of_range_raise(bad):
     labels = torch.tensor([1, 2, bad, 3, -100, 4])
     with pytest.raises(ValueError, match="labels"):
         linear_cross_entropy(hidden, weight, labels)
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_model_gradient_penalty_is_exact_or_raises(fuse):
+    """A gradient-norm penalty (torch.autograd.grad(..., create_graph=True), then a backward through it) on the
+    default CPU path. On the LM head's gradient alone the unfused loss is plain torch ops, so exact; the fused loss
+    silently dropped the penalty's dependence (its gradient had no graph) and must raise instead. On every
+    parameter's gradient the attention's backward is differentiated too, which has no derivative: it raises."""
+    ids = torch.randint(1, 97, (2, 9), generator=torch.Generator().manual_seed(3))
+    model = _model(fuse)
+    for params in ([model.lm_head.weight], list(model.parameters())):
+        loss = model(ids, labels=ids).loss
+        grads = torch.autograd.grad(loss, params, create_graph=True)
+        penalised = loss + sum(g.square().sum() for g in grads)
+        if fuse or len(params) > 1:
+            with pytest.raises(RuntimeError, match="cannot differentiate twice"):
+                penalised.backward()
+        else:  # the penalty's own term reaches the head: its gradient is not the loss's alone
+            (plain,) = torch.autograd.grad(loss, params, retain_graph=True)
+            penalised.backward()
+            assert not torch.allclose(model.lm_head.weight.grad, plain)

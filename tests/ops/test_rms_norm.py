@@ -141,3 +141,37 @@ def test_flat_gate_only_for_per_head_norms():
     rms_norm(x, torch.ones(3, 4), gate=torch.randn(2, 5, 12))
     with pytest.raises(ValueError, match="gate"):
         rms_norm(x, torch.ones(4), gate=torch.randn(2, 5, 12))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_torch_path_has_a_second_derivative(residual):
+    """The PyTorch path is plain torch ops: a gradient penalty through it is exact."""
+    x, w, r, gt = _inputs((2, 3, 4), (3, 4), F64, res_dtype=F64 if residual else None, gate=True)
+    w = w.detach().double().requires_grad_()
+    inputs = [t for t in (x, w, r, gt) if t is not None]
+
+    def f(x, w, *rest):
+        return rms_norm(x, w, residual=rest[0] if residual else None, gate=rest[-1])
+
+    assert torch.autograd.gradgradcheck(f, inputs)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("residual", [False, True])
+def test_double_backward_raises(residual, device):
+    """The kernels' backward has no graph: a penalty on its gradient (even under a constant incoming gradient)
+    raised nothing and silently lost its dependence on the inputs. It must raise, first order unchanged."""
+    x, w, r, gt = _inputs((2, 5, 3, 8), (3, 8), torch.float32, res_dtype=torch.float32 if residual else None,
+                          gate=True, device=device)
+    inputs = [t for t in (x, w, r, gt) if t is not None]
+
+    def loss():
+        out = rms_norm(x, w, residual=r, gate=gt)
+        return sum(o.sum() for o in (out if residual else (out,)))
+
+    total = loss()
+    grads = torch.autograd.grad(total, inputs, create_graph=True)
+    for got, want in zip(grads, torch.autograd.grad(loss(), inputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="rms_norm: cannot differentiate twice"):
+        (total + sum(g.square().sum() for g in grads)).backward()

@@ -77,3 +77,31 @@ def test_apply_rotary_rejects_bad_inputs():
         apply_rotary(x, cos, sin.half())
     with pytest.raises(ValueError, match="x: expected float16"):
         apply_rotary(x.int(), cos, sin)
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+def test_gradient_penalty_matches_fp64(backend, device):
+    """A gradient penalty differentiates the backward: the kernel's came back without a graph, so the penalty
+    silently lost its dependence on x. Both paths must give the fp64 reference's second-order gradient."""
+    cos, sin = (t.to(device) for t in angles(2, 7, 8))
+    x = torch.randn(2, 7, 3, 8, device=device, requires_grad=True)
+    w = torch.randn(2, 7, 3, 8, device=device)
+
+    def penalised(f, x, cos, sin):
+        y = f(x, cos, sin)
+        (dx,) = torch.autograd.grad((w.to(y.dtype) * y.square()).sum(), x, create_graph=True)
+        (g,) = torch.autograd.grad(y.sum() + dx.square().sum(), x)
+        return g
+
+    with use_backend(backend):
+        got = penalised(apply_rotary, x, cos, sin)
+    x64 = x.detach().to(F64).requires_grad_()
+    want = penalised(reference, x64, cos.to(F64), sin.to(F64))
+    torch.testing.assert_close(got.to(F64), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
+
+
+def test_torch_path_has_a_second_derivative():
+    """The PyTorch path is plain torch ops (fp64 takes it): gradgradcheck proves its second derivative."""
+    cos, sin = (t.to(F64) for t in angles(1, 3, 4))
+    x = torch.randn(1, 3, 2, 4, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda x: apply_rotary(x, cos, sin), (x,))

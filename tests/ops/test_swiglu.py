@@ -36,3 +36,24 @@ def test_swiglu_rejects_bad_inputs():
         swiglu(gate, gate.half())
     with pytest.raises(ValueError, match="gate: expected float16"):
         swiglu(gate.int(), gate.int())
+
+
+def test_swiglu_torch_path_has_a_second_derivative():
+    """The PyTorch path is plain torch ops: a gradient penalty through it is exact."""
+    gate, up = (torch.randn(2, 6, dtype=F64).requires_grad_() for _ in range(2))
+    with use_backend("torch"):
+        assert torch.autograd.gradgradcheck(swiglu, (gate, up))
+
+
+@pytest.mark.triton
+def test_swiglu_double_backward_raises(device):
+    """The kernel's backward has no graph: a penalty on its gradient (even under h.sum()'s constant incoming
+    gradient) raised nothing and silently lost its dependence on the inputs. It must raise, first order unchanged."""
+    gate, up = (torch.randn(3, 40, device=device).requires_grad_() for _ in range(2))
+    h = swiglu(gate, up)
+    dg, du = torch.autograd.grad(h.sum(), (gate, up), create_graph=True)
+    want = torch.autograd.grad(swiglu(gate, up).sum(), (gate, up))
+    for got, w in zip((dg, du), want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="swiglu: cannot differentiate twice"):
+        (h.sum() + dg.square().sum()).backward()

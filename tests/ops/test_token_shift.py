@@ -103,3 +103,26 @@ def test_rejects_bad_inputs(change, match):
     args = dict(x=torch.randn(B, T, H, 4), alpha_logit=torch.randn(B, T, H), prev=None, reset=None) | change
     with pytest.raises(ValueError, match=match):
         token_shift(args["x"], args["alpha_logit"], prev=args["prev"], reset=args["reset"])
+
+
+def test_torch_path_has_a_second_derivative():
+    """The PyTorch path is plain torch ops: gradgradcheck proves its second derivative (x, alpha_logit, prev)."""
+    x, alpha_logit, prev, reset = inputs(4, True)
+    leaves = [t.requires_grad_() for t in (x, alpha_logit, prev)]
+    assert torch.autograd.gradgradcheck(lambda x, a, p: token_shift(x, a, prev=p, reset=reset), leaves)
+
+
+@pytest.mark.triton
+def test_double_backward_raises(device):
+    """The kernel's backward has no graph: a penalty on its gradient (even under y.sum()'s constant incoming
+    gradient) raised nothing and silently lost its dependence on the inputs. It must raise, first order unchanged."""
+    x, alpha_logit, prev, reset = (None if t is None else t.float() if t.is_floating_point() else t
+                                   for t in inputs(16, True, device=device))
+    leaves = [t.requires_grad_() for t in (x, alpha_logit, prev)]
+    y = token_shift(x, alpha_logit, prev=prev, reset=reset)
+    grads = torch.autograd.grad(y.sum(), leaves, create_graph=True)
+    want = torch.autograd.grad(token_shift(x, alpha_logit, prev=prev, reset=reset).sum(), leaves)
+    for got, w in zip(grads, want):
+        torch.testing.assert_close(got, w, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="token_shift: cannot differentiate twice"):
+        (y.sum() + sum(g.square().sum() for g in grads)).backward()

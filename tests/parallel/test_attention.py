@@ -175,6 +175,36 @@ def _halo(rank, world):
                            shard_sequence(torch.arange(T), dim=0, layout=layout))
 
 
+def _double_backward(rank, world):
+    """A gradient penalty differentiates cp_forgetting_attention's and previous_tokens' backward, which have no
+    derivative (detached block gradients, received buffers): their gradients came back without a graph, or with
+    only part of it, and the penalty silently lost its dependence on the inputs. They must raise on every rank,
+    first order unchanged."""
+    from foxlm.parallel import cp_forgetting_attention, shard_sequence
+
+    q, k, v, log_f, _ = _inputs(1, 4 * world, 2, 2, 8, 8, torch.float64, 0)
+    local = [shard_sequence(t, dim=1).requires_grad_() for t in (q, k, v, log_f)]
+    o = cp_forgetting_attention(*local)
+    grads = torch.autograd.grad(o.sum(), local, create_graph=True)
+    for got, want in zip(grads, torch.autograd.grad(cp_forgetting_attention(*local).sum(), local)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="cp_forgetting_attention: cannot differentiate twice"):
+        (o.sum() + sum(g.square().sum() for g in grads)).backward()
+
+    from foxlm.parallel import previous_tokens
+
+    # previous_tokens' backward adds the gradients other ranks send, which come without a graph: a penalty lost
+    # their dependence on x (the local ones kept theirs, so nothing raised)
+    for layout in ("zigzag", "contiguous"):
+        x = shard_sequence(torch.randn(2, 4 * world, 3, dtype=torch.float64), dim=1, layout=layout).requires_grad_()
+        prev = previous_tokens(x, layout=layout)
+        (dx,) = torch.autograd.grad(prev.square().sum(), x, create_graph=True)
+        (want,) = torch.autograd.grad(previous_tokens(x, layout=layout).square().sum(), x)
+        torch.testing.assert_close(dx, want, rtol=0, atol=0)
+        with pytest.raises(RuntimeError, match="previous_tokens: cannot differentiate twice"):
+            (prev.sum() + dx.square().sum()).backward()
+
+
 def _errors(rank, world):
     from foxlm.parallel import (
         cp_forgetting_attention,
@@ -357,3 +387,7 @@ def test_four_processes_token_shift_and_positions(tmp_path):
 def test_errors_are_named(tmp_path):
     _spawn(tmp_path, 2, "_errors")
 
+
+
+def test_two_processes_double_backward_raises(tmp_path):
+    _spawn(tmp_path, 2, "_double_backward")

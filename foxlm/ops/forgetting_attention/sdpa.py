@@ -19,8 +19,8 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
+from ..autograd import first_order_only
 from ..checks import check_qkv
 from .denormals import flush_denormals
 from .gate import segment_ids
@@ -121,7 +121,7 @@ class _SdpaAttention(torch.autograd.Function):
         return o[..., :v.shape[-1]].to(q.dtype).contiguous(), lse.float()
 
     @staticmethod
-    @once_differentiable  # the kernel's backward has none: differentiating it raises, not a failure inside it
+    @first_order_only("forgetting_attention")  # the kernel's backward has none: differentiating it raises
     def backward(ctx, do, dlse):
         q, kp, vp, o, lse, c_q, c_k, row_start = ctx.saved_tensors
         if ctx.gqa:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 import triton
-from torch.autograd.function import once_differentiable
 
+from ..autograd import first_order_only
 from ..backend import block_dim, interpreted, require_runnable
 from .gate import gate_cumsum, reverse_cumsum, segment_ids
 from .triton_kernels import (
@@ -386,7 +386,7 @@ class _EagerAttention(torch.autograd.Function):
         return output[:2]  # o, lse
 
     @staticmethod
-    @once_differentiable  # the kernels write the gradients without a graph: a second derivative must raise, not be 0
+    @first_order_only("forgetting_attention")  # the kernels write the gradients without a graph
     def backward(ctx, do, dlse):
         if do is None:  # a loss of lse alone
             do = torch.zeros_like(ctx.saved_tensors[3])  # o's

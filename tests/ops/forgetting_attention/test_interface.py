@@ -423,16 +423,18 @@ def test_callers_denormal_mode_is_restored(flush):
     assert (tiny == 0.0) == flush
 
 
-def test_double_backward_raises_a_clear_error():
+@pytest.mark.parametrize("power", [1, 2])
+def test_double_backward_raises_a_clear_error(power):
     """A gradient penalty differentiates the op's backward, which is not differentiable: the first-order gradient
     with create_graph=True is the plain one, and differentiating it raises, rather than failing inside the backward
-    with an error about out= arguments."""
+    with an error about out= arguments, or (power 1: o.sum()'s constant incoming gradient) coming back without a
+    graph, so that the penalty silently lost its dependence on the inputs."""
     q, k, v, log_f = (t.requires_grad_() for t in _inputs(1, 20, 20, 2, 1, 8))
     o = forgetting_attention(q, k, v, log_f)
-    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_f).square().sum(), q)
+    (dq,) = torch.autograd.grad(o.pow(power).sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_f).pow(power).sum(), q)
     torch.testing.assert_close(dq, want, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="forgetting_attention: cannot differentiate twice"):
         (o.sum() + dq.square().sum()).backward()
 
 
@@ -446,6 +448,17 @@ def test_output_is_contiguous_as_flash_attn_s(dtype, grad):
     o = forgetting_attention(q, k, v, log_f)
     assert o.is_contiguous()
     o.view(1, 12, -1)
+
+
+def test_compiled_ops_double_backward_raises():
+    """Under the compiler the op is the custom op foxlm::attention_from_cumsum, whose backward is a custom op with no
+    autograd of its own: a second derivative through it raises (torch.library's error), even from o.sum()."""
+    q, k, v, log_f = (t.requires_grad_() for t in _inputs(1, 12, 12, 2, 2, 8))
+    c = log_f.cumsum(1)
+    o = torch.ops.foxlm.attention_from_cumsum(q, k, v, c, c, None, None, 0.5, 0, None, True)[0]
+    (dq,) = torch.autograd.grad(o[..., :8].sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        dq.square().sum().backward()
 
 
 def test_lse_gradient_flows():

@@ -625,17 +625,28 @@ def test_gradients_when_one_output_is_unused(used):
         assert err < 2e-5, f"{name}: relative error {err:.2e}"
 
 
-def test_double_backward_raises_instead_of_dropping_the_second_order_term():
+@pytest.mark.parametrize("power", [1, 2])
+def test_double_backward_raises_instead_of_dropping_the_second_order_term(power):
     """A gradient penalty differentiates the kernels' backward, which is not differentiable: its gradient came back
     without a graph, so a loss of o plus the penalty silently lost the penalty's dependence on the inputs. It must
-    raise instead, with the first-order gradient unchanged."""
+    raise instead, with the first-order gradient unchanged, also under o.sum()'s constant incoming gradient."""
     q, k, v, log_fgate = _inputs(1, 20, 20, 2, 1, 16, 16)
     o = forgetting_attention(q, k, v, log_fgate)
-    (dq,) = torch.autograd.grad(o.square().sum(), q, create_graph=True)
-    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_fgate).square().sum(), q)
+    (dq,) = torch.autograd.grad(o.pow(power).sum(), q, create_graph=True)
+    (want,) = torch.autograd.grad(forgetting_attention(q, k, v, log_fgate).pow(power).sum(), q)
     torch.testing.assert_close(dq, want, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
+    with pytest.raises(RuntimeError, match="forgetting_attention: cannot differentiate twice"):
         (o.sum() + dq.square().sum()).backward()
+
+
+def test_compiled_ops_double_backward_raises():
+    """Under the compiler the op is the custom op foxlm::forgetting_attention_fwd, whose backward is a custom op with
+    no autograd of its own: a second derivative through it raises (torch.library's error), even from o.sum()."""
+    q, k, v, log_fgate = _inputs(1, 20, 20, 2, 1, 16, 16)
+    o = torch.ops.foxlm.forgetting_attention_fwd(q, k, v, log_fgate, 0.25, None, None, None, None)[0]
+    (dq,) = torch.autograd.grad(o.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        dq.square().sum().backward()
 
 
 @pytest.mark.parametrize("scale", [-1.0, 0.0])
