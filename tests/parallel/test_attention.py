@@ -67,11 +67,14 @@ def _worker(rank: int, world: int, init: str, body: str) -> None:
 
 
 def _spawn(tmp_path, world: int, body: str) -> None:
-    # fork: the workers start with torch and foxlm already imported (seconds each under spawn); one intra-op
-    # thread in each, as DataLoader workers do, keeps OpenMP safe after the fork
-    # a deadline: a rank left waiting in a collective fails the test instead of hanging it
+    # forkserver, not fork: where CUDA is present, a process that has run a backward has started autograd's device
+    # threads, and autograd refuses to run in a child forked from it ("Unable to handle autograd's threading in
+    # combination with fork-based multiprocessing"); the server is a fresh process that imports torch and foxlm
+    # once (seconds each under spawn), and the workers fork from it. One intra-op thread in each worker.
+    # A deadline: a rank left waiting in a collective fails the test instead of hanging it.
+    mp.get_context("forkserver").set_forkserver_preload(["torch", "foxlm.parallel", "foxlm.models"])
     ctx = mp.start_processes(_worker, args=(world, str(tmp_path / "rendezvous"), body), nprocs=world, join=False,
-                             start_method="fork")
+                             start_method="forkserver")
     deadline = time.monotonic() + TIMEOUT_S
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
