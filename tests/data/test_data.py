@@ -160,6 +160,23 @@ def test_byte_tokenizer():
     assert (tok.vocab_size, tok.eot_id) == (257, 256)
 
 
+def test_json_gpt2_decodes_every_prefix_to_printable_text():
+    """A generation stops anywhere: between the two escapes of a character past the BMP, or inside a later escape.
+    Each prefix decodes to text UTF-8 can write (half a character is U+FFFD, as a cut UTF-8 character decodes), with
+    whatever is whole as itself."""
+    tok = get_tokenizer("json-gpt2")
+    text = '🦊 a"b\\ é'
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    prefixes = [tok.decode(ids[:k]) for k in range(len(ids))]
+    for prefix in prefixes:
+        prefix.encode("utf-8")  # no lone surrogate
+        assert text.startswith(prefix.rstrip("\ufffd"))
+    assert "\ufffd" in prefixes[4] and prefixes[-1] == text[:-1]  # half the fox; the é escape cut off
+    bpe = tok._bpe  # ids a model may sample: raw non-ASCII text next to a cut escape
+    assert tok.decode(bpe.encode("café 日本 \\u00")) == "café 日本 "
+
+
 def test_tokenizer_bad_name():
     with pytest.raises(ValueError, match="tokenizer"):
         get_tokenizer("no-such-tokenizer")
