@@ -228,9 +228,13 @@ class JSONGPT2Tokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         text = self._bpe.decode(ids)
         try:
-            return json.loads(f'"{text}"')
+            text = json.loads(f'"{text}"')
         except json.JSONDecodeError:  # a cut escape (e.g. generation stopped inside \\u00e9): unescape what is whole
-            return text.encode("utf-8").decode("unicode_escape", "ignore")
+            # (backslashreplace: a character past Latin-1 passes unicode_escape as itself, not as its UTF-8 bytes)
+            text = text.encode("latin-1", "backslashreplace").decode("unicode_escape", "ignore")
+        # a character past the BMP is two \\u escapes: pair them (unicode_escape does not), and make half of one
+        # (cut between them) U+FFFD as a cut UTF-8 character decodes, not a lone surrogate that print() cannot write
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
     def spec(self) -> dict:
         return {**self._bpe.spec(), "name": self.name}

