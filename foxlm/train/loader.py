@@ -9,7 +9,9 @@ parallelism (``cp_size > 1``) the processes of one share each take their zigzag 
   ``<|endoftext|>``; attention runs across them, as in GPT-2/nanoGPT training).
 - ``documents``: the documents, shuffled per epoch, are laid end to end and cut into rows of ``seq_len``; a
   micro-batch is one packed row ``[1, rows * seq_len]`` with ``cu_seqlens`` at every document and row start, so
-  no token attends across a document, and the first token of each segment is not a target.
+  no token attends across a document. A row's first token is not a target; a document's opening
+  ``<|endoftext|>`` is the target of the previous document's last token in the same row (the end of that document,
+  which a model must learn to generate), the only one that crosses a segment.
 """
 
 from __future__ import annotations
@@ -151,6 +153,8 @@ class TokenLoader:
             return Batch(ids, labels, None, ids.shape[0] * (ids.shape[1] - 1))
         starts = [i * self.seq_len + s for i, (_, row_starts) in enumerate(rows) for s in row_starts]
         ids, labels = ids.view(1, -1), labels.view(1, -1)
-        labels[0, starts] = -100  # position start-1 must not predict a token of another segment
+        # a row's last token must not predict the next row's first; within a row a segment opens a document with
+        # <|endoftext|>, the previous document's end: its last token learns to end it (as an EOS target in HF)
+        labels[0, torch.arange(len(rows)) * self.seq_len] = -100
         cu = torch.tensor(starts + [ids.shape[1]], dtype=torch.int32)
-        return Batch(ids, labels, cu, ids.shape[1] - len(starts))
+        return Batch(ids, labels, cu, ids.shape[1] - len(rows))

@@ -35,8 +35,9 @@ def test_loader_deterministic_and_split_over_processes(byte_data, packing):
         assert b.input_ids.shape == (1, 96) and b.cu_seqlens.dtype == torch.int32
         cu = b.cu_seqlens.tolist()
         assert cu[0] == 0 and cu[-1] == 96 and {0, 48} <= set(cu)  # rows are segments too
-        assert b.num_targets == int((b.labels[0, 1:] != -100).sum()) == 96 - (len(cu) - 1)
-        assert (b.labels[0, cu[1:-1]] == -100).all()  # no target across a segment start
+        assert b.num_targets == int((b.labels[0, 1:] != -100).sum()) == 96 - 2
+        # across a segment start the only target is a document's end: the next document's <|endoftext|>
+        assert (b.labels[0, [48]] == -100).all() and (b.labels[0, [c for c in cu[1:-1] if c != 48]] == eot).all()
         for s, e in zip(cu[:-1], cu[1:]):  # documents open with <|endoftext|> and have none inside
             assert (b.input_ids[0, s + 1:e] != eot).all()
         starts = (b.input_ids[0] == eot).nonzero().view(-1).tolist()

@@ -32,36 +32,47 @@ def test_non_finite_loss_skips_then_stops(byte_data, tmp_path):
                                      for r in skipped)
 
 
-@pytest.fixture(scope="module")
-def three_token_docs(tmp_path_factory):
-    """Documents of 3 byte tokens (<|endoftext|> a b): packed into rows of 2 tokens, every third row is "b <eot>",
-    a document's last token and the next one's first, so no token of that row is a target."""
-    from foxlm.data.prepare import prepare
+def _ignore_labels(trainer: Trainer, steps: set[int], rows: slice) -> None:
+    """Make the trainer's loader ignore, at ``steps`` (0-based), the labels of ``rows`` of its last micro-batch:
+    the loader itself never makes a micro-batch without a target (a row of two tokens or more has one), but a
+    user's data through the same trainer may (every label ignored)."""
+    real = trainer.loader.batch
 
-    folder = tmp_path_factory.mktemp("three")
-    (folder / "docs.jsonl").write_text('{"text": "ab"}\n' * 60)
-    prepare([folder / "docs.jsonl"], folder / "data", tokenizer="byte", val_fraction=0.2, workers=0, progress=False)
-    return folder / "data"
+    def batch(step: int):
+        micro = real(step)
+        if step in steps:
+            b = micro[-1]
+            labels = b.labels.clone()
+            labels[rows] = -100
+            micro[-1] = dataclasses.replace(b, labels=labels, num_targets=int((labels[:, 1:] != -100).sum()))
+        return micro
+
+    trainer.loader.batch = batch
 
 
-def test_a_micro_batch_without_targets_adds_nothing_to_the_step(three_token_docs, tmp_path):
+def test_a_micro_batch_without_targets_adds_nothing_to_the_step(byte_data, tmp_path):
     """Steps 1 and 3 hold a micro-batch whose labels are all ignored: the step's loss is the sum over its targets
-    over their count, as in one micro-batch (no NaN, no skipped step)."""
-    extra = ["seq_len=2", "batch_size=2", "packing=documents", "max_steps=3", "eval_every=0", "warmup_steps=0"]
-    split = Trainer(tiny_config(three_token_docs, tmp_path / "split", *extra, "micro_batch_size=1"))
-    assert [[b.num_targets for b in split.loader.batch(s)] for s in range(3)] == [[1, 0], [1, 1], [0, 1]]
+    over their count, as in one micro-batch holding the same targets (no NaN, no skipped step)."""
+    extra = ["seq_len=8", "batch_size=2", "packing=windows", "max_steps=3", "eval_every=0", "warmup_steps=0"]
+    split = Trainer(tiny_config(byte_data, tmp_path / "split", *extra, "micro_batch_size=1"))
+    _ignore_labels(split, {0, 2}, slice(None))
+    assert [[b.num_targets for b in split.loader.batch(s)] for s in range(3)] == [[7, 0], [7, 7], [7, 0]]
     assert train(split)["bad_steps"] == 0
-    train(tiny_config(three_token_docs, tmp_path / "whole", *extra))
-    whole, parts = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "split")
-    assert whole.keys() == parts.keys() == {1, 2, 3}
-    assert all(math.isfinite(parts[k]) and parts[k] == pytest.approx(whole[k], rel=1e-5) for k in whole)
+    whole = Trainer(tiny_config(byte_data, tmp_path / "whole", *extra))
+    _ignore_labels(whole, {0, 2}, slice(1, None))  # its second row: the split's second micro-batch
+    assert [[b.num_targets for b in whole.loader.batch(s)] for s in range(3)] == [[7], [14], [7]]
+    train(whole)
+    w, parts = logged_losses(tmp_path / "whole"), logged_losses(tmp_path / "split")
+    assert w.keys() == parts.keys() == {1, 2, 3}
+    assert all(math.isfinite(parts[k]) and parts[k] == pytest.approx(w[k], rel=1e-5) for k in w)
 
 
-def test_a_step_without_targets_is_skipped_with_a_warning(three_token_docs, tmp_path, capsys):
+def test_a_step_without_targets_is_skipped_with_a_warning(byte_data, tmp_path, capsys):
     """A global batch whose labels are all ignored has no loss: the step leaves the model and optimizer as they were,
     logs a warning and no loss, is not a bad step, and the run goes on (it crashed dividing by 0 targets)."""
-    extra = ["seq_len=2", "batch_size=1", "packing=documents", "max_steps=3", "eval_every=0", "warmup_steps=0"]
-    trainer = Trainer(tiny_config(three_token_docs, tmp_path / "steps", *extra))
+    extra = ["seq_len=8", "batch_size=1", "packing=documents", "max_steps=3", "eval_every=0", "warmup_steps=0"]
+    trainer = Trainer(tiny_config(byte_data, tmp_path / "steps", *extra))
+    _ignore_labels(trainer, {1}, slice(None))
     assert [b.num_targets for b in trainer.loader.batch(1)] == [0]
     trainer.start()
     try:
@@ -75,7 +86,9 @@ def test_a_step_without_targets_is_skipped_with_a_warning(three_token_docs, tmp_
     assert record["skipped"] and "loss" not in record and trainer.bad_steps == 0 and trainer.step == 2
     assert all(torch.equal(p, q) for p, q in zip(before, params))
     assert all(torch.equal(v, trainer.optimizer.state[params[0]][k]) for k, v in moments.items())
-    summary = train(tiny_config(three_token_docs, tmp_path / "run", *extra))
+    run = Trainer(tiny_config(byte_data, tmp_path / "run", *extra))
+    _ignore_labels(run, {1}, slice(None))
+    summary = train(run)
     assert summary["step"] == 3 and summary["bad_steps"] == 0 and math.isfinite(summary["loss"])
     assert "warning: step 2: no target in the batch (every label ignored), step skipped" in capsys.readouterr().err
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
