@@ -96,8 +96,16 @@ def read_model_weights(folder: str | os.PathLike, arg: str = "path") -> dict[str
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     files = index_shards(index, arg) if index.is_file() else ["model.safetensors"]
-    weights = {}
+    weights: dict[str, torch.Tensor] = {}
     for name in files:
         with reading_weights(folder / name, arg):
-            weights.update(load_file(str(folder / name)))
+            add_shard(weights, load_file(str(folder / name)), folder / name, arg)
     return weights
+
+
+def add_shard(weights: dict[str, torch.Tensor], part: dict[str, torch.Tensor], path: Path, arg: str) -> None:
+    """Add a shard's tensors to ``weights``, refusing (naming ``arg``) a tensor an earlier shard holds too: which of
+    the two a model gets would depend on the order the shards are read in."""
+    if (twice := sorted(part.keys() & weights.keys())):
+        raise ValueError(f"{arg}: {twice[0]} is in {path} and in an earlier shard; {DAMAGED_MODEL}")
+    weights.update(part)

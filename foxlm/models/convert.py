@@ -15,7 +15,7 @@ import torch
 
 from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
 from ..checkpoint.manifest import verify_model_folder, write_manifest
-from ..checkpoint.weights import DAMAGED_MODEL, index_shards, reading_weights
+from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights
 from .card import write_model_card
 from .configuration_fox import FoxConfig
 from .state_dict_adapter import FORMATS, authors_config, fla_config, foxlm_to_authors, peer_to_foxlm, to_authors_config
@@ -52,9 +52,7 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
                 part = load(folder / shard)
             if not isinstance(part, dict) or not all(isinstance(t, torch.Tensor) for t in part.values()):
                 raise ValueError(f"src: {folder / shard} holds no state dict (a dict of tensors)")
-            if (twice := sorted(part.keys() & weights.keys())):
-                raise ValueError(f"src: {twice[0]} is in {folder / shard} and in an earlier shard; {DAMAGED_MODEL}")
-            weights.update(part)
+            add_shard(weights, part, folder / shard, "src")
         return config, weights
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
 

@@ -204,6 +204,20 @@ def test_init_from_a_sharded_folder_reads_only_the_shards_its_index_names_there(
         assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"init_from={hub}"]) == 2
         err = capsys.readouterr().err
         assert "Traceback" not in err and f"init_from: {hub}" in err and message in err, err
+    # two shards holding one tensor: which a model got depended on the order they were read in
+    from safetensors.torch import load_file, save_file
+
+    first = hub / "model-00001-of-00001.safetensors"
+    tensors = load_file(first)
+    name = sorted(tensors)[0]
+    save_file({name: tensors[name] + 1}, hub / "model-00002-of-00002.safetensors")
+    index.write_text(json.dumps({"weight_map": {**{k: first.name for k in tensors},
+                                                "extra": "model-00002-of-00002.safetensors"}}))
+    capsys.readouterr()
+    assert main(["train", *TINY, f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"init_from={hub}"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"init_from: {name} is in {hub / 'model-00002-of-00002.safetensors'} and in " \
+        "an earlier shard" in err, err
     assert not (tmp_path / "new" / "checkpoints").exists()
 
 
