@@ -106,10 +106,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         cos, sin: [B or 1, T, D/2] fp32 (fp64 for the fp64 reference) cosines and sines of each token's angles.
 
     Returns:
-        y: [B, T, H, D] contiguous, in x's dtype, computed in cos's dtype. Differentiable in x.
+        y: [B, T, H, D] contiguous, in x's dtype, computed in cos's dtype. Differentiable in x, and in cos and sin
+        where they require grad (learned angles: the PyTorch path then runs, the kernel has no gradient for them).
     """
     _validate(x, cos, sin)
-    if use_triton(x) and cos.dtype == torch.float32 and not torch.compiler.is_compiling():
+    angles_grad = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    if use_triton(x) and cos.dtype == torch.float32 and not angles_grad and not torch.compiler.is_compiling():
         require_runnable(_rotary_kernel, x, "x")
         return _Rotary.apply(x, cos.contiguous(), sin.contiguous())
     return _rotary_torch(x, cos, sin)

@@ -100,6 +100,21 @@ def test_gradient_penalty_matches_fp64(backend, device):
     torch.testing.assert_close(got.to(F64), want, atol=1e-5 * want.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])  # no kernel runs: learned angles take the PyTorch path
+def test_learned_angles_get_their_gradient(backend, device):
+    """cos and sin that require grad (learned angles) get the fp64 reference's gradient on every backend: the
+    kernel's backward returned none for them, silently, where the PyTorch path gave one."""
+    cos, sin = (t.to(device).requires_grad_() for t in angles(2, 7, 8))
+    x = torch.randn(2, 7, 3, 8, device=device, requires_grad=True)
+    dy = torch.randn(2, 7, 3, 8, device=device)
+    with use_backend(backend):
+        got = torch.autograd.grad(apply_rotary(x, cos, sin), (x, cos, sin), dy)
+    ref = [t.detach().to(F64).requires_grad_() for t in (x, cos, sin)]
+    want = torch.autograd.grad(reference(*ref), ref, dy.to(F64))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g.to(F64), w, atol=1e-5 * w.abs().max().item(), rtol=1e-5)
+
+
 def test_torch_path_has_a_second_derivative():
     """The PyTorch path is plain torch ops (fp64 takes it): gradgradcheck proves its second derivative."""
     cos, sin = (t.to(F64) for t in angles(1, 3, 4))
