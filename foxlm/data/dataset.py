@@ -41,6 +41,8 @@ class ShardedTokens:
             end = min(stop, int(self.starts[s + 1]))
             parts.append(self.shards[s][pos - self.starts[s]:end - self.starts[s]])
             pos = end
+        if not parts:  # an empty slice, as a memmap gives it
+            return np.zeros(0, dtype=self.dtype)
         return np.concatenate(parts) if len(parts) != 1 else np.asarray(parts[0])
 
     def __array__(self, dtype=None, copy=None):

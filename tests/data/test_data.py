@@ -381,6 +381,8 @@ def test_prepare_sharding_and_workers_agree(tmp_path, plays):
     assert np.array_equal(a.doc_offsets, b.doc_offsets)
     lo = rng.randrange(len(a.tokens) - 5000)
     assert np.array_equal(a.tokens[lo:lo + 5000], b.tokens[lo:lo + 5000])  # slices across shard edges
+    for empty in (slice(lo, lo), slice(lo + 7, lo), slice(len(a.tokens), None)):  # as one shard's memmap gives them
+        assert b.tokens[empty].shape == a.tokens[empty].shape == (0,) and b.tokens[empty].dtype == a.tokens.dtype
     with pytest.raises(FileExistsError, match="out_dir"):
         prepare([tmp_path / "a"], tmp_path / "one", tokenizer="byte", workers=0, progress=False)
     shard = tmp_path / "many" / many["splits"]["train"]["shards"][1]["tokens"]
