@@ -146,9 +146,10 @@ def test_a_damaged_safetensors_is_one_line_in_every_command(tmp_path, model_fold
                        "model.num_attention_heads=2", "model.intermediate_size=64", "device=cpu", "seq_len=4",
                        "batch_size=1", "max_steps=1", "progress=false", "sample_tokens=0"),
     }
+    names = {"generate": "MODEL", "convert": "src", "eval loss": "CHECKPOINT", "train": "init_from"}  # the argument
     for command, run in runs.items():
         line = one_line_error(run, command)
-        assert f"{bad}" in line and "is damaged or not a weights file" in line, (command, line)
+        assert f"{names[command]}: {bad}" in line and "is damaged or not a weights file" in line, (command, line)
 
 
 def test_a_pickle_that_weights_only_refuses_is_one_line_and_runs_nothing(tmp_path, model_folder):

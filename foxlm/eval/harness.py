@@ -83,7 +83,8 @@ class FoxLM(HFLM):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16', 'float16' or 'auto' (the saved weights'), "
                              f"got {dtype!r}")
         # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
-        model = load_checkpoint_model(pretrained, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+        model = load_checkpoint_model(pretrained, "pretrained",
+                                      dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         model = model.to(dev).eval()
         try:  # the one `foxlm train` recorded, else GPT-2 BPE
             tok = _as_hf(model_tokenizer(model.config, tokenizer, what=pretrained))

@@ -34,8 +34,8 @@ def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module
     from foxlm.models import load_checkpoint_model
 
     if not Path(path).exists():
-        raise ValueError(f"checkpoint: {path} does not exist (expected a run, checkpoint or save_pretrained dir)")
-    return load_checkpoint_model(path).to(device).eval()
+        raise ValueError(f"CHECKPOINT: {path} does not exist (expected a run, checkpoint or save_pretrained dir)")
+    return load_checkpoint_model(path, "CHECKPOINT").to(device).eval()
 
 
 def run_train_length(checkpoint: str | os.PathLike) -> int | None:

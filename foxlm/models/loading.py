@@ -9,9 +9,9 @@ from ..checkpoint.files import read_json
 from ..checkpoint.weights import DAMAGED_MODEL, reading_weights, resolve_model_dir
 
 
-def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
+def load_checkpoint_model(path: str | os.PathLike, arg: str = "path", **from_pretrained_kwargs):
     """The causal LM (``FoxForCausalLM``, or any model registered with ``AutoModelForCausalLM``) of a run folder, a
-    checkpoint folder or a ``save_pretrained`` folder."""
+    checkpoint folder or a ``save_pretrained`` folder. ``arg``: what errors call ``path`` (a command's argument)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
@@ -21,14 +21,14 @@ def load_checkpoint_model(path: str | os.PathLike, **from_pretrained_kwargs):
     from .hf import config_class
 
     register_auto_classes()
-    folder = resolve_model_dir(path)
+    folder = resolve_model_dir(path, arg)
     model_type = read_json(folder / "config.json", DAMAGED_MODEL).get("model_type")
     fla_arch = next((arch for arch in FLA if MODEL_TYPES[arch] == model_type), None)
     if fla_arch is not None:  # importing fla registers its models with the Auto classes
         require_fla(fla_arch)
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"path: {folder}/config.json has model_type {model_type!r}, which no installed library "
+        raise ValueError(f"{arg}: {folder}/config.json has model_type {model_type!r}, which no installed library "
                          f"registers with AutoModelForCausalLM")
     config = config_class(model_type).from_pretrained(folder)
-    with reading_weights(folder, "path"):
+    with reading_weights(folder, arg):
         return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)
