@@ -32,8 +32,9 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     problem = verify_checkpoint(ckpt)
     if problem is not None:
         raise ValueError(f"src: checkpoint {ckpt}: {problem}; refusing to export it")
-    if dst.exists():
-        raise FileExistsError(f"dst: {dst} exists; export into a new folder")
+    if dst.exists() or dst.is_symlink():  # a dangling link too: the final rename could not replace it
+        raise FileExistsError(f"dst: {dst} exists{' (a link to a missing path)' if not dst.exists() else ''}; "
+                              f"export into a new folder")
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(dst, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a killed export's, whose PID this process has now

@@ -35,9 +35,10 @@ def test_the_folders_the_readme_hands_to_transformers_load(byte_data, tmp_path):
 
 
 
-def test_a_checkpoint_copied_under_another_name_exports(byte_data, tmp_path):
+def test_a_checkpoint_copied_under_another_name_exports(byte_data, tmp_path, capsys):
     """A checkpoint folder the user copied and renamed ("best") is still a checkpoint: its manifest records its
-    step (this was refused as "not a step_NNNNNNN folder", an error naming no argument)."""
+    step (this was refused as "not a step_NNNNNNN folder", an error naming no argument). A destination that is a
+    dangling link is refused up front, in one line."""
     import shutil
 
     from foxlm.cli import main
@@ -45,6 +46,12 @@ def test_a_checkpoint_copied_under_another_name_exports(byte_data, tmp_path):
     run = tmp_path / "run"
     train(tiny_config(byte_data, run, "max_steps=2", "save_every=2"))
     shutil.copytree(latest_valid_checkpoint(run), tmp_path / "best")
+    (tmp_path / "link").symlink_to(tmp_path / "missing")  # a dangling link: was a raw OSError after the whole copy
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "best"), str(tmp_path / "link")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and f"dst: {tmp_path / 'link'} exists (a link to a missing path)" in err, err
+    assert (tmp_path / "link").is_symlink() and not (tmp_path / "missing").exists()
     assert main(["export", str(tmp_path / "best"), str(tmp_path / "export")]) == 0
     assert "from step 2 of" in (tmp_path / "export" / "README.md").read_text()
     exported = load_checkpoint_model(tmp_path / "export")
