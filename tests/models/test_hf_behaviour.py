@@ -311,7 +311,8 @@ def test_generate_with_output_attentions_as_llama_sdpa():
 
 def test_saved_tokenizer_names_a_class_transformers_4_and_5_load(tmp_path):
     """tokenizer_config.json names PreTrainedTokenizerFast, not transformers 5's TokenizersBackend, which
-    AutoTokenizer of transformers 4.57 (inside the declared floor) cannot load; transformers 5 loads it as before."""
+    AutoTokenizer of transformers 4.57 cannot load (a saved tokenizer goes to environments without foxlm, which itself
+    needs transformers 5); transformers 5 loads it as before."""
     from transformers import AutoTokenizer
 
     from foxlm.data import get_tokenizer
