@@ -364,27 +364,27 @@ def check_tokenizer(tok: Tokenizer, spec: dict, what: str = "tokenizer") -> None
 
 
 def model_tokenizer(config, name: str | None = None, what: str = "model",
-                    folder: str | os.PathLike | None = None) -> Tokenizer:
+                    folder: str | os.PathLike | None = None, flag: str = "--tokenizer") -> Tokenizer:
     """The tokenizer of a model: the one ``foxlm train`` recorded in its config (``foxlm_tokenizer``), from the copy
     in the model's ``folder`` (default: the one it was loaded from) if that holds it, else where it was recorded;
     GPT-2 BPE if the config records none.
 
     ``name`` asks for a tokenizer explicitly; it must then be the recorded one (the same content, wherever its
     folder is). Raises ``ValueError`` when the tokenizer's ids do not fit the model's vocabulary
-    (``config.vocab_size``).
+    (``config.vocab_size``); its advice names ``flag``, how the caller's user passes ``name``.
     """
     spec = getattr(config, "foxlm_tokenizer", None)
     if name is not None:
         tok = get_tokenizer(name)
         if spec is not None and not matches_spec(tok, spec):
             raise ValueError(f"tokenizer: {what} was trained with {spec['name']!r}; {name!r} would give it ids it "
-                             "never saw (leave --tokenizer out to use the recorded one)")
+                             f"never saw (leave {flag} out to use the recorded one)")
     else:
         folder = folder if folder is not None else getattr(config, "_name_or_path", "") or None  # from_pretrained's
         tok = tokenizer_from_spec(spec, [folder] if folder is not None else []) if spec is not None \
             else get_tokenizer("gpt2")
     if tok.vocab_size > config.vocab_size:
         raise ValueError(f"tokenizer: {what} records no tokenizer and {tok.name} ({tok.vocab_size} ids) does not fit "
-                         f"its vocabulary of {config.vocab_size}; pass --tokenizer"
+                         f"its vocabulary of {config.vocab_size}; pass {flag}"
                          if spec is None else f"tokenizer: {tok.name} does not fit {what}'s vocabulary")
     return tok

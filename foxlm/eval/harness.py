@@ -86,12 +86,9 @@ class FoxLM(HFLM):
         model = load_checkpoint_model(pretrained, "pretrained",
                                       dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         model = model.to(dev).eval()
-        try:  # the one `foxlm train` recorded, else GPT-2 BPE
-            tok = _as_hf(model_tokenizer(model.config, tokenizer, what=pretrained))
-        except ValueError as e:  # the command line's advice, in lm-eval's terms
-            if not str(e).endswith("pass --tokenizer"):
-                raise
-            raise ValueError(str(e).removesuffix("--tokenizer") + "tokenizer=NAME_OR_FOLDER in --model_args") from None
+        # the one `foxlm train` recorded, else GPT-2 BPE; lm_eval's command line takes it in --model_args
+        tok = _as_hf(model_tokenizer(model.config, tokenizer, what=pretrained,
+                                     flag="tokenizer=NAME_OR_FOLDER in --model_args"))
         given = kwargs.get("max_length")
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
             # 0 read as "not given" (the training length instead), a negative one went on to lm-eval's truncation
