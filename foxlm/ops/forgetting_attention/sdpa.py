@@ -464,7 +464,10 @@ def _group(t: torch.Tensor, heads: tuple[int, int] | None, hq: int, dtype: torch
     if (h0, h1) != (0, t.shape[2]):
         t = t[:, :, h0:h1]
     t = t if t.dtype == dtype else t.to(dtype)
-    return t if t.shape[-1] == dp else F.pad(t, (0, dp - t.shape[-1]))
+    if t.shape[-1] != dp:
+        return F.pad(t, (0, dp - t.shape[-1]))
+    # The fused kernel reads the head dim with stride 1, whatever the view's stride (a strided one reads other values)
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def _pick(c: torch.Tensor, heads: tuple[int, int] | None, dim: int = 2) -> torch.Tensor:

@@ -450,6 +450,26 @@ def test_output_is_contiguous_as_flash_attn_s(dtype, grad):
     o.view(1, 12, -1)
 
 
+@pytest.mark.parametrize("layout", ["head-dim-stride-2", "expanded"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
+def test_views_with_a_strided_head_dim_match_reference(which, layout):
+    """A q, k or v whose head dim is not stride 1 (every other channel, or a broadcast) gives the reference's result:
+    without a backward to follow, such views went into SDPA's fused CPU kernel as they were, which read the head dim
+    with stride 1 and returned a silently wrong o (errors of order 1)."""
+    q, k, v, log_f = _inputs(2, 24, 24, 2, 2, 8, dtype=torch.float32)
+    x = (q, k, v)[which]
+    if layout == "expanded":
+        view = x[..., :1].expand_as(x)
+    else:
+        view = torch.cat([x, torch.randn_like(x)], -1)[..., ::2]
+    assert view.stride(-1) != 1
+    args = [q, k, v]
+    args[which] = view
+    o = forgetting_attention(*args, log_f)
+    want = forgetting_attention_reference(*(t.double() for t in args), log_f)
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_compiled_ops_double_backward_raises():
     """Under the compiler the op is the custom op foxlm::attention_from_cumsum, whose backward is a custom op with no
     autograd of its own: a second derivative through it raises (torch.library's error), even from o.sum()."""
