@@ -315,6 +315,32 @@ def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) ->
                     ("cache_start", cache_start), ("lengths", lengths)):
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_positions(Tq, k_cache.shape[0], k_cache.shape[1], page_table, cache_start, lengths)
+
+
+def _check_positions(Tq, num_pages, page_size, page_table, cache_start, lengths) -> None:
+    """The values the paths index the cache with, on the CPU (where reading them costs no host sync): out of range,
+    the PyTorch path raised an IndexError and the kernel read other memory (NaN rows, or other sequences' keys)."""
+    capacity = page_table.shape[2] * page_size
+    bad = ((lengths < Tq) | (lengths > capacity)).nonzero()
+    if len(bad):
+        b = int(bad[0, 0])
+        raise ValueError(f"lengths: expected each row's keys, its {Tq} new tokens included, between Tq={Tq} and the "
+                         f"page table's {capacity} slots, got lengths[{b}] = {int(lengths[b])}")
+    first_query_page = (lengths.long() - Tq) // page_size
+    bad = ((cache_start < 0) | (cache_start > first_query_page[:, None])).nonzero()
+    if len(bad):
+        b, h = bad[0].tolist()
+        raise ValueError(f"cache_start: expected a first live page between 0 and the page of row {b}'s first new "
+                         f"token, {int(first_query_page[b])}, got cache_start[{b}, {h}] = {int(cache_start[b, h])}")
+    pages = torch.arange(page_table.shape[2])
+    live = (pages >= cache_start[..., None]) & (pages < (-(-lengths.long() // page_size))[:, None, None])
+    bad = (live & ((page_table < 0) | (page_table >= num_pages))).nonzero()
+    if len(bad):
+        b, h, p = bad[0].tolist()
+        raise ValueError(f"page_table: expected live pages in [0, {num_pages}) (the pool's pages), got "
+                         f"page_table[{b}, {h}, {p}] = {int(page_table[b, h, p])}")
 
 
 def forgetting_attention_decode(
@@ -346,6 +372,11 @@ def forgetting_attention_decode(
 
     Returns:
         o: [B, Tq, Hq, Dv] in q's dtype (and lse).
+
+    On the CPU, lengths outside [Tq, max_pages * page_size], a cache_start past the page of a row's first new token
+    and live page-table entries outside the pool raise a ValueError. On a GPU they are not checked (a check would
+    be a host sync every step, and none may happen while a CUDA graph is captured): such rows get undefined values
+    (NaN, or other pages' keys), and an entry outside the pool may fault.
     """
     _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
