@@ -24,12 +24,14 @@ same math.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from ..backend import block_dim, interpreted, jit, tile_loop, tl, triton, use_triton
 from ..checks import check_dtype
 from .acp import prune_threshold
+from .interface import check_scale
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30
@@ -364,7 +366,7 @@ def forgetting_attention_decode(
         k_cache: [num_pages, page_size, D]; v_cache: [num_pages, page_size, Dv]; c_cache: [num_pages,
             page_size, Hq // Hk] float64 gate cumsums; all three already hold the new tokens.
         page_table: [B, Hk, max_pages] int32; cache_start: [B, Hk] int32 first live page; lengths: [B] int32.
-        scale: logit scale, default 1/sqrt(D).
+        scale: logit scale, default 1/sqrt(D); any finite number.
         window: sliding window: query i sees keys j with i - window < j <= i (None: all).
         num_splits: key splits per (sequence, kv head) on the Triton path; default fills the GPU. Fix it
             (with the shapes) to reuse a captured CUDA graph as the lengths grow.
@@ -381,6 +383,12 @@ def forgetting_attention_decode(
     _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
+    # 0 splits left every row's output NaN, and other non-ints failed deep in the launch
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
+            raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
+        num_splits = int(num_splits)  # a NumPy int too: the launch grid takes an int
+    check_scale(scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
     if use_triton(q):

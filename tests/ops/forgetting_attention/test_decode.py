@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -220,6 +221,31 @@ def test_decode_bad_window_names_the_argument(window):
     start, lengths = torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     with pytest.raises(ValueError, match="window: expected a positive number of tokens"):
         forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, window=window)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+@pytest.mark.parametrize("change, match", [
+    (dict(num_splits=0), "num_splits: expected a positive int"),  # the kernel's rows were NaN
+    (dict(num_splits=-1), "num_splits: expected a positive int"),
+    (dict(num_splits=2.5), "num_splits: expected a positive int"),
+    (dict(num_splits=True), "num_splits: expected a positive int"),
+    (dict(scale=float("nan")), "scale: expected a finite number"),  # every row NaN
+    (dict(scale=True), "scale: expected a finite number"),  # taken as 1.0
+    (dict(scale="0.5"), "scale: expected a finite number"),
+])
+def test_decode_bad_num_splits_or_scale_names_the_argument(backend, change, match):
+    """num_splits and scale get forgetting_attention's one-line errors on either path: 0 splits gave NaN rows on the
+    kernel, other bad splits failed in its launch, and a NaN, bool or string scale was taken as float(scale)."""
+    q = torch.randn(1, 1, 4, 8)
+    kc, vc = torch.randn(8, 4, 8), torch.randn(8, 4, 8)
+    cc = -torch.rand(8, 4, 2, dtype=torch.float64).cumsum(1)
+    pt = torch.arange(6, dtype=torch.int32).reshape(1, 2, 3)
+    start, lengths = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    with use_backend(backend):
+        forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, num_splits=np.int64(2), scale=-0.5)
+        with pytest.raises(ValueError, match=match):
+            forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, **change)
 
 
 def test_decode_output_is_contiguous():
