@@ -301,6 +301,10 @@ def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) ->
         raise ValueError(f"page_table: expected int32 [B={B}, Hk, max_pages] with contiguous pages, "
                          f"got {page_table.dtype} {tuple(page_table.shape)} strides {page_table.stride()}")
     Hk = page_table.shape[1]
+    if 0 in (B, Hq, D, Hk, k_cache.shape[1], v_cache.shape[2]):  # they divide, or size the launch grid
+        raise ValueError(f"q, k_cache, v_cache, page_table: expected at least one batch row, head, head dim, kv head "
+                         f"and page slot, got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)} and "
+                         f"{tuple(page_table.shape)}")
     if Hq % Hk:
         raise ValueError(f"q: its {Hq} heads must be a multiple of the cache's {Hk} kv heads")
     G = Hq // Hk

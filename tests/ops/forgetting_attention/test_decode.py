@@ -248,6 +248,20 @@ def test_decode_bad_num_splits_or_scale_names_the_argument(backend, change, matc
             forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, **change)
 
 
+@pytest.mark.parametrize("shape", [dict(B=0), dict(Hq=0), dict(D=0), dict(Hk=0), dict(page=0)])
+def test_decode_empty_dims_raise_value_error(shape):
+    """An empty batch, head, head dim or page gets a one-line error, as in forgetting_attention (flash_attn refuses
+    an empty batch too): they ended in a RuntimeError of min() or a ZeroDivisionError."""
+    B, Hq, D, Hk, page = (shape.get(n, d) for n, d in (("B", 1), ("Hq", 4), ("D", 8), ("Hk", 2), ("page", 4)))
+    q = torch.randn(B, 1, Hq, D)
+    kc, vc = torch.randn(8, page, D), torch.randn(8, page, 8)
+    cc = torch.zeros(8, page, 2, dtype=torch.float64)
+    pt = torch.zeros(B, Hk, 3, dtype=torch.int32)
+    start, lengths = torch.zeros(B, Hk, dtype=torch.int32), torch.full((B,), 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected at least one batch row, head, head dim, kv head and page slot"):
+        forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths)
+
+
 def test_decode_output_is_contiguous():
     """o is contiguous on the PyTorch path too, as the kernel's and flash_attn_with_kvcache's are: with Tq > 1 it was
     a permuted view, which a port's o.view(B, Tq, -1) refused."""
