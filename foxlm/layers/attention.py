@@ -109,14 +109,18 @@ class ForgettingAttention(nn.Module):
         layer_idx: int = 0,
     ):
         super().__init__()
+        # checked before they divide: 0 heads ended in a ZeroDivisionError, and a bool or float window was kept
+        for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                        ("window", window)):
+            if (n is not None or name == "num_heads") and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name}: expected a positive int{'' if name == 'num_heads' else ' or None'}, "
+                                 f"got {n!r}")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
         if gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {gate!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
-        if window is not None and window < 1:
-            raise ValueError(f"window: expected a positive number of tokens or None, got {window}")
         acp_config = ACPConfig() if acp_config is None else acp_config
         if acp_config.acp and gate == "none":
             raise ValueError("acp_config: pruning needs a forget gate, but gate='none'")

@@ -131,12 +131,16 @@ def test_gates_bias_alibi_none():
 @pytest.mark.parametrize(
     "kwargs,match",
     [(dict(gate="sigmoid"), "gate"), (dict(num_kv_heads=3), "num_kv_heads"), (dict(window=0), "window"),
-     (dict(gate="none", acp_config=ACPConfig(acp=True)), "acp")],
+     (dict(gate="none", acp_config=ACPConfig(acp=True)), "acp"),
+     # a ZeroDivisionError (or a RuntimeError from a negative size) before; a bool or float window was kept
+     (dict(num_heads=0), "num_heads: expected a positive int"), (dict(num_heads=-4), "num_heads"),
+     (dict(num_kv_heads=0), "num_kv_heads: expected a positive int"), (dict(head_dim=0), "head_dim"),
+     (dict(window=True), "window"), (dict(window=2.5), "window")],
 )
 def test_layer_rejects_bad_arguments(kwargs, match):
-    num_kv_heads = kwargs.pop("num_kv_heads", None)
+    num_heads, num_kv_heads = kwargs.pop("num_heads", 4), kwargs.pop("num_kv_heads", None)
     with pytest.raises(ValueError, match=match):
-        ForgettingAttention(32, 4, num_kv_heads, **kwargs)
+        ForgettingAttention(32, num_heads, num_kv_heads, **kwargs)
 
 
 def test_qk_norm_logit_bound_holds_and_acp_changes_little():

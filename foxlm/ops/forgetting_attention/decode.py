@@ -24,12 +24,14 @@ same math.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
 from ..backend import block_dim, interpreted, jit, tile_loop, tl, triton, use_triton
 from ..checks import check_dtype
 from .acp import prune_threshold
+from .interface import check_scale
 
 _LOG2E = 1.4426950408889634
 _NO_WINDOW = 1 << 30
@@ -299,6 +301,10 @@ def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) ->
         raise ValueError(f"page_table: expected int32 [B={B}, Hk, max_pages] with contiguous pages, "
                          f"got {page_table.dtype} {tuple(page_table.shape)} strides {page_table.stride()}")
     Hk = page_table.shape[1]
+    if 0 in (B, Hq, D, Hk, k_cache.shape[1], v_cache.shape[2]):  # they divide, or size the launch grid
+        raise ValueError(f"q, k_cache, v_cache, page_table: expected at least one batch row, head, head dim, kv head "
+                         f"and page slot, got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)} and "
+                         f"{tuple(page_table.shape)}")
     if Hq % Hk:
         raise ValueError(f"q: its {Hq} heads must be a multiple of the cache's {Hk} kv heads")
     G = Hq // Hk
@@ -315,6 +321,32 @@ def _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths) ->
                     ("cache_start", cache_start), ("lengths", lengths)):
         if t.device != q.device:
             raise ValueError(f"{name}: on {t.device}, but q is on {q.device}")
+    if q.device.type == "cpu" and not torch.compiler.is_compiling():
+        _check_positions(Tq, k_cache.shape[0], k_cache.shape[1], page_table, cache_start, lengths)
+
+
+def _check_positions(Tq, num_pages, page_size, page_table, cache_start, lengths) -> None:
+    """The values the paths index the cache with, on the CPU (where reading them costs no host sync): out of range,
+    the PyTorch path raised an IndexError and the kernel read other memory (NaN rows, or other sequences' keys)."""
+    capacity = page_table.shape[2] * page_size
+    bad = ((lengths < Tq) | (lengths > capacity)).nonzero()
+    if len(bad):
+        b = int(bad[0, 0])
+        raise ValueError(f"lengths: expected each row's keys, its {Tq} new tokens included, between Tq={Tq} and the "
+                         f"page table's {capacity} slots, got lengths[{b}] = {int(lengths[b])}")
+    first_query_page = (lengths.long() - Tq) // page_size
+    bad = ((cache_start < 0) | (cache_start > first_query_page[:, None])).nonzero()
+    if len(bad):
+        b, h = bad[0].tolist()
+        raise ValueError(f"cache_start: expected a first live page between 0 and the page of row {b}'s first new "
+                         f"token, {int(first_query_page[b])}, got cache_start[{b}, {h}] = {int(cache_start[b, h])}")
+    pages = torch.arange(page_table.shape[2])
+    live = (pages >= cache_start[..., None]) & (pages < (-(-lengths.long() // page_size))[:, None, None])
+    bad = (live & ((page_table < 0) | (page_table >= num_pages))).nonzero()
+    if len(bad):
+        b, h, p = bad[0].tolist()
+        raise ValueError(f"page_table: expected live pages in [0, {num_pages}) (the pool's pages), got "
+                         f"page_table[{b}, {h}, {p}] = {int(page_table[b, h, p])}")
 
 
 def forgetting_attention_decode(
@@ -338,7 +370,7 @@ def forgetting_attention_decode(
         k_cache: [num_pages, page_size, D]; v_cache: [num_pages, page_size, Dv]; c_cache: [num_pages,
             page_size, Hq // Hk] float64 gate cumsums; all three already hold the new tokens.
         page_table: [B, Hk, max_pages] int32; cache_start: [B, Hk] int32 first live page; lengths: [B] int32.
-        scale: logit scale, default 1/sqrt(D).
+        scale: logit scale, default 1/sqrt(D); any finite number.
         window: sliding window: query i sees keys j with i - window < j <= i (None: all).
         num_splits: key splits per (sequence, kv head) on the Triton path; default fills the GPU. Fix it
             (with the shapes) to reuse a captured CUDA graph as the lengths grow.
@@ -346,10 +378,21 @@ def forgetting_attention_decode(
 
     Returns:
         o: [B, Tq, Hq, Dv] in q's dtype (and lse).
+
+    On the CPU, lengths outside [Tq, max_pages * page_size], a cache_start past the page of a row's first new token
+    and live page-table entries outside the pool raise a ValueError. On a GPU they are not checked (a check would
+    be a host sync every step, and none may happen while a CUDA graph is captured): such rows get undefined values
+    (NaN, or other pages' keys), and an entry outside the pool may fault.
     """
     _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
+    # 0 splits left every row's output NaN, and other non-ints failed deep in the launch
+    if num_splits is not None:
+        if isinstance(num_splits, bool) or not isinstance(num_splits, numbers.Integral) or num_splits < 1:
+            raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
+        num_splits = int(num_splits)  # a NumPy int too: the launch grid takes an int
+    check_scale(scale)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
     if use_triton(q):

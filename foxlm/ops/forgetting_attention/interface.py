@@ -31,12 +31,17 @@ def _bad_gates(log_fgate: torch.Tensor) -> torch.Tensor:
     return ~((hi <= 0) & (lo > -math.inf))
 
 
-def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, check_gates) -> None:
+def check_scale(scale: float | None) -> None:
+    """``scale`` is a finite number (any sign) or None (1/sqrt(D))."""
     # compiled, a float module attribute may arrive symbolic (dynamo's automatic dynamic shapes), where
     # math.isfinite would break the graph: the eager call has checked it
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
                               or (not torch.compiler.is_compiling() and not math.isfinite(scale))):
         raise ValueError(f"scale: expected a finite number (any sign) or None, got {scale!r}")
+
+
+def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, check_gates) -> None:
+    check_scale(scale)
     check_qkv(q, k, v)
     if not isinstance(log_fgate, torch.Tensor) or log_fgate.device != q.device:
         raise ValueError(f"log_fgate: expected a tensor on q's device {q.device}, got "

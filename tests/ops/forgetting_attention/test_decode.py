@@ -4,12 +4,14 @@ oracle. Problems are built on the CPU (the oracle runs there) and the kernel's i
 from __future__ import annotations
 
 import math
+import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-from foxlm.ops import forgetting_attention_reference, gate_cumsum
+from foxlm.ops import forgetting_attention_reference, gate_cumsum, use_backend
 from foxlm.ops.forgetting_attention.decode import decode_attention_torch, evictable_pages, forgetting_attention_decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -221,6 +223,45 @@ def test_decode_bad_window_names_the_argument(window):
         forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, window=window)
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+@pytest.mark.parametrize("change, match", [
+    (dict(num_splits=0), "num_splits: expected a positive int"),  # the kernel's rows were NaN
+    (dict(num_splits=-1), "num_splits: expected a positive int"),
+    (dict(num_splits=2.5), "num_splits: expected a positive int"),
+    (dict(num_splits=True), "num_splits: expected a positive int"),
+    (dict(scale=float("nan")), "scale: expected a finite number"),  # every row NaN
+    (dict(scale=True), "scale: expected a finite number"),  # taken as 1.0
+    (dict(scale="0.5"), "scale: expected a finite number"),
+])
+def test_decode_bad_num_splits_or_scale_names_the_argument(backend, change, match):
+    """num_splits and scale get forgetting_attention's one-line errors on either path: 0 splits gave NaN rows on the
+    kernel, other bad splits failed in its launch, and a NaN, bool or string scale was taken as float(scale)."""
+    q = torch.randn(1, 1, 4, 8)
+    kc, vc = torch.randn(8, 4, 8), torch.randn(8, 4, 8)
+    cc = -torch.rand(8, 4, 2, dtype=torch.float64).cumsum(1)
+    pt = torch.arange(6, dtype=torch.int32).reshape(1, 2, 3)
+    start, lengths = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([9], dtype=torch.int32)
+    with use_backend(backend):
+        forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, num_splits=np.int64(2), scale=-0.5)
+        with pytest.raises(ValueError, match=match):
+            forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, **change)
+
+
+@pytest.mark.parametrize("shape", [dict(B=0), dict(Hq=0), dict(D=0), dict(Hk=0), dict(page=0)])
+def test_decode_empty_dims_raise_value_error(shape):
+    """An empty batch, head, head dim or page gets a one-line error, as in forgetting_attention (flash_attn refuses
+    an empty batch too): they ended in a RuntimeError of min() or a ZeroDivisionError."""
+    B, Hq, D, Hk, page = (shape.get(n, d) for n, d in (("B", 1), ("Hq", 4), ("D", 8), ("Hk", 2), ("page", 4)))
+    q = torch.randn(B, 1, Hq, D)
+    kc, vc = torch.randn(8, page, D), torch.randn(8, page, 8)
+    cc = torch.zeros(8, page, 2, dtype=torch.float64)
+    pt = torch.zeros(B, Hk, 3, dtype=torch.int32)
+    start, lengths = torch.zeros(B, Hk, dtype=torch.int32), torch.full((B,), 3, dtype=torch.int32)
+    with pytest.raises(ValueError, match="expected at least one batch row, head, head dim, kv head and page slot"):
+        forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths)
+
+
 def test_decode_output_is_contiguous():
     """o is contiguous on the PyTorch path too, as the kernel's and flash_attn_with_kvcache's are: with Tq > 1 it was
     a permuted view, which a port's o.view(B, Tq, -1) refused."""
@@ -230,3 +271,34 @@ def test_decode_output_is_contiguous():
     pt = torch.zeros(1, 2, 3, dtype=torch.int32)
     start, lengths = torch.zeros(1, 2, dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
     assert forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths).is_contiguous()
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+@pytest.mark.parametrize("change, match", [
+    (dict(lengths=[1, 9]), r"lengths: .* got lengths\[0\] = 1"),  # fewer keys than the Tq = 2 new tokens
+    (dict(lengths=[0, 9]), r"lengths: .* got lengths\[0\] = 0"),
+    (dict(lengths=[3, 13]), r"lengths: .* 12 slots, got lengths\[1\] = 13"),  # past the page table
+    (dict(start=[[0, 0], [0, 2]]), r"cache_start: .* 1, got cache_start\[1, 1\] = 2"),  # queries on evicted pages
+    (dict(start=[[0, -1], [0, 0]]), r"cache_start: .* got cache_start\[0, 1\] = -1"),
+    (dict(page=(1, 0, 2, 8)), r"page_table: expected live pages in \[0, 8\).* page_table\[1, 0, 2\] = 8"),
+], ids=["length-below-tq", "length-zero", "length-past-table", "start-past-queries", "start-negative", "page-outside"])
+def test_decode_positions_out_of_range_raise_on_the_cpu(backend, change, match):
+    """Lengths, first live pages and live page-table entries the cache cannot hold raise a ValueError naming the
+    argument on either path: the PyTorch path raised an IndexError (or returned NaN) and the kernel returned NaN or
+    read other pages. A stale entry past a row's length is never read, so it may hold anything."""
+    q = torch.randn(2, 2, 4, 8)
+    kc, vc = torch.randn(8, 4, 8), torch.randn(8, 4, 8)
+    cc = -torch.rand(8, 4, 2, dtype=torch.float64).cumsum(1)
+    pt = torch.arange(12, dtype=torch.int32).reshape(2, 2, 3) % 8
+    pt[0, :, 2] = -1  # stale: row 0 has 3 keys, one page
+    start = torch.tensor(change.get("start", [[0, 0], [0, 0]]), dtype=torch.int32)
+    lengths = torch.tensor(change.get("lengths", [3, 9]), dtype=torch.int32)
+    with use_backend(backend):
+        forgetting_attention_decode(q, kc, vc, cc, pt, torch.zeros(2, 2, dtype=torch.int32),
+                                    torch.tensor([3, 9], dtype=torch.int32))
+        if "page" in change:
+            *where, value = change["page"]
+            pt[tuple(where)] = value
+        with pytest.raises(ValueError, match=match):
+            forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths)

@@ -137,6 +137,18 @@ def test_bf16_inputs_compute_in_fp32():
     assert (o.double() - ro).norm() / ro.norm() < 1e-2
 
 
+@pytest.mark.parametrize("scale", [None, -0.3])
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "grad"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_lse_is_fp32_precise(dtype, grad, scale):
+    """lse of bf16 / fp16 inputs is as precise as fp32 allows, as the Triton path's is: scale * q was rounded to q's
+    dtype (with a backward to follow, and for a scale <= 0 without), an error of ~2^-9 relative in every logit."""
+    q, k, v, log_f = _inputs(1, 40, 90, 2, 1, 32, dtype=dtype)
+    _, lse = forgetting_attention(q.requires_grad_(grad), k, v, log_f, scale=scale, return_lse=True)
+    _, want = forgetting_attention_reference(q.double(), k.double(), v.double(), log_f, scale=scale, return_lse=True)
+    torch.testing.assert_close(lse.double(), want, rtol=0, atol=1e-5)
+
+
 def test_gate_one_is_plain_causal_attention():
     q, k, v, _ = _inputs(2, 50, 50, 3, 3, 16)
     zero_log_f = torch.zeros(2, 50, 3, dtype=torch.float64)  # f = 1: no forgetting
@@ -448,6 +460,26 @@ def test_output_is_contiguous_as_flash_attn_s(dtype, grad):
     o = forgetting_attention(q, k, v, log_f)
     assert o.is_contiguous()
     o.view(1, 12, -1)
+
+
+@pytest.mark.parametrize("layout", ["head-dim-stride-2", "expanded"])
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["q", "k", "v"])
+def test_views_with_a_strided_head_dim_match_reference(which, layout):
+    """A q, k or v whose head dim is not stride 1 (every other channel, or a broadcast) gives the reference's result:
+    without a backward to follow, such views went into SDPA's fused CPU kernel as they were, which read the head dim
+    with stride 1 and returned a silently wrong o (errors of order 1)."""
+    q, k, v, log_f = _inputs(2, 24, 24, 2, 2, 8, dtype=torch.float32)
+    x = (q, k, v)[which]
+    if layout == "expanded":
+        view = x[..., :1].expand_as(x)
+    else:
+        view = torch.cat([x, torch.randn_like(x)], -1)[..., ::2]
+    assert view.stride(-1) != 1
+    args = [q, k, v]
+    args[which] = view
+    o = forgetting_attention(*args, log_f)
+    want = forgetting_attention_reference(*(t.double() for t in args), log_f)
+    torch.testing.assert_close(o.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_compiled_ops_double_backward_raises():
