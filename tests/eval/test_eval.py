@@ -355,6 +355,18 @@ def test_niah_cli_refuses_bad_numbers_naming_the_flag(untrained, corpus, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("lengths,message", [
+    ("20", r"context_length \(--lengths\): 20 tokens cannot hold the needle and question, which take 2"),
+    ("300,10000000", r"context_lengths \(--lengths\): the longest prompt needs \d+ haystack tokens, only \d+ are held "
+                     "out; use shorter lengths"),
+])
+def test_niah_lengths_that_do_not_fit_name_the_flag(untrained, corpus, tmp_path, capsys, lengths, message):
+    """A length too short for the needle and question, or longer than the held-out text: the message names
+    --lengths (it said "context_length:", a name the command line does not have)."""
+    _refused(capsys, message, ["eval", "niah", str(untrained), "--data", str(corpus), "--lengths", lengths,
+                               "--depths", "0.5", "--modes", "easy", "--out", str(tmp_path / "out"), "--no-progress"])
+
+
 def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
     tok = get_tokenizer("byte")
     builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents())))
