@@ -292,9 +292,9 @@ def prepare(
     are reported on stderr and listed in ``meta.json``. ``overwrite`` replaces only a previous dataset.
     """
     if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction: expected a value in [0, 1), got {val_fraction}")
+        raise ValueError(f"val_fraction (--val-fraction): expected a value in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
-        raise ValueError(f"shard_tokens: expected a positive count, got {shard_tokens}")
+        raise ValueError(f"shard_tokens (--shard-tokens): expected a positive count, got {shard_tokens}")
     cpus = os.cpu_count() or 1
     if workers is not None and not 0 <= workers <= 4 * cpus:
         raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "

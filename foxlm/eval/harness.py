@@ -55,14 +55,14 @@ def save_hf_tokenizer(model_dir: str | os.PathLike, name: str = "gpt2") -> None:
 class FoxLM(HFLM):
     """lm-eval's HF causal-LM wrapper around a foxlm checkpoint (run, checkpoint or ``save_pretrained`` dir).
 
-    model_args: ``pretrained=PATH`` plus any of HFLM's (``batch_size``, ``max_length``, ...). The context window is
-    ``max_length``, else the training length the model's config records (``train_length``, or the ``seq_len`` of the
-    run it is in); a foxlm model with neither needs ``max_length``, rather than lm-eval's silent 2048 (another
-    architecture gets lm-eval's own reading of its config). ``device``
-    (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` | ``float16`` | ``auto``, the
-    saved weights', as lm-eval's ``--model hf`` takes it; default bfloat16 on CUDA) place the model; ``tokenizer`` (a
-    ``foxlm.data.get_tokenizer`` name or folder) defaults to the one
-    the model's config records, else GPT-2 BPE.
+    model_args: ``pretrained=PATH`` plus any of HFLM's (``max_length``, ...; lm_eval's command line sets
+    ``batch_size`` and ``device`` with its own flags). The context window is ``max_length``, else the training length
+    the model's config records (``train_length``, or the ``seq_len`` of the run it is in); a foxlm model with neither
+    needs ``max_length``, rather than lm-eval's silent 2048 (another architecture gets lm-eval's own reading of its
+    config). ``device`` (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` |
+    ``float16`` | ``auto``, the saved weights', as lm-eval's ``--model hf`` takes it; default bfloat16 on CUDA) place
+    the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or folder) defaults to the one the model's config
+    records, else GPT-2 BPE.
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
@@ -164,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     sys.argv = ["lm_eval", *with_device(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
+    except TypeError as e:  # lm-eval hands the model its --batch_size, --max_batch_size, --device besides --model_args
+        twice = re.search(r"got multiple values for keyword argument '(\w+)'", str(e))
+        if twice is None:
+            raise
+        name = twice.group(1)
+        raise ValueError(f"--model_args: {name} is set there and by lm_eval's --{name} (given or its default); set "
+                         f"it once, with --{name}") from None
     except ConnectionError as e:  # datasets' own, after huggingface_hub's retries (none when offline)
         found = re.search(r"Couldn't reach '([^']+)' on the Hub", str(e))
         if found is None:

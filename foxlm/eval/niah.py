@@ -80,8 +80,8 @@ class PromptBuilder:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
         n = context_length - 1 - len(self.head[mode]) - len(self.needle) - len(self.tail)
         if n < 0:
-            raise ValueError(f"context_length: {context_length} tokens cannot hold the needle and question "
-                             f"({context_length - n} tokens)")
+            raise ValueError(f"context_length (--lengths): {context_length} tokens cannot hold the needle and "
+                             f"question, which take {context_length - n}")
         return n
 
     def _sentence_boundary(self, hay: list[int], cut: int) -> int:
@@ -160,8 +160,8 @@ def run_niah(
     answer = torch.tensor(builder.answer, device=device)
     need = max(builder.haystack_length(n, m) for n in context_lengths for m in modes)
     if need > len(haystack):
-        raise ValueError(f"context_lengths: the longest prompt needs {need} haystack tokens, "
-                         f"only {len(haystack)} are held out")
+        raise ValueError(f"context_lengths (--lengths): the longest prompt needs {need} haystack tokens, "
+                         f"only {len(haystack)} are held out; use shorter lengths or more held-out text")
     offsets = np.linspace(0, len(haystack) - need, trials).astype(int).tolist()
     batches = []
     for m in modes:

@@ -586,7 +586,8 @@ def test_prepare_errors_are_one_line(tmp_path):
 
 def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
     """``--out .`` is the folder it is run in (it said "PosixPath('.') has an empty name"); ``--workers`` out of range
-    is refused naming the flag (-1 and 1000 were accepted); a damaged meta.json is named in its error."""
+    is refused naming the flag (-1 and 1000 were accepted), as are --val-fraction and --shard-tokens; a damaged
+    meta.json is named in its error."""
     text = _write_text(tmp_path / "x.txt")
     here = tmp_path / "here"
     here.mkdir()
@@ -603,6 +604,12 @@ def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
         assert f"workers (--workers): expected 0 (tokenize in this process) to {too_many - 1} (4 per CPU), got " \
                f"{workers}" in message
     assert not (tmp_path / "w").exists()
+    for flag, value, expected in (
+            ("--val-fraction", "1.5", "val_fraction (--val-fraction): expected a value in [0, 1)"),
+            ("--shard-tokens", "0", "shard_tokens (--shard-tokens): expected a positive count")):
+        message = one_line_error(foxlm("data", "prepare", text, "--out", tmp_path / "w", flag, value, *common),
+                                 "data prepare")  # they named the Python argument alone, not the flag
+        assert f"{expected}, got {value}" in message
     for damage in ('{"format": "foxlm-tokens', "[1, 2]", "\udcff"):
         (here / "meta.json").write_text(damage, errors="surrogateescape")
         with pytest.raises(ValueError, match=f"^{re.escape(str(here / 'meta.json'))}: .*; prepare the data again"):

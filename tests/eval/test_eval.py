@@ -355,6 +355,18 @@ def test_niah_cli_refuses_bad_numbers_naming_the_flag(untrained, corpus, tmp_pat
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("lengths,message", [
+    ("20", r"context_length \(--lengths\): 20 tokens cannot hold the needle and question, which take 2"),
+    ("300,10000000", r"context_lengths \(--lengths\): the longest prompt needs \d+ haystack tokens, only \d+ are held "
+                     "out; use shorter lengths"),
+])
+def test_niah_lengths_that_do_not_fit_name_the_flag(untrained, corpus, tmp_path, capsys, lengths, message):
+    """A length too short for the needle and question, or longer than the held-out text: the message names
+    --lengths (it said "context_length:", a name the command line does not have)."""
+    _refused(capsys, message, ["eval", "niah", str(untrained), "--data", str(corpus), "--lengths", lengths,
+                               "--depths", "0.5", "--modes", "easy", "--out", str(tmp_path / "out"), "--no-progress"])
+
+
 def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
     tok = get_tokenizer("byte")
     builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents())))
@@ -545,6 +557,46 @@ def test_harness_device_is_resolved_as_foxlm_does():
             with_device(["--model", "hf", "--device", "cuda"])
 
 
+def _tiny_task(folder):
+    """Write a local multiple-choice task into ``folder`` (``--include_path``, ``--tasks foxlm_tiny_mc``); its docs."""
+    docs = [{"question": "The capital of France is", "choices": ["Paris", "a banana"], "label": 0},
+            {"question": "Two plus two equals", "choices": ["four", "seven", "blue"], "label": 0},
+            {"question": "To be, or not to be:", "choices": ["that is the question", "said nobody"], "label": 1}]
+    folder.mkdir()
+    (folder / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "foxlm_tiny_mc.yaml").write_text(
+        "task: foxlm_tiny_mc\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {folder / 'docs.jsonl'}\n"
+        "test_split: test\n"
+        "output_type: multiple_choice\n"
+        "doc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\n"
+        "doc_to_target: label\n"
+        "metric_list:\n  - metric: acc\n"
+    )
+    return docs
+
+
+@pytest.mark.parametrize("key", ["device", "batch_size"])
+def test_harness_model_arg_set_twice_is_one_line(tmp_path, monkeypatch, capsys, key):
+    """An argument lm-eval also hands the model from its own flag, which has a default (--device cuda:0,
+    --batch_size 1), set in --model_args too (the adapter's docstring lists device): one line naming the flag, not
+    the TypeError's traceback of the model's constructor getting it twice."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    path = _gpt2_model(tmp_path / "m")
+    _tiny_task(tmp_path / "tasks")
+    value = {"device": "cpu", "batch_size": "2"}[key]
+    assert main(["eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={path},{key}={value}", "--tasks",
+                 "foxlm_tiny_mc", "--include_path", str(tmp_path / "tasks")]) == 2
+    err = capsys.readouterr().err  # (lm-eval's log handler may hold an earlier test's closed stderr: no "Traceback")
+    assert "TypeError" not in err and err.splitlines()[-1] == (
+        f"foxlm eval harness: error: --model_args: {key} is set there and by lm_eval's --{key} (given or its "
+        f"default); set it once, with --{key}")
+
+
 def test_harness_model_uses_the_recorded_tokenizer(tmp_path):
     """A byte-level run's model has no transformers tokenizer: said at once, not scored with GPT-2 ids."""
     pytest.importorskip("lm_eval")
@@ -718,23 +770,8 @@ def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
                            bos_token_id=50256, eos_token_id=50256, pad_token_id=50256,
                            train_length=64)).save_pretrained(model_dir)
     save_hf_tokenizer(model_dir)
-    docs = [{"question": "The capital of France is", "choices": ["Paris", "a banana"], "label": 0},
-            {"question": "Two plus two equals", "choices": ["four", "seven", "blue"], "label": 0},
-            {"question": "To be, or not to be:", "choices": ["that is the question", "said nobody"], "label": 1}]
     tasks = tmp_path / "tasks"
-    tasks.mkdir()
-    (tasks / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tasks / "foxlm_tiny_mc.yaml").write_text(
-        "task: foxlm_tiny_mc\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'docs.jsonl'}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: '{{question}}'\n"
-        "doc_to_choice: '{{choices}}'\n"
-        "doc_to_target: label\n"
-        "metric_list:\n  - metric: acc\n"
-    )
+    docs = _tiny_task(tasks)
     # lm_eval's command line, ``--model hf``: the checkpoint loads through the AutoModel registration
     out = tmp_path / "out"
     rc = main(["eval", "harness", "--model", "hf", "--model_args", f"pretrained={model_dir}", "--tasks",
