@@ -35,14 +35,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-LOG2E = gl.constexpr(1.4426950408889634)
+from .gluon_fwd import LOG2E, _mma
+
 # Tiles per head dim: (keys per warpgroup, query rows per tile, Q/dO stages), as timed (docs/benchmarks.md).
 TILES = {128: (64, 32, 4)}
-
-
-@gluon.constexpr_function
-def _mma(n):
-    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
 @gluon.jit
