@@ -395,15 +395,10 @@ def load_config(config: str | os.PathLike | None = None, overrides: list[str] = 
     if not isinstance(raw, dict):
         raise ValueError(f"config: {path} must hold a mapping of keys to values")
     raw.update(_file_strings(node))
-    given: dict[str, str] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override: expected key=value, got {item!r}")
-        # Hydra refuses a key given twice; last-wins would silently drop one of a user's values.
-        if key in given:
-            raise ValueError(f"{key}: given twice ({given[key]!r} and {item!r}); give it once")
-        given[key] = item
         if key.startswith("model."):
             raw.setdefault("model", {})
             if not isinstance(raw["model"], dict):
