@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = load_checkpoint_model(args.model, "MODEL").to(device=device, dtype=dtype).eval()
+    # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
+    model = load_checkpoint_model(args.model, "MODEL", dtype=dtype).to(device).eval()
     tok = model_tokenizer(model.config, args.tokenizer, what=args.model)
     ids = [[tok.eot_id] + tok.encode(p) for p in prompts]  # as every training document (and the HF tokenizer)
     gen = torch.Generator(device=device).manual_seed(args.seed)

@@ -347,3 +347,24 @@ def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
     assert capsys.readouterr().out == "To be, or" + text + "\n"
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--tokenizer", "gpt2"]) == 2
     assert "tokenizer: " in capsys.readouterr().err
+
+
+def test_generate_cli_keeps_the_gate_and_shift_fp32_in_bf16(tmp_path, monkeypatch):
+    """--dtype bfloat16 (auto on CUDA) loads the model in bf16 as from_pretrained does, the forget gate and token
+    shift staying fp32 (``_keep_in_fp32_modules_strict``), instead of casting every weight to bf16."""
+    import foxlm.generate.decoding as decoding
+    from foxlm.cli import main
+
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", num_hidden_layers=1)).save_pretrained(tmp_path / "m")
+    seen, real = {}, decoding.generate
+
+    def generate_and_record(model, *args, **kwargs):  # the real generate, with the model it was given noted
+        seen.update({name: p.dtype for name, p in model.named_parameters()})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "generate", generate_and_record)
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "2", "--device", "cpu",
+                 "--dtype", "bfloat16"]) == 0
+    kept = {name: dtype for name, dtype in seen.items() if "fgate_proj" in name or "shift.proj" in name}
+    assert kept and set(kept.values()) == {torch.float32}, kept
+    assert seen["model.layers.0.attn.q_proj.weight"] == torch.bfloat16
