@@ -118,7 +118,7 @@ class CachedDecoder:
         return self._logits
 
 
-def _check_prompts(prompts) -> list[list[int]]:
+def _check_prompts(prompts, vocab: int) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
         prompts = [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -128,6 +128,9 @@ def _check_prompts(prompts) -> list[list[int]]:
         p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
         if not p or not all(isinstance(t, int) and t >= 0 for t in p):
             raise ValueError(f"prompts[{i}]: expected a non-empty list of non-negative token ids")
+        if max(p) >= vocab:  # the embedding would fail with an IndexError naming nothing
+            raise ValueError(f"prompts[{i}]: token id {max(p)} is outside the model's vocabulary of {vocab} "
+                             f"(a tokenizer for another model?)")
         out.append(p)
     return out
 
@@ -170,9 +173,12 @@ def generate(
     Returns:
         GenerateOutput with the new tokens per prompt, the cache size and the phase timings.
     """
-    prompts = _check_prompts(prompts)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    vocab = model.config.vocab_size
+    prompts = _check_prompts(prompts, vocab)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+    if vocab_size is not None and not 1 <= vocab_size <= vocab:
+        raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size}")
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature}")
     if not 0.0 < top_p <= 1.0 or top_k < 0:

@@ -234,6 +234,19 @@ def test_generate_eos_and_sampling():
         generate(model, [[1], []], 2)
 
 
+@pytest.mark.parametrize("args, kwargs, message", [
+    ([[[1, 2], [3, V]], 2], {}, rf"prompts\[1\]: token id {V} is outside the model's vocabulary of {V}"),
+    ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
+    ([[[1, 2]], 2], {"vocab_size": V + 1}, f"vocab_size: expected 1 to the model's {V}, got {V + 1}"),
+    ([[[1, 2]], 2.5], {}, "max_new_tokens: expected an integer >= 1, got 2.5"),
+])
+def test_generate_mistakes_name_the_argument(args, kwargs, message):
+    """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and a
+    fractional token count (a TypeError deep inside) are one-line errors naming the argument."""
+    with pytest.raises(ValueError, match=message):
+        generate(_model("fox-llama"), *args, **kwargs)
+
+
 def test_generate_gives_the_model_back_in_its_mode():
     """generate decodes in eval mode and leaves a training model training (HF generate changes no mode)."""
     model = _model("fox-llama", seed=7)
