@@ -340,6 +340,24 @@ def test_generate_cli_mistakes_are_one_line(tmp_path):
         assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "generate")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--sample", "--temperature", "0"], "--temperature: expected a positive number, got 0.0"),
+    (["--sample", "--top-k", "-1"], "--top-k: expected 0 (all tokens) or a positive number, got -1"),
+    (["--sample", "--top-p", "0"], "--top-p: expected a probability mass in (0, 1], got 0.0"),
+    (["--top-p", "0.9"], "--top-p: applies to sampling only; add --sample"),
+    (["--temperature", "0.7"], "--temperature: applies to sampling only; add --sample"),
+    (["--page-size", "0"], "--page-size: expected a positive number of tokens, got 0"),
+    (["--evict", "--tolerance", "1.5"], "--tolerance: expected a value in (0, 1), got 1.5"),
+])
+def test_generate_cli_decoding_flags_are_checked_by_their_names(flags, message, tmp_path, capsys):
+    """A bad decoding flag is named as given, before the model loads (the folder need not exist): generate() named
+    its own arguments (temperature, top_p, page_size), and sampling flags without --sample were silently ignored."""
+    from foxlm.cli import main
+
+    assert main(["generate", str(tmp_path / "nothing"), "--prompt", "Hi", *flags]) == 2
+    assert f"foxlm generate: error: {message}" in capsys.readouterr().err
+
+
 def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
     """A byte-level model (as `foxlm train tokenizer=byte` saves it: its config records the tokenizer) decodes in
     bytes; GPT-2 BPE ids would not even fit its 320-token vocabulary."""
