@@ -234,6 +234,24 @@ def test_generate_eos_and_sampling():
         generate(model, [[1], []], 2)
 
 
+def test_generate_stops_at_any_of_a_list_of_eos_tokens():
+    """eos_token_id as a list (what a generation_config may hold): each row stops at the first of its tokens in the
+    list (HF generate's reading); a list was a TypeError of masked_fill, after the model had prefilled."""
+    model = _model("fox-llama", seed=3)
+    prompts = [[5, 6, 7], [8] * 11]
+    greedy = generate(model, prompts, 8).sequences
+    stops = [greedy[1][2], greedy[0][3]]  # row 1's third new token, row 0's fourth: the list's order crosses the rows
+
+    def cut(row):
+        end = next(i for i, t in enumerate(row) if t in stops)
+        return row[:end + 1]
+
+    assert all(any(t in stops for t in row) for row in greedy)
+    assert generate(model, prompts, 8, eos_token_id=stops).sequences == [cut(row) for row in greedy]
+    with pytest.raises(ValueError, match="eos_token_id: expected a token id, a list of them or None, got 'x'"):
+        generate(model, prompts, 2, eos_token_id="x")
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     ([[[1, 2], [3, V]], 2], {}, rf"prompts\[1\]: token id {V} is outside the model's vocabulary of {V}"),
     ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
