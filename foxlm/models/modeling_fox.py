@@ -353,6 +353,9 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         key = "cache" if "cache" in model_kwargs else "past_key_values"
         made = model_kwargs.get(key)
+        if cache is None and isinstance(made, Cache) and type(made) is not DynamicCache:  # cache_implementation's
+            raise ValueError(f"cache_implementation: FoX models decode with their own FoxCache, not a "
+                             f"{type(made).__name__}; leave cache_implementation unset (or 'dynamic')")
         if type(made) is DynamicCache and made.get_seq_length() == 0:  # transformers' or the caller's
             _become_fox_cache(made, self.config.num_hidden_layers)
             if getattr(generation_config, "is_assistant", False):  # transformers recorded the DynamicCache's past
@@ -515,9 +518,9 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
         return cache
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:  # e.g. DynamicCache() in transformers' docs
         return _become_fox_cache(cache, num_layers)
-    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. generate(cache_implementation=...)
-        raise ValueError(f"cache_implementation: FoX models decode with their own FoxCache, not a "
-                         f"{type(cache).__name__}; leave cache_implementation unset (or 'dynamic')")
+    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. a StaticCache
+        raise ValueError(f"past_key_values: FoX models decode with their own FoxCache, not a {type(cache).__name__}; "
+                         f"pass a FoxCache (foxlm.models.FoxCache()), an empty DynamicCache or none")
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 

@@ -7,6 +7,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     DynamicCache,
+    StaticCache,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -278,6 +279,9 @@ def test_other_hf_caches_and_attention_implementations_are_refused(tmp_path):
     ids = _ids(1, 5)
     with pytest.raises(ValueError, match="cache_implementation: .*StaticCache"):
         model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0)
+    # passed by hand, the same cache is named as the argument it came in (it named cache_implementation)
+    with pytest.raises(ValueError, match=r"past_key_values: .*not a StaticCache; pass a FoxCache"):
+        model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
     model.save_pretrained(tmp_path)
     for impl in ("sdpa", "flash_attention_2"):
         with pytest.raises(ValueError, match="does not support"):
