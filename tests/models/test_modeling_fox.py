@@ -459,6 +459,24 @@ def test_bad_config_values_raise_naming_the_field(overrides, field):
         FoxConfig.preset("fox-llama", "tiny", **overrides)
 
 
+def test_from_pretrained_checks_the_fields_it_is_given(tmp_path):
+    """Fields given to from_pretrained (AutoConfig's and the model's) are checked as the constructor's: transformers
+    set them on the loaded config unchecked, and tie_word_embeddings=True or a shared QK-norm without QK-norm built a
+    model whose saved config.json no longer loaded. A valid field, and the attribute-mapped name, still apply."""
+    _model("fox-pro").save_pretrained(tmp_path / "m")
+    for fields, message in ((dict(tie_word_embeddings=True), "tie_word_embeddings: FoX models have an untied"),
+                            (dict(qk_norm=False, qk_norm_shared=True), "qk_norm_shared: a shared QK-norm weight"),
+                            (dict(gate="softmax"), "gate: expected one of"),
+                            (dict(max_position_embeddings=0), "train_length: expected a positive integer")):
+        for load in (AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+            with pytest.raises(ValueError, match=message):
+                load(tmp_path / "m", **fields)
+    config, unused = AutoConfig.from_pretrained(tmp_path / "m", window=8, max_position_embeddings=64, other=1,
+                                                return_unused_kwargs=True)
+    assert (config.window, config.train_length, unused) == (8, 64, {"other": 1})
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m", window=8).config.window == 8
+
+
 def test_bad_preset_and_input_errors():
     with pytest.raises(ValueError, match="arch"):
         FoxConfig.preset("fox-xl", "tiny")
