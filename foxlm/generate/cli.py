@@ -82,6 +82,26 @@ def run_serve(args: argparse.Namespace) -> int:
     return serve(model, args.options)
 
 
+def _check_flags(args: argparse.Namespace) -> None:
+    """The decoding flags, named as the user gave them and before the model loads (``generate`` would name its own
+    arguments, after the load); sampling flags without --sample would be ignored, greedy decoding given instead."""
+    from foxlm.ops.forgetting_attention.acp import check_tolerance
+
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature: expected a positive number, got {args.temperature}")
+    if args.top_k < 0:
+        raise ValueError(f"--top-k: expected 0 (all tokens) or a positive number, got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ValueError(f"--top-p: expected a probability mass in (0, 1], got {args.top_p}")
+    given = [flag for flag, value, default in (("--temperature", args.temperature, 1.0), ("--top-k", args.top_k, 0),
+                                               ("--top-p", args.top_p, 1.0)) if value != default]
+    if given and not args.sample:
+        raise ValueError(f"{given[0]}: applies to sampling only; add --sample (without it decoding is greedy)")
+    if args.page_size < 1:
+        raise ValueError(f"--page-size: expected a positive number of tokens, got {args.page_size}")
+    check_tolerance(args.tolerance, "--tolerance")
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -93,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens: expected a positive number of tokens, got {args.max_new_tokens}")
+    _check_flags(args)
     prompts = list(args.prompt)
     if args.prompt_file:
         try:
@@ -105,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32
     dtype = auto if args.dtype == "auto" else getattr(torch, args.dtype)
-    model = load_checkpoint_model(args.model, "MODEL").to(device=device, dtype=dtype).eval()
+    # loaded in ``dtype`` rather than cast to it: from_pretrained keeps the forget gate and token shift in fp32
+    model = load_checkpoint_model(args.model, "MODEL", dtype=dtype).to(device).eval()
     tok = model_tokenizer(model.config, args.tokenizer, what=args.model)
     ids = [[tok.eot_id] + tok.encode(p) for p in prompts]  # as every training document (and the HF tokenizer)
     gen = torch.Generator(device=device).manual_seed(args.seed)

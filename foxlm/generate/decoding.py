@@ -118,7 +118,7 @@ class CachedDecoder:
         return self._logits
 
 
-def _check_prompts(prompts) -> list[list[int]]:
+def _check_prompts(prompts, vocab: int) -> list[list[int]]:
     if isinstance(prompts, torch.Tensor):
         prompts = [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or not prompts:
@@ -128,8 +128,21 @@ def _check_prompts(prompts) -> list[list[int]]:
         p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
         if not p or not all(isinstance(t, int) and t >= 0 for t in p):
             raise ValueError(f"prompts[{i}]: expected a non-empty list of non-negative token ids")
+        if max(p) >= vocab:  # the embedding would fail with an IndexError naming nothing
+            raise ValueError(f"prompts[{i}]: token id {max(p)} is outside the model's vocabulary of {vocab} "
+                             f"(a tokenizer for another model?)")
         out.append(p)
     return out
+
+
+def _check_eos(eos_token_id) -> list[int]:
+    """The stop tokens: [] for None, [id] for an int, the list's ids for a list (a tensor compared with a list of
+    as many ids as rows would have matched them row by row)."""
+    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                     for t in ids):
+        raise ValueError(f"eos_token_id: expected a token id, a list of them or None, got {eos_token_id!r}")
+    return list(ids)
 
 
 @torch.no_grad()
@@ -142,7 +155,7 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     vocab_size: int | None = None,
     evict: bool = False,
     tolerance: float = math.exp(-10),
@@ -157,7 +170,8 @@ def generate(
         model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro).
         prompts: token-id lists of any lengths (or a [B, T] / [T] tensor).
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``) instead of greedy decoding.
-        eos_token_id: a row stops at this token (the step loop ends when all rows have).
+        eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which
+            may be a list); the step loop ends when all rows have.
         vocab_size: only ids below it can be generated (the model's vocabulary is padded, e.g. 50304).
         evict: forget-gate cache eviction: free the cache pages whose keys have decayed so far that no future
             query can give them more than ``tolerance`` of its attention (see
@@ -170,9 +184,13 @@ def generate(
     Returns:
         GenerateOutput with the new tokens per prompt, the cache size and the phase timings.
     """
-    prompts = _check_prompts(prompts)
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected >= 1, got {max_new_tokens}")
+    vocab = model.config.vocab_size
+    prompts = _check_prompts(prompts, vocab)
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
+    if vocab_size is not None and not 1 <= vocab_size <= vocab:
+        raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size}")
+    stops = _check_eos(eos_token_id)
     if do_sample and not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature}")
     if not 0.0 < top_p <= 1.0 or top_k < 0:
@@ -224,18 +242,19 @@ def generate(
         t1 = time.perf_counter()
 
         new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+        stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
         new[:, 0] = tokens
         done = torch.zeros(B, dtype=torch.bool, device=device)
         decoder = CachedDecoder(model, cache, cuda_graph)
         steps, first_step = 1, 0.0
         for i in range(1, max_new_tokens):
-            if eos_token_id is not None:
-                done |= tokens == eos_token_id
+            if stops:
+                done |= torch.isin(tokens, stop_ids)
                 if i % 16 == 0 and bool(done.all()):  # a host sync now and then, not every step
                     break
             tokens = next_tokens(decoder.step(tokens))
-            if eos_token_id is not None:
-                tokens = tokens.masked_fill(done, eos_token_id)
+            if stops:
+                tokens = tokens.masked_fill(done, stops[0])
             new[:, i] = tokens
             steps += 1
             if evict and i % page_size == 0:
@@ -247,8 +266,9 @@ def generate(
         t2 = time.perf_counter()
         sequences = []
         for row in new[:, :steps].tolist():
-            if eos_token_id is not None and eos_token_id in row:
-                row = row[: row.index(eos_token_id) + 1]
+            end = next((i for i, t in enumerate(row) if t in stops), None)
+            if end is not None:
+                row = row[: end + 1]
             sequences.append(row)
         return GenerateOutput(sequences, cache.stats(), t1 - t0, t2 - t1, steps, first_step, B)
     finally:

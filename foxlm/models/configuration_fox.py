@@ -63,6 +63,19 @@ class FoxConfig(PretrainedConfig):
         + [inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
     @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """transformers' ``from_dict``, the FoX fields among ``kwargs`` (``from_pretrained(path, window=8)``) given to
+        the constructor, which checks them: transformers sets such a field on the built config unchecked, and a model
+        then built (``tie_word_embeddings=True``: an untied head under a config saying tied) saved a config.json that
+        no longer loads."""
+        config_dict = dict(config_dict)
+        for key in list(kwargs):
+            name = cls.attribute_map.get(key, key)  # max_position_embeddings: train_length
+            if name in FOX_FIELDS:
+                config_dict[name] = kwargs.pop(key)
+        return super().from_dict(config_dict, **kwargs)
+
+    @classmethod
     def preset(cls, arch: str, size: str, **overrides) -> "FoxConfig":
         """The paper models: arch in ``ARCHS`` (fox-llama, fox-pro, transformer-llama, transformer-pro),
         size in ``SIZES`` (tiny, 125m, 360m, 760m); ``overrides`` replace any field."""

@@ -67,6 +67,17 @@ def _dtype_of(weights: dict[str, torch.Tensor]) -> torch.dtype:
     return found.pop() if len(found) == 1 else torch.float32
 
 
+def _stored_dtype(name: str, t: torch.Tensor, target: torch.dtype, to: str) -> torch.dtype:
+    """The dtype tensor ``name`` is written in: ``target``, except that a foxlm model's forget gate and token shift
+    are never narrowed (they stay fp32 when from_pretrained loads the model in bf16 or fp16: their error sums over the
+    whole context), as ``from_pretrained(dtype=...)`` then ``save_pretrained`` would store them."""
+    from .modeling_fox import FoxPreTrainedModel, _names_module
+
+    if to == "foxlm" and any(_names_module(name, key) for key in FoxPreTrainedModel._keep_in_fp32_modules_strict):
+        return torch.promote_types(target, t.dtype)
+    return target
+
+
 # ------------------------------------------------------------------------------------------------------------ output
 # what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder with no more
 WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
@@ -176,7 +187,7 @@ def convert(
         out_config = {**to_authors_config(cfg), "torch_dtype": str(target).removeprefix("torch.")}
         if getattr(cfg, "foxlm_tokenizer", None) is not None:
             out_config["foxlm_tokenizer"] = cfg.foxlm_tokenizer
-    state = {k: v.to(target) if v.is_floating_point() else v for k, v in state.items()}
+    state = {k: v.to(_stored_dtype(k, v, target, to)) if v.is_floating_point() else v for k, v in state.items()}
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(dst)

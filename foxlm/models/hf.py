@@ -105,10 +105,11 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model(input_ids=..., labels=...)`` return ``.loss`` from ``linear_cross_entropy`` on the backbone's
     hidden states and the LM head, chunk by chunk, instead of the model's own loss over [B, T, V] fp32 logits.
     Calls without labels (generation, evaluation) run the model's own forward, and so do the calls of a model whose
-    logits are more than its LM head's output (``logit_transforms``: a soft cap or a scale), whose own loss is then
-    the right one. The model is the one called, so DDP and FSDP2 hooks run as usual. ``num_items_in_batch`` (what
-    HF's ``Trainer`` passes a forward that takes ``**kwargs``) makes the loss the sum over the labels divided by it,
-    as in transformers' own loss. Returns ``model``."""
+    logits are more than its LM head's output (``logit_transforms``: a soft cap or a scale) or whose loss is more than
+    the cross-entropy (a mixture of experts' router load-balancing loss, under ``output_router_logits``), whose own
+    loss is then the right one. The model is the one called, so DDP and FSDP2 hooks run as usual.
+    ``num_items_in_batch`` (what HF's ``Trainer`` passes a forward that takes ``**kwargs``) makes the loss the sum over
+    the labels divided by it, as in transformers' own loss. Returns ``model``."""
     own_forward = model.forward
     own_loss = bool(logit_transforms(model.config))
 
@@ -120,7 +121,8 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"{key}: {type(model).__name__} does not take {key} (packing=documents and cp > 1 "
                                  f"are for foxlm's own models)")
-        if own_loss:
+        # a MoE's loss adds its router's load-balancing term when the config or the call asks for router logits
+        if own_loss or kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
             return own_forward(input_ids=input_ids, labels=labels, **kwargs)

@@ -353,10 +353,13 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         key = "cache" if "cache" in model_kwargs else "past_key_values"
         made = model_kwargs.get(key)
-        if cache is None and type(made) is DynamicCache and made.get_seq_length() == 0:
-            model_kwargs[key] = FoxCache(self.config.num_hidden_layers)
+        if cache is None and isinstance(made, Cache) and type(made) is not DynamicCache:  # cache_implementation's
+            raise ValueError(f"cache_implementation: FoX models decode with their own FoxCache, not a "
+                             f"{type(made).__name__}; leave cache_implementation unset (or 'dynamic')")
+        if type(made) is DynamicCache and made.get_seq_length() == 0:  # transformers' or the caller's
+            _become_fox_cache(made, self.config.num_hidden_layers)
             if getattr(generation_config, "is_assistant", False):  # transformers recorded the DynamicCache's past
-                model_kwargs[key].activate_past_recording()
+                made.activate_past_recording()
         return result
 
     def _assisted_decoding(self, *args, **kwargs):
@@ -504,21 +507,31 @@ def _as_count(num_items_in_batch: torch.Tensor | int, device: torch.device) -> t
 
 
 def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
-    """The cache to decode with: a given cache that speaks the protocol, a new FoxCache in place of an empty
-    generic HF cache (what ``generate`` creates), a new FoxCache when use_cache is set; None when
-    use_cache is False or neither is given."""
+    """The cache to decode with: a given cache that speaks the protocol, an empty generic HF cache turned into a
+    FoxCache (``_become_fox_cache``), a new FoxCache when use_cache is set; None when use_cache is False or neither
+    is given."""
     if use_cache is False or (cache is None and not use_cache):
         return None
     if cache is None:
         return FoxCache(num_layers)
     if isinstance(cache, KVCache):
         return cache
-    if type(cache) is DynamicCache and cache.get_seq_length() == 0:  # what generate() makes by default
-        return FoxCache(num_layers)
-    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. generate(cache_implementation=...)
-        raise ValueError(f"cache_implementation: FoX models decode with their own FoxCache, not a "
-                         f"{type(cache).__name__}; leave cache_implementation unset (or 'dynamic')")
+    if type(cache) is DynamicCache and cache.get_seq_length() == 0:  # e.g. DynamicCache() in transformers' docs
+        return _become_fox_cache(cache, num_layers)
+    if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. a StaticCache
+        raise ValueError(f"past_key_values: FoX models decode with their own FoxCache, not a {type(cache).__name__}; "
+                         f"pass a FoxCache (foxlm.models.FoxCache()), an empty DynamicCache or none")
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
+
+
+def _become_fox_cache(cache: DynamicCache, num_layers: int) -> FoxCache:
+    """Make the empty DynamicCache ``cache`` an empty FoxCache, the same object: a caller that goes on passing the
+    cache it made (transformers' docs' decoding loop) rather than the output's, decodes on the tokens it holds; a new
+    FoxCache left that one empty, and each call started from nothing."""
+    cache.__class__ = FoxCache
+    vars(cache).clear()
+    FoxCache.__init__(cache, num_layers)
+    return cache
 
 
 def _compaction(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor | None:

@@ -234,6 +234,37 @@ def test_generate_eos_and_sampling():
         generate(model, [[1], []], 2)
 
 
+def test_generate_stops_at_any_of_a_list_of_eos_tokens():
+    """eos_token_id as a list (what a generation_config may hold): each row stops at the first of its tokens in the
+    list (HF generate's reading); a list was a TypeError of masked_fill, after the model had prefilled."""
+    model = _model("fox-llama", seed=3)
+    prompts = [[5, 6, 7], [8] * 11]
+    greedy = generate(model, prompts, 8).sequences
+    stops = [greedy[1][2], greedy[0][3]]  # row 1's third new token, row 0's fourth: the list's order crosses the rows
+
+    def cut(row):
+        end = next(i for i, t in enumerate(row) if t in stops)
+        return row[:end + 1]
+
+    assert all(any(t in stops for t in row) for row in greedy)
+    assert generate(model, prompts, 8, eos_token_id=stops).sequences == [cut(row) for row in greedy]
+    with pytest.raises(ValueError, match="eos_token_id: expected a token id, a list of them or None, got 'x'"):
+        generate(model, prompts, 2, eos_token_id="x")
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    ([[[1, 2], [3, V]], 2], {}, rf"prompts\[1\]: token id {V} is outside the model's vocabulary of {V}"),
+    ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
+    ([[[1, 2]], 2], {"vocab_size": V + 1}, f"vocab_size: expected 1 to the model's {V}, got {V + 1}"),
+    ([[[1, 2]], 2.5], {}, "max_new_tokens: expected an integer >= 1, got 2.5"),
+])
+def test_generate_mistakes_name_the_argument(args, kwargs, message):
+    """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and a
+    fractional token count (a TypeError deep inside) are one-line errors naming the argument."""
+    with pytest.raises(ValueError, match=message):
+        generate(_model("fox-llama"), *args, **kwargs)
+
+
 def test_generate_gives_the_model_back_in_its_mode():
     """generate decodes in eval mode and leaves a training model training (HF generate changes no mode)."""
     model = _model("fox-llama", seed=7)
@@ -327,6 +358,24 @@ def test_generate_cli_mistakes_are_one_line(tmp_path):
         assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "generate")
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--sample", "--temperature", "0"], "--temperature: expected a positive number, got 0.0"),
+    (["--sample", "--top-k", "-1"], "--top-k: expected 0 (all tokens) or a positive number, got -1"),
+    (["--sample", "--top-p", "0"], "--top-p: expected a probability mass in (0, 1], got 0.0"),
+    (["--top-p", "0.9"], "--top-p: applies to sampling only; add --sample"),
+    (["--temperature", "0.7"], "--temperature: applies to sampling only; add --sample"),
+    (["--page-size", "0"], "--page-size: expected a positive number of tokens, got 0"),
+    (["--evict", "--tolerance", "1.5"], "--tolerance: expected a value in (0, 1), got 1.5"),
+])
+def test_generate_cli_decoding_flags_are_checked_by_their_names(flags, message, tmp_path, capsys):
+    """A bad decoding flag is named as given, before the model loads (the folder need not exist): generate() named
+    its own arguments (temperature, top_p, page_size), and sampling flags without --sample were silently ignored."""
+    from foxlm.cli import main
+
+    assert main(["generate", str(tmp_path / "nothing"), "--prompt", "Hi", *flags]) == 2
+    assert f"foxlm generate: error: {message}" in capsys.readouterr().err
+
+
 def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
     """A byte-level model (as `foxlm train tokenizer=byte` saves it: its config records the tokenizer) decodes in
     bytes; GPT-2 BPE ids would not even fit its 320-token vocabulary."""
@@ -347,3 +396,24 @@ def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
     assert capsys.readouterr().out == "To be, or" + text + "\n"
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--tokenizer", "gpt2"]) == 2
     assert "tokenizer: " in capsys.readouterr().err
+
+
+def test_generate_cli_keeps_the_gate_and_shift_fp32_in_bf16(tmp_path, monkeypatch):
+    """--dtype bfloat16 (auto on CUDA) loads the model in bf16 as from_pretrained does, the forget gate and token
+    shift staying fp32 (``_keep_in_fp32_modules_strict``), instead of casting every weight to bf16."""
+    import foxlm.generate.decoding as decoding
+    from foxlm.cli import main
+
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", num_hidden_layers=1)).save_pretrained(tmp_path / "m")
+    seen, real = {}, decoding.generate
+
+    def generate_and_record(model, *args, **kwargs):  # the real generate, with the model it was given noted
+        seen.update({name: p.dtype for name, p in model.named_parameters()})
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(decoding, "generate", generate_and_record)
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--max-new-tokens", "2", "--device", "cpu",
+                 "--dtype", "bfloat16"]) == 0
+    kept = {name: dtype for name, dtype in seen.items() if "fgate_proj" in name or "shift.proj" in name}
+    assert kept and set(kept.values()) == {torch.float32}, kept
+    assert seen["model.layers.0.attn.q_proj.weight"] == torch.bfloat16

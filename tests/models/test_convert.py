@@ -349,7 +349,7 @@ def test_foxlm_models_the_authors_classes_cannot_express_are_errors(change, mess
 
 def test_sharded_bin_and_old_config_fields(tmp_path):
     """A pytorch_model.bin (read with weights_only) split over two shards, with no dtype field, a null
-    max_position_embeddings and a null rope_base (no RoPE: not read); --dtype bfloat16 casts."""
+    max_position_embeddings and a null rope_base (no RoPE: not read); --dtype bfloat16 casts (all but the gate)."""
     gen = torch.Generator().manual_seed(3)
     cfg = {**authors_config(**AUTHORS_ARCHS["fox-llama"]), "rope_base": None}
     del cfg["torch_dtype"]
@@ -367,7 +367,8 @@ def test_sharded_bin_and_old_config_fields(tmp_path):
     convert(src, tmp_path / "f32")
     convert(src, tmp_path / "bf16", dtype="bfloat16")
     assert all(t.dtype == torch.float32 for t in load_file(tmp_path / "f32" / "model.safetensors").values())
-    assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "bf16" / "model.safetensors").values())
+    assert all(t.dtype == (torch.float32 if "fgate_proj" in k else torch.bfloat16)
+               for k, t in load_file(tmp_path / "bf16" / "model.safetensors").items())
 
 
 def test_a_damaged_index_shard_or_tokenizer_config_is_an_error_naming_the_file(tmp_path):
@@ -820,3 +821,21 @@ def test_init_from_a_converted_model_trains_on_json_gpt2_data_only(tmp_path):
         assert main([*args, f"tokenizer={tokenizer}", f"data={tmp_path / tokenizer}",
                      f"out_dir={tmp_path / ('run-' + tokenizer)}"]) == code, tokenizer
     assert (tmp_path / "run-json-gpt2" / "checkpoints").is_dir()
+
+
+def test_a_narrower_dtype_keeps_the_gate_and_shift_as_from_pretrained_does(tmp_path):
+    """--dtype bfloat16 of float32 weights: every tensor bf16 but the forget gate and token shift, which stay fp32 as
+    in a model from_pretrained loads in bf16 (and saves again); rounding them would move every attention weight."""
+    gen = torch.Generator().manual_seed(5)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-pro"])
+    sd = authors_weights(cfg, gen)
+    _write(tmp_path / "src", cfg, sd)
+    convert(tmp_path / "src", tmp_path / "fp32")
+    convert(tmp_path / "src", tmp_path / "bf16", dtype="bfloat16")
+    full, got = (load_file(tmp_path / name / "model.safetensors") for name in ("fp32", "bf16"))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).state_dict()
+    kept = {k for k, t in loaded.items() if t.dtype == torch.float32}
+    assert kept and any("fgate_proj" in k for k in kept) and any("shift" in k for k in kept)
+    assert {k for k, t in got.items() if t.dtype == torch.float32} == kept
+    assert all(torch.equal(got[k], full[k]) for k in kept)
+    assert all(torch.equal(got[k], loaded[k]) for k in got)

@@ -69,6 +69,32 @@ def test_chunked_loss_keeps_the_models_logit_transforms(model_type, fields):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
+@pytest.mark.parametrize("in_config", [True, False])
+def test_chunked_loss_keeps_a_mixture_of_experts_router_loss(in_config):
+    """A MoE trained with output_router_logits (in its config or in the call) adds its router's load-balancing loss
+    to the cross-entropy; the wrapped model's loss and gradients are the model's own, where the chunked
+    cross-entropy alone dropped that term, and the router learned nothing of balance."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mixtral", vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, intermediate_size=64, router_aux_loss_coef=1.0,
+                                  output_router_logits=in_config)
+    own = AutoModelForCausalLM.from_config(config)
+    ours = AutoModelForCausalLM.from_config(config)
+    ours.load_state_dict(own.state_dict())
+    use_chunked_loss(ours)
+    ids = torch.randint(0, 100, (2, 12))
+    kwargs = {} if in_config else {"output_router_logits": True}
+    want, got = own(input_ids=ids, labels=ids, **kwargs), ours(input_ids=ids, labels=ids, **kwargs)
+    assert want.aux_loss > 0.1  # the router's term matters here
+    torch.testing.assert_close(got.loss, want.loss)
+    got.loss.backward()
+    want.loss.backward()
+    for (name, a), b in zip(own.named_parameters(), ours.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, msg=name)
+
+
 def test_chunked_loss_is_the_models_own_loss():
     """The trainer's loss (linear_cross_entropy on the backbone's hidden states) equals Llama's own, gradients too."""
     torch.manual_seed(0)

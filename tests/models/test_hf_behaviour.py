@@ -384,3 +384,29 @@ def test_prompt_lookup_decoding_matches_greedy():
     ids = torch.randint(1, VOCAB, (1, 12), generator=torch.Generator().manual_seed(6)).repeat(1, 2)  # repeats to find
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=8, min_new_tokens=8, do_sample=False)
     assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=3, **kw), model.generate(ids, **kw))
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro", "fox-llama"])
+@pytest.mark.parametrize("with_mask", [True, False])
+def test_decoding_loop_on_the_cache_it_made_as_in_transformers_docs(name, with_mask):
+    """transformers' docs decode by hand passing, at every call, the ``DynamicCache()`` they made, never the output's
+    cache: FoX's forward decoded into a FoxCache of its own, so the caller's stayed empty and every call started
+    from nothing (each new token alone; with the growing mask, an error). generate on that cache fills it too."""
+    from transformers import DynamicCache
+
+    model = (_llama() if name == "llama" else _fox(name)).eval()
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(7))
+    cache, tokens, inputs = DynamicCache(), ids, {"input_ids": ids}
+    with torch.no_grad():
+        for _ in range(4):
+            if with_mask:
+                inputs["attention_mask"] = torch.ones_like(tokens)
+            out = model(**inputs, past_key_values=cache, use_cache=True)
+            inputs = {"input_ids": out.logits[:, -1:].argmax(-1)}
+            tokens = torch.cat([tokens, inputs["input_ids"]], 1)
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens, model.generate(ids, **kw))
+    assert cache.get_seq_length() == 9  # the prompt and three fed tokens
+    given = DynamicCache()
+    out = model.generate(ids, past_key_values=given, return_dict_in_generate=True, **kw)
+    assert torch.equal(out.sequences, tokens) and out.past_key_values is given and given.get_seq_length() == 9

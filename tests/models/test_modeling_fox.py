@@ -7,6 +7,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     DynamicCache,
+    StaticCache,
     StoppingCriteria,
     StoppingCriteriaList,
 )
@@ -278,6 +279,9 @@ def test_other_hf_caches_and_attention_implementations_are_refused(tmp_path):
     ids = _ids(1, 5)
     with pytest.raises(ValueError, match="cache_implementation: .*StaticCache"):
         model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="static", pad_token_id=0)
+    # passed by hand, the same cache is named as the argument it came in (it named cache_implementation)
+    with pytest.raises(ValueError, match=r"past_key_values: .*not a StaticCache; pass a FoxCache"):
+        model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
     model.save_pretrained(tmp_path)
     for impl in ("sdpa", "flash_attention_2"):
         with pytest.raises(ValueError, match="does not support"):
@@ -453,6 +457,24 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def test_bad_config_values_raise_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         FoxConfig.preset("fox-llama", "tiny", **overrides)
+
+
+def test_from_pretrained_checks_the_fields_it_is_given(tmp_path):
+    """Fields given to from_pretrained (AutoConfig's and the model's) are checked as the constructor's: transformers
+    set them on the loaded config unchecked, and tie_word_embeddings=True or a shared QK-norm without QK-norm built a
+    model whose saved config.json no longer loaded. A valid field, and the attribute-mapped name, still apply."""
+    _model("fox-pro").save_pretrained(tmp_path / "m")
+    for fields, message in ((dict(tie_word_embeddings=True), "tie_word_embeddings: FoX models have an untied"),
+                            (dict(qk_norm=False, qk_norm_shared=True), "qk_norm_shared: a shared QK-norm weight"),
+                            (dict(gate="softmax"), "gate: expected one of"),
+                            (dict(max_position_embeddings=0), "train_length: expected a positive integer")):
+        for load in (AutoConfig.from_pretrained, AutoModelForCausalLM.from_pretrained):
+            with pytest.raises(ValueError, match=message):
+                load(tmp_path / "m", **fields)
+    config, unused = AutoConfig.from_pretrained(tmp_path / "m", window=8, max_position_embeddings=64, other=1,
+                                                return_unused_kwargs=True)
+    assert (config.window, config.train_length, unused) == (8, 64, {"other": 1})
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "m", window=8).config.window == 8
 
 
 def test_bad_preset_and_input_errors():
