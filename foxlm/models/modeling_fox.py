@@ -357,7 +357,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             raise ValueError(f"cache_implementation: FoX models decode with their own FoxCache, not a "
                              f"{type(made).__name__}; leave cache_implementation unset (or 'dynamic')")
         if type(made) is DynamicCache and made.get_seq_length() == 0:  # transformers' or the caller's
-            _become_fox_cache(made, self.config.num_hidden_layers)
+            _become_fox_cache(made, self.config.num_hidden_layers,
+                              "past_key_values" if cache is not None else "cache_implementation")
             if getattr(generation_config, "is_assistant", False):  # transformers recorded the DynamicCache's past
                 made.activate_past_recording()
         return result
@@ -517,17 +518,22 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
     if isinstance(cache, KVCache):
         return cache
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:  # e.g. DynamicCache() in transformers' docs
-        return _become_fox_cache(cache, num_layers)
+        return _become_fox_cache(cache, num_layers, "past_key_values")
     if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. a StaticCache
         raise ValueError(f"past_key_values: FoX models decode with their own FoxCache, not a {type(cache).__name__}; "
                          f"pass a FoxCache (foxlm.models.FoxCache()), an empty DynamicCache or none")
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 
-def _become_fox_cache(cache: DynamicCache, num_layers: int) -> FoxCache:
+def _become_fox_cache(cache: DynamicCache, num_layers: int, arg: str) -> FoxCache:
     """Make the empty DynamicCache ``cache`` an empty FoxCache, the same object: a caller that goes on passing the
     cache it made (transformers' docs' decoding loop) rather than the output's, decodes on the tokens it holds; a new
-    FoxCache left that one empty, and each call started from nothing."""
+    FoxCache left that one empty, and each call started from nothing. An offloading one (``arg``, the argument that
+    asked for it) is refused: a FoxCache keeps its layers on the model's device, so the memory it was to save would
+    silently not be saved."""
+    if getattr(cache, "offloading", False):
+        raise ValueError(f"{arg}: FoX models decode with their own FoxCache, which does not offload its layers to "
+                         f"the CPU; leave cache_implementation unset (or 'dynamic') and pass no offloading cache")
     cache.__class__ = FoxCache
     vars(cache).clear()
     FoxCache.__init__(cache, num_layers)

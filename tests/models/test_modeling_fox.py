@@ -273,8 +273,9 @@ def test_generic_hf_cache_is_replaced_and_bad_cache_rejected():
 
 
 def test_other_hf_caches_and_attention_implementations_are_refused(tmp_path):
-    """HF's StaticCache (``cache_implementation="static"``) and its attention kernels ("sdpa", "flash_attention_2")
-    would be silently bypassed by foxlm's own FoxCache and attention op: they are refused, naming the argument."""
+    """HF's StaticCache (``cache_implementation="static"``), its offloading cache ("offloaded") and its attention
+    kernels ("sdpa", "flash_attention_2") would be silently bypassed by foxlm's own FoxCache and attention op: they
+    are refused, naming the argument."""
     model = _model("fox-pro")
     ids = _ids(1, 5)
     with pytest.raises(ValueError, match="cache_implementation: .*StaticCache"):
@@ -282,6 +283,14 @@ def test_other_hf_caches_and_attention_implementations_are_refused(tmp_path):
     # passed by hand, the same cache is named as the argument it came in (it named cache_implementation)
     with pytest.raises(ValueError, match=r"past_key_values: .*not a StaticCache; pass a FoxCache"):
         model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
+    # an offloading DynamicCache became a plain FoxCache, silently keeping every layer on the model's device
+    with pytest.raises(ValueError, match="cache_implementation: .*does not offload"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, cache_implementation="offloaded", pad_token_id=0)
+    with pytest.raises(ValueError, match="past_key_values: .*does not offload"):
+        model.generate(ids, max_new_tokens=2, do_sample=False, past_key_values=DynamicCache(offloading=True),
+                       pad_token_id=0)
+    with pytest.raises(ValueError, match="past_key_values: .*does not offload"):
+        model(ids, past_key_values=DynamicCache(offloading=True), use_cache=True)
     model.save_pretrained(tmp_path)
     for impl in ("sdpa", "flash_attention_2"):
         with pytest.raises(ValueError, match="does not support"):
