@@ -178,6 +178,8 @@ class Trainer:
             raise
         if state is not None:
             self.step, self.bad_steps, self.tokens_seen = state["step"], state["bad_steps"], state["tokens_seen"]
+            # the steps after the last log record: the next record's mean takes them in, as without the resume
+            self._interval = list(state.get("log_interval", (0.0, 0)))
         self._started = notes
 
     def _unlock(self) -> None:
@@ -236,7 +238,6 @@ class Trainer:
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()
         self.metrics.reset(self.tokens_seen)
-        self._interval = [0.0, 0]
         self.micro_progress = log.within_step
         first = self.step + 1
         try:
@@ -257,7 +258,8 @@ class Trainer:
                     log.validation(self.step, val, acp=getattr(parallel.unwrap(self.model).config, "acp", False))
                 if every(cfg.save_every) or self.finished or stop:
                     background = cfg.async_checkpoint and not (self.finished or stop)
-                    for path in self.checkpointer.save(self.step, self.bad_steps, self.tokens_seen, background):
+                    for path in self.checkpointer.save(self.step, self.bad_steps, self.tokens_seen, background,
+                                                           tuple(self._interval)):
                         log.write(f"saved {path}")
                 if stop:
                     log.write(f"stopped by SIGTERM after step {self.step}; the same command resumes the run")
@@ -270,7 +272,8 @@ class Trainer:
                 self.d.barrier()
         except Preempted as e:  # SIGTERM cut a step or validation short
             self.optimizer.zero_grad(set_to_none=self.graphed is None)  # the given-up step's partial gradients
-            kept = self.checkpointer.keep_last_step(self.step, self.bad_steps, self.tokens_seen, e.together)
+            kept = self.checkpointer.keep_last_step(self.step, self.bad_steps, self.tokens_seen, e.together,
+                                                    tuple(self._interval))
             log.write(f"stopped by SIGTERM during step {self.step + 1}: {kept}")
             summary["stopped"] = "SIGTERM"
         finally:

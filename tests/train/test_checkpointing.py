@@ -65,6 +65,19 @@ def test_resume_after_kill_reproduces_losses(byte_data, tmp_path, capsys):
     assert (run / "checkpoints" / "latest").read_text() == "step_0000030"
 
 
+def test_a_resumed_run_logs_the_mean_of_the_steps_since_the_last_record(byte_data, tmp_path):
+    """log_every=4, killed after step 6's checkpoint: the resumed run's record of step 8 is the mean loss of steps 5
+    to 8, as without the kill; it was that of steps 7 and 8, the steps after the checkpoint being lost."""
+    extra = ["max_steps=8", "save_every=3", "keep_last=5", "log_every=4", "eval_every=0"]
+    ref = tmp_path / "ref"
+    train(tiny_config(byte_data, ref, *extra))
+    run = tmp_path / "run"
+    shutil.copytree(ref, run)  # what the run had written when killed after step 6's save (and its later log lines)
+    shutil.rmtree(run / "checkpoints" / "step_0000008")
+    train(tiny_config(byte_data, run, *extra))
+    assert sorted(logged_losses(ref)) == [4, 8] and logged_losses(run) == logged_losses(ref)
+
+
 def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp_path, capsys):
     """Another run's checkpoints, later ones than the resume point, or another model's are refused before anything
     is written (pruning by step would delete them or the new run's own); a checkpoint starts a run in a new out_dir."""
