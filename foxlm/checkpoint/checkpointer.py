@@ -128,14 +128,14 @@ class PendingCheckpoint:
 
     @contextlib.contextmanager
     def _failing(self) -> Iterator[None]:
-        """On rank 0, a failed write removes the temporary folder; a full disk becomes ``DiskFullError``."""
+        """A full disk becomes ``DiskFullError`` on every process (the others' DCP failure holds rank 0's: its
+        traceback was the report); on rank 0 a failed write removes the temporary folder."""
         try:
             yield
         except (OSError, RuntimeError, CheckpointException) as e:
-            if not self.main:
-                raise
-            full = _disk_full(e, self.tmp)
-            shutil.rmtree(self.tmp, ignore_errors=True)  # what was written would only fill the disk further
+            full = _disk_full(e, self.final.parent)  # the folder of the checkpoints: rank 0 may have removed tmp
+            if self.main:
+                shutil.rmtree(self.tmp, ignore_errors=True)  # what was written would only fill the disk further
             if not full:
                 raise
             raise DiskFullError(f"checkpoint: cannot save {self.final}: the disk is full; free space there, or train "

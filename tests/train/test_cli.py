@@ -101,3 +101,33 @@ def test_cli_reports_a_full_disk_in_one_line(byte_data, tmp_path):
         done.stderr
     assert done.stdout == ""  # the checkpoints folder the `ls` lists is empty: no partial save left
 
+
+
+def test_a_full_disk_is_one_line_in_a_run_of_two_processes(byte_data, tmp_path):
+    """Two processes (gloo, FSDP2) writing their shards onto a full disk: rank 0 prints the one line, rank 1 nothing;
+    rank 1 printed the DCP CheckpointException's traceback (rank 0's OSError inside), the job's stderr a wall."""
+    import socket
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mount = f"mount -t tmpfs -o size=2m none {disk}"
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-rm", "sh", "-c", mount]).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs unshare and user namespaces)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = disk / "run"
+    train_cmd = [sys.executable, "-m", "foxlm.cli", "train",
+                 *tiny_args(f"data={byte_data}", f"out_dir={run}", "max_steps=1", "eval_every=0")]
+    # both processes in the namespace that has the tmpfs; torchrun's own report of a failed job is not foxlm's
+    script = (f'{mount} && for r in 0 1; do RANK=$r LOCAL_RANK=$r "$@" 2>{tmp_path}/err$r & done; '
+              f'wait %1; a=$?; wait %2; b=$?; ls -A {run / "checkpoints"}; exit $((a + b))')
+    env = {**subprocess_env(), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run(["unshare", "-rm", "sh", "-c", script, "sh", *train_cmd], capture_output=True, text=True,
+                          env=env, timeout=300)
+    err0, err1 = ((tmp_path / f"err{r}").read_text() for r in (0, 1))
+    assert done.returncode == 2, (err0, err1)  # each process exits 1
+    assert re.search(rf"^foxlm train: error: checkpoint: cannot save {run}/checkpoints/step_0000001: the disk is "
+                     rf"full", err0, re.M) and "Traceback" not in err0, err0
+    assert "Traceback" not in err1 and "foxlm train: error" not in err1, err1
+    assert done.stdout == ""  # no partial save left
