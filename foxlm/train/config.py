@@ -169,6 +169,10 @@ class TrainConfig:
             if key not in FOX_FIELDS:
                 raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(FOX_FIELDS)})")
             _check_field_type(key, value)
+        # else the first step's forward refused it on every process, after the run had taken out_dir
+        if self.cp > 1 and (window := resolved_model(self)["window"]) is not None:
+            raise ValueError(f"model.window: a sliding window ({window}) is not available with context parallelism "
+                             f"(cp={self.cp}): each process holds chunks of the sequence; cp=1 or model.window=null")
 
     def _validate_hf(self) -> None:
         """What a Hugging Face model (``arch=hf:...``, a config.json or a baseline) cannot do in foxlm's trainer."""

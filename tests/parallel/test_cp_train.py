@@ -102,6 +102,10 @@ def test_cp_settings_are_checked(capsys):
         load_config(overrides=["cp=2", "packing=documents"])
     with pytest.raises(ValueError, match="seq_len: 36 must be a multiple of 2 x cp = 8"):
         load_config(overrides=["cp=4", "seq_len=36"])
+    with pytest.raises(ValueError, match=r"model.window: a sliding window \(16\) is not available with context "
+                       r"parallelism \(cp=2\)"):
+        load_config(overrides=["cp=2", "model.window=16"])
+    load_config(overrides=["cp=2", "model.window=null"])
     with pytest.raises(ValueError, match="cp: expected a positive integer"):
         load_config(overrides=["cp=0"])
     from foxlm.cli import main
