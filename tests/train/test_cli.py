@@ -102,7 +102,6 @@ def test_cli_reports_a_full_disk_in_one_line(byte_data, tmp_path):
     assert done.stdout == ""  # the checkpoints folder the `ls` lists is empty: no partial save left
 
 
-
 def test_a_full_disk_is_one_line_in_a_run_of_two_processes(byte_data, tmp_path):
     """Two processes (gloo, FSDP2) writing their shards onto a full disk: rank 0 prints the one line, rank 1 nothing;
     rank 1 printed the DCP CheckpointException's traceback (rank 0's OSError inside), the job's stderr a wall."""
@@ -118,7 +117,7 @@ def test_a_full_disk_is_one_line_in_a_run_of_two_processes(byte_data, tmp_path):
         port = s.getsockname()[1]
     run = disk / "run"
     train_cmd = [sys.executable, "-m", "foxlm.cli", "train",
-                 *tiny_args(f"data={byte_data}", f"out_dir={run}", "max_steps=1", "eval_every=0")]
+                 *TINY, f"data={byte_data}", f"out_dir={run}", "max_steps=1", "eval_every=0"]
     # both processes in the namespace that has the tmpfs; torchrun's own report of a failed job is not foxlm's
     script = (f'{mount} && for r in 0 1; do RANK=$r LOCAL_RANK=$r "$@" 2>{tmp_path}/err$r & done; '
               f'wait %1; a=$?; wait %2; b=$?; ls -A {run / "checkpoints"}; exit $((a + b))')
