@@ -149,7 +149,8 @@ def register(subparsers) -> None:
 
 
 def _setup(args, checkpoints: list[str]):
-    """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder."""
+    """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder (checked, not
+    yet made: ``_made`` makes it once every check has passed)."""
     from foxlm.data import TokenDataset, matches_spec
     from foxlm.device import resolve_device
 
@@ -179,7 +180,6 @@ def _setup(args, checkpoints: list[str]):
         if m.config.vocab_size < tok.vocab_size:
             raise ValueError(f"--data: its tokenizer ({tok.name}, {tok.vocab_size} ids) does not fit {c}'s "
                              f"vocabulary of {m.config.vocab_size}")
-    out.mkdir(parents=True, exist_ok=True)
     return models, data, tok, out
 
 
@@ -190,6 +190,13 @@ def _out_folder(args) -> Path:
     blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise NotADirectoryError(f"--out: {blocked} is a file; name a folder (new or existing) for the results")
+    return out
+
+
+def _made(out: Path) -> Path:
+    """``out``, made now: after the command's checks and its computation, so that a refused command leaves no empty
+    or partial folder behind, and a folder that was there is untouched."""
+    out.mkdir(parents=True, exist_ok=True)
     return out
 
 
@@ -351,6 +358,7 @@ def _run_loss(args, cp) -> int:
                                           show_progress=args.progress and main, context_parallel=cp))
     if not main:
         return 0
+    _made(out)
     loss.write_csv(curves, out / "per_token_loss.csv")
     md = loss.write_summary(curves, train_length, out / "summary.csv", out / "summary.md")
     loss.plot(curves, train_length, out / "per_token_loss.png")
@@ -383,6 +391,7 @@ def run_niah(args) -> int:
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
+    _made(out)
     niah.write_csv(results, out / "niah.csv")
     niah.plot(results, out / "niah.png", train_length=_train_length(args, args.checkpoint, model))
     _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay)})
@@ -444,10 +453,10 @@ def run_recall(args) -> int:
     lengths = args.lengths or [k * train_length for k in (1, 2, 3, 4)]
     tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)  # its error may say: pass --tokenizer
     spec.check(tok)
-    out.mkdir(parents=True, exist_ok=True)
     cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
                               samples=args.samples, seed=args.seed, batch_size=args.batch_size, dtype=args.dtype,
                               show_progress=args.progress)
+    _made(out)
     recall.write_csv(cells, out / "recall.csv")
     md = recall.table(cells, train_length)
     (out / "recall.md").write_text(md)
@@ -487,15 +496,17 @@ def run_gates(args) -> int:
     docs = heldout_documents(data, args.split, args.length, None, what="--length")
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
     decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)
+    if decay is not None:  # computed before anything is written: a failure here leaves no half-filled --out
+        log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n,
+                                           tolerance=args.tolerance, batch_size=args.batch_size, dtype=args.dtype,
+                                           show_progress=args.progress)
+    _made(out)
     for layer, a in enumerate(attn):
         gates.plot_layer_maps(None if decay is None else decay[layer], a, layer, out / f"maps_layer{layer:02d}.png")
     print(f"wrote {out}/maps_layer*.png")
     if decay is None:
         print("the model has no forget gates (gate='none'): no decay times and no ACP report")
         return 0
-    log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n,
-                                       tolerance=args.tolerance, batch_size=args.batch_size, dtype=args.dtype,
-                                       show_progress=args.progress)
     decay_rows = gates.decay_stats(log_fgates)
     gates.write_decay_csv(decay_rows, out / "decay_times.csv")
     gates.plot_decay_times(decay_rows, out / "decay_times.png", context_length=args.length)

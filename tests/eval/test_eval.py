@@ -240,6 +240,26 @@ def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
         assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
 
 
+@pytest.mark.parametrize("command,argv,message", [
+    ("loss", ["--train-length", "64", "--eval-length", "100000000"], "--eval-length: no 'val' document"),
+    ("loss", ["--train-length", "64", "--acp", "on", "--acp-tolerance", "0"], "--acp-tolerance: expected a value"),
+    ("niah", ["--lengths", "20"], r"\(--lengths\): 20 tokens cannot hold the needle"),
+    ("niah", ["--lengths", "300,100000000"], r"\(--lengths\): the longest prompt needs"),
+    ("gates", ["--length", "100000000"], "--length: no 'val' document"),
+])
+def test_refused_command_leaves_out_as_it_was(untrained, corpus, tmp_path, capsys, command, argv, message):
+    """A mistake found once the model is loaded: a new --out is not made (an empty folder was left behind), and one
+    that was there keeps exactly what it held."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("mine")
+    for out in (tmp_path / "new" / "out", kept):
+        _refused(capsys, message, ["eval", command, str(untrained), "--data", str(corpus), *argv, "--out", str(out),
+                                   "--no-progress"])
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in kept.iterdir()] == ["mine.txt"] and (kept / "mine.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("what", ["text folder", "missing", "split"])
 def test_bad_data_or_split_is_one_line_naming_the_flag(untrained, corpus, tmp_path, capsys, what):
     """--data naming a folder of raw text (or nothing), or a split the data has not: the message names the flag
@@ -507,11 +527,11 @@ def test_gates_cli(trained, corpus, tmp_path):
     ("--tolerance", "2", r"--tolerance: expected a value in \(0, 1\), got 2.0"),
 ])
 def test_gates_cli_refuses_bad_numbers_before_writing(untrained, corpus, tmp_path, capsys, flag, value, message):
-    """A bad count, tile or tolerance is one line naming its flag, before any figure is written."""
+    """A bad count, tile or tolerance is one line naming its flag, before --out is made."""
     out = tmp_path / "gates"
     _refused(capsys, message, ["eval", "gates", str(untrained), "--data", str(corpus), "--length", "256", flag, value,
                                "--out", str(out), "--no-progress"])
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
 
 
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
