@@ -132,7 +132,9 @@ def register(subparsers) -> None:
     _common(gates)
     gates.add_argument("--length", type=int, default=2048, help="tokens per sequence for decay times and ACP")
     gates.add_argument("--num-sequences", type=int, default=4, help="held-out sequences for decay times and ACP")
-    gates.add_argument("--map-length", type=int, default=128, help="tokens of the sample drawn as heatmaps")
+    gates.add_argument("--map-length", type=int, default=None,
+                       help="tokens of the sample drawn as heatmaps, at most --length (default 128, or --length if "
+                            "shorter)")
     gates.add_argument("--block-m", type=int, default=128, help="ACP tile: query block (default 128, the kernel's)")
     gates.add_argument("--block-n", type=int, default=64, help="ACP tile: key block (default 64, the kernel's)")
     gates.add_argument("--tolerance", type=float, default=math.exp(-10), help="ACP tolerance (default e^-10)")
@@ -480,6 +482,8 @@ def run_gates(args) -> int:
     from .utils import heldout_documents
 
     _check_exist([args.checkpoint])
+    if args.map_length is None:  # the default fits any --length; one asked for must fit it (below)
+        args.map_length = min(128, args.length)
     # before anything runs or is written: --num-sequences 0 was an IndexError, a bad tile or tolerance was refused
     # only after the maps were drawn
     for flag, value, least in (("--length", args.length, 2), ("--num-sequences", args.num_sequences, 1),
@@ -489,6 +493,9 @@ def run_gates(args) -> int:
             raise ValueError(f"{flag}: expected at least {least}, got {value}")
     if not 0.0 < args.tolerance < 1.0:
         raise ValueError(f"--tolerance: expected a value in (0, 1), got {args.tolerance}")
+    if args.map_length > args.length:  # the sample is the first sequence: it was cut to --length, silently
+        raise ValueError(f"--map-length: {args.map_length} tokens drawn from a sequence of --length {args.length}; "
+                         "expected --map-length <= --length")
     (model,), data, _, out = _setup(args, [args.checkpoint])
     if getattr(model.config, "gate", None) is None:
         raise ValueError(f"CHECKPOINT: {args.checkpoint} is a {model.config.model_type!r} model, without forget gates "

@@ -525,6 +525,9 @@ def test_gates_cli(trained, corpus, tmp_path):
     ("--map-length", "0", "--map-length: expected at least 2, got 0"),  # was a blank figure per layer
     ("--block-m", "0", "--block-m: expected at least 1, got 0"),
     ("--tolerance", "2", r"--tolerance: expected a value in \(0, 1\), got 2.0"),
+    # was drawn at 256 tokens, silently
+    ("--map-length", "300", "--map-length: 300 tokens drawn from a sequence of --length 256; expected --map-length <= "
+                            "--length"),
 ])
 def test_gates_cli_refuses_bad_numbers_before_writing(untrained, corpus, tmp_path, capsys, flag, value, message):
     """A bad count, tile or tolerance is one line naming its flag, before --out is made."""
@@ -533,6 +536,13 @@ def test_gates_cli_refuses_bad_numbers_before_writing(untrained, corpus, tmp_pat
                                "--out", str(out), "--no-progress"])
     assert not out.exists()
 
+
+def test_gates_default_map_length_fits_a_shorter_length(untrained, corpus, tmp_path):
+    """The default --map-length (128) is cut to a shorter --length: only one asked for is refused."""
+    out = tmp_path / "gates"
+    assert main(["eval", "gates", str(untrained), "--data", str(corpus), "--length", "64", "--num-sequences", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "gates.json").read_text())["map_length"] == 64
 
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
     """Fixed ALiBi gates: log f_h = -m_h, so tau_h = 1/m_h; with QK-norm the logit bound is sqrt(D) for every
