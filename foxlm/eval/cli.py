@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -161,7 +162,8 @@ def _setup(args, checkpoints: list[str]):
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
     out = _out_folder(args)
-    device = resolve_device(args.device)
+    with _flag_errors(device="--device"):
+        device = resolve_device(args.device)
     models = [load_model(c, device) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
     data = Path(args.data).expanduser() if args.data else _training_data(checkpoints, specs, args.progress)
@@ -200,6 +202,19 @@ def _made(out: Path) -> Path:
     or partial folder behind, and a folder that was there is untouched."""
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+@contextlib.contextmanager
+def _flag_errors(**flags: str):
+    """Re-raises a ``ValueError`` whose message opens with a library's parameter name (``vocab: ...``, as
+    foxlm.data.mqar and foxlm.device word theirs) under the flag that set it (``--vocab: ...``)."""
+    try:
+        yield
+    except ValueError as e:
+        name, sep, rest = str(e).partition(": ")
+        if not sep or name not in flags:
+            raise
+        raise ValueError(f"{flags[name]}: {rest}") from None
 
 
 def _training_data(checkpoints: list[str], specs: list[dict | None], progress: bool) -> Path:
@@ -275,7 +290,8 @@ def _context_parallel(args):
     if world != args.cp:
         raise ValueError(f"--cp: {args.cp} processes split each sequence, but {world} run; launch with "
                          f"`torchrun --nproc-per-node {args.cp} -m foxlm.cli eval loss ...`")
-    device = resolve_device(args.device)
+    with _flag_errors(device="--device"):
+        device = resolve_device(args.device)
     if device.type == "cuda" and device.index is None:
         args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         torch.cuda.set_device(torch.device(args.device))
@@ -428,6 +444,10 @@ def run_recall(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     if args.train_length is not None and args.train_length < 1:
         raise ValueError(f"--train-length: expected a positive number of tokens, got {args.train_length}")
+    if args.seed < 0:  # numpy's seed sequence said only "expected non-negative integer"
+        raise ValueError(f"--seed: expected a non-negative integer, got {args.seed}")
+    if args.data is not None and not Path(args.data).expanduser().exists():
+        raise FileNotFoundError(f"--data: {args.data} does not exist (expected a dataset recipes/mqar.py wrote)")
     data = args.data
     if data is None and (run := run_train_data(args.checkpoint)) is not None and run[0] != "shakespeare":
         data = run[0]
@@ -440,12 +460,19 @@ def run_recall(args) -> int:
     if args.vocab is None and task is None:
         raise ValueError("--vocab: the checkpoint's training data records no MQAR task; pass --vocab LO:HI (and "
                          "--pairs), the ranges it was trained on")
-    spec = MQARSpec(_vocab_range(args.vocab) if args.vocab is not None else tuple(task["vocab"]))
+    # MQARSpec words its errors for recipes/mqar.py too ("vocab: ...", "pairs: ...", "length: ..."): here they name
+    # the flags, a recorded task's values included (the flags are how to pass others)
+    with _flag_errors(vocab="--vocab"):
+        spec = MQARSpec(_vocab_range(args.vocab) if args.vocab is not None else tuple(task["vocab"]))
     pairs = args.pairs or (task["pairs"] if task is not None else None)
     if not pairs:
         raise ValueError("--pairs: the training data records no numbers of pairs; pass --pairs N,...")
+    with _flag_errors(pairs="--pairs"):
+        for p in pairs:  # before the model loads; 1 + 4p tokens hold p pairs, so only the count can be refused
+            spec.check_document(1 + 4 * p, p)
     out = _out_folder(args)
-    device = resolve_device(args.device)
+    with _flag_errors(device="--device"):
+        device = resolve_device(args.device)
     model = load_model(args.checkpoint, device)
     train_length = args.train_length or run_train_length(args.checkpoint) or getattr(model.config, "train_length",
                                                                                      None)
@@ -453,8 +480,14 @@ def run_recall(args) -> int:
         raise ValueError(f"--lengths: {args.checkpoint} records no training length to take 1x-4x of; pass --lengths "
                          "or --train-length")
     lengths = args.lengths or [k * train_length for k in (1, 2, 3, 4)]
-    tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)  # its error may say: pass --tokenizer
-    spec.check(tok)
+    with _flag_errors(tokenizer="--tokenizer"):
+        tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)
+    with _flag_errors(vocab="--vocab"):
+        spec.check(tok)
+    with _flag_errors(length="--lengths", pairs="--pairs"):
+        for n in lengths:
+            for p in pairs:
+                spec.check_document(n, p)
     cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
                               samples=args.samples, seed=args.seed, batch_size=args.batch_size, dtype=args.dtype,
                               show_progress=args.progress)

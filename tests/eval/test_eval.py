@@ -237,7 +237,7 @@ def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
     assert "--eval-length: expected a positive number of tokens, got 0" in one_line_error(zero, "eval loss")
     if not torch.cuda.is_available():
         no_gpu = foxlm("eval", "gates", untrained, "--data", corpus, "--device", "cuda", "--out", tmp_path / "out")
-        assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
+        assert "--device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
 
 
 @pytest.mark.parametrize("command,argv,message", [
@@ -258,6 +258,15 @@ def test_refused_command_leaves_out_as_it_was(untrained, corpus, tmp_path, capsy
                                    "--no-progress"])
     assert not (tmp_path / "new").exists()
     assert [p.name for p in kept.iterdir()] == ["mine.txt"] and (kept / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("command,argv", [("loss", ["--train-length", "64"]), ("niah", ["--lengths", "300"]),
+                                          ("gates", [])])
+def test_bad_device_names_the_flag(untrained, corpus, tmp_path, capsys, command, argv):
+    """resolve_device's message opens with "device:", a name the command line does not have."""
+    _refused(capsys, "--device: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'auto', got 'gpu0'",
+             ["eval", command, str(untrained), "--data", str(corpus), *argv, "--device", "gpu0", "--out",
+              str(tmp_path / "out"), "--no-progress"])
 
 
 @pytest.mark.parametrize("what", ["text folder", "missing", "split"])
