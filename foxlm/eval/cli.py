@@ -27,6 +27,13 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _nonempty(text: str) -> str:
+    """A path or name: an empty one would mean the current folder (--out) or the default (--data), silently."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty value, got {text!r}")
+    return text
+
+
 def _fractions(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x]
@@ -40,11 +47,11 @@ def _fractions(text: str) -> list[float]:
 def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
     p.add_argument("checkpoints" if many else "checkpoint", nargs="+" if many else None, metavar="CHECKPOINT",
                    help="run dir, checkpoint dir or save_pretrained dir" + (" (several are overlaid)" if many else ""))
-    p.add_argument("--data", default=None,
+    p.add_argument("--data", type=_nonempty, default=None,
                    help="prepared token folder (`foxlm data prepare`); default: the data the checkpoints were trained "
                         "on, as their run recorded it, else the embedded Shakespeare corpus")
     p.add_argument("--split", default="val", help="held-out split to read (default: val)")
-    p.add_argument("--out", required=True, help="output folder for CSV, PNG and JSON files")
+    p.add_argument("--out", type=_nonempty, required=True, help="output folder for CSV, PNG and JSON files")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
@@ -107,18 +114,18 @@ def register(subparsers) -> None:
     recall.add_argument("--vocab", default=None,
                         help="LO:HI, the id range of keys, values and filler (thirds of it); default: the range the "
                              "training data records (recipes/mqar.py writes it into meta.json)")
-    recall.add_argument("--data", default=None,
+    recall.add_argument("--data", type=_nonempty, default=None,
                         help="a dataset recipes/mqar.py wrote, whose recorded task (--vocab, --pairs) to evaluate; "
                              "default: the data the checkpoint's run trained on")
     recall.add_argument("--train-length", type=int, default=None,
                         help="training context length (default: read from the checkpoint's run or config)")
-    recall.add_argument("--tokenizer", default=None,
+    recall.add_argument("--tokenizer", type=_nonempty, default=None,
                         help="gpt2, json-gpt2, byte, or a tokenizer folder, for a model that records none (default: "
                              "the one the model records, else GPT-2 BPE)")
     recall.add_argument("--samples", type=int, default=64, help="documents per cell (default 64)")
     recall.add_argument("--seed", type=int, default=1, help="seed of the evaluation documents (default 1)")
-    recall.add_argument("--out", required=True, help="output folder for recall.csv, recall.json, recall.md and "
-                                                     "recall.png")
+    recall.add_argument("--out", type=_nonempty, required=True,
+                        help="output folder for recall.csv, recall.json, recall.md and recall.png")
     recall.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     recall.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
@@ -323,6 +330,8 @@ def _run_loss(args, cp) -> int:
     labels = args.labels.split(",") if args.labels else [Path(c).name for c in args.checkpoints]
     if len(labels) != len(args.checkpoints):
         raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
+    if not all(lab.strip() for lab in labels):  # an empty label is a curve the legend cannot name
+        raise ValueError(f"--labels: expected a non-empty label per checkpoint, got {args.labels!r}")
     if args.eval_length is not None and args.eval_length < 1:
         raise ValueError(f"--eval-length: expected a positive number of tokens, got {args.eval_length}")
     if args.max_sequences is not None and args.max_sequences < 1:

@@ -269,6 +269,27 @@ def test_bad_device_names_the_flag(untrained, corpus, tmp_path, capsys, command,
               str(tmp_path / "out"), "--no-progress"])
 
 
+@pytest.mark.parametrize("argv", [["niah", "--out", ""], ["niah", "--data", ""], ["loss", "--data", " "],
+                                  ["recall", "--data", ""], ["recall", "--tokenizer", ""], ["recall", "--out", ""]])
+def test_empty_paths_are_refused(tmp_path, capsys, monkeypatch, argv):
+    """An empty --out was the current folder (the results were written there), an empty --data the default data."""
+    monkeypatch.chdir(tmp_path)
+    command, flag, value = argv
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", command, str(tmp_path), *(["--lengths", "300"] if command != "loss" else []), "--out", "out",
+              flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and not any(tmp_path.iterdir())
+    assert err.splitlines()[-1] == f"foxlm eval {command}: error: argument {flag}: expected a non-empty value, got " \
+                                   f"{value!r}"
+
+
+def test_empty_loss_label_is_refused(untrained, corpus, tmp_path, capsys):
+    _refused(capsys, "--labels: expected a non-empty label per checkpoint, got 'a,'",
+             ["eval", "loss", str(untrained), str(untrained), "--labels", "a,", "--data", str(corpus),
+              "--train-length", "64", "--out", str(tmp_path / "out"), "--no-progress"])
+
+
 @pytest.mark.parametrize("what", ["text folder", "missing", "split"])
 def test_bad_data_or_split_is_one_line_naming_the_flag(untrained, corpus, tmp_path, capsys, what):
     """--data naming a folder of raw text (or nothing), or a split the data has not: the message names the flag
