@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -26,6 +27,13 @@ def _ints(text: str) -> list[int]:
     return vals
 
 
+def _nonempty(text: str) -> str:
+    """A path or name: an empty one would mean the current folder (--out) or the default (--data), silently."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a non-empty value, got {text!r}")
+    return text
+
+
 def _fractions(text: str) -> list[float]:
     try:
         vals = [float(x) for x in text.split(",") if x]
@@ -39,11 +47,11 @@ def _fractions(text: str) -> list[float]:
 def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
     p.add_argument("checkpoints" if many else "checkpoint", nargs="+" if many else None, metavar="CHECKPOINT",
                    help="run dir, checkpoint dir or save_pretrained dir" + (" (several are overlaid)" if many else ""))
-    p.add_argument("--data", default=None,
+    p.add_argument("--data", type=_nonempty, default=None,
                    help="prepared token folder (`foxlm data prepare`); default: the data the checkpoints were trained "
                         "on, as their run recorded it, else the embedded Shakespeare corpus")
     p.add_argument("--split", default="val", help="held-out split to read (default: val)")
-    p.add_argument("--out", required=True, help="output folder for CSV, PNG and JSON files")
+    p.add_argument("--out", type=_nonempty, required=True, help="output folder for CSV, PNG and JSON files")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
@@ -106,18 +114,18 @@ def register(subparsers) -> None:
     recall.add_argument("--vocab", default=None,
                         help="LO:HI, the id range of keys, values and filler (thirds of it); default: the range the "
                              "training data records (recipes/mqar.py writes it into meta.json)")
-    recall.add_argument("--data", default=None,
+    recall.add_argument("--data", type=_nonempty, default=None,
                         help="a dataset recipes/mqar.py wrote, whose recorded task (--vocab, --pairs) to evaluate; "
                              "default: the data the checkpoint's run trained on")
     recall.add_argument("--train-length", type=int, default=None,
                         help="training context length (default: read from the checkpoint's run or config)")
-    recall.add_argument("--tokenizer", default=None,
+    recall.add_argument("--tokenizer", type=_nonempty, default=None,
                         help="gpt2, json-gpt2, byte, or a tokenizer folder, for a model that records none (default: "
                              "the one the model records, else GPT-2 BPE)")
     recall.add_argument("--samples", type=int, default=64, help="documents per cell (default 64)")
     recall.add_argument("--seed", type=int, default=1, help="seed of the evaluation documents (default 1)")
-    recall.add_argument("--out", required=True, help="output folder for recall.csv, recall.json, recall.md and "
-                                                     "recall.png")
+    recall.add_argument("--out", type=_nonempty, required=True,
+                        help="output folder for recall.csv, recall.json, recall.md and recall.png")
     recall.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     recall.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
@@ -132,7 +140,9 @@ def register(subparsers) -> None:
     _common(gates)
     gates.add_argument("--length", type=int, default=2048, help="tokens per sequence for decay times and ACP")
     gates.add_argument("--num-sequences", type=int, default=4, help="held-out sequences for decay times and ACP")
-    gates.add_argument("--map-length", type=int, default=128, help="tokens of the sample drawn as heatmaps")
+    gates.add_argument("--map-length", type=int, default=None,
+                       help="tokens of the sample drawn as heatmaps, at most --length (default 128, or --length if "
+                            "shorter)")
     gates.add_argument("--block-m", type=int, default=128, help="ACP tile: query block (default 128, the kernel's)")
     gates.add_argument("--block-n", type=int, default=64, help="ACP tile: key block (default 64, the kernel's)")
     gates.add_argument("--tolerance", type=float, default=math.exp(-10), help="ACP tolerance (default e^-10)")
@@ -149,7 +159,8 @@ def register(subparsers) -> None:
 
 
 def _setup(args, checkpoints: list[str]):
-    """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder."""
+    """Loaded models (on ``--device``), the held-out dataset folder, its tokenizer and the output folder (checked, not
+    yet made: ``_made`` makes it once every check has passed)."""
     from foxlm.data import TokenDataset, matches_spec
     from foxlm.device import resolve_device
 
@@ -158,7 +169,8 @@ def _setup(args, checkpoints: list[str]):
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
     out = _out_folder(args)
-    device = resolve_device(args.device)
+    with _flag_errors(device="--device"):
+        device = resolve_device(args.device)
     models = [load_model(c, device) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
     data = Path(args.data).expanduser() if args.data else _training_data(checkpoints, specs, args.progress)
@@ -179,7 +191,6 @@ def _setup(args, checkpoints: list[str]):
         if m.config.vocab_size < tok.vocab_size:
             raise ValueError(f"--data: its tokenizer ({tok.name}, {tok.vocab_size} ids) does not fit {c}'s "
                              f"vocabulary of {m.config.vocab_size}")
-    out.mkdir(parents=True, exist_ok=True)
     return models, data, tok, out
 
 
@@ -191,6 +202,26 @@ def _out_folder(args) -> Path:
     if blocked is not None:
         raise NotADirectoryError(f"--out: {blocked} is a file; name a folder (new or existing) for the results")
     return out
+
+
+def _made(out: Path) -> Path:
+    """``out``, made now: after the command's checks and its computation, so that a refused command leaves no empty
+    or partial folder behind, and a folder that was there is untouched."""
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+@contextlib.contextmanager
+def _flag_errors(**flags: str):
+    """Re-raises a ``ValueError`` whose message opens with a library's parameter name (``vocab: ...``, as
+    foxlm.data.mqar and foxlm.device word theirs) under the flag that set it (``--vocab: ...``)."""
+    try:
+        yield
+    except ValueError as e:
+        name, sep, rest = str(e).partition(": ")
+        if not sep or name not in flags:
+            raise
+        raise ValueError(f"{flags[name]}: {rest}") from None
 
 
 def _training_data(checkpoints: list[str], specs: list[dict | None], progress: bool) -> Path:
@@ -266,7 +297,8 @@ def _context_parallel(args):
     if world != args.cp:
         raise ValueError(f"--cp: {args.cp} processes split each sequence, but {world} run; launch with "
                          f"`torchrun --nproc-per-node {args.cp} -m foxlm.cli eval loss ...`")
-    device = resolve_device(args.device)
+    with _flag_errors(device="--device"):
+        device = resolve_device(args.device)
     if device.type == "cuda" and device.index is None:
         args.device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
         torch.cuda.set_device(torch.device(args.device))
@@ -298,6 +330,8 @@ def _run_loss(args, cp) -> int:
     labels = args.labels.split(",") if args.labels else [Path(c).name for c in args.checkpoints]
     if len(labels) != len(args.checkpoints):
         raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
+    if not all(lab.strip() for lab in labels):  # an empty label is a curve the legend cannot name
+        raise ValueError(f"--labels: expected a non-empty label per checkpoint, got {args.labels!r}")
     if args.eval_length is not None and args.eval_length < 1:
         raise ValueError(f"--eval-length: expected a positive number of tokens, got {args.eval_length}")
     if args.max_sequences is not None and args.max_sequences < 1:
@@ -351,6 +385,7 @@ def _run_loss(args, cp) -> int:
                                           show_progress=args.progress and main, context_parallel=cp))
     if not main:
         return 0
+    _made(out)
     loss.write_csv(curves, out / "per_token_loss.csv")
     md = loss.write_summary(curves, train_length, out / "summary.csv", out / "summary.md")
     loss.plot(curves, train_length, out / "per_token_loss.png")
@@ -383,6 +418,7 @@ def run_niah(args) -> int:
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
+    _made(out)
     niah.write_csv(results, out / "niah.csv")
     niah.plot(results, out / "niah.png", train_length=_train_length(args, args.checkpoint, model))
     _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay)})
@@ -417,6 +453,10 @@ def run_recall(args) -> int:
             raise ValueError(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     if args.train_length is not None and args.train_length < 1:
         raise ValueError(f"--train-length: expected a positive number of tokens, got {args.train_length}")
+    if args.seed < 0:  # numpy's seed sequence said only "expected non-negative integer"
+        raise ValueError(f"--seed: expected a non-negative integer, got {args.seed}")
+    if args.data is not None and not Path(args.data).expanduser().exists():
+        raise FileNotFoundError(f"--data: {args.data} does not exist (expected a dataset recipes/mqar.py wrote)")
     data = args.data
     if data is None and (run := run_train_data(args.checkpoint)) is not None and run[0] != "shakespeare":
         data = run[0]
@@ -429,12 +469,19 @@ def run_recall(args) -> int:
     if args.vocab is None and task is None:
         raise ValueError("--vocab: the checkpoint's training data records no MQAR task; pass --vocab LO:HI (and "
                          "--pairs), the ranges it was trained on")
-    spec = MQARSpec(_vocab_range(args.vocab) if args.vocab is not None else tuple(task["vocab"]))
+    # MQARSpec words its errors for recipes/mqar.py too ("vocab: ...", "pairs: ...", "length: ..."): here they name
+    # the flags, a recorded task's values included (the flags are how to pass others)
+    with _flag_errors(vocab="--vocab"):
+        spec = MQARSpec(_vocab_range(args.vocab) if args.vocab is not None else tuple(task["vocab"]))
     pairs = args.pairs or (task["pairs"] if task is not None else None)
     if not pairs:
         raise ValueError("--pairs: the training data records no numbers of pairs; pass --pairs N,...")
+    with _flag_errors(pairs="--pairs"):
+        for p in pairs:  # before the model loads; 1 + 4p tokens hold p pairs, so only the count can be refused
+            spec.check_document(1 + 4 * p, p)
     out = _out_folder(args)
-    device = resolve_device(args.device)
+    with _flag_errors(device="--device"):
+        device = resolve_device(args.device)
     model = load_model(args.checkpoint, device)
     train_length = args.train_length or run_train_length(args.checkpoint) or getattr(model.config, "train_length",
                                                                                      None)
@@ -442,12 +489,18 @@ def run_recall(args) -> int:
         raise ValueError(f"--lengths: {args.checkpoint} records no training length to take 1x-4x of; pass --lengths "
                          "or --train-length")
     lengths = args.lengths or [k * train_length for k in (1, 2, 3, 4)]
-    tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)  # its error may say: pass --tokenizer
-    spec.check(tok)
-    out.mkdir(parents=True, exist_ok=True)
+    with _flag_errors(tokenizer="--tokenizer"):
+        tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)
+    with _flag_errors(vocab="--vocab"):
+        spec.check(tok)
+    with _flag_errors(length="--lengths", pairs="--pairs"):
+        for n in lengths:
+            for p in pairs:
+                spec.check_document(n, p)
     cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
                               samples=args.samples, seed=args.seed, batch_size=args.batch_size, dtype=args.dtype,
                               show_progress=args.progress)
+    _made(out)
     recall.write_csv(cells, out / "recall.csv")
     md = recall.table(cells, train_length)
     (out / "recall.md").write_text(md)
@@ -471,6 +524,8 @@ def run_gates(args) -> int:
     from .utils import heldout_documents
 
     _check_exist([args.checkpoint])
+    if args.map_length is None:  # the default fits any --length; one asked for must fit it (below)
+        args.map_length = min(128, args.length)
     # before anything runs or is written: --num-sequences 0 was an IndexError, a bad tile or tolerance was refused
     # only after the maps were drawn
     for flag, value, least in (("--length", args.length, 2), ("--num-sequences", args.num_sequences, 1),
@@ -480,6 +535,9 @@ def run_gates(args) -> int:
             raise ValueError(f"{flag}: expected at least {least}, got {value}")
     if not 0.0 < args.tolerance < 1.0:
         raise ValueError(f"--tolerance: expected a value in (0, 1), got {args.tolerance}")
+    if args.map_length > args.length:  # the sample is the first sequence: it was cut to --length, silently
+        raise ValueError(f"--map-length: {args.map_length} tokens drawn from a sequence of --length {args.length}; "
+                         "expected --map-length <= --length")
     (model,), data, _, out = _setup(args, [args.checkpoint])
     if getattr(model.config, "gate", None) is None:
         raise ValueError(f"CHECKPOINT: {args.checkpoint} is a {model.config.model_type!r} model, without forget gates "
@@ -487,15 +545,17 @@ def run_gates(args) -> int:
     docs = heldout_documents(data, args.split, args.length, None, what="--length")
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
     decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)
+    if decay is not None:  # computed before anything is written: a failure here leaves no half-filled --out
+        log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n,
+                                           tolerance=args.tolerance, batch_size=args.batch_size, dtype=args.dtype,
+                                           show_progress=args.progress)
+    _made(out)
     for layer, a in enumerate(attn):
         gates.plot_layer_maps(None if decay is None else decay[layer], a, layer, out / f"maps_layer{layer:02d}.png")
     print(f"wrote {out}/maps_layer*.png")
     if decay is None:
         print("the model has no forget gates (gate='none'): no decay times and no ACP report")
         return 0
-    log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n,
-                                       tolerance=args.tolerance, batch_size=args.batch_size, dtype=args.dtype,
-                                       show_progress=args.progress)
     decay_rows = gates.decay_stats(log_fgates)
     gates.write_decay_csv(decay_rows, out / "decay_times.csv")
     gates.plot_decay_times(decay_rows, out / "decay_times.png", context_length=args.length)

@@ -237,7 +237,57 @@ def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
     assert "--eval-length: expected a positive number of tokens, got 0" in one_line_error(zero, "eval loss")
     if not torch.cuda.is_available():
         no_gpu = foxlm("eval", "gates", untrained, "--data", corpus, "--device", "cuda", "--out", tmp_path / "out")
-        assert "device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
+        assert "--device: cuda is not one of the 0 visible GPUs" in one_line_error(no_gpu, "eval gates")
+
+
+@pytest.mark.parametrize("command,argv,message", [
+    ("loss", ["--train-length", "64", "--eval-length", "100000000"], "--eval-length: no 'val' document"),
+    ("loss", ["--train-length", "64", "--acp", "on", "--acp-tolerance", "0"], "--acp-tolerance: expected a value"),
+    ("niah", ["--lengths", "20"], r"\(--lengths\): 20 tokens cannot hold the needle"),
+    ("niah", ["--lengths", "300,100000000"], r"\(--lengths\): the longest prompt needs"),
+    ("gates", ["--length", "100000000"], "--length: no 'val' document"),
+])
+def test_refused_command_leaves_out_as_it_was(untrained, corpus, tmp_path, capsys, command, argv, message):
+    """A mistake found once the model is loaded: a new --out is not made (an empty folder was left behind), and one
+    that was there keeps exactly what it held."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "mine.txt").write_text("mine")
+    for out in (tmp_path / "new" / "out", kept):
+        _refused(capsys, message, ["eval", command, str(untrained), "--data", str(corpus), *argv, "--out", str(out),
+                                   "--no-progress"])
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in kept.iterdir()] == ["mine.txt"] and (kept / "mine.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("command,argv", [("loss", ["--train-length", "64"]), ("niah", ["--lengths", "300"]),
+                                          ("gates", [])])
+def test_bad_device_names_the_flag(untrained, corpus, tmp_path, capsys, command, argv):
+    """resolve_device's message opens with "device:", a name the command line does not have."""
+    _refused(capsys, "--device: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'auto', got 'gpu0'",
+             ["eval", command, str(untrained), "--data", str(corpus), *argv, "--device", "gpu0", "--out",
+              str(tmp_path / "out"), "--no-progress"])
+
+
+@pytest.mark.parametrize("argv", [["niah", "--out", ""], ["niah", "--data", ""], ["loss", "--data", " "],
+                                  ["recall", "--data", ""], ["recall", "--tokenizer", ""], ["recall", "--out", ""]])
+def test_empty_paths_are_refused(tmp_path, capsys, monkeypatch, argv):
+    """An empty --out was the current folder (the results were written there), an empty --data the default data."""
+    monkeypatch.chdir(tmp_path)
+    command, flag, value = argv
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", command, str(tmp_path), *(["--lengths", "300"] if command != "loss" else []), "--out", "out",
+              flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and not any(tmp_path.iterdir())
+    assert err.splitlines()[-1] == f"foxlm eval {command}: error: argument {flag}: expected a non-empty value, got " \
+                                   f"{value!r}"
+
+
+def test_empty_loss_label_is_refused(untrained, corpus, tmp_path, capsys):
+    _refused(capsys, "--labels: expected a non-empty label per checkpoint, got 'a,'",
+             ["eval", "loss", str(untrained), str(untrained), "--labels", "a,", "--data", str(corpus),
+              "--train-length", "64", "--out", str(tmp_path / "out"), "--no-progress"])
 
 
 @pytest.mark.parametrize("what", ["text folder", "missing", "split"])
@@ -505,14 +555,24 @@ def test_gates_cli(trained, corpus, tmp_path):
     ("--map-length", "0", "--map-length: expected at least 2, got 0"),  # was a blank figure per layer
     ("--block-m", "0", "--block-m: expected at least 1, got 0"),
     ("--tolerance", "2", r"--tolerance: expected a value in \(0, 1\), got 2.0"),
+    # was drawn at 256 tokens, silently
+    ("--map-length", "300", "--map-length: 300 tokens drawn from a sequence of --length 256; expected --map-length <= "
+                            "--length"),
 ])
 def test_gates_cli_refuses_bad_numbers_before_writing(untrained, corpus, tmp_path, capsys, flag, value, message):
-    """A bad count, tile or tolerance is one line naming its flag, before any figure is written."""
+    """A bad count, tile or tolerance is one line naming its flag, before --out is made."""
     out = tmp_path / "gates"
     _refused(capsys, message, ["eval", "gates", str(untrained), "--data", str(corpus), "--length", "256", flag, value,
                                "--out", str(out), "--no-progress"])
-    assert not out.exists() or not any(out.iterdir())
+    assert not out.exists()
 
+
+def test_gates_default_map_length_fits_a_shorter_length(untrained, corpus, tmp_path):
+    """The default --map-length (128) is cut to a shorter --length: only one asked for is refused."""
+    out = tmp_path / "gates"
+    assert main(["eval", "gates", str(untrained), "--data", str(corpus), "--length", "64", "--num-sequences", "1",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "gates.json").read_text())["map_length"] == 64
 
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
     """Fixed ALiBi gates: log f_h = -m_h, so tau_h = 1/m_h; with QK-norm the logit bound is sqrt(D) for every

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -241,3 +242,30 @@ def test_recall_cli_takes_the_tokenizer_a_model_records_none_of(tmp_path, capsys
     assert "pass --tokenizer" in capsys.readouterr().err
     assert main(argv + ["--tokenizer", "byte"]) == 0
     assert json.loads((tmp_path / "out" / "recall.json").read_text())["cells"][0]["queries"] == 4
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--vocab", "5:2"], "--vocab: expected a range LO:HI of at least 3 ids"),  # MQARSpec's "vocab: ..."
+    (["--vocab=-3:48"], "--vocab: expected a range LO:HI of at least 3 ids"),
+    (["--vocab", "0:300"], "--vocab: 0:300 goes past byte's 257 ids"),
+    (["--pairs", "2,17"], r"--pairs: expected 1 to 16 \(the ids in a third of vocab 0:48\), got 17"),
+    (["--lengths", "16,8"], r"--lengths: 8 tokens cannot hold 2 pairs and their queries \(1 \+ 4 x 2 = 9 tokens\)"),
+    (["--seed", "-1"], "--seed: expected a non-negative integer, got -1"),  # numpy's "expected non-negative integer"
+    (["--tokenizer", "nope"], "--tokenizer: expected 'gpt2', 'json-gpt2', 'byte' or a folder"),
+    (["--device", "gpu0"], "--device: expected e.g. 'cpu', 'cuda', 'cuda:1' or 'auto', got 'gpu0'"),
+    (["--data", "nope"], "--data: nope does not exist"),  # was "records no MQAR task"
+])
+def test_recall_cli_names_the_flag_and_leaves_out_as_it_was(tmp_path, capsys, monkeypatch, argv, message):
+    """A task, seed, tokenizer or device the command refuses: one line naming the flag (MQARSpec names its own
+    parameters, as recipes/mqar.py passes them), and --out is neither made nor, if it was there, changed."""
+    monkeypatch.chdir(tmp_path)
+    _model(tmp_path, "m").save_pretrained(tmp_path / "m")
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "mine.txt").write_text("mine")
+    capsys.readouterr()  # save_pretrained's progress bar
+    for out in ("new", "kept"):
+        assert main(["eval", "recall", "m", "--vocab", "0:48", "--pairs", "2", "--lengths", "16", "--samples", "2",
+                     *argv, "--out", out, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and re.match(f"foxlm eval recall: error: {message}", err.splitlines()[-1]), err
+    assert not (tmp_path / "new").exists() and [p.name for p in (tmp_path / "kept").iterdir()] == ["mine.txt"]
