@@ -171,7 +171,7 @@ def _setup(args, checkpoints: list[str]):
     out = _out_folder(args)
     with _flag_errors(device="--device"):
         device = resolve_device(args.device)
-    models = [load_model(c, device) for c in checkpoints]
+    models = [load_model(c, device, args.progress) for c in checkpoints]
     specs = [getattr(m.config, "foxlm_tokenizer", None) for m in models]  # what `foxlm train` recorded
     data = Path(args.data).expanduser() if args.data else _training_data(checkpoints, specs, args.progress)
     if not (data / "meta.json").is_file():  # TokenDataset's own message names a "path", not the flag
@@ -482,7 +482,7 @@ def run_recall(args) -> int:
     out = _out_folder(args)
     with _flag_errors(device="--device"):
         device = resolve_device(args.device)
-    model = load_model(args.checkpoint, device)
+    model = load_model(args.checkpoint, device, args.progress)
     train_length = args.train_length or run_train_length(args.checkpoint) or getattr(model.config, "train_length",
                                                                                      None)
     if args.lengths is None and not train_length:

@@ -29,13 +29,14 @@ def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractCo
     return torch.autocast(device.type, dtype=getattr(torch, dtype))
 
 
-def load_model(path: str | os.PathLike, device: torch.device) -> torch.nn.Module:
-    """A foxlm model from a run dir, a checkpoint dir or a ``save_pretrained`` dir, in eval mode on ``device``."""
+def load_model(path: str | os.PathLike, device: torch.device, progress: bool = True) -> torch.nn.Module:
+    """A foxlm model from a run dir, a checkpoint dir or a ``save_pretrained`` dir, in eval mode on ``device``
+    (``progress=False``: without transformers' loading bar)."""
     from foxlm.models import load_checkpoint_model
 
     if not Path(path).exists():
         raise ValueError(f"CHECKPOINT: {path} does not exist (expected a run, checkpoint or save_pretrained dir)")
-    return load_checkpoint_model(path, "CHECKPOINT").to(device).eval()
+    return load_checkpoint_model(path, "CHECKPOINT", progress).to(device).eval()
 
 
 def run_train_length(checkpoint: str | os.PathLike) -> int | None:

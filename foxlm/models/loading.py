@@ -9,11 +9,14 @@ from ..checkpoint.files import read_json
 from ..checkpoint.weights import DAMAGED_MODEL, reading_weights, resolve_model_dir
 
 
-def load_checkpoint_model(path: str | os.PathLike, arg: str = "path", **from_pretrained_kwargs):
+def load_checkpoint_model(path: str | os.PathLike, arg: str = "path", progress: bool = True,
+                          **from_pretrained_kwargs):
     """The causal LM (``FoxForCausalLM``, or any model registered with ``AutoModelForCausalLM``) of a run folder, a
-    checkpoint folder or a ``save_pretrained`` folder. ``arg``: what errors call ``path`` (a command's argument)."""
+    checkpoint folder or a ``save_pretrained`` folder. ``arg``: what errors call ``path`` (a command's argument);
+    ``progress=False``: without transformers' "Loading weights" bar (a command's ``--no-progress``)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.utils import logging as hf_logging
 
     from ..presets import FLA, MODEL_TYPES
     from . import register_auto_classes
@@ -30,5 +33,12 @@ def load_checkpoint_model(path: str | os.PathLike, arg: str = "path", **from_pre
         raise ValueError(f"{arg}: {folder}/config.json has model_type {model_type!r}, which no installed library "
                          f"registers with AutoModelForCausalLM")
     config = config_class(model_type).from_pretrained(folder)
-    with reading_weights(folder, arg):
-        return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)
+    bars = hf_logging.is_progress_bar_enabled()
+    if not progress:
+        hf_logging.disable_progress_bar()
+    try:
+        with reading_weights(folder, arg):
+            return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)
+    finally:
+        if bars:  # transformers' switch is global: the caller's setting comes back
+            hf_logging.enable_progress_bar()

@@ -255,3 +255,17 @@ def test_two_processes_match_one(parallel, byte_data, tmp_path):
     train(load_config(None, [*args, f"out_dir={tmp_path / 'one'}"]))
     two, one = _losses(tmp_path / "two"), _losses(tmp_path / "one")
     assert sorted(two) == [1, 2, 3] and two == pytest.approx(one, rel=1e-5)
+
+
+def test_load_without_progress_shows_no_loading_bar(tmp_path, capsys):
+    """``progress=False`` (``foxlm eval ... --no-progress``) loads without transformers' "Loading weights" bar, which
+    showed on stderr before any result or one-line error, and leaves transformers' global switch as it was."""
+    from transformers.utils import logging as hf_logging
+
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", hidden_size=32, num_hidden_layers=1)).save_pretrained(tmp_path)
+    capsys.readouterr()
+    load_checkpoint_model(tmp_path, progress=False)
+    assert "Loading weights" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    load_checkpoint_model(tmp_path)  # the bar this test looks for, where progress is on
+    assert "Loading weights" in capsys.readouterr().err
