@@ -3,7 +3,9 @@
 
 With reduction "mean" or "sum" the gradients are computed during the forward, chunk by chunk (as in
 Liger-Kernel's fused linear cross-entropy), and only scaled by the incoming gradient in the backward; with
-"none" the backward recomputes each chunk's logits.
+"none" the backward recomputes each chunk's logits. The forward's logits gradient is softmax - onehot, unscaled:
+the 1/count of "mean" and the incoming gradient (an fp16 loss scale) multiply dh and dW in fp32 in the backward, so
+that fp16 does not flush its small entries to zero before the loss scale reaches them.
 
 Per chunk, the logits come from one matmul; on the Triton path (CUDA; CPU under ``TRITON_INTERPRET=1``;
 see ``foxlm.ops.use_backend``) one kernel then reads them as the matmul wrote them (no fp32 copy), one
@@ -143,8 +145,8 @@ def _softmax_rows(logits, labels, ignore_index, losses, row_scale=None):
 
 def _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, row_scale=None, need_dh=False, need_dw=False):
     """One pass over chunks of rows: per-row losses [N] (fp32, fp64 for fp64 matmuls; 0 at ignored rows) and,
-    given ``row_scale`` [N], dh = G @ W and dW = G^T @ hidden for G = (softmax - onehot) * row_scale
-    (None where not needed), in the dtypes of hidden and weight, dW summed over chunks in fp32 or wider."""
+    given ``row_scale`` [N], dh = G @ W (in hidden's dtype) and dW = G^T @ hidden (summed over chunks in fp32 or
+    wider, and returned so) for G = (softmax - onehot) * row_scale (None where not needed)."""
     acc = torch.promote_types(dtype, torch.float32)
     N = hidden.shape[0]
     w = weight.to(dtype)
@@ -169,12 +171,24 @@ def _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, row_scale=No
                     torch.addmm(dw, g.T, x, out_dtype=acc, out=dw)
                 else:
                     dw += g.T @ x
-    return losses, dh, None if dw is None else dw.to(weight.dtype)
+    return losses, dh, dw
 
 
 def _reduce(losses: torch.Tensor, count: torch.Tensor, reduction: str) -> torch.Tensor:
     total = losses.sum()
     return total / count.clamp_min(1) if reduction == "mean" else total
+
+
+def _scaled(t: torch.Tensor, factor: torch.Tensor, chunk_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """t * factor (a 0-dim tensor) in ``dtype``, multiplied in fp32 or wider, ``chunk_size`` rows at a time: a 16-bit
+    multiplication would round the factor (1/count times a loss scale) to 8 or 11 bits."""
+    acc = torch.promote_types(factor.dtype, torch.float32)
+    if t.dtype == acc:
+        return (t * factor).to(dtype)
+    out = torch.empty(t.shape, dtype=dtype, device=t.device)
+    for start in range(0, t.shape[0], chunk_size):
+        out[start:start + chunk_size] = t[start:start + chunk_size].to(acc) * factor
+    return out
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -187,11 +201,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             return _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype)[0]
         count = (labels != ignore_index).sum()
         scale = torch.ones((), dtype=torch.promote_types(dtype, torch.float32), device=hidden.device)
-        if reduction == "mean":
-            scale = scale / count.clamp_min(1)
         losses, dh, dw = _sweep(hidden, weight, labels, ignore_index, chunk_size, dtype, scale.expand(labels.shape),
                                 *ctx.needs_input_grad[:2])
-        ctx.save_for_backward(dh, dw)
+        if reduction == "mean":
+            scale = scale / count.clamp_min(1)
+        # dW (kept in fp32 or wider until the backward scales it) is a sum over all rows, which could overflow fp16
+        ctx.save_for_backward(dh, None if dw is None else dw * scale, scale)
+        ctx.dtypes = hidden.dtype, weight.dtype
         return _reduce(losses, count, reduction)
 
     @staticmethod
@@ -200,10 +216,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if ctx.reduction == "none":
             hidden, weight, labels = ctx.saved_tensors
             _, dh, dw = _sweep(hidden, weight, labels, *ctx.args, grad, *ctx.needs_input_grad[:2])
+            dw = None if dw is None else dw.to(weight.dtype)
         else:
-            dh, dw = ctx.saved_tensors
-            dh = None if dh is None else dh * grad.to(dh.dtype)
-            dw = None if dw is None else dw * grad.to(dw.dtype)
+            dh, dw, scale = ctx.saved_tensors
+            chunk_size, dtypes = ctx.args[1], ctx.dtypes
+            dh = None if dh is None else _scaled(dh, grad * scale, chunk_size, dtypes[0])
+            dw = None if dw is None else _scaled(dw, grad, dw.shape[0], dtypes[1])
         return dh, dw, None, None, None, None, None
 
 
@@ -224,7 +242,7 @@ def linear_cross_entropy(
     reduction: "mean" over counted rows (0 when none), "sum", or "none": [N] per-row losses (0 at ignored rows).
     chunk_size: rows per chunk (default: ``default_chunk_size(V)``, about 256 MB of fp32 logits).
     Gradients come back in the dtypes of hidden and weight. With "mean"/"sum" and grad enabled, the forward
-    already computes them (keeping a [N, C] and a [V, C] tensor until the backward).
+    already computes them (keeping a [N, C] tensor in hidden's dtype and a [V, C] one in fp32 until the backward).
     CUDA tensors take the Triton kernel per chunk (CPU tensors under ``TRITON_INTERPRET=1``), float64 the
     PyTorch path; ``foxlm.ops.use_backend`` overrides the choice. No host syncs: on CUDA (and compiled) a label
     outside [0, V) other than ``ignore_index`` fails an assertion (like ``F.cross_entropy``), on the CPU eagerly it
