@@ -158,11 +158,12 @@ class ContextParallel:
         scaled = local_sum * world
         return (scaled + (stats[0] - scaled.detach()).to(scaled.dtype)) / stats[1].clamp_min(1).to(scaled.dtype)
 
-    def check(self, *, segments=None, cache=None, window=None, output_attentions=False) -> None:
+    def check(self, *, segments=None, cache=None, window=None, output_attentions=False, reset=None) -> None:
         """Refuse, by name, what a shard of a sequence cannot do: packed documents or padding, a KV cache, a
-        sliding window and attention probabilities."""
+        sliding window, attention probabilities and a token shift's resets."""
         for name, used in (("cu_seqlens / attention_mask", segments is not None), ("cache", cache is not None),
-                           ("window", window is not None), ("output_attentions", output_attentions)):
+                           ("window", window is not None), ("output_attentions", output_attentions),
+                           ("reset", reset is not None)):
             if used:
                 raise ValueError(f"{name}: not available while the model runs context-parallel (one whole sequence "
                                  f"per row is split over the ranks; remove_context_parallel(model) for whole "

@@ -242,6 +242,16 @@ def _errors(rank, world):
         cp_forgetting_attention(q[:, :3 + rank], q[:, :3 + rank], q[:, :3 + rank], torch.full((1, 3 + rank, 2), -0.1))
     with pytest.raises(ValueError, match="prune: expected the same on every rank"):
         cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1), prune=rank == 0)
+    # a layer called with a token shift's resets: refused by name, not dropped (the shift crossed them)
+    from foxlm.layers import TokenShift
+    from foxlm.parallel import ContextParallelAttention
+    from foxlm.parallel.layout import ContextParallel
+
+    backend = ContextParallelAttention(ContextParallel(), torch.nn.Identity())
+    ks, h = torch.randn(1, 4, 2, 4), torch.randn(1, 4, 8)
+    with pytest.raises(ValueError, match="^reset: not available while the model runs context-parallel"):
+        backend.shift(TokenShift(8, 2), ks, h, reset=torch.ones(1, 4, dtype=torch.bool), cache=None, valid=None,
+                      layer_idx=0, name="k")
     # a process outside the group: torch.distributed gives it rank -1, which made wrong positions and tokens
     outside = dist.new_group([1])
     if rank == 0:
