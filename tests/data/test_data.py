@@ -443,6 +443,26 @@ def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
         prepare(["hub:"], tmp_path / "none", workers=0, progress=False)
 
 
+def test_a_hub_dataset_the_hub_cannot_serve_is_one_line(tmp_path):
+    """`hub:NAME` where the Hugging Face hub cannot be reached (offline mode set, or nothing answering at
+    HF_ENDPOINT, which one request finds out, with no retries) is one line naming the input and what to pass
+    instead, not datasets' ConnectionError traceback."""
+    import socket
+
+    pytest.importorskip("datasets")
+    with socket.socket() as s:  # a free port: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cache = {"HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    for i, env in enumerate([{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "",
+                                                       "HF_DATASETS_OFFLINE": ""}]):
+        proc = foxlm("data", "prepare", "hub:foxlm-tests/no-such-dataset", "--out", tmp_path / f"out{i}",
+                     env={**cache, **env}, timeout=120)
+        message = one_line_error(proc, "data prepare")
+        assert "hub:foxlm-tests/no-such-dataset" in message and "cannot be reached" in message
+        assert "save_to_disk" in message and "Retry" not in proc.stderr and not (tmp_path / f"out{i}").exists()
+
+
 def test_prepare_streams_with_flat_memory(tmp_path):
     """A text file much larger than a piece is never held whole."""
     rng = np.random.default_rng()
