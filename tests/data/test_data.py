@@ -643,7 +643,8 @@ def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
         message = one_line_error(foxlm("data", "prepare", text, "--out", tmp_path / "w", flag, value, *common),
                                  "data prepare")  # they named the Python argument alone, not the flag
         assert f"{expected}, got {value}" in message
-    for damage in ('{"format": "foxlm-tokens', "[1, 2]", "\udcff"):
+    # the last: the right format with its keys gone (it was a KeyError traceback)
+    for damage in ('{"format": "foxlm-tokens', "[1, 2]", "\udcff", '{"format": "foxlm.tokens/1"}'):
         (here / "meta.json").write_text(damage, errors="surrogateescape")
         with pytest.raises(ValueError, match=f"^{re.escape(str(here / 'meta.json'))}: .*; prepare the data again"):
             TokenDataset(here)
