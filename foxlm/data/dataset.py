@@ -67,6 +67,10 @@ class TokenDataset:
         self.meta = read_json(meta_path, "prepare the data again with `foxlm data prepare`")
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"path: {meta_path} has format {self.meta.get('format')!r}, expected {FORMAT!r}")
+        missing = [key for key in ("splits", "dtype", "tokenizer") if key not in self.meta]
+        if missing:
+            raise ValueError(f"{meta_path}: no {', '.join(missing)} (damaged since `foxlm data prepare` wrote it); "
+                             "prepare the data again")
         if split not in self.meta["splits"]:
             raise ValueError(f"split: expected one of {sorted(self.meta['splits'])}, got {split!r}")
         self.split = split

@@ -35,6 +35,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..hub import offline_unless_reachable
+
 Event = tuple[str, "str | tuple[str, str] | None"]
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
@@ -218,11 +220,18 @@ def _hub_splits(raw: str) -> list[str]:
     name = raw[len(HUB_PREFIX):]
     if not name:
         raise ValueError(f"inputs: {raw!r} names no dataset; expected hub:NAME (a Hub dataset or a local folder)")
+    if not Path(name).expanduser().exists():  # a Hub name: offline at once where the hub cannot be reached
+        offline_unless_reachable()
     try:
         import datasets
     except ImportError as e:
         raise ValueError(f"inputs: {raw} needs `datasets` (pip install 'foxlm[data]')") from e
-    return list(datasets.load_dataset(name, streaming=True))
+    try:
+        return list(datasets.load_dataset(name, streaming=True))
+    except ConnectionError as e:  # datasets' own: no hub (or offline mode) and nothing cached
+        raise ValueError(f"inputs: {raw}: the Hugging Face hub cannot be reached from here ({e}); prepare it where "
+                         "the hub is reachable, or pass a local copy: a `save_to_disk` folder, or hub:FOLDER holding "
+                         "its data files") from None
 
 
 def _folder_sources(root: Path, pattern: str) -> list[Source]:

@@ -169,7 +169,15 @@ _EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 def _eot_token(folder: Path, vocab: dict[str, int]) -> str:
     """The end-of-text token of a tokenizer folder (``HFTokenizer``)."""
     config = folder / "tokenizer_config.json"
-    eos = json.loads(config.read_text()).get("eos_token") if config.is_file() else None
+    settings = {}
+    if config.is_file():
+        try:
+            settings = json.loads(config.read_text(encoding="utf-8"))
+        except ValueError as e:  # bad JSON or bad UTF-8
+            raise ValueError(f"tokenizer: {config}: not valid JSON ({e})") from None
+        if not isinstance(settings, dict):
+            raise ValueError(f"tokenizer: {config}: expected a JSON object, got {type(settings).__name__}")
+    eos = settings.get("eos_token")
     eos = eos.get("content") if isinstance(eos, dict) else eos
     if eos is not None:
         if eos not in vocab:

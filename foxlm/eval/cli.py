@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -576,38 +575,16 @@ def run_harness(args) -> int:
         raise ValueError("lm_eval: lm-evaluation-harness is not installed; it comes with foxlm's [eval] extra: "
                          "pip install -e '.[eval]' (from the foxlm checkout)") from None
     if "--tasks" in args.lm_eval_args or any(a.startswith("--tasks=") for a in args.lm_eval_args):
-        if not _hub_offline() and not _hub_reachable():
-            # before huggingface_hub and datasets are imported, which read these once: a task whose data is on the
-            # hub then fails at once, not after five retries per file, and a local task (--include_path) runs
-            os.environ["HF_HUB_OFFLINE"] = os.environ["HF_DATASETS_OFFLINE"] = "1"
+        from ..hub import offline_unless_reachable
+
+        # before huggingface_hub and datasets are imported: a task whose data is on the hub then fails at once, not
+        # after five retries per file, and a local task (--include_path) runs
+        if offline_unless_reachable():
             print("foxlm eval harness: the Hugging Face hub cannot be reached; running offline (tasks with local or "
                   "cached data only)", file=sys.stderr)
     from .harness import main
 
     return main(args.lm_eval_args)
-
-
-def _hub_offline() -> bool:
-    """Whether the Hugging Face hub is off for this process (``HF_HUB_OFFLINE`` or ``HF_DATASETS_OFFLINE`` set, as
-    huggingface_hub and datasets read them)."""
-    return any(os.environ.get(name, "").upper() in ("1", "ON", "YES", "TRUE")
-               for name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def _hub_reachable(timeout: float = 5.0) -> bool:
-    """Whether ``HF_ENDPOINT`` (default https://huggingface.co) answers a HEAD request at all (any HTTP status),
-    through the environment's proxies: one request, where huggingface_hub would retry each file five times."""
-    import urllib.error
-    import urllib.request
-
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    try:
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout).close()
-    except urllib.error.HTTPError:
-        return True  # an answer, if not a 200
-    except (urllib.error.URLError, OSError, ValueError):  # no route, no name, refused, timed out; a bad endpoint
-        return False
-    return True
 
 
 def _write_json(path: Path, args, extra: dict) -> None:

@@ -70,6 +70,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if Path(model) != path:
             print(f"foxlm serve: serving {args.model}'s model folder {model}, the model requests name",
                   file=sys.stderr)
+    else:
+        _check_hub_name(model)
     try:
         from .serve import serve
     except ImportError as e:  # transformers' serve, its ModelLoader in particular, as of 5.25
@@ -80,6 +82,23 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"foxlm serve needs transformers>=5.25 (its `transformers serve`), not "
                          f"{transformers.__version__}: pip install 'foxlm[serve]'") from None
     return serve(model, args.options)
+
+
+def _check_hub_name(model: str) -> None:
+    """A MODEL that is no local path must be a Hugging Face hub name, and the hub must answer (one request, where
+    transformers would retry each file five times), unless offline mode is set (the hub's cache may hold it)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    from ..hub import hub_offline, hub_reachable
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise ValueError(f"MODEL: {model} does not exist (expected a run, checkpoint or save_pretrained folder, or a "
+                         "model name on the Hugging Face hub)") from None
+    if not hub_offline() and not hub_reachable():
+        raise ValueError(f"MODEL: {model} is not a folder here, and the Hugging Face hub, where it would be a model "
+                         "name, cannot be reached; download the model where the hub is reachable and pass its folder")
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -116,7 +116,10 @@ class TrainConfig:
 
     def validate(self) -> None:
         hf = is_hf_arch(self.arch)
-        choices = {**({} if hf else {"arch": ARCHS}), "size": SIZES, "packing": ("windows", "documents"),
+        if not hf and self.arch not in ARCHS:
+            raise ValueError(f"arch: expected one of {', '.join(ARCHS)}, the baselines {', '.join(BASELINES)}, "
+                             f"{HF_PREFIX}MODEL_TYPE or a config.json path, got {self.arch!r}")
+        choices = {"size": SIZES, "packing": ("windows", "documents"),
                    "precision": ("auto", "bf16", "fp32"), "parallel": ("fsdp", "ddp")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

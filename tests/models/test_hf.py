@@ -179,7 +179,8 @@ def test_gates_of_a_model_without_gates_is_a_clear_error(byte_data, tmp_path):
 
 @pytest.mark.parametrize("arch", BASELINES)
 def test_baseline_presets_match_fox_pro_parameters(arch):
-    """Every baseline preset, built on the meta device, is within 5% of fox-pro's parameter count at its size."""
+    """Every baseline preset, built on the meta device, is within 1.1% of fox-pro's parameter count at its size, as the
+    README says (the widest: mamba2 at 125m, +1.03%)."""
     vocab = 50304
     for size in SIZES:
         with torch.device("meta"):
@@ -187,7 +188,7 @@ def test_baseline_presets_match_fox_pro_parameters(arch):
             config = hf_config(arch, {"vocab_size": vocab}, size)
             model = AutoModelForCausalLM.from_config(config)
         assert model.config.hidden_size == SIZES[size]["hidden_size"]
-        assert abs(model.num_parameters() / fox - 1) < 0.05, (arch, size, model.num_parameters(), fox)
+        assert abs(model.num_parameters() / fox - 1) < 0.011, (arch, size, model.num_parameters(), fox)
 
 
 def test_baselines_print_their_config_and_fla_needs_a_gpu(byte_data, tmp_path):

@@ -21,6 +21,10 @@ def test_config_errors_name_the_key(tmp_path, capsys):
               "model.hidden=3": "model.hidden: not a FoxConfig field",
               "max_steps=many": "max_steps: expected",
               "packing=ragged": "packing",
+              # it listed foxlm's four architectures only, as if the baselines and hf: models did not exist
+              "arch=mamba": r"arch: expected one of fox-llama, fox-pro, transformer-llama, transformer-pro, the "
+                            r"baselines mamba2, hgrn2, delta-net, gated-delta-net, hf:MODEL_TYPE or a config.json "
+                            r"path, got 'mamba'$",
               "device=tpu": "device: expected auto, cpu, cuda or cuda:N, got 'tpu'",
               "device=meta": "device: expected auto, cpu, cuda or cuda:N, got 'meta'",
               "lr=0": "lr: expected a positive, finite learning rate, got 0.0",
