@@ -2,6 +2,7 @@
 fused normalisation, activation, rotary, token-shift and loss ops around it."""
 
 from .backend import use_backend
+from .cross_entropy import linear_cross_entropy
 from .forgetting_attention import (
     ACP,
     acp_stats,
@@ -21,6 +22,7 @@ from .forgetting_attention import (
 from .rms_norm import rms_norm
 from .rotary import apply_rotary
 from .swiglu import swiglu
+from .token_shift import token_shift
 
 __all__ = [
     "forgetting_attention",
@@ -41,4 +43,6 @@ __all__ = [
     "rms_norm",
     "apply_rotary",
     "swiglu",
+    "token_shift",
+    "linear_cross_entropy",
 ]

@@ -8,12 +8,11 @@ import torch
 import torch.nn.functional as F
 
 from foxlm.models import FoxConfig, FoxForCausalLM
-from foxlm.ops import use_backend
+from foxlm.ops import linear_cross_entropy, use_backend  # the public name the README lists
 from foxlm.ops.cross_entropy import (
     BLOCK_V_INTERPRETED,
     _softmax_rows,
     default_chunk_size,
-    linear_cross_entropy,
 )
 
 N, C, V = 37, 24, 101  # 37 rows: chunks of 8 leave a partial one; V not a power of two

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from foxlm.ops import use_backend
-from foxlm.ops.token_shift import token_shift
+from foxlm.ops import token_shift, use_backend  # the public name the README lists
 
 F64 = torch.float64
 B, T, H = 2, 13, 3
