@@ -28,7 +28,7 @@ from ..ops.checks import check_qkv
 from ..ops.forgetting_attention.acp import ACP, acp_tile_stats
 from ..ops.forgetting_attention.gate import gate_cumsum, reverse_cumsum
 from ..ops.forgetting_attention.sdpa import attention_from_cumsum
-from .layout import _world, check_same_on_ranks, chunks_per_rank, gather_sequence, rank_chunks
+from .layout import _world, all_gather_single, check_same_on_ranks, chunks_per_rank, gather_sequence, rank_chunks
 
 
 @dataclass
@@ -152,7 +152,7 @@ class _Plan:
 def _all_gather(x: torch.Tensor, group, world: int) -> torch.Tensor:
     """Every rank's x, stacked: [P, *x.shape]."""
     out = x.new_empty(world * x.shape[0], *x.shape[1:])
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)  # all_gather_single: torch >= 2.12 only
+    all_gather_single(out, x.contiguous(), group=group)
     return out.view(world, *x.shape)
 
 

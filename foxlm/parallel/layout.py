@@ -13,6 +13,9 @@ import torch.distributed as dist
 
 from ..ops.checks import DTYPES
 
+# torch >= 2.12's name; there all_gather_into_tensor warns that it is deprecated, and torch 2.11 has only the old one
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -49,7 +52,7 @@ def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, f
     codes = {name: _encode(value) for name, value in fields.items()}
     local = torch.tensor([c for code in codes.values() for c in code], dtype=torch.int64, device=device)
     gathered = local.new_empty(world * local.numel())
-    dist.all_gather_into_tensor(gathered, local, group=group)
+    all_gather_single(gathered, local, group=group)
     per_rank = gathered.view(world, -1).tolist()
     start = 0
     for name, code in codes.items():
