@@ -410,3 +410,37 @@ def test_decoding_loop_on_the_cache_it_made_as_in_transformers_docs(name, with_m
     given = DynamicCache()
     out = model.generate(ids, past_key_values=given, return_dict_in_generate=True, **kw)
     assert torch.equal(out.sequences, tokens) and out.past_key_values is given and given.get_seq_length() == 9
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro", "fox-unfused"])
+def test_trainer_evaluate_reports_loss_and_gives_logits_to_metrics(name, tmp_path):
+    """Trainer.evaluate: eval_loss, the mean of the batches' losses, with prediction_loss_only and with compute_metrics,
+    which gets the [N, T, V] logits (or what preprocess_logits_for_metrics makes of them) and the labels, as for a
+    Llama. FoX's forward named shift_labels, and the Trainer takes every argument named *label* for a label that every
+    batch must carry: it computed no loss, no eval_loss came back, and compute_metrics got a tuple."""
+    model, rows = MODELS[name](), _rows()
+    with torch.no_grad():
+        want = sum(model.eval()(**{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]}).loss
+                   for i in (0, 4)) / 2
+    seen = {}
+
+    def metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {}
+
+    def argmax(logits, labels):
+        seen["logits"] = logits
+        return logits.argmax(-1)
+
+    def trainer(loss_only: bool) -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True,
+                                 dataloader_num_workers=0, disable_tqdm=True, prediction_loss_only=loss_only)
+        return Trainer(model=model, args=args, eval_dataset=rows, compute_metrics=metrics,
+                       preprocess_logits_for_metrics=argmax)
+
+    assert trainer(loss_only=True).evaluate()["eval_loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert not seen
+    assert trainer(loss_only=False).evaluate()["eval_loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert tuple(seen["logits"].shape) == (4, 12, VOCAB)
+    assert seen["predictions"].shape == seen["labels"].shape == (8, 12)
+    assert (seen["labels"] == torch.stack([r["labels"] for r in rows]).numpy()).all()
