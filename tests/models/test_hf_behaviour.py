@@ -444,3 +444,22 @@ def test_trainer_evaluate_reports_loss_and_gives_logits_to_metrics(name, tmp_pat
     assert tuple(seen["logits"].shape) == (4, 12, VOCAB)
     assert seen["predictions"].shape == seen["labels"].shape == (8, 12)
     assert (seen["labels"] == torch.stack([r["labels"] for r in rows]).numpy()).all()
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro", "fox-unfused"])
+def test_trainer_label_smoothing_shifts_labels_as_for_llama(name, tmp_path):
+    """label_smoothing_factor > 0: the Trainer takes the labels from the batch, calls the model without them and
+    smooths the loss on its logits, shifting the labels for the causal LMs in transformers' table of them. FoX was
+    not in it: each position was scored against its own token, not the next one."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    model, rows = MODELS[name](), _rows()
+    ids, labels = (torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels"))
+    with torch.no_grad():
+        want = LabelSmoother(0.1)(model.train()(ids, use_cache=False), labels, shift_labels=True)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=1, logging_steps=1,
+                             label_smoothing_factor=0.1, report_to=[], save_strategy="no", use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    assert next(r for r in trainer.state.log_history if "loss" in r)["loss"] == pytest.approx(want.item(), rel=1e-5)
