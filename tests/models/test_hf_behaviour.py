@@ -463,3 +463,30 @@ def test_trainer_label_smoothing_shifts_labels_as_for_llama(name, tmp_path):
     trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     assert next(r for r in trainer.state.log_history if "loss" in r)["loss"] == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro"])
+def test_trainer_resume_from_checkpoint_continues_the_uninterrupted_run(name, tmp_path):
+    """save_strategy="steps" then resume_from_checkpoint (safetensors weights, optimizer, scheduler, RNG states) with
+    gradient accumulation over uneven label counts: the resumed run logs the uninterrupted run's losses, as for a
+    Llama; the saved model (Trainer.save_model) loads with from_pretrained to the trained weights."""
+
+    def trainer(model, out) -> Trainer:
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=4, logging_steps=1, learning_rate=1e-2, save_strategy="steps", save_steps=2,
+                                 report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        return Trainer(model=model, args=args, train_dataset=_rows())
+
+    def losses(t: Trainer) -> list[float]:  # of steps 3 and 4 (the resumed state holds the checkpoint's log too)
+        return [r["loss"] for r in t.state.log_history if "loss" in r and r["step"] > 2]
+
+    whole = trainer(MODELS[name](), tmp_path / "whole")
+    whole.train()
+    assert (tmp_path / "whole" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed = trainer(MODELS[name](), tmp_path / "whole")  # the same checkpoints, read back
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert len(losses(whole)) == 2 and losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+    resumed.save_model(str(tmp_path / "final"))
+    loaded = type(resumed.model).from_pretrained(tmp_path / "final")
+    for (key, want), got in zip(resumed.model.state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
