@@ -2,6 +2,7 @@
 ``load_checkpoint_model`` for a trained one, and ``convert`` for the FoX authors' and fla's checkpoints."""
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from ..presets import ARCHS, SIZES
 from .cache import PAD_DECAY, FoxCache, KVCache
@@ -16,6 +17,11 @@ def register_auto_classes() -> None:
     AutoConfig.register("fox", FoxConfig, exist_ok=True)
     AutoModel.register(FoxConfig, FoxModel, exist_ok=True)
     AutoModelForCausalLM.register(FoxConfig, FoxForCausalLM, exist_ok=True)
+    # transformers tells a causal LM by this table of class names, which register leaves alone: Trainer's label
+    # smoothing shifts the labels only for the models it lists (else each position is scored against its own token),
+    # and the text-generation pipeline logs the others as unsupported. The Auto mappings read only the types that
+    # CONFIG_MAPPING_NAMES (transformers' own) also holds, so this entry never sends them to import transformers.fox.
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("fox", "FoxForCausalLM")
 
 
 register_auto_classes()

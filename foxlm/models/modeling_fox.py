@@ -410,7 +410,6 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         output_log_fgates: bool = False,
         output_hidden_states: bool | None = None,
         return_per_token_loss: bool = False,
-        shift_labels: torch.LongTensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
@@ -418,8 +417,10 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
     ) -> FoxCausalLMOutput | tuple:
         """input_ids: [B, T]; labels: [B, T] (shifted inside: position i predicts labels[i+1]; -100 is
         ignored) -> .loss, the mean over counted labels; return_per_token_loss -> .per_token_loss [B, T-1].
-        shift_labels: [B, T] the targets already shifted (position i predicts shift_labels[i]; HF's name); they win
-        over labels when both come, as in transformers' ForCausalLMLoss. A context-parallel shard needs them,
+        shift_labels (a keyword in ``kwargs``, as in Llama: transformers' Trainer takes every forward argument named
+        *label* for a label it must be given, and computed no eval loss without it): [B, T] the targets already
+        shifted (position i predicts shift_labels[i]; HF's name); they win over labels when both come, as in
+        transformers' ForCausalLMLoss. A context-parallel shard needs them,
         since its last token's target is on another rank; then .per_token_loss is [B, T], and .loss is the mean
         over the whole rows' counted labels on every rank (``ContextParallel.mean_loss``).
         num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
@@ -443,6 +444,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
             return_dict=True,
         )
         h = out.last_hidden_state
+        shift_labels = kwargs.pop("shift_labels", None)
         if shift_labels is not None:
             labels = None  # transformers' ForCausalLMLoss uses shift_labels alone when both come
         if labels is not None and self.model.context_parallel is not None:

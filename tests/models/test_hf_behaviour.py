@@ -410,3 +410,83 @@ def test_decoding_loop_on_the_cache_it_made_as_in_transformers_docs(name, with_m
     given = DynamicCache()
     out = model.generate(ids, past_key_values=given, return_dict_in_generate=True, **kw)
     assert torch.equal(out.sequences, tokens) and out.past_key_values is given and given.get_seq_length() == 9
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro", "fox-unfused"])
+def test_trainer_evaluate_reports_loss_and_gives_logits_to_metrics(name, tmp_path):
+    """Trainer.evaluate: eval_loss, the mean of the batches' losses, with prediction_loss_only and with compute_metrics,
+    which gets the [N, T, V] logits (or what preprocess_logits_for_metrics makes of them) and the labels, as for a
+    Llama. FoX's forward named shift_labels, and the Trainer takes every argument named *label* for a label that every
+    batch must carry: it computed no loss, no eval_loss came back, and compute_metrics got a tuple."""
+    model, rows = MODELS[name](), _rows()
+    with torch.no_grad():
+        want = sum(model.eval()(**{k: torch.stack([r[k] for r in rows[i:i + 4]]) for k in rows[0]}).loss
+                   for i in (0, 4)) / 2
+    seen = {}
+
+    def metrics(prediction):
+        seen["predictions"], seen["labels"] = prediction.predictions, prediction.label_ids
+        return {}
+
+    def argmax(logits, labels):
+        seen["logits"] = logits
+        return logits.argmax(-1)
+
+    def trainer(loss_only: bool) -> Trainer:
+        args = TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True,
+                                 dataloader_num_workers=0, disable_tqdm=True, prediction_loss_only=loss_only)
+        return Trainer(model=model, args=args, eval_dataset=rows, compute_metrics=metrics,
+                       preprocess_logits_for_metrics=argmax)
+
+    assert trainer(loss_only=True).evaluate()["eval_loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert not seen
+    assert trainer(loss_only=False).evaluate()["eval_loss"] == pytest.approx(want.item(), rel=1e-5)
+    assert tuple(seen["logits"].shape) == (4, 12, VOCAB)
+    assert seen["predictions"].shape == seen["labels"].shape == (8, 12)
+    assert (seen["labels"] == torch.stack([r["labels"] for r in rows]).numpy()).all()
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro", "fox-unfused"])
+def test_trainer_label_smoothing_shifts_labels_as_for_llama(name, tmp_path):
+    """label_smoothing_factor > 0: the Trainer takes the labels from the batch, calls the model without them and
+    smooths the loss on its logits, shifting the labels for the causal LMs in transformers' table of them. FoX was
+    not in it: each position was scored against its own token, not the next one."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    model, rows = MODELS[name](), _rows()
+    ids, labels = (torch.stack([r[k] for r in rows]) for k in ("input_ids", "labels"))
+    with torch.no_grad():
+        want = LabelSmoother(0.1)(model.train()(ids, use_cache=False), labels, shift_labels=True)
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=1, logging_steps=1,
+                             label_smoothing_factor=0.1, report_to=[], save_strategy="no", use_cpu=True,
+                             dataloader_num_workers=0, disable_tqdm=True)
+    trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    assert next(r for r in trainer.state.log_history if "loss" in r)["loss"] == pytest.approx(want.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro"])
+def test_trainer_resume_from_checkpoint_continues_the_uninterrupted_run(name, tmp_path):
+    """save_strategy="steps" then resume_from_checkpoint (safetensors weights, optimizer, scheduler, RNG states) with
+    gradient accumulation over uneven label counts: the resumed run logs the uninterrupted run's losses, as for a
+    Llama; the saved model (Trainer.save_model) loads with from_pretrained to the trained weights."""
+
+    def trainer(model, out) -> Trainer:
+        args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                                 max_steps=4, logging_steps=1, learning_rate=1e-2, save_strategy="steps", save_steps=2,
+                                 report_to=[], use_cpu=True, dataloader_num_workers=0, disable_tqdm=True, seed=0)
+        return Trainer(model=model, args=args, train_dataset=_rows())
+
+    def losses(t: Trainer) -> list[float]:  # of steps 3 and 4 (the resumed state holds the checkpoint's log too)
+        return [r["loss"] for r in t.state.log_history if "loss" in r and r["step"] > 2]
+
+    whole = trainer(MODELS[name](), tmp_path / "whole")
+    whole.train()
+    assert (tmp_path / "whole" / "checkpoint-2" / "model.safetensors").is_file()
+    resumed = trainer(MODELS[name](), tmp_path / "whole")  # the same checkpoints, read back
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "checkpoint-2"))
+    assert len(losses(whole)) == 2 and losses(resumed) == pytest.approx(losses(whole), rel=1e-5)
+    resumed.save_model(str(tmp_path / "final"))
+    loaded = type(resumed.model).from_pretrained(tmp_path / "final")
+    for (key, want), got in zip(resumed.model.state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=key)
