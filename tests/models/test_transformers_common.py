@@ -27,7 +27,7 @@ import transformers
 
 pytest.importorskip("parameterized", reason="transformers' common tests need parameterized (pip install parameterized)")
 
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES  # noqa: E402
 
 from foxlm.models import FoxCache, FoxConfig, FoxForCausalLM, FoxModel  # noqa: E402
 
@@ -157,12 +157,11 @@ class _FoxCommon(_Common):
 
     def setUp(self):
         super().setUp()
-        # the mixins tell a base model (no loss) from a causal LM (labels) by transformers' tables of its own
-        # models, which AutoModel.register (foxlm's registration) does not enter
-        for table, name in ((MODEL_MAPPING_NAMES, "FoxModel"), (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, "FoxForCausalLM")):
-            patcher = unittest.mock.patch.dict(table, {"fox": name})
-            patcher.start()
-            self.addCleanup(patcher.stop)
+        # the mixins tell a base model (no loss) by transformers' table of its own base models, which
+        # AutoModel.register (foxlm's registration) does not enter (the causal-LM table foxlm enters itself)
+        patcher = unittest.mock.patch.dict(MODEL_MAPPING_NAMES, {"fox": "FoxModel"})
+        patcher.start()
+        self.addCleanup(patcher.stop)
 
     def _check_caches_are_equal(self, cache1: FoxCache, cache2: FoxCache):
         """transformers' check reads its own layered caches; a FoxCache also holds the gate cumsum and the
