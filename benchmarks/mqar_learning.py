@@ -13,10 +13,14 @@ recall appears (and its cost) is measured, not guessed.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import platform
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from foxlm.cli import main as foxlm
 from foxlm.data.mqar import MQARSpec, write_dataset
@@ -69,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"step": step, "train_loss": loss,
                      "accuracy": {f"{c['context_length']}/{c['pairs']}": c["accuracy"] for c in cells}})
         print(f"step {step}: loss {loss}, accuracy (length/pairs) {rows[-1]['accuracy']}", flush=True)
-    summary = {"args": vars(args), "train_seconds": train_s, "tokens": args.steps * args.batch_size * args.seq_len,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu: {platform.machine()}"
+    summary = {"device": device, "date": datetime.date.today().isoformat(), "args": vars(args),
+               "train_seconds": train_s, "tokens": args.steps * args.batch_size * args.seq_len,
                "chance_values": 1 / MQARSpec((lo, hi)).third, "checkpoints": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"training: {args.steps} steps of {args.batch_size} x {args.seq_len} tokens in {train_s:.0f} s")
