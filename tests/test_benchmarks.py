@@ -84,17 +84,20 @@ def test_gpu_benchmarks_refuse_at_once_without_a_gpu(monkeypatch, tmp_path, caps
     ("gate_gradient", ["--device", "cpu", "--dtypes", "bfloat17"], "--dtypes"),
     ("decode", ["--contexts", "4096,-1"], "--contexts"),
     ("decode", ["--batches", "x"], "--batches"),
-    ("trained_gates", ["--steps", "0"], "--steps"),
-    ("trained_gates", ["--tail", "0"], "--tail"),
+    ("trained_gates", ["--out", "unused", "--steps", "0"], "--steps"),
+    ("trained_gates", ["--out", "unused", "--tail", "0"], "--tail"),
+    ("decode_cpu", ["--new-tokens", "0"], "--new-tokens"),
+    ("decode_cpu", ["no-such-model"], "model"),
 ])
-def test_bad_flags_are_one_line_naming_the_flag(monkeypatch, tmp_path, capsys, name, argv, flag):
+def test_bad_flags_are_one_line_naming_the_flag(monkeypatch, capsys, name, argv, flag):
     script = load(name, monkeypatch)
     with pytest.raises(SystemExit) as exc:
-        script.main([*argv, "--out", str(tmp_path)])
+        script.main(argv)
     assert flag in error_line(capsys, exc)
 
 
-@pytest.mark.parametrize("name", ["attention", "decode", "gate_gradient", "train", "trained_gates"])
+@pytest.mark.parametrize("name", ["attention", "decode", "gate_gradient", "train", "trained_gates",
+                                  "decode_cpu"])
 def test_every_flag_is_documented(monkeypatch, name):
     """--help says what each flag does: the script's own parser, taken as it parses."""
     parsers = []
