@@ -97,7 +97,7 @@ def test_bad_flags_are_one_line_naming_the_flag(monkeypatch, capsys, name, argv,
 
 
 @pytest.mark.parametrize("name", ["attention", "decode", "gate_gradient", "train", "trained_gates",
-                                  "decode_cpu"])
+                                  "decode_cpu", "mqar_learning", "padding_channels", "kernel_resources"])
 def test_every_flag_is_documented(monkeypatch, name):
     """--help says what each flag does: the script's own parser, taken as it parses."""
     parsers = []
