@@ -18,11 +18,13 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusa
 
 
 def load(name: str, monkeypatch: pytest.MonkeyPatch):
-    """benchmarks/NAME.py as a module, its folder first on sys.path as when it runs as a script."""
+    """benchmarks/NAME.py (or NAME.py, e.g. recipes/mqar) as a module, benchmarks/ first on sys.path as when a
+    benchmark runs as a script."""
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setenv("PYTHONPATH", str(BENCHMARKS.parent))  # children of the scripts import this checkout's foxlm
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    path = BENCHMARKS / f"{name}.py" if (BENCHMARKS / f"{name}.py").exists() else BENCHMARKS.parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"benchmark_{Path(name).name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -97,7 +99,8 @@ def test_bad_flags_are_one_line_naming_the_flag(monkeypatch, capsys, name, argv,
 
 
 @pytest.mark.parametrize("name", ["attention", "decode", "gate_gradient", "train", "trained_gates",
-                                  "decode_cpu", "mqar_learning", "padding_channels", "kernel_resources"])
+                                  "decode_cpu", "mqar_learning", "padding_channels", "kernel_resources",
+                                  "recipes/mqar", "recipes/debian_corpus"])
 def test_every_flag_is_documented(monkeypatch, name):
     """--help says what each flag does: the script's own parser, taken as it parses."""
     parsers = []
