@@ -34,6 +34,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _results import positive_int, require_cuda, results_path
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from foxlm.ops import acp_stats, forgetting_attention, forgetting_attention_reference
@@ -253,9 +254,9 @@ def cpu_main(args) -> None:
     torch.manual_seed(0)
     env = {"device": f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
                      f"{torch.get_num_threads()} torch threads", "torch": torch.__version__,
-           "date": datetime.date.today().isoformat()}
+           "date": datetime.date.today().isoformat(), "settings": settings(args)}
     print(env, flush=True)
-    path = os.path.join(args.out, f"attention-cpu-{env['date']}.json")
+    path = results_path(os.path.join(args.out, f"attention-cpu-{env['date']}.json"), args.overwrite)
     rows = [bench_cpu(T, args.rounds, not args.no_warmup) for T in args.seqlens or [1024, 4096, 16384]]
     # Peak memory in a fresh process per length (cpu_peak_mib). Timings keep glibc's default allocator, which reuses
     # freed memory as a long-running program does.
@@ -279,26 +280,36 @@ def cpu_main(args) -> None:
               f"{fox['fwd+bwd_peak_mib']:.0f} / {sd['fwd+bwd_peak_mib']:.0f} |")
 
 
-def main() -> None:
+def settings(args: argparse.Namespace) -> dict:
+    """The run's flags, for its results file."""
+    return {k: v for k, v in vars(args).items() if k != "peak_mib"}
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="directory for attention-DATE.json")
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--seqlens", type=int, nargs="+", help="default 2048 8192 16384 (cpu: 1024 4096 16384)")
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--rounds", type=int, default=3, help="cpu: interleaved timing rounds")
+    parser.add_argument("--out", default=os.environ.get("OUT", "."),
+                        help="directory for attention-DATE.json (cpu: attention-cpu-DATE.json); default $OUT or .")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace that day's results file (default: write NAME-2.json, NAME-3.json, ...)")
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=[64, 128], help="head dims (GPU only)")
+    parser.add_argument("--seqlens", type=positive_int, nargs="+",
+                        help="sequence lengths; default 2048 8192 16384 (cpu: 1024 4096 16384)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda (default) or cpu (see above)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="cpu: interleaved timing rounds")
     parser.add_argument("--no-warmup", action="store_true", help="cpu: time the first calls (for one long run)")
     parser.add_argument("--peak-mib", type=int, metavar="T", help=argparse.SUPPRESS)  # cpu_main's memory child
     parser.add_argument("--tune", choices=["all", "first"], default="all",
                         help="autotune over the listed tiles, or take the first per head dim (fast compile)")
     parser.add_argument("--quick-check", action="store_true", help="check only the benchmark's specializations")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (saves its compile time)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.peak_mib:
         print(json.dumps(cpu_peak_mib(args.peak_mib)))
         return
     if args.device == "cpu":
         cpu_main(args)
         return
+    require_cuda(parser, " (--device cpu runs the CPU section)")
     device = torch.device("cuda")
     torch.manual_seed(0)
     import triton
@@ -306,8 +317,9 @@ def main() -> None:
     from foxlm.ops.forgetting_attention import triton_op
 
     env = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "date": datetime.date.today().isoformat()}
+           "date": datetime.date.today().isoformat(), "settings": settings(args)}
     print(env, flush=True)
+    path = results_path(os.path.join(args.out, f"attention-{env['date']}.json"), args.overwrite)
     kernels = (triton_op._fwd, triton_op._bwd_dkdv, triton_op._bwd_dq)
     listed = [kernel.configs for kernel in kernels]
     for kernel in kernels:  # the correctness check needs no tuning
@@ -318,7 +330,6 @@ def main() -> None:
             kernel.configs = configs
     timings = record_tuning(kernels)
     fla = None if args.no_fla else load_fla()
-    path = os.path.join(args.out, f"attention-{env['date']}.json")
     rows = []
     for D in args.dims:
         for T in args.seqlens or [2048, 8192, 16384]:

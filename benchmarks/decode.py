@@ -14,7 +14,10 @@ reported against the full cache at the same lengths (N of the bound = the final 
 Correctness first: the decode kernel against the fp64 PyTorch path, graph replay against eager steps, and
 foxlm's generate() against HF generate on real prompts (which also exercises the prefill through the op).
 
-Usage: python benchmarks/decode.py [--out DIR] [--contexts 4096,32768,131072] [--batches 1,16] [--sweep]
+Usage: python benchmarks/decode.py [--out DIR] [--contexts 4096,32768,131072] [--batches 1,16] [--sweep] [--overwrite]
+
+It writes DIR/decode-DATE.json (``--sweep``: decode-sweep-DATE.json), or DIR/decode-DATE-2.json, ... where that
+file is there already.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ import time
 
 import torch
 import torch.nn.functional as F
+from _results import positive_int, require_cuda, results_path
 
 from foxlm.generate import CachedDecoder, PagedFoxCache, generate
 from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops.forgetting_attention.decode import decode_attention_torch, forgetting_attention_decode
 
 DTYPE = torch.bfloat16
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the CPU only for a smoke run
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # main needs a GPU; the functions run on the CPU
 
 
 def _sync() -> None:
@@ -194,7 +198,7 @@ def checks() -> dict:
     return res
 
 
-def sweep(out_dir: str, steps: int) -> None:
+def sweep(path: str, steps: int) -> None:
     """Launch tuning of the decode kernel (``foxlm.ops.forgetting_attention.decode._TILE``, ``_SPLIT_KEYS``) on one
     layer's cache, full and evicted, each variant checked against the fp64 PyTorch path; then the fox-pro rows again
     with the best variant."""
@@ -204,7 +208,7 @@ def sweep(out_dir: str, steps: int) -> None:
 
     tiles = [(64, 4, 3), (128, 4, 3), (128, 8, 3), (64, 8, 4)]
     split_keys = [1 << 30, 8192, 2048]
-    result = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), timings=[])
+    result = dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), steps=steps, timings=[])
     gen = torch.Generator(device=DEV).manual_seed(0)
     H, D = 12, 64
     for B, ctx in ((1, 32768), (16, 32768), (16, 131072)):
@@ -261,32 +265,46 @@ def sweep(out_dir: str, steps: int) -> None:
                            **time_ours(model, B, ctx, steps, evict))
                 result["rows"].append(row)
                 print(json.dumps({k: v for k, v in row.items() if k != "cache_fraction_per_layer"}), flush=True)
-    with open(os.path.join(out_dir, "decode-sweep.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
 
-def main() -> None:
+def _sizes(text: str) -> list[int]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sizes
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "."))
-    ap.add_argument("--contexts", default="4096,32768,131072")
-    ap.add_argument("--batches", default="1,16")
-    ap.add_argument("--steps", type=int, default=64)
-    ap.add_argument("--hf-steps", type=int, default=8)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."),
+                    help="directory for decode-DATE.json (--sweep: decode-sweep-DATE.json); default $OUT or .")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace that day's results file (default: write NAME-2.json, NAME-3.json, ...)")
+    ap.add_argument("--contexts", type=_sizes, default=[4096, 32768, 131072],
+                    help="cached tokens before the timed steps (default 4096,32768,131072)")
+    ap.add_argument("--batches", type=_sizes, default=[1, 16], help="batch sizes (default 1,16)")
+    ap.add_argument("--steps", type=positive_int, default=64, help="timed decode steps of foxlm's decoder")
+    ap.add_argument("--hf-steps", type=positive_int, default=8, help="timed new tokens of HF generate")
     ap.add_argument("--sweep", action="store_true", help="tune the decode kernel's launch instead (see sweep)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    require_cuda(ap)
+    date = time.strftime("%Y-%m-%d")
+    path = results_path(os.path.join(args.out, f"decode{'-sweep' if args.sweep else ''}-{date}.json"), args.overwrite)
     if args.sweep:
-        return sweep(args.out, args.steps)
-    contexts = [int(x) for x in args.contexts.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
-    result = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", torch=torch.__version__,
-                  date=time.strftime("%Y-%m-%d"),
-                  dtype=str(DTYPE), model_size="125m", rows=[])
+        return sweep(path, args.steps)
+    contexts, batches = args.contexts, args.batches
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, date=date, dtype=str(DTYPE),
+                  model_size="125m", settings={k: v for k, v in vars(args).items() if k != "out"}, rows=[])
     import transformers
     import triton
 
     result.update(transformers=transformers.__version__, triton=triton.__version__)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "decode.json")
 
     def save():
         with open(path, "w") as f:

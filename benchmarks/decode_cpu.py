@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
+from _results import positive_int
 from transformers import AutoModelForCausalLM
 
 import foxlm  # noqa: F401  (registers the Auto classes)
@@ -17,11 +19,15 @@ from foxlm.data import get_tokenizer
 from foxlm.generate import generate
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", nargs="?", default="runs/shakespeare-fox-pro-tiny/checkpoints/step_0000120/model")
-    parser.add_argument("--new-tokens", type=int, nargs="+", default=[64, 400])
-    args = parser.parse_args()
+    parser.add_argument("model", nargs="?", default="runs/shakespeare-fox-pro-tiny/checkpoints/step_0000120/model",
+                        help="a saved model folder (default: the default job's last checkpoint, `foxlm train`)")
+    parser.add_argument("--new-tokens", type=positive_int, nargs="+", default=[64, 400],
+                        help="lengths to generate, one timing each")
+    args = parser.parse_args(argv)
+    if not (Path(args.model) / "config.json").is_file():
+        parser.error(f"argument model: no saved model (config.json) in {args.model}")
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     tok = get_tokenizer("gpt2")
     prompt = [tok.eot_id] + tok.encode("To be, or not to be")

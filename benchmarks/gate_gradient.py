@@ -18,10 +18,10 @@ import argparse
 import datetime
 import json
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
+from _results import positive_int, require_cuda, results_path
 
 VARIANTS = {  # name: forgetting_attention keyword arguments
     "foxlm": dict(),
@@ -87,16 +87,27 @@ def model_check(T: int, device: str) -> None:
           f"{rel([n for n in grads[0] if n not in gates]):.2e}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"])
-    parser.add_argument("--heads", type=int, default=2)
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--out", default=os.environ.get("OUT"), help="directory for gate-gradient-DATE.json")
+    parser.add_argument("--seqlens", type=positive_int, nargs="+", default=[1024, 4096, 16384],
+                        help="sequence lengths (--model: of the training step)")
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=[64, 128], help="head dims")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float16"], choices=["bfloat16", "float16"],
+                        help="the inputs' dtypes")
+    parser.add_argument("--heads", type=positive_int, default=2, help="attention heads")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cuda (default), or cpu: the kernels in Triton's interpreter")
+    parser.add_argument("--out", default=os.environ.get("OUT"),
+                        help="directory for gate-gradient-DATE.json (default $OUT; unset: print only)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace that day's results file (default: write NAME-2.json, NAME-3.json, ...)")
     parser.add_argument("--model", action="store_true", help="one training step of a small model instead")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        require_cuda(parser, " (--device cpu runs the kernels in Triton's interpreter)")
+    path = None
+    if args.out and not args.model:
+        path = results_path(os.path.join(args.out, f"gate-gradient-{datetime.date.today()}.json"), args.overwrite)
     if args.device == "cpu":
         os.environ["TRITON_INTERPRET"] = "1"
     if args.model:
@@ -136,11 +147,11 @@ def main() -> None:
                 del refs
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
-    if args.out:
+    if path:
         device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu (Triton interpreter)"
-        path = os.path.join(args.out, f"gate-gradient-{datetime.date.today()}.json")
         with open(path, "w") as f:
-            json.dump(dict(device=device, torch=torch.__version__, argv=sys.argv[1:], rows=rows), f, indent=1)
+            json.dump(dict(device=device, date=datetime.date.today().isoformat(), torch=torch.__version__,
+                           settings={k: v for k, v in vars(args).items() if k != "out"}, rows=rows), f, indent=1)
         print("wrote", path)
 
 

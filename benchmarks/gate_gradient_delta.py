@@ -19,6 +19,7 @@ import argparse
 import math
 
 import torch
+from _results import positive_int
 
 from benchmarks.gate_gradient import _inputs
 
@@ -55,11 +56,12 @@ def errors(T: int, D: int, H: int = 2, dtype: torch.dtype = torch.bfloat16, seed
             "row sums": gate_grad_error(delta_o, True)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[1024, 2048, 4096])
-    parser.add_argument("--dim", type=int, default=64)
-    args = parser.parse_args()
+    parser.add_argument("--seqlens", type=positive_int, nargs="+", default=[1024, 2048, 4096],
+                        help="sequence lengths (dense T x T matrices in fp64: minutes at 4096)")
+    parser.add_argument("--dim", type=positive_int, default=64, help="head dim")
+    args = parser.parse_args(argv)
     for T in args.seqlens:
         print(f"T={T} d{args.dim}: " + ", ".join(f"{k} {v:.1e}" for k, v in errors(T, args.dim).items()), flush=True)
 

@@ -160,13 +160,13 @@ def compile_gluon_backward(d: int, arch: int, prune: bool):
             triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=4)), stages)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--head-dim", type=int, default=64, help="head dim of the compiled kernels")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     p.add_argument("--kernels", choices=["all", "triton", "gluon"], default="all",
                    help="the Triton kernels, the Gluon ones (at their head dims, with their tested Triton), or both")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if ta._INTERPRETED:
         raise SystemExit("TRITON_INTERPRET=1 is set: the kernels are interpreted, unset it to compile them")
     d = args.head_dim

@@ -13,10 +13,14 @@ recall appears (and its cost) is measured, not guessed.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import platform
 import sys
 import time
 from pathlib import Path
+
+import torch
 
 from foxlm.cli import main as foxlm
 from foxlm.data.mqar import MQARSpec, write_dataset
@@ -24,19 +28,19 @@ from foxlm.data.mqar import MQARSpec, write_dataset
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="fox-pro")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--out", required=True, help="folder for data/, run/, recall/ and summary.json")
+    p.add_argument("--arch", default="fox-pro", help="model architecture (foxlm train arch=)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.add_argument("--hidden", type=int, default=128, help="model width (heads of 64)")
     p.add_argument("--vocab", default="0:48", help="LO:HI byte ids (eot is 256)")
-    p.add_argument("--pairs", default="2,4")
+    p.add_argument("--pairs", default="2,4", help="key-value pairs a document draws from, comma-separated")
     p.add_argument("--length", type=int, default=24, help="document length (tokens, eot included)")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--seq-len", type=int, default=64, help="training length (tokens)")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    p.add_argument("--steps", type=int, default=1500, help="training steps")
     p.add_argument("--every", type=int, default=250, help="steps between the checkpoints evaluated")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--samples", type=int, default=64)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
+    p.add_argument("--samples", type=int, default=64, help="recall documents per evaluated cell")
     args = p.parse_args(argv)
 
     out = Path(args.out)
@@ -69,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"step": step, "train_loss": loss,
                      "accuracy": {f"{c['context_length']}/{c['pairs']}": c["accuracy"] for c in cells}})
         print(f"step {step}: loss {loss}, accuracy (length/pairs) {rows[-1]['accuracy']}", flush=True)
-    summary = {"args": vars(args), "train_seconds": train_s, "tokens": args.steps * args.batch_size * args.seq_len,
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu: {platform.machine()}"
+    summary = {"device": device, "date": datetime.date.today().isoformat(), "args": vars(args),
+               "train_seconds": train_s, "tokens": args.steps * args.batch_size * args.seq_len,
                "chance_values": 1 / MQARSpec((lo, hi)).third, "checkpoints": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"training: {args.steps} steps of {args.batch_size} x {args.seq_len} tokens in {train_s:.0f} s")

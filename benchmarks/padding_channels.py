@@ -182,14 +182,15 @@ def reference(q, k, v, log_fgate, do, scale: float | None = None):
     return (o.detach(), *torch.autograd.grad(o, leaves, do.double()))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seqlens", type=int, nargs="+", default=[256, 512])
-    parser.add_argument("--head-dim", type=int, default=48)
-    parser.add_argument("--heads", type=int, nargs=2, default=[2, 2], metavar=("HQ", "HK"))
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seqlens", type=int, nargs="+", default=[256, 512], help="sequence lengths")
+    parser.add_argument("--head-dim", type=int, default=48, help="head dim D (before the extra channels)")
+    parser.add_argument("--heads", type=int, nargs=2, default=[2, 2], metavar=("HQ", "HK"),
+                        help="query and key heads (GQA groups of HQ / HK)")
+    parser.add_argument("--seed", type=int, default=0, help="inputs' seed (plus T)")
     parser.add_argument("--emulated-only", action="store_true", help="the dense model alone (fast at 4k tokens)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     os.environ["TRITON_INTERPRET"] = "1"  # before foxlm's kernels are imported
     from foxlm.ops import forgetting_attention, use_backend
     from foxlm.ops.forgetting_attention import triton_op as ta

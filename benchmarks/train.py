@@ -39,8 +39,10 @@ import statistics
 from pathlib import Path
 
 import torch
+from _results import non_negative_int, positive_int, require_cuda, results_path
 
 from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.models.configuration_fox import ARCHS
 from foxlm.train.cuda_graph import GraphedMicroStep
 from foxlm.train.metrics import PEAK_TFLOPS, flops_per_token
 from foxlm.train.optim import param_groups
@@ -58,6 +60,17 @@ def standard_gate_bias(model: FoxForCausalLM) -> None:
             proj.bias.copy_(-torch.log(torch.expm1(1.0 / tau)))
 
 
+def check_name(name: str) -> tuple[str, list[str]]:
+    """``ARCH[+OPTION...]`` of a ``--models`` name: the architecture and options; ValueError for unknown ones."""
+    arch, *options = name.split("+")
+    if name != "hf-llama" and arch not in ARCHS:
+        raise ValueError(f"--models: unknown model {name!r} (expected hf-llama or one of {sorted(ARCHS)})")
+    unknown = set(options) - {"acp", "acp@init"}
+    if unknown:
+        raise ValueError(f"--models: unknown option(s) {sorted(unknown)} in {name!r}")
+    return arch, options
+
+
 def build(name: str, seq_len: int, size: str = "125m") -> tuple[torch.nn.Module, FoxConfig | None]:
     """``hf-llama``, or ``ARCH`` with options: ``+acp`` (standard gate biases), ``+acp@init`` (ACP, gates at
     initialization)."""
@@ -70,10 +83,7 @@ def build(name: str, seq_len: int, size: str = "125m") -> tuple[torch.nn.Module,
                           num_key_value_heads=ref.num_key_value_heads, max_position_embeddings=seq_len,
                           rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="sdpa")
         return LlamaForCausalLM(cfg), None
-    arch, *options = name.split("+")
-    unknown = set(options) - {"acp", "acp@init"}
-    if unknown:
-        raise ValueError(f"--models: unknown option(s) {sorted(unknown)} in {name!r}")
+    arch, options = check_name(name)
     config = FoxConfig.preset(arch, size, acp=any(o.startswith("acp") for o in options))
     model = FoxForCausalLM(config)
     if "acp" in options:
@@ -210,22 +220,29 @@ def bench_cpu(names: list[str], batch: int, seq_len: int, steps: int, warmup: in
     return results
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    p.add_argument("--seq-len", type=int, help="default 16384 (cpu: 256)")
-    p.add_argument("--batch", type=int, default=8, help="cpu: sequences per step")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda", help="cuda (default) or cpu (tiny models)")
+    p.add_argument("--seq-len", type=positive_int, help="tokens per sequence; default 16384 (cpu: 256)")
+    p.add_argument("--batch", type=positive_int, default=8, help="cpu: sequences per step")
+    p.add_argument("--steps", type=positive_int, default=10, help="timed steps per model")
+    p.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps before them")
     p.add_argument("--models", nargs="+", help="default hf-llama transformer-pro fox-pro fox-pro+acp fox-pro+acp@init "
-                   "(cpu: hf-llama fox-pro)")
+                   "(cpu: hf-llama fox-pro); ARCH, ARCH+acp or ARCH+acp@init, or hf-llama")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder block of every model")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay every model's forward + backward from a CUDA graph (no host launch overhead)")
     p.add_argument("--profile", type=Path,
                    help="also write each model's top CUDA kernels of one step here, and record its GPU time")
-    p.add_argument("--out", default="benchmarks/results")
-    args = p.parse_args()
+    p.add_argument("--out", default="benchmarks/results", help="directory for train[-cpu]-DATE[-TAG].json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace that day's results file (default: write NAME-2.json, NAME-3.json, ...)")
+    args = p.parse_args(argv)
+    for name in args.models or []:
+        try:
+            check_name(name)
+        except ValueError as e:
+            p.error(str(e))
     if args.device == "cpu":
         main_cpu(args)
         return
@@ -233,6 +250,10 @@ def main() -> None:
     args.models = args.models or ["hf-llama", "transformer-pro", "fox-pro", "fox-pro+acp", "fox-pro+acp@init"]
     if args.compile and args.cuda_graph:
         p.error("--cuda-graph: not with --compile (as the trainer's cuda_graph=true, it graphs the eager step)")
+    require_cuda(p, " (--device cpu times the tiny models)")
+    date = datetime.date.today().isoformat()
+    tag = "".join(t for t, on in (("-compiled", args.compile), ("-cuda-graph", args.cuda_graph)) if on)
+    path = results_path(Path(args.out) / f"train-{date}{tag}.json", args.overwrite)
 
     device = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
@@ -256,14 +277,13 @@ def main() -> None:
                     r[f"vs_{peer}_by_gpu_time"] = other["gpu_ms"] / r["gpu_ms"]
     import transformers
 
-    date = datetime.date.today().isoformat()
     record = {"benchmark": "train", "date": date, "device": device, "torch": torch.__version__,
               "transformers": transformers.__version__, "seq_len": args.seq_len, "steps": args.steps,
+              "warmup": args.warmup, "models": args.models, "compile": args.compile, "cuda_graph": args.cuda_graph,
               "peak_tflops": peak, "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tag = "".join(t for t, on in (("-compiled", args.compile), ("-cuda-graph", args.cuda_graph)) if on)
-    (out / f"train-{date}{tag}.json").write_text(json.dumps(record, indent=1))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
     for r in results:
         ratios = ("vs_hf-llama", "vs_transformer-pro", "vs_hf-llama_by_gpu_time", "vs_transformer-pro_by_gpu_time")
         print(f"{r['name']:>18}: " + "  ".join(f"{k} {r[k]:.3f}" for k in ratios if k in r))
@@ -276,6 +296,8 @@ def main_cpu(args) -> None:
     import transformers
 
     seq_len, names = args.seq_len or 256, args.models or ["hf-llama", "fox-pro"]
+    date = datetime.date.today().isoformat()
+    path = results_path(Path(args.out) / f"train-cpu-{date}.json", args.overwrite)
     results = bench_cpu(names, args.batch, seq_len, args.steps, args.warmup)
     base = next((r for r in results if r["name"] == "hf-llama"), None)
     for r in results:
@@ -283,15 +305,14 @@ def main_cpu(args) -> None:
             r["vs_hf-llama"] = r["tokens_per_s"] / base["tokens_per_s"]
         print(f"{r['name']:>10} tiny: {r['tokens_per_s']:>8,.0f} tok/s  {r['ms_per_step']:7.1f} ms/step"
               + (f"  vs hf-llama {r['vs_hf-llama']:.3f}" if "vs_hf-llama" in r else ""), flush=True)
-    date = datetime.date.today().isoformat()
     device = (f"cpu: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
               f"{torch.get_num_threads()} threads")
     record = {"benchmark": "train-cpu", "date": date, "device": device, "torch": torch.__version__,
               "transformers": transformers.__version__, "size": "tiny", "batch": args.batch, "seq_len": seq_len,
-              "steps": args.steps, "results": results}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"train-cpu-{date}.json").write_text(json.dumps(record, indent=1))
+              "steps": args.steps, "warmup": args.warmup, "models": names, "results": results}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import torch
+from _results import non_negative_int, positive_int, results_path
 
 
 def foxlm(*args: str) -> None:
@@ -41,24 +42,32 @@ def tokens_per_s(log: Path, tail: float) -> tuple[list[dict], float]:
     return records, sum(r["tokens_per_s"] for r in last) / len(last)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path, help="folder for runs/, eval/ and trained-gates-DATE.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace that day's summary (default: write trained-gates-DATE-2.json, ...)")
     p.add_argument("--data", default="data/debian-gpt2", help="a `foxlm data prepare` folder")
-    p.add_argument("--models", nargs="+", default=["transformer-pro", "fox-pro", "fox-pro+acp"])
-    p.add_argument("--size", default="125m")
-    p.add_argument("--seq-len", type=int, default=16384)
-    p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--warmup", type=int, default=None, help="LR warm-up steps (default: steps / 10)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--log-every", type=int, default=None, help="default: steps / 20")
-    p.add_argument("--eval-every", type=int, default=0, help="validation every N steps (0: at the end only)")
+    p.add_argument("--models", nargs="+", default=["transformer-pro", "fox-pro", "fox-pro+acp"],
+                   help="ARCH or ARCH+acp (model.acp=true) names")
+    p.add_argument("--size", default="125m", help="model size preset (tiny, 125m, ...)")
+    p.add_argument("--seq-len", type=positive_int, default=16384, help="tokens per step (one sequence)")
+    p.add_argument("--steps", type=positive_int, default=500, help="training steps per model")
+    p.add_argument("--warmup", type=non_negative_int, default=None, help="LR warm-up steps (default: steps / 10)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (min_lr: a tenth of it)")
+    p.add_argument("--log-every", type=positive_int, default=None, help="default: steps / 20")
+    p.add_argument("--eval-every", type=non_negative_int, default=0,
+                   help="validation every N steps (0: at the end only)")
     p.add_argument("--tail", type=float, default=0.2, help="share of the logged steps, at the end, for tokens/s")
-    p.add_argument("--eval-sequences", type=int, default=4, help="held-out sequences for the gate and loss evaluations")
-    args = p.parse_args()
+    p.add_argument("--eval-sequences", type=positive_int, default=4,
+                   help="held-out sequences for the gate and loss evaluations")
+    args = p.parse_args(argv)
     if not args.models or any(m.split("+")[0] == "" for m in args.models):
         raise SystemExit(f"--models: expected ARCH or ARCH+acp names, got {args.models}")
-    args.out.mkdir(parents=True, exist_ok=True)
+    if not 0 < args.tail <= 1:
+        p.error(f"argument --tail: expected a share in (0, 1], got {args.tail}")
+    date = datetime.date.today().isoformat()
+    path = results_path(args.out / f"trained-gates-{date}.json", args.overwrite)  # makes --out
     log_every = args.log_every or max(1, args.steps // 20)
     common = [f"size={args.size}", f"data={args.data}", "tokenizer=null", f"seq_len={args.seq_len}", "batch_size=1",
               f"max_steps={args.steps}", f"lr={args.lr}", f"min_lr={args.lr / 10}",
@@ -92,11 +101,9 @@ def main() -> None:
                   "--no-progress")
             loss = json.loads((ev / "loss" / "loss.json").read_text())
             run["acp_max_abs_loss_change"] = next(iter(loss["acp_max_abs_loss_change"].values()))
-    date = datetime.date.today().isoformat()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     summary = {"benchmark": "trained_gates", "date": date, "device": device,
                "torch": torch.__version__, "args": {k: str(v) for k, v in vars(args).items()}, "runs": runs}
-    path = args.out / f"trained-gates-{date}.json"
     path.write_text(json.dumps(summary, indent=1))
     for name, run in runs.items():
         extra = "".join([f"  {run['vs_transformer-pro']:.3f}x transformer-pro" if base is not None else "",

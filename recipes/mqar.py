@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                      "(default 128:512)")
     p.add_argument("--vocab", type=_range, default=(1000, 1768), help="LO:HI ids for keys, values and filler "
                                                                       "(thirds; default 1000:1768)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the documents' seed (the output is deterministic given it)")
     p.add_argument("--val-fraction", type=float, default=0.01, help="held-out share of MQAR alone (default 0.01)")
     p.add_argument("--tokenizer", default="gpt2", help="the ids' tokenizer, for MQAR alone (--mix takes DATA's)")
     p.add_argument("--overwrite", action="store_true", help="replace the dataset in --out")
