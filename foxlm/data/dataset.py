@@ -82,7 +82,10 @@ class TokenDataset:
             expected = shard["num_tokens"] * dtype.itemsize
             if not file.is_file() or file.stat().st_size != expected:
                 raise ValueError(f"{file}: missing or truncated (expected {expected} bytes); re-run prepare")
-            arrays.append(np.memmap(file, dtype=dtype, mode="r"))
+            # numpy cannot map an empty file: a shard of no tokens is an empty array
+            arrays.append(np.memmap(file, dtype=dtype, mode="r") if expected else np.zeros(0, dtype=dtype))
+            if not (self.path / shard["offsets"]).is_file():
+                raise ValueError(f"{self.path / shard['offsets']}: missing; re-run prepare")
             idx = np.fromfile(self.path / shard["offsets"], dtype=np.int64)
             if (len(idx) != shard["num_docs"] + 1 or idx[0] != 0 or idx[-1] != shard["num_tokens"]
                     or (np.diff(idx) < 0).any()):  # in order, so every document lies within the shard

@@ -443,9 +443,23 @@ def test_prepare_sharding_and_workers_agree(tmp_path, plays):
     with pytest.raises(FileExistsError, match="out_dir"):
         prepare([tmp_path / "a"], tmp_path / "one", tokenizer="byte", workers=0, progress=False)
     shard = tmp_path / "many" / many["splits"]["train"]["shards"][1]["tokens"]
+    offsets = tmp_path / "many" / many["splits"]["train"]["shards"][2]["offsets"]
+    offsets.unlink()  # was numpy's FileNotFoundError traceback
+    with pytest.raises(ValueError, match=f"^{offsets}: missing; re-run prepare$"):
+        TokenDataset(tmp_path / "many")
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(ValueError, match="truncated"):
         TokenDataset(tmp_path / "many")
+    # a shard of no tokens (prepare writes none, but the format allows it, e.g. from another writer) reads as empty:
+    # numpy cannot map an empty file ("cannot mmap an empty file", naming none)
+    meta = json.loads((tmp_path / "one" / "meta.json").read_text())
+    (tmp_path / "one" / "empty.bin").write_bytes(b"")
+    np.zeros(1, dtype=np.int64).tofile(tmp_path / "one" / "empty.idx")
+    meta["splits"]["train"]["shards"].append({"tokens": "empty.bin", "offsets": "empty.idx", "num_tokens": 0,
+                                              "num_docs": 0})
+    (tmp_path / "one" / "meta.json").write_text(json.dumps(meta))
+    c = TokenDataset(tmp_path / "one")
+    assert np.array_equal(np.asarray(c.tokens), np.asarray(a.tokens)) and np.array_equal(c.doc_offsets, a.doc_offsets)
 
 
 def test_prepare_parquet_and_hf_datasets(tmp_path, gpt2, plays):
