@@ -176,12 +176,8 @@ def _setup(args, checkpoints: list[str]):
     if not (data / "meta.json").is_file():  # TokenDataset's own message names a "path", not the flag
         raise FileNotFoundError(f"--data: {data} is not a prepared dataset (no meta.json); prepare text with "
                                 "`foxlm data prepare FILES_OR_DIRS --out DIR` and pass DIR")
-    try:
+    with _flag_errors(split="--split"):
         dataset = TokenDataset(data, args.split)
-    except ValueError as e:
-        if not str(e).startswith("split: "):
-            raise
-        raise ValueError(f"--{e}") from None
     tok = dataset.tokenizer([m.config._name_or_path for m in models if m.config._name_or_path])
     for c, m, spec in zip(checkpoints, models, specs):
         if spec is not None and not matches_spec(tok, spec):
