@@ -206,7 +206,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if reduction == "mean":
             scale = scale / count.clamp_min(1)
         # dW (kept in fp32 or wider until the backward scales it) is a sum over all rows, which could overflow fp16
-        ctx.save_for_backward(dh, None if dw is None else dw * scale, scale)
+        ctx.save_for_backward(dh, None if dw is None else dw.mul_(scale), scale)  # in place: dW is [V, C]
         ctx.dtypes = hidden.dtype, weight.dtype
         return _reduce(losses, count, reduction)
 
