@@ -34,7 +34,7 @@ from foxlm.ops.forgetting_attention import triton_kernels as tk
 from foxlm.ops.forgetting_attention import triton_op as ta
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV_": "*bf16",
-            "C": "*fp64", "CR": "*fp32", "CRK": "*fp32", "CRQ": "*fp32", "THR": "*fp32", "LSE": "*fp32",
+            "C": "*fp64", "CR": "*fp32", "CRK": "*fp32", "CRQ": "*fp32", "ACP": "*i32", "LSE": "*fp32",
             "DELTA": "*fp32", "DQ": "*fp32", "DCK": "*fp32", "DCQ": "*fp32", "CU": "*i32"}
 FLOATS = {"qk_scale", "scale"}
 # Integer arguments divisible by 16 at the training shapes (strides, lengths; window 0 when unused); Triton's launcher
