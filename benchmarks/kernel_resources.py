@@ -146,9 +146,9 @@ def compile_gluon_backward(d: int, arch: int, prune: bool):
     fn = gb._attn_bwd_dkdv_gluon
     constexprs = dict(G=1, D=d, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, C_BLOCK=ta.C_BLOCK, PRUNE=prune,
                       ROUND_SUMS=ta.DOT_SUMS["acp" if prune else "plain"])
-    vectors = ("c_ptr", "crq_ptr", "lse_ptr", "delta_ptr", "dck_ptr", "dk_ptr", "dv_ptr", "thr_ptr")
+    vectors = ("c_ptr", "crq_ptr", "lse_ptr", "delta_ptr", "dck_ptr", "dk_ptr", "dv_ptr", "acp_ptr")
     types = {"k_desc": descriptor(block_n), "v_desc": descriptor(block_n), "q_desc": descriptor(block_m),
-             "do_desc": descriptor(block_m), "c_ptr": "*fp64", "dk_ptr": "*bf16", "dv_ptr": "*bf16",
+             "do_desc": descriptor(block_m), "c_ptr": "*fp64", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "acp_ptr": "*i32",
              "qk_scale": "fp32", "scale": "fp32"}
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n in vectors else "i32")

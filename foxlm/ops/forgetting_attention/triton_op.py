@@ -337,16 +337,16 @@ def _backward_impl(
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2], *lse.stride()[:2])
     tail = dict(LEN_BUCKET=_len_bucket(len_k), DOT_SUMS=dot_sums, **meta)
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
+    acp = _acp_bounds(c, threshold, cu_seqlens, last=True) if threshold is not None else None
     if not _small_tiles() and _gluon_bwd_eligible(q, k, v, do, cu_seqlens, window, capability, triton.__version__):
         from .gluon_bwd import gluon_dkdv  # imports Gluon, which only the tested Triton release is known to have
 
-        dk, dv, dck = gluon_dkdv(q, k, v, do, c, crq, lse, delta, threshold, scale, meta["C_BLOCK"], dot_sums)
+        dk, dv, dck = gluon_dkdv(q, k, v, do, c, crq, lse, delta, acp, scale, meta["C_BLOCK"], dot_sums)
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
-        acp = _acp_bounds(c, threshold, cu_seqlens, last=True) if threshold is not None else lse  # lse: unused
         _launch(_bwd_dkdv, lambda m: (triton.cdiv(len_k, m["BLOCK_N1"]) * Hk * n_seq,), _INTERPRET_DKDV, q, k, v, c,
-                crq, acp, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
+                crq, lse if acp is None else acp, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
                 _head_group(Hk * n_seq, len_q, q, v), Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
     acp = _acp_bounds(c, threshold, cu_seqlens, last=False) if threshold is not None else lse  # lse: unused
     _launch(_bwd_dq, lambda m: (triton.cdiv(len_q, m["BLOCK_M2"]) * Hq * n_seq,), _INTERPRET_DQ, q, k, v, c, crk,
