@@ -181,3 +181,64 @@ def test_compiled_loss_asserts_bad_labels_eager_raises_one_line():
         compiled(hidden, weight, bad)
     with pytest.raises(ValueError, match=r"^labels: expected values in \[0, 10\) or ignore_index=-100$"):
         linear_cross_entropy(hidden, weight, bad)
+
+
+# --- padded batches (attention_mask) ----------------------------------------------------------------------------------
+_MASKS = {  # each with a row of no padding
+    "all-ones": [[1] * 9] * 3,
+    "left": [[0, 0, 0] + [1] * 6, [1] * 9, [0] * 5 + [1] * 4],  # generate's prompts
+    "right": [[1] * 6 + [0] * 3, [1] * 9, [1] * 4 + [0] * 5],  # evaluation's padded batches
+    "gaps": [[1, 1, 0, 0] + [1] * 5, [1] * 9, [0] * 5 + [1] * 4],  # generate without a cache on right padding
+}
+
+
+def _padded_model(arch: str, num_hidden_layers: int = 2) -> FoxForCausalLM:
+    """A tiny fp64 model of ``arch`` (as tests/models/test_modeling_fox.py's), moved off its init point."""
+    torch.manual_seed(0)
+    config = FoxConfig.preset(arch, "tiny", vocab_size=97, hidden_size=32, num_attention_heads=4,
+                              intermediate_size=64, num_hidden_layers=num_hidden_layers, bos_token_id=None,
+                              eos_token_id=None)
+    model = FoxForCausalLM(config).double()
+    for p in model.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["fox-llama", "fox-pro"])
+def test_cpu_padded_forward_compiles_fullgraph_and_matches_eager(arch):
+    """With an attention_mask (all ones, left or right padding, padding between real tokens) a whole FoxForCausalLM
+    forward compiles as one graph, for every mask (no host sync, no recompilation), and gives eager's logits at every
+    position, pads too, and eager's loss with HF's labels (-100 at the pads) and its gradients, in eval and in
+    training (the fused loss)."""
+    model = _padded_model(arch)
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for training in (False, True):
+        model.train(training)
+        for name, mask in _MASKS.items():
+            mask = torch.tensor(mask)
+            labels = ids.masked_fill(mask == 0, -100)
+            got, want = (m(ids, attention_mask=mask, labels=labels, use_cache=False) for m in (compiled, model))
+            tol = dict(rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}, training={training}: {m}")
+            if not training:
+                torch.testing.assert_close(got.logits, want.logits, **tol)
+                torch.testing.assert_close(compiled(ids, attention_mask=mask, use_cache=False).logits, want.logits,
+                                           **tol)
+            torch.testing.assert_close(got.loss, want.loss, **tol)
+            for a, b in zip(*(torch.autograd.grad(out.loss, list(model.parameters())) for out in (got, want))):
+                torch.testing.assert_close(a, b, **tol)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 3, f"{graphs} graphs: expected one per call kind (eval with and without labels, training), " \
+                        f"not one per mask"
+
+
+def test_cpu_padded_forward_compiles_with_inductor():
+    """The default backend (inductor) too: a left-padded batch's logits are eager's."""
+    model = _padded_model("fox-pro", num_hidden_layers=1).float().eval()
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor(_MASKS["left"])
+    with torch.no_grad():
+        got = torch.compile(model, fullgraph=True)(ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(got, model(ids, attention_mask=mask, use_cache=False).logits)
