@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.models import FoxCache, FoxConfig, FoxForCausalLM
 from foxlm.ops import forgetting_attention, gate_cumsum
 from foxlm.ops.cross_entropy import linear_cross_entropy
 from foxlm.ops.forgetting_attention import sdpa
@@ -242,3 +242,39 @@ def test_cpu_padded_forward_compiles_with_inductor():
     with torch.no_grad():
         got = torch.compile(model, fullgraph=True)(ids, attention_mask=mask, use_cache=False).logits
         torch.testing.assert_close(got, model(ids, attention_mask=mask, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("arch", ["fox-llama", "fox-pro"])
+def test_generate_on_compiled_forward_with_left_padding_matches_eager(arch):
+    """HF generate on a batch of left-padded prompts with the model's forward compiled (fullgraph=True): the cached
+    prefill and decode steps with an attention_mask make no host sync, compile a few graphs (not one per token) and
+    give eager's tokens and logits."""
+    model = _padded_model(arch).eval()
+    mask = torch.tensor(_MASKS["left"])
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(1)).masked_fill(mask == 0, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    want = model.generate(ids, **kwargs)
+    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs < 8, f"{graphs} graphs for 8 new tokens"
+
+
+def test_compiled_cached_forward_asserts_bad_padding_eager_raises_one_line():
+    """Compiled, padding a cached call cannot make inert (between real tokens of one call) fails an in-graph
+    assertion (no host sync); eagerly it is a one-line ValueError naming the argument."""
+    model = _padded_model("fox-pro", num_hidden_layers=1).eval()
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(1))
+    bad = torch.tensor([[1, 1, 0, 1, 1, 1], [1] * 6])
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    message = "attention_mask: with a cache, padding between real tokens must end a call"
+    with pytest.raises(RuntimeError, match=message):
+        compiled(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)
+    with pytest.raises(ValueError, match=f"^{message}"):
+        model(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.forgetting_attention.gate import cu_seqlens_of_starts
+from ..ops.forgetting_attention.gate import cu_seqlens_of_runs, cu_seqlens_of_starts
 
 
 @dataclass
@@ -67,13 +67,7 @@ class Segments:
             if bool((cls.real_runs(real) > 1).any()):
                 raise ValueError("attention_mask: the ones of every row must be contiguous (left or right padding)")
             return cls.from_starts(starts)
-        B, T = real.shape
-        has_real = real.any(1)
-        first = torch.where(has_real, real.int().argmax(1), T)  # an all-padding row: one segment [0, T)
-        end = torch.where(has_real, T - real.flip(1).int().argmax(1), T)
-        row = torch.arange(B, device=real.device) * T
-        cu_seqlens = torch.cat([torch.stack([row, row + first, row + end], 1).flatten(), row.new_full((1,), B * T)])
-        return cls.from_starts(starts, (cu_seqlens.to(torch.int32), T))
+        return cls.from_starts(starts, cu_seqlens_of_runs(real))
 
     @staticmethod
     def real_runs(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -611,7 +611,7 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, windo
         if attention_mask is not None:
             mask = _check_mask(attention_mask, B, past + T).bool()
             _check_gaps(mask, T, window)
-            if not bool(mask[:, -T:].all()):
+            if torch.compiler.is_compiling() or not bool(mask[:, -T:].all()):  # compiled: no host sync to look
                 valid = mask[:, -T:]
                 reset = torch.cat([torch.zeros_like(valid[:, :1]), ~valid[:, :-1]], dim=1)
             if position_ids is None:
@@ -640,13 +640,17 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
     first = torch.where(mask.any(1), real.argmax(1), mask.shape[1])[:, None]  # leading padding: left padding
     positions = torch.arange(mask.shape[1], device=mask.device)
     gap_before = mask & (positions - first - (real.cumsum(1) - real) > 0)  # real, some padding between it and the first
-    if window is not None and bool(gap_before[:, -T:].any()):
-        raise ValueError(f"attention_mask: a sliding-window model (window={window}) decodes left-padded batches only "
-                         f"(the window counts cache slots, padding included)")
     just_after = gap_before[:, -T:][:, 1:] & ~mask[:, -T:][:, :-1]
-    if bool(just_after.any()):
-        raise ValueError("attention_mask: with a cache, padding between real tokens must end a call (right padding "
-                         "of a prompt, then decoding); the token shift cannot skip it within one call")
+    errors = [("attention_mask: with a cache, padding between real tokens must end a call (right padding of a prompt, "
+               "then decoding); the token shift cannot skip it within one call", just_after)]
+    if window is not None:
+        errors.insert(0, (f"attention_mask: a sliding-window model (window={window}) decodes left-padded batches "
+                          f"only (the window counts cache slots, padding included)", gap_before[:, -T:]))
+    for message, bad in errors:
+        if torch.compiler.is_compiling():  # an assertion in the graph, as the compiled loss checks its labels
+            torch._assert_async(~bad.any(), message)
+        elif bool(bad.any()):
+            raise ValueError(message)
 
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:
