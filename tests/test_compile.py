@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxlm.models import FoxConfig, FoxForCausalLM
+from foxlm.models import FoxCache, FoxConfig, FoxForCausalLM
 from foxlm.ops import forgetting_attention, gate_cumsum
 from foxlm.ops.cross_entropy import linear_cross_entropy
 from foxlm.ops.forgetting_attention import sdpa
@@ -181,3 +181,100 @@ def test_compiled_loss_asserts_bad_labels_eager_raises_one_line():
         compiled(hidden, weight, bad)
     with pytest.raises(ValueError, match=r"^labels: expected values in \[0, 10\) or ignore_index=-100$"):
         linear_cross_entropy(hidden, weight, bad)
+
+
+# --- padded batches (attention_mask) ----------------------------------------------------------------------------------
+_MASKS = {  # each with a row of no padding
+    "all-ones": [[1] * 9] * 3,
+    "left": [[0, 0, 0] + [1] * 6, [1] * 9, [0] * 5 + [1] * 4],  # generate's prompts
+    "right": [[1] * 6 + [0] * 3, [1] * 9, [1] * 4 + [0] * 5],  # evaluation's padded batches
+    "gaps": [[1, 1, 0, 0] + [1] * 5, [1] * 9, [0] * 5 + [1] * 4],  # generate without a cache on right padding
+}
+
+
+def _padded_model(arch: str, num_hidden_layers: int = 2) -> FoxForCausalLM:
+    """A tiny fp64 model of ``arch`` (as tests/models/test_modeling_fox.py's), moved off its init point."""
+    torch.manual_seed(0)
+    config = FoxConfig.preset(arch, "tiny", vocab_size=97, hidden_size=32, num_attention_heads=4,
+                              intermediate_size=64, num_hidden_layers=num_hidden_layers, bos_token_id=None,
+                              eos_token_id=None)
+    model = FoxForCausalLM(config).double()
+    for p in model.parameters():
+        p.data += 0.1 * torch.randn_like(p)
+    return model
+
+
+@pytest.mark.parametrize("arch", ["fox-llama", "fox-pro"])
+def test_cpu_padded_forward_compiles_fullgraph_and_matches_eager(arch):
+    """With an attention_mask (all ones, left or right padding, padding between real tokens) a whole FoxForCausalLM
+    forward compiles as one graph, for every mask (no host sync, no recompilation), and gives eager's logits at every
+    position, pads too, and eager's loss with HF's labels (-100 at the pads) and its gradients, in eval and in
+    training (the fused loss)."""
+    model = _padded_model(arch)
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for training in (False, True):
+        model.train(training)
+        for name, mask in _MASKS.items():
+            mask = torch.tensor(mask)
+            labels = ids.masked_fill(mask == 0, -100)
+            got, want = (m(ids, attention_mask=mask, labels=labels, use_cache=False) for m in (compiled, model))
+            tol = dict(rtol=1e-9, atol=1e-9, msg=lambda m: f"{name}, training={training}: {m}")
+            if not training:
+                torch.testing.assert_close(got.logits, want.logits, **tol)
+                torch.testing.assert_close(compiled(ids, attention_mask=mask, use_cache=False).logits, want.logits,
+                                           **tol)
+            torch.testing.assert_close(got.loss, want.loss, **tol)
+            for a, b in zip(*(torch.autograd.grad(out.loss, list(model.parameters())) for out in (got, want))):
+                torch.testing.assert_close(a, b, **tol)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 3, f"{graphs} graphs: expected one per call kind (eval with and without labels, training), " \
+                        f"not one per mask"
+
+
+def test_cpu_padded_forward_compiles_with_inductor():
+    """The default backend (inductor) too: a left-padded batch's logits are eager's."""
+    model = _padded_model("fox-pro", num_hidden_layers=1).float().eval()
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor(_MASKS["left"])
+    with torch.no_grad():
+        got = torch.compile(model, fullgraph=True)(ids, attention_mask=mask, use_cache=False).logits
+        torch.testing.assert_close(got, model(ids, attention_mask=mask, use_cache=False).logits)
+
+
+@pytest.mark.parametrize("arch", ["fox-llama", "fox-pro"])
+def test_generate_on_compiled_forward_with_left_padding_matches_eager(arch):
+    """HF generate on a batch of left-padded prompts with the model's forward compiled (fullgraph=True): the cached
+    prefill and decode steps with an attention_mask make no host sync, compile a few graphs (not one per token) and
+    give eager's tokens and logits."""
+    model = _padded_model(arch).eval()
+    mask = torch.tensor(_MASKS["left"])
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(1)).masked_fill(mask == 0, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    want = model.generate(ids, **kwargs)
+    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert 0 < graphs < 8, f"{graphs} graphs for 8 new tokens"
+
+
+def test_compiled_cached_forward_asserts_bad_padding_eager_raises_one_line():
+    """Compiled, padding a cached call cannot make inert (between real tokens of one call) fails an in-graph
+    assertion (no host sync); eagerly it is a one-line ValueError naming the argument."""
+    model = _padded_model("fox-pro", num_hidden_layers=1).eval()
+    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(1))
+    bad = torch.tensor([[1, 1, 0, 1, 1, 1], [1] * 6])
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    message = "attention_mask: with a cache, padding between real tokens must end a call"
+    with pytest.raises(RuntimeError, match=message):
+        compiled(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)
+    with pytest.raises(ValueError, match=f"^{message}"):
+        model(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)

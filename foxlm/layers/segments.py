@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.forgetting_attention.gate import cu_seqlens_of_starts
+from ..ops.forgetting_attention.gate import cu_seqlens_of_runs, cu_seqlens_of_starts
 
 
 @dataclass
@@ -17,7 +17,7 @@ class Segments:
     ids: [B, T] int64 segment index within its row.
     positions: [B, T] int64 position of every token within its segment (RoPE positions).
     cu_seqlens: [N+1] int32 offsets of all segments in the flattened B*T tokens (the op's varlen input).
-    max_seqlen: length of the longest segment.
+    max_seqlen: length of the longest segment (T, a bound, for ``from_mask(sync=False)``).
     """
 
     starts: torch.Tensor
@@ -27,15 +27,16 @@ class Segments:
     max_seqlen: int
 
     @classmethod
-    def from_starts(cls, starts: torch.Tensor) -> "Segments":
-        """starts: [B, T] bool (column 0 is treated as True)."""
+    def from_starts(cls, starts: torch.Tensor, offsets: tuple[torch.Tensor, int] | None = None) -> "Segments":
+        """starts: [B, T] bool (column 0 is treated as True); offsets: (cu_seqlens, max_seqlen) of the segments
+        that ``starts`` cuts, empty segments allowed (default: computed from ``starts``, a host sync)."""
         starts = starts.clone()
         starts[:, 0] = True
         B, T = starts.shape
         t = torch.arange(T, device=starts.device).expand(B, T)
         ids = starts.long().cumsum(1) - 1
         positions = t - torch.where(starts, t, torch.zeros_like(t)).cummax(dim=1).values
-        return cls(starts, ids, positions, *cu_seqlens_of_starts(starts))
+        return cls(starts, ids, positions, *(cu_seqlens_of_starts(starts) if offsets is None else offsets))
 
     @classmethod
     def from_cu_seqlens(cls, cu_seqlens: torch.Tensor, total: int) -> "Segments":
@@ -52,13 +53,21 @@ class Segments:
         return cls.from_starts(starts)
 
     @classmethod
-    def from_mask(cls, attention_mask: torch.Tensor) -> "Segments":
+    def from_mask(cls, attention_mask: torch.Tensor, sync: bool = True) -> "Segments":
         """attention_mask: [B, T], 1 for real tokens, 0 for padding; the ones of a row must be contiguous
-        (left or right padding). Padding becomes segments of its own."""
+        (left or right padding). Padding becomes segments of its own.
+
+        sync=False (compiled): no host sync. The contiguity is the caller's to vouch for, and cu_seqlens has a
+        fixed size, three segments a row (padding, real tokens, padding; empty where a row has none, e.g. every
+        segment but the real one for an all-ones mask), with max_seqlen T: the same attention, gate cumsum and
+        token shift as the segments cut where the mask changes."""
         real = attention_mask.bool()
-        if bool((cls.real_runs(real) > 1).any()):
-            raise ValueError("attention_mask: the ones of every row must be contiguous (left or right padding)")
-        return cls.from_starts(real != torch.cat([real[:, :1], real[:, :-1]], dim=1))
+        starts = real != torch.cat([real[:, :1], real[:, :-1]], dim=1)
+        if sync:
+            if bool((cls.real_runs(real) > 1).any()):
+                raise ValueError("attention_mask: the ones of every row must be contiguous (left or right padding)")
+            return cls.from_starts(starts)
+        return cls.from_starts(starts, cu_seqlens_of_runs(real))
 
     @staticmethod
     def real_runs(attention_mask: torch.Tensor) -> torch.Tensor:

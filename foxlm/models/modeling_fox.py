@@ -250,7 +250,7 @@ class FoxModel(FoxPreTrainedModel):
         cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
         order = None
         if cache is None and cu_seqlens is None and attention_mask is not None and self.context_parallel is None:
-            order = _compaction(attention_mask, B, T)
+            order = _compaction(attention_mask, B, T, sync=not torch.compiler.is_compiling())
         if order is not None:  # each row's real tokens to its front: right padding, which a forward keeps inert
             x = x.gather(1, order[..., None].expand_as(x))
             attention_mask = attention_mask.gather(1, order)
@@ -542,15 +542,18 @@ def _become_fox_cache(cache: DynamicCache, num_layers: int, arg: str) -> FoxCach
     return cache
 
 
-def _compaction(attention_mask: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
+def _compaction(attention_mask: torch.Tensor, B: int, T: int, sync: bool = True) -> torch.Tensor | None:
     """[B, T] per-row order that moves each row's real tokens to its front (in their order), or None where every row's
     real tokens are one run. Padding between real tokens (generate without a cache on a right-padded batch appends
     after the pads) becomes right padding, which a causal forward keeps inert; FoX has no positions to disturb, and
-    RoPE positions count real tokens only."""
+    RoPE positions count real tokens only. ``sync=False`` (compiled): no host sync, so never None: the identity
+    where eager's would be None."""
     mask = _check_mask(attention_mask, B, T).bool()
-    if not bool((Segments.real_runs(mask) > 1).any()):
+    several = (Segments.real_runs(mask) > 1).any()
+    if sync and not bool(several):
         return None
-    return torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    return order if sync else torch.where(several, order, torch.arange(T, device=mask.device))
 
 
 def _unpermute(x, inverse: torch.Tensor):
@@ -570,7 +573,7 @@ def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor, before: torch.Tens
     fill = (last >= 0) & ~valid
     if before is not None:
         x = torch.where((last < 0)[..., None], before[:, None].to(x.dtype), x)
-    if not bool(fill.any()):
+    if not torch.compiler.is_compiling() and not bool(fill.any()):  # compiled: no host sync, the gather below
         return x
     carried = x.gather(1, last.clamp_min(0)[..., None].expand(-1, -1, x.shape[2]))
     return torch.where(fill[..., None], carried, x)
@@ -608,13 +611,15 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, windo
         if attention_mask is not None:
             mask = _check_mask(attention_mask, B, past + T).bool()
             _check_gaps(mask, T, window)
-            if not bool(mask[:, -T:].all()):
+            if torch.compiler.is_compiling() or not bool(mask[:, -T:].all()):  # compiled: no host sync to look
                 valid = mask[:, -T:]
                 reset = torch.cat([torch.zeros_like(valid[:, :1]), ~valid[:, :-1]], dim=1)
             if position_ids is None:
                 position_ids = (mask.long().cumsum(1) - 1).clamp_min(0)[:, -T:]
         if position_ids is None:
             position_ids = torch.arange(past, past + T, device=device).expand(B, T)
+    elif attention_mask is not None and torch.compiler.is_compiling():  # no host sync: an all-ones mask too
+        segments = Segments.from_mask(_check_mask(attention_mask, B, T), sync=False)
     elif attention_mask is not None and not bool(_check_mask(attention_mask, B, T).all()):
         segments = Segments.from_mask(attention_mask)
     elif packed is not None:
@@ -635,13 +640,17 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
     first = torch.where(mask.any(1), real.argmax(1), mask.shape[1])[:, None]  # leading padding: left padding
     positions = torch.arange(mask.shape[1], device=mask.device)
     gap_before = mask & (positions - first - (real.cumsum(1) - real) > 0)  # real, some padding between it and the first
-    if window is not None and bool(gap_before[:, -T:].any()):
-        raise ValueError(f"attention_mask: a sliding-window model (window={window}) decodes left-padded batches only "
-                         f"(the window counts cache slots, padding included)")
     just_after = gap_before[:, -T:][:, 1:] & ~mask[:, -T:][:, :-1]
-    if bool(just_after.any()):
-        raise ValueError("attention_mask: with a cache, padding between real tokens must end a call (right padding "
-                         "of a prompt, then decoding); the token shift cannot skip it within one call")
+    errors = [("attention_mask: with a cache, padding between real tokens must end a call (right padding of a prompt, "
+               "then decoding); the token shift cannot skip it within one call", just_after)]
+    if window is not None:
+        errors.insert(0, (f"attention_mask: a sliding-window model (window={window}) decodes left-padded batches "
+                          f"only (the window counts cache slots, padding included)", gap_before[:, -T:]))
+    for message, bad in errors:
+        if torch.compiler.is_compiling():  # an assertion in the graph, as the compiled loss checks its labels
+            torch._assert_async(~bad.any(), message)
+        elif bool(bad.any()):
+            raise ValueError(message)
 
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:

@@ -22,6 +22,19 @@ def cu_seqlens_of_starts(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
+def cu_seqlens_of_runs(real: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``cu_seqlens_of_starts`` for a [B, T] bool batch whose rows' True entries are one run each (padding before
+    and/or after real tokens), without a host sync (compiled): three sequences a row, (padding, real, padding),
+    empty where a row has none, so cu_seqlens [3B + 1] int32 has a fixed size, and T for the longest (a bound)."""
+    B, T = real.shape
+    has_real = real.any(1)
+    first = torch.where(has_real, real.int().argmax(1), T)  # a row of padding only: one sequence [0, T)
+    end = torch.where(has_real, T - real.flip(1).int().argmax(1), T)
+    row = torch.arange(B, device=real.device) * T
+    cu_seqlens = torch.cat([torch.stack([row, row + first, row + end], 1).flatten(), row.new_full((1,), B * T)])
+    return cu_seqlens.to(torch.int32), T
+
+
 def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """c_t = sum_{l <= t} log f_l in fp64, restarting at every sequence of ``cu_seqlens``.
 

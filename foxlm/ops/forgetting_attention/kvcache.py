@@ -24,7 +24,7 @@ import torch
 
 from .acp import ACP
 from .decode import forgetting_attention_decode
-from .gate import cu_seqlens_of_starts
+from .gate import cu_seqlens_of_runs, cu_seqlens_of_starts
 from .interface import sequence_attention
 from .sdpa import attention_from_cumsum
 
@@ -119,7 +119,9 @@ def _contiguous(q, k_cache, v_cache, c_cache, k, v, log_fgate, before, scale, wi
     T = q.shape[1]
     if before == 0:
         cu_seqlens = max_seqlen = None
-        if valid is not None and not bool(valid.all()):  # padding: sequences of its own, apart from the real tokens
+        if valid is not None and torch.compiler.is_compiling():  # the same sequences, without a host sync
+            cu_seqlens, max_seqlen = cu_seqlens_of_runs(valid)
+        elif valid is not None and not bool(valid.all()):  # padding: sequences of its own, apart from the real tokens
             cu_seqlens, max_seqlen = cu_seqlens_of_starts(valid != torch.cat([valid[:, :1], valid[:, :-1]], dim=1))
         return sequence_attention(q, k, v, log_fgate, scale=scale, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                                   window=window, prune=prune)[0]
