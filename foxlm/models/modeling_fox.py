@@ -245,6 +245,13 @@ class FoxModel(FoxPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         cache = cache if cache is not None else past_key_values
+        if (use_cache or cache is not None) and self.gradient_checkpointing and self.training \
+                and torch.is_grad_enabled():
+            # as transformers' models: the checkpointed blocks drop the cache (a replay would append twice), so the
+            # forward lays padding out as without one (with a cache it would be valid flags that no block then reads)
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting "
+                                "`use_cache=False`.")
+            use_cache, cache = False, None
         if use_cache is None and cache is None:
             use_cache = self._default_use_cache(cu_seqlens, output_attentions)
         cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
