@@ -531,6 +531,11 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
     if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. a StaticCache
         raise ValueError(f"past_key_values: FoX models decode with their own FoxCache, not a {type(cache).__name__}; "
                          f"pass a FoxCache (foxlm.models.FoxCache()), an empty DynamicCache or none")
+    if hasattr(cache, "get_seq_length"):  # e.g. the keys and values of PEFT prefix tuning's virtual tokens
+        raise ValueError(f"past_key_values: a {type(cache).__name__} that holds {cache.get_seq_length()} tokens has no "
+                         f"forget-gate sums or token-shift states for them, so FoX models cannot attend to it (PEFT "
+                         f"prefix tuning gives one: use LoRA or prompt tuning); pass a FoxCache, an empty "
+                         f"DynamicCache or none")
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 
