@@ -245,6 +245,13 @@ class FoxModel(FoxPreTrainedModel):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         cache = cache if cache is not None else past_key_values
+        if (use_cache or cache is not None) and self.gradient_checkpointing and self.training \
+                and torch.is_grad_enabled():
+            # as transformers' models: the checkpointed blocks drop the cache (a replay would append twice), so the
+            # forward lays padding out as without one (with a cache it would be valid flags that no block then reads)
+            logger.warning_once("`use_cache=True` is incompatible with gradient checkpointing. Setting "
+                                "`use_cache=False`.")
+            use_cache, cache = False, None
         if use_cache is None and cache is None:
             use_cache = self._default_use_cache(cu_seqlens, output_attentions)
         cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
@@ -524,6 +531,11 @@ def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
     if hasattr(cache, "get_seq_length") and cache.get_seq_length() == 0:  # e.g. a StaticCache
         raise ValueError(f"past_key_values: FoX models decode with their own FoxCache, not a {type(cache).__name__}; "
                          f"pass a FoxCache (foxlm.models.FoxCache()), an empty DynamicCache or none")
+    if hasattr(cache, "get_seq_length"):  # e.g. the keys and values of PEFT prefix tuning's virtual tokens
+        raise ValueError(f"past_key_values: a {type(cache).__name__} that holds {cache.get_seq_length()} tokens has no "
+                         f"forget-gate sums or token-shift states for them, so FoX models cannot attend to it (PEFT "
+                         f"prefix tuning gives one: use LoRA or prompt tuning); pass a FoxCache, an empty "
+                         f"DynamicCache or none")
     raise ValueError(f"past_key_values: expected a FoxCache (or any KVCache), got {type(cache).__name__}")
 
 

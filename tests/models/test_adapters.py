@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PrefixTuningConfig, TaskType, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
@@ -97,3 +97,14 @@ def test_bitsandbytes_4bit_leaves_gate_and_shift_unquantized(tmp_path):
     assert torch.isfinite(logits).all()
     # 4-bit weights of a 32-wide model move the logits, but not to another model's
     assert torch.corrcoef(torch.stack([logits.float().flatten(), reference.flatten()]))[0, 1] > 0.9
+
+
+def test_peft_prefix_tuning_is_refused_naming_it():
+    """PEFT prefix tuning hands the model a DynamicCache of its virtual tokens' keys and values, which carries no
+    forget-gate sums or token-shift states: a FoX model refuses it with a message that names the cause and the
+    adapters that work (it said only that a DynamicCache is no FoxCache). (PEFT 0.21's generate hands transformers
+    >= 5.24 the prefix under the old name, which a Llama ignores as a FoX model does.)"""
+    model = get_peft_model(_fox(), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)).train()
+    ids = torch.randint(1, 61, (2, 10), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"DynamicCache that holds 4 tokens .* \(PEFT prefix tuning gives one"):
+        model(input_ids=ids, labels=ids)

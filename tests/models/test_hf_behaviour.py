@@ -287,6 +287,32 @@ def test_gradient_checkpointing_reentrant_or_not_keeps_gradients(arch, reentrant
         torch.testing.assert_close(p.grad, want[name], rtol=1e-10, atol=1e-12, msg=name)
 
 
+@pytest.mark.parametrize("arch", ["fox-llama", "fox-pro"])
+def test_gradient_checkpointing_turns_use_cache_off_as_llama(arch):
+    """use_cache=True in a checkpointed training forward: as a Llama, no cache and the loss and gradients of a
+    forward without one. The blocks dropped the cache while the model laid a left-padded batch out for one, so the
+    padding reached attention as flags no block read: another loss."""
+    model = _fox(arch).double().train()
+    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding
+    labels = ids.masked_fill(mask == 0, -100)
+    want = model(ids, attention_mask=mask, labels=labels, use_cache=False)
+    want.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    got = model(ids, attention_mask=mask, labels=labels, use_cache=True)
+    got.loss.backward()
+    llama = _llama().train()
+    llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert llama(ids, attention_mask=mask, labels=labels, use_cache=True).past_key_values is None
+    torch.testing.assert_close(got.loss, want.loss, rtol=1e-12, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    assert got.past_key_values is None
+
+
 def test_generate_with_output_attentions_as_llama_sdpa():
     """generate(output_attentions=True, return_dict_in_generate=True): the same tokens as without, and, as a Llama
     on SDPA attention, a warning and an empty attentions entry per step (the cache path computes no weights).
