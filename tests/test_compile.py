@@ -278,3 +278,28 @@ def test_compiled_cached_forward_asserts_bad_padding_eager_raises_one_line():
         compiled(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)
     with pytest.raises(ValueError, match=f"^{message}"):
         model(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)
+
+
+@needs_triton[0]
+@needs_triton[1]
+@pytest.mark.parametrize("acp", [False, True])
+def test_padded_forward_compiles_fullgraph_on_the_kernels(device, acp):
+    """The compiled padded forward on the Triton kernels: its segments (three a row, empty ones included, and the
+    row length as max_seqlen, a bound) give eager's logits at the real tokens and eager's loss, ACP or not."""
+    torch.manual_seed(0)
+    config = FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=64, num_attention_heads=2,
+                              intermediate_size=128, num_hidden_layers=2, bos_token_id=None, eos_token_id=None,
+                              acp=acp)
+    model = FoxForCausalLM(config).eval().to(device)
+    ids = torch.randint(1, 97, (3, 40), device=device)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    masks = {"left": [[0] * 7 + [1] * 33, [1] * 40, [0] * 21 + [1] * 19],
+             "right": [[1] * 33 + [0] * 7, [1] * 40, [1] * 19 + [0] * 21]}
+    with torch.no_grad():
+        for name, mask in masks.items():
+            mask = torch.tensor(mask, device=device)
+            labels = ids.masked_fill(mask == 0, -100)
+            got, want = (m(ids, attention_mask=mask, labels=labels, use_cache=False) for m in (compiled, model))
+            real = mask.bool()
+            torch.testing.assert_close(got.logits[real], want.logits[real], rtol=1e-5, atol=1e-5, msg=name)
+            torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5, msg=name)
