@@ -34,7 +34,7 @@ from foxlm.ops.forgetting_attention import triton_kernels as tk
 from foxlm.ops.forgetting_attention import triton_op as ta
 
 POINTERS = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16", "DV_": "*bf16",
-            "C": "*fp64", "CR": "*fp32", "CRK": "*fp32", "CRQ": "*fp32", "ACP": "*i32", "LSE": "*fp32",
+            "C": "*fp64", "CR": "*fp32", "CRK": "*fp32", "CRQ": "*fp32", "THR": "*fp32", "LSE": "*fp32",
             "DELTA": "*fp32", "DQ": "*fp32", "DCK": "*fp32", "DCQ": "*fp32", "CU": "*i32"}
 FLOATS = {"qk_scale", "scale"}
 # Integer arguments divisible by 16 at the training shapes (strides, lengths; window 0 when unused); Triton's launcher
@@ -146,9 +146,9 @@ def compile_gluon_backward(d: int, arch: int, prune: bool):
     fn = gb._attn_bwd_dkdv_gluon
     constexprs = dict(G=1, D=d, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages, C_BLOCK=ta.C_BLOCK, PRUNE=prune,
                       ROUND_SUMS=ta.DOT_SUMS["acp" if prune else "plain"])
-    vectors = ("c_ptr", "crq_ptr", "lse_ptr", "delta_ptr", "dck_ptr", "dk_ptr", "dv_ptr", "acp_ptr")
+    vectors = ("c_ptr", "crq_ptr", "lse_ptr", "delta_ptr", "dck_ptr", "dk_ptr", "dv_ptr", "thr_ptr")
     types = {"k_desc": descriptor(block_n), "v_desc": descriptor(block_n), "q_desc": descriptor(block_m),
-             "do_desc": descriptor(block_m), "c_ptr": "*fp64", "dk_ptr": "*bf16", "dv_ptr": "*bf16", "acp_ptr": "*i32",
+             "do_desc": descriptor(block_m), "c_ptr": "*fp64", "dk_ptr": "*bf16", "dv_ptr": "*bf16",
              "qk_scale": "fp32", "scale": "fp32"}
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else types.get(n, "*fp32" if n in vectors else "i32")

@@ -16,8 +16,8 @@ or a window, with or without ACP, and GQA. Design (FlashAttention-3's backward w
   the loads are issued before the tile's barrier waits;
 * -colsum(dS) per query head into DCK, summed as the Triton dQ kernel sums its rows (rounded to q's dtype where the
   dQ kernel takes its sums as dots: ``triton_op.DOT_SUMS``), so that the gate gradient's two sums cancel alike;
-* ACP: each program reads, per query head, the first query past those its last key keeps from the host's table
-  (``triton_op._acp_bounds``), as the Triton kernel; the first warpgroup stops at its own keys' end.
+* ACP: each program binary-searches, per query head, the last query tile its last key keeps (c is monotone), as the
+  Triton kernel; the first warpgroup stops at its own keys' end.
 """
 
 from __future__ import annotations
@@ -42,18 +42,25 @@ TILES = {128: (64, 32, 4)}
 
 
 @gluon.jit
-def _q_end(acp_row, k_last, lo, n_tiles, BLOCK_M: gl.constexpr, PRUNE: gl.constexpr):
+def _q_end(cb, thr_ptr, k_last, lo, T, n_tiles, BLOCK_M: gl.constexpr, PRUNE: gl.constexpr):
     """The end of the query tiles that see keys up to ``k_last``: all of them, or with ACP up to the tile holding the
-    first row i (from row ``lo`` on) with c_i - c[k_last] below the threshold (acp_row: the head's table)."""
+    first row i with c_i - c[k_last] below the threshold."""
     end = n_tiles
     if PRUNE:
-        end = gl.minimum(end, gl.cdiv(gl.maximum(gl.load(acp_row + k_last), lo), BLOCK_M))
+        target = gl.load(cb + k_last) + gl.load(thr_ptr).to(gl.float64)
+        hi = T
+        while lo < hi:
+            mid = (lo + hi) // 2
+            right = gl.load(cb + mid) >= target
+            lo = gl.where(right, mid + 1, lo)
+            hi = gl.where(right, hi, mid)
+        end = gl.minimum(end, gl.cdiv(lo, BLOCK_M))
     return end
 
 
 @gluon.jit
 def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
-              k_row, k_col, q_row, q_col, t0, n_tiles, acp_base, k_last, T, G: gl.constexpr,
+              k_row, k_col, q_row, q_col, t0, n_tiles, c_base, thr_base, k_last, T, G: gl.constexpr,
               D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
               PRUNE: gl.constexpr):
     mbarrier.expect(kv_bar, 2 * k_desc.block_type.nbytes + 2 * v_desc.block_type.nbytes)
@@ -62,7 +69,7 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
         tma.async_copy_global_to_shared(v_desc, [k_row + w * BLOCK_N, k_col], kv_bar, v_smem.index(w))
     i = 0
     for g in range(G):
-        end = _q_end(acp_base + g * T, k_last, t0 * BLOCK_M, n_tiles, BLOCK_M, PRUNE)
+        end = _q_end(c_base + g * T, thr_base + g, k_last, t0 * BLOCK_M, T, n_tiles, BLOCK_M, PRUNE)
         for t in range(t0, end):
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
@@ -77,7 +84,7 @@ def _producer(k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, 
 
 @gluon.jit
 def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty, c_base, crq_base, lse_base,
-              delta_base, dck_base, dk_base, dv_base, acp_base, T, n0, t0, n_tiles, k_last, kv_stride, qk_scale,
+              delta_base, dck_base, dk_base, dv_base, thr_base, T, n0, t0, n_tiles, k_last, kv_stride, qk_scale,
               scale, W: gl.constexpr, G: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr,
               BLOCK_M: gl.constexpr, STAGES: gl.constexpr, C_BLOCK: gl.constexpr, PRUNE: gl.constexpr,
               ROUND_SUMS: gl.constexpr):
@@ -97,8 +104,8 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
     i = 0
     for g in range(G):
         cb = c_base + g * T
-        end = _q_end(acp_base + g * T, k_last, t0 * BLOCK_M, n_tiles, BLOCK_M, PRUNE)  # the producer's tiles
-        end_w = _q_end(acp_base + g * T, gl.minimum(k0 + BLOCK_N, T) - 1, t0 * BLOCK_M, n_tiles, BLOCK_M, PRUNE)
+        end = _q_end(cb, thr_base + g, k_last, t0 * BLOCK_M, T, n_tiles, BLOCK_M, PRUNE)  # the producer's tiles
+        end_w = _q_end(cb, thr_base + g, gl.minimum(k0 + BLOCK_N, T) - 1, t0 * BLOCK_M, T, n_tiles, BLOCK_M, PRUNE)
         c_ref = gl.load(cb + gl.minimum(k0, T - 1))
         ck = ((gl.load(cb + keys, mask=kvalid, other=0.0) - c_ref) * LOG2E).to(gl.float32)
         colsum = gl.zeros([BLOCK_N], gl.float32, layout=gl.SliceLayout(1, st_layout))
@@ -157,7 +164,7 @@ def _consumer(k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty,
 
 @gluon.jit
 def _attn_bwd_dkdv_gluon(k_desc, v_desc, q_desc, do_desc, c_ptr, crq_ptr, lse_ptr, delta_ptr, dck_ptr, dk_ptr, dv_ptr,
-                         acp_ptr, T, Hk, NB, qk_scale, scale, G: gl.constexpr, D: gl.constexpr,
+                         thr_ptr, T, Hk, NB, qk_scale, scale, G: gl.constexpr, D: gl.constexpr,
                          BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, C_BLOCK: gl.constexpr,
                          PRUNE: gl.constexpr, ROUND_SUMS: gl.constexpr):
     pid = gl.program_id(0)
@@ -170,6 +177,7 @@ def _attn_bwd_dkdv_gluon(k_desc, v_desc, q_desc, do_desc, c_ptr, crq_ptr, lse_pt
     t0 = n0 // BLOCK_M
     n_tiles = gl.cdiv(T, BLOCK_M)
     kv_base = (b.to(gl.int64) * T * Hk + hk) * D
+    thr_base = thr_ptr + b * Hq + hk * G  # [B, Hq]
     k_last = gl.minimum(n0 + 2 * BLOCK_N, T) - 1
 
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
@@ -189,14 +197,14 @@ def _attn_bwd_dkdv_gluon(k_desc, v_desc, q_desc, do_desc, c_ptr, crq_ptr, lse_pt
     gl.warp_specialize([
         (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty, c_ptr + head0,
                      crq_ptr + head0, lse_ptr + head0, delta_ptr + head0, dck_ptr + head0, dk_ptr + kv_base,
-                     dv_ptr + kv_base, acp_ptr + head0, T, n0, t0, n_tiles, k_last, Hk * D, qk_scale, scale, 0, G, D,
+                     dv_ptr + kv_base, thr_base, T, n0, t0, n_tiles, k_last, Hk * D, qk_scale, scale, 0, G, D,
                      BLOCK_N, BLOCK_M, STAGES, C_BLOCK, PRUNE, ROUND_SUMS)),
         (_consumer, (k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready, empty, c_ptr + head0,
                      crq_ptr + head0, lse_ptr + head0, delta_ptr + head0, dck_ptr + head0, dk_ptr + kv_base,
-                     dv_ptr + kv_base, acp_ptr + head0, T, n0, t0, n_tiles, k_last, Hk * D, qk_scale, scale, 1, G, D,
+                     dv_ptr + kv_base, thr_base, T, n0, t0, n_tiles, k_last, Hk * D, qk_scale, scale, 1, G, D,
                      BLOCK_N, BLOCK_M, STAGES, C_BLOCK, PRUNE, ROUND_SUMS)),
         (_producer, (k_desc, v_desc, q_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_bar, q_ready, do_ready,
-                     empty, b * T + n0, hk * D, b * T, hk * G * D, t0, n_tiles, acp_ptr + head0, k_last, T,
+                     empty, b * T + n0, hk * D, b * T, hk * G * D, t0, n_tiles, c_ptr + head0, thr_base, k_last, T,
                      G, D, BLOCK_N, BLOCK_M, STAGES, PRUNE)),
     ], [4, 1], [240, 24])
     mbarrier.invalidate(kv_bar)
@@ -207,14 +215,13 @@ def _attn_bwd_dkdv_gluon(k_desc, v_desc, q_desc, do_desc, c_ptr, crq_ptr, lse_pt
 
 
 def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, c: torch.Tensor,
-               crq: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, acp: torch.Tensor | None,
+               crq: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, threshold: torch.Tensor | None,
                scale: float, c_block: int, round_sums: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dK, dV and -colsum(dS) of Forgetting Attention.
 
     q, do: [B, T, Hq, D], k, v: [B, T, Hk, D], contiguous, bf16 or fp16; c: [B, Hq, T] fp64 (the gate cumsum);
     crq: [B, Hq, T] fp32, lse, delta: [B, Hq, T] fp32 (``triton_op._bwd_preprocess``'s, with ``c_block``);
-    acp: ACP's [B, Hq, T] int32 table of the first query past those each key keeps (``triton_op._acp_bounds``, last)
-    or None; round_sums: sum dS rounded to q's dtype (as the dQ kernel's dot sums).
+    threshold: ACP's [B, Hq] or None; round_sums: sum dS rounded to q's dtype (as the dQ kernel's dot sums).
     Returns dk, dv: [B, T, Hk, D] and dck: [B, Hq, T] fp32.
     """
     B, T, Hq, D = q.shape
@@ -229,9 +236,9 @@ def gluon_dkdv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
     do_desc = TensorDescriptor.from_tensor(do.view(B * T, Hq * D), [block_m, D], q_layout)
     dk, dv = torch.empty_like(k), torch.empty_like(v)
     dck = torch.empty(B, Hq, T, device=q.device, dtype=torch.float32)
+    thr = threshold.float().contiguous() if threshold is not None else lse  # lse: unused placeholder
     nb = triton.cdiv(T, 2 * block_n)
-    _attn_bwd_dkdv_gluon[(nb * B * Hk,)](  # lse stands in for acp where this specialization does not read it
-        k_desc, v_desc, q_desc, do_desc, c, crq, lse, delta, dck, dk, dv, lse if acp is None else acp, T, Hk, nb,
-        scale * LOG2E.value, scale, Hq // Hk, D, block_n, block_m, stages, c_block, acp is not None, round_sums,
-        num_warps=4)
+    _attn_bwd_dkdv_gluon[(nb * B * Hk,)](
+        k_desc, v_desc, q_desc, do_desc, c, crq, lse, delta, dck, dk, dv, thr, T, Hk, nb, scale * LOG2E.value, scale,
+        Hq // Hk, D, block_n, block_m, stages, c_block, threshold is not None, round_sums, num_warps=4)
     return dk, dv, dck

@@ -21,9 +21,7 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   resets at tile starts).
 * ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
-  blocks a prefix of those below the diagonal). The host finds every position's boundary at once (``searchsorted``
-  over c, ``triton_op._acp_bounds``), so a program reads its boundary instead of searching c in a chain of dependent
-  loads of its own.
+  blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
 * varlen: with ``cu_seqlens`` the grid runs over (sequence, block); no program crosses a sequence.
 * launch order: a 1-D grid over groups of (head, sequence) pairs whose tensors fit in L2 together; within a group
   the heads vary fastest and the longest programs come first (the last query blocks in the forward, the first
@@ -46,6 +44,21 @@ from ..backend import cast, tile_loop
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _search(c_base, lo, hi, target, STRICT: tl.constexpr):
+    """First j in [lo, hi) with c[j] < target (STRICT) or c[j] <= target, else hi; c is non-increasing."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        cm = tl.load(c_base + mid)
+        if STRICT:
+            right = cm >= target
+        else:
+            right = cm > target
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(right, hi, mid)
+    return lo
 
 
 @triton.jit
@@ -161,19 +174,19 @@ def _grid_position(H, HB, HG, LAST_FIRST: tl.constexpr):
 
 
 @triton.jit
-def _key_range(acp_base, tok0, p0, p_last, window, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr,
+def _key_range(c_base, thr_ptr, c_ref, p0, p_last, window, BLOCK_N: tl.constexpr, C_BLOCK: tl.constexpr,
                PRUNE: tl.constexpr, WINDOWED: tl.constexpr):
     """Key tiles of the query rows at positions [p0, p_last]: (lo, win_hi, mask_lo). Tiles before lo are
     skipped (left of the window, or pruned by ACP), [lo, win_hi) cross the window's edge (masked), [win_hi,
     mask_lo) need no mask, and the tiles from mask_lo to p_last (the diagonal's, and the others in p0's
-    C_BLOCK-long block, whose end lies past p0: see _c_tile) are masked. acp_base: the host's first kept key of each
-    position (``_acp_bounds``, row indices), at the sequence's first position."""
+    C_BLOCK-long block, whose end lies past p0: see _c_tile) are masked."""
     diagonal = (p0 // BLOCK_N) * BLOCK_N
     lo = p0 * 0
     if WINDOWED:
         lo = (tl.maximum(p0 - window + 1, 0) // BLOCK_N) * BLOCK_N
-    if PRUNE:  # the first kept key of the block's first row, right of lo (the rule is monotone: a clamp)
-        lo = tl.minimum((tl.maximum(tl.load(acp_base + p0) - tok0, lo) // BLOCK_N) * BLOCK_N, diagonal)
+    if PRUNE:  # c is monotone: the first kept key of the block's first row, searched right of lo
+        thr = tl.load(thr_ptr).to(tl.float64)
+        lo = tl.minimum((_search(c_base, lo, p0 + 1, c_ref - thr, False) // BLOCK_N) * BLOCK_N, diagonal)
     mask_lo = tl.maximum((p0 // C_BLOCK) * C_BLOCK, lo)
     win_hi = lo
     if WINDOWED:  # a tile needs no window mask once its first key is inside the last row's window
@@ -236,7 +249,7 @@ def _fwd_tile(state, start_n, q, pos_m, k_base, v_base, c_base, cr_base, skt, sv
 
 
 @triton.jit
-def _attn_fwd_kernel(Q, K, V, C, CR, ACP, O, LSE, CU,
+def _attn_fwd_kernel(Q, K, V, C, CR, THR, O, LSE, CU,
                      sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                      Tq, Tk, Hq, HB, HG, G: tl.constexpr, qk_scale, window,
                      D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -265,8 +278,8 @@ def _attn_fwd_kernel(Q, K, V, C, CR, ACP, O, LSE, CU,
     c_ref = tl.load(c_base + p0)
     pos_m = off + offs_m
     p_last = off + tl.minimum(i0 + BLOCK_M, len_q) - 1
-    lo, win_hi, mask_lo = _key_range(ACP + bt * scb + hq * sch + tok0, tok0, p0, p_last, window, BLOCK_N, C_BLOCK,
-                                     PRUNE, WINDOWED)
+    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N, C_BLOCK, PRUNE,
+                                     WINDOWED)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -414,8 +427,8 @@ def _bwd_dq_tile(state, start_n, q, do, cq, delta, pos_m, mvalid, k_base, v_base
 
 
 @triton.jit
-def _bwd_dkdv_block(Q, K, V, C, CRQ, ACP, DO, LSE, DELTA, DK, DV_, DCK, hk, start_n, tok0, len_q, len_k,
-                    off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, qk_scale, scale, window,
+def _bwd_dkdv_block(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, b, hk, start_n, tok0, len_q, len_k,
+                    off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                     G: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr,
                     BLOCK_DV: tl.constexpr, BLOCK_M1: tl.constexpr, BLOCK_N1: tl.constexpr, C_BLOCK: tl.constexpr,
                     PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr,
@@ -455,9 +468,9 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, ACP, DO, LSE, DELTA, DK, DV_, DCK, hk, star
         c_ref = tl.load(c_base + start_n)
         ck = (tl.load(c_base + kn, mask=kvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E
         hi = last_q
-        if PRUNE:  # kept query blocks: a prefix, up to the last whose first row decays less than delta (the host's
-            # first query past those that keep key k_last, ``_acp_bounds``: a clamp into the searched rows)
-            r = tl.minimum(tl.maximum(tl.load(ACP + hq * sch + tok0 + k_last) - tok0, off + lo), off + len_q) - off
+        if PRUNE:  # kept query blocks: a prefix, up to the last whose first row decays less than delta
+            thr = tl.load(THR + b * Hq + hq).to(tl.float64)
+            r = _search(c_base, off + lo, off + len_q, tl.load(c_base + k_last) + thr, True) - off
             hi = tl.minimum(hi, tl.cdiv(r, BLOCK_M1) * BLOCK_M1)
         state = tile_loop(_bwd_dkdv_tile, (dk, dv, _sums_init(BLOCK_N1, DOT_SUMS)), lo, tl.minimum(unmasked_lo, hi),
                           BLOCK_M1, INTERPRET,
@@ -480,8 +493,8 @@ def _bwd_dkdv_block(Q, K, V, C, CRQ, ACP, DO, LSE, DELTA, DK, DV_, DCK, hk, star
 
 
 @triton.jit
-def _bwd_dq_block(Q, K, V, C, CRK, ACP, DO, LSE, DELTA, DQ, DCQ, hq, hk, start_m, tok0, len_q, len_k, off,
-                  sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, qk_scale, scale, window,
+def _bwd_dq_block(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, b, hq, hk, start_m, tok0, len_q, len_k, off,
+                  sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale, window,
                   D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                   BLOCK_M2: tl.constexpr, BLOCK_N2: tl.constexpr, C_BLOCK: tl.constexpr,
                   PRUNE: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr, DOT_SUMS: tl.constexpr,
@@ -504,7 +517,7 @@ def _bwd_dq_block(Q, K, V, C, CRK, ACP, DO, LSE, DELTA, DQ, DCQ, hq, hk, start_m
     delta = tl.load(DELTA + hq * slh + tok0 + offs_m, mask=mvalid, other=0.0)
     cq = (tl.load(c_base + pos_m, mask=mvalid, other=0.0) - c_ref).to(tl.float32) * LOG2E - lse * LOG2E
     p_last = off + tl.minimum(start_m + BLOCK_M2, len_q) - 1
-    lo, win_hi, mask_lo = _key_range(ACP + hq * sch + tok0, tok0, p0, p_last, window, BLOCK_N2, C_BLOCK,
+    lo, win_hi, mask_lo = _key_range(c_base, THR + b * Hq + hq, c_ref, p0, p_last, window, BLOCK_N2, C_BLOCK,
                                      PRUNE, WINDOWED)
     k_base = K + hk * skh + tok0.to(tl.int64) * skt
     v_base = V + hk * svh + tok0.to(tl.int64) * svt
@@ -528,7 +541,7 @@ def _bwd_dq_block(Q, K, V, C, CRK, ACP, DO, LSE, DELTA, DQ, DCQ, hq, hk, start_m
 
 
 @triton.jit
-def _attn_bwd_dkdv_kernel(Q, K, V, C, CRQ, ACP, DO, LSE, DELTA, DK, DV_, DCK, CU,
+def _attn_bwd_dkdv_kernel(Q, K, V, C, CRQ, THR, DO, LSE, DELTA, DK, DV_, DCK, CU,
                           sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                           Tq, Tk, Hq, Hk, HB, HG, G: tl.constexpr, qk_scale, scale, window,
                           D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -549,15 +562,15 @@ def _attn_bwd_dkdv_kernel(Q, K, V, C, CRQ, ACP, DO, LSE, DELTA, DK, DV_, DCK, CU
     bt = _tensor_batch(b, VARLEN)
     start_n = pid * BLOCK_N1
     if start_n < len_k:
-        _bwd_dkdv_block(Q + bt * sqb, K + bt * skb, V + bt * svb, C + bt * scb, CRQ + bt * scb, ACP + bt * scb,
-                        DO + bt * sob, LSE + bt * slb, DELTA + bt * slb, DK + bt * skb, DV_ + bt * svb, DCK + bt * scb,
-                        hk, start_n, tok0, len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh,
+        _bwd_dkdv_block(Q + bt * sqb, K + bt * skb, V + bt * svb, C + bt * scb, CRQ + bt * scb, THR, DO + bt * sob,
+                        LSE + bt * slb, DELTA + bt * slb, DK + bt * skb, DV_ + bt * svb, DCK + bt * scb, b, hk,
+                        start_n, tok0, len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq,
                         qk_scale, scale, window, G, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M1, BLOCK_N1, C_BLOCK, PRUNE,
                         WINDOWED, PRECISION, DOT_SUMS, INTERPRET)
 
 
 @triton.jit
-def _attn_bwd_dq_kernel(Q, K, V, C, CRK, ACP, DO, LSE, DELTA, DQ, DCQ, CU,
+def _attn_bwd_dq_kernel(Q, K, V, C, CRK, THR, DO, LSE, DELTA, DQ, DCQ, CU,
                         sqb, sqt, sqh, skb, skt, skh, svb, svt, svh, sob, sot, soh, scb, sch, slb, slh,
                         Tq, Tk, Hq, HB, HG, G: tl.constexpr, qk_scale, scale, window,
                         D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -571,8 +584,8 @@ def _attn_bwd_dq_kernel(Q, K, V, C, CRK, ACP, DO, LSE, DELTA, DQ, DCQ, CU,
     bt = _tensor_batch(b, VARLEN)
     start_m = pid * BLOCK_M2
     if start_m < len_q:
-        _bwd_dq_block(Q + bt * sqb, K + bt * skb, V + bt * svb, C + bt * scb, CRK + bt * scb, ACP + bt * scb,
-                      DO + bt * sob, LSE + bt * slb, DELTA + bt * slb, DQ + bt * sqb, DCQ + bt * slb, hq, hq // G,
-                      start_m, tok0, len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, qk_scale,
-                      scale, window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION,
+        _bwd_dq_block(Q + bt * sqb, K + bt * skb, V + bt * svb, C + bt * scb, CRK + bt * scb, THR, DO + bt * sob,
+                      LSE + bt * slb, DELTA + bt * slb, DQ + bt * sqb, DCQ + bt * slb, b, hq, hq // G, start_m, tok0,
+                      len_q, len_k, off, sqt, sqh, skt, skh, svt, svh, sot, soh, sch, slh, Hq, qk_scale, scale,
+                      window, D, DV, BLOCK_D, BLOCK_DV, BLOCK_M2, BLOCK_N2, C_BLOCK, PRUNE, WINDOWED, PRECISION,
                       DOT_SUMS, INTERPRET)

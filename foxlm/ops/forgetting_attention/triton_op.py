@@ -197,20 +197,6 @@ def _relative_c(c: torch.Tensor, cu_seqlens: torch.Tensor | None, c_block: int) 
     return crk
 
 
-def _acp_bounds(c: torch.Tensor, threshold: torch.Tensor, cu_seqlens: torch.Tensor | None, last: bool) -> torch.Tensor:
-    """ACP's boundary at every position p of c [B, H, T] fp64 (contiguous, non-increasing along each row: the cumsum
-    runs across packed sequences), under threshold [B or N, H] (delta < 0): ``last`` False, the first key a query at p
-    keeps (the first j with c_j <= c_p - delta); ``last``, the first query past those that keep a key at p (the first
-    i with c_i < c_p + delta). [B, H, T] int32 row indices, for the kernels to clamp into p's sequence and the rows
-    they visit: the rule is monotone along the row, so the clamp equals a search within those bounds. One
-    ``searchsorted`` for all positions, where each program would otherwise search c in a chain of dependent loads;
-    -c's sums with delta round as the kernels' c - delta and c + delta would, so the bounds are theirs exactly."""
-    thr = threshold.float().double()  # the kernels' delta: fp32, compared in fp64
-    thr = thr[:, :, None] if cu_seqlens is None else thr.t()[None, :, segment_ids(cu_seqlens, c.shape[-1])]
-    neg = -c
-    return torch.searchsorted(neg, neg - thr if last else neg + thr, right=last, out_int32=True)
-
-
 def _bwd_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, lse: torch.Tensor, c: torch.Tensor,
                     cu_seqlens: torch.Tensor | None, c_block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """o, do [B, Tq, H, Dv] (same strides), dlse/lse [B, H, Tq] fp32, c [B, H, Tk] fp64 -> delta [B, H, Tq] fp32 and the
@@ -273,8 +259,7 @@ def _forward_impl(
     n_seq, len_q, len_k = _dims(q, k, cu_seqlens, max_seqlen)
     o = q.new_empty(B, Tq, Hq, Dv)
     lse = torch.empty(B, Hq, Tq, dtype=torch.float32, device=q.device)
-    # lse: an unused placeholder
-    acp = _acp_bounds(c, threshold, cu_seqlens, last=False) if threshold is not None else lse
+    thr = threshold.float().contiguous() if threshold is not None else lse  # lse: unused placeholder
     cu = cu_seqlens if cu_seqlens is not None else lse
 
     def grid(m):
@@ -288,7 +273,7 @@ def _forward_impl(
 
         o, lse = gluon_forward(q, k, v, c, scale, _head_group(Hq * n_seq, len_k, q, v))
         return o, lse, c, crk
-    _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, crk, acp, o, lse, cu,
+    _launch(_fwd, grid, _INTERPRET_FWD, q, k, v, c, crk, thr, o, lse, cu,
             *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2],
             *lse.stride()[:2], Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v), Hq // Hk,
             scale * LOG2E.value, window or 0, LEN_BUCKET=_len_bucket(len_k), **meta)
@@ -328,6 +313,7 @@ def _backward_impl(
     if dlse is not None and dlse.stride() != lse.stride():  # e.g. the stride-0 gradient of lse.sum()
         dlse = dlse.contiguous()
     meta = _meta(q, v, cu_seqlens, threshold, window)
+    thr = threshold.float().contiguous() if threshold is not None else lse
     cu = cu_seqlens if cu_seqlens is not None else lse
     delta, crq = _bwd_preprocess(o, do, dlse, lse, c, cu_seqlens, meta["C_BLOCK"])
     dq = torch.empty_like(q)
@@ -337,20 +323,18 @@ def _backward_impl(
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *c.stride()[:2], *lse.stride()[:2])
     tail = dict(LEN_BUCKET=_len_bucket(len_k), DOT_SUMS=dot_sums, **meta)
     capability = torch.cuda.get_device_capability(q.device) if q.is_cuda else None
-    acp = _acp_bounds(c, threshold, cu_seqlens, last=True) if threshold is not None else None
     if not _small_tiles() and _gluon_bwd_eligible(q, k, v, do, cu_seqlens, window, capability, triton.__version__):
         from .gluon_bwd import gluon_dkdv  # imports Gluon, which only the tested Triton release is known to have
 
-        dk, dv, dck = gluon_dkdv(q, k, v, do, c, crq, lse, delta, acp, scale, meta["C_BLOCK"], dot_sums)
+        dk, dv, dck = gluon_dkdv(q, k, v, do, c, crq, lse, delta, threshold, scale, meta["C_BLOCK"], dot_sums)
     else:
         dk, dv = torch.empty_like(k), torch.empty_like(v)
         dck = torch.empty(c.shape, dtype=torch.float32, device=c.device)
         _launch(_bwd_dkdv, lambda m: (triton.cdiv(len_k, m["BLOCK_N1"]) * Hk * n_seq,), _INTERPRET_DKDV, q, k, v, c,
-                crq, lse if acp is None else acp, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
+                crq, thr, do, lse, delta, dk, dv, dck, cu, *strides, Tq, Tk, Hq, Hk, Hk * n_seq,
                 _head_group(Hk * n_seq, len_q, q, v), Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
-    acp = _acp_bounds(c, threshold, cu_seqlens, last=False) if threshold is not None else lse  # lse: unused
     _launch(_bwd_dq, lambda m: (triton.cdiv(len_q, m["BLOCK_M2"]) * Hq * n_seq,), _INTERPRET_DQ, q, k, v, c, crk,
-            acp, do, lse, delta, dq, dcq, cu, *strides, Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v),
+            thr, do, lse, delta, dq, dcq, cu, *strides, Tq, Tk, Hq, Hq * n_seq, _head_group(Hq * n_seq, len_k, q, v),
             Hq // Hk, scale * LOG2E.value, scale, window or 0, **tail)
     dc = dck.double()
     dc[..., Tk - Tq:] += dcq  # the query side of the gate gradient (dlse is in it, through delta)

@@ -199,7 +199,7 @@ def _spy_gluon_dkdv(monkeypatch) -> list:
     calls, real = [], gluon_bwd.gluon_dkdv
 
     def spy(*args, **kwargs):
-        calls.append(args[8] is not None)  # whether ACP's table came with the call
+        calls.append(args[8] is not None)  # whether ACP's threshold came with the call
         return real(*args, **kwargs)
 
     monkeypatch.setattr(gluon_bwd, "gluon_dkdv", spy)

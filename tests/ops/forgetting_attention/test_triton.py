@@ -390,32 +390,6 @@ def test_acp_skips_exactly_the_tiles_below_delta(varlen, bias):
     assert per_head.sum() > 0
 
 
-@pytest.mark.parametrize("varlen", [False, True])
-def test_acp_bounds_match_a_scan_of_each_row(varlen):
-    """``_acp_bounds`` (one searchsorted for every position) against a scan of the row: the first key j with
-    c_j <= c_p - delta, and the first query i with c_i < c_p + delta. Gates of 0, -0.5 and -1 and deltas of whole
-    halves make c and c_p -+ delta exact, so both rules meet ties (equal c, and c landing on the bound)."""
-    B, T, H = (1, 57, 3) if varlen else (2, 40, 3)
-    cu_seqlens = torch.tensor([0, 1, 20, 21, 57], dtype=torch.int32) if varlen else None
-    log_fgate = torch.tensor([0.0, -0.5, -1.0])[torch.randint(3, (B, T, H))]
-    c = gate_cumsum(log_fgate).transpose(1, 2).contiguous()
-    threshold = -0.5 * torch.randint(1, 6, (B if cu_seqlens is None else 4, H)).float()
-    first = ta._acp_bounds(c, threshold, cu_seqlens, last=False)
-    last = ta._acp_bounds(c, threshold, cu_seqlens, last=True)
-    assert first.dtype == last.dtype == torch.int32 and first.shape == last.shape == c.shape
-    seg = [0] * T if cu_seqlens is None else segment_ids(cu_seqlens, T).tolist()
-    ties = 0
-    for b in range(B):
-        for h in range(H):
-            row = c[b, h].tolist()
-            for p in range(T):
-                delta = threshold[b if cu_seqlens is None else seg[p], h].item()
-                assert first[b, h, p] == next((j for j in range(T) if row[j] <= row[p] - delta), T), (b, h, p)
-                assert last[b, h, p] == next((i for i in range(T) if row[i] < row[p] + delta), T), (b, h, p)
-                ties += (row[p] - delta) in row
-    assert ties > 0
-
-
 WINDOW_CASES = {
     # name: (B, Tq, Tk, Hq, Hk, D, cu_seqlens, window); tiles are 16: windows inside a tile and across several
     "w1": (2, 40, 40, 2, 1, 16, None, 1),
