@@ -649,8 +649,9 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
     """Refuse what a cache cannot make inert: padding between real tokens inside the last T positions (the
     token shift looks back one position) or, with a sliding window, anywhere (the window counts cache slots)."""
     real = mask.long()
-    first = torch.where(mask.any(1), real.argmax(1), mask.shape[1])[:, None]  # leading padding: left padding
     positions = torch.arange(mask.shape[1], device=mask.device)
+    # leading padding (left padding); a min, not argmax, whose choice among ties compiled releases differ on
+    first = torch.where(mask, positions, mask.shape[1]).amin(1)[:, None]
     gap_before = mask & (positions - first - (real.cumsum(1) - real) > 0)  # real, some padding between it and the first
     just_after = gap_before[:, -T:][:, 1:] & ~mask[:, -T:][:, :-1]
     errors = [("attention_mask: with a cache, padding between real tokens must end a call (right padding of a prompt, "

@@ -27,9 +27,11 @@ def cu_seqlens_of_runs(real: torch.Tensor) -> tuple[torch.Tensor, int]:
     and/or after real tokens), without a host sync (compiled): three sequences a row, (padding, real, padding),
     empty where a row has none, so cu_seqlens [3B + 1] int32 has a fixed size, and T for the longest (a bound)."""
     B, T = real.shape
-    has_real = real.any(1)
-    first = torch.where(has_real, real.int().argmax(1), T)  # a row of padding only: one sequence [0, T)
-    end = torch.where(has_real, T - real.flip(1).int().argmax(1), T)
+    t = torch.arange(T, device=real.device)
+    # min and max, not argmax: compiled argmax's choice among ties differs across torch releases (2.11's inductor
+    # gave other segments than eager). A row of padding only: one sequence [0, T).
+    first = torch.where(real, t, T).amin(1)
+    end = torch.where(real.any(1), torch.where(real, t + 1, 0).amax(1), T)
     row = torch.arange(B, device=real.device) * T
     cu_seqlens = torch.cat([torch.stack([row, row + first, row + end], 1).flatten(), row.new_full((1,), B * T)])
     return cu_seqlens.to(torch.int32), T
