@@ -308,6 +308,10 @@ class Trainer:
             self._interval = [0.0, 0]
             self.metrics.reset(self.tokens_seen)
         if self.bad_steps > self.cfg.max_bad_steps:
+            # a save still being written in the background is committed, not left for the next run to delete: every
+            # process stops here at the same step (the loss and gradient norm are reduced over them)
+            for path in self.checkpointer.finish_saving():
+                log.write(f"saved {path}")
             ckpts = list_checkpoints(self.run_dir)
             kept = f"the last checkpoint is {ckpts[-1]}" if ckpts else f"no checkpoint was saved in {self.run_dir}"
             raise FloatingPointError(f"loss/gradient was NaN or Inf at {self.bad_steps} steps (max_bad_steps="

@@ -1,6 +1,7 @@
 """`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
 FSDP2 also when resumed from one of its checkpoints (sharded, DCP, written in the background), by 2 processes or by 1;
-SIGTERM to one process stops both after the same step, saved; the job prints one summary; `foxlm export` and
+SIGTERM to one process stops both after the same step, saved; a run stopped by NaN keeps its background save; the job
+prints one summary; `foxlm export` and
 export_dir= give the models as save_pretrained folders.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
@@ -103,6 +104,11 @@ def test_two_processes_match_one(tmp_path, capsys):
         f.write(bytes([byte[0] ^ 1]))
     assert verify_checkpoint(step3) == "dcp/__1_0.distcp does not match its sha256"
 
+    nan = tmp_path / "fsdp-nan"
+    assert done.stderr.count("loss/gradient was NaN or Inf at 2 steps (max_bad_steps=1), last at step 3; ") == 1
+    assert latest_valid_checkpoint(nan) == nan / "checkpoints" / "step_0000002"
+    assert not list((nan / "checkpoints").glob(".step_*"))  # nothing left half-written
+
     steps = [r["step"] for r in _records(tmp_path / "fsdp-sigterm")]
     assert len(steps) >= 2 and steps == list(range(1, len(steps) + 1))
     assert latest_valid_checkpoint(tmp_path / "fsdp-sigterm").name == f"step_{len(steps):07d}"
@@ -133,5 +139,10 @@ if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP,
         threading.Thread(target=_sigterm_once_training, args=(stopped,), daemon=True).start()
     assert main(["train", *args, "parallel=fsdp", "max_steps=1000000", "save_every=0", "eval_every=0",
                  f"out_dir={stopped}"]) == 128 + signal.SIGTERM
+    # NaN from step 2 on (lr 1e30), a save every step in the background, past max_bad_steps at step 3: the stop
+    # commits step 2's save (it was still being written), as every other way out of a run does
+    assert main(["train", *args, "parallel=fsdp", "save_every=1", "async_checkpoint=true", "lr=1e30", "min_lr=1e30",
+                 "grad_clip=0", "max_bad_steps=1", "eval_every=0", "max_steps=20",
+                 f"out_dir={os.path.join(root, 'fsdp-nan')}"]) == 1
     assert main(["train", *args, "parallel=ddp", f"out_dir={os.path.join(root, 'ddp')}"]) == 0
     dist.destroy_process_group()
