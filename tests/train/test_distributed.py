@@ -1,8 +1,7 @@
 """`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
 FSDP2 also when resumed from one of its checkpoints (sharded, DCP, written in the background), by 2 processes or by 1;
 SIGTERM to one process stops both after the same step, saved; a run stopped by NaN keeps its background save; the job
-prints one summary; `foxlm export` and
-export_dir= give the models as save_pretrained folders.
+prints one summary; `foxlm export` and export_dir= give the models as save_pretrained folders.
 
 The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
 """
