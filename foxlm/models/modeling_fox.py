@@ -650,7 +650,7 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
     token shift looks back one position) or, with a sliding window, anywhere (the window counts cache slots)."""
     real = mask.long()
     positions = torch.arange(mask.shape[1], device=mask.device)
-    # leading padding (left padding); a min, not argmax, whose choice among ties compiled releases differ on
+    # leading padding (left padding); a min, not argmax (inductor's arg-reductions of masks: pytorch#184893)
     first = torch.where(mask, positions, mask.shape[1]).amin(1)[:, None]
     gap_before = mask & (positions - first - (real.cumsum(1) - real) > 0)  # real, some padding between it and the first
     just_after = gap_before[:, -T:][:, 1:] & ~mask[:, -T:][:, :-1]

@@ -28,8 +28,8 @@ def cu_seqlens_of_runs(real: torch.Tensor) -> tuple[torch.Tensor, int]:
     empty where a row has none, so cu_seqlens [3B + 1] int32 has a fixed size, and T for the longest (a bound)."""
     B, T = real.shape
     t = torch.arange(T, device=real.device)
-    # min and max, not argmax: compiled argmax's choice among ties differs across torch releases (2.11's inductor
-    # gave other segments than eager). A row of padding only: one sequence [0, T).
+    # min and max, not argmax: inductor's arg-reductions of masks gave wrong indices on the CPU before the fix of
+    # pytorch#184893 (torch 2.11's compiled segments were not eager's). A row of padding only: one sequence [0, T).
     first = torch.where(real, t, T).amin(1)
     end = torch.where(real.any(1), torch.where(real, t + 1, 0).amax(1), T)
     row = torch.arange(B, device=real.device) * T
