@@ -288,13 +288,13 @@ def test_padded_forward_compiles_fullgraph_on_the_kernels(device, acp):
     row length as max_seqlen, a bound) give eager's logits at the real tokens and eager's loss, ACP or not."""
     torch.manual_seed(0)
     config = FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=64, num_attention_heads=2,
-                              intermediate_size=128, num_hidden_layers=2, bos_token_id=None, eos_token_id=None,
+                              intermediate_size=128, num_hidden_layers=1, bos_token_id=None, eos_token_id=None,
                               acp=acp)
     model = FoxForCausalLM(config).eval().to(device)
-    ids = torch.randint(1, 97, (3, 40), device=device)
+    ids = torch.randint(1, 97, (3, 24), device=device)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
-    masks = {"left": [[0] * 7 + [1] * 33, [1] * 40, [0] * 21 + [1] * 19],
-             "right": [[1] * 33 + [0] * 7, [1] * 40, [1] * 19 + [0] * 21]}
+    masks = {"left": [[0] * 7 + [1] * 17, [1] * 24, [0] * 18 + [1] * 6],  # segments across the 16-token tiles
+             "right": [[1] * 17 + [0] * 7, [1] * 24, [1] * 6 + [0] * 18]}
     with torch.no_grad():
         for name, mask in masks.items():
             mask = torch.tensor(mask, device=device)
