@@ -303,3 +303,28 @@ def test_padded_forward_compiles_fullgraph_on_the_kernels(device, acp):
             real = mask.bool()
             torch.testing.assert_close(got.logits[real], want.logits[real], rtol=1e-5, atol=1e-5, msg=name)
             torch.testing.assert_close(got.loss, want.loss, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_generate_on_compiled_forward_with_acp_prunes_as_eager():
+    """With ACP on, a compiled forward's decode steps prune as eager's do (not at all: a decode step is not a chunk
+    of prefill, though compiled it always gets the call's ``valid``), so generate gives eager's logits; fast gates
+    make the prompt's pruning real."""
+    model = _padded_model("fox-pro").eval()
+    model.config.acp = True
+    for layer in model.model.layers:
+        layer.attn.fgate_proj.bias.data.fill_(-4.0)  # log f ~ -4: keys a few tokens back fall below delta
+    mask = torch.tensor(_MASKS["left"])
+    ids = torch.randint(1, 97, (3, 9), generator=torch.Generator().manual_seed(1)).masked_fill(mask == 0, 0)
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0, output_logits=True,
+                  return_dict_in_generate=True)
+    want = model.generate(ids, **kwargs)
+    unpruned = model.generate(ids, **kwargs | dict(max_new_tokens=1))  # the prompt with ACP: pruning happens
+    model.config.acp = False
+    assert not torch.equal(model.generate(ids, **kwargs | dict(max_new_tokens=1)).logits[0], unpruned.logits[0])
+    model.config.acp = True
+    model.forward = torch.compile(model.forward, backend="eager", fullgraph=True)
+    torch._dynamo.reset()
+    got = model.generate(ids, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)

@@ -128,7 +128,9 @@ def _contiguous(q, k_cache, v_cache, c_cache, k, v, log_fgate, before, scale, wi
     n = before + T
     kk, vv, cc = k_cache[:, :n], v_cache[:, :n], c_cache[:, :n]
     threshold = None
-    if prune is not None and (T > DECODE_MAX_TQ or valid is not None):  # a chunk of prefill, not a decode step
+    # a chunk of prefill, not a decode step; compiled, every call gets valid (it cannot ask whether there is padding),
+    # so there a call of decode steps' size never prunes, as eager's decode steps
+    if prune is not None and (T > DECODE_MAX_TQ or (valid is not None and not torch.compiler.is_compiling())):
         threshold = prune.threshold(q, kk, scale=scale, window=window)
     return attention_from_cumsum(q, kk, vv, cc[:, n - T:], cc, scale=scale, window=window, threshold=threshold)[0]
 
