@@ -25,6 +25,7 @@ from transformers.utils.generic import can_return_tuple
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
 from ..ops.cross_entropy import linear_cross_entropy
 from ..ops.forgetting_attention.acp import check_tolerance
+from ..ops.forgetting_attention.gate import first_and_end
 from ..parallel import ContextParallel, sequence_positions
 from ..parallel.layout import chunks_per_rank
 from .cache import FoxCache, KVCache
@@ -650,8 +651,7 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
     token shift looks back one position) or, with a sliding window, anywhere (the window counts cache slots)."""
     real = mask.long()
     positions = torch.arange(mask.shape[1], device=mask.device)
-    # leading padding (left padding); a min, not argmax (inductor's arg-reductions of masks: pytorch#184893)
-    first = torch.where(mask, positions, mask.shape[1]).amin(1)[:, None]
+    first = first_and_end(mask)[0][:, None]  # leading padding: left padding
     gap_before = mask & (positions - first - (real.cumsum(1) - real) > 0)  # real, some padding between it and the first
     just_after = gap_before[:, -T:][:, 1:] & ~mask[:, -T:][:, :-1]
     errors = [("attention_mask: with a cache, padding between real tokens must end a call (right padding of a prompt, "

@@ -22,16 +22,21 @@ def cu_seqlens_of_starts(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
 
 
+def first_and_end(real: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first True position of each row of a [B, T] bool mask and one past its last: ([B], [B]) int64, both T
+    for a row without one. A min and a max, with no host sync: not argmax, whose compiled CPU indices for masks were
+    wrong before the fix of pytorch#184893 (torch 2.11's inductor)."""
+    T = real.shape[1]
+    t = torch.arange(T, device=real.device)
+    return torch.where(real, t, T).amin(1), torch.where(real.any(1), torch.where(real, t + 1, 0).amax(1), T)
+
+
 def cu_seqlens_of_runs(real: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``cu_seqlens_of_starts`` for a [B, T] bool batch whose rows' True entries are one run each (padding before
     and/or after real tokens), without a host sync (compiled): three sequences a row, (padding, real, padding),
     empty where a row has none, so cu_seqlens [3B + 1] int32 has a fixed size, and T for the longest (a bound)."""
     B, T = real.shape
-    t = torch.arange(T, device=real.device)
-    # min and max, not argmax: inductor's arg-reductions of masks gave wrong indices on the CPU before the fix of
-    # pytorch#184893 (torch 2.11's compiled segments were not eager's). A row of padding only: one sequence [0, T).
-    first = torch.where(real, t, T).amin(1)
-    end = torch.where(real.any(1), torch.where(real, t + 1, 0).amax(1), T)
+    first, end = first_and_end(real)  # a row of padding only: one sequence [0, T)
     row = torch.arange(B, device=real.device) * T
     cu_seqlens = torch.cat([torch.stack([row, row + first, row + end], 1).flatten(), row.new_full((1,), B * T)])
     return cu_seqlens.to(torch.int32), T
