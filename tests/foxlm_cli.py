@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 
@@ -21,3 +22,10 @@ def one_line_error(proc: subprocess.CompletedProcess, command: str) -> str:
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert "Traceback" not in proc.stderr and lines[-1].startswith(f"foxlm {command}: error: "), proc.stderr
     return lines[-1]
+
+
+def ctrl_c_reaches_it() -> None:
+    """``Popen(preexec_fn=...)`` for a child that a test stops with SIGINT: Ctrl-C's default action, as a terminal's
+    foreground job has it. A shell's background job starts with SIGINT ignored (nohup, ``cmd &`` in a script: how CI
+    may run the tests), and a child inherits that, so it would finish its work instead."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

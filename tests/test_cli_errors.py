@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from foxlm_cli import foxlm, one_line_error
+from foxlm_cli import ctrl_c_reaches_it, foxlm, one_line_error
 
 from foxlm.data import prepare
 
@@ -186,7 +186,7 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line():
             "sys.exit(foxlm.cli.main(['train', '--print-config']))")
     env = {k: v for k, v in os.environ.items() if k != "FOXLM_DEBUG"}
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True, env=env)
+                             text=True, env=env, preexec_fn=ctrl_c_reaches_it)
     assert child.stderr.readline() == "ready\n"
     time.sleep(0.05)  # into main(): the parser takes ten times that to build
     child.send_signal(signal.SIGINT)

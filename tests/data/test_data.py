@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from foxlm_cli import foxlm, one_line_error
+from foxlm_cli import ctrl_c_reaches_it, foxlm, one_line_error
 from tokenizer_folders import llama_style_tokenizer
 
 from foxlm.checkpoint.files import sha256_file
@@ -751,7 +751,8 @@ def test_ctrl_c_stops_prepare_and_leaves_nothing(tmp_path, plays):
     env = {k: v for k, v in os.environ.items() if k != "FOXLM_DEBUG"}
     proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "data", "prepare", str(tmp_path / "docs"), "--out",
                              str(tmp_path / "out"), "--workers", "2", "--no-progress"], env=env,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=ctrl_c_reaches_it)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob(".out.foxlm-tmp-*")) and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

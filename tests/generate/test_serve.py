@@ -15,7 +15,7 @@ import urllib.request
 
 import pytest
 import torch
-from foxlm_cli import foxlm, one_line_error
+from foxlm_cli import ctrl_c_reaches_it, foxlm, one_line_error
 
 openai = pytest.importorskip("openai", reason="the [serve] extra is not installed: pip install 'foxlm[serve]'")
 
@@ -61,7 +61,8 @@ def server(model_folder):
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "serve", str(model_folder), "--host", "127.0.0.1",
                              "--port", str(port), "--device", "cpu", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=ctrl_c_reaches_it)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
