@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from _results import positive_int
 
 from foxlm.cli import main as foxlm
 from foxlm.data.mqar import MQARSpec, write_dataset
@@ -30,22 +31,30 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder for data/, run/, recall/ and summary.json")
     p.add_argument("--arch", default="fox-pro", help="model architecture (foxlm train arch=)")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers")
-    p.add_argument("--hidden", type=int, default=128, help="model width (heads of 64)")
+    p.add_argument("--layers", type=positive_int, default=2, help="decoder layers")
+    p.add_argument("--hidden", type=positive_int, default=128, help="model width (heads of 64)")
     p.add_argument("--vocab", default="0:48", help="LO:HI byte ids (eot is 256)")
     p.add_argument("--pairs", default="2,4", help="key-value pairs a document draws from, comma-separated")
-    p.add_argument("--length", type=int, default=24, help="document length (tokens, eot included)")
-    p.add_argument("--seq-len", type=int, default=64, help="training length (tokens)")
-    p.add_argument("--batch-size", type=int, default=32, help="sequences per step")
-    p.add_argument("--steps", type=int, default=1500, help="training steps")
-    p.add_argument("--every", type=int, default=250, help="steps between the checkpoints evaluated")
+    p.add_argument("--length", type=positive_int, default=24, help="document length (tokens, eot included)")
+    p.add_argument("--seq-len", type=positive_int, default=64, help="training length (tokens)")
+    p.add_argument("--batch-size", type=positive_int, default=32, help="sequences per step")
+    p.add_argument("--steps", type=positive_int, default=1500, help="training steps")
+    p.add_argument("--every", type=positive_int, default=250, help="steps between the checkpoints evaluated")
     p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate")
-    p.add_argument("--samples", type=int, default=64, help="recall documents per evaluated cell")
+    p.add_argument("--samples", type=positive_int, default=64, help="recall documents per evaluated cell")
     args = p.parse_args(argv)
 
     out = Path(args.out)
-    lo, hi = (int(x) for x in args.vocab.split(":"))
-    pairs = [int(x) for x in args.pairs.split(",")]
+    if (out / "run").exists() or (out / "summary.json").exists():  # a rerun would report a resumed run's time
+        p.error(f"argument --out: {out} holds an earlier run (run/ or summary.json): expected a new folder")
+    try:
+        lo, hi = (int(x) for x in args.vocab.split(":"))
+    except ValueError:
+        p.error(f"argument --vocab: expected LO:HI byte ids, got {args.vocab!r}")
+    try:
+        pairs = [int(x) for x in args.pairs.split(",")]
+    except ValueError:
+        p.error(f"argument --pairs: expected comma-separated counts, got {args.pairs!r}")
     write_dataset(out / "data", MQARSpec((lo, hi)), lengths=(args.length, args.length), pairs=pairs,
                   tokens=args.batch_size * args.seq_len * args.steps // 4, tokenizer="byte", overwrite=True)
     run = out / "run"

@@ -90,6 +90,9 @@ def test_gpu_benchmarks_refuse_at_once_without_a_gpu(monkeypatch, tmp_path, caps
     ("trained_gates", ["--out", "unused", "--tail", "0"], "--tail"),
     ("decode_cpu", ["--new-tokens", "0"], "--new-tokens"),
     ("decode_cpu", ["no-such-model"], "model"),
+    ("mqar_learning", ["--out", "unused", "--vocab", "0-48"], "--vocab"),
+    ("mqar_learning", ["--out", "unused", "--pairs", "2;4"], "--pairs"),
+    ("mqar_learning", ["--out", "unused", "--steps", "0"], "--steps"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(monkeypatch, capsys, name, argv, flag):
     script = load(name, monkeypatch)
@@ -115,3 +118,15 @@ def test_every_flag_is_documented(monkeypatch, name):
         script.main([])
     undocumented = [a.option_strings or a.dest for a in parsers[0]._actions if not a.help]
     assert not undocumented
+
+
+def test_mqar_learning_refuses_a_folder_with_an_earlier_run(monkeypatch, capsys, tmp_path):
+    """A rerun into the same --out would resume the finished run and replace its summary with a training time of
+    nothing: refused before anything is written."""
+    script = load("mqar_learning", monkeypatch)
+    for earlier in ("run", "summary.json"):
+        out = tmp_path / earlier
+        (out / earlier).mkdir(parents=True)
+        with pytest.raises(SystemExit) as exc:
+            script.main(["--out", str(out)])
+        assert "--out" in error_line(capsys, exc) and sorted(p.name for p in out.iterdir()) == [earlier]
