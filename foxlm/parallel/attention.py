@@ -410,6 +410,7 @@ def cp_forgetting_attention(
     prune: bool | ACP | None = False,
     tolerance: float = math.exp(-10),
     logit_bound: float | torch.Tensor | None = None,
+    check: bool = True,
 ) -> torch.Tensor:
     """This rank's shard of ``forgetting_attention`` on the whole sequence, from every rank's shard of the inputs.
 
@@ -417,11 +418,15 @@ def cp_forgetting_attention(
     ``shard_sequence(x, dim=1, group=group, layout=layout)`` makes it; every rank of ``group`` calls this with
     shards of the same shape. prune (an ``ACP`` or a bool with tolerance and logit_bound): ACP as in
     ``forgetting_attention``, with N the whole length T and U all-reduced over the group (a logit bound must be the
-    same on every rank).
+    same on every rank). check: compare the shards' shapes, dtype and settings between the ranks and check the gates'
+    values (a collective and a host sync); False for a caller that vouches for them, as a foxlm model's layers do
+    (the model compares its input shards once a forward and its gates are logsigmoids), so that a layer syncs with
+    the host only where ACP plans its blocks.
     Returns o: [B, T/P, Hq, Dv] in q's dtype. Differentiable in q, k, v and log_fgate.
     """
     acp = ACP.of(prune, tolerance, logit_bound)
-    _validate(q, k, v, log_fgate, layout, group, acp)
+    if check:
+        _validate(q, k, v, log_fgate, layout, group, acp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     plan = _Plan(q, k, log_fgate, group, layout, scale, acp)
     return _CPForgettingAttention.apply(q, k, v, log_fgate, plan, scale)

@@ -340,6 +340,23 @@ def _model(rank, world):
         model(torch.zeros(1, 3 + rank, dtype=torch.long))  # a bad length on one rank: no rank waits for it
     with pytest.raises(ValueError, match="group: expected a ProcessGroup, a 1-D DeviceMesh or None, got int"):
         apply_context_parallel(model, 0)
+    # the ranks compare their shards once a forward, not once a layer: each comparison is a collective and a host
+    # sync, which would stall the device queue at every layer (a GPU model syncs only where ACP plans its blocks)
+    from foxlm.parallel import attention as attention_module
+    from foxlm.parallel import layout as layout_module
+
+    compared = []
+
+    def counted(group, device, fields, compare=layout_module.check_same_on_ranks):
+        compared.append(sorted(fields))
+        return compare(group, device, fields)
+
+    layout_module.check_same_on_ranks = attention_module.check_same_on_ranks = counted
+    try:
+        model(shard_sequence(ids, dim=1), labels=None)
+    finally:
+        layout_module.check_same_on_ranks = attention_module.check_same_on_ranks = counted.__defaults__[0]
+    assert compared == [["input_ids.shape", "position_ids are the shard's"]], compared
     backends = [block.attn.attention_backend for block in model.model.layers]
     assert all(isinstance(b, ContextParallelAttention) for b in backends)
     remove_context_parallel(model)
