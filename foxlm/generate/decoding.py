@@ -60,7 +60,10 @@ def sample_next(
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does (>=, so that
+        # at an exact boundary the token that would overshoot goes, as in HF's TopPLogitsWarper)
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[:, 0] = False  # the likeliest token stays whatever top_p (0: greedy), as HF's min_tokens_to_keep=1
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]

@@ -288,6 +288,25 @@ def test_sample_next_top_p():
     assert set(picks.tolist()) == {0, 1, 2, 3}
 
 
+
+@pytest.mark.parametrize("probs, top_p", [
+    ([0.5, 0.25, 0.25], 0.5),  # the first token alone reaches the mass
+    ([0.375, 0.125, 0.3125, 0.1875], 0.6875),  # two tokens do (no ties: HF and foxlm order equal tokens apart)
+    ([0.125, 0.5, 0.25, 0.125], 0.75),
+    ([0.05, 0.6, 0.3, 0.05], 0.8),  # no exact boundary
+    ([0.2, 0.5, 0.3], 0.0),  # no mass: the likeliest token (HF keeps one), not a NaN distribution
+])
+def test_sample_next_top_p_boundary_as_hf(probs, top_p):
+    """Where a prefix of the sorted tokens holds exactly top_p of the mass, the tokens after it go, as in HF's
+    TopPLogitsWarper (the smallest prefix reaching top_p); one more token was kept, and sampled. The likeliest token
+    always stays, as HF's warper keeps one: top_p=0 dropped every token once the boundary was fixed."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.log(torch.tensor([probs]))
+    kept = set(torch.nonzero(TopPLogitsWarper(top_p)(None, logits.clone())[0].isfinite())[:, 0].tolist())
+    picks = sample_next(logits.expand(400, -1), do_sample=True, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert set(picks.tolist()) == kept
+
 @pytest.mark.usefixtures("small_tiles")
 def test_decode_steps_through_triton_kernel(device):
     """The model's decode steps through the Triton kernel (on the GPU, else interpreted) match the PyTorch path;
