@@ -9,9 +9,11 @@ graph and replayed. HF ``model.generate`` keeps working through the model's defa
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..ops.backend import use_triton
@@ -122,15 +124,21 @@ class CachedDecoder:
 
 
 def _check_prompts(prompts, vocab: int) -> list[list[int]]:
-    if isinstance(prompts, torch.Tensor):
-        prompts = [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):  # a tokenizer's return_tensors="pt" or "np"
+        prompts = [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts: expected a non-empty list of token-id lists")
     out = []
     for i, p in enumerate(prompts):
-        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
-        if not p or not all(isinstance(t, int) and t >= 0 for t in p):
+        p = p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p
+        if isinstance(p, numbers.Integral):  # list(p) would raise a TypeError naming nothing
+            raise ValueError(f"prompts[{i}]: expected a list of token ids, got the id {p!r} (one prompt goes in a "
+                             f"list of its own: [ids])")
+        p = list(p)
+        # numbers.Integral: numpy's integers too (a list of them, e.g. from an array's iteration)
+        if not p or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in p):
             raise ValueError(f"prompts[{i}]: expected a non-empty list of non-negative token ids")
+        p = [int(t) for t in p]
         if max(p) >= vocab:  # the embedding would fail with an IndexError naming nothing
             raise ValueError(f"prompts[{i}]: token id {max(p)} is outside the model's vocabulary of {vocab} "
                              f"(a tokenizer for another model?)")
@@ -171,7 +179,7 @@ def generate(
 
     Args:
         model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro).
-        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor).
+        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token).
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``) instead of greedy decoding.
         eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which
             may be a list); the step loop ends when all rows have.

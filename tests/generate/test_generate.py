@@ -252,6 +252,22 @@ def test_generate_stops_at_any_of_a_list_of_eos_tokens():
         generate(model, prompts, 2, eos_token_id="x")
 
 
+def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
+    """Token ids as numpy gives (a tokenizer's return_tensors="np", or a list of numpy integers) decode as the same
+    ids in lists: they were refused as not being "non-negative token ids". One prompt passed flat ([ids] without its
+    list) is named, not a TypeError of list(int)."""
+    import numpy as np
+
+    model = _model("fox-llama", seed=7)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    expected = generate(model, prompts, 3).sequences
+    for given in (np.array(prompts), [np.array(p) for p in prompts], [list(np.array(p)) for p in prompts]):
+        assert generate(model, given, 3).sequences == expected
+    assert generate(model, np.array(prompts[0]), 3).sequences == expected[:1]
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected a list of token ids, got the id 5 \(one prompt"):
+        generate(model, prompts[0], 3)
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     ([[[1, 2], [3, V]], 2], {}, rf"prompts\[1\]: token id {V} is outside the model's vocabulary of {V}"),
     ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
