@@ -146,14 +146,21 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
     return out
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_eos(eos_token_id) -> list[int]:
     """The stop tokens: [] for None, [id] for an int, the list's ids for a list (a tensor compared with a list of
     as many ids as rows would have matched them row by row)."""
-    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                     for t in ids):
+    ids = [] if eos_token_id is None else [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
         raise ValueError(f"eos_token_id: expected a token id, a list of them or None, got {eos_token_id!r}")
-    return list(ids)
+    return [int(t) for t in ids]
 
 
 @torch.no_grad()
@@ -197,17 +204,18 @@ def generate(
     """
     vocab = model.config.vocab_size
     prompts = _check_prompts(prompts, vocab)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-    if vocab_size is not None and not 1 <= vocab_size <= vocab:
-        raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size}")
+    # counts and numbers of another type (2.5, "5", None) were TypeErrors deep inside naming nothing
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("top_k", top_k, 0),
+                             ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1)):
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    if vocab_size is not None and not (_is_int(vocab_size) and 1 <= vocab_size <= vocab):
+        raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size!r}")
     stops = _check_eos(eos_token_id)
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0 or top_k < 0:
-        raise ValueError(f"top_p, top_k: expected top_p in (0, 1] and top_k >= 0, got {top_p}, {top_k}")
-    if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk: expected >= 1, got {prefill_chunk}")
+    if do_sample and not (_is_real(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p: expected a probability mass in (0, 1], got {top_p!r}")
     if evict and model.config.gate == "none":
         raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "
                          "so eviction would free nothing")

@@ -273,10 +273,18 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
     ([[[1, 2]], 2], {"vocab_size": V + 1}, f"vocab_size: expected 1 to the model's {V}, got {V + 1}"),
     ([[[1, 2]], 2.5], {}, "max_new_tokens: expected an integer >= 1, got 2.5"),
+    ([[[1, 2]], 2], {"do_sample": True, "top_k": 2.5}, "top_k: expected an integer >= 0, got 2.5"),
+    ([[[1, 2]], 2], {"do_sample": True, "top_k": "5"}, "top_k: expected an integer >= 0, got '5'"),
+    ([[[1, 2]], 2], {"do_sample": True, "top_p": "0.5"}, r"top_p: expected a probability mass in \(0, 1\], got '0.5'"),
+    ([[[1, 2]], 2], {"do_sample": True, "temperature": None}, "temperature: expected > 0, got None"),
+    ([[[1, 2]], 2], {"prefill_chunk": 1.5}, "prefill_chunk: expected an integer >= 1, got 1.5"),
+    ([[[1, 2]], 2], {"page_size": 2.0}, "page_size: expected an integer >= 1, got 2.0"),
+    ([[[1, 2]], 2], {"vocab_size": 10.5}, f"vocab_size: expected 1 to the model's {V}, got 10.5"),
 ])
 def test_generate_mistakes_name_the_argument(args, kwargs, message):
-    """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and a
-    fractional token count (a TypeError deep inside) are one-line errors naming the argument."""
+    """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and
+    counts or numbers of another type (TypeErrors deep inside, naming nothing or torch's own argument) are one-line
+    errors naming the argument."""
     with pytest.raises(ValueError, match=message):
         generate(_model("fox-llama"), *args, **kwargs)
 
