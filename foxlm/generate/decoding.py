@@ -185,7 +185,8 @@ def generate(
     """Generate up to ``max_new_tokens`` tokens for every prompt with foxlm's fast path.
 
     Args:
-        model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro).
+        model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro), or a PEFT model
+            around one (LoRA adapters).
         prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token).
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``) instead of greedy decoding.
         eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which

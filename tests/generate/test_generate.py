@@ -213,6 +213,22 @@ def test_generate_equals_hf_generate():
     assert again.sequences == ours.sequences  # eviction with a tiny tolerance changes nothing
 
 
+def test_generate_a_peft_model_equals_hf_generate():
+    """A LoRA-adapted model (PEFT's wrapper, which HF generate takes) through foxlm's path, eviction included: the
+    same tokens as HF generate on it, not an AttributeError of the wrapper's missing ``model.layers``."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    base = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    adapted = get_peft_model(model, LoraConfig(r=4, init_lora_weights=False))  # B != 0: LoRA changes the output
+    hf = adapted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert not torch.equal(hf, base)
+    assert generate(adapted, prompts, 6, page_size=4).sequences == hf[:, ids.shape[1]:].tolist()
+    assert generate(adapted, prompts, 6, page_size=4, evict=True, tolerance=1e-12).sequences == \
+        hf[:, ids.shape[1]:].tolist()
+
 def test_generate_eos_and_sampling():
     model = _model("fox-llama", seed=7)
     prompts = [[5, 6, 7], [8] * 11]
