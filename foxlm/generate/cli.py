@@ -120,6 +120,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{given[0]}: applies to sampling only; add --sample (without it decoding is greedy)")
     if args.page_size < 1:
         raise ValueError(f"--page-size: expected a positive number of tokens, got {args.page_size}")
+    if not -2**63 <= args.seed < 2**64:  # torch.Generator's range: past it "Overflow when unpacking long long"
+        raise ValueError(f"--seed: expected a 64-bit integer, got {args.seed}")
     check_tolerance(args.tolerance, "--tolerance")
     if args.tolerance != _TOLERANCE and not args.evict:  # the bound of eviction only: ignored, every key kept
         raise ValueError("--tolerance: applies to eviction only; add --evict (without it the cache keeps every key)")

@@ -426,11 +426,12 @@ def test_generate_cli_mistakes_are_one_line(tmp_path):
     (["--page-size", "0"], "--page-size: expected a positive number of tokens, got 0"),
     (["--evict", "--tolerance", "1.5"], "--tolerance: expected a value in (0, 1), got 1.5"),
     (["--tolerance", "1e-3"], "--tolerance: applies to eviction only; add --evict"),
+    (["--sample", "--seed", str(2**64)], f"--seed: expected a 64-bit integer, got {2**64}"),
 ])
 def test_generate_cli_decoding_flags_are_checked_by_their_names(flags, message, tmp_path, capsys):
     """A bad decoding flag is named as given, before the model loads (the folder need not exist): generate() named
-    its own arguments (temperature, top_p, page_size), and sampling flags without --sample (--tolerance without --evict)
-    were silently ignored."""
+    its own arguments (temperature, top_p, page_size), sampling flags without --sample (--tolerance without --evict)
+    were silently ignored, and a seed past torch's 64 bits failed after the load without naming --seed."""
     from foxlm.cli import main
 
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "Hi", *flags]) == 2
