@@ -96,10 +96,12 @@ class PagedFoxCache:
 
     @classmethod
     def from_model(cls, model, batch_size: int, max_length: int, **kwargs) -> "PagedFoxCache":
-        """A cache shaped for ``model`` (a ``FoxForCausalLM``), with its layers' QK-norm logit bounds."""
+        """A cache shaped for ``model`` (a ``FoxForCausalLM``, or a PEFT model around one), with its layers' QK-norm
+        logit bounds."""
         cfg = model.config
         param = next(model.parameters())
-        bounds = [block.attn.logit_bound() for block in model.model.layers]
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's: its adapters injected
+        bounds = [block.attn.logit_bound() for block in base.model.layers]
         return cls(
             num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, batch_size=batch_size,

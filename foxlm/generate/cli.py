@@ -8,6 +8,8 @@ import math
 import sys
 from pathlib import Path
 
+_TOLERANCE = math.exp(-10)  # --tolerance's default
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -25,7 +27,7 @@ def register(subparsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--evict", action="store_true",
                    help="forget-gate cache eviction (FoX models with QK-norm, e.g. fox-pro)")
-    p.add_argument("--tolerance", type=float, default=math.exp(-10),
+    p.add_argument("--tolerance", type=float, default=_TOLERANCE,
                    help="attention mass an evicted key may still carry (default e^-10)")
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size in tokens (default 64)")
     p.add_argument("--tokenizer", default=None,
@@ -118,7 +120,11 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"{given[0]}: applies to sampling only; add --sample (without it decoding is greedy)")
     if args.page_size < 1:
         raise ValueError(f"--page-size: expected a positive number of tokens, got {args.page_size}")
+    if not -2**63 <= args.seed < 2**64:  # torch.Generator's range: past it "Overflow when unpacking long long"
+        raise ValueError(f"--seed: expected a 64-bit integer, got {args.seed}")
     check_tolerance(args.tolerance, "--tolerance")
+    if args.tolerance != _TOLERANCE and not args.evict:  # the bound of eviction only: ignored, every key kept
+        raise ValueError("--tolerance: applies to eviction only; add --evict (without it the cache keeps every key)")
 
 
 def run(args: argparse.Namespace) -> int:

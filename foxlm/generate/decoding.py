@@ -9,9 +9,11 @@ graph and replayed. HF ``model.generate`` keeps working through the model's defa
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..ops.backend import use_triton
@@ -60,7 +62,10 @@ def sample_next(
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does (>=, so that
+        # at an exact boundary the token that would overshoot goes, as in HF's TopPLogitsWarper)
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[:, 0] = False  # the likeliest token stays whatever top_p (0: greedy), as HF's min_tokens_to_keep=1
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
@@ -119,15 +124,21 @@ class CachedDecoder:
 
 
 def _check_prompts(prompts, vocab: int) -> list[list[int]]:
-    if isinstance(prompts, torch.Tensor):
-        prompts = [prompts.tolist()] if prompts.dim() == 1 else prompts.tolist()
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):  # a tokenizer's return_tensors="pt" or "np"
+        prompts = [prompts.tolist()] if prompts.ndim == 1 else prompts.tolist()
     if not isinstance(prompts, (list, tuple)) or not prompts:
         raise ValueError("prompts: expected a non-empty list of token-id lists")
     out = []
     for i, p in enumerate(prompts):
-        p = p.tolist() if isinstance(p, torch.Tensor) else list(p)
-        if not p or not all(isinstance(t, int) and t >= 0 for t in p):
+        p = p.tolist() if isinstance(p, (torch.Tensor, np.ndarray)) else p
+        if isinstance(p, numbers.Integral):  # list(p) would raise a TypeError naming nothing
+            raise ValueError(f"prompts[{i}]: expected a list of token ids, got the id {p!r} (one prompt goes in a "
+                             f"list of its own: [ids])")
+        p = list(p)
+        # numbers.Integral: numpy's integers too (a list of them, e.g. from an array's iteration)
+        if not p or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in p):
             raise ValueError(f"prompts[{i}]: expected a non-empty list of non-negative token ids")
+        p = [int(t) for t in p]
         if max(p) >= vocab:  # the embedding would fail with an IndexError naming nothing
             raise ValueError(f"prompts[{i}]: token id {max(p)} is outside the model's vocabulary of {vocab} "
                              f"(a tokenizer for another model?)")
@@ -135,14 +146,21 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
     return out
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _check_eos(eos_token_id) -> list[int]:
     """The stop tokens: [] for None, [id] for an int, the list's ids for a list (a tensor compared with a list of
     as many ids as rows would have matched them row by row)."""
-    ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
-                                                     for t in ids):
+    ids = [] if eos_token_id is None else [eos_token_id] if _is_int(eos_token_id) else eos_token_id
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
         raise ValueError(f"eos_token_id: expected a token id, a list of them or None, got {eos_token_id!r}")
-    return list(ids)
+    return [int(t) for t in ids]
 
 
 @torch.no_grad()
@@ -167,8 +185,9 @@ def generate(
     """Generate up to ``max_new_tokens`` tokens for every prompt with foxlm's fast path.
 
     Args:
-        model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro).
-        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor).
+        model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro), or a PEFT model
+            around one (LoRA adapters).
+        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token).
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``) instead of greedy decoding.
         eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which
             may be a list); the step loop ends when all rows have.
@@ -186,17 +205,18 @@ def generate(
     """
     vocab = model.config.vocab_size
     prompts = _check_prompts(prompts, vocab)
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: expected an integer >= 1, got {max_new_tokens!r}")
-    if vocab_size is not None and not 1 <= vocab_size <= vocab:
-        raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size}")
+    # counts and numbers of another type (2.5, "5", None) were TypeErrors deep inside naming nothing
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("top_k", top_k, 0),
+                             ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1)):
+        if not _is_int(value) or value < low:
+            raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
+    if vocab_size is not None and not (_is_int(vocab_size) and 1 <= vocab_size <= vocab):
+        raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size!r}")
     stops = _check_eos(eos_token_id)
-    if do_sample and not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature}")
-    if not 0.0 < top_p <= 1.0 or top_k < 0:
-        raise ValueError(f"top_p, top_k: expected top_p in (0, 1] and top_k >= 0, got {top_p}, {top_k}")
-    if prefill_chunk < 1:
-        raise ValueError(f"prefill_chunk: expected >= 1, got {prefill_chunk}")
+    if do_sample and not (_is_real(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p: expected a probability mass in (0, 1], got {top_p!r}")
     if evict and model.config.gate == "none":
         raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "
                          "so eviction would free nothing")

@@ -213,6 +213,22 @@ def test_generate_equals_hf_generate():
     assert again.sequences == ours.sequences  # eviction with a tiny tolerance changes nothing
 
 
+def test_generate_a_peft_model_equals_hf_generate():
+    """A LoRA-adapted model (PEFT's wrapper, which HF generate takes) through foxlm's path, eviction included: the
+    same tokens as HF generate on it, not an AttributeError of the wrapper's missing ``model.layers``."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    base = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    adapted = get_peft_model(model, LoraConfig(r=4, init_lora_weights=False))  # B != 0: LoRA changes the output
+    hf = adapted.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert not torch.equal(hf, base)
+    assert generate(adapted, prompts, 6, page_size=4).sequences == hf[:, ids.shape[1]:].tolist()
+    assert generate(adapted, prompts, 6, page_size=4, evict=True, tolerance=1e-12).sequences == \
+        hf[:, ids.shape[1]:].tolist()
+
 def test_generate_eos_and_sampling():
     model = _model("fox-llama", seed=7)
     prompts = [[5, 6, 7], [8] * 11]
@@ -252,15 +268,39 @@ def test_generate_stops_at_any_of_a_list_of_eos_tokens():
         generate(model, prompts, 2, eos_token_id="x")
 
 
+def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
+    """Token ids as numpy gives (a tokenizer's return_tensors="np", or a list of numpy integers) decode as the same
+    ids in lists: they were refused as not being "non-negative token ids". One prompt passed flat ([ids] without its
+    list) is named, not a TypeError of list(int)."""
+    import numpy as np
+
+    model = _model("fox-llama", seed=7)
+    prompts = [[5, 6, 7], [8, 9, 10]]
+    expected = generate(model, prompts, 3).sequences
+    for given in (np.array(prompts), [np.array(p) for p in prompts], [list(np.array(p)) for p in prompts]):
+        assert generate(model, given, 3).sequences == expected
+    assert generate(model, np.array(prompts[0]), 3).sequences == expected[:1]
+    with pytest.raises(ValueError, match=r"prompts\[0\]: expected a list of token ids, got the id 5 \(one prompt"):
+        generate(model, prompts[0], 3)
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     ([[[1, 2], [3, V]], 2], {}, rf"prompts\[1\]: token id {V} is outside the model's vocabulary of {V}"),
     ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
     ([[[1, 2]], 2], {"vocab_size": V + 1}, f"vocab_size: expected 1 to the model's {V}, got {V + 1}"),
     ([[[1, 2]], 2.5], {}, "max_new_tokens: expected an integer >= 1, got 2.5"),
+    ([[[1, 2]], 2], {"do_sample": True, "top_k": 2.5}, "top_k: expected an integer >= 0, got 2.5"),
+    ([[[1, 2]], 2], {"do_sample": True, "top_k": "5"}, "top_k: expected an integer >= 0, got '5'"),
+    ([[[1, 2]], 2], {"do_sample": True, "top_p": "0.5"}, r"top_p: expected a probability mass in \(0, 1\], got '0.5'"),
+    ([[[1, 2]], 2], {"do_sample": True, "temperature": None}, "temperature: expected > 0, got None"),
+    ([[[1, 2]], 2], {"prefill_chunk": 1.5}, "prefill_chunk: expected an integer >= 1, got 1.5"),
+    ([[[1, 2]], 2], {"page_size": 2.0}, "page_size: expected an integer >= 1, got 2.0"),
+    ([[[1, 2]], 2], {"vocab_size": 10.5}, f"vocab_size: expected 1 to the model's {V}, got 10.5"),
 ])
 def test_generate_mistakes_name_the_argument(args, kwargs, message):
-    """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and a
-    fractional token count (a TypeError deep inside) are one-line errors naming the argument."""
+    """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and
+    counts or numbers of another type (TypeErrors deep inside, naming nothing or torch's own argument) are one-line
+    errors naming the argument."""
     with pytest.raises(ValueError, match=message):
         generate(_model("fox-llama"), *args, **kwargs)
 
@@ -287,6 +327,25 @@ def test_sample_next_top_p():
     picks = sample_next(logits, do_sample=True, generator=gen)
     assert set(picks.tolist()) == {0, 1, 2, 3}
 
+
+
+@pytest.mark.parametrize("probs, top_p", [
+    ([0.5, 0.25, 0.25], 0.5),  # the first token alone reaches the mass
+    ([0.375, 0.125, 0.3125, 0.1875], 0.6875),  # two tokens do (no ties: HF and foxlm order equal tokens apart)
+    ([0.125, 0.5, 0.25, 0.125], 0.75),
+    ([0.05, 0.6, 0.3, 0.05], 0.8),  # no exact boundary
+    ([0.2, 0.5, 0.3], 0.0),  # no mass: the likeliest token (HF keeps one), not a NaN distribution
+])
+def test_sample_next_top_p_boundary_as_hf(probs, top_p):
+    """Where a prefix of the sorted tokens holds exactly top_p of the mass, the tokens after it go, as in HF's
+    TopPLogitsWarper (the smallest prefix reaching top_p); one more token was kept, and sampled. The likeliest token
+    always stays, as HF's warper keeps one: top_p=0 dropped every token once the boundary was fixed."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
+    logits = torch.log(torch.tensor([probs]))
+    kept = set(torch.nonzero(TopPLogitsWarper(top_p)(None, logits.clone())[0].isfinite())[:, 0].tolist())
+    picks = sample_next(logits.expand(400, -1), do_sample=True, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert set(picks.tolist()) == kept
 
 @pytest.mark.usefixtures("small_tiles")
 def test_decode_steps_through_triton_kernel(device):
@@ -366,10 +425,13 @@ def test_generate_cli_mistakes_are_one_line(tmp_path):
     (["--temperature", "0.7"], "--temperature: applies to sampling only; add --sample"),
     (["--page-size", "0"], "--page-size: expected a positive number of tokens, got 0"),
     (["--evict", "--tolerance", "1.5"], "--tolerance: expected a value in (0, 1), got 1.5"),
+    (["--tolerance", "1e-3"], "--tolerance: applies to eviction only; add --evict"),
+    (["--sample", "--seed", str(2**64)], f"--seed: expected a 64-bit integer, got {2**64}"),
 ])
 def test_generate_cli_decoding_flags_are_checked_by_their_names(flags, message, tmp_path, capsys):
     """A bad decoding flag is named as given, before the model loads (the folder need not exist): generate() named
-    its own arguments (temperature, top_p, page_size), and sampling flags without --sample were silently ignored."""
+    its own arguments (temperature, top_p, page_size), sampling flags without --sample (--tolerance without --evict)
+    were silently ignored, and a seed past torch's 64 bits failed after the load without naming --seed."""
     from foxlm.cli import main
 
     assert main(["generate", str(tmp_path / "nothing"), "--prompt", "Hi", *flags]) == 2
