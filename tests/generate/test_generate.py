@@ -229,6 +229,7 @@ def test_generate_a_peft_model_equals_hf_generate():
     assert generate(adapted, prompts, 6, page_size=4, evict=True, tolerance=1e-12).sequences == \
         hf[:, ids.shape[1]:].tolist()
 
+
 def test_generate_eos_and_sampling():
     model = _model("fox-llama", seed=7)
     prompts = [[5, 6, 7], [8] * 11]
@@ -328,7 +329,6 @@ def test_sample_next_top_p():
     assert set(picks.tolist()) == {0, 1, 2, 3}
 
 
-
 @pytest.mark.parametrize("probs, top_p", [
     ([0.5, 0.25, 0.25], 0.5),  # the first token alone reaches the mass
     ([0.375, 0.125, 0.3125, 0.1875], 0.6875),  # two tokens do (no ties: HF and foxlm order equal tokens apart)
@@ -346,6 +346,7 @@ def test_sample_next_top_p_boundary_as_hf(probs, top_p):
     kept = set(torch.nonzero(TopPLogitsWarper(top_p)(None, logits.clone())[0].isfinite())[:, 0].tolist())
     picks = sample_next(logits.expand(400, -1), do_sample=True, top_p=top_p, generator=torch.Generator().manual_seed(0))
     assert set(picks.tolist()) == kept
+
 
 @pytest.mark.usefixtures("small_tiles")
 def test_decode_steps_through_triton_kernel(device):
