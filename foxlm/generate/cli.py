@@ -24,6 +24,13 @@ def register(subparsers) -> None:
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1: all)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="sample among the tokens at least this fraction as likely as the likeliest (default 0: all)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="scale down the logits of tokens already in the prompt or output, greedy or sampling "
+                        "(default 1: none; above 1 discourages repeats)")
+    p.add_argument("--min-new-tokens", type=int, default=0,
+                   help="generate at least this many tokens before <|endoftext|> may stop a prompt (default 0)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--evict", action="store_true",
                    help="forget-gate cache eviction (FoX models with QK-norm, e.g. fox-pro)")
@@ -114,10 +121,22 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise ValueError(f"--top-k: expected 0 (all tokens) or a positive number, got {args.top_k}")
     if not 0 < args.top_p <= 1:
         raise ValueError(f"--top-p: expected a probability mass in (0, 1], got {args.top_p}")
+    if not 0 <= args.min_p <= 1:
+        raise ValueError(f"--min-p: expected a fraction of the likeliest token's probability in [0, 1], got "
+                         f"{args.min_p}")
     given = [flag for flag, value, default in (("--temperature", args.temperature, 1.0), ("--top-k", args.top_k, 0),
-                                               ("--top-p", args.top_p, 1.0)) if value != default]
+                                               ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0))
+             if value != default]
     if given and not args.sample:
         raise ValueError(f"{given[0]}: applies to sampling only; add --sample (without it decoding is greedy)")
+    if not 0 < args.repetition_penalty < math.inf:
+        raise ValueError(f"--repetition-penalty: expected a positive number (1: no penalty), got "
+                         f"{args.repetition_penalty}")
+    if not 0 <= args.min_new_tokens <= args.max_new_tokens:
+        raise ValueError(f"--min-new-tokens: expected 0 to --max-new-tokens ({args.max_new_tokens}), got "
+                         f"{args.min_new_tokens}")
+    if args.min_new_tokens and not args.stop_at_eos:  # every prompt runs to --max-new-tokens already
+        raise ValueError("--min-new-tokens: holds back the stop at <|endoftext|>, which --no-eos turns off; drop one")
     if args.page_size < 1:
         raise ValueError(f"--page-size: expected a positive number of tokens, got {args.page_size}")
     if not -2**63 <= args.seed < 2**64:  # torch.Generator's range: past it "Overflow when unpacking long long"
@@ -158,8 +177,9 @@ def run(args: argparse.Namespace) -> int:
     gen = torch.Generator(device=device).manual_seed(args.seed)
     out = generate(
         model, ids, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, eos_token_id=tok.eot_id if args.stop_at_eos else None, vocab_size=tok.vocab_size,
-        evict=args.evict, tolerance=args.tolerance, page_size=args.page_size, generator=gen,
+        top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        min_new_tokens=args.min_new_tokens, eos_token_id=tok.eot_id if args.stop_at_eos else None,
+        vocab_size=tok.vocab_size, evict=args.evict, tolerance=args.tolerance, page_size=args.page_size, generator=gen,
     )
     for i, seq in enumerate(out.sequences):
         if len(prompts) > 1:

@@ -50,9 +50,11 @@ def sample_next(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Next tokens [B] from logits [B, V]: greedy, or sampling with temperature, top-k and top-p (nucleus)."""
+    """Next tokens [B] from logits [B, V]: greedy, or sampling with temperature, top-k, top-p (nucleus) and min-p
+    (tokens less likely than ``min_p`` times the likeliest go), applied in that order as HF generate does."""
     if not do_sample:
         return logits.argmax(-1)
     logits = logits.float() / temperature
@@ -67,6 +69,11 @@ def sample_next(
         drop = probs.cumsum(-1) - probs >= top_p
         drop[:, 0] = False  # the likeliest token stays whatever top_p (0: greedy), as HF's min_tokens_to_keep=1
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    if min_p > 0.0:
+        # compared as probabilities, not as logits against log(min_p): the same rounding as HF's MinPLogitsWarper at
+        # a boundary; the likeliest token always stays (min_p <= 1)
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.amax(-1, keepdim=True), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator)[:, 0]
 
@@ -173,6 +180,9 @@ def generate(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    min_new_tokens: int = 0,
     eos_token_id: int | list[int] | None = None,
     vocab_size: int | None = None,
     evict: bool = False,
@@ -188,7 +198,13 @@ def generate(
         model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro), or a PEFT model
             around one (LoRA adapters).
         prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token).
-        do_sample: sample (with ``temperature``, ``top_k``, ``top_p``) instead of greedy decoding.
+        do_sample: sample (with ``temperature``, ``top_k``, ``top_p``, ``min_p``) instead of greedy decoding.
+        min_p: sampling keeps only the tokens at least ``min_p`` times as likely as the likeliest (0: all).
+        repetition_penalty: divide the positive logits of the tokens already in a row (its prompt and what it has
+            generated) by this, and multiply the negative ones (1: none; above 1 discourages repeats, below 1
+            encourages them), greedy or sampling, before the sampling controls: HF's ``repetition_penalty``. Only a
+            prompt's real tokens count, never padding (HF generate with an ``attention_mask`` reads it so too).
+        min_new_tokens: no row stops before this many new tokens: until then ``eos_token_id`` cannot be generated.
         eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which
             may be a list); the step loop ends when all rows have.
         vocab_size: only ids below it can be generated (the model's vocabulary is padded, e.g. 50304).
@@ -207,6 +223,7 @@ def generate(
     prompts = _check_prompts(prompts, vocab)
     # counts and numbers of another type (2.5, "5", None) were TypeErrors deep inside naming nothing
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("top_k", top_k, 0),
+                             ("min_new_tokens", min_new_tokens, 0),
                              ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1)):
         if not _is_int(value) or value < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -217,6 +234,14 @@ def generate(
         raise ValueError(f"temperature: expected > 0, got {temperature!r}")
     if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
         raise ValueError(f"top_p: expected a probability mass in (0, 1], got {top_p!r}")
+    if not (_is_real(min_p) and 0.0 <= min_p <= 1.0):
+        raise ValueError(f"min_p: expected a fraction of the likeliest token's probability in [0, 1], got {min_p!r}")
+    if not (_is_real(repetition_penalty) and 0.0 < repetition_penalty < math.inf):
+        raise ValueError(f"repetition_penalty: expected a positive number (1: no penalty), got {repetition_penalty!r}")
+    if min_new_tokens > max_new_tokens:
+        raise ValueError(f"min_new_tokens: expected at most max_new_tokens ({max_new_tokens}), got {min_new_tokens}")
+    if min_new_tokens and not stops:  # every row runs to max_new_tokens anyway: a no-op the caller did not mean
+        raise ValueError("min_new_tokens: needs eos_token_id, the stop it holds back (without one no row stops early)")
     if evict and model.config.gate == "none":
         raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "
                          "so eviction would free nothing")
@@ -243,26 +268,43 @@ def generate(
         if evict and cache.logit_bounds is None:
             raise ValueError("evict: needs a QK-norm model (qk_norm=True), whose norm weights bound every logit")
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
+        pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                    generator=generator)
+        stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
+        seen = None
+        if repetition_penalty != 1.0:  # [B, V]: the tokens of each row so far (its prompt's, not padding)
+            seen = torch.zeros(B, vocab, dtype=torch.bool)
+            for b, p in enumerate(prompts):
+                seen[b, p] = True
+            seen = seen.to(device)
 
-        def next_tokens(logits: torch.Tensor) -> torch.Tensor:
+        def next_tokens(logits: torch.Tensor, position: int) -> torch.Tensor:
+            """Tokens [B] at new-token index ``position`` from logits [B, V]: the processors, then sample_next."""
             if vocab_size is not None:
                 logits = logits[:, :vocab_size]
-            return sample_next(logits, **pick)
+            if seen is not None:  # in fp32, as HF generate processes its logits
+                logits = logits.float()
+                scaled = torch.where(logits < 0, logits * repetition_penalty, logits / repetition_penalty)
+                logits = torch.where(seen[:, :logits.shape[-1]], scaled, logits)
+            if position < min_new_tokens:
+                logits = logits.index_fill(-1, stop_ids[stop_ids < logits.shape[-1]], float("-inf"))
+            tokens = sample_next(logits, **pick)
+            if seen is not None:
+                seen[torch.arange(B, device=device), tokens] = True
+            return tokens
 
         t0 = time.perf_counter()
         for a in range(0, width, prefill_chunk):
             b = min(width, a + prefill_chunk)
             out = model(input_ids=ids[:, a:b], attention_mask=mask[:, :b] if padded else None, cache=cache,
                         use_cache=True, logits_to_keep=1)
-        tokens = next_tokens(out.logits[:, -1])
+        tokens = next_tokens(out.logits[:, -1], 0)
         if evict:
             cache.evict()
         sync()
         t1 = time.perf_counter()
 
         new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
-        stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
         new[:, 0] = tokens
         done = torch.zeros(B, dtype=torch.bool, device=device)
         decoder = CachedDecoder(model, cache, cuda_graph)
@@ -272,7 +314,7 @@ def generate(
                 done |= torch.isin(tokens, stop_ids)
                 if i % 16 == 0 and bool(done.all()):  # a host sync now and then, not every step
                     break
-            tokens = next_tokens(decoder.step(tokens))
+            tokens = next_tokens(decoder.step(tokens), i)
             if stops:
                 tokens = tokens.masked_fill(done, stops[0])
             new[:, i] = tokens

@@ -230,6 +230,65 @@ def test_generate_a_peft_model_equals_hf_generate():
         hf[:, ids.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("lengths", [(9, 9), (7, 12)])
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_generate_repetition_penalty_equals_hf_generate(penalty, lengths):
+    """repetition_penalty in greedy decoding: the tokens of HF generate with it (its RepetitionPenaltyLogitsProcessor
+    over each row's prompt and new tokens; a left-padded row's padding counts for neither, HF reading the
+    attention_mask), and not the tokens without it."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), lengths)
+    ids, mask = _left_pad(prompts)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0,
+                        repetition_penalty=penalty)
+    ours = generate(model, prompts, 12, repetition_penalty=penalty, page_size=4).sequences
+    assert ours == hf[:, ids.shape[1]:].tolist()
+    assert ours != generate(model, prompts, 12, page_size=4).sequences
+
+
+def test_generate_min_new_tokens_equals_hf_generate():
+    """min_new_tokens holds back every eos id until that many tokens are out (greedy), as HF generate's
+    MinNewTokensLengthLogitsProcessor: rows that stopped at the second and third token run on, and stop at an eos
+    after the minimum when one comes."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    greedy = generate(model, prompts, 10).sequences
+    eos = [greedy[0][1], greedy[1][2]]
+
+    def cut(row):  # HF pads a finished row with pad_token_id: its tokens up to its first eos
+        end = next((i for i, t in enumerate(row) if t in eos), None)
+        return row if end is None else row[:end + 1]
+
+    lengths = {}
+    for least in (0, 2, 3, 10):
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                            eos_token_id=eos, min_new_tokens=least)
+        ours = generate(model, prompts, 10, eos_token_id=eos, min_new_tokens=least, page_size=4).sequences
+        assert ours == [cut(row) for row in hf[:, ids.shape[1]:].tolist()]
+        lengths[least] = [len(row) for row in ours]
+        assert all(n > least for n in lengths[least] if n < 10)  # an eos comes only after the first `least` tokens
+    assert lengths[0] == [2, 3] and lengths[10] == [10, 10]
+    assert any(least < n < 10 for least in (2, 3) for n in lengths[least])  # a row stopped after its minimum
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_generate_min_p_sampling_equals_hf_generate(seed):
+    """Sampling with min_p, a repetition penalty and a temperature (applied penalty first, then temperature, then
+    min_p, HF's order) draws HF generate's tokens from the same seed: the same kept tokens, the same probabilities."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    controls = dict(do_sample=True, temperature=0.7, min_p=0.8, repetition_penalty=1.3)  # min_p: ~30 of 512 stay
+    torch.manual_seed(seed)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0, top_k=0, **controls)
+    torch.manual_seed(seed)
+    ours = generate(model, prompts, 10, page_size=4, **controls).sequences
+    assert ours == hf[:, ids.shape[1]:].tolist()
+    torch.manual_seed(seed)
+    assert ours != generate(model, prompts, 10, page_size=4, **{**controls, "min_p": 0.0}).sequences
+
+
 def test_generate_eos_and_sampling():
     model = _model("fox-llama", seed=7)
     prompts = [[5, 6, 7], [8] * 11]
@@ -297,6 +356,17 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"prefill_chunk": 1.5}, "prefill_chunk: expected an integer >= 1, got 1.5"),
     ([[[1, 2]], 2], {"page_size": 2.0}, "page_size: expected an integer >= 1, got 2.0"),
     ([[[1, 2]], 2], {"vocab_size": 10.5}, f"vocab_size: expected 1 to the model's {V}, got 10.5"),
+    ([[[1, 2]], 2], {"do_sample": True, "min_p": 1.5},
+     r"min_p: expected a fraction of the likeliest token's probability in \[0, 1\], got 1.5"),
+    ([[[1, 2]], 2], {"do_sample": True, "min_p": "0.1"}, r"min_p: expected .* in \[0, 1\], got '0.1'"),
+    ([[[1, 2]], 2], {"repetition_penalty": 0.0}, r"repetition_penalty: expected a positive number \(1: no penalty\), "
+                                                  r"got 0.0"),
+    ([[[1, 2]], 2], {"repetition_penalty": None}, r"repetition_penalty: expected a positive number .*, got None"),
+    ([[[1, 2]], 2], {"min_new_tokens": -1, "eos_token_id": 0}, "min_new_tokens: expected an integer >= 0, got -1"),
+    ([[[1, 2]], 2], {"min_new_tokens": 1.5, "eos_token_id": 0}, "min_new_tokens: expected an integer >= 0, got 1.5"),
+    ([[[1, 2]], 2], {"min_new_tokens": 3, "eos_token_id": 0}, r"min_new_tokens: expected at most max_new_tokens \(2\), "
+                                                              r"got 3"),
+    ([[[1, 2]], 2], {"min_new_tokens": 1}, "min_new_tokens: needs eos_token_id"),
 ])
 def test_generate_mistakes_name_the_argument(args, kwargs, message):
     """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and
@@ -345,6 +415,23 @@ def test_sample_next_top_p_boundary_as_hf(probs, top_p):
     logits = torch.log(torch.tensor([probs]))
     kept = set(torch.nonzero(TopPLogitsWarper(top_p)(None, logits.clone())[0].isfinite())[:, 0].tolist())
     picks = sample_next(logits.expand(400, -1), do_sample=True, top_p=top_p, generator=torch.Generator().manual_seed(0))
+    assert set(picks.tolist()) == kept
+
+
+@pytest.mark.parametrize("probs, min_p", [
+    ([0.5, 0.25, 0.15, 0.1], 0.5),  # exactly half the likeliest's probability stays
+    ([0.5, 0.25, 0.15, 0.1], 0.3),
+    ([0.1, 0.6, 0.3], 1.0),  # the likeliest alone
+    ([0.4, 0.4, 0.2], 1.0),  # tied likeliest tokens both stay
+    ([0.05, 0.6, 0.3, 0.05], 0.0),  # all
+])
+def test_sample_next_min_p_as_hf(probs, min_p):
+    """min_p keeps the tokens HF's MinPLogitsWarper keeps: at least min_p times the likeliest token's probability."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = torch.log(torch.tensor([probs]))
+    kept = set(torch.nonzero(MinPLogitsWarper(min_p)(None, logits.clone())[0].isfinite())[:, 0].tolist())
+    picks = sample_next(logits.expand(400, -1), do_sample=True, min_p=min_p, generator=torch.Generator().manual_seed(0))
     assert set(picks.tolist()) == kept
 
 
@@ -428,6 +515,13 @@ def test_generate_cli_mistakes_are_one_line(tmp_path):
     (["--evict", "--tolerance", "1.5"], "--tolerance: expected a value in (0, 1), got 1.5"),
     (["--tolerance", "1e-3"], "--tolerance: applies to eviction only; add --evict"),
     (["--sample", "--seed", str(2**64)], f"--seed: expected a 64-bit integer, got {2**64}"),
+    (["--sample", "--min-p", "1.5"], "--min-p: expected a fraction of the likeliest token's probability in [0, 1], "
+                                     "got 1.5"),
+    (["--min-p", "0.1"], "--min-p: applies to sampling only; add --sample"),
+    (["--repetition-penalty", "0"], "--repetition-penalty: expected a positive number (1: no penalty), got 0.0"),
+    (["--min-new-tokens", "-1"], "--min-new-tokens: expected 0 to --max-new-tokens (128), got -1"),
+    (["--max-new-tokens", "4", "--min-new-tokens", "5"], "--min-new-tokens: expected 0 to --max-new-tokens (4), got 5"),
+    (["--min-new-tokens", "2", "--no-eos"], "--min-new-tokens: holds back the stop at <|endoftext|>, which --no-eos"),
 ])
 def test_generate_cli_decoding_flags_are_checked_by_their_names(flags, message, tmp_path, capsys):
     """A bad decoding flag is named as given, before the model loads (the folder need not exist): generate() named
@@ -459,6 +553,30 @@ def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
     assert capsys.readouterr().out == "To be, or" + text + "\n"
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--tokenizer", "gpt2"]) == 2
     assert "tokenizer: " in capsys.readouterr().err
+
+
+def test_generate_cli_passes_repetition_penalty_min_p_and_min_new_tokens(tmp_path, capsys):
+    """--repetition-penalty, --min-p and --min-new-tokens reach generate(): the CLI prints its text for them."""
+    from foxlm.cli import main
+    from foxlm.data import get_tokenizer
+
+    byte = get_tokenizer("byte")
+    torch.manual_seed(0)
+    cfg = FoxConfig.preset("fox-pro", "tiny", vocab_size=320, bos_token_id=byte.eot_id, eos_token_id=byte.eot_id,
+                           num_hidden_layers=1)
+    cfg.foxlm_tokenizer = byte.spec()
+    model = FoxForCausalLM(cfg).eval()
+    model.save_pretrained(tmp_path / "m")
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "To be", "--max-new-tokens", "6", "--sample",
+                 "--seed", "3", "--min-p", "0.5", "--repetition-penalty", "1.5", "--min-new-tokens", "6",
+                 "--device", "cpu"]) == 0
+    out = generate(model, [[byte.eot_id] + byte.encode("To be")], 6, do_sample=True, min_p=0.5,
+                   repetition_penalty=1.5, min_new_tokens=6, eos_token_id=byte.eot_id, vocab_size=byte.vocab_size,
+                   generator=torch.Generator().manual_seed(3))
+    plain = generate(model, [[byte.eot_id] + byte.encode("To be")], 6, do_sample=True, eos_token_id=byte.eot_id,
+                     vocab_size=byte.vocab_size, generator=torch.Generator().manual_seed(3))
+    assert len(out.sequences[0]) == 6 and out.sequences != plain.sequences
+    assert capsys.readouterr().out == "To be" + byte.decode(out.sequences[0]) + "\n"
 
 
 def test_generate_cli_keeps_the_gate_and_shift_fp32_in_bf16(tmp_path, monkeypatch):
