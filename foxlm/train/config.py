@@ -133,6 +133,10 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every", "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
+        # numpy's generators (the data order: default_rng([seed, step])) take no negative seed, torch's none past 64
+        # bits: the first step failed with "expected non-negative integer", after the run had taken out_dir
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed: expected an integer in [0, 2**64), got {self.seed}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
         # the syntax only: whether this machine has that GPU is the trainer's check (reading or printing a config
