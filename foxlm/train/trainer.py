@@ -286,10 +286,10 @@ class Trainer:
 
     def _record(self, log: RunLog, record: dict, stop: bool, took: float, first: bool) -> None:
         """Add the throughput to the record of a step that ``took`` seconds and log it (every ``log_every`` steps, at
-        the end and before a stop, with the mean loss of the steps that updated the model since the last such record,
-        as HF ``Trainer`` and torchtitan log it, and the tokens/s of the training time since then; a skipped step at
-        once, with its own loss); after the run's ``first`` step, if it was slow (or the CPU warning was given), what
-        the rest will take at that pace. A run past ``max_bad_steps`` stops here."""
+        the end, before a stop and past ``max_bad_steps``, with the mean loss of the steps that updated the model
+        since the last such record, as HF ``Trainer`` and torchtitan log it, and the tokens/s of the training time
+        since then; a skipped step at once, with its own loss); after the run's ``first`` step, if it was slow (or the
+        CPU warning was given), what the rest will take at that pace. A run past ``max_bad_steps`` stops here."""
         if first and (self._warning is not None or took > 60):
             log.write(pace(self.step, took, self.cfg.max_steps))
         if not record.get("skipped"):
@@ -301,10 +301,16 @@ class Trainer:
         elif record.get("skipped"):
             log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
                       f"({self.bad_steps}/{self.cfg.max_bad_steps})")
-        if record.get("skipped"):
+        skipped = record.get("skipped", False)
+        if skipped:
             log.log(record)
-        elif self.step % self.cfg.log_every == 0 or self.finished or stop:
-            log.log({**record, "loss": self._interval[0] / self._interval[1]})
+        # the run's last record (the end, a stop, past max_bad_steps) holds the steps since the previous one also after
+        # a skipped step: they were never logged (or, past max_bad_steps, the losses before the divergence)
+        last = self.finished or stop or self.bad_steps > self.cfg.max_bad_steps
+        if self._interval[1] and (last or (not skipped and self.step % self.cfg.log_every == 0)):
+            own = ("skipped", "loss", "grad_norm") if skipped else ()
+            log.log({**{k: v for k, v in record.items() if k not in own},
+                     "loss": self._interval[0] / self._interval[1]})
             self._interval = [0.0, 0]
             self.metrics.reset(self.tokens_seen)
         if self.bad_steps > self.cfg.max_bad_steps:
