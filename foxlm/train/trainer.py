@@ -73,6 +73,7 @@ class Trainer:
                                cfg.peak_tflops, self.device, self.d.world)
         self.step, self.bad_steps, self.tokens_seen = 0, 0, 0
         self._interval = [0.0, 0]  # (sum of the losses, steps) that updated the model since the last logged loss
+        self._val_due = False  # this step's validation is due and not logged: SIGTERM cut it, or stopped before it
         self.preemption = Preemption()  # replaced by the one run() installs for SIGTERM
         # several processes agree on a stop between micro-batches where that costs nothing (the CPU: no device to
         # sync with), so that a long CPU step stops within seconds; on a GPU steps are short: after the step
@@ -180,6 +181,7 @@ class Trainer:
             self.step, self.bad_steps, self.tokens_seen = state["step"], state["bad_steps"], state["tokens_seen"]
             # the steps after the last log record: the next record's mean takes them in, as without the resume
             self._interval = list(state.get("log_interval", (0.0, 0)))
+            self._val_due = bool(state.get("val_due", False))  # run first: the log would miss it
         self._started = notes
 
     def _unlock(self) -> None:
@@ -237,10 +239,12 @@ class Trainer:
         self._announce(log)
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()
-        self.metrics.reset(self.tokens_seen)
         self.micro_progress = log.within_step
         first = self.step + 1
         try:
+            if self._val_due:
+                self._validate(log, summary)
+            self.metrics.reset(self.tokens_seen)
             while not self.finished:
                 started = time.perf_counter()
                 record = self.train_step()
@@ -253,13 +257,14 @@ class Trainer:
                 stop = not self.finished and self.d.any(self.preemption.requested, self.device)
                 self._record(log, record, stop, took, first=self.step == first)
                 started = time.perf_counter()  # validation and checkpoints are not training time
-                if (every(cfg.eval_every) or self.finished) and not stop and (val := self.evaluate()) is not None:
-                    summary["val_loss"] = val["val_loss"]
-                    log.validation(self.step, val, acp=getattr(parallel.unwrap(self.model).config, "acp", False))
+                due = bool(every(cfg.eval_every) or self.finished)
+                if due and not stop:
+                    self._validate(log, summary)
                 if every(cfg.save_every) or self.finished or stop:
                     background = cfg.async_checkpoint and not (self.finished or stop)
+                    # a stop leaves a due validation to the resumed run
                     for path in self.checkpointer.save(self.step, self.bad_steps, self.tokens_seen, background,
-                                                           tuple(self._interval)):
+                                                       tuple(self._interval), val_due=due and stop):
                         log.write(f"saved {path}")
                 if stop:
                     log.write(f"stopped by SIGTERM after step {self.step}; the same command resumes the run")
@@ -273,8 +278,9 @@ class Trainer:
         except Preempted as e:  # SIGTERM cut a step or validation short
             self.optimizer.zero_grad(set_to_none=self.graphed is None)  # the given-up step's partial gradients
             kept = self.checkpointer.keep_last_step(self.step, self.bad_steps, self.tokens_seen, e.together,
-                                                    tuple(self._interval))
-            log.write(f"stopped by SIGTERM during step {self.step + 1}: {kept}")
+                                                    tuple(self._interval), val_due=self._val_due)
+            where = f"the validation of step {self.step}" if self._val_due else f"step {self.step + 1}"
+            log.write(f"stopped by SIGTERM during {where}: {kept}")
             summary["stopped"] = "SIGTERM"
         finally:
             self.micro_progress = None
@@ -283,6 +289,16 @@ class Trainer:
         summary.update(step=self.step, bad_steps=self.bad_steps, tokens=self.tokens_seen, run_dir=str(self.run_dir),
                        checkpoint=str(saved[-1]) if saved else None)
         return summary
+
+    def _validate(self, log: RunLog, summary: dict) -> None:
+        """Validate this step and log it (into ``summary`` too); until it is logged ``_val_due`` holds, so that a
+        checkpoint saved when SIGTERM cuts it short has the resumed run validate this step first."""
+        self._val_due = True
+        val = self.evaluate()
+        self._val_due = False
+        if val is not None:
+            summary["val_loss"] = val["val_loss"]
+            log.validation(self.step, val, acp=getattr(parallel.unwrap(self.model).config, "acp", False))
 
     def _record(self, log: RunLog, record: dict, stop: bool, took: float, first: bool) -> None:
         """Add the throughput to the record of a step that ``took`` seconds and log it (every ``log_every`` steps, at
