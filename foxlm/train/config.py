@@ -87,7 +87,8 @@ class TrainConfig:
     peak_tflops: float | None = _key(None, "per device, for MFU; None: known GPUs only")
     # evaluation / logging / checkpoints
     eval_every: int = _key(100, "0: only at the end")
-    eval_batches: int = _key(10, "validation batches of batch_size sequences")
+    eval_batches: int = _key(10, "validation batches of batch_size sequences (at most those the val split holds: "
+                             "it is read once at most)")
     log_every: int = _key(10, "steps per log record; its loss is the mean of those steps' losses (skipped steps "
                           "apart: logged at once), its tokens_per_s their training throughput")
     save_every: int = _key(500, "0: only at the end")

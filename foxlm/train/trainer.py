@@ -226,6 +226,11 @@ class Trainer:
         if self.finished:
             log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise "
                       f"max_steps to continue it)")
+        if self.val_loader is not None and (n := evaluation.validation_batches(self.val_loader, cfg.eval_batches)) \
+                < cfg.eval_batches:
+            log.write(f"eval_batches={cfg.eval_batches} is more than the val split of {self.data.path} holds "
+                      f"({len(self.data.val.tokens):,} tokens, {cfg.batch_size} x {cfg.seq_len} a batch): validation "
+                      f"reads {n} batch{'es' if n > 1 else ''}")
         if self.val_loader is None and cfg.eval_every:
             log.write(f"no validation loss: the val split of {self.data.path} has {len(self.data.val.tokens):,} "
                       f"tokens, fewer than seq_len + 1 = {cfg.seq_len + 1}")

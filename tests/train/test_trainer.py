@@ -126,6 +126,23 @@ def test_the_last_record_holds_the_steps_before_a_skipped_last_step(byte_data, t
     assert mean["loss"] == pytest.approx(logged_losses(tmp_path / "nan-each")[1], rel=1e-6)
 
 
+def test_eval_batches_past_the_val_split_are_reported(byte_data, tmp_path, capsys):
+    """eval_batches=1000 of 64 x 512 tokens on a val split of a few such batches: validation reads the split once,
+    the val loss of eval_batches=that count, and the run says so (it said nothing of the declared 1000)."""
+    from foxlm.data import TokenDataset
+
+    tokens = len(TokenDataset(byte_data, "val").tokens)
+    n = tokens // (64 * 512)
+    assert 1 < n < 1000
+    extra = ["seq_len=512", "batch_size=64", "micro_batch_size=16", "max_steps=1", "eval_every=0"]
+    many = train(tiny_config(byte_data, tmp_path / "many", *extra, "eval_batches=1000"))
+    assert (f"eval_batches=1000 is more than the val split of {byte_data} holds ({tokens:,} tokens, 64 x 512 a "
+            f"batch): validation reads {n} batches") in capsys.readouterr().err
+    exact = train(tiny_config(byte_data, tmp_path / "exact", *extra, f"eval_batches={n}"))
+    assert "eval_batches=" not in capsys.readouterr().err
+    assert many["val_loss"] == exact["val_loss"]
+
+
 def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tmp_path):
     """Recomputing activations, or splitting the batch into micro-batches, changes no loss."""
     extra = ["max_steps=3", "eval_every=0", "save_every=0", "packing=documents"]
