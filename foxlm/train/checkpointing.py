@@ -81,9 +81,10 @@ class Checkpointer:
         self._save_group: dist.ProcessGroup | None = None  # background saves' own gloo group
 
     def save(self, step: int, bad_steps: int, tokens_seen: int, background: bool = False,
-             interval: tuple[float, int] = (0.0, 0)) -> list[Path]:
+             interval: tuple[float, int] = (0.0, 0), val_due: bool = False) -> list[Path]:
         """Checkpoint ``step`` with the run's counters and ``interval``, the (loss sum, steps) not logged yet, which a
-        resumed run's next log record averages in (collective: every process calls it). One process writes the
+        resumed run's next log record averages in, and ``val_due``: the step's validation, due but not logged, which a
+        resumed run runs first (collective: every process calls it). One process writes the
         whole state; several write their shards with torch.distributed.checkpoint, nothing gathered on one, and with
         ``background`` in a thread while training goes on, committed by the next ``save`` or ``finish_saving``.
         Returns the checkpoints committed (on rank 0): a background save's from before, and this one unless in the
@@ -95,7 +96,7 @@ class Checkpointer:
         else:
             shards = None
             model_sd, optim_sd = full_state_dicts(self.module, self.optimizer)
-        state = self._trainer_state(step, bad_steps, tokens_seen, optim_sd, interval) if self.d.main else None
+        state = self._trainer_state(step, bad_steps, tokens_seen, optim_sd, interval, val_due) if self.d.main else None
         save_model = functools.partial(self._save_model, model_sd)
         if sharded and background:
             if self._save_group is None:  # DCP's thread must not interleave its collectives with the training's
@@ -115,11 +116,11 @@ class Checkpointer:
         return [path] if path is not None else []
 
     def keep_last_step(self, step: int, bad_steps: int, tokens_seen: int, together: bool,
-                       interval: tuple[float, int] = (0.0, 0)) -> str:
-        """After SIGTERM cut step ``step + 1`` short (collective): keep the last whole step, ``step``, saved unless
-        out_dir's newest checkpoint is of it. Several processes save only when they gave the step up ``together``:
-        else the others may be inside the step's collectives, which a save needs. Returns what was kept, and how the
-        run goes on, for the log."""
+                       interval: tuple[float, int] = (0.0, 0), val_due: bool = False) -> str:
+        """After SIGTERM cut step ``step + 1`` (or, ``val_due``, the validation of ``step``) short (collective): keep
+        the last whole step, ``step``, saved unless out_dir's newest checkpoint is of it. Several processes save only
+        when they gave the step up ``together``: else the others may be inside the step's collectives, which a save
+        needs. Returns what was kept, and how the run goes on, for the log."""
         saved = list_checkpoints(self.run_dir) if self.d.main else []
         resumes = "the same command resumes the run"
         if self.d.world > 1 and not together:
@@ -129,11 +130,11 @@ class Checkpointer:
             return "no step finished, nothing saved; the same command starts the run again"
         if self.d.any(bool(saved) and checkpoint_step(saved[-1]) == step, self.device):
             return f"step {step} is saved; {resumes}"
-        written = self.save(step, bad_steps, tokens_seen, interval=interval)
+        written = self.save(step, bad_steps, tokens_seen, interval=interval, val_due=val_due)
         return f"saved {written[0] if written else f'step {step}'}; {resumes}"
 
     def _trainer_state(self, step: int, bad_steps: int, tokens_seen: int, optimizer: dict | None,
-                       interval: tuple[float, int]) -> dict:
+                       interval: tuple[float, int], val_due: bool = False) -> dict:
         """What a checkpoint holds besides the model: counters, schedule, loader, RNG, and ``optimizer`` (the whole
         optimizer state of one process; None: it is in the shards)."""
         return {
@@ -146,6 +147,7 @@ class Checkpointer:
             "bad_steps": bad_steps,
             "tokens_seen": tokens_seen,
             "log_interval": [float(interval[0]), int(interval[1])],
+            "val_due": val_due,
             "tokenizer": self.data.tok_spec,
             "world_size": self.d.world,
             "config": self.cfg.to_dict(),

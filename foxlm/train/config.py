@@ -87,7 +87,8 @@ class TrainConfig:
     peak_tflops: float | None = _key(None, "per device, for MFU; None: known GPUs only")
     # evaluation / logging / checkpoints
     eval_every: int = _key(100, "0: only at the end")
-    eval_batches: int = _key(10, "validation batches of batch_size sequences")
+    eval_batches: int = _key(10, "validation batches of batch_size sequences (at most those the val split holds: "
+                             "it is read once at most)")
     log_every: int = _key(10, "steps per log record; its loss is the mean of those steps' losses (skipped steps "
                           "apart: logged at once), its tokens_per_s their training throughput")
     save_every: int = _key(500, "0: only at the end")
@@ -133,6 +134,10 @@ class TrainConfig:
         for name in ("warmup_steps", "eval_every", "save_every", "max_bad_steps", "sample_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected a non-negative integer, got {getattr(self, name)}")
+        # numpy's generators (the data order: default_rng([seed, step])) take no negative seed, torch's none past 64
+        # bits: the first step failed with "expected non-negative integer", after the run had taken out_dir
+        if not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed: expected an integer in [0, 2**64), got {self.seed}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
         # the syntax only: whether this machine has that GPU is the trainer's check (reading or printing a config

@@ -14,15 +14,20 @@ from .data import TrainData
 from .loader import Batch, TokenLoader
 
 
+def validation_batches(val_loader: TokenLoader, max_batches: int) -> int:
+    """How many validation batches ``validation_loss`` reads: ``max_batches``, but no more than the split holds (it is
+    read at most once), and at least one."""
+    return max(1, min(max_batches, len(val_loader.ds.tokens) // (val_loader.batch_size * val_loader.seq_len)))
+
+
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, forward: Callable[[Batch], torch.Tensor], val_loader: TokenLoader,
                     max_batches: int, d: parallel.Dist, device: torch.device,
                     interruptible: contextlib.AbstractContextManager) -> dict:
-    """Over the first ``max_batches`` validation batches (fewer, at least one, to read the split at most once): the
-    mean loss ``val_loss`` and, for a model with forget gates, ``val_acp_skipped``, the share of attention tiles ACP
-    skips there (or, with ACP off, would skip). ``forward`` gives a batch's mean loss; the model is back in training
-    mode after, whatever happens."""
-    batches = max(1, min(max_batches, len(val_loader.ds.tokens) // (val_loader.batch_size * val_loader.seq_len)))
+    """Over the first ``validation_batches`` validation batches: the mean loss ``val_loss`` and, for a model with
+    forget gates, ``val_acp_skipped``, the share of attention tiles ACP skips there (or, with ACP off, would skip).
+    ``forward`` gives a batch's mean loss; the model is back in training mode after, whatever happens."""
+    batches = validation_batches(val_loader, max_batches)
     module = parallel.unwrap(model)
     gated = getattr(module.config, "gate", "none") != "none"  # a Hugging Face model has no forget gates
     model.eval()

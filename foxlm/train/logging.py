@@ -3,7 +3,8 @@ progress bar.
 
 TensorBoard tags and W&B keys are ``train/<key>`` for a step's record and ``val/<key>`` for the validation's
 (``val_loss`` in the JSONL is ``val/loss`` there). A resumed run purges the TensorBoard events the previous run logged
-after its checkpoint; in W&B it is a run of its own (W&B takes no step twice in one run).
+after its checkpoint (a run starting again at step 0 deletes them); in W&B it is a run of its own (W&B takes no step
+twice in one run).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class RunLog:
                 print("tensorboard=true: no TensorBoard logs, tensorboard is not installed (the extra [tensorboard]: "
                       "pip install 'foxlm[tensorboard]'; tensorboard=false silences this)", file=sys.stderr)
             else:
+                if start_step == 0:  # as log.jsonl: the events of an attempt that died before its first checkpoint
+                    # go (a purge marker in this run's file would be read first, and do nothing, where both files were
+                    # made in one second and this one's name sorts first)
+                    for events in (run_dir / "tb").glob("events.out.tfevents.*"):
+                        events.unlink()
                 # readers drop the events at and after purge_step: what a killed run logged after the checkpoint
                 self.tb = SummaryWriter(str(run_dir / "tb"), purge_step=start_step + 1 if start_step > 0 else None)
         if wandb:

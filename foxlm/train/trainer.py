@@ -73,6 +73,7 @@ class Trainer:
                                cfg.peak_tflops, self.device, self.d.world)
         self.step, self.bad_steps, self.tokens_seen = 0, 0, 0
         self._interval = [0.0, 0]  # (sum of the losses, steps) that updated the model since the last logged loss
+        self._val_due = False  # this step's validation is due and not logged: SIGTERM cut it, or stopped before it
         self.preemption = Preemption()  # replaced by the one run() installs for SIGTERM
         # several processes agree on a stop between micro-batches where that costs nothing (the CPU: no device to
         # sync with), so that a long CPU step stops within seconds; on a GPU steps are short: after the step
@@ -180,6 +181,7 @@ class Trainer:
             self.step, self.bad_steps, self.tokens_seen = state["step"], state["bad_steps"], state["tokens_seen"]
             # the steps after the last log record: the next record's mean takes them in, as without the resume
             self._interval = list(state.get("log_interval", (0.0, 0)))
+            self._val_due = bool(state.get("val_due", False))  # run first: the log would miss it
         self._started = notes
 
     def _unlock(self) -> None:
@@ -224,6 +226,11 @@ class Trainer:
         if self.finished:
             log.write(f"nothing to train: the run is at step {self.step}, max_steps={cfg.max_steps} (raise "
                       f"max_steps to continue it)")
+        if self.val_loader is not None and (n := evaluation.validation_batches(self.val_loader, cfg.eval_batches)) \
+                < cfg.eval_batches:
+            log.write(f"eval_batches={cfg.eval_batches} is more than the val split of {self.data.path} holds "
+                      f"({len(self.data.val.tokens):,} tokens, {cfg.batch_size} x {cfg.seq_len} a batch): validation "
+                      f"reads {n} batch{'es' if n > 1 else ''}")
         if self.val_loader is None and cfg.eval_every:
             log.write(f"no validation loss: the val split of {self.data.path} has {len(self.data.val.tokens):,} "
                       f"tokens, fewer than seq_len + 1 = {cfg.seq_len + 1}")
@@ -237,10 +244,12 @@ class Trainer:
         self._announce(log)
         summary = {"first_loss": None, "val_loss": None}
         self.model.train()
-        self.metrics.reset(self.tokens_seen)
         self.micro_progress = log.within_step
         first = self.step + 1
         try:
+            if self._val_due:
+                self._validate(log, summary)
+            self.metrics.reset(self.tokens_seen)
             while not self.finished:
                 started = time.perf_counter()
                 record = self.train_step()
@@ -253,13 +262,14 @@ class Trainer:
                 stop = not self.finished and self.d.any(self.preemption.requested, self.device)
                 self._record(log, record, stop, took, first=self.step == first)
                 started = time.perf_counter()  # validation and checkpoints are not training time
-                if (every(cfg.eval_every) or self.finished) and not stop and (val := self.evaluate()) is not None:
-                    summary["val_loss"] = val["val_loss"]
-                    log.validation(self.step, val, acp=getattr(parallel.unwrap(self.model).config, "acp", False))
+                due = bool(every(cfg.eval_every) or self.finished)
+                if due and not stop:
+                    self._validate(log, summary)
                 if every(cfg.save_every) or self.finished or stop:
                     background = cfg.async_checkpoint and not (self.finished or stop)
+                    # a stop leaves a due validation to the resumed run
                     for path in self.checkpointer.save(self.step, self.bad_steps, self.tokens_seen, background,
-                                                           tuple(self._interval)):
+                                                       tuple(self._interval), val_due=due and stop):
                         log.write(f"saved {path}")
                 if stop:
                     log.write(f"stopped by SIGTERM after step {self.step}; the same command resumes the run")
@@ -273,8 +283,9 @@ class Trainer:
         except Preempted as e:  # SIGTERM cut a step or validation short
             self.optimizer.zero_grad(set_to_none=self.graphed is None)  # the given-up step's partial gradients
             kept = self.checkpointer.keep_last_step(self.step, self.bad_steps, self.tokens_seen, e.together,
-                                                    tuple(self._interval))
-            log.write(f"stopped by SIGTERM during step {self.step + 1}: {kept}")
+                                                    tuple(self._interval), val_due=self._val_due)
+            where = f"the validation of step {self.step}" if self._val_due else f"step {self.step + 1}"
+            log.write(f"stopped by SIGTERM during {where}: {kept}")
             summary["stopped"] = "SIGTERM"
         finally:
             self.micro_progress = None
@@ -284,12 +295,22 @@ class Trainer:
                        checkpoint=str(saved[-1]) if saved else None)
         return summary
 
+    def _validate(self, log: RunLog, summary: dict) -> None:
+        """Validate this step and log it (into ``summary`` too); until it is logged ``_val_due`` holds, so that a
+        checkpoint saved when SIGTERM cuts it short has the resumed run validate this step first."""
+        self._val_due = True
+        val = self.evaluate()
+        self._val_due = False
+        if val is not None:
+            summary["val_loss"] = val["val_loss"]
+            log.validation(self.step, val, acp=getattr(parallel.unwrap(self.model).config, "acp", False))
+
     def _record(self, log: RunLog, record: dict, stop: bool, took: float, first: bool) -> None:
         """Add the throughput to the record of a step that ``took`` seconds and log it (every ``log_every`` steps, at
-        the end and before a stop, with the mean loss of the steps that updated the model since the last such record,
-        as HF ``Trainer`` and torchtitan log it, and the tokens/s of the training time since then; a skipped step at
-        once, with its own loss); after the run's ``first`` step, if it was slow (or the CPU warning was given), what
-        the rest will take at that pace. A run past ``max_bad_steps`` stops here."""
+        the end, before a stop and past ``max_bad_steps``, with the mean loss of the steps that updated the model
+        since the last such record, as HF ``Trainer`` and torchtitan log it, and the tokens/s of the training time
+        since then; a skipped step at once, with its own loss); after the run's ``first`` step, if it was slow (or the
+        CPU warning was given), what the rest will take at that pace. A run past ``max_bad_steps`` stops here."""
         if first and (self._warning is not None or took > 60):
             log.write(pace(self.step, took, self.cfg.max_steps))
         if not record.get("skipped"):
@@ -301,10 +322,16 @@ class Trainer:
         elif record.get("skipped"):
             log.write(f"step {self.step}: non-finite loss/gradient, step skipped "
                       f"({self.bad_steps}/{self.cfg.max_bad_steps})")
-        if record.get("skipped"):
+        skipped = record.get("skipped", False)
+        if skipped:
             log.log(record)
-        elif self.step % self.cfg.log_every == 0 or self.finished or stop:
-            log.log({**record, "loss": self._interval[0] / self._interval[1]})
+        # the run's last record (the end, a stop, past max_bad_steps) holds the steps since the previous one also after
+        # a skipped step: they were never logged (or, past max_bad_steps, the losses before the divergence)
+        last = self.finished or stop or self.bad_steps > self.cfg.max_bad_steps
+        if self._interval[1] and (last or (not skipped and self.step % self.cfg.log_every == 0)):
+            own = ("skipped", "loss", "grad_norm") if skipped else ()
+            log.log({**{k: v for k, v in record.items() if k not in own},
+                     "loss": self._interval[0] / self._interval[1]})
             self._interval = [0.0, 0]
             self.metrics.reset(self.tokens_seen)
         if self.bad_steps > self.cfg.max_bad_steps:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
 from foxlm.models import FoxConfig
 from foxlm.presets import FOX_FIELDS, derived_fields
-from foxlm.train import latest_valid_checkpoint, load_config
-from train.runs import subprocess_env
+from foxlm.train import latest_valid_checkpoint, load_config, train
+from train.runs import subprocess_env, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -64,6 +67,21 @@ def test_values_a_run_would_divide_by_are_refused_up_front():
         with pytest.raises(ValueError, match=message):
             load_config(None, [override])
     assert load_config(None, ["seq_len=2", "peak_tflops=989"]).peak_tflops == 989.0
+
+
+def test_a_seed_the_generators_refuse_is_refused_up_front(byte_data, tmp_path):
+    """numpy's generators (the data order) take no negative seed and torch's (the model's initialization) none of 64
+    bits or more: seed=-1 failed the first step with "expected non-negative integer", naming no key, after the run
+    had taken out_dir. Both ends of the range train."""
+    for seed in (-1, 2**64):
+        with pytest.raises((ValueError, RuntimeError)):  # what the run met: the generators refuse it
+            np.random.default_rng([seed, 0]) if seed < 0 else torch.manual_seed(seed)
+        with pytest.raises(ValueError, match=rf"^seed: expected an integer in \[0, 2\*\*64\), got {seed}$"):
+            load_config(None, [f"seed={seed}"])
+    for seed in (0, 2**64 - 1):
+        run = tmp_path / str(seed)
+        summary = train(tiny_config(byte_data, run, f"seed={seed}", "max_steps=1", "eval_every=0"))
+        assert summary["step"] == 1 and math.isfinite(summary["loss"])
 
 
 def test_values_are_typed_by_their_key_not_by_yaml_1_1(tmp_path, capsys):

@@ -49,6 +49,22 @@ def test_tensorboard_after_resume_holds_each_step_once_in_one_tag_scheme(tmp_pat
 
 
 
+def test_a_run_started_again_from_step_0_replaces_the_tensorboard_events_of_the_first(byte_data, tmp_path):
+    """A run that stopped (max_bad_steps) before its first checkpoint, started again in its out_dir: log.jsonl begins
+    anew, and so does TensorBoard; it held the dead run's steps 1-4 beside the new run's 1-3."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match="no checkpoint was saved"):
+        train(tiny_config(byte_data, run, "lr=1e30", "min_lr=1e30", "warmup_steps=0", "max_steps=20",
+                          "max_bad_steps=2", "grad_clip=0", "eval_every=0", "tensorboard=true"))
+    train(tiny_config(byte_data, run, "max_steps=3", "eval_every=0", "tensorboard=true"))
+    tb = EventAccumulator(str(run / "tb"))
+    tb.Reload()
+    events = [(e.step, e.value) for e in tb.Scalars("train/loss")]
+    assert events == pytest.approx(sorted(logged_losses(run).items()), rel=1e-6) and len(events) == 3
+
+
 def test_a_log_record_holds_the_mean_loss_of_its_steps(byte_data, tmp_path):
     """log_every=2 logs at steps 2, 4 and the last, 5, the mean of the losses of the steps since the previous record
     (as HF Trainer and torchtitan do), not the loss of the step at which it logs."""

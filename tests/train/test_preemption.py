@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -44,6 +45,52 @@ def test_sigterm_saves_and_stops_then_resumes_exactly(byte_data, tmp_path):
     assert summary["step"] == stopped + 3 and "stopped" not in summary
     train(tiny_config(byte_data, tmp_path / "ref", *more))
     assert logged_losses(run) == logged_losses(tmp_path / "ref")  # exactly, step by step
+
+
+def test_a_validation_a_stop_left_out_runs_first_when_resumed(byte_data, tmp_path, monkeypatch):
+    """SIGTERM after step 2, whose validation was due (eval_every=2), and SIGTERM inside step 4's validation: each
+    run stops with a checkpoint, and resumed, first logs that step's validation loss, that of an uninterrupted run.
+    The log held no validation of that step: the resumed run went on from the next one."""
+    import os
+
+    from foxlm.train import evaluation
+    from foxlm.train.trainer import Trainer
+
+    extra = ["max_steps=6", "eval_every=2", "save_every=0"]
+    train(tiny_config(byte_data, tmp_path / "ref", *extra))
+
+    def vals(run):
+        return {r["step"]: r["val_loss"] for r in map(json.loads, (run / "log.jsonl").read_text().splitlines())
+                if "val_loss" in r}
+
+    ref = vals(tmp_path / "ref")
+    assert sorted(ref) == [2, 4, 6]
+
+    after = Trainer(tiny_config(byte_data, tmp_path / "after", *extra))  # SIGTERM between steps 2 and 3
+    step = after.train_step
+    after.train_step = lambda: (record := step(), record["step"] == 2 and os.kill(os.getpid(), signal.SIGTERM))[0]
+    assert train(after)["stopped"] == "SIGTERM" and vals(tmp_path / "after") == {}
+
+    inside = tmp_path / "inside"  # SIGTERM inside step 4's validation
+    real = evaluation.validation_loss
+
+    def cut(model, forward, *args):
+        def signalled(b):
+            if sum(1 for r in (inside / "log.jsonl").read_text().splitlines() if '"loss"' in r) == 4:
+                os.kill(os.getpid(), signal.SIGTERM)
+            return forward(b)
+        return real(model, signalled, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(evaluation, "validation_loss", cut)
+        assert train(tiny_config(byte_data, inside, *extra))["stopped"] == "SIGTERM"
+    assert vals(inside) == pytest.approx({2: ref[2]}, rel=1e-6)
+
+    for run, stopped in (("after", 2), ("inside", 4)):
+        assert latest_valid_checkpoint(tmp_path / run).name == f"step_{stopped:07d}"
+        assert train(tiny_config(byte_data, tmp_path / run, *extra))["step"] == 6
+        assert vals(tmp_path / run) == pytest.approx(ref, rel=1e-6), run
+        assert logged_losses(tmp_path / run) == logged_losses(tmp_path / "ref"), run
 
 
 def test_sigterm_stops_inside_a_long_step(byte_data, tmp_path):

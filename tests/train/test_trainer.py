@@ -96,6 +96,53 @@ def test_a_step_without_targets_is_skipped_with_a_warning(byte_data, tmp_path, c
     assert two["skipped"] and "loss" not in two and "grad_norm" not in two
 
 
+def test_the_last_record_holds_the_steps_before_a_skipped_last_step(byte_data, tmp_path):
+    """log_every=10: a run whose last step has no target, and one stopped past max_bad_steps (lr=1e30: step 1 trains,
+    2 and 3 are NaN), log the mean loss of the steps that trained since the last record, as a run of log_every=1
+    logged them; those losses were in no record (before the divergence: what a user wants to see)."""
+    extra = ["seq_len=8", "batch_size=2", "max_steps=3", "eval_every=0"]
+    trainer = Trainer(tiny_config(byte_data, tmp_path / "end", *extra, "log_every=10"))
+    _ignore_labels(trainer, {2}, slice(None))
+    assert train(trainer)["step"] == 3
+    each = Trainer(tiny_config(byte_data, tmp_path / "each", *extra))
+    _ignore_labels(each, {2}, slice(None))
+    train(each)
+    each_losses = logged_losses(tmp_path / "each")
+    assert each_losses.keys() == {1, 2}  # the last step: skipped, without a loss
+    records = [json.loads(line) for line in (tmp_path / "end" / "log.jsonl").read_text().splitlines()]
+    (mean,) = [r for r in records if "loss" in r]
+    assert mean["step"] == 3 and not mean.get("skipped") and mean["tokens"] == 3 * 2 * 8
+    assert mean["loss"] == pytest.approx((each_losses[1] + each_losses[2]) / 2, rel=1e-6)
+
+    nan = ["lr=1e30", "min_lr=1e30", "warmup_steps=0", "max_steps=20", "max_bad_steps=1", "grad_clip=0",
+           "eval_every=0"]
+    for run, every in (("nan-each", 1), ("nan-10", 10)):
+        with pytest.raises(FloatingPointError, match="at 2 steps .* last at step 3"):
+            train(tiny_config(byte_data, tmp_path / run, *nan, f"log_every={every}"))
+    records = [json.loads(line) for line in (tmp_path / "nan-10" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r.get("skipped")] == [2, 3]
+    (mean,) = [r for r in records if not r.get("skipped")]
+    assert mean["step"] == 3 and math.isfinite(mean["loss"])
+    assert mean["loss"] == pytest.approx(logged_losses(tmp_path / "nan-each")[1], rel=1e-6)
+
+
+def test_eval_batches_past_the_val_split_are_reported(byte_data, tmp_path, capsys):
+    """eval_batches=1000 of 64 x 512 tokens on a val split of a few such batches: validation reads the split once,
+    the val loss of eval_batches=that count, and the run says so (it said nothing of the declared 1000)."""
+    from foxlm.data import TokenDataset
+
+    tokens = len(TokenDataset(byte_data, "val").tokens)
+    n = tokens // (64 * 512)
+    assert 1 < n < 1000
+    extra = ["seq_len=512", "batch_size=64", "micro_batch_size=16", "max_steps=1", "eval_every=0"]
+    many = train(tiny_config(byte_data, tmp_path / "many", *extra, "eval_batches=1000"))
+    assert (f"eval_batches=1000 is more than the val split of {byte_data} holds ({tokens:,} tokens, 64 x 512 a "
+            f"batch): validation reads {n} batches") in capsys.readouterr().err
+    exact = train(tiny_config(byte_data, tmp_path / "exact", *extra, f"eval_batches={n}"))
+    assert "eval_batches=" not in capsys.readouterr().err
+    assert many["val_loss"] == exact["val_loss"]
+
+
 def test_activation_checkpointing_and_accumulation_keep_the_losses(byte_data, tmp_path):
     """Recomputing activations, or splitting the batch into micro-batches, changes no loss."""
     extra = ["max_steps=3", "eval_every=0", "save_every=0", "packing=documents"]
