@@ -116,6 +116,9 @@ def check_out_dir(run_dir: Path, ckpt: Path | None, resume: str) -> None:
         problem, fix = f"{where} another run's checkpoints ({names})", "resume=auto to continue that run"
     elif not is_run_checkpoint(run_dir, ckpt):
         problem, fix = f"{where} checkpoints of another run than {ckpt}'s ({names})", "move them away"
+    elif resume == "auto":  # auto took the newest checkpoint that verifies: the later ones do not
+        problem, fix = f"{where} checkpoints after {ckpt.name}, the newest that verifies, that do not verify " \
+            f"({names})", f"move them away to go on from {ckpt.name}"
     else:
         problem, fix = f"{where} checkpoints after {ckpt.name}, which this run resumes from ({names})", \
             f"move them away to go on from {ckpt.name}"

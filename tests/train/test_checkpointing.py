@@ -110,6 +110,11 @@ def test_a_run_never_trains_into_checkpoints_it_does_not_continue(byte_data, tmp
     (damaged / "trainer.pt").write_bytes(b"not the saved state")
     with pytest.raises(ValueError, match="only checkpoints that do not verify"), pytest.warns(UserWarning):
         train(tiny_config(byte_data, tmp_path / "damaged", "max_steps=8"))
+    # a damaged newest checkpoint after a good one: named as damaged, not as a later one the run ignores
+    shutil.copytree(run / "checkpoints" / "step_0000002", damaged.parent / "step_0000002")
+    with pytest.raises(ValueError, match=r"checkpoints after step_0000002, the newest that verifies, that do not "
+                                         r"verify \(step_0000004\)"), pytest.warns(UserWarning):
+        train(tiny_config(byte_data, tmp_path / "damaged", "max_steps=8"))
 
 
 def test_init_from_starts_a_new_run_from_trained_weights(byte_data, tmp_path, capsys):
