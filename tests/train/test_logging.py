@@ -61,8 +61,9 @@ def test_a_run_started_again_from_step_0_replaces_the_tensorboard_events_of_the_
     train(tiny_config(byte_data, run, "max_steps=3", "eval_every=0", "tensorboard=true"))
     tb = EventAccumulator(str(run / "tb"))
     tb.Reload()
-    events = [(e.step, e.value) for e in tb.Scalars("train/loss")]
-    assert events == pytest.approx(sorted(logged_losses(run).items()), rel=1e-6) and len(events) == 3
+    events, logged = tb.Scalars("train/loss"), sorted(logged_losses(run).items())
+    assert [e.step for e in events] == [step for step, _ in logged] == [1, 2, 3]
+    assert [e.value for e in events] == pytest.approx([loss for _, loss in logged], rel=1e-6)
 
 
 def test_a_log_record_holds_the_mean_loss_of_its_steps(byte_data, tmp_path):
