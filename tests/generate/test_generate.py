@@ -533,10 +533,9 @@ def test_generate_cli_decoding_flags_are_checked_by_their_names(flags, message, 
     assert f"foxlm generate: error: {message}" in capsys.readouterr().err
 
 
-def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
-    """A byte-level model (as `foxlm train tokenizer=byte` saves it: its config records the tokenizer) decodes in
-    bytes; GPT-2 BPE ids would not even fit its 320-token vocabulary."""
-    from foxlm.cli import main
+def _byte_model_folder(folder):
+    """A 1-layer byte-level fox-pro saved at ``folder`` as `foxlm train tokenizer=byte` saves one (its config records
+    the tokenizer); returns (the byte tokenizer, the model)."""
     from foxlm.data import get_tokenizer
 
     byte = get_tokenizer("byte")
@@ -545,7 +544,16 @@ def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
                            num_hidden_layers=1)
     cfg.foxlm_tokenizer = byte.spec()
     model = FoxForCausalLM(cfg).eval()
-    model.save_pretrained(tmp_path / "m")
+    model.save_pretrained(folder)
+    return byte, model
+
+
+def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
+    """A byte-level model (as `foxlm train tokenizer=byte` saves it: its config records the tokenizer) decodes in
+    bytes; GPT-2 BPE ids would not even fit its 320-token vocabulary."""
+    from foxlm.cli import main
+
+    byte, model = _byte_model_folder(tmp_path / "m")
     assert main(["generate", str(tmp_path / "m"), "--prompt", "To be, or", "--max-new-tokens", "6", "--no-eos",
                  "--device", "cpu"]) == 0
     out = generate(model, [[byte.eot_id] + byte.encode("To be, or")], 6, vocab_size=byte.vocab_size)
@@ -558,15 +566,8 @@ def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
 def test_generate_cli_passes_repetition_penalty_min_p_and_min_new_tokens(tmp_path, capsys):
     """--repetition-penalty, --min-p and --min-new-tokens reach generate(): the CLI prints its text for them."""
     from foxlm.cli import main
-    from foxlm.data import get_tokenizer
 
-    byte = get_tokenizer("byte")
-    torch.manual_seed(0)
-    cfg = FoxConfig.preset("fox-pro", "tiny", vocab_size=320, bos_token_id=byte.eot_id, eos_token_id=byte.eot_id,
-                           num_hidden_layers=1)
-    cfg.foxlm_tokenizer = byte.spec()
-    model = FoxForCausalLM(cfg).eval()
-    model.save_pretrained(tmp_path / "m")
+    byte, model = _byte_model_folder(tmp_path / "m")
     assert main(["generate", str(tmp_path / "m"), "--prompt", "To be", "--max-new-tokens", "6", "--sample",
                  "--seed", "3", "--min-p", "0.5", "--repetition-penalty", "1.5", "--min-new-tokens", "6",
                  "--device", "cpu"]) == 0
