@@ -21,11 +21,16 @@ def model_config(cfg: TrainConfig, tok_spec: dict, device: torch.device) -> Pret
     64) and end-of-text id are the tokenizer's, the context its ``seq_len``, unless ``model.*`` says otherwise."""
     overrides = {"vocab_size": 64 * math.ceil(tok_spec["vocab_size"] / 64), "bos_token_id": tok_spec["eot_id"],
                  "eos_token_id": tok_spec["eot_id"], **cfg.model}
-    if is_hf_arch(cfg.arch):
-        check_device(cfg.arch, device.type)
-        config = hf_config(cfg.arch, overrides, cfg.size)
-    else:
-        config = FoxConfig.preset(cfg.arch, cfg.size, **{"train_length": cfg.seq_len, **overrides})
+    try:
+        if is_hf_arch(cfg.arch):
+            check_device(cfg.arch, device.type)
+            config = hf_config(cfg.arch, overrides, cfg.size)
+        else:
+            config = FoxConfig.preset(cfg.arch, cfg.size, **{"train_length": cfg.seq_len, **overrides})
+    except ValueError as e:  # the config names its field; the user gave it as model.FIELD
+        if str(e).split(":", 1)[0] in cfg.model:
+            raise ValueError(f"model.{e}") from None
+        raise
     if config.vocab_size < tok_spec["vocab_size"]:
         raise ValueError(f"model.vocab_size: {config.vocab_size} is smaller than the tokenizer's "
                          f"{tok_spec['vocab_size']}")

@@ -54,7 +54,10 @@ def test_cli_reports_a_run_that_cannot_start_in_one_line(byte_data, tmp_path, ca
     cases = {(f"data={tmp_path / 'missing'}", f"out_dir={tmp_path / 'new'}"): "data: .*missing does not exist",
              (f"data={byte_data}", f"out_dir={run}", "model.hidden_size=32"): "resume: .* was trained as fox-pro",
              (f"data={byte_data}", f"out_dir={tmp_path / 'new'}", f"init_from={tmp_path / 'nothing'}"):
-                 "init_from: .*nothing is not a run folder"}
+                 "init_from: .*nothing is not a run folder",
+             # the model config's own check, named as the user gave the key (it said "window: ...")
+             (f"data={byte_data}", f"out_dir={tmp_path / 'new'}", "model.window=-5"):
+                 "model.window: expected a positive integer, got -5"}
     capsys.readouterr()
     for args, message in cases.items():
         assert main(["train", *TINY, *args]) == 2
