@@ -142,8 +142,7 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
             raise ValueError(f"prompts[{i}]: expected a list of token ids, got the id {p!r} (one prompt goes in a "
                              f"list of its own: [ids])")
         p = list(p)
-        # numbers.Integral: numpy's integers too (a list of them, e.g. from an array's iteration)
-        if not p or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= 0 for t in p):
+        if not p or not all(_is_int(t) and t >= 0 for t in p):  # numpy's integers too (an array's iteration)
             raise ValueError(f"prompts[{i}]: expected a non-empty list of non-negative token ids")
         p = [int(t) for t in p]
         if max(p) >= vocab:  # the embedding would fail with an IndexError naming nothing
@@ -154,6 +153,7 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
 
 
 def _is_int(value) -> bool:
+    """An integer, numpy's included, but not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -271,6 +271,8 @@ def generate(
         pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     generator=generator)
         stop_ids = torch.tensor(stops, dtype=torch.long, device=device)
+        # the stops min_new_tokens holds back: those the (cut) logits have, picked once, not with a sync every step
+        held = torch.tensor([t for t in stops if t < (vocab_size or vocab)], dtype=torch.long, device=device)
         seen = None
         if repetition_penalty != 1.0:  # [B, V]: the tokens of each row so far (its prompt's, not padding)
             seen = torch.zeros(B, vocab, dtype=torch.bool)
@@ -287,7 +289,7 @@ def generate(
                 scaled = torch.where(logits < 0, logits * repetition_penalty, logits / repetition_penalty)
                 logits = torch.where(seen[:, :logits.shape[-1]], scaled, logits)
             if position < min_new_tokens:
-                logits = logits.index_fill(-1, stop_ids[stop_ids < logits.shape[-1]], float("-inf"))
+                logits = logits.index_fill(-1, held, float("-inf"))
             tokens = sample_next(logits, **pick)
             if seen is not None:
                 seen[torch.arange(B, device=device), tokens] = True
