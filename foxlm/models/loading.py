@@ -4,6 +4,8 @@ found and verified by ``foxlm.checkpoint.weights`` and built by the Auto classes
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from ..checkpoint.files import read_json
 from ..checkpoint.weights import DAMAGED_MODEL, reading_weights, resolve_model_dir
@@ -16,7 +18,6 @@ def load_checkpoint_model(path: str | os.PathLike, arg: str = "path", progress: 
     ``progress=False``: without transformers' "Loading weights" bar (a command's ``--no-progress``)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.utils import logging as hf_logging
 
     from ..presets import FLA, MODEL_TYPES
     from . import register_auto_classes
@@ -33,12 +34,22 @@ def load_checkpoint_model(path: str | os.PathLike, arg: str = "path", progress: 
         raise ValueError(f"{arg}: {folder}/config.json has model_type {model_type!r}, which no installed library "
                          f"registers with AutoModelForCausalLM")
     config = config_class(model_type).from_pretrained(folder)
+    with transformers_bars(progress), reading_weights(folder, arg):
+        return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)
+
+
+@contextmanager
+def transformers_bars(progress: bool) -> Iterator[None]:
+    """Within it, transformers' progress bars ("Loading weights", "Writing model shards") show only if ``progress``
+    (a command's ``--no-progress``, a run's ``progress=false``); transformers' switch is global, so the caller's
+    setting comes back after."""
+    from transformers.utils import logging as hf_logging
+
     bars = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        with reading_weights(folder, arg):
-            return AutoModelForCausalLM.from_pretrained(folder, config=config, **from_pretrained_kwargs)
+        yield
     finally:
-        if bars:  # transformers' switch is global: the caller's setting comes back
+        if bars:
             hf_logging.enable_progress_bar()

@@ -31,6 +31,7 @@ from ..checkpoint.run_folder import (
     lock_run,
     resume_point,
 )
+from ..models.loading import transformers_bars
 from . import parallel
 from .config import TrainConfig
 from .data import TrainData
@@ -159,7 +160,8 @@ class Checkpointer:
         if state_dict is None:
             self.module.config.save_pretrained(folder)
         else:
-            self.module.save_pretrained(folder, state_dict=state_dict)
+            with transformers_bars(self.cfg.progress):  # its "Writing model shards" bar
+                self.module.save_pretrained(folder, state_dict=state_dict)
         if hasattr(self.data.tokenizer, "save_pretrained"):
             self.data.tokenizer.save_pretrained(folder)
 

@@ -229,3 +229,16 @@ def test_sample_leaves_the_global_generators_as_they_were(device):
     assert torch.equal(torch.get_rng_state(), before[0])
     if device == "cuda":
         assert torch.equal(torch.cuda.get_rng_state(), before[1])
+
+
+def test_a_run_without_progress_saves_without_transformers_bar(byte_data, tmp_path, capsys):
+    """progress=false, called from Python (the CLI turns the hub's bars off for the whole process): the checkpoint's
+    save_pretrained showed transformers' "Writing model shards" bar on stderr all the same; progress=true keeps it,
+    and transformers' global switch is as it was after the run."""
+    from transformers.utils import logging as hf_logging
+
+    train(tiny_config(byte_data, tmp_path / "quiet", "max_steps=1", "eval_every=0"))
+    assert "Writing model shards" not in capsys.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+    train(tiny_config(byte_data, tmp_path / "bars", "max_steps=1", "eval_every=0", "progress=true"))
+    assert "Writing model shards" in capsys.readouterr().err
