@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     tok = get_tokenizer("gpt2")
     prompt = [tok.eot_id] + tok.encode("To be, or not to be")
     runs = {
-        "foxlm": lambda n: generate(model, [prompt], max_new_tokens=n, vocab_size=tok.vocab_size),
-        "foxlm --evict": lambda n: generate(model, [prompt], max_new_tokens=n, evict=True, vocab_size=tok.vocab_size),
+        # eos_token_id=[]: all n tokens, as HF's min_new_tokens=n (unset, the model's eos would stop it)
+        "foxlm": lambda n: generate(model, [prompt], max_new_tokens=n, eos_token_id=[], vocab_size=tok.vocab_size),
+        "foxlm --evict": lambda n: generate(model, [prompt], max_new_tokens=n, evict=True, eos_token_id=[],
+                                            vocab_size=tok.vocab_size),
         "HF generate()": lambda n: model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
                                                   do_sample=False),
     }

@@ -175,10 +175,12 @@ def run(args: argparse.Namespace) -> int:
     tok = model_tokenizer(model.config, args.tokenizer, what=args.model)
     ids = [[tok.eot_id] + tok.encode(p) for p in prompts]  # as every training document (and the HF tokenizer)
     gen = torch.Generator(device=device).manual_seed(args.seed)
+    # every control passed, so that the flags' defaults hold, not the model's generation_config (generate's None);
+    # --no-eos is [], no stop (None would stop at the config's eos)
     out = generate(
         model, ids, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-        min_new_tokens=args.min_new_tokens, eos_token_id=tok.eot_id if args.stop_at_eos else None,
+        min_new_tokens=args.min_new_tokens, eos_token_id=tok.eot_id if args.stop_at_eos else [],
         vocab_size=tok.vocab_size, evict=args.evict, tolerance=args.tolerance, page_size=args.page_size, generator=gen,
     )
     for i, seq in enumerate(out.sequences):

@@ -161,6 +161,26 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+# GenerationConfig's global defaults in transformers 5.x (``_get_default_generation_params``; min_p and min_new_tokens
+# have none, which means off): what HF generate takes for a control neither the caller nor generation_config sets
+_HF_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
+                    min_new_tokens=0, eos_token_id=None)
+
+
+def _generation_controls(model, from_config: set[str], **given) -> list:
+    """The decoding controls as HF generate merges them: the caller's value where not None, else the model's
+    ``generation_config``'s where not None, else HF's global default. Adds to ``from_config`` the names whose value
+    came from the config (their errors name it)."""
+    config = getattr(model, "generation_config", None)  # a PEFT model's is its base model's (attribute forwarding)
+    values = []
+    for name, value in given.items():
+        if value is None and getattr(config, name, None) is not None:
+            value = getattr(config, name)
+            from_config.add(name)
+        values.append(_HF_DEFAULTS[name] if value is None else value)
+    return values
+
+
 def _check_eos(eos_token_id) -> list[int]:
     """The stop tokens: [] for None, [id] for an int, the list's ids for a list (a tensor compared with a list of
     as many ids as rows would have matched them row by row)."""
@@ -176,13 +196,13 @@ def generate(
     prompts: list[list[int]] | torch.Tensor,
     max_new_tokens: int,
     *,
-    do_sample: bool = False,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    min_new_tokens: int = 0,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    repetition_penalty: float | None = None,
+    min_new_tokens: int | None = None,
     eos_token_id: int | list[int] | None = None,
     vocab_size: int | None = None,
     evict: bool = False,
@@ -194,11 +214,19 @@ def generate(
 ) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens for every prompt with foxlm's fast path.
 
+    The decoding controls (``do_sample`` to ``eos_token_id``) left None take ``model.generation_config``'s values, as
+    HF ``model.generate`` merges them: the config's where it sets one, else HF's defaults (greedy; when sampling,
+    temperature 1, top_k 50, top_p 1, no min_p; no repetition penalty, no min_new_tokens, no eos). So with nothing
+    set, generation stops at the config's ``eos_token_id`` (a model saved by foxlm records its config's). Unlike
+    HF, an explicit None is the same as leaving a control unset: ``eos_token_id=[]`` stops at nothing (as in HF,
+    there with a ``pad_token_id``) and ``top_k=0`` samples among all tokens.
+
     Args:
         model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro), or a PEFT model
             around one (LoRA adapters).
         prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token).
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``, ``min_p``) instead of greedy decoding.
+        top_k: sampling keeps only the ``top_k`` likeliest tokens (0: all).
         min_p: sampling keeps only the tokens at least ``min_p`` times as likely as the likeliest (0: all).
         repetition_penalty: divide the positive logits of the tokens already in a row (its prompt and what it has
             generated) by this, and multiply the negative ones (1: none; above 1 discourages repeats, below 1
@@ -206,7 +234,7 @@ def generate(
             prompt's real tokens count, never padding (HF generate with an ``attention_mask`` reads it so too).
         min_new_tokens: no row stops before this many new tokens: until then ``eos_token_id`` cannot be generated.
         eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which
-            may be a list); the step loop ends when all rows have.
+            may be a list; ``[]``: no stop); the step loop ends when all rows have.
         vocab_size: only ids below it can be generated (the model's vocabulary is padded, e.g. 50304).
         evict: forget-gate cache eviction: free the cache pages whose keys have decayed so far that no future
             query can give them more than ``tolerance`` of its attention (see
@@ -221,9 +249,18 @@ def generate(
     """
     vocab = model.config.vocab_size
     prompts = _check_prompts(prompts, vocab)
-    # counts and numbers of another type (2.5, "5", None) were TypeErrors deep inside naming nothing
-    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("top_k", top_k, 0),
-                             ("min_new_tokens", min_new_tokens, 0),
+    from_config: set[str] = set()
+    do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens, eos_token_id = \
+        _generation_controls(model, from_config, do_sample=do_sample, temperature=temperature, top_k=top_k,
+                             top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
+                             min_new_tokens=min_new_tokens, eos_token_id=eos_token_id)
+
+    def arg(name: str) -> str:  # what an error names: the argument, or the config entry its value came from
+        return f"model.generation_config.{name}" if name in from_config else name
+
+    # counts and numbers of another type (2.5, "5") were TypeErrors deep inside naming nothing
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), (arg("top_k"), top_k, 0),
+                             (arg("min_new_tokens"), min_new_tokens, 0),
                              ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1)):
         if not _is_int(value) or value < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -231,16 +268,19 @@ def generate(
         raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size!r}")
     stops = _check_eos(eos_token_id)
     if do_sample and not (_is_real(temperature) and temperature > 0):
-        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+        raise ValueError(f"{arg('temperature')}: expected > 0, got {temperature!r}")
     if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p: expected a probability mass in (0, 1], got {top_p!r}")
+        raise ValueError(f"{arg('top_p')}: expected a probability mass in (0, 1], got {top_p!r}")
     if not (_is_real(min_p) and 0.0 <= min_p <= 1.0):
-        raise ValueError(f"min_p: expected a fraction of the likeliest token's probability in [0, 1], got {min_p!r}")
+        raise ValueError(f"{arg('min_p')}: expected a fraction of the likeliest token's probability in [0, 1], got "
+                         f"{min_p!r}")
     if not (_is_real(repetition_penalty) and 0.0 < repetition_penalty < math.inf):
-        raise ValueError(f"repetition_penalty: expected a positive number (1: no penalty), got {repetition_penalty!r}")
-    if min_new_tokens > max_new_tokens:
+        raise ValueError(f"{arg('repetition_penalty')}: expected a positive number (1: no penalty), got "
+                         f"{repetition_penalty!r}")
+    # the caller's min_new_tokens only: the config's, as in HF generate, holds back what stops there are, if any
+    if min_new_tokens > max_new_tokens and "min_new_tokens" not in from_config:
         raise ValueError(f"min_new_tokens: expected at most max_new_tokens ({max_new_tokens}), got {min_new_tokens}")
-    if min_new_tokens and not stops:  # every row runs to max_new_tokens anyway: a no-op the caller did not mean
+    if min_new_tokens and not stops and "min_new_tokens" not in from_config:  # a no-op the caller did not mean
         raise ValueError("min_new_tokens: needs eos_token_id, the stop it holds back (without one no row stops early)")
     if evict and model.config.gate == "none":
         raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "

@@ -289,6 +289,71 @@ def test_generate_min_p_sampling_equals_hf_generate(seed):
     assert ours != generate(model, prompts, 10, page_size=4, **{**controls, "min_p": 0.0}).sequences
 
 
+def _cut(row, stops):
+    """A row of HF generate, which pads a finished row: its tokens up to its first stop."""
+    end = next((i for i, t in enumerate(row) if t in stops), None)
+    return row if end is None else row[:end + 1]
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_generate_unset_controls_take_the_generation_config_as_hf_generate(peft):
+    """Greedy with nothing set: the stop at ``model.generation_config.eos_token_id`` (a list, then an int), the tokens
+    of HF ``model.generate`` with nothing set (which reads the same config), through a PEFT wrapper too (its base
+    model's config); ``eos_token_id=[]`` stops at nothing, as HF's with a pad_token_id."""
+    model = _model("fox-pro", seed=5)
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, init_lora_weights=False))
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    full = generate(model, prompts, 10, page_size=4).sequences  # the config has no eos yet: no stop
+    assert model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10)[:, ids.shape[1]:].tolist() == full
+    for eos in ([full[0][1], full[1][2]], full[0][1]):
+        model.generation_config.eos_token_id = eos
+        stops = eos if isinstance(eos, list) else [eos]
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10)[:, ids.shape[1]:].tolist()
+        ours = generate(model, prompts, 10, page_size=4).sequences
+        assert ours == [_cut(row, stops) for row in hf] and len(ours[0]) == 2
+        assert len(ours[1]) == (3 if isinstance(eos, list) else len(_cut(full[1], stops)))
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, eos_token_id=[], pad_token_id=0)
+        assert generate(model, prompts, 10, page_size=4, eos_token_id=[]).sequences == full == \
+            hf[:, ids.shape[1]:].tolist()
+    model.generation_config.min_new_tokens = 3  # the config's holds back its eos too: row 0 no longer stops at 2
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10)[:, ids.shape[1]:].tolist()
+    ours = generate(model, prompts, 10, page_size=4).sequences
+    assert ours == [_cut(row, [full[0][1]]) for row in hf] and len(ours[0]) > 3
+    assert generate(model, prompts, 10, page_size=4, eos_token_id=[]).sequences == full  # none to hold back: no error
+
+
+@pytest.mark.parametrize("top_k", [None, 0, 5])
+def test_generate_unset_sampling_controls_take_the_generation_config_as_hf_generate(top_k):
+    """A generation_config that samples (temperature, top_p, repetition_penalty; top_k None: HF's default of 50, or
+    0: all tokens, or 5) with an eos: foxlm's generate with nothing set draws HF generate's tokens with nothing set
+    from the same seed; with top_k None not the tokens of top_k=0 (all tokens, foxlm's former default). The caller's
+    own value still wins over the config's."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    eos = list(range(0, V, 16))  # a stop list of 1/16 of the vocabulary: rows stop at various steps, or run to 10
+    model.generation_config.update(do_sample=True, temperature=0.7, top_k=top_k, top_p=0.95, repetition_penalty=1.3,
+                                   eos_token_id=eos)
+
+    def draw(seed, **kwargs):
+        torch.manual_seed(seed)
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, **kwargs)[:, ids.shape[1]:]
+        torch.manual_seed(seed)
+        ours = generate(model, prompts, 10, page_size=4, **kwargs).sequences
+        assert ours == [_cut(row, eos) for row in hf.tolist()]
+        return ours
+
+    for seed in (0, 1):
+        ours = draw(seed)
+        if top_k is None:
+            assert ours != draw(seed, top_k=0)
+        assert ours != draw(seed, do_sample=False)
+
+
 def test_generate_eos_and_sampling():
     model = _model("fox-llama", seed=7)
     prompts = [[5, 6, 7], [8] * 11]
@@ -352,7 +417,7 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"do_sample": True, "top_k": 2.5}, "top_k: expected an integer >= 0, got 2.5"),
     ([[[1, 2]], 2], {"do_sample": True, "top_k": "5"}, "top_k: expected an integer >= 0, got '5'"),
     ([[[1, 2]], 2], {"do_sample": True, "top_p": "0.5"}, r"top_p: expected a probability mass in \(0, 1\], got '0.5'"),
-    ([[[1, 2]], 2], {"do_sample": True, "temperature": None}, "temperature: expected > 0, got None"),
+    ([[[1, 2]], 2], {"do_sample": True, "temperature": "0.7"}, "temperature: expected > 0, got '0.7'"),
     ([[[1, 2]], 2], {"prefill_chunk": 1.5}, "prefill_chunk: expected an integer >= 1, got 1.5"),
     ([[[1, 2]], 2], {"page_size": 2.0}, "page_size: expected an integer >= 1, got 2.0"),
     ([[[1, 2]], 2], {"vocab_size": 10.5}, f"vocab_size: expected 1 to the model's {V}, got 10.5"),
@@ -361,7 +426,7 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"do_sample": True, "min_p": "0.1"}, r"min_p: expected .* in \[0, 1\], got '0.1'"),
     ([[[1, 2]], 2], {"repetition_penalty": 0.0}, r"repetition_penalty: expected a positive number \(1: no penalty\), "
                                                   r"got 0.0"),
-    ([[[1, 2]], 2], {"repetition_penalty": None}, r"repetition_penalty: expected a positive number .*, got None"),
+    ([[[1, 2]], 2], {"repetition_penalty": "1.2"}, r"repetition_penalty: expected a positive number .*, got '1.2'"),
     ([[[1, 2]], 2], {"min_new_tokens": -1, "eos_token_id": 0}, "min_new_tokens: expected an integer >= 0, got -1"),
     ([[[1, 2]], 2], {"min_new_tokens": 1.5, "eos_token_id": 0}, "min_new_tokens: expected an integer >= 0, got 1.5"),
     ([[[1, 2]], 2], {"min_new_tokens": 3, "eos_token_id": 0}, r"min_new_tokens: expected at most max_new_tokens \(2\), "
@@ -374,6 +439,16 @@ def test_generate_mistakes_name_the_argument(args, kwargs, message):
     errors naming the argument."""
     with pytest.raises(ValueError, match=message):
         generate(_model("fox-llama"), *args, **kwargs)
+
+
+def test_generate_names_a_bad_generation_config_value():
+    """A bad control taken from the model's generation_config is named as the config's entry, not as an argument the
+    caller never passed; the caller's own value still wins over it."""
+    model = _model("fox-llama")
+    model.generation_config.top_k = -1
+    with pytest.raises(ValueError, match=r"model\.generation_config\.top_k: expected an integer >= 0, got -1"):
+        generate(model, [[1, 2]], 2, do_sample=True)
+    assert len(generate(model, [[1, 2]], 2, do_sample=True, top_k=0).sequences[0]) == 2
 
 
 def test_generate_gives_the_model_back_in_its_mode():
@@ -556,7 +631,7 @@ def test_generate_cli_uses_the_models_tokenizer(tmp_path, capsys):
     byte, model = _byte_model_folder(tmp_path / "m")
     assert main(["generate", str(tmp_path / "m"), "--prompt", "To be, or", "--max-new-tokens", "6", "--no-eos",
                  "--device", "cpu"]) == 0
-    out = generate(model, [[byte.eot_id] + byte.encode("To be, or")], 6, vocab_size=byte.vocab_size)
+    out = generate(model, [[byte.eot_id] + byte.encode("To be, or")], 6, eos_token_id=[], vocab_size=byte.vocab_size)
     text = byte.decode([t for t in out.sequences[0] if t != byte.eot_id])
     assert capsys.readouterr().out == "To be, or" + text + "\n"
     assert main(["generate", str(tmp_path / "m"), "--prompt", "Hi", "--tokenizer", "gpt2"]) == 2
@@ -571,13 +646,34 @@ def test_generate_cli_passes_repetition_penalty_min_p_and_min_new_tokens(tmp_pat
     assert main(["generate", str(tmp_path / "m"), "--prompt", "To be", "--max-new-tokens", "6", "--sample",
                  "--seed", "3", "--min-p", "0.5", "--repetition-penalty", "1.5", "--min-new-tokens", "6",
                  "--device", "cpu"]) == 0
-    out = generate(model, [[byte.eot_id] + byte.encode("To be")], 6, do_sample=True, min_p=0.5,
+    out = generate(model, [[byte.eot_id] + byte.encode("To be")], 6, do_sample=True, top_k=0, min_p=0.5,
                    repetition_penalty=1.5, min_new_tokens=6, eos_token_id=byte.eot_id, vocab_size=byte.vocab_size,
                    generator=torch.Generator().manual_seed(3))
     plain = generate(model, [[byte.eot_id] + byte.encode("To be")], 6, do_sample=True, eos_token_id=byte.eot_id,
                      vocab_size=byte.vocab_size, generator=torch.Generator().manual_seed(3))
     assert len(out.sequences[0]) == 6 and out.sequences != plain.sequences
     assert capsys.readouterr().out == "To be" + byte.decode(out.sequences[0]) + "\n"
+
+
+def test_generate_cli_flags_hold_over_the_generation_config(tmp_path, capsys):
+    """The command's flags keep their documented defaults whatever the model's generation_config.json says (generate
+    reads it for the controls left None): --no-eos stops at nothing, not at the config's eos; greedy without
+    --sample; --top-k 0 (its default) samples among all tokens, not the config's top_k."""
+    from foxlm.cli import main
+
+    byte, model = _byte_model_folder(tmp_path / "m")
+    prompt = [byte.eot_id] + byte.encode("To be, or")
+    full = generate(model, [prompt], 6, eos_token_id=[], vocab_size=byte.vocab_size).sequences[0]
+    model.generation_config.update(eos_token_id=full[1], do_sample=True, temperature=3.0, top_k=2)
+    model.save_pretrained(tmp_path / "m")
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "To be, or", "--max-new-tokens", "6", "--no-eos",
+                 "--device", "cpu"]) == 0
+    assert capsys.readouterr().out == "To be, or" + byte.decode([t for t in full if t != byte.eot_id]) + "\n"
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "To be, or", "--max-new-tokens", "6", "--sample",
+                 "--seed", "3", "--device", "cpu"]) == 0
+    drawn = generate(model, [prompt], 6, do_sample=True, temperature=1.0, top_k=0, eos_token_id=byte.eot_id,
+                     vocab_size=byte.vocab_size, generator=torch.Generator().manual_seed(3)).sequences[0]
+    assert capsys.readouterr().out == "To be, or" + byte.decode([t for t in drawn if t != byte.eot_id]) + "\n"
 
 
 def test_generate_cli_keeps_the_gate_and_shift_fp32_in_bf16(tmp_path, monkeypatch):
