@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -167,11 +168,36 @@ _HF_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p
                     min_new_tokens=0, eos_token_id=None)
 
 
+# generation_config entries that change HF generate's tokens and that foxlm's decoding (greedy or sampling, the controls
+# above) does not apply, with the value at which they do nothing
+_NOT_APPLIED = dict(num_beams=1, num_beam_groups=1, penalty_alpha=None, diversity_penalty=0.0, typical_p=1.0,
+                    epsilon_cutoff=0.0, eta_cutoff=0.0, top_h=None, no_repeat_ngram_size=0, bad_words_ids=None,
+                    force_words_ids=None, forced_bos_token_id=None, forced_eos_token_id=None, suppress_tokens=None,
+                    begin_suppress_tokens=None, sequence_bias=None, guidance_scale=1.0,
+                    exponential_decay_length_penalty=None, min_length=0, stop_strings=None, dola_layers=None,
+                    watermarking_config=None, max_time=None, prompt_lookup_num_tokens=None)
+
+
+def _warn_not_applied(config) -> None:
+    """A warning naming what ``model.generation_config`` sets that foxlm's generate does not apply (HF generate
+    would: beams, n-gram bans, forced tokens...): taking the config's controls, it must not pass over these silently."""
+    given = {name: getattr(config, name, None) for name in _NOT_APPLIED}
+    given = {name: value for name, value in given.items()  # None, the neutral value or an empty list: not set
+             if value is not None and value != _NOT_APPLIED[name]
+             and not (isinstance(value, (list, dict)) and not value)}
+    if given:
+        settings = ", ".join(f"{name}={value!r}" for name, value in given.items())
+        warnings.warn(f"model.generation_config sets {settings}: foxlm's generate does not apply "
+                      f"{'it' if len(given) == 1 else 'them'} (greedy or sampling only; HF model.generate does)",
+                      UserWarning, stacklevel=5)  # past _generation_controls, generate and no_grad's wrapper
+
+
 def _generation_controls(model, from_config: set[str], **given) -> list:
     """The decoding controls as HF generate merges them: the caller's value where not None, else the model's
     ``generation_config``'s where not None, else HF's global default. Adds to ``from_config`` the names whose value
     came from the config (their errors name it)."""
     config = getattr(model, "generation_config", None)  # a PEFT model's is its base model's (attribute forwarding)
+    _warn_not_applied(config)
     values = []
     for name, value in given.items():
         if value is None and getattr(config, name, None) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -449,6 +450,22 @@ def test_generate_names_a_bad_generation_config_value():
     with pytest.raises(ValueError, match=r"model\.generation_config\.top_k: expected an integer >= 0, got -1"):
         generate(model, [[1, 2]], 2, do_sample=True)
     assert len(generate(model, [[1, 2]], 2, do_sample=True, top_k=0).sequences[0]) == 2
+
+
+def test_generate_warns_of_generation_config_entries_it_does_not_apply():
+    """A generation_config asking for what foxlm's decoding does not do (beams, an n-gram ban: HF generate applies
+    them) gets a warning naming them; a model's own config, and neutral values, get none."""
+    model = _model("fox-llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        generate(model, [[1, 2]], 2)
+        model.generation_config.num_beams, model.generation_config.suppress_tokens = 1, []
+        generate(model, [[1, 2]], 2)
+    model.generation_config.num_beams, model.generation_config.no_repeat_ngram_size = 4, 3
+    with pytest.warns(UserWarning, match=r"^model\.generation_config sets num_beams=4, no_repeat_ngram_size=3: "
+                                         r"foxlm's generate does not apply them") as caught:
+        generate(model, [[1, 2]], 2)
+    assert caught[0].filename == __file__  # the caller's line, not generate's
 
 
 def test_generate_gives_the_model_back_in_its_mode():
