@@ -75,6 +75,18 @@ SIZES: dict[str, dict] = {
     "360m": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16),
     "760m": dict(num_hidden_layers=24, hidden_size=1536, num_attention_heads=24),
 }
+# Where an arch departs from SIZES at a size: the papers' Transformer baselines at 760m have 12 heads of 128 (the FoX
+# authors' configs/experiment/longcrawl64/transformer/*_760m_*.yaml), their FoX models 24 of 64.
+ARCH_SIZES: dict[tuple[str, str], dict] = {
+    ("transformer-llama", "760m"): dict(num_attention_heads=12),
+    ("transformer-pro", "760m"): dict(num_attention_heads=12),
+}
+
+
+def preset_fields(arch: str, size: str) -> dict:
+    """The ``FoxConfig`` fields that ``arch`` (one of ``ARCHS``) at ``size`` (one of ``SIZES``) sets; the others keep
+    their ``FOX_FIELDS`` defaults."""
+    return {**SIZES[size], **ARCHS[arch], **ARCH_SIZES.get((arch, size), {})}
 
 # The recurrent baselines. Each keeps fox-pro's width and vocabulary and matches its parameter count within 1.1%
 # (tests/models/test_hf.py checks every one): Mamba-2, which has no MLP, by its number of layers; the others by their

@@ -419,6 +419,29 @@ def test_paper_sizes_parameter_counts(size, nominal):
         assert low < count / nominal < high, (arch, count)
 
 
+# The FoX authors' model shapes, (layers, d_model, heads), from their configs/experiment/longcrawl64/
+# {forgetting_transformer,transformer}/{llama,pro}_{125m_2b,360m_7b,760m_48b}.yaml: their Transformer baselines at
+# 760m have num_heads 12 (head dim 128), their FoX models 24 (head dim 64).
+AUTHORS_SHAPES = {
+    "125m": {arch: (12, 768, 12) for arch in ARCHS},
+    "360m": {arch: (24, 1024, 16) for arch in ARCHS},
+    "760m": {"fox-llama": (24, 1536, 24), "fox-pro": (24, 1536, 24),
+             "transformer-llama": (24, 1536, 12), "transformer-pro": (24, 1536, 12)},
+}
+
+
+@pytest.mark.parametrize("size", sorted(AUTHORS_SHAPES))
+def test_paper_sizes_have_the_authors_layers_width_and_heads(size):
+    """Every preset at a paper size builds attention of the authors' shape: layers, width, heads and head dim."""
+    for arch in ARCHS:
+        with torch.device("meta"):
+            model = FoxForCausalLM(FoxConfig.preset(arch, size))
+        attn = model.model.layers[0].attn
+        layers, width, heads = AUTHORS_SHAPES[size][arch]
+        assert (len(model.model.layers), model.config.hidden_size, attn.num_heads, attn.head_dim) == \
+            (layers, width, heads, width // heads), (arch, size)
+
+
 def test_loss_mean_per_token_and_outputs():
     model = _model("fox-llama")
     ids = _ids(2, 10)
