@@ -1,9 +1,10 @@
 """Training throughput on the GPU: fox-pro 125m vs Transformer baselines, with and without ACP, and MFU.
 
 Protocol (that of the peers' published training figures): ~160M-parameter models (12 layers, d_model 768, 12
-heads of 64, SwiGLU 2048, untied 50,304 vocabulary), fp32 weights, bf16 autocast, fused AdamW with foxlm's
-parameter groups, gradient clipping, one sequence of ``--seq-len`` (16,384) random tokens per step; median step time
-over ``--steps`` timed steps after ``--warmup``, CUDA events. Compared in the same run:
+heads of 64, SwiGLU 2048, the Pro models' 1792 as the FoX authors' Pro, untied 50,304 vocabulary), fp32 weights,
+bf16 autocast, fused AdamW with foxlm's parameter groups, gradient clipping, one sequence of ``--seq-len`` (16,384)
+random tokens per step; median step time over ``--steps`` timed steps after ``--warmup``, CUDA events.
+Compared in the same run:
 
 - ``hf-llama``: transformers ``LlamaForCausalLM`` on SDPA (the RoPE Transformer peer)
 - ``transformer-pro``: foxlm's Transformer (Pro) baseline (SDPA)

@@ -62,11 +62,12 @@ def derived_fields(fields: dict) -> dict:
 # The Pro blocks' QK-norm epsilon is the FoX authors' (their QK-norm modules hard-code 1e-5, whatever the config's
 # norm_eps), so that a model foxlm trains converts to their format (`foxlm convert --to fox-authors`).
 _PRO = dict(qk_norm=True, qk_norm_eps=1e-5, output_gate=True, output_norm=True, k_shift=True, v_shift=True)
+# The RoPE baselines' base is the authors' (rope_base 500000 in every one of their Transformer configs).
 ARCHS: dict[str, dict] = {
     "fox-llama": dict(gate="data"),
     "fox-pro": dict(gate="data", **_PRO),
-    "transformer-llama": dict(gate="none", rope=True),
-    "transformer-pro": dict(gate="none", rope=True, **_PRO),
+    "transformer-llama": dict(gate="none", rope=True, rope_theta=500000.0),
+    "transformer-pro": dict(gate="none", rope=True, rope_theta=500000.0, **_PRO),
 }
 # layers / d_model / heads (head dim 64) from the FoX papers; "tiny" trains on a CPU in minutes.
 SIZES: dict[str, dict] = {
@@ -75,6 +76,24 @@ SIZES: dict[str, dict] = {
     "360m": dict(num_hidden_layers=24, hidden_size=1024, num_attention_heads=16),
     "760m": dict(num_hidden_layers=24, hidden_size=1536, num_attention_heads=24),
 }
+# Where an arch departs from SIZES at a size, as the FoX authors' configs/experiment/longcrawl64/ do: their Transformer
+# baselines at 760m have 12 heads of 128 (their FoX models 24 of 64), and their Pro models a narrower MLP to make room
+# for the output gate (hidden_ratio 3.5 instead of 4: 2/3 x 3.5 x hidden_size, rounded up to a multiple of 256).
+ARCH_SIZES: dict[tuple[str, str], dict] = {
+    ("fox-pro", "125m"): dict(intermediate_size=1792),
+    ("fox-pro", "360m"): dict(intermediate_size=2560),
+    ("fox-pro", "760m"): dict(intermediate_size=3584),
+    ("transformer-pro", "125m"): dict(intermediate_size=1792),
+    ("transformer-pro", "360m"): dict(intermediate_size=2560),
+    ("transformer-pro", "760m"): dict(num_attention_heads=12, intermediate_size=3584),
+    ("transformer-llama", "760m"): dict(num_attention_heads=12),
+}
+
+
+def preset_fields(arch: str, size: str) -> dict:
+    """The ``FoxConfig`` fields that ``arch`` (one of ``ARCHS``) at ``size`` (one of ``SIZES``) sets; the others keep
+    their ``FOX_FIELDS`` defaults."""
+    return {**SIZES[size], **ARCHS[arch], **ARCH_SIZES.get((arch, size), {})}
 
 # The recurrent baselines. Each keeps fox-pro's width and vocabulary and matches its parameter count within 1.1%
 # (tests/models/test_hf.py checks every one): Mamba-2, which has no MLP, by its number of layers; the others by their
@@ -85,14 +104,14 @@ MODEL_TYPES = {"mamba2": "mamba2", "hgrn2": "hgrn2", "delta-net": "delta_net", "
 FLA = ("hgrn2", "delta-net", "gated-delta-net")
 # fox-pro's sizes: hidden_size, layers and heads come from SIZES; what matches the count is here
 _MATCHED = {
-    "mamba2": {"tiny": dict(num_hidden_layers=9), "125m": dict(num_hidden_layers=25),
-               "360m": dict(num_hidden_layers=51), "760m": dict(num_hidden_layers=50)},
-    "hgrn2": {"tiny": dict(intermediate_size=416), "125m": dict(intermediate_size=2304),
-              "360m": dict(intermediate_size=3200), "760m": dict(intermediate_size=4608)},
-    "delta-net": {"tiny": dict(intermediate_size=416), "125m": dict(intermediate_size=2304),
-                  "360m": dict(intermediate_size=3136), "760m": dict(intermediate_size=4608)},
-    "gated-delta-net": {"tiny": dict(intermediate_size=256), "125m": dict(intermediate_size=1280),
-                        "360m": dict(intermediate_size=1792), "760m": dict(intermediate_size=2560)},
+    "mamba2": {"tiny": dict(num_hidden_layers=9), "125m": dict(num_hidden_layers=23),
+               "360m": dict(num_hidden_layers=48), "760m": dict(num_hidden_layers=47)},
+    "hgrn2": {"tiny": dict(intermediate_size=416), "125m": dict(intermediate_size=2048),
+              "360m": dict(intermediate_size=2912), "760m": dict(intermediate_size=4128)},
+    "delta-net": {"tiny": dict(intermediate_size=416), "125m": dict(intermediate_size=2048),
+                  "360m": dict(intermediate_size=2912), "760m": dict(intermediate_size=4096)},
+    "gated-delta-net": {"tiny": dict(intermediate_size=256), "125m": dict(intermediate_size=1024),
+                        "360m": dict(intermediate_size=1536), "760m": dict(intermediate_size=2048)},
 }
 
 HF_PREFIX = "hf:"

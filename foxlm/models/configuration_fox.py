@@ -8,7 +8,7 @@ from transformers import PretrainedConfig
 
 from ..layers import GATES
 from ..ops.forgetting_attention.acp import check_tolerance
-from ..presets import ARCHS, FOX_FIELDS, SIZES, derived_fields
+from ..presets import ARCHS, FOX_FIELDS, SIZES, derived_fields, preset_fields
 
 
 class FoxConfig(PretrainedConfig):
@@ -83,7 +83,7 @@ class FoxConfig(PretrainedConfig):
             raise ValueError(f"arch: expected one of {sorted(ARCHS)}, got {arch!r}")
         if size not in SIZES:
             raise ValueError(f"size: expected one of {sorted(SIZES)}, got {size!r}")
-        return cls(**{**SIZES[size], **ARCHS[arch], **overrides})
+        return cls(**{**preset_fields(arch, size), **overrides})
 
     def set_acp(self, acp: bool, tolerance: float | None = None) -> None:
         """Turn ACP on or off and (unless None) set its epsilon, checked as in the constructor; the attention

@@ -29,6 +29,7 @@ from ..presets import (
     derived_fields,
     has_size,
     is_hf_arch,
+    preset_fields,
 )
 
 PACKAGED = Path(__file__).resolve().parent.parent / "configs"
@@ -251,7 +252,7 @@ def resolved_model(cfg: TrainConfig) -> dict | None:
     if cfg.arch in BASELINES:
         fields = {**baseline_fields(cfg.arch, cfg.size), **cfg.model}
     elif cfg.arch in ARCHS:
-        fields = derived_fields({**FOX_FIELDS, **SIZES[cfg.size], **ARCHS[cfg.arch], **cfg.model})
+        fields = derived_fields({**FOX_FIELDS, **preset_fields(cfg.arch, cfg.size), **cfg.model})
     else:
         return None
     return {k: v for k, v in fields.items() if k not in FROM_THE_DATA}

@@ -22,11 +22,14 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: decay on matrices (projections, embeddings, LM head), none on norms, biases and gate biases."""
+    """AdamW groups, as the FoX authors' ``group_parameters``: decay on matrices (projections, embeddings, LM head),
+    none on norms, biases and gate biases. A per-head norm's weight ([H, D]: QK-norm, output norm) is a norm's, not a
+    matrix: norms are told by their module (any class named ...Norm...), not by their number of dims."""
+    norms = {id(p) for m in model.modules() if "Norm" in type(m).__name__ for p in m.parameters(recurse=False)}
     decay, no_decay = [], []
     for _, p in model.named_parameters():
         if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+            (decay if p.dim() >= 2 and id(p) not in norms else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

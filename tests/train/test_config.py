@@ -150,7 +150,7 @@ def test_print_config_shows_the_model_the_preset_builds(capsys):
                                                         window=64).to_dict().items() if k in fields}
     assert (fields["hidden_size"], fields["head_dim"], fields["window"]) == (256, 128, 64)
     mamba = shown("arch=mamba2", "size=125m")
-    assert (mamba["hidden_size"], mamba["num_hidden_layers"], mamba["num_heads"]) == (768, 25, 24)
+    assert (mamba["hidden_size"], mamba["num_hidden_layers"], mamba["num_heads"]) == (768, 23, 24)
 
 
 def test_foxconfig_takes_and_stores_the_declared_fields():
