@@ -129,6 +129,20 @@ def test_streamed_logprobs_match_model_loss(trained, corpus, monkeypatch):
     np.testing.assert_allclose(curve.loss, ref.double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_checkpoint_is_evaluated_with_fp32_weights(tmp_path):
+    """A folder that stores bf16 weights (``foxlm convert --dtype bfloat16``) is evaluated as the FoX authors'
+    run_per_token_loss.py evaluates (fp32 weights, bf16 autocast on CUDA): the per-token loss is that of the same
+    weights in fp32, not of bf16 arithmetic throughout."""
+    torch.manual_seed(0)
+    stored = FoxForCausalLM(_config()).to(torch.bfloat16)
+    stored.save_pretrained(tmp_path)
+    model = utils.load_model(tmp_path, torch.device("cpu"), progress=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    seqs = list(np.random.default_rng(0).integers(0, 256, (2, 65)))
+    want = loss.per_token_loss(stored.float().eval(), seqs, show_progress=False).loss
+    np.testing.assert_allclose(loss.per_token_loss(model, seqs, show_progress=False).loss, want, rtol=1e-6)
+
+
 def test_constant_model_has_constant_perplexity(untrained, corpus):
     model = utils.load_model(untrained, torch.device("cpu"))
     with torch.no_grad():
@@ -158,7 +172,8 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert 150 < untrained_p < 400  # a random model: about the 257-byte vocabulary
     assert trained_p < untrained_p / 4
     summary = _read_csv(out / "summary.csv")
-    assert summary[0] == ["model", "sequences", "P(train/2=320)", "P(train=640)", "P(2x train=1280)", "P(4x train=2560)"]
+    assert summary[0] == ["model", "sequences", "P(train/2=320)", "P(train=640)", "P(2x train=1280)",
+                          "P(4x train=2560)"]
     assert [r[:2] for r in summary[1:]] == [["trained", "3"], ["untrained", "3"]]
     np.testing.assert_allclose(float(summary[1][-1]), trained_p, rtol=1e-3)
     assert "| trained | 3 |" in (out / "summary.md").read_text()
