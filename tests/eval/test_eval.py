@@ -61,14 +61,15 @@ def trained(corpus, tmp_path_factory):
     return write_checkpoint(run, 100, model.save_pretrained, {"step": 100}, keep_last=1)
 
 
-def _train(model, builder, rng, steps=200, batch_size=4):
+def _train(model, builder, rng, steps=400, batch_size=4):
     """AdamW on needle prompts of TRAIN_LENGTH tokens with the answer, at random depths, modes and haystack offsets.
 
     The learning rate decays linearly to 0: at a constant 1e-2 the memorised answer's weakest token led its rival by
     0.1 to 0.8 logits, or lost, as the seed or the machine's CPU kernels changed (the GPU lane's machine trained a
     model that answered "... sit in San Francisco"); decayed over 100 steps it led by 1.8 to 3.6 over six seeds. The
-    authors' prompts (their quiz, and the easy mode's needle holding the answer) made the prompts twice as long, and
-    100 steps then left a model that answered "... on a sandwich": hence 200."""
+    authors' prompts (their quiz, and the easy mode's needle holding the answer) made the prompts twice as long: then
+    the weakest token's lead was -0.1 to 3.9 over seeds 0-2 after 200 steps (100 left "... on a sandwich"), and 3.8
+    and 5.1 for seeds 1 and 3 after 400."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / steps)
     n = TRAIN_LENGTH - len(builder.answer)
