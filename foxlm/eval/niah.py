@@ -1,9 +1,17 @@
-"""Needle in a haystack (shared/ANCHORS.md section 3), scored offline with no external judge.
+"""Needle in a haystack (shared/ANCHORS.md section 3), the FoX authors' prompts, scored offline with no external judge.
 
-A prompt of exactly ``context_length`` tokens is held-out text with the needle inserted at a sentence
-boundary near ``depth`` (0 = start, 1 = end), followed by the question; in ``easy`` mode the question
-also opens the prompt, so the model knows what to look for while reading. Each cell is scored by
-(1) whether the answer phrase appears in the greedy completion and (2) log p(answer | prompt).
+A prompt of exactly ``context_length`` tokens is BOS, held-out text with the needle on a line of its own at a
+sentence boundary near ``depth`` (0 = start, 1 = end), then the authors' quiz and the question, which ends in the
+answer's first words. In ``standard`` mode the needle is the fact; in ``easy`` mode it is the question and answer in
+the very words the prompt ends with, so the model need only copy (their config-prompt-{standard,easy}.yaml).
+Each cell is scored by (1) whether the answer phrase appears in the greedy completion and (2) log p(answer | prompt).
+
+Where this differs from their eval/niah on purpose: the haystack is the held-out split rather than Paul Graham's
+essays; a prompt is exactly ``context_length`` tokens of the pieces' own tokens (theirs keeps 200 spare and
+re-tokenizes the joined text); the "." before the depth is searched for up to 256 tokens back, the depth kept where
+there is none (theirs search back to the start); and the score is the answer phrase in a short greedy completion,
+not a GPT-4o rating from 1 to 10. Their grid, for models trained at 16k: depths 0, 0.1, ..., 1 and lengths 1000,
+4100, ..., 32000 (11 each; ``--depths`` and ``--lengths`` take it).
 """
 
 from __future__ import annotations
@@ -23,9 +31,13 @@ NEEDLE = "The best thing to do in San Francisco is eat a sandwich and sit in Dol
 QUESTION = "What is the best thing to do in San Francisco?"
 ANSWER_PREFIX = "Answer: The best thing to do in San Francisco is"
 ANSWER = "eat a sandwich and sit in Dolores Park on a sunny day."
+# the needle of each mode: easy mode's is the question with its answer, worded as the prompt's end
+NEEDLES = {"easy": f"{QUESTION} {ANSWER_PREFIX} {ANSWER}", "standard": NEEDLE}
+# what the authors' prompt says between the haystack and the question
+QUIZ = ("There is an important piece of information hidden inside the above document. Now that you've read the "
+        "document, I will quiz you about it. Answer the following question: ")
 MODES = ("easy", "standard")
-_SENTENCE_END = re.compile(r"[.!?]$")
-_BOUNDARY_LOOKBACK = 256  # tokens searched back from the requested depth for a sentence end
+_BOUNDARY_LOOKBACK = 256  # tokens searched back from the requested depth for a "."
 
 
 @dataclass
@@ -69,28 +81,28 @@ class PromptBuilder:
     def __init__(self, tokenizer, haystack: np.ndarray):
         self.tok = tokenizer
         self.haystack = haystack
-        self.needle = tokenizer.encode(" " + NEEDLE)
-        self.head = {"easy": tokenizer.encode(QUESTION + "\n\n"), "standard": []}
-        self.tail = tokenizer.encode("\n\n" + QUESTION + " " + ANSWER_PREFIX)
+        self.needle = {mode: tokenizer.encode("\n" + text + "\n") for mode, text in NEEDLES.items()}
+        self.tail = tokenizer.encode("\n\n" + QUIZ + QUESTION + " " + ANSWER_PREFIX)
+        self.period = set(tokenizer.encode("."))
         self.answer = tokenizer.encode(" " + ANSWER)
 
     def haystack_length(self, context_length: int, mode: str) -> int:
         """Haystack tokens in a prompt of ``context_length`` tokens."""
         if mode not in MODES:
             raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-        n = context_length - 1 - len(self.head[mode]) - len(self.needle) - len(self.tail)
+        n = context_length - 1 - len(self.needle[mode]) - len(self.tail)
         if n < 0:
             raise ValueError(f"context_length (--lengths): {context_length} tokens cannot hold the needle and "
                              f"question, which take {context_length - n}")
         return n
 
     def _sentence_boundary(self, hay: list[int], cut: int) -> int:
-        """The nearest position at or before ``cut`` (within a lookback) just after a sentence end and before
-        whitespace, so that the needle reads as a sentence of its own; ``cut`` itself if there is none."""
+        """The nearest position at or before ``cut`` (within a lookback) just after a "." token, as the authors'
+        prompt.py places it, so that the needle goes between sentences; ``cut`` itself if there is none."""
         for i in range(cut, max(0, cut - _BOUNDARY_LOOKBACK) - 1, -1):
             if i == 0 or i == len(hay):  # the haystack's ends are boundaries only where asked for (a cut of a text)
                 return cut
-            if _SENTENCE_END.search(self.tok.decode(hay[i - 1:i])) and self.tok.decode(hay[i:i + 1])[:1].isspace():
+            if hay[i - 1] in self.period:
                 return i
         return cut
 
@@ -103,9 +115,10 @@ class PromptBuilder:
             raise ValueError(f"haystack: {len(self.haystack)} held-out tokens, but a {context_length}-token prompt "
                              f"at offset {offset} needs {offset + n}; use more documents or shorter contexts")
         hay = self.haystack[offset:offset + n].tolist()
-        cut = self._sentence_boundary(hay, round(depth * n))
-        head = [self.tok.eot_id] + self.head[mode] + hay[:cut]
-        return head + self.needle + hay[cut:] + self.tail, len(head)
+        # floor, as the authors' int(); rounded first so that e.g. 0.7 * 1000 = 699.99... is 700
+        cut = self._sentence_boundary(hay, int(round(depth * n, 6)))
+        head = [self.tok.eot_id] + hay[:cut]
+        return head + self.needle[mode] + hay[cut:] + self.tail, len(head)
 
 
 class _PastTrainingLength(logging.Filter):

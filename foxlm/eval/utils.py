@@ -31,12 +31,16 @@ def autocast(device: torch.device, dtype: str = "auto") -> contextlib.AbstractCo
 
 def load_model(path: str | os.PathLike, device: torch.device, progress: bool = True) -> torch.nn.Module:
     """A foxlm model from a run dir, a checkpoint dir or a ``save_pretrained`` dir, in eval mode on ``device``
-    (``progress=False``: without transformers' loading bar)."""
+    (``progress=False``: without transformers' loading bar).
+
+    The weights are fp32 whatever the folder stores (e.g. ``foxlm convert --dtype bfloat16``): ``autocast`` then
+    gives training's mixed precision, as the FoX authors' evaluations ran (fp32 weights, bf16 autocast), rather than
+    bf16 arithmetic throughout."""
     from foxlm.models import load_checkpoint_model
 
     if not Path(path).exists():
         raise ValueError(f"CHECKPOINT: {path} does not exist (expected a run, checkpoint or save_pretrained dir)")
-    return load_checkpoint_model(path, "CHECKPOINT", progress).to(device).eval()
+    return load_checkpoint_model(path, "CHECKPOINT", progress, dtype=torch.float32).to(device).eval()
 
 
 def run_train_length(checkpoint: str | os.PathLike) -> int | None:

@@ -29,7 +29,7 @@ from foxlm.models import FoxConfig, FoxForCausalLM
 from foxlm.ops import use_backend
 from foxlm.train import TrainConfig
 
-TRAIN_LENGTH = 320  # bytes: the easy-mode needle prompt needs ~250
+TRAIN_LENGTH = 640  # bytes: the shortest easy-mode needle prompt and its answer take 474
 
 
 def _config(**overrides) -> FoxConfig:
@@ -61,12 +61,15 @@ def trained(corpus, tmp_path_factory):
     return write_checkpoint(run, 100, model.save_pretrained, {"step": 100}, keep_last=1)
 
 
-def _train(model, builder, rng, steps=100, batch_size=4):
+def _train(model, builder, rng, steps=400, batch_size=4):
     """AdamW on needle prompts of TRAIN_LENGTH tokens with the answer, at random depths, modes and haystack offsets.
 
     The learning rate decays linearly to 0: at a constant 1e-2 the memorised answer's weakest token led its rival by
     0.1 to 0.8 logits, or lost, as the seed or the machine's CPU kernels changed (the GPU lane's machine trained a
-    model that answered "... sit in San Francisco"); decayed over 100 steps it leads by 1.8 to 3.6 over six seeds."""
+    model that answered "... sit in San Francisco"); decayed over 100 steps it led by 1.8 to 3.6 over six seeds. The
+    authors' prompts (their quiz, and the easy mode's needle holding the answer) made the prompts twice as long: then
+    the weakest token's lead was -0.1 to 3.9 over seeds 0-2 after 200 steps (100 left "... on a sandwich"), and 3.8
+    and 5.1 for seeds 1 and 3 after 400."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1 - i / steps)
     n = TRAIN_LENGTH - len(builder.answer)
@@ -127,6 +130,20 @@ def test_streamed_logprobs_match_model_loss(trained, corpus, monkeypatch):
     np.testing.assert_allclose(curve.loss, ref.double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_checkpoint_is_evaluated_with_fp32_weights(tmp_path):
+    """A folder that stores bf16 weights (``foxlm convert --dtype bfloat16``) is evaluated as the FoX authors'
+    run_per_token_loss.py evaluates (fp32 weights, bf16 autocast on CUDA): the per-token loss is that of the same
+    weights in fp32, not of bf16 arithmetic throughout."""
+    torch.manual_seed(0)
+    stored = FoxForCausalLM(_config()).to(torch.bfloat16)
+    stored.save_pretrained(tmp_path)
+    model = utils.load_model(tmp_path, torch.device("cpu"), progress=False)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    seqs = list(np.random.default_rng(0).integers(0, 256, (2, 65)))
+    want = loss.per_token_loss(stored.float().eval(), seqs, show_progress=False).loss
+    np.testing.assert_allclose(loss.per_token_loss(model, seqs, show_progress=False).loss, want, rtol=1e-6)
+
+
 def test_constant_model_has_constant_perplexity(untrained, corpus):
     model = utils.load_model(untrained, torch.device("cpu"))
     with torch.no_grad():
@@ -156,7 +173,8 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert 150 < untrained_p < 400  # a random model: about the 257-byte vocabulary
     assert trained_p < untrained_p / 4
     summary = _read_csv(out / "summary.csv")
-    assert summary[0] == ["model", "sequences", "P(train/2=160)", "P(train=320)", "P(2x train=640)", "P(4x train=1280)"]
+    assert summary[0] == ["model", "sequences", "P(train/2=320)", "P(train=640)", "P(2x train=1280)",
+                          "P(4x train=2560)"]
     assert [r[:2] for r in summary[1:]] == [["trained", "3"], ["untrained", "3"]]
     np.testing.assert_allclose(float(summary[1][-1]), trained_p, rtol=1e-3)
     assert "| trained | 3 |" in (out / "summary.md").read_text()
@@ -244,7 +262,7 @@ def test_loss_cli_mistakes_are_one_line(untrained, corpus, tmp_path):
     ("loss", ["--train-length", "64", "--eval-length", "100000000"], "--eval-length: no 'val' document"),
     ("loss", ["--train-length", "64", "--acp", "on", "--acp-tolerance", "0"], "--acp-tolerance: expected a value"),
     ("niah", ["--lengths", "20"], r"\(--lengths\): 20 tokens cannot hold the needle"),
-    ("niah", ["--lengths", "300,100000000"], r"\(--lengths\): the longest prompt needs"),
+    ("niah", ["--lengths", "600,100000000"], r"\(--lengths\): the longest prompt needs"),
     ("gates", ["--length", "100000000"], "--length: no 'val' document"),
 ])
 def test_refused_command_leaves_out_as_it_was(untrained, corpus, tmp_path, capsys, command, argv, message):
@@ -260,7 +278,7 @@ def test_refused_command_leaves_out_as_it_was(untrained, corpus, tmp_path, capsy
     assert [p.name for p in kept.iterdir()] == ["mine.txt"] and (kept / "mine.txt").read_text() == "mine"
 
 
-@pytest.mark.parametrize("command,argv", [("loss", ["--train-length", "64"]), ("niah", ["--lengths", "300"]),
+@pytest.mark.parametrize("command,argv", [("loss", ["--train-length", "64"]), ("niah", ["--lengths", "600"]),
                                           ("gates", [])])
 def test_bad_device_names_the_flag(untrained, corpus, tmp_path, capsys, command, argv):
     """resolve_device's message opens with "device:", a name the command line does not have."""
@@ -400,14 +418,14 @@ def test_empty_or_non_positive_lists_are_refused(tmp_path, capsys, argv):
     ("--train-length", "0", "--train-length: expected a positive number of tokens, got 0"),  # was taken, for the plot
 ])
 def test_niah_cli_refuses_bad_numbers_naming_the_flag(untrained, corpus, tmp_path, capsys, flag, value, message):
-    _refused(capsys, message, ["eval", "niah", str(untrained), "--data", str(corpus), "--lengths", "300", "--depths",
+    _refused(capsys, message, ["eval", "niah", str(untrained), "--data", str(corpus), "--lengths", "600", "--depths",
                                "0.5", "--modes", "easy", flag, value, "--out", str(tmp_path / "out"), "--no-progress"])
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("lengths,message", [
-    ("20", r"context_length \(--lengths\): 20 tokens cannot hold the needle and question, which take 2"),
-    ("300,10000000", r"context_lengths \(--lengths\): the longest prompt needs \d+ haystack tokens, only \d+ are held "
+    ("20", r"context_length \(--lengths\): 20 tokens cannot hold the needle and question, which take 419"),
+    ("600,10000000", r"context_lengths \(--lengths\): the longest prompt needs \d+ haystack tokens, only \d+ are held "
                      "out; use shorter lengths"),
 ])
 def test_niah_lengths_that_do_not_fit_name_the_flag(untrained, corpus, tmp_path, capsys, lengths, message):
@@ -420,24 +438,48 @@ def test_niah_lengths_that_do_not_fit_name_the_flag(untrained, corpus, tmp_path,
 def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
     tok = get_tokenizer("byte")
     builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents())))
-    needle = tok.encode(" " + niah.NEEDLE)
     for mode in niah.MODES:
+        needle = tok.encode("\n" + niah.NEEDLES[mode] + "\n")
         for depth in (0.0, 0.3, 0.7, 1.0):
             ids, pos = builder.build(700, depth, mode, offset=5000)
             assert len(ids) == 700 and ids[0] == tok.eot_id and tok.eot_id not in ids[1:]
             assert ids[pos:pos + len(needle)] == needle
             text = tok.decode(ids[1:])
-            assert text.endswith(niah.QUESTION + " " + niah.ANSWER_PREFIX)
-            assert text.startswith(niah.QUESTION) == (mode == "easy")
+            assert text.endswith(niah.QUIZ + niah.QUESTION + " " + niah.ANSWER_PREFIX)
             n = builder.haystack_length(700, mode)
-            start = pos - 1 - len(builder.head[mode])  # needle index within the haystack
+            start = pos - 1  # needle index within the haystack
             assert abs(start - depth * n) <= 256
-            if 0 < start < n:  # inserted after a sentence end, before whitespace
-                assert tok.decode(ids[pos - 1:pos]) in ".!?" and tok.decode(ids[pos + len(needle):][:1]).isspace()
+            if 0 < start < n:  # inserted after a full stop
+                assert tok.decode(ids[pos - 1:pos]) == "."
     with pytest.raises(ValueError, match="context_length"):
         builder.build(100, 0.5, "easy", 0)
     with pytest.raises(ValueError, match="depth"):
         builder.build(700, 1.5, "easy", 0)
+
+
+def test_prompts_are_the_fox_authors():
+    """The prompt text is the one the authors' eval/niah/prompt.py builds from their config-prompt-easy.yaml and
+    config-prompt-standard.yaml, the expectation written here from their strings and rules: the haystack's first
+    depth x length tokens (floor), cut back to just after a "." token, the mode's needle on a line of its own
+    (standard: the fact; easy: the question with its answer), the rest of the haystack, then their quiz and the
+    question, which ends in the answer's first words."""
+    tok = get_tokenizer("byte")
+    text = "".join(f"Sentence {i} says little, or nothing. " for i in range(100))
+    builder = niah.PromptBuilder(tok, np.array(tok.encode(text), dtype=np.int64))
+    fact = "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+    question = "What is the best thing to do in San Francisco? Answer: The best thing to do in San Francisco is"
+    needles = {"standard": f"\n{fact}\n", "easy": f"\nWhat is the best thing to do in San Francisco? Answer: {fact}\n"}
+    quiz = ("\n\nThere is an important piece of information hidden inside the above document. Now that you've read "
+            f"the document, I will quiz you about it. Answer the following question: {question}")
+    for mode in niah.MODES:
+        n = builder.haystack_length(1200, mode)
+        for percent in (0, 30, 55, 100):
+            cut = n if percent == 100 else n * percent // 100
+            while 0 < cut < n and text[cut - 1] != ".":  # bytes are characters here
+                cut -= 1
+            ids, pos = builder.build(1200, percent / 100, mode, offset=0)
+            assert len(ids) == 1200 and ids[0] == tok.eot_id and pos == 1 + cut
+            assert tok.decode(ids[1:]) == text[:cut] + needles[mode] + text[cut:n] + quiz, (mode, percent)
 
 
 def test_prompt_builder_keeps_the_depth_where_no_sentence_ends_before_it():
@@ -449,7 +491,7 @@ def test_prompt_builder_keeps_the_depth_where_no_sentence_ends_before_it():
     n = builder.haystack_length(600, "standard")
     for depth in (0.0, 0.1, 0.3, 1.0):
         ids, pos = builder.build(600, depth, "standard", offset=0)
-        assert pos - 1 == round(depth * n)
+        assert pos - 1 == int(depth * n)
 
 
 def test_answer_found_ignores_case_and_punctuation():
@@ -466,21 +508,21 @@ def test_answer_found_needs_whole_words():
 
 def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
     out = tmp_path / "niah"
-    rc = main(["eval", "niah", str(trained), "--data", str(corpus), "--lengths", "260,400", "--depths", "0,0.5,1",
+    rc = main(["eval", "niah", str(trained), "--data", str(corpus), "--lengths", "520,800", "--depths", "0,0.5,1",
                "--batch-size", "3", "--train-length", str(TRAIN_LENGTH), "--out", str(out), "--no-progress"])
     assert rc == 0
     with open(out / "niah.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * 2 * 3
     assert {(r["mode"], r["context_length"], r["depth"]) for r in rows} == {
-        (m, n, d) for m in niah.MODES for n in ("260", "400") for d in ("0.0", "0.5", "1.0")}
+        (m, n, d) for m in niah.MODES for n in ("520", "800") for d in ("0.0", "0.5", "1.0")}
     assert all(r["found"] == "True" for r in rows), [r["completion"] for r in rows]
     assert all(float(r["answer_logprob_per_token"]) > -0.5 for r in rows)
     _nontrivial_png(out / "niah.png")
     # a model that never saw the needle: not found, far less likely answer
     tok = get_tokenizer("byte")
     hay = niah.haystack_tokens(tok, list(TokenDataset(corpus, "val").documents()))
-    res = niah.run_niah(utils.load_model(untrained, torch.device("cpu")), tok, hay, [260], [0.5],
+    res = niah.run_niah(utils.load_model(untrained, torch.device("cpu")), tok, hay, [520], [0.5],
                         modes=("standard",), show_progress=False)
     assert len(res) == 1 and not res[0].found and res[0].answer_logprob_per_token < -4
 

@@ -134,7 +134,7 @@ def test_train_resume_and_evaluate(name, byte_data, tmp_path):
     assert main(["eval", "loss", str(ref), "--data", str(byte_data), "--train-length", "32", "--eval-length", "64",
                  "--max-sequences", "2", "--out", str(tmp_path / "loss"), "--no-progress"]) == 0
     assert (tmp_path / "loss" / "per_token_loss.csv").read_text().count("\n") > 60
-    assert main(["eval", "niah", str(ref), "--data", str(byte_data), "--lengths", "300", "--depths", "0,1",
+    assert main(["eval", "niah", str(ref), "--data", str(byte_data), "--lengths", "600", "--depths", "0,1",
                  "--modes", "easy", "--train-length", "32", "--out", str(tmp_path / "niah"), "--no-progress"]) == 0
     with open(tmp_path / "niah" / "niah.csv", newline="") as f:
         rows = list(csv.DictReader(f))
