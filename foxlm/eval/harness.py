@@ -60,9 +60,10 @@ class FoxLM(HFLM):
     the model's config records (``train_length``, or the ``seq_len`` of the run it is in); a foxlm model with neither
     needs ``max_length``, rather than lm-eval's silent 2048 (another architecture gets lm-eval's own reading of its
     config). ``device`` (default ``auto``: CUDA when available) and ``dtype`` (``float32`` | ``bfloat16`` |
-    ``float16`` | ``auto``, the saved weights', as lm-eval's ``--model hf`` takes it; default bfloat16 on CUDA) place
-    the model; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or folder) defaults to the one the model's config
-    records, else GPT-2 BPE.
+    ``float16`` | ``auto``, the saved weights', as lm-eval's ``--model hf`` takes it) place the model; without a
+    ``dtype``, on CUDA it runs as the FoX authors' evaluations and ``foxlm eval`` do, fp32 weights under bf16 autocast
+    (HFLM's ``mixed_precision_dtype``), and in fp32 elsewhere; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or
+    folder) defaults to the one the model's config records, else GPT-2 BPE.
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
@@ -78,7 +79,7 @@ class FoxLM(HFLM):
             raise ValueError(f"--model_args: --model foxlm takes no {', '.join(unknown)} (expected pretrained, "
                              "tokenizer, device, dtype or another argument of lm-eval's HFLM: max_length, ...)")
         dev = resolve_device(device)
-        dtype = dtype or ("bfloat16" if dev.type == "cuda" else "float32")
+        dtype = precision(dev, dtype, kwargs)
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16', 'float16' or 'auto' (the saved weights'), "
                              f"got {dtype!r}")
@@ -117,6 +118,15 @@ class FoxLM(HFLM):
 
 # The named arguments of HFLM (lm-eval's own) that a user may set: any other key would go to its from_pretrained,
 # never called here; the backend is "causal"
+def precision(device: torch.device, dtype: str | None, kwargs: dict) -> str:
+    """The weights' dtype of ``--model foxlm`` on ``device``: ``dtype`` where given; else float32, with HFLM's
+    ``mixed_precision_dtype`` set in ``kwargs`` to bfloat16 on CUDA (unless given): the FoX authors' lm-eval runs
+    (fp32 weights, bf16 autocast), not bf16 weights, whose rounding moves the log-likelihoods."""
+    if dtype is None and device.type == "cuda":
+        kwargs.setdefault("mixed_precision_dtype", "bfloat16")
+    return dtype or "float32"
+
+
 _HFLM_ARGS = frozenset(name for name, p in inspect.signature(HFLM.__init__).parameters.items()
                        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - {"self", "pretrained", "backend"}
 

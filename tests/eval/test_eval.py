@@ -811,6 +811,34 @@ def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
         [x for x, _ in theirs.loglikelihood(reqs, disable_tqdm=True)]
 
 
+def test_harness_default_precision_is_fp32_weights_under_bf16_autocast_on_cuda(tmp_path):
+    """Without a dtype, ``--model foxlm`` on CUDA keeps fp32 weights under bf16 autocast (the FoX authors' lm-eval runs
+    and ``foxlm eval``'s precision; it loaded bf16 weights), fp32 without autocast elsewhere, and a given dtype or
+    mixed_precision_dtype wins. The autocast path gives HFLM's own log-likelihoods with the same two settings."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from foxlm.eval.harness import FoxLM, precision
+
+    cases = [("cuda", None, {}, "float32", {"mixed_precision_dtype": "bfloat16"}),
+             ("cpu", None, {}, "float32", {}),
+             ("cuda", "bfloat16", {}, "bfloat16", {}),
+             ("cuda", None, {"mixed_precision_dtype": "float16"}, "float32", {"mixed_precision_dtype": "float16"})]
+    for device, dtype, kwargs, weights, after in cases:
+        assert precision(torch.device(device), dtype, kwargs) == weights and kwargs == after, (device, dtype)
+    path = _gpt2_model(tmp_path / "m")
+    reqs = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0),
+            Instance("loglikelihood", {}, ("To be, or not to be:", " that is the question"), 1)]
+    ours = FoxLM(pretrained=str(path), device="cpu", mixed_precision_dtype="bfloat16")
+    assert {p.dtype for p in ours.model.parameters()} == {torch.float32}
+    theirs = HFLM(pretrained=str(path), device="cpu", dtype="float32", mixed_precision_dtype="bfloat16")
+    fp32 = HFLM(pretrained=str(path), device="cpu", dtype="float32")
+    mixed = [x for x, _ in ours.loglikelihood(reqs, disable_tqdm=True)]
+    assert mixed == [x for x, _ in theirs.loglikelihood(reqs, disable_tqdm=True)]
+    assert mixed != [x for x, _ in fp32.loglikelihood(reqs, disable_tqdm=True)]  # autocast did run
+
+
 def test_harness_auto_dtype_is_the_saved_weights(tmp_path):
     """dtype=auto (as lm-eval's ``--model hf`` takes it): the weights' saved dtype, the forget gate still fp32."""
     pytest.importorskip("lm_eval")
