@@ -278,10 +278,19 @@ class JSONGPT2Tokenizer:
         self.vocab_size, self.eot_id = self._bpe.vocab_size, self._bpe.eot_id
 
     def encode(self, text: str) -> list[int]:
-        return self._bpe.encode(json.dumps(text)[1:-1])
+        return self._bpe.encode(self.escape(text))
 
     def decode(self, ids: Sequence[int]) -> str:
-        text = self._bpe.decode(ids)
+        return self.unescape(self._bpe.decode(ids))
+
+    @staticmethod
+    def escape(text: str) -> str:
+        """The text GPT-2 BPE sees: ``json.dumps(text)`` without its quotes."""
+        return json.dumps(text)[1:-1]
+
+    @staticmethod
+    def unescape(text: str) -> str:
+        """``escape`` undone, at best where the text was cut inside an escape."""
         try:
             text = json.loads(f'"{text}"')
         except json.JSONDecodeError:  # a cut escape (e.g. generation stopped inside \\u00e9): unescape what is whole

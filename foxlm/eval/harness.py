@@ -68,7 +68,8 @@ class FoxLM(HFLM):
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
                  dtype: str | None = None, **kwargs):
-        from foxlm.data.tokenizer import model_tokenizer
+        from foxlm.data import get_tokenizer
+        from foxlm.data.tokenizer import JSONGPT2Tokenizer, model_tokenizer
         from foxlm.device import resolve_device
         from foxlm.models import load_checkpoint_model
 
@@ -88,8 +89,10 @@ class FoxLM(HFLM):
                                       dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         model = model.to(dev).eval()
         # the one `foxlm train` recorded, else GPT-2 BPE; lm_eval's command line takes it in --model_args
-        tok = _as_hf(model_tokenizer(model.config, tokenizer, what=pretrained,
-                                     flag="tokenizer=NAME_OR_FOLDER in --model_args"))
+        own = model_tokenizer(model.config, tokenizer, what=pretrained, flag="tokenizer=NAME_OR_FOLDER in --model_args")
+        # json-gpt2 (the FoX authors' models) has no transformers twin: GPT-2's, on text escaped here (tok_encode)
+        self._json = own if isinstance(own, JSONGPT2Tokenizer) else None
+        tok = get_tokenizer("gpt2").hf_tokenizer() if self._json else _as_hf(own)
         given = kwargs.get("max_length")
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
             # 0 read as "not given" (the training length instead), a negative one went on to lm-eval's truncation
@@ -104,6 +107,20 @@ class FoxLM(HFLM):
             # another architecture outside a run: lm-eval reads its config's length (max_position_embeddings, ...)
         with _quiet(logging.getLogger("lm_eval.models.huggingface"), _PASSED_A_MODEL):
             super().__init__(pretrained=model, tokenizer=tok, backend="causal", **kwargs)
+
+    def tok_encode(self, string: str, *args, **kwargs) -> list[int]:
+        """HFLM's, on the text the model's tokenizer sees (JSON-escaped for json-gpt2)."""
+        return super().tok_encode(self._json.escape(string) if self._json else string, *args, **kwargs)
+
+    def tok_batch_encode(self, strings: list[str], *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """HFLM's, on the texts the model's tokenizer sees (JSON-escaped for json-gpt2)."""
+        return super().tok_batch_encode([self._json.escape(s) for s in strings] if self._json else strings,
+                                        *args, **kwargs)
+
+    def tok_decode(self, tokens, *args, **kwargs) -> str:
+        """HFLM's, unescaped for json-gpt2."""
+        text = super().tok_decode(tokens, *args, **kwargs)
+        return self._json.unescape(text) if self._json else text
 
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """HFLM's, with each text encoded without the tokenizer's BOS: lm-eval opens the first window with

@@ -839,6 +839,32 @@ def test_harness_default_precision_is_fp32_weights_under_bf16_autocast_on_cuda(t
     assert mixed != [x for x, _ in fp32.loglikelihood(reqs, disable_tqdm=True)]  # autocast did run
 
 
+def test_harness_runs_a_json_gpt2_model_on_its_escaped_text(tmp_path):
+    """The FoX authors' models read JSON-escaped text (json-gpt2), which has no transformers tokenizer: lm-eval
+    refused them. ``--model foxlm`` now scores a continuation as the model sees it through foxlm's own json-gpt2
+    (escaped quotes, newline, non-ASCII), and decodes back to the text."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from foxlm.data import get_tokenizer
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    lm = FoxLM(pretrained=str(path), device="cpu", tokenizer="json-gpt2")
+    tok = get_tokenizer("json-gpt2")
+    context, continuation = 'Caf\u00e9 "au lait"\nsays', ' "na\u00efve" \u2014 yes'
+    ctx = [tok.eot_id] + tok.encode(context)
+    cont = tok.encode(context + continuation)[len(ctx) - 1:]
+    assert tok.encode(context + continuation)[:len(ctx) - 1] == ctx[1:]  # the cut falls between tokens
+    ids = torch.tensor([ctx + cont])
+    with torch.no_grad():
+        logp = torch.log_softmax(lm.model(ids).logits.double(), -1)[0, len(ctx) - 1:-1]
+    expected = float(logp.gather(-1, torch.tensor(cont)[:, None]).sum())
+    (got, _), = lm.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)], disable_tqdm=True)
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert lm.tok_decode(lm.tok_encode(context + continuation, add_special_tokens=False)) == context + continuation
+
+
 def test_harness_auto_dtype_is_the_saved_weights(tmp_path):
     """dtype=auto (as lm-eval's ``--model hf`` takes it): the weights' saved dtype, the forget gate still fp32."""
     pytest.importorskip("lm_eval")
