@@ -68,7 +68,6 @@ class FoxLM(HFLM):
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
                  dtype: str | None = None, **kwargs):
-        from foxlm.data import get_tokenizer
         from foxlm.data.tokenizer import JSONGPT2Tokenizer, model_tokenizer
         from foxlm.device import resolve_device
         from foxlm.models import load_checkpoint_model
@@ -92,7 +91,7 @@ class FoxLM(HFLM):
         own = model_tokenizer(model.config, tokenizer, what=pretrained, flag="tokenizer=NAME_OR_FOLDER in --model_args")
         # json-gpt2 (the FoX authors' models) has no transformers twin: GPT-2's, on text escaped here (tok_encode)
         self._json = own if isinstance(own, JSONGPT2Tokenizer) else None
-        tok = get_tokenizer("gpt2").hf_tokenizer() if self._json else _as_hf(own)
+        tok = hf_tokenizer("gpt2") if self._json else _as_hf(own)
         given = kwargs.get("max_length")
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
             # 0 read as "not given" (the training length instead), a negative one went on to lm-eval's truncation
@@ -133,8 +132,6 @@ class FoxLM(HFLM):
             self.add_bos_token = add_bos
 
 
-# The named arguments of HFLM (lm-eval's own) that a user may set: any other key would go to its from_pretrained,
-# never called here; the backend is "causal"
 def precision(device: torch.device, dtype: str | None, kwargs: dict) -> str:
     """The weights' dtype of ``--model foxlm`` on ``device``: ``dtype`` where given; else float32, with HFLM's
     ``mixed_precision_dtype`` set in ``kwargs`` to bfloat16 on CUDA (unless given): the FoX authors' lm-eval runs
@@ -144,6 +141,8 @@ def precision(device: torch.device, dtype: str | None, kwargs: dict) -> str:
     return dtype or "float32"
 
 
+# The named arguments of HFLM (lm-eval's own) that a user may set: any other key would go to its from_pretrained,
+# never called here; the backend is "causal"
 _HFLM_ARGS = frozenset(name for name, p in inspect.signature(HFLM.__init__).parameters.items()
                        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - {"self", "pretrained", "backend"}
 

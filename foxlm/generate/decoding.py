@@ -181,9 +181,8 @@ _NOT_APPLIED = dict(num_beams=1, num_beam_groups=1, penalty_alpha=None, diversit
 def _warn_not_applied(config) -> None:
     """A warning naming what ``model.generation_config`` sets that foxlm's generate does not apply (HF generate
     would: beams, n-gram bans, forced tokens...): taking the config's controls, it must not pass over these silently."""
-    given = {name: getattr(config, name, None) for name in _NOT_APPLIED}
-    given = {name: value for name, value in given.items()  # None, the neutral value or an empty list: not set
-             if value is not None and value != _NOT_APPLIED[name]
+    given = {name: value for name, neutral in _NOT_APPLIED.items()  # None, the neutral value or an empty list: unset
+             if (value := getattr(config, name, None)) is not None and value != neutral
              and not (isinstance(value, (list, dict)) and not value)}
     if given:
         settings = ", ".join(f"{name}={value!r}" for name, value in given.items())
