@@ -176,8 +176,12 @@ class Checkpointer:
         check_out_dir(self.run_dir, ckpt, self.cfg.resume)
         if ckpt is not None:
             state, changed = self.load(ckpt)
-            return state, [f"resumed from {ckpt} at step {state['step']}"
-                           + (f", with changed settings: {'; '.join(changed)}" if changed else "")]
+            notes = [f"resumed from {ckpt} at step {state['step']}"
+                     + (f", with changed settings: {'; '.join(changed)}" if changed else "")]
+            if self.cfg.init_from is not None and self.cfg.init_from != state["config"].get("init_from"):
+                notes.append(f"init_from={self.cfg.init_from} is not used: a resumed run goes on from its checkpoint's "
+                             f"weights (init_from starts a new run, in a new out_dir)")
+            return state, notes
         if self.cfg.init_from is not None:
             folder, differ = self.initialize(self.cfg.init_from)
             return None, [f"initialized from {folder}"

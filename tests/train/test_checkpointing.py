@@ -144,6 +144,21 @@ def test_init_from_starts_a_new_run_from_trained_weights(byte_data, tmp_path, ca
     assert "resumed from" in err and "initialized from" not in err and summary["step"] == 4
 
 
+def test_a_resumed_run_says_init_from_is_unused(byte_data, tmp_path, capsys):
+    """Resumed with a new init_from and lr: lr is the one changed setting, and init_from is said to be unused (the
+    resumed run goes on from its own weights); it was listed as a changed setting, which told that the run took it."""
+    train(tiny_config(byte_data, tmp_path / "other", "max_steps=1", "eval_every=0"))
+    train(tiny_config(byte_data, tmp_path / "run", "max_steps=2", "eval_every=0"))
+    capsys.readouterr()
+    summary = train(tiny_config(byte_data, tmp_path / "run", "max_steps=3", "eval_every=0", "lr=1e-3",
+                                f"init_from={tmp_path / 'other'}"))
+    err = capsys.readouterr().err
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
+    assert f"resumed from {ckpt} at step 2, with changed settings: max_steps: 2 -> 3; lr: 0.003 -> 0.001\n" in err
+    assert f"init_from={tmp_path / 'other'} is not used: a resumed run goes on from its checkpoint's weights" in err
+    assert summary["step"] == 3
+
+
 def test_a_resumed_run_trains_with_the_optimizer_settings_it_reports(byte_data, tmp_path):
     """Resuming with another weight_decay, beta1, beta2 or eps: the log reports them changed, and the optimizer uses
     them. Loading the optimizer's state dict brought the checkpoint's back, so the report was untrue."""
