@@ -328,6 +328,29 @@ def test_a_folder_of_user_files_is_never_trained_into(byte_data, tmp_path, capsy
     assert (run / "NOTES.md").read_text() == "notes on the run" and len(logged_losses(run)) == 2
 
 
+def test_a_refused_run_leaves_out_dir_as_it_was(byte_data, tmp_path):
+    """A folder of a user's files and checkpoints no foxlm run wrote is refused, and left as it was: the refused run
+    marked it as a run's, so that once the checkpoints were moved away, as the error says, the next run took it and
+    overwrote the user's log.jsonl. A new folder a run is refused into is not left behind."""
+    mine = tmp_path / "mine"
+    (mine / "checkpoints" / "step_0000100").mkdir(parents=True)
+    (mine / "checkpoints" / "step_0000100" / "model.bin").write_text("my weights")
+    (mine / "log.jsonl").write_text('{"step": 100, "loss": 0.25}\n')
+    before = sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*"))
+    with pytest.raises(ValueError, match="only checkpoints that do not verify"), pytest.warns(UserWarning):
+        train(tiny_config(byte_data, mine, "max_steps=1"))
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == before
+    shutil.move(mine / "checkpoints", tmp_path / "moved")
+    with pytest.raises(ValueError, match=r"holds files no foxlm run wrote \(log.jsonl\)"):
+        train(tiny_config(byte_data, mine, "max_steps=1"))
+    assert (mine / "log.jsonl").read_text() == '{"step": 100, "loss": 0.25}\n'
+
+    (tmp_path / "export").mkdir()
+    with pytest.raises(ValueError, match="export_dir: .* exists"):
+        train(tiny_config(byte_data, tmp_path / "new" / "run", "max_steps=1", f"export_dir={tmp_path / 'export'}"))
+    assert not (tmp_path / "new" / "run").exists()
+
+
 def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeypatch):
     """Where flock fails (ENOLCK on some network or FUSE mounts; simulated here) training goes on, with a warning."""
     import errno
