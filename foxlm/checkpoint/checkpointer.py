@@ -47,6 +47,8 @@ __all__ = ["DiskFullError", "PendingCheckpoint", "initialize_model", "load_train
 # Settings that change what a run shows, not what it trains: not reported as changed on resume.
 DISPLAY_KEYS = {"resume", "progress", "tensorboard", "wandb", "log_every", "peak_tflops", "sample_prompt",
                 "sample_tokens", "export_dir", "async_checkpoint"}
+# The weights a new run would start from: a resumed run goes on from its checkpoint's, and says init_from is unused.
+UNUSED_ON_RESUME = {"init_from"}
 
 
 
@@ -213,7 +215,7 @@ def restore_checkpoint(ckpt: Path, module: torch.nn.Module, optimizer: torch.opt
         set_model_state_dict(module, weights, options=options)
         set_optimizer_state_dict(module, optimizer, state["optimizer"], options=options)
     changed = [f"{key}: {was!r} -> {config[key]!r}" for key, was in state["config"].items()
-               if key not in DISPLAY_KEYS and key in config and config[key] != was]
+               if key not in DISPLAY_KEYS | UNUSED_ON_RESUME and key in config and config[key] != was]
     return state, changed
 
 

@@ -33,6 +33,7 @@ STEP_DIR = re.compile(r"^step_(\d{7,})$")
 SHARDS = "dcp"  # a sharded checkpoint's torch.distributed.checkpoint folder
 # in every out_dir a run has taken: the run's files there are its own to overwrite
 RUN_MARKER = ".foxlm-run"
+LOCK_FILE = ".lock"
 TRAIN_CONFIG = "train_config.yaml"
 
 
@@ -152,7 +153,7 @@ def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
     marker = Path(run_dir) / RUN_MARKER
     if not marker.is_file():
         marker.write_text("a foxlm train run's out_dir: its log.jsonl, train_config.yaml, tb/ and checkpoints/\n")
-    f = open(Path(run_dir) / ".lock", "a+")
+    f = open(Path(run_dir) / LOCK_FILE, "a+")
     if fcntl is not None:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -171,7 +172,7 @@ def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
 
 def lock_holder(run_dir: str | os.PathLike) -> str:
     """The pid the holder of ``run_dir``'s lock recorded."""
-    return (Path(run_dir) / ".lock").read_text().strip()
+    return (Path(run_dir) / LOCK_FILE).read_text().strip()
 
 
 def write_train_config(run_dir: str | os.PathLike, config: dict) -> None:

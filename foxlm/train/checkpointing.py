@@ -4,6 +4,7 @@ the model from a trained one."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from ..checkpoint.checkpointer import (
 )
 from ..checkpoint.dcp import full_state_dicts, sharded_state_dicts
 from ..checkpoint.run_folder import (
+    LOCK_FILE,
+    RUN_MARKER,
     check_out_dir,
     check_run_folder,
     checkpoint_step,
@@ -39,17 +42,19 @@ from .loader import TokenLoader
 from .optim import lr_at
 
 
-def take_run_folder(run_dir: Path, d: parallel.Dist, device: torch.device) -> IO[str] | None:
-    """Lock ``run_dir`` for this run (collective; rank 0 holds the lock it returns): a folder holding files no run
+def take_run_folder(run_dir: Path, d: parallel.Dist, device: torch.device) -> tuple[IO[str] | None, list[Path]]:
+    """Lock ``run_dir`` for this run (collective; rank 0 holds the lock it returns, with the paths taking the folder
+    created: ``give_back_run_folder`` removes them if the run is refused after all): a folder holding files no run
     wrote, or one another run holds (a requeued job while the first still runs), is refused on every process with
     rank 0's reason."""
-    refused, lock = None, None
+    refused, lock, created = None, None, []
     if d.main:
         try:
             check_run_folder(run_dir)  # before anything is written there
         except (ValueError, NotADirectoryError) as e:
             refused = e
         else:
+            created = [p for p in (run_dir, run_dir / RUN_MARKER, run_dir / LOCK_FILE) if not p.exists()]
             run_dir.mkdir(parents=True, exist_ok=True)
             lock = lock_run(run_dir)
     try:
@@ -62,8 +67,20 @@ def take_run_folder(run_dir: Path, d: parallel.Dist, device: torch.device) -> IO
     except BaseException:
         if lock is not None:
             lock.close()
+        give_back_run_folder(created)
         raise
-    return lock
+    return lock, created
+
+
+def give_back_run_folder(created: list[Path]) -> None:
+    """Remove what ``take_run_folder`` created (the lock released first), for a run refused after taking its folder:
+    its run marker would have had a later run take a folder of a user's files as a run's, and overwrite them."""
+    for path in reversed(created):
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not path.is_symlink():
+                path.rmdir()  # only empty: a folder that holds something now stays
+            else:
+                path.unlink()
 
 
 class Checkpointer:
@@ -176,8 +193,12 @@ class Checkpointer:
         check_out_dir(self.run_dir, ckpt, self.cfg.resume)
         if ckpt is not None:
             state, changed = self.load(ckpt)
-            return state, [f"resumed from {ckpt} at step {state['step']}"
-                           + (f", with changed settings: {'; '.join(changed)}" if changed else "")]
+            notes = [f"resumed from {ckpt} at step {state['step']}"
+                     + (f", with changed settings: {'; '.join(changed)}" if changed else "")]
+            if self.cfg.init_from is not None and self.cfg.init_from != state["config"].get("init_from"):
+                notes.append(f"init_from={self.cfg.init_from} is not used: a resumed run goes on from its checkpoint's "
+                             f"weights (init_from starts a new run, in a new out_dir)")
+            return state, notes
         if self.cfg.init_from is not None:
             folder, differ = self.initialize(self.cfg.init_from)
             return None, [f"initialized from {folder}"

@@ -12,6 +12,9 @@ parallelism (``cp_size > 1``) the processes of one share each take their zigzag 
   no token attends across a document. A row's first token is not a target; a document's opening
   ``<|endoftext|>`` is the target of the previous document's last token in the same row (the end of that document,
   which a model must learn to generate), the only one that crosses a segment.
+
+Validation (``shuffle=False``) reads the split in order, each token once: rows of consecutive ``seq_len`` tokens
+(both packings); a row past the split's end has no target.
 """
 
 from __future__ import annotations
@@ -138,23 +141,30 @@ class TokenLoader:
         per_rank = self.batch_size // self.world
         mine = np.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
         rows = self._rows(step, mine)
-        return [self._collate(rows[i:i + self.micro]) for i in range(0, per_rank, self.micro)]
+        # validation reads its split at most once: a row past the split's end (one shorter than a batch) wraps around
+        # to tokens read already; it keeps its shape, as every process runs the same forwards, and loses its targets
+        keep = None if self.shuffle else (step * self.batch_size + mine + 1) * self.seq_len <= len(self.ds.tokens)
+        return [self._collate(rows[i:i + self.micro], None if keep is None else keep[i:i + self.micro])
+                for i in range(0, per_rank, self.micro)]
 
-    def _collate(self, rows: list[tuple[np.ndarray, list[int]]]) -> Batch:
+    def _collate(self, rows: list[tuple[np.ndarray, list[int]]], keep: np.ndarray | None = None) -> Batch:
+        """The micro-batch of ``rows``; those that ``keep`` (bool [rows]) leaves out have no target."""
         ids = torch.from_numpy(np.stack([r for r, _ in rows]).astype(np.int64))
         labels = ids.clone()
+        if keep is not None and not keep.all():
+            labels[torch.from_numpy(~keep)] = -100
         if self.packing == "windows" and self.cp_size > 1:
-            targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+            targets = torch.cat([labels[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
             size = self.seq_len // (2 * self.cp_size)
             chunks = rank_chunks(self.cp_rank, self.cp_size, "zigzag")
             ids, targets = (torch.cat([x[:, c * size:(c + 1) * size] for c in chunks], dim=1) for x in (ids, targets))
             return Batch(ids, targets, None, int((targets != -100).sum()), shifted=True)
         if self.packing == "windows":
-            return Batch(ids, labels, None, ids.shape[0] * (ids.shape[1] - 1))
+            return Batch(ids, labels, None, int((labels[:, 1:] != -100).sum()))
         starts = [i * self.seq_len + s for i, (_, row_starts) in enumerate(rows) for s in row_starts]
         ids, labels = ids.view(1, -1), labels.view(1, -1)
         # a row's last token must not predict the next row's first; within a row a segment opens a document with
         # <|endoftext|>, the previous document's end: its last token learns to end it (as an EOS target in HF)
         labels[0, torch.arange(len(rows)) * self.seq_len] = -100
         cu = torch.tensor(starts + [ids.shape[1]], dtype=torch.int32)
-        return Batch(ids, labels, cu, ids.shape[1] - len(rows))
+        return Batch(ids, labels, cu, int((labels[0, 1:] != -100).sum()))

@@ -33,7 +33,7 @@ from ..checkpoint.export import export_model
 from ..checkpoint.run_folder import list_checkpoints, write_train_config
 from ..presets import has_size, is_hf_arch
 from . import evaluation, parallel
-from .checkpointing import Checkpointer, take_run_folder
+from .checkpointing import Checkpointer, give_back_run_folder, take_run_folder
 from .config import TrainConfig
 from .cuda_graph import graph_micro_step
 from .data import build_loaders, load_data
@@ -171,11 +171,12 @@ class Trainer:
         (ValueError, FileNotFoundError), before anything is written. ``run()`` calls it when it was not called."""
         if self._started is not None:
             return
-        self._lock = take_run_folder(self.run_dir, self.d, self.device)
+        self._lock, created = take_run_folder(self.run_dir, self.d, self.device)
         try:
             state, notes = self.checkpointer.resume()
         except BaseException:
             self._unlock()
+            give_back_run_folder(created)  # a refused run leaves out_dir as it was
             raise
         if state is not None:
             self.step, self.bad_steps, self.tokens_seen = state["step"], state["bad_steps"], state["tokens_seen"]

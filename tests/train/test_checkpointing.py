@@ -144,6 +144,21 @@ def test_init_from_starts_a_new_run_from_trained_weights(byte_data, tmp_path, ca
     assert "resumed from" in err and "initialized from" not in err and summary["step"] == 4
 
 
+def test_a_resumed_run_says_init_from_is_unused(byte_data, tmp_path, capsys):
+    """Resumed with a new init_from and lr: lr is the one changed setting, and init_from is said to be unused (the
+    resumed run goes on from its own weights); it was listed as a changed setting, which told that the run took it."""
+    train(tiny_config(byte_data, tmp_path / "other", "max_steps=1", "eval_every=0"))
+    train(tiny_config(byte_data, tmp_path / "run", "max_steps=2", "eval_every=0"))
+    capsys.readouterr()
+    summary = train(tiny_config(byte_data, tmp_path / "run", "max_steps=3", "eval_every=0", "lr=1e-3",
+                                f"init_from={tmp_path / 'other'}"))
+    err = capsys.readouterr().err
+    ckpt = tmp_path / "run" / "checkpoints" / "step_0000002"
+    assert f"resumed from {ckpt} at step 2, with changed settings: max_steps: 2 -> 3; lr: 0.003 -> 0.001\n" in err
+    assert f"init_from={tmp_path / 'other'} is not used: a resumed run goes on from its checkpoint's weights" in err
+    assert summary["step"] == 3
+
+
 def test_a_resumed_run_trains_with_the_optimizer_settings_it_reports(byte_data, tmp_path):
     """Resuming with another weight_decay, beta1, beta2 or eps: the log reports them changed, and the optimizer uses
     them. Loading the optimizer's state dict brought the checkpoint's back, so the report was untrue."""
@@ -311,6 +326,29 @@ def test_a_folder_of_user_files_is_never_trained_into(byte_data, tmp_path, capsy
     (run / "NOTES.md").write_text("notes on the run")
     assert train(tiny_config(byte_data, run, "max_steps=2", "eval_every=0"))["step"] == 2
     assert (run / "NOTES.md").read_text() == "notes on the run" and len(logged_losses(run)) == 2
+
+
+def test_a_refused_run_leaves_out_dir_as_it_was(byte_data, tmp_path):
+    """A folder of a user's files and checkpoints no foxlm run wrote is refused, and left as it was: the refused run
+    marked it as a run's, so that once the checkpoints were moved away, as the error says, the next run took it and
+    overwrote the user's log.jsonl. A new folder a run is refused into is not left behind."""
+    mine = tmp_path / "mine"
+    (mine / "checkpoints" / "step_0000100").mkdir(parents=True)
+    (mine / "checkpoints" / "step_0000100" / "model.bin").write_text("my weights")
+    (mine / "log.jsonl").write_text('{"step": 100, "loss": 0.25}\n')
+    before = sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*"))
+    with pytest.raises(ValueError, match="only checkpoints that do not verify"), pytest.warns(UserWarning):
+        train(tiny_config(byte_data, mine, "max_steps=1"))
+    assert sorted(p.relative_to(mine).as_posix() for p in mine.rglob("*")) == before
+    shutil.move(mine / "checkpoints", tmp_path / "moved")
+    with pytest.raises(ValueError, match=r"holds files no foxlm run wrote \(log.jsonl\)"):
+        train(tiny_config(byte_data, mine, "max_steps=1"))
+    assert (mine / "log.jsonl").read_text() == '{"step": 100, "loss": 0.25}\n'
+
+    (tmp_path / "export").mkdir()
+    with pytest.raises(ValueError, match="export_dir: .* exists"):
+        train(tiny_config(byte_data, tmp_path / "new" / "run", "max_steps=1", f"export_dir={tmp_path / 'export'}"))
+    assert not (tmp_path / "new" / "run").exists()
 
 
 def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeypatch):

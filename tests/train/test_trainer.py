@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,3 +243,28 @@ def test_a_run_without_progress_saves_without_transformers_bar(byte_data, tmp_pa
     assert hf_logging.is_progress_bar_enabled()
     train(tiny_config(byte_data, tmp_path / "bars", "max_steps=1", "eval_every=0", "progress=true"))
     assert "Writing model shards" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("packing", ["windows", "documents"])
+def test_a_val_split_shorter_than_a_batch_is_validated_once(tmp_path, packing):
+    """A val split of 97 tokens, batch_size 4 x seq_len 32: validation reads its one batch, whose fourth row has no
+    tokens left and wrapped around to ones the first rows read. The val loss is the mean over the split's three whole
+    rows, each read once, as the model gives it on each; the wrapped row weighed some tokens twice."""
+    from foxlm.data import TokenDataset, prepare
+    from foxlm.data.assets import shakespeare_plays
+
+    (tmp_path / "a.txt").write_text(shakespeare_plays()[0].read_text())
+    (tmp_path / "b.txt").write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to "
+                                    "suffer the slings.")
+    data = tmp_path / "data"
+    prepare([tmp_path / "a.txt", tmp_path / "b.txt"], data, tokenizer="byte", val_fraction=0.5, workers=0,
+            progress=False)
+    val = np.asarray(TokenDataset(data, "val").tokens).astype(np.int64)
+    assert len(val) == 97
+    trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", f"packing={packing}"))
+    got = trainer.evaluate()["val_loss"]
+    model = trainer.model.eval()
+    with torch.no_grad():
+        rows = [torch.from_numpy(val[i * 32:(i + 1) * 32])[None] for i in range(3)]
+        expected = sum(model(input_ids=r, labels=r).loss.item() for r in rows) / 3
+    assert got == pytest.approx(expected, rel=1e-6)
