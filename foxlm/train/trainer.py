@@ -183,6 +183,9 @@ class Trainer:
             # the steps after the last log record: the next record's mean takes them in, as without the resume
             self._interval = list(state.get("log_interval", (0.0, 0)))
             self._val_due = bool(state.get("val_due", False))  # run first: the log would miss it
+        if self.cfg.async_checkpoint and self.d.world == 1:
+            notes.append("async_checkpoint=true is not used: one process writes each checkpoint whole (background "
+                         "saves write the shards of several processes)")
         self._started = notes
 
     def _unlock(self) -> None:

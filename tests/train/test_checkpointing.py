@@ -159,6 +159,16 @@ def test_a_resumed_run_says_init_from_is_unused(byte_data, tmp_path, capsys):
     assert summary["step"] == 3
 
 
+def test_async_checkpoint_in_one_process_says_it_is_not_used(byte_data, tmp_path, capsys):
+    """Background saves write the shards of several processes: a one-process run with async_checkpoint=true writes
+    each checkpoint whole, and says so once, rather than ignoring the setting in silence."""
+    summary = train(tiny_config(byte_data, tmp_path / "run", "max_steps=2", "save_every=1", "eval_every=0",
+                                "async_checkpoint=true"))
+    err = capsys.readouterr().err
+    assert err.count("async_checkpoint=true is not used: one process writes each checkpoint whole") == 1
+    assert summary["step"] == 2 and (tmp_path / "run" / "checkpoints" / "step_0000001").is_dir()
+
+
 def test_a_resumed_run_trains_with_the_optimizer_settings_it_reports(byte_data, tmp_path):
     """Resuming with another weight_decay, beta1, beta2 or eps: the log reports them changed, and the optimizer uses
     them. Loading the optimizer's state dict brought the checkpoint's back, so the report was untrue."""
