@@ -42,6 +42,18 @@ def cu_seqlens_of_runs(real: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens.to(torch.int32), T
 
 
+# The hardest a finite gate closes: log f below it is taken as GATE_FLOOR. exp(-1e4) is 0 in fp64, so a key behind it
+# keeps no weight either way (unless a row's logits |scale * q . k| span ~1e4), while a finite sentinel such as -1e30 or
+# fp32's min, which the gate check lets through, would make c so large that no float keeps its differences.
+GATE_FLOOR = -1.0e4
+
+
+def floor_gates(log_fgate: torch.Tensor) -> torch.Tensor:
+    """log_fgate with finite values below ``GATE_FLOOR`` raised to it (gradient 0 there, as exp(-1e12) gives); -inf
+    and NaN, which only unchecked gates bring, pass unchanged."""
+    return torch.where(log_fgate.isneginf(), log_fgate, log_fgate.clamp_min(GATE_FLOOR))
+
+
 def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """c_t = sum_{l <= t} log f_l in fp64, restarting at every sequence of ``cu_seqlens``.
 

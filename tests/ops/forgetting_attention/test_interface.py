@@ -192,6 +192,27 @@ def test_acp_with_caller_bound_is_safe_and_tighter_bound_prunes_more():
     assert (o - ro).abs().max() < 2e-5 * v.abs().max()
 
 
+@pytest.mark.parametrize("reset", [-1.0e12, torch.finfo(torch.float32).min], ids=["-1e12", "fp32-min"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gates_that_close_harder_than_the_floor_are_exact(small_chunks, reset, varlen):
+    """A finite gate far below -1e4 passes the gate check and must close the gate: no key before it is seen, as if a
+    sequence started there. An fp64 c of 1e12 keeps its differences only to ~1e-4 (fp32's min: not at all), so the
+    oracle is the reference cut into those sequences, where a sequence's first gate is never used: there it is 0 (so
+    is its gradient, as exp(-1e12) makes it)."""
+    q, k, v, log_f = _inputs(1, 60, 60, 2, 2, 16)
+    cu, resets = ([0, 7, 60], [3, 29, 41]) if varlen else ([0, 60], [5, 29, 41])
+    log_f[:, resets] = reset
+    inputs = tuple(x.requires_grad_() for x in (q, k, v, log_f))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32) if varlen else None
+    o, lse = forgetting_attention(*inputs, cu_seqlens=cu_seqlens, return_lse=True)
+    cut = torch.tensor(sorted(set(cu + resets)), dtype=torch.int32)
+    opened = torch.where(torch.isin(torch.arange(60), torch.tensor(resets))[None, :, None], 0.0, inputs[3])
+    o_ref, lse_ref = forgetting_attention_reference(*inputs[:3], opened, cu_seqlens=cut, return_lse=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-6, atol=1e-6)  # lse is returned in fp32
+    for got, want in zip(_grads(o, lse.double(), inputs), _grads(o_ref, lse_ref, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
 def test_gate_cumsum_precise_over_a_million_tokens():
     """fp32 cumsum loses c_i - c_j at 1M tokens; the fp64 cumsum the op uses keeps it to ~1e-9."""
     T = 1 << 20
