@@ -94,7 +94,7 @@ def continue_cumsum(
     """
     if log_fgate is None:
         return c_last[:, None].expand(-1, length, -1).clone()
-    log_f = log_fgate.to(torch.float64)
+    log_f = floor_gates(log_fgate.to(torch.float64))  # as forgetting_attention's prefill does
     if valid is not None:
         log_f = log_f.masked_fill(~valid[..., None], 0.0)
     return c_last[:, None] + log_f.cumsum(1)
