@@ -58,10 +58,12 @@ def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None)
     """c_t = sum_{l <= t} log f_l in fp64, restarting at every sequence of ``cu_seqlens``.
 
     log_fgate: [B, T, H] -> c: [B, T, H] float64. The fp64 sum keeps c_i - c_j exact to ~1e-12 even
-    when |c| grows to 1e6 over a million tokens, which an fp32 cumsum cannot (see tests).
+    when |c| grows to 1e6 over a million tokens, which an fp32 cumsum cannot (see tests). Gates below ``GATE_FLOOR``
+    are summed as the floor (``floor_gates``), so every path (the kernels, the PyTorch path, context parallelism,
+    ACP's statistics) sees the same c.
     """
     # Scan along the contiguous dim: CUDA's cumsum over a strided dim is one thread per column.
-    c = torch.cumsum(log_fgate.transpose(1, 2).to(torch.float64).contiguous(), dim=-1).transpose(1, 2)
+    c = torch.cumsum(floor_gates(log_fgate.transpose(1, 2).to(torch.float64)).contiguous(), dim=-1).transpose(1, 2)
     if cu_seqlens is not None:
         starts = cu_seqlens[:-1].long()
         # c just before each sequence start (0 for the first); subtracting it restarts the sum.

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from ..backend import use_triton
 from ..checks import DTYPES, check_qkv
 from .acp import ACP
-from .gate import floor_gates, gate_cumsum
+from .gate import gate_cumsum
 from .sdpa import attention_from_cumsum, sdpa_scale
 
 
@@ -154,7 +154,8 @@ def forgetting_attention(
         v: [B, Tk, Hk, Dv] values.
         log_fgate: [B, Tk, Hq] log forget gates (<= 0); c is their cumsum, in fp64. Computed in fp32 (fp64 for
             fp64): fp16 and bf16 gates are upcast, and their gradient comes back in their dtype. A gate below -1e4
-            (``gate.GATE_FLOOR``) closes as -1e4 does: no key before it keeps any weight, and its gradient is 0.
+            (``gate.GATE_FLOOR``) closes as -1e4 does: no key before it keeps any weight, and its gradient is 0 (up to
+            rounding).
         scale: logit scale, default 1/sqrt(D); any finite number (zero or negative too).
         cu_seqlens: [N+1] int32 or int64 sequence offsets of packed input (B == 1): sequences never see each
             other and the gate cumsum restarts at every sequence.
@@ -199,7 +200,6 @@ def forgetting_attention(
     _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, check_gates)
     if log_fgate.dtype not in (torch.float32, torch.float64):  # the gate math is fp32; autograd casts the gradient
         log_fgate = log_fgate.float()
-    log_fgate = floor_gates(log_fgate)
     if cu_seqlens is not None:  # fla's int64 offsets (checked above); the kernels read them with stride 1
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
     if isinstance(max_seqlen, numbers.Integral):  # a NumPy int too: the kernels' grid and custom op take an int

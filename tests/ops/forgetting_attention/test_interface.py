@@ -213,6 +213,7 @@ def test_gates_that_close_harder_than_the_floor_are_exact(small_chunks, reset, v
     for got, want in zip(_grads(o, lse.double(), inputs), _grads(o_ref, lse_ref, inputs)):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
 
+
 def test_a_caches_cumsum_keeps_its_differences_past_a_gate_below_the_floor():
     """continue_cumsum (the decode caches' c) floors the gates as the prefill does: after a gate of -1e30 the
     differences of c are still the later gates, which the decode kernels' logits are made of."""
@@ -222,6 +223,7 @@ def test_a_caches_cumsum_keeps_its_differences_past_a_gate_below_the_floor():
     log_f[:, 4] = -1.0e30
     c = continue_cumsum(torch.full((2, 3), -7.0, dtype=torch.float64), log_f, 12)
     torch.testing.assert_close(c[:, 5:].diff(dim=1), log_f[:, 6:].double(), rtol=0, atol=1e-12)
+
 
 def test_gate_cumsum_precise_over_a_million_tokens():
     """fp32 cumsum loses c_i - c_j at 1M tokens; the fp64 cumsum the op uses keeps it to ~1e-9."""
