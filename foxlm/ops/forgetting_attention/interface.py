@@ -54,7 +54,7 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, ch
         raise ValueError(f"log_fgate: expected shape [B, Tk, Hq] = {(B, Tk, Hq)}, got {tuple(log_fgate.shape)}")
     if log_fgate.dtype not in DTYPES:
         raise ValueError(f"log_fgate: expected a float dtype (computed in float32 or float64), got {log_fgate.dtype}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
         raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
     logit_bound = None if acp is None else acp.logit_bound
     bound_tensor = isinstance(logit_bound, torch.Tensor)
@@ -204,6 +204,8 @@ def forgetting_attention(
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
     if isinstance(max_seqlen, numbers.Integral):  # a NumPy int too: the kernels' grid and custom op take an int
         max_seqlen = int(max_seqlen)
+    if window is not None:  # likewise
+        window = int(window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention

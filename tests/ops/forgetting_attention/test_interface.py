@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -876,6 +877,16 @@ def test_flash_attn_window_size_is_window(left):
     q, k, v, log_f = _inputs(1, 30, 30, 2, 2, 8)
     o = forgetting_attention(q, k, v, log_f, window_size=(left, 0))
     want = forgetting_attention_reference(q, k, v, log_f, window=None if left == -1 else left + 1)
+    torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("window", [np.int64(7), np.int32(40)], ids=["np.int64", "np.int32-over-T"])
+def test_window_takes_numpy_ints_as_max_seqlen_does(window):
+    """A NumPy int window (e.g. from a config array) is a window, as a NumPy max_seqlen is a length: it was refused
+    ("expected a positive number of tokens")."""
+    q, k, v, log_f = _inputs(1, 30, 30, 2, 2, 8)
+    o = forgetting_attention(q, k, v, log_f, window=window)
+    want = forgetting_attention_reference(q, k, v, log_f, window=int(window))
     torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
 
 
