@@ -26,7 +26,7 @@ import torch.distributed as dist
 from ..ops.autograd import first_order_only
 from ..ops.checks import check_qkv
 from ..ops.forgetting_attention.acp import ACP, acp_tile_stats
-from ..ops.forgetting_attention.gate import gate_cumsum, reverse_cumsum
+from ..ops.forgetting_attention.gate import floor_gates, gate_cumsum, reverse_cumsum
 from ..ops.forgetting_attention.sdpa import attention_from_cumsum
 from .layout import _world, all_gather_single, check_same_on_ranks, chunks_per_rank, gather_sequence, rank_chunks
 
@@ -112,7 +112,8 @@ class _Plan:
         self.L, self.Hk, self.G = Tl // self.nloc, Hk, Hq // Hk
         self.chunks = [rank_chunks(r, self.world, layout) for r in range(self.world)]
         nc = self.nloc * self.world
-        sums = log_fgate.detach().to(torch.float64).reshape(B, self.nloc, self.L, Hq).sum(2).transpose(0, 1)
+        log_f = floor_gates(log_fgate.detach().to(torch.float64))  # summed as gate_cumsum sums it
+        sums = log_f.reshape(B, self.nloc, self.L, Hq).sum(2).transpose(0, 1)
         gathered = _all_gather(sums, group, self.world)
         totals = torch.empty(nc, B, Hq, dtype=torch.float64, device=q.device)
         for r in range(self.world):

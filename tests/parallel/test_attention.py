@@ -119,6 +119,32 @@ def _half_precision(rank, world):
             assert err < 5e-3, f"{layout} prune={prune} {name}: relative error {err:.1e}"
 
 
+def _hard_resets(rank, world):
+    """Gates far below the op's floor (-1e12, fp32's min: finite, so the gate check lets them through), one of them at
+    a shard's first token: the output and all four gradients are those of the fp64 reference cut into sequences at
+    the resets (where a sequence's first gate is unused: 0 there). An fp64 c of 1e12 keeps no usable differences,
+    so the blocks' c must be summed from the floored gates, as the single-process op sums them."""
+    from foxlm.ops.forgetting_attention.reference import forgetting_attention_reference
+    from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
+
+    for layout, prune, reset in (("zigzag", False, -1.0e12), ("contiguous", True, torch.finfo(torch.float32).min)):
+        B, T = 1, 16 * world * (2 if layout == "zigzag" else 1)
+        q, k, v, log_f, do = _inputs(B, T, 2, 1, 8, 8, torch.float64, seed=21)
+        resets = [3, 16, T - 5]  # 16: the first token of a shard in both layouts
+        log_f[:, resets] = reset
+        local = [shard_sequence(t, dim=1, layout=layout).requires_grad_() for t in (q, k, v, log_f)]
+        o = cp_forgetting_attention(*local, layout=layout, prune=prune)
+        grads = torch.autograd.grad((o * shard_sequence(do, dim=1, layout=layout)).sum(), local)
+        full = [t.clone().requires_grad_() for t in (q, k, v, log_f)]
+        opened = torch.where(torch.isin(torch.arange(T), torch.tensor(resets))[None, :, None], 0.0, full[3])
+        cut = torch.tensor(sorted({0, T, *resets}), dtype=torch.int32)
+        ref = forgetting_attention_reference(*full[:3], opened, cu_seqlens=cut)
+        ref_grads = torch.autograd.grad((ref * do).sum(), full)
+        for name, got, want in zip(("o", "dq", "dk", "dv", "dlog_f"), (o, *grads), (ref, *ref_grads)):
+            got = gather_sequence(got.detach(), dim=1, layout=layout)
+            torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-6, msg=f"{layout} prune={prune} {name}")
+
+
 def _acp(rank, world):
     """ACP on a gate profile where KV head 1's query heads forget fast and KV head 0's remember: the pruned op
     equals the single-process pruned op, the skipped chunks are really not sent (the P2P counters, summed over
@@ -404,6 +430,10 @@ def test_two_processes(tmp_path):
 
 def test_two_processes_half_precision(tmp_path):
     _spawn(tmp_path, 2, "_half_precision")
+
+
+def test_two_processes_hard_resets(tmp_path):
+    _spawn(tmp_path, 2, "_hard_resets")
 
 
 def test_four_processes_acp_skips_sends(tmp_path):

@@ -42,14 +42,28 @@ def cu_seqlens_of_runs(real: torch.Tensor) -> tuple[torch.Tensor, int]:
     return cu_seqlens.to(torch.int32), T
 
 
+# The hardest a finite gate closes: log f below it is taken as GATE_FLOOR. exp(-1e4) is 0 in fp64, so a key behind it
+# keeps no weight either way (unless a row's logits |scale * q . k| span ~1e4), while a finite sentinel such as -1e30 or
+# fp32's min, which the gate check lets through, would make c so large that no float keeps its differences.
+GATE_FLOOR = -1.0e4
+
+
+def floor_gates(log_fgate: torch.Tensor) -> torch.Tensor:
+    """log_fgate with finite values below ``GATE_FLOOR`` raised to it (gradient 0 there, as exp(-1e12) gives); -inf
+    and NaN, which only unchecked gates bring, pass unchanged."""
+    return torch.where(log_fgate.isneginf(), log_fgate, log_fgate.clamp_min(GATE_FLOOR))
+
+
 def gate_cumsum(log_fgate: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """c_t = sum_{l <= t} log f_l in fp64, restarting at every sequence of ``cu_seqlens``.
 
     log_fgate: [B, T, H] -> c: [B, T, H] float64. The fp64 sum keeps c_i - c_j exact to ~1e-12 even
-    when |c| grows to 1e6 over a million tokens, which an fp32 cumsum cannot (see tests).
+    when |c| grows to 1e6 over a million tokens, which an fp32 cumsum cannot (see tests). Gates below ``GATE_FLOOR``
+    are summed as the floor (``floor_gates``), so every path (the kernels, the PyTorch path, context parallelism,
+    ACP's statistics) sees the same c.
     """
     # Scan along the contiguous dim: CUDA's cumsum over a strided dim is one thread per column.
-    c = torch.cumsum(log_fgate.transpose(1, 2).to(torch.float64).contiguous(), dim=-1).transpose(1, 2)
+    c = torch.cumsum(floor_gates(log_fgate.transpose(1, 2).to(torch.float64)).contiguous(), dim=-1).transpose(1, 2)
     if cu_seqlens is not None:
         starts = cu_seqlens[:-1].long()
         # c just before each sequence start (0 for the first); subtracting it restarts the sum.
@@ -82,7 +96,7 @@ def continue_cumsum(
     """
     if log_fgate is None:
         return c_last[:, None].expand(-1, length, -1).clone()
-    log_f = log_fgate.to(torch.float64)
+    log_f = floor_gates(log_fgate.to(torch.float64))  # as forgetting_attention's prefill does
     if valid is not None:
         log_f = log_f.masked_fill(~valid[..., None], 0.0)
     return c_last[:, None] + log_f.cumsum(1)

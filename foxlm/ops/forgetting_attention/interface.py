@@ -54,7 +54,7 @@ def _validate(q, k, v, log_fgate, scale, cu_seqlens, max_seqlen, window, acp, ch
         raise ValueError(f"log_fgate: expected shape [B, Tk, Hq] = {(B, Tk, Hq)}, got {tuple(log_fgate.shape)}")
     if log_fgate.dtype not in DTYPES:
         raise ValueError(f"log_fgate: expected a float dtype (computed in float32 or float64), got {log_fgate.dtype}")
-    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+    if window is not None and (isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 1):
         raise ValueError(f"window: expected a positive number of tokens (int) or None, got {window!r}")
     logit_bound = None if acp is None else acp.logit_bound
     bound_tensor = isinstance(logit_bound, torch.Tensor)
@@ -153,7 +153,9 @@ def forgetting_attention(
         k: [B, Tk, Hk, D] keys; Hq must be a multiple of Hk (GQA / MQA).
         v: [B, Tk, Hk, Dv] values.
         log_fgate: [B, Tk, Hq] log forget gates (<= 0); c is their cumsum, in fp64. Computed in fp32 (fp64 for
-            fp64): fp16 and bf16 gates are upcast, and their gradient comes back in their dtype.
+            fp64): fp16 and bf16 gates are upcast, and their gradient comes back in their dtype. A gate below -1e4
+            (``gate.GATE_FLOOR``) closes as -1e4 does: no key before it keeps any weight, and its gradient is 0 (up to
+            rounding).
         scale: logit scale, default 1/sqrt(D); any finite number (zero or negative too).
         cu_seqlens: [N+1] int32 or int64 sequence offsets of packed input (B == 1): sequences never see each
             other and the gate cumsum restarts at every sequence.
@@ -202,6 +204,8 @@ def forgetting_attention(
         cu_seqlens = cu_seqlens.to(torch.int32).contiguous()
     if isinstance(max_seqlen, numbers.Integral):  # a NumPy int too: the kernels' grid and custom op take an int
         max_seqlen = int(max_seqlen)
+    if window is not None:  # likewise
+        window = int(window)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if window is not None and window >= k.shape[1]:
         window = None  # the window holds every key: plain causal attention

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -190,6 +191,39 @@ def test_acp_with_caller_bound_is_safe_and_tighter_bound_prunes_more():
     o = forgetting_attention(q, k, v, log_f - 0.5, scale=scale, prune=True, logit_bound=scale, tolerance=1e-5)
     ro = forgetting_attention_reference(q, k, v, log_f - 0.5, scale=scale)
     assert (o - ro).abs().max() < 2e-5 * v.abs().max()
+
+
+@pytest.mark.parametrize("reset", [-1.0e12, torch.finfo(torch.float32).min], ids=["-1e12", "fp32-min"])
+@pytest.mark.parametrize("varlen", [False, True])
+def test_gates_that_close_harder_than_the_floor_are_exact(small_chunks, reset, varlen):
+    """A finite gate far below -1e4 passes the gate check and must close the gate: no key before it is seen, as if a
+    sequence started there. An fp64 c of 1e12 keeps its differences only to ~1e-4 (fp32's min: not at all), so the
+    oracle is the reference cut into those sequences, where a sequence's first gate is never used: there it is 0 (so
+    is its gradient, as exp(-1e12) makes it)."""
+    q, k, v, log_f = _inputs(1, 60, 60, 2, 2, 16)
+    cu, resets = ([0, 7, 60], [3, 29, 41]) if varlen else ([0, 60], [5, 29, 41])
+    log_f[:, resets] = reset
+    inputs = tuple(x.requires_grad_() for x in (q, k, v, log_f))
+    cu_seqlens = torch.tensor(cu, dtype=torch.int32) if varlen else None
+    o, lse = forgetting_attention(*inputs, cu_seqlens=cu_seqlens, return_lse=True)
+    cut = torch.tensor(sorted(set(cu + resets)), dtype=torch.int32)
+    opened = torch.where(torch.isin(torch.arange(60), torch.tensor(resets))[None, :, None], 0.0, inputs[3])
+    o_ref, lse_ref = forgetting_attention_reference(*inputs[:3], opened, cu_seqlens=cut, return_lse=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), lse_ref, rtol=1e-6, atol=1e-6)  # lse is returned in fp32
+    for got, want in zip(_grads(o, lse.double(), inputs), _grads(o_ref, lse_ref, inputs)):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_caches_cumsum_keeps_its_differences_past_a_gate_below_the_floor():
+    """continue_cumsum (the decode caches' c) floors the gates as the prefill does: after a gate of -1e30 the
+    differences of c are still the later gates, which the decode kernels' logits are made of."""
+    from foxlm.ops.forgetting_attention.gate import continue_cumsum
+
+    log_f = F.logsigmoid(torch.randn(2, 12, 3, generator=torch.Generator().manual_seed(0)) + 2.0)
+    log_f[:, 4] = -1.0e30
+    c = continue_cumsum(torch.full((2, 3), -7.0, dtype=torch.float64), log_f, 12)
+    torch.testing.assert_close(c[:, 5:].diff(dim=1), log_f[:, 6:].double(), rtol=0, atol=1e-12)
 
 
 def test_gate_cumsum_precise_over_a_million_tokens():
@@ -843,6 +877,16 @@ def test_flash_attn_window_size_is_window(left):
     q, k, v, log_f = _inputs(1, 30, 30, 2, 2, 8)
     o = forgetting_attention(q, k, v, log_f, window_size=(left, 0))
     want = forgetting_attention_reference(q, k, v, log_f, window=None if left == -1 else left + 1)
+    torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("window", [np.int64(7), np.int32(40)], ids=["np.int64", "np.int32-over-T"])
+def test_window_takes_numpy_ints_as_max_seqlen_does(window):
+    """A NumPy int window (e.g. from a config array) is a window, as a NumPy max_seqlen is a length: it was refused
+    ("expected a positive number of tokens")."""
+    q, k, v, log_f = _inputs(1, 30, 30, 2, 2, 8)
+    o = forgetting_attention(q, k, v, log_f, window=window)
+    want = forgetting_attention_reference(q, k, v, log_f, window=int(window))
     torch.testing.assert_close(o, want, rtol=1e-10, atol=1e-10)
 
 

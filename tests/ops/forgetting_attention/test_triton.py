@@ -319,6 +319,31 @@ def test_gate_precision_across_hard_resets(name, prune):
     _assert_close(out, _run(*inputs, seed=seed, reference=True, **kwargs), rel=2e-5)
 
 
+
+@pytest.mark.parametrize("reset", [-1.0e12, torch.finfo(torch.float32).min], ids=["-1e12", "fp32-min"])
+@pytest.mark.parametrize("name", ["causal", "varlen"])
+@pytest.mark.parametrize("prune", [False, True])
+def test_gates_that_close_harder_than_the_floor_are_exact(reset, name, prune):
+    """A finite gate far below -1e4 (a caller's "closed" sentinel, or logsigmoid of a huge negative) passes the gate
+    check and must close the gate: no key before it is seen, as if a sequence started there. An fp64 c of 1e12 keeps
+    its differences only to ~1e-4 (fp32's min: not at all), so the oracle is the reference cut into those sequences,
+    where a sequence's first gate is never used: there it is 0 (so is its gradient, as exp(-1e12) makes it). Resets sit
+    at tile starts, where -1e4 is exact."""
+    T, cu, resets = 110, [0, 110], [16, 48, 80]
+    if name == "varlen":
+        cu, resets = [0, 3, 60, 110], [19, 51, 76, 108]
+    q, k, v, _ = _inputs(1, T, T, 2, 2, 16, 16)
+    lf = F.logsigmoid(torch.randn(1, T, 2) + 3.0)
+    lf[:, resets] = reset
+    inputs, seed = (q, k, v, lf.requires_grad_()), int(torch.randint(1 << 30, ()))
+    cu_seqlens = None if name == "causal" else torch.tensor(cu, dtype=torch.int32)
+    out = _run(*inputs, seed=seed, prune=prune, cu_seqlens=cu_seqlens)
+    cut = torch.tensor(sorted(set(cu + resets)), dtype=torch.int32)
+    opened = lf.detach().clone()
+    opened[:, resets] = 0.0
+    _assert_close(out, _run(q, k, v, opened, seed=seed, reference=True, cu_seqlens=cut), rel=2e-5)
+
+
 def _skipped_tiles(c, delta, cu_seqlens, tile):
     """[B, H, T, T] bool: entries of the tile x tile blocks (aligned to each sequence's start) that ACP skips:
     left of the query block, and whose largest decay c[first query] - c[last key] is below delta.
