@@ -17,8 +17,9 @@ log2(e)-prescaled logits). The design follows Triton's fused-attention tutorial 
   block, to one fp64 difference per tile (that position's c minus the reference); see _c_tile. That is faster than
   converting each tile's fp64 c (docs/benchmarks.md). The limit: a logit's error is about an fp32 ulp of the decay
   between its query or key and the program's reference, so a gate that closes hard (log f = -1e4) inside a tile,
-  past the reference, costs ~1e-3 in the logits behind it (tests/ops/forgetting_attention/test_triton.py places such
-  resets at tile starts).
+  past the reference, costs ~1e-3 in the logits behind it, and several in one C_BLOCK-long block the ulp of their
+  sum (tests/ops/forgetting_attention/test_triton.py places such resets at tile starts). Gates below -1e4 are
+  floored there (``gate.GATE_FLOOR``).
 * ACP: a tile is skipped when its largest decay c_i - c_j is below the threshold delta. c is monotone, so
   the skipped tiles of a query block are a prefix of key blocks (and for a key block, the kept query
   blocks a prefix of those below the diagonal); each program finds its boundary by binary search over c.
