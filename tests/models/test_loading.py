@@ -99,3 +99,24 @@ def test_loading_info_when_asked_for(tmp_path):
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "fox-llama"])
+def test_sharded_round_trip_in_bf16_keeps_gate_and_shift_fp32(arch, tmp_path):
+    """Sharded save and load gives the weights and logits back exactly; loaded in bf16 ("auto" then reads the saved
+    dtype), the forget gate and token shift stay fp32 through a second sharded save and load, as the README says."""
+    model = _fox(arch)
+    model.save_pretrained(tmp_path / "fp32", max_shard_size=SHARD)
+    assert len(_shards(tmp_path / "fp32")) > 1
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").eval()
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", dtype=torch.bfloat16).eval()
+    bf16.save_pretrained(tmp_path / "bf16", max_shard_size=SHARD)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto").eval()
+    kept = {name for name, _ in again.named_parameters() if "fgate_proj" in name or "shift.proj" in name}
+    assert kept and (arch == "fox-pro") == any("shift" in name for name in kept)
+    for name, p in again.named_parameters():
+        assert p.dtype == (torch.float32 if name in kept else torch.bfloat16), name
+        assert torch.equal(p, model.get_parameter(name).to(p.dtype)), name
+    torch.testing.assert_close(again(ids).logits, bf16(ids).logits, rtol=0, atol=0)
