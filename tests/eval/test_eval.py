@@ -130,6 +130,27 @@ def test_streamed_logprobs_match_model_loss(trained, corpus, monkeypatch):
     np.testing.assert_allclose(curve.loss, ref.double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "cohere"])
+def test_logprobs_are_the_models_own_logits_after_the_head(arch):
+    """Gemma 2 soft-caps its logits and Cohere scales them after the LM head: the per-token loss is that of the
+    model's forward logits, not of the head's output alone (it was off by 0.02 and 0.6 nats here)."""
+    import transformers
+
+    small = {"vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 64}
+    config = {"gemma2": transformers.Gemma2Config(**small, num_key_value_heads=2, head_dim=16,
+                                                  final_logit_softcapping=0.5),
+              "cohere": transformers.CohereConfig(**small, logit_scale=3.0)}[arch]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    x = torch.randint(0, 257, (3, 41))
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model(x).logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+    torch.testing.assert_close(-utils.next_token_logprobs(model, x, start=30), ref[:, 30:], rtol=1e-5, atol=1e-5)
+    curve = loss.per_token_loss(model, list(x.numpy()), batch_size=2, show_progress=False)
+    np.testing.assert_allclose(curve.loss, ref.double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_checkpoint_is_evaluated_with_fp32_weights(tmp_path):
     """A folder that stores bf16 weights (``foxlm convert --dtype bfloat16``) is evaluated as the FoX authors'
     run_per_token_loss.py evaluates (fp32 weights, bf16 autocast on CUDA): the per-token loss is that of the same
