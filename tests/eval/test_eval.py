@@ -637,6 +637,19 @@ def test_gates_default_map_length_fits_a_shorter_length(untrained, corpus, tmp_p
                  "--out", str(out), "--no-progress"]) == 0
     assert json.loads((out / "gates.json").read_text())["map_length"] == 64
 
+def test_decay_quantiles_of_more_than_2_24_tokens():
+    """Decay times over more than 2^24 tokens (e.g. --num-sequences 128 --length 131072): torch.quantile refused
+    them, after the whole forward pass."""
+    rng = np.random.default_rng(0)
+    g = -torch.from_numpy(rng.exponential(0.01, (1, 2**24 + 1, 1))).float()
+    rows = gates.decay_stats([g])
+    per_token = -1.0 / g[0].double().numpy()
+    for r in rows:  # the order statistic at q (n - 1); interpolating to its neighbour moves it by < 1e-3 here
+        ranked = np.sort(per_token[:, r.head])
+        np.testing.assert_allclose([r.p10, r.p50, r.p90], ranked[[int(q * 2**24) for q in (0.1, 0.5, 0.9)]], rtol=1e-3)
+        assert r.decay_time == pytest.approx(-1 / g[0, :, r.head].double().mean().item(), rel=1e-9)
+
+
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
     """Fixed ALiBi gates: log f_h = -m_h, so tau_h = 1/m_h; with QK-norm the logit bound is sqrt(D) for every
     head, so the skipped tiles follow in closed form from c_i - c_j = -m_h (i - j)."""
