@@ -352,6 +352,26 @@ def test_out_that_is_a_file_is_one_line_naming_the_flag(untrained, corpus, tmp_p
     assert (tmp_path / "results.csv").read_text() == "mine"
 
 
+@pytest.mark.parametrize("command,argv,theirs", [
+    ("loss", ["--train-length", "64", "--eval-length", "63", "--max-sequences", "1"], "summary.md"),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], "niah.csv"),
+    ("gates", ["--length", "64", "--num-sequences", "1"], "maps_layer01.png"),
+])
+def test_results_replace_files_in_out_only_with_overwrite(untrained, corpus, tmp_path, capsys, command, argv, theirs):
+    """--out holding a file the command writes (a user's, or an earlier run's): refused, naming it, before the models
+    load (it was replaced silently); --overwrite replaces it, and the folder's other files are kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / theirs).write_text("mine")
+    (out / "notes.txt").write_text("mine")
+    run = ["eval", command, str(untrained), "--data", str(corpus), *argv, "--out", str(out), "--no-progress"]
+    _refused(capsys, f"--out: {re.escape(str(out))} already holds {theirs}; pass --overwrite", run)
+    assert sorted(p.name for p in out.iterdir()) == sorted([theirs, "notes.txt"])
+    assert (out / theirs).read_text() == "mine"
+    assert main([*run, "--overwrite"]) == 0
+    assert (out / theirs).read_bytes() != b"mine" and (out / "notes.txt").read_text() == "mine"
+
+
 def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, capsys):
     """One held-out document long enough gives one sequence with --windows first; the default then takes all of its
     windows, and says so."""
@@ -406,11 +426,11 @@ def test_eval_defaults_to_the_data_a_run_trained_on(untrained, corpus, tmp_path,
     assert json.loads((tmp_path / "out" / "loss.json").read_text())["data"] == str(corpus)
     other = _run_of(untrained, tmp_path, "other", data=str(tmp_path / "elsewhere"), seq_len=64)
     _refused(capsys, "--data: the checkpoints were trained on different data",
-             ["eval", "loss", str(ckpt), str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+             ["eval", "loss", str(ckpt), str(other), "--out", str(tmp_path / "refused"), "--no-progress"])
     _refused(capsys, "--data: the checkpoints were trained on .*elsewhere, which is not here",
-             ["eval", "loss", str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+             ["eval", "loss", str(other), "--out", str(tmp_path / "refused"), "--no-progress"])
     # --data overrides what the run recorded
-    assert main(["eval", "loss", str(other), "--data", str(corpus), "--out", str(tmp_path / "out"),
+    assert main(["eval", "loss", str(other), "--data", str(corpus), "--out", str(tmp_path / "out"), "--overwrite",
                  "--no-progress"]) == 0
 
 
