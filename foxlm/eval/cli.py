@@ -332,7 +332,7 @@ def _run_loss(args, cp) -> int:
     import torch.distributed as dist
 
     from . import loss
-    from .utils import heldout_documents
+    from .utils import check_positions, heldout_documents
 
     _check_exist(args.checkpoints)
     main = cp is None or dist.get_rank() == 0  # under --cp every process computes every curve; one writes them
@@ -356,6 +356,8 @@ def _run_loss(args, cp) -> int:
     if cp is not None and eval_length % (2 * args.cp):
         raise ValueError(f"--eval-length: {eval_length} must be a multiple of 2 x --cp = {2 * args.cp} (each process "
                          f"holds two equal chunks of every sequence)")
+    for m in models:
+        check_positions(m, eval_length, "--eval-length")
     if args.acp_tolerance is not None and args.acp == "model":
         raise ValueError("--acp-tolerance: only with --acp on, off or both")
     if args.acp_tolerance is not None and not 0.0 < args.acp_tolerance < 1.0:
@@ -414,7 +416,7 @@ def _run_loss(args, cp) -> int:
 
 def run_niah(args) -> int:
     from . import niah
-    from .utils import heldout_documents
+    from .utils import check_positions, heldout_documents
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
@@ -424,6 +426,7 @@ def run_niah(args) -> int:
     _check_train_length(args)
     _check_exist([args.checkpoint])
     (model,), data, tok, out = _setup(args, [args.checkpoint])
+    check_positions(model, max(args.lengths) + len(tok.encode(" " + niah.ANSWER)), "--lengths")
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)

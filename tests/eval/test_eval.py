@@ -372,6 +372,30 @@ def test_results_replace_files_in_out_only_with_overwrite(untrained, corpus, tmp
     assert (out / theirs).read_bytes() != b"mine" and (out / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("command,argv,length", [
+    ("loss", ["--train-length", "32", "--eval-length", "63"], "--eval-length: 63"),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], r"--lengths: \d+"),
+])
+def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path, capsys, command, argv, length):
+    """GPT-2 learns a table of n_positions positions: a longer evaluation was an IndexError's traceback inside its
+    embedding (a device-side assert on CUDA). A rotary Llama with a shorter max_position_embeddings runs on."""
+    import transformers
+
+    gpt2, llama = tmp_path / "gpt2", tmp_path / "llama"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
+                                                         n_positions=48)).save_pretrained(gpt2)
+    _refused(capsys, f"{length} tokens, but the 'gpt2' model learned position embeddings for 48 only",
+             ["eval", command, str(gpt2), "--data", str(corpus), *argv, "--out", str(tmp_path / "out"),
+              "--no-progress"])
+    assert not (tmp_path / "out").exists()
+    if command == "loss":
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=48)).save_pretrained(llama)
+        assert main(["eval", command, str(llama), "--data", str(corpus), *argv, "--max-sequences", "2", "--out",
+                     str(tmp_path / "out"), "--no-progress"]) == 0
+
+
 def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, capsys):
     """One held-out document long enough gives one sequence with --windows first; the default then takes all of its
     windows, and says so."""
