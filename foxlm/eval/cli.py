@@ -13,6 +13,12 @@ from pathlib import Path
 import numpy as np
 
 MIN_SEQUENCES = 16  # fewer sequences than this give a noisy per-token curve (e.g. one held-out play)
+# the files each command writes into --out (glob patterns): one already there is replaced only with --overwrite
+OUTPUTS = {"loss": ("per_token_loss.csv", "summary.csv", "summary.md", "per_token_loss.png", "loss.json"),
+           "niah": ("niah.csv", "niah.png", "niah.json"),
+           "recall": ("recall.csv", "recall.md", "recall.json", "recall.png"),
+           "gates": ("maps_layer*.png", "decay_times.csv", "decay_times.png", "acp.csv", "acp.png", "gates.json")}
+_OVERWRITE_HELP = "replace this command's result files already in --out (other files there are always kept)"
 
 
 def _ints(text: str) -> list[int]:
@@ -51,6 +57,7 @@ def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
                         "on, as their run recorded it, else the embedded Shakespeare corpus")
     p.add_argument("--split", default="val", help="held-out split to read (default: val)")
     p.add_argument("--out", type=_nonempty, required=True, help="output folder for CSV, PNG and JSON files")
+    p.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
@@ -125,6 +132,7 @@ def register(subparsers) -> None:
     recall.add_argument("--seed", type=int, default=1, help="seed of the evaluation documents (default 1)")
     recall.add_argument("--out", type=_nonempty, required=True,
                         help="output folder for recall.csv, recall.json, recall.md and recall.png")
+    recall.add_argument("--overwrite", action="store_true", help=_OVERWRITE_HELP)
     recall.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     recall.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                         help="autocast precision; auto = bfloat16 on CUDA, float32 on CPU")
@@ -191,11 +199,17 @@ def _setup(args, checkpoints: list[str]):
 
 def _out_folder(args) -> Path:
     """``--out``, refused if it or a folder above it is a file (checked before the models load; mkdir would say
-    only "File exists")."""
+    only "File exists"), or if it holds a file the command writes (a user's, or an earlier run's results) and
+    ``--overwrite`` is not given."""
     out = Path(args.out).expanduser()
     blocked = next((p for p in (out, *out.parents) if p.exists() and not p.is_dir()), None)
     if blocked is not None:
         raise NotADirectoryError(f"--out: {blocked} is a file; name a folder (new or existing) for the results")
+    there = sorted({p.name for pattern in OUTPUTS[args.eval_command] for p in out.glob(pattern)}) if out.is_dir() \
+        else []
+    if there and not args.overwrite:
+        raise FileExistsError(f"--out: {out} already holds {', '.join(there[:5])}{', ...' if len(there) > 5 else ''}; "
+                              "pass --overwrite to replace them, or name another folder")
     return out
 
 
@@ -318,7 +332,7 @@ def _run_loss(args, cp) -> int:
     import torch.distributed as dist
 
     from . import loss
-    from .utils import heldout_documents
+    from .utils import check_positions, heldout_documents
 
     _check_exist(args.checkpoints)
     main = cp is None or dist.get_rank() == 0  # under --cp every process computes every curve; one writes them
@@ -342,6 +356,8 @@ def _run_loss(args, cp) -> int:
     if cp is not None and eval_length % (2 * args.cp):
         raise ValueError(f"--eval-length: {eval_length} must be a multiple of 2 x --cp = {2 * args.cp} (each process "
                          f"holds two equal chunks of every sequence)")
+    for m in models:
+        check_positions(m, eval_length, "--eval-length")
     if args.acp_tolerance is not None and args.acp == "model":
         raise ValueError("--acp-tolerance: only with --acp on, off or both")
     if args.acp_tolerance is not None and not 0.0 < args.acp_tolerance < 1.0:
@@ -400,7 +416,7 @@ def _run_loss(args, cp) -> int:
 
 def run_niah(args) -> int:
     from . import niah
-    from .utils import heldout_documents
+    from .utils import check_positions, heldout_documents
 
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
@@ -410,6 +426,7 @@ def run_niah(args) -> int:
     _check_train_length(args)
     _check_exist([args.checkpoint])
     (model,), data, tok, out = _setup(args, [args.checkpoint])
+    check_positions(model, max(args.lengths) + len(tok.encode(" " + niah.ANSWER)), "--lengths")
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)

@@ -85,7 +85,8 @@ def decay_stats(log_fgates: list[torch.Tensor]) -> list[HeadDecay]:
     for layer, g in enumerate(log_fgates):
         flat = g.double().reshape(-1, g.shape[-1])  # [N*T, H]
         per_token = -1.0 / flat.clamp_max(-1e-30)
-        q = torch.quantile(per_token.clamp_max(1e30), torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64), dim=0)
+        # NumPy's: torch.quantile refuses more than 2^24 values per head (tokens, e.g. 128 sequences of 128K)
+        q = np.quantile(per_token.clamp_max(1e30).numpy(), [0.1, 0.5, 0.9], axis=0)
         mean = flat.mean(0)
         for h in range(flat.shape[1]):
             tau = float(-1.0 / mean[h]) if mean[h] < 0 else float("inf")

@@ -55,8 +55,9 @@ def per_token_loss(
     """L(l), l = 1..T, of ``model`` averaged over equally long token ``sequences`` ([T + 1] each), ``batch_size``
     at a time.
 
-    Memory is O(batch_size * T): the backbone streams (no T x T attention matrix) and logits are made a
-    chunk of positions at a time. ``dtype``: autocast precision (``utils.autocast``), bf16 on CUDA by default.
+    Memory is O(batch_size * T) for a foxlm model: the backbone streams (no T x T attention matrix) and logits are
+    made a chunk of positions at a time; another model's forward makes its [batch_size, T, V] logits at once.
+    ``dtype``: autocast precision (``utils.autocast``), bf16 on CUDA by default.
     context_parallel: every rank of its group calls this with the same sequences and holds a shard of each
     (memory O(batch_size * T / ranks)); every rank returns the whole curve.
     """

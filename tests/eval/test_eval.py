@@ -130,6 +130,27 @@ def test_streamed_logprobs_match_model_loss(trained, corpus, monkeypatch):
     np.testing.assert_allclose(curve.loss, ref.double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ["gemma2", "cohere"])
+def test_logprobs_are_the_models_own_logits_after_the_head(arch):
+    """Gemma 2 soft-caps its logits and Cohere scales them after the LM head: the per-token loss is that of the
+    model's forward logits, not of the head's output alone (it was off by 0.02 and 0.6 nats here)."""
+    import transformers
+
+    small = {"vocab_size": 257, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+             "intermediate_size": 64}
+    config = {"gemma2": transformers.Gemma2Config(**small, num_key_value_heads=2, head_dim=16,
+                                                  final_logit_softcapping=0.5),
+              "cohere": transformers.CohereConfig(**small, logit_scale=3.0)}[arch]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    x = torch.randint(0, 257, (3, 41))
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model(x).logits[:, :-1].transpose(1, 2), x[:, 1:], reduction="none")
+    torch.testing.assert_close(-utils.next_token_logprobs(model, x, start=30), ref[:, 30:], rtol=1e-5, atol=1e-5)
+    curve = loss.per_token_loss(model, list(x.numpy()), batch_size=2, show_progress=False)
+    np.testing.assert_allclose(curve.loss, ref.double().mean(0).numpy(), rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_checkpoint_is_evaluated_with_fp32_weights(tmp_path):
     """A folder that stores bf16 weights (``foxlm convert --dtype bfloat16``) is evaluated as the FoX authors'
     run_per_token_loss.py evaluates (fp32 weights, bf16 autocast on CUDA): the per-token loss is that of the same
@@ -331,6 +352,50 @@ def test_out_that_is_a_file_is_one_line_naming_the_flag(untrained, corpus, tmp_p
     assert (tmp_path / "results.csv").read_text() == "mine"
 
 
+@pytest.mark.parametrize("command,argv,theirs", [
+    ("loss", ["--train-length", "64", "--eval-length", "63", "--max-sequences", "1"], "summary.md"),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], "niah.csv"),
+    ("gates", ["--length", "64", "--num-sequences", "1"], "maps_layer01.png"),
+])
+def test_results_replace_files_in_out_only_with_overwrite(untrained, corpus, tmp_path, capsys, command, argv, theirs):
+    """--out holding a file the command writes (a user's, or an earlier run's): refused, naming it, before the models
+    load (it was replaced silently); --overwrite replaces it, and the folder's other files are kept."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / theirs).write_text("mine")
+    (out / "notes.txt").write_text("mine")
+    run = ["eval", command, str(untrained), "--data", str(corpus), *argv, "--out", str(out), "--no-progress"]
+    _refused(capsys, f"--out: {re.escape(str(out))} already holds {theirs}; pass --overwrite", run)
+    assert sorted(p.name for p in out.iterdir()) == sorted([theirs, "notes.txt"])
+    assert (out / theirs).read_text() == "mine"
+    assert main([*run, "--overwrite"]) == 0
+    assert (out / theirs).read_bytes() != b"mine" and (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("command,argv,length", [
+    ("loss", ["--train-length", "32", "--eval-length", "63"], "--eval-length: 63"),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], r"--lengths: \d+"),
+])
+def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path, capsys, command, argv, length):
+    """GPT-2 learns a table of n_positions positions: a longer evaluation was an IndexError's traceback inside its
+    embedding (a device-side assert on CUDA). A rotary Llama with a shorter max_position_embeddings runs on."""
+    import transformers
+
+    gpt2, llama = tmp_path / "gpt2", tmp_path / "llama"
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
+                                                         n_positions=48)).save_pretrained(gpt2)
+    _refused(capsys, f"{length} tokens, but the 'gpt2' model learned position embeddings for 48 only",
+             ["eval", command, str(gpt2), "--data", str(corpus), *argv, "--out", str(tmp_path / "out"),
+              "--no-progress"])
+    assert not (tmp_path / "out").exists()
+    if command == "loss":
+        transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=257, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=48)).save_pretrained(llama)
+        assert main(["eval", command, str(llama), "--data", str(corpus), *argv, "--max-sequences", "2", "--out",
+                     str(tmp_path / "out"), "--no-progress"]) == 0
+
+
 def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, capsys):
     """One held-out document long enough gives one sequence with --windows first; the default then takes all of its
     windows, and says so."""
@@ -385,11 +450,11 @@ def test_eval_defaults_to_the_data_a_run_trained_on(untrained, corpus, tmp_path,
     assert json.loads((tmp_path / "out" / "loss.json").read_text())["data"] == str(corpus)
     other = _run_of(untrained, tmp_path, "other", data=str(tmp_path / "elsewhere"), seq_len=64)
     _refused(capsys, "--data: the checkpoints were trained on different data",
-             ["eval", "loss", str(ckpt), str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+             ["eval", "loss", str(ckpt), str(other), "--out", str(tmp_path / "refused"), "--no-progress"])
     _refused(capsys, "--data: the checkpoints were trained on .*elsewhere, which is not here",
-             ["eval", "loss", str(other), "--out", str(tmp_path / "out"), "--no-progress"])
+             ["eval", "loss", str(other), "--out", str(tmp_path / "refused"), "--no-progress"])
     # --data overrides what the run recorded
-    assert main(["eval", "loss", str(other), "--data", str(corpus), "--out", str(tmp_path / "out"),
+    assert main(["eval", "loss", str(other), "--data", str(corpus), "--out", str(tmp_path / "out"), "--overwrite",
                  "--no-progress"]) == 0
 
 
@@ -615,6 +680,19 @@ def test_gates_default_map_length_fits_a_shorter_length(untrained, corpus, tmp_p
     assert main(["eval", "gates", str(untrained), "--data", str(corpus), "--length", "64", "--num-sequences", "1",
                  "--out", str(out), "--no-progress"]) == 0
     assert json.loads((out / "gates.json").read_text())["map_length"] == 64
+
+def test_decay_quantiles_of_more_than_2_24_tokens():
+    """Decay times over more than 2^24 tokens (e.g. --num-sequences 128 --length 131072): torch.quantile refused
+    them, after the whole forward pass."""
+    rng = np.random.default_rng(0)
+    g = -torch.from_numpy(rng.exponential(0.01, (1, 2**24 + 1, 1))).float()
+    rows = gates.decay_stats([g])
+    per_token = -1.0 / g[0].double().numpy()
+    for r in rows:  # the order statistic at q (n - 1); interpolating to its neighbour moves it by < 1e-3 here
+        ranked = np.sort(per_token[:, r.head])
+        np.testing.assert_allclose([r.p10, r.p50, r.p90], ranked[[int(q * 2**24) for q in (0.1, 0.5, 0.9)]], rtol=1e-3)
+        assert r.decay_time == pytest.approx(-1 / g[0, :, r.head].double().mean().item(), rel=1e-9)
+
 
 def test_alibi_gate_decay_time_and_acp_fraction_are_exact():
     """Fixed ALiBi gates: log f_h = -m_h, so tau_h = 1/m_h; with QK-norm the logit bound is sqrt(D) for every

@@ -226,7 +226,7 @@ def test_recall_cli_reads_the_task_from_the_training_data_and_refuses_without_on
     err = capsys.readouterr().err
     assert err.startswith("foxlm eval recall: error: --vocab: ") and err.count("\n") == 1
     assert main(["eval", "recall", str(tmp_path / "m"), "--vocab", "0:48", "--pairs", "2", "--out",
-                 str(tmp_path / "out"), "--no-progress"]) == 2
+                 str(tmp_path / "refused"), "--no-progress"]) == 2
     assert "--lengths: " in capsys.readouterr().err
 
 
