@@ -41,19 +41,19 @@ if [[ " $STAGES " == *" train "* ]]; then
 fi
 if [[ " $STAGES " == *" eval "* ]]; then
   t python3 -m foxlm.cli eval loss $(for a in $ARCHS; do echo $R/$a; done) --eval-length $EVAL --windows all \
-    --batch-size 8 --out $R/loss --no-progress
+    --batch-size 8 --out $R/loss --overwrite --no-progress
   for arch in $ARCHS; do  # fox-pro's in niah/ (as docs/small-scale.md shows it), the others' in niah-ARCH/
     [ $arch = fox-pro ] && dir=niah || dir=niah-$arch
     t python3 -m foxlm.cli eval niah $R/$arch --lengths $((SEQ / 2)),$SEQ,$((2 * SEQ)),$EVAL \
-      --depths 0,0.25,0.5,0.75,1 --train-length $SEQ --batch-size 5 --out $R/$dir --no-progress
+      --depths 0,0.25,0.5,0.75,1 --train-length $SEQ --batch-size 5 --out $R/$dir --overwrite --no-progress
     [ $arch = fox-pro ] || cp $R/$dir/niah.png $OUT/niah-$arch.png
   done
   cp $R/loss/summary.md $R/loss/per_token_loss.png $OUT/
   if [[ " $ARCHS " == *" fox-pro "* ]]; then
     t python3 -m foxlm.cli eval loss $R/fox-pro --eval-length $EVAL --windows all --batch-size 8 --acp both \
-      --out $R/acp --no-progress  # the same fox-pro with and without ACP: the loss change it makes
+      --out $R/acp --overwrite --no-progress  # the same fox-pro with and without ACP: the loss change it makes
     t python3 -m foxlm.cli eval gates $R/fox-pro --length $EVAL --num-sequences 16 --batch-size 8 --out $R/gates \
-      --no-progress
+      --overwrite --no-progress
     cp $R/acp/summary.md $OUT/acp_loss.md
     cp $R/niah/niah.png $R/gates/acp.png $R/gates/decay_times.png $OUT/
   fi
