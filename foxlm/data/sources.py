@@ -90,17 +90,22 @@ def split_pieces(text: str, piece_chars: int = PIECE_CHARS,
     while spaces is not None and len(text) > piece_chars:
         yield text[:(cut := safe_cut(text, piece_chars, spaces) or forced_cut(text, piece_chars, spaces))]
         text = text[cut:]
-    yield text
+    if text:  # none left where the last cut took the rest whole
+        yield text
 
 
 def forced_cut(text: str, piece_chars: int, spaces: frozenset[str] = UNICODE_SPACES) -> int:
-    """Where to cut ``text`` that has no safe place near ``piece_chars``: the first safe place after it, or, in a run
-    of more than ``RUN_PIECES * piece_chars`` characters without whitespace, ``piece_chars`` itself.
+    """Where to cut ``text`` that has no safe place near ``piece_chars``: the first safe place after it; its end
+    (``len(text)``: it is one piece) where it is all within ``RUN_PIECES * piece_chars``; else, in a run of more than
+    that without whitespace, ``piece_chars`` itself.
 
     The tokenizer holds a whole pre-token in memory (a 100 MB run took GBs), so such runs are split as tiktoken's
-    users do; the ids differ from the unsplit run's only at the cut."""
+    users do; the ids differ from the unsplit run's only at the cut. The end of ``text`` must be the end of its
+    document (a reader holding only part of one first reads on while the rest is that short)."""
     m = _safe_cut_pattern(spaces).search(text, piece_chars, RUN_PIECES * piece_chars)
-    return m.end() if m is not None else min(piece_chars, len(text))
+    if m is not None:
+        return m.end()
+    return len(text) if len(text) <= RUN_PIECES * piece_chars else piece_chars
 
 
 def document_events(text: str, cuts: Cuts = Cuts()) -> Iterator[Event]:

@@ -35,7 +35,7 @@ from foxlm.data.assets import (
     shakespeare_plays,
 )
 from foxlm.data.cli import register
-from foxlm.data.sources import split_pieces
+from foxlm.data.sources import RUN_PIECES, split_pieces
 
 
 @pytest.fixture(scope="module")
@@ -558,7 +558,8 @@ def test_a_long_run_without_whitespace_is_cut(tmp_path):
     (tmp_path / "run.txt").write_text("start " + run + " end")
     limit = 1 << 15
     pieces = list(split_pieces(run, limit))
-    assert "".join(pieces) == run and max(map(len, pieces)) <= limit
+    # its last piece, where the run ends the text within RUN_PIECES pieces, is whole (as a file's last piece is)
+    assert "".join(pieces) == run and max(map(len, pieces[:-1])) <= limit <= len(pieces[-1]) <= RUN_PIECES * limit
     tracemalloc.start()
     meta = prepare([tmp_path / "run.txt"], tmp_path / "out", tokenizer="byte", workers=0, progress=False,
                    piece_chars=limit, val_fraction=0.0)
@@ -567,6 +568,22 @@ def test_a_long_run_without_whitespace_is_cut(tmp_path):
     doc = next(TokenDataset(tmp_path / "out").documents())
     assert meta["num_tokens"] == len(run) + 11 and bytes(doc[1:].astype(np.uint8)) == ("start " + run + " end").encode()
     assert peak < len(run) / 4, f"peak {peak} bytes for a {len(run)}-character run"
+
+
+def test_a_documents_last_run_is_not_cut(tmp_path, gpt2):
+    """A document (JSON Lines: read in memory) that ends in a run without whitespace, past the piece size but within
+    RUN_PIECES pieces, gets the ids of its whole text, as the same text in a file does: it was cut at the piece size,
+    where no safe place lay after it, and GPT-2 merged across the cut differently."""
+    rng = random.Random()
+    run = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789+/") for _ in range(600))
+    text = "some words first " + run
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "src" / "b.txt").write_text(text)
+    assert [i for p in split_pieces(text, 200) for i in gpt2.encode(p)] == gpt2.encode(text)
+    prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False, piece_chars=200)
+    docs = [d.tolist() for d in TokenDataset(tmp_path / "out").documents()]
+    assert docs == [[gpt2.eot_id] + gpt2.encode(text)] * 2
 
 
 def test_cli_prepare(tmp_path, plays, capsys):
