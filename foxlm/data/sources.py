@@ -39,7 +39,7 @@ from ..hub import offline_unless_reachable
 
 Event = tuple[str, "str | tuple[str, str] | None"]
 
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
 PIECE_CHARS = 1 << 20
 FORMAT = "foxlm.tokens/1"  # the meta.json format of what `prepare` writes: never read back as text

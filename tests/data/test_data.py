@@ -398,6 +398,20 @@ def test_a_byte_order_mark_is_not_text(tmp_path, gpt2, plays):
     assert docs == [[gpt2.eot_id] + gpt2.encode(t) for t in texts + ["\ufeffkept"]]
 
 
+def test_every_json_lines_suffix_is_read_as_json_lines(tmp_path, gpt2):
+    """.jsonl, .ndjson and their .gz: one document per line's text (a .ndjson.gz was read as one text document of
+    raw JSON)."""
+    (tmp_path / "src").mkdir()
+    texts = []
+    for i, suffix in enumerate((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
+        texts += [f"document {i}a", f"document {i}b"]
+        data = "".join(json.dumps({"text": t}) + "\n" for t in texts[-2:]).encode()
+        (tmp_path / "src" / f"{i}{suffix}").write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    assert [d.tolist() for d in TokenDataset(tmp_path / "out").documents()] == [[gpt2.eot_id] + gpt2.encode(t)
+                                                                               for t in texts]
+
+
 def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
     rng = random.Random()
     ordered = _write_corpus(tmp_path, rng, plays)
