@@ -49,6 +49,7 @@ UNICODE_SPACES = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205
 _CUT_SEARCH = 4096
 VAL_SPLITS = ("validation", "valid", "val")
 HUB_PREFIX = "hub:"
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only from a JSON escape of half a UTF-16 pair
 RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
 
 
@@ -312,6 +313,10 @@ def _jsonl_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[
                 continue
             if not isinstance(text, str):
                 yield "skip", ("no text", f"line {lineno}: {text_key!r} is not a string")
+                continue
+            if (half := _SURROGATE.search(text)) is not None:  # no UTF-8 has it: tokenizers raise or replace it
+                yield "skip", ("bad UTF-8", f"line {lineno}: {text_key!r} holds a lone surrogate \\u"
+                                            f"{ord(half.group()):04x} (half of a character) at index {half.start()}")
                 continue
             yield from document_events(text, cuts)
         src.sha256 = raw.sha256.hexdigest()

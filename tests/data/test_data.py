@@ -412,6 +412,23 @@ def test_every_json_lines_suffix_is_read_as_json_lines(tmp_path, gpt2):
                                                                                for t in texts]
 
 
+def test_a_lone_surrogate_in_json_is_a_reported_skip(tmp_path):
+    """A JSON Lines text with half of a UTF-16 pair (``"\\ud83e"``, a cut emoji) is no text: it is skipped as bad
+    UTF-8 naming its line, for every tokenizer (byte crashed the run with a UnicodeEncodeError, gpt2 silently made it
+    U+FFFD); a whole pair is its character."""
+    (tmp_path / "src").mkdir()
+    lines = ['{"text": "a fox \\ud83e\\udd8a"}', '{"text": "cut \\ud83e here"}', '{"text": "fine"}']
+    (tmp_path / "src" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    for name in ("byte", "gpt2"):
+        tok = get_tokenizer(name)
+        meta = prepare([tmp_path / "src"], tmp_path / name, tokenizer=name, val_fraction=0.0, workers=0,
+                       progress=False)
+        assert [d.tolist() for d in TokenDataset(tmp_path / name).documents()] == [
+            [tok.eot_id] + tok.encode(t) for t in ("a fox \U0001f98a", "fine")]
+        assert meta["skipped"]["by_reason"] == {"bad UTF-8": 1}
+        assert meta["skipped"]["examples"][0]["detail"].startswith("line 2: 'text' holds a lone surrogate \\ud83e")
+
+
 def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
     rng = random.Random()
     ordered = _write_corpus(tmp_path, rng, plays)
