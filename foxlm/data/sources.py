@@ -14,7 +14,8 @@ reader yields *events* so that memory stays flat whatever the size:
   tokenizer with no such place (``Cuts.spaces=None``) a document is one piece.
 - ``("end", None)``: the current document is complete.
 - ``("skip", (category, detail))``: the current document (possibly after some pieces) is dropped; categories:
-  ``bad UTF-8``, ``empty``, ``bad JSON``, ``no text`` (missing or non-string field), ``unreadable``.
+  ``bad UTF-8``, ``binary`` (a text file with a NUL byte), ``empty``, ``bad JSON``, ``no text`` (missing or
+  non-string field), ``unreadable``.
 
 A document opens with its first event. ``Source`` keeps per-input statistics and a progress callback.
 """
@@ -275,6 +276,9 @@ def _text_file_events(src: Source, on_bytes, cuts: Cuts) -> Iterator[Event]:
         decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="strict")  # a byte-order mark is no text
         buf, seen_text = "", False
         while block := stream.read(cuts.chars):
+            if b"\0" in block:  # no text file has one; UTF-16 text or binary data that passes as UTF-8 does
+                yield "skip", ("binary", "a NUL byte: binary data or UTF-16 text, not UTF-8 text")
+                return
             buf += decoder.decode(block)
             seen_text = seen_text or bool(buf.strip())
             while cuts.spaces is not None and len(buf) > cuts.chars:

@@ -429,6 +429,20 @@ def test_a_lone_surrogate_in_json_is_a_reported_skip(tmp_path):
         assert meta["skipped"]["examples"][0]["detail"].startswith("line 2: 'text' holds a lone surrogate \\ud83e")
 
 
+def test_a_binary_file_that_passes_as_utf8_is_a_reported_skip(tmp_path, gpt2):
+    """A text file with a NUL byte (UTF-16 text without a byte-order mark, binary data of bytes below 0x80, here past
+    the first piece) is skipped as binary and named, not tokenized as garbage: such bytes are valid UTF-8."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(("plain text " * 100).encode() + "utf-16 text".encode("utf-16-le"))
+    (tmp_path / "src" / "b.txt").write_text("a real document")
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False,
+                   piece_chars=200)
+    assert [d.tolist() for d in TokenDataset(tmp_path / "out").documents()] == [
+        [gpt2.eot_id] + gpt2.encode("a real document")]
+    assert meta["skipped"]["by_reason"] == {"binary": 1}
+    assert meta["skipped"]["examples"][0]["source"] == str(tmp_path / "src" / "a.txt")
+
+
 def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
     rng = random.Random()
     ordered = _write_corpus(tmp_path, rng, plays)
