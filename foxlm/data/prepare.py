@@ -288,8 +288,8 @@ def prepare(
     """Tokenize ``inputs`` (files, folders, ``datasets`` folders) into shards under ``out_dir``; return the meta.
 
     ``workers``: tokenizer processes (default: all CPUs; 0 tokenizes in this process). ``pattern`` selects files
-    inside folders, at any depth (see ``find_sources``). Skipped documents (bad UTF-8, empty, unreadable, bad JSON)
-    are reported on stderr and listed in ``meta.json``. ``overwrite`` replaces only a previous dataset.
+    inside folders, at any depth (see ``find_sources``). Skipped documents (bad UTF-8, binary, empty, unreadable, bad
+    JSON) are reported on stderr and listed in ``meta.json``. ``overwrite`` replaces only a previous dataset.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction (--val-fraction): expected a value in [0, 1), got {val_fraction}")

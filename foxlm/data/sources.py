@@ -14,7 +14,8 @@ reader yields *events* so that memory stays flat whatever the size:
   tokenizer with no such place (``Cuts.spaces=None``) a document is one piece.
 - ``("end", None)``: the current document is complete.
 - ``("skip", (category, detail))``: the current document (possibly after some pieces) is dropped; categories:
-  ``bad UTF-8``, ``empty``, ``bad JSON``, ``no text`` (missing or non-string field), ``unreadable``.
+  ``bad UTF-8``, ``binary`` (a text file with a NUL byte), ``empty``, ``bad JSON``, ``no text`` (missing or
+  non-string field), ``unreadable``.
 
 A document opens with its first event. ``Source`` keeps per-input statistics and a progress callback.
 """
@@ -39,7 +40,7 @@ from ..hub import offline_unless_reachable
 
 Event = tuple[str, "str | tuple[str, str] | None"]
 
-JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
 PARQUET_SUFFIXES = (".parquet",)
 PIECE_CHARS = 1 << 20
 FORMAT = "foxlm.tokens/1"  # the meta.json format of what `prepare` writes: never read back as text
@@ -49,6 +50,7 @@ UNICODE_SPACES = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205
 _CUT_SEARCH = 4096
 VAL_SPLITS = ("validation", "valid", "val")
 HUB_PREFIX = "hub:"
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only from a JSON escape of half a UTF-16 pair
 RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
 
 
@@ -90,17 +92,22 @@ def split_pieces(text: str, piece_chars: int = PIECE_CHARS,
     while spaces is not None and len(text) > piece_chars:
         yield text[:(cut := safe_cut(text, piece_chars, spaces) or forced_cut(text, piece_chars, spaces))]
         text = text[cut:]
-    yield text
+    if text:  # none left where the last cut took the rest whole
+        yield text
 
 
 def forced_cut(text: str, piece_chars: int, spaces: frozenset[str] = UNICODE_SPACES) -> int:
-    """Where to cut ``text`` that has no safe place near ``piece_chars``: the first safe place after it, or, in a run
-    of more than ``RUN_PIECES * piece_chars`` characters without whitespace, ``piece_chars`` itself.
+    """Where to cut ``text`` that has no safe place near ``piece_chars``: the first safe place after it; its end
+    (``len(text)``: it is one piece) where it is all within ``RUN_PIECES * piece_chars``; else, in a run of more than
+    that without whitespace, ``piece_chars`` itself.
 
     The tokenizer holds a whole pre-token in memory (a 100 MB run took GBs), so such runs are split as tiktoken's
-    users do; the ids differ from the unsplit run's only at the cut."""
+    users do; the ids differ from the unsplit run's only at the cut. The end of ``text`` must be the end of its
+    document (a reader holding only part of one first reads on while the rest is that short)."""
     m = _safe_cut_pattern(spaces).search(text, piece_chars, RUN_PIECES * piece_chars)
-    return m.end() if m is not None else min(piece_chars, len(text))
+    if m is not None:
+        return m.end()
+    return len(text) if len(text) <= RUN_PIECES * piece_chars else piece_chars
 
 
 def document_events(text: str, cuts: Cuts = Cuts()) -> Iterator[Event]:
@@ -269,6 +276,9 @@ def _text_file_events(src: Source, on_bytes, cuts: Cuts) -> Iterator[Event]:
         decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="strict")  # a byte-order mark is no text
         buf, seen_text = "", False
         while block := stream.read(cuts.chars):
+            if b"\0" in block:  # no text file has one; UTF-16 text or binary data that passes as UTF-8 does
+                yield "skip", ("binary", "a NUL byte: binary data or UTF-16 text, not UTF-8 text")
+                return
             buf += decoder.decode(block)
             seen_text = seen_text or bool(buf.strip())
             while cuts.spaces is not None and len(buf) > cuts.chars:
@@ -307,6 +317,10 @@ def _jsonl_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[
                 continue
             if not isinstance(text, str):
                 yield "skip", ("no text", f"line {lineno}: {text_key!r} is not a string")
+                continue
+            if (half := _SURROGATE.search(text)) is not None:  # no UTF-8 has it: tokenizers raise or replace it
+                yield "skip", ("bad UTF-8", f"line {lineno}: {text_key!r} holds a lone surrogate \\u"
+                                            f"{ord(half.group()):04x} (half of a character) at index {half.start()}")
                 continue
             yield from document_events(text, cuts)
         src.sha256 = raw.sha256.hexdigest()

@@ -35,7 +35,7 @@ from foxlm.data.assets import (
     shakespeare_plays,
 )
 from foxlm.data.cli import register
-from foxlm.data.sources import split_pieces
+from foxlm.data.sources import RUN_PIECES, split_pieces
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +398,51 @@ def test_a_byte_order_mark_is_not_text(tmp_path, gpt2, plays):
     assert docs == [[gpt2.eot_id] + gpt2.encode(t) for t in texts + ["\ufeffkept"]]
 
 
+def test_every_json_lines_suffix_is_read_as_json_lines(tmp_path, gpt2):
+    """.jsonl, .ndjson and their .gz: one document per line's text (a .ndjson.gz was read as one text document of
+    raw JSON)."""
+    (tmp_path / "src").mkdir()
+    texts = []
+    for i, suffix in enumerate((".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")):
+        texts += [f"document {i}a", f"document {i}b"]
+        data = "".join(json.dumps({"text": t}) + "\n" for t in texts[-2:]).encode()
+        (tmp_path / "src" / f"{i}{suffix}").write_bytes(gzip.compress(data) if suffix.endswith(".gz") else data)
+    prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    assert [d.tolist() for d in TokenDataset(tmp_path / "out").documents()] == [[gpt2.eot_id] + gpt2.encode(t)
+                                                                               for t in texts]
+
+
+def test_a_lone_surrogate_in_json_is_a_reported_skip(tmp_path):
+    """A JSON Lines text with half of a UTF-16 pair (``"\\ud83e"``, a cut emoji) is no text: it is skipped as bad
+    UTF-8 naming its line, for every tokenizer (byte crashed the run with a UnicodeEncodeError, gpt2 silently made it
+    U+FFFD); a whole pair is its character."""
+    (tmp_path / "src").mkdir()
+    lines = ['{"text": "a fox \\ud83e\\udd8a"}', '{"text": "cut \\ud83e here"}', '{"text": "fine"}']
+    (tmp_path / "src" / "a.jsonl").write_text("\n".join(lines) + "\n")
+    for name in ("byte", "gpt2"):
+        tok = get_tokenizer(name)
+        meta = prepare([tmp_path / "src"], tmp_path / name, tokenizer=name, val_fraction=0.0, workers=0,
+                       progress=False)
+        assert [d.tolist() for d in TokenDataset(tmp_path / name).documents()] == [
+            [tok.eot_id] + tok.encode(t) for t in ("a fox \U0001f98a", "fine")]
+        assert meta["skipped"]["by_reason"] == {"bad UTF-8": 1}
+        assert meta["skipped"]["examples"][0]["detail"].startswith("line 2: 'text' holds a lone surrogate \\ud83e")
+
+
+def test_a_binary_file_that_passes_as_utf8_is_a_reported_skip(tmp_path, gpt2):
+    """A text file with a NUL byte (UTF-16 text without a byte-order mark, binary data of bytes below 0x80, here past
+    the first piece) is skipped as binary and named, not tokenized as garbage: such bytes are valid UTF-8."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_bytes(("plain text " * 100).encode() + "utf-16 text".encode("utf-16-le"))
+    (tmp_path / "src" / "b.txt").write_text("a real document")
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False,
+                   piece_chars=200)
+    assert [d.tolist() for d in TokenDataset(tmp_path / "out").documents()] == [
+        [gpt2.eot_id] + gpt2.encode("a real document")]
+    assert meta["skipped"]["by_reason"] == {"binary": 1}
+    assert meta["skipped"]["examples"][0]["source"] == str(tmp_path / "src" / "a.txt")
+
+
 def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
     rng = random.Random()
     ordered = _write_corpus(tmp_path, rng, plays)
@@ -558,7 +603,8 @@ def test_a_long_run_without_whitespace_is_cut(tmp_path):
     (tmp_path / "run.txt").write_text("start " + run + " end")
     limit = 1 << 15
     pieces = list(split_pieces(run, limit))
-    assert "".join(pieces) == run and max(map(len, pieces)) <= limit
+    # its last piece, where the run ends the text within RUN_PIECES pieces, is whole (as a file's last piece is)
+    assert "".join(pieces) == run and max(map(len, pieces[:-1])) <= limit <= len(pieces[-1]) <= RUN_PIECES * limit
     tracemalloc.start()
     meta = prepare([tmp_path / "run.txt"], tmp_path / "out", tokenizer="byte", workers=0, progress=False,
                    piece_chars=limit, val_fraction=0.0)
@@ -567,6 +613,22 @@ def test_a_long_run_without_whitespace_is_cut(tmp_path):
     doc = next(TokenDataset(tmp_path / "out").documents())
     assert meta["num_tokens"] == len(run) + 11 and bytes(doc[1:].astype(np.uint8)) == ("start " + run + " end").encode()
     assert peak < len(run) / 4, f"peak {peak} bytes for a {len(run)}-character run"
+
+
+def test_a_documents_last_run_is_not_cut(tmp_path, gpt2):
+    """A document (JSON Lines: read in memory) that ends in a run without whitespace, past the piece size but within
+    RUN_PIECES pieces, gets the ids of its whole text, as the same text in a file does: it was cut at the piece size,
+    where no safe place lay after it, and GPT-2 merged across the cut differently."""
+    rng = random.Random()
+    run = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789+/") for _ in range(600))
+    text = "some words first " + run
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.jsonl").write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "src" / "b.txt").write_text(text)
+    assert [i for p in split_pieces(text, 200) for i in gpt2.encode(p)] == gpt2.encode(text)
+    prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False, piece_chars=200)
+    docs = [d.tolist() for d in TokenDataset(tmp_path / "out").documents()]
+    assert docs == [[gpt2.eot_id] + gpt2.encode(text)] * 2
 
 
 def test_cli_prepare(tmp_path, plays, capsys):
