@@ -21,6 +21,17 @@ OUTPUTS = {"loss": ("per_token_loss.csv", "summary.csv", "summary.md", "per_toke
 _OVERWRITE_HELP = "replace this command's result files already in --out (other files there are always kept)"
 
 
+def _distinct(vals: list, text: str) -> list:
+    """``vals`` parsed from ``text``, refused if one repeats: each value is a cell of a grid, and a repeated one was
+    merged into its first (niah averaged the two, recall's table kept one)."""
+    seen = set()
+    for v in vals:
+        if v in seen:
+            raise argparse.ArgumentTypeError(f"{v:g} is given twice in {text!r}; expected distinct values")
+        seen.add(v)
+    return vals
+
+
 def _ints(text: str) -> list[int]:
     """Lengths or counts: an empty list would mean the default to recall (silently) and a crash to niah."""
     try:
@@ -29,7 +40,7 @@ def _ints(text: str) -> list[int]:
         vals = []
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return vals
+    return _distinct(vals, text)
 
 
 def _nonempty(text: str) -> str:
@@ -46,7 +57,7 @@ def _fractions(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], got {text!r}") from None
     if not vals or any(not 0 <= v <= 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], got {text!r}")
-    return vals
+    return _distinct(vals, text)
 
 
 def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
@@ -421,6 +432,9 @@ def run_niah(args) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
         raise ValueError(f"--modes: expected a comma-separated subset of {niah.MODES}, got {args.modes!r}")
+    if len(set(modes)) < len(modes):  # a mode given twice ran twice, averaged into the same cells
+        twice = next(m for i, m in enumerate(modes) if m in modes[:i])
+        raise ValueError(f"--modes: {twice!r} is given twice in {args.modes!r}; expected distinct modes")
     if args.trials < 1:
         raise ValueError(f"--trials: expected at least 1, got {args.trials}")
     _check_train_length(args)

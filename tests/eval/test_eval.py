@@ -478,6 +478,30 @@ def test_empty_or_non_positive_lists_are_refused(tmp_path, capsys, argv):
                                     f"integers, got {value!r}")
 
 
+@pytest.mark.parametrize("argv,twice", [
+    (["niah", "--lengths", "600,300,600"], "600"),
+    (["niah", "--depths", "0.5,0,0.50"], "0.5"),
+    (["recall", "--lengths", "64,64"], "64"),
+    (["recall", "--pairs", "4,8,4"], "4"),
+])
+def test_repeated_list_values_are_refused(tmp_path, capsys, argv, twice):
+    """A value given twice was one cell of the grid, silently: niah's grid averaged its trials together, recall's
+    table kept the last of the two."""
+    command, flag, value = argv
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", command, str(tmp_path), flag, value, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert err.splitlines()[-1] == (f"foxlm eval {command}: error: argument {flag}: {twice} is given twice in "
+                                    f"{value!r}; expected distinct values")
+
+
+def test_repeated_niah_mode_is_refused(tmp_path, capsys):
+    """--modes easy,easy ran the easy mode twice and averaged the two into its cells."""
+    _refused(capsys, re.escape("--modes: 'easy' is given twice in 'easy,easy'; expected distinct modes"),
+             ["eval", "niah", str(tmp_path), "--lengths", "600", "--modes", "easy,easy", "--out", str(tmp_path / "o")])
+
+
 @pytest.mark.parametrize("flag,value,message", [
     ("--trials", "0", "--trials: expected at least 1, got 0"),  # was "trials, batch_size: ..."
     ("--train-length", "0", "--train-length: expected a positive number of tokens, got 0"),  # was taken, for the plot
