@@ -705,6 +705,30 @@ def test_gates_default_map_length_fits_a_shorter_length(untrained, corpus, tmp_p
                  "--out", str(out), "--no-progress"]) == 0
     assert json.loads((out / "gates.json").read_text())["map_length"] == 64
 
+def test_gates_overwrite_removes_its_own_earlier_files_only(untrained, corpus, tmp_path, capsys):
+    """--overwrite over an earlier run of a deeper gated model: its maps of the layers the new model lacks were left
+    (maps_layer02.png drawn for another model), as were its decay times and ACP report after a model without gates.
+    The folder's other files stay, a user's look-alike name too."""
+    deeper, ungated = tmp_path / "deeper", tmp_path / "ungated"
+    torch.manual_seed(0)
+    FoxForCausalLM(_config(num_hidden_layers=3)).save_pretrained(deeper)
+    FoxForCausalLM(_config(gate="none")).save_pretrained(ungated)
+    out = tmp_path / "out"
+    run = ["--data", str(corpus), "--length", "64", "--num-sequences", "1", "--out", str(out), "--no-progress"]
+    assert main(["eval", "gates", str(deeper), *run]) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "maps_layer_mine.png").write_text("mine")
+    capsys.readouterr()
+    assert main(["eval", "gates", str(untrained), *run, "--overwrite"]) == 0
+    assert "removed maps_layer02.png of an earlier run" in capsys.readouterr().out
+    maps = sorted(p.name for p in out.glob("maps_layer*.png"))
+    assert maps == ["maps_layer00.png", "maps_layer01.png", "maps_layer_mine.png"]
+    assert main(["eval", "gates", str(ungated), *run, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["maps_layer00.png", "maps_layer01.png", "maps_layer_mine.png",
+                                                      "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine" and (out / "maps_layer_mine.png").read_text() == "mine"
+
+
 def test_decay_quantiles_of_more_than_2_24_tokens():
     """Decay times over more than 2^24 tokens (e.g. --num-sequences 128 --length 131072): torch.quantile refused
     them, after the whole forward pass."""
