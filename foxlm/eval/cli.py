@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +22,17 @@ OUTPUTS = {"loss": ("per_token_loss.csv", "summary.csv", "summary.md", "per_toke
 _OVERWRITE_HELP = "replace this command's result files already in --out (other files there are always kept)"
 
 
+def _distinct(vals: list, text: str) -> list:
+    """``vals`` parsed from ``text``, refused if one repeats: each value is a cell of a grid, and a repeated one was
+    merged into its first (niah averaged the two, recall's table kept one)."""
+    seen = set()
+    for v in vals:
+        if v in seen:
+            raise argparse.ArgumentTypeError(f"{v:g} is given twice in {text!r}; expected distinct values")
+        seen.add(v)
+    return vals
+
+
 def _ints(text: str) -> list[int]:
     """Lengths or counts: an empty list would mean the default to recall (silently) and a crash to niah."""
     try:
@@ -29,7 +41,7 @@ def _ints(text: str) -> list[int]:
         vals = []
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return vals
+    return _distinct(vals, text)
 
 
 def _nonempty(text: str) -> str:
@@ -46,7 +58,7 @@ def _fractions(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], got {text!r}") from None
     if not vals or any(not 0 <= v <= 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected comma-separated fractions in [0, 1], got {text!r}")
-    return vals
+    return _distinct(vals, text)
 
 
 def _common(p: argparse.ArgumentParser, *, many: bool = False) -> None:
@@ -211,6 +223,26 @@ def _out_folder(args) -> Path:
         raise FileExistsError(f"--out: {out} already holds {', '.join(there[:5])}{', ...' if len(there) > 5 else ''}; "
                               "pass --overwrite to replace them, or name another folder")
     return out
+
+
+def _earlier_outputs(out: Path, command: str) -> set[str]:
+    """Names in ``out`` of files the command writes, as an earlier run left them (a ``*`` of ``OUTPUTS`` is a layer
+    number here: a user's ``maps_layer_mine.png`` is not one)."""
+    if not out.is_dir():
+        return set()
+    patterns = [re.compile(re.escape(p).replace(r"\*", r"\d+")) for p in OUTPUTS[command]]
+    return {p.name for p in out.iterdir() if p.is_file() and any(r.fullmatch(p.name) for r in patterns)}
+
+
+def _remove_stale(out: Path, earlier: set[str], written: set[str]) -> None:
+    """Remove the files of an earlier run (``_earlier_outputs``, replaced only with ``--overwrite``) that this run did
+    not write again: a deeper model's extra layer maps, or a gated model's decay times after a model without gates,
+    would otherwise sit among the new results as if they were its."""
+    stale = sorted(earlier - written)
+    for name in stale:
+        (out / name).unlink()
+    if stale:
+        print(f"removed {', '.join(stale)} of an earlier run")
 
 
 def _made(out: Path) -> Path:
@@ -421,6 +453,9 @@ def run_niah(args) -> int:
     modes = tuple(m for m in args.modes.split(",") if m)
     if not modes or any(m not in niah.MODES for m in modes):
         raise ValueError(f"--modes: expected a comma-separated subset of {niah.MODES}, got {args.modes!r}")
+    if len(set(modes)) < len(modes):  # a mode given twice ran twice, averaged into the same cells
+        twice = next(m for i, m in enumerate(modes) if m in modes[:i])
+        raise ValueError(f"--modes: {twice!r} is given twice in {args.modes!r}; expected distinct modes")
     if args.trials < 1:
         raise ValueError(f"--trials: expected at least 1, got {args.trials}")
     _check_train_length(args)
@@ -561,11 +596,14 @@ def run_gates(args) -> int:
         log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n,
                                            tolerance=args.tolerance, batch_size=args.batch_size, dtype=args.dtype,
                                            show_progress=args.progress)
+    earlier = _earlier_outputs(out, "gates")  # there only with --overwrite (_out_folder)
     _made(out)
-    for layer, a in enumerate(attn):
-        gates.plot_layer_maps(None if decay is None else decay[layer], a, layer, out / f"maps_layer{layer:02d}.png")
+    maps = [f"maps_layer{layer:02d}.png" for layer in range(len(attn))]
+    for layer, (a, name) in enumerate(zip(attn, maps)):
+        gates.plot_layer_maps(None if decay is None else decay[layer], a, layer, out / name)
     print(f"wrote {out}/maps_layer*.png")
     if decay is None:
+        _remove_stale(out, earlier, set(maps))
         print("the model has no forget gates (gate='none'): no decay times and no ACP report")
         return 0
     decay_rows = gates.decay_stats(log_fgates)
@@ -578,6 +616,7 @@ def run_gates(args) -> int:
     print(f"ACP (tiles {args.block_m}x{args.block_n}, tolerance {args.tolerance:.3g}) skips "
           f"{report.overall:.1%} of attention FLOPs; per layer: " + ", ".join(f"{x:.1%}" for x in report.per_layer))
     print(f"wrote {out}/decay_times.csv, decay_times.png, acp.csv, acp.png, gates.json")
+    _remove_stale(out, earlier, {*maps, "decay_times.csv", "decay_times.png", "acp.csv", "acp.png", "gates.json"})
     return 0
 
 

@@ -478,6 +478,30 @@ def test_empty_or_non_positive_lists_are_refused(tmp_path, capsys, argv):
                                     f"integers, got {value!r}")
 
 
+@pytest.mark.parametrize("argv,twice", [
+    (["niah", "--lengths", "600,300,600"], "600"),
+    (["niah", "--depths", "0.5,0,0.50"], "0.5"),
+    (["recall", "--lengths", "64,64"], "64"),
+    (["recall", "--pairs", "4,8,4"], "4"),
+])
+def test_repeated_list_values_are_refused(tmp_path, capsys, argv, twice):
+    """A value given twice was one cell of the grid, silently: niah's grid averaged its trials together, recall's
+    table kept the last of the two."""
+    command, flag, value = argv
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", command, str(tmp_path), flag, value, "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and not (tmp_path / "out").exists()
+    assert err.splitlines()[-1] == (f"foxlm eval {command}: error: argument {flag}: {twice} is given twice in "
+                                    f"{value!r}; expected distinct values")
+
+
+def test_repeated_niah_mode_is_refused(tmp_path, capsys):
+    """--modes easy,easy ran the easy mode twice and averaged the two into its cells."""
+    _refused(capsys, re.escape("--modes: 'easy' is given twice in 'easy,easy'; expected distinct modes"),
+             ["eval", "niah", str(tmp_path), "--lengths", "600", "--modes", "easy,easy", "--out", str(tmp_path / "o")])
+
+
 @pytest.mark.parametrize("flag,value,message", [
     ("--trials", "0", "--trials: expected at least 1, got 0"),  # was "trials, batch_size: ..."
     ("--train-length", "0", "--train-length: expected a positive number of tokens, got 0"),  # was taken, for the plot
@@ -680,6 +704,30 @@ def test_gates_default_map_length_fits_a_shorter_length(untrained, corpus, tmp_p
     assert main(["eval", "gates", str(untrained), "--data", str(corpus), "--length", "64", "--num-sequences", "1",
                  "--out", str(out), "--no-progress"]) == 0
     assert json.loads((out / "gates.json").read_text())["map_length"] == 64
+
+def test_gates_overwrite_removes_its_own_earlier_files_only(untrained, corpus, tmp_path, capsys):
+    """--overwrite over an earlier run of a deeper gated model: its maps of the layers the new model lacks were left
+    (maps_layer02.png drawn for another model), as were its decay times and ACP report after a model without gates.
+    The folder's other files stay, a user's look-alike name too."""
+    deeper, ungated = tmp_path / "deeper", tmp_path / "ungated"
+    torch.manual_seed(0)
+    FoxForCausalLM(_config(num_hidden_layers=3)).save_pretrained(deeper)
+    FoxForCausalLM(_config(gate="none")).save_pretrained(ungated)
+    out = tmp_path / "out"
+    run = ["--data", str(corpus), "--length", "64", "--num-sequences", "1", "--out", str(out), "--no-progress"]
+    assert main(["eval", "gates", str(deeper), *run]) == 0
+    (out / "notes.txt").write_text("mine")
+    (out / "maps_layer_mine.png").write_text("mine")
+    capsys.readouterr()
+    assert main(["eval", "gates", str(untrained), *run, "--overwrite"]) == 0
+    assert "removed maps_layer02.png of an earlier run" in capsys.readouterr().out
+    maps = sorted(p.name for p in out.glob("maps_layer*.png"))
+    assert maps == ["maps_layer00.png", "maps_layer01.png", "maps_layer_mine.png"]
+    assert main(["eval", "gates", str(ungated), *run, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["maps_layer00.png", "maps_layer01.png", "maps_layer_mine.png",
+                                                      "notes.txt"]
+    assert (out / "notes.txt").read_text() == "mine" and (out / "maps_layer_mine.png").read_text() == "mine"
+
 
 def test_decay_quantiles_of_more_than_2_24_tokens():
     """Decay times over more than 2^24 tokens (e.g. --num-sequences 128 --length 131072): torch.quantile refused
