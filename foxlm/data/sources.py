@@ -270,16 +270,27 @@ def _open_binary(path: Path, on_bytes: Callable[[int], None]) -> tuple[io.Buffer
     return stream, raw
 
 
+def _bad_utf8(e: UnicodeDecodeError, read: int) -> Event:
+    """The skip event of a text file's decoding error, at its byte offset in the file: ``e.object`` is what the
+    incremental decoder held (the bytes it kept from the block before, and this block), ending at ``read``."""
+    return "skip", ("bad UTF-8", f"{e.reason} at byte {read - len(e.object) + e.start}")
+
+
 def _text_file_events(src: Source, on_bytes, cuts: Cuts) -> Iterator[Event]:
     stream, raw = _open_binary(src.path, on_bytes)
     with stream:
         decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="strict")  # a byte-order mark is no text
-        buf, seen_text = "", False
+        buf, seen_text, read = "", False, 0
         while block := stream.read(cuts.chars):
             if b"\0" in block:  # no text file has one; UTF-16 text or binary data that passes as UTF-8 does
                 yield "skip", ("binary", "a NUL byte: binary data or UTF-16 text, not UTF-8 text")
                 return
-            buf += decoder.decode(block)
+            read += len(block)
+            try:
+                buf += decoder.decode(block)
+            except UnicodeDecodeError as e:
+                yield _bad_utf8(e, read)
+                return
             seen_text = seen_text or bool(buf.strip())
             while cuts.spaces is not None and len(buf) > cuts.chars:
                 if not (cut := safe_cut(buf, cuts.chars, cuts.spaces)):
@@ -288,7 +299,11 @@ def _text_file_events(src: Source, on_bytes, cuts: Cuts) -> Iterator[Event]:
                     cut = forced_cut(buf, cuts.chars, cuts.spaces)
                 yield "piece", buf[:cut]
                 buf = buf[cut:]
-        buf += decoder.decode(b"", final=True)
+        try:
+            buf += decoder.decode(b"", final=True)
+        except UnicodeDecodeError as e:  # a character cut short by the end of the file
+            yield _bad_utf8(e, read)
+            return
         src.sha256 = raw.sha256.hexdigest()
     if not (seen_text or buf.strip()):
         yield "skip", ("empty", "no text")
@@ -422,8 +437,6 @@ def source_events(src: Source, text_key: str, on_bytes: Callable[[int], None],
     try:
         src.bytes = source_size(src)
         yield from readers[src.kind]()
-    except UnicodeDecodeError as e:
-        yield "skip", ("bad UTF-8", f"{e.reason} at byte {e.start} of a 1 MiB block")
     except (OSError, EOFError, ValueError) as e:  # unreadable, truncated gzip, corrupt parquet, ...
         src.error = f"{type(e).__name__}: {e}"
         yield "skip", ("unreadable", src.error)

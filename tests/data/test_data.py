@@ -443,6 +443,22 @@ def test_a_binary_file_that_passes_as_utf8_is_a_reported_skip(tmp_path, gpt2):
     assert meta["skipped"]["examples"][0]["source"] == str(tmp_path / "src" / "a.txt")
 
 
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"], ids=["plain", "bom"])
+@pytest.mark.parametrize("where", ["middle", "end"])
+def test_bad_utf8_is_reported_at_its_byte_in_the_file(tmp_path, bom, where):
+    """A text file's bad byte is named at its offset in the file, past several blocks of reading (the detail counted
+    from the block it was read in, "of a 1 MiB block", whatever the block size); at the end, a character cut short."""
+    (tmp_path / "src").mkdir()
+    head = bom + ("good text " * 150).encode()
+    bad = head + (b"\xff more text" if where == "middle" else "é".encode()[:1])
+    (tmp_path / "src" / "a.txt").write_bytes(bad)
+    (tmp_path / "src" / "b.txt").write_text("a real document")
+    meta = prepare([tmp_path / "src"], tmp_path / "out", tokenizer="byte", val_fraction=0.0, workers=0,
+                   progress=False, piece_chars=200)
+    assert meta["skipped"]["by_reason"] == {"bad UTF-8": 1}
+    assert meta["skipped"]["examples"][0]["detail"].endswith(f"at byte {len(head)}")
+
+
 def test_prepare_roundtrip_skips_and_split(tmp_path, gpt2, plays):
     rng = random.Random()
     ordered = _write_corpus(tmp_path, rng, plays)
