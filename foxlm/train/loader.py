@@ -151,8 +151,10 @@ class TokenLoader:
         """The micro-batch of ``rows``; those that ``keep`` (bool [rows]) leaves out have no target."""
         ids = torch.from_numpy(np.stack([r for r, _ in rows]).astype(np.int64))
         labels = ids.clone()
+        kept = len(rows)  # rows with targets: each has seq_len - 1 (its first token predicts nothing before it)
         if keep is not None and not keep.all():
             labels[torch.from_numpy(~keep)] = -100
+            kept = int(keep.sum())
         if self.packing == "windows" and self.cp_size > 1:
             targets = torch.cat([labels[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
             size = self.seq_len // (2 * self.cp_size)
@@ -160,11 +162,11 @@ class TokenLoader:
             ids, targets = (torch.cat([x[:, c * size:(c + 1) * size] for c in chunks], dim=1) for x in (ids, targets))
             return Batch(ids, targets, None, int((targets != -100).sum()), shifted=True)
         if self.packing == "windows":
-            return Batch(ids, labels, None, int((labels[:, 1:] != -100).sum()))
+            return Batch(ids, labels, None, kept * (self.seq_len - 1))
         starts = [i * self.seq_len + s for i, (_, row_starts) in enumerate(rows) for s in row_starts]
         ids, labels = ids.view(1, -1), labels.view(1, -1)
         # a row's last token must not predict the next row's first; within a row a segment opens a document with
         # <|endoftext|>, the previous document's end: its last token learns to end it (as an EOS target in HF)
         labels[0, torch.arange(len(rows)) * self.seq_len] = -100
         cu = torch.tensor(starts + [ids.shape[1]], dtype=torch.int32)
-        return Batch(ids, labels, cu, int((labels[0, 1:] != -100).sum()))
+        return Batch(ids, labels, cu, kept * (self.seq_len - 1))
