@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,9 @@ from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading
 from .card import write_model_card
 from .configuration_fox import FoxConfig
 from .state_dict_adapter import FORMATS, authors_config, fla_config, foxlm_to_authors, peer_to_foxlm, to_authors_config
+
+if TYPE_CHECKING:
+    from ..data.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -81,7 +85,9 @@ def _stored_dtype(name: str, t: torch.Tensor, target: torch.dtype, to: str) -> t
 # ------------------------------------------------------------------------------------------------------------ output
 # what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder with no more
 WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
-                     r"|model\.safetensors\.index\.json|manifest\.json|README\.md")
+                     r"|model\.safetensors\.index\.json|manifest\.json|README\.md|tokenizer(_config)?\.json")
+# the copy of its tokenizer a foxlm model folder carries (``save_pretrained`` of a GPT-2 or tokenizer.json folder one)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
@@ -114,9 +120,10 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
                          "but a converted model: convert into a new folder")
 
 
-def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> dict | None:
-    """The tokenizer to record: ``tokenizer`` if given; else what SRC records (foxlm's key, or its
-    tokenizer_config.json); else the authors' JSON GPT-2 for their format; else none."""
+def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> Tokenizer | None:
+    """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given; else what SRC records (foxlm's
+    key, found in SRC's copy first, or its tokenizer_config.json); else the authors' JSON GPT-2 for their format;
+    else none."""
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
     if tokenizer is None:
@@ -124,14 +131,14 @@ def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> di
             if not isinstance(record, dict) or not isinstance(record.get("name"), str):
                 raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
                                  "tokenizer record (a mapping with a name); pass --tokenizer")
-            return tokenizer_from_spec(record, [src]).spec()
+            return tokenizer_from_spec(record, [src])
         if (src / "tokenizer_config.json").is_file():
             cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class")
             names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
             tokenizer = names.get(cls)
         elif fmt == "fox-authors":
             tokenizer = "json-gpt2"
-    return None if tokenizer is None else get_tokenizer(tokenizer).spec()
+    return None if tokenizer is None else get_tokenizer(tokenizer)
 
 
 def convert(
@@ -151,7 +158,9 @@ def convert(
         "fox-authors" (the authors' classes' format). dtype: "auto" (the source weights': float32 where they mix
         dtypes) or float32 / bfloat16 / float16.
     tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records; the authors' models: their
-        JSON-escaped GPT-2, "json-gpt2"). overwrite: replace an existing foxlm / authors model folder at ``dst``.
+        JSON-escaped GPT-2, "json-gpt2"); ``dst`` carries a copy of its files, as a run's model folder does, and so
+        does an authors' ``dst`` of the copy ``src`` carries.
+    overwrite: replace an existing foxlm / authors model folder at ``dst``.
     """
     from .modeling_fox import FoxForCausalLM
 
@@ -178,8 +187,8 @@ def convert(
 
     if to == "foxlm":
         fields = authors_config(raw, weights) if found == "fox-authors" else fla_config(raw, weights)
-        spec = _tokenizer_spec(src, raw, found, tokenizer)
-        cfg = FoxConfig(**fields, **({} if spec is None else {"foxlm_tokenizer": spec}))
+        tok = _tokenizer(src, raw, found, tokenizer)
+        cfg = FoxConfig(**fields, **({} if tok is None else {"foxlm_tokenizer": tok.spec()}))
         state = peer_to_foxlm(weights, cfg, found)
     else:
         cfg = FoxConfig.from_dict(raw)
@@ -200,12 +209,18 @@ def convert(
                 model = FoxForCausalLM(cfg)
             model.load_state_dict(state, strict=True, assign=True)  # shapes checked against the config
             model.save_pretrained(tmp)
+            if hasattr(tok, "save_pretrained"):  # a copy, as foxlm train's model folders carry: its folder may move
+                tok.save_pretrained(tmp)
         else:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+            if "foxlm_tokenizer" in out_config:  # SRC's copy of the recorded tokenizer, for converting back
+                for name in TOKENIZER_FILES:
+                    if (src / name).is_file():
+                        shutil.copyfile(src / name, tmp / name)
         loads = ("Load it with `import foxlm` and `AutoModelForCausalLM.from_pretrained`." if to == "foxlm"
                  else "It is in the FoX authors' format, for their model classes.")
         write_model_card(tmp, title=dst.name,

@@ -10,6 +10,7 @@ Triton-only pieces replaced by the same math in PyTorch, each checked against fl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -839,3 +840,41 @@ def test_a_narrower_dtype_keeps_the_gate_and_shift_as_from_pretrained_does(tmp_p
     assert {k for k, t in got.items() if t.dtype == torch.float32} == kept
     assert all(torch.equal(got[k], full[k]) for k in kept)
     assert all(torch.equal(got[k], loaded[k]) for k in got)
+
+
+def test_a_tokenizer_folder_travels_with_converted_models(tmp_path, capsys):
+    """A run's model folder carries a copy of its tokenizer folder (the original may move); so does what convert
+    writes, to the authors' format and back, and from fla with --tokenizer FOLDER: after the folder moves, the
+    converted models still generate in it and load with AutoTokenizer. (Convert dropped the copy: the record named
+    the moved folder only, and converting back or generating failed with 'is gone'.)"""
+    from tokenizer_folders import llama_style_tokenizer
+    from train.runs import tiny_config
+    from transformers import AutoTokenizer
+
+    from foxlm.train import latest_valid_checkpoint, train
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    data, run = tmp_path / "data", tmp_path / "run"
+    prepare(plays, data, tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    train(tiny_config(data, run, f"tokenizer=hf:{folder.resolve()}", "max_steps=1"))
+    model_dir = latest_valid_checkpoint(run) / "model"
+    converted = [tmp_path / "authors", tmp_path / "back"]
+    assert main(["convert", str(model_dir), str(converted[0]), "--to", "fox-authors"]) == 0
+    if importlib.util.find_spec("fla") is not None:
+        from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+
+        ForgettingTransformerForCausalLM(ForgettingTransformerConfig(
+            hidden_size=C, num_hidden_layers=L, num_heads=H, vocab_size=320, intermediate_size=96, fuse_norm=False,
+            fuse_swiglu=False, fuse_cross_entropy=False)).save_pretrained(tmp_path / "fla")
+        converted.append(tmp_path / "from-fla")
+        assert main(["convert", str(tmp_path / "fla"), str(converted[2]), "--tokenizer", str(folder)]) == 0
+    folder.rename(tmp_path / "moved")  # the data and the run carry their own copies
+    assert main(["convert", str(converted[0]), str(converted[1])]) == 0
+    want = get_tokenizer(str(tmp_path / "moved")).encode("To be")
+    capsys.readouterr()
+    for model in converted:
+        assert AutoTokenizer.from_pretrained(model)("To be").input_ids[1:] == want, model
+        if model != converted[0]:
+            assert main(["generate", str(model), "--prompt", "To be", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+            assert capsys.readouterr().out.startswith("To be")
