@@ -448,6 +448,11 @@ def test_auto_dtype_is_the_weights_never_a_narrower_label(tmp_path):
     (dict(hidden_ratio="4"), "hidden_ratio='4'; expected a positive number"),
     (dict(log_pruning_tolerance="-10"), "log_pruning_tolerance='-10'; expected a number"),
     (dict(num_kv_heads=0), "num_kv_heads=0; expected a positive int"),  # was read as "no GQA"
+    (dict(norm_eps=None), "norm_eps is missing"),  # a TypeError traceback
+    (dict(log_pruning_tolerance=5.0), "log_pruning_tolerance=5.0; expected a negative number"),  # named acp_tolerance
+    (dict(log_pruning_tolerance=-math.inf), "log_pruning_tolerance=-inf; expected a negative number"),
+    (dict(bos_token_id="1"), "bos_token_id='1'; expected a token id"),  # was written into the foxlm config
+    (dict(eos_token_id=[2, -1]), r"eos_token_id=\[2, -1\]; expected a token id"),
 ])
 def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tmp_path):
     gen = torch.Generator().manual_seed(0)
