@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
-from ..checkpoint.manifest import verify_model_folder, write_manifest
+from ..checkpoint.manifest import MANIFEST, verify_model_folder, write_manifest
 from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights
 from .card import write_model_card
 from .configuration_fox import FoxConfig
@@ -99,6 +99,8 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
         raise ValueError(f"dst: {dst} holds the source {src}; convert into a folder outside it")
     if dst.resolve() == Path.home().resolve():
         raise ValueError(f"dst: {dst} is the home folder; convert into a folder of its own")
+    if (holder := _in_manifest_of(dst)) is not None:
+        raise ValueError(f"dst: {dst} is part of the checkpoint {holder}; convert into a folder of its own")
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
         if (parent := next((p for p in dst.parents if p.exists()), None)) is not None and not parent.is_dir():
             raise ValueError(f"dst: {parent} is a file, not a folder to write {dst} in")
@@ -118,6 +120,18 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
         raise ValueError(f"dst: {dst} holds files convert did not write ({', '.join(foreign[:5])}"
                          f"{', ...' if len(foreign) > 5 else ''}); --overwrite replaces only a folder holding nothing "
                          "but a converted model: convert into a new folder")
+
+
+def _in_manifest_of(dst: Path) -> Path | None:
+    """The folder (a run's checkpoint) whose manifest.json hashes files under ``dst`` (its model/), if any: replacing
+    them would break it."""
+    manifest = dst.parent / MANIFEST
+    try:
+        files = json.loads(manifest.read_text()).get("files") if manifest.is_file() else None
+    except (OSError, ValueError, AttributeError):  # unreadable: nothing foxlm would use as a checkpoint
+        return None
+    prefix = f"{dst.name}/"
+    return dst.parent if isinstance(files, dict) and any(str(name).startswith(prefix) for name in files) else None
 
 
 def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> Tokenizer | None:

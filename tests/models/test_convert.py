@@ -581,6 +581,29 @@ def test_overwrite_replaces_only_what_convert_wrote(tmp_path, monkeypatch, capsy
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
+def test_overwrite_never_replaces_a_checkpoints_model(tmp_path, capsys):
+    """A run checkpoint's model/ (a foxlm model folder with its tokenizer's copy) is part of the checkpoint: --overwrite
+    refuses it, and the checkpoint stays valid (replacing it broke the checkpoint's sha256 manifest, so a resumed
+    run fell back to an older checkpoint or started over)."""
+    from tokenizer_folders import llama_style_tokenizer
+    from train.runs import tiny_config
+
+    from foxlm.checkpoint.manifest import verify_checkpoint
+    from foxlm.train import latest_valid_checkpoint, train
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    prepare(plays, tmp_path / "data", tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    train(tiny_config(tmp_path / "data", tmp_path / "run", f"tokenizer=hf:{folder.resolve()}", "max_steps=1"))
+    ckpt = latest_valid_checkpoint(tmp_path / "run")
+    assert main(["convert", str(ckpt / "model"), str(tmp_path / "authors"), "--to", "fox-authors"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "authors"), str(ckpt / "model"), "--overwrite"]) == 2
+    assert f"dst: {ckpt / 'model'} is part of the checkpoint {ckpt}; convert into a folder of its own" \
+        in capsys.readouterr().err
+    assert verify_checkpoint(ckpt) is None
+
+
 def test_overwrite_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path, monkeypatch):
     """DST a symlink to a converted model, --overwrite: was an rmtree traceback after the swap, the link replaced by a
     real folder and a `.LINK.foxlm-old-PID` link left behind; now the model where it points is replaced, every file
