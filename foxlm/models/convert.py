@@ -16,7 +16,7 @@ import torch
 
 from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
 from ..checkpoint.manifest import MANIFEST, verify_model_folder, write_manifest
-from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights
+from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights, resolve_model_dir
 from .card import write_model_card
 from .configuration_fox import FoxConfig
 from .state_dict_adapter import FORMATS, authors_config, fla_config, foxlm_to_authors, peer_to_foxlm, to_authors_config
@@ -59,6 +59,16 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
             add_shard(weights, part, folder / shard, "src")
         return config, weights
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
+
+
+def _model_folder(src: Path) -> Path:
+    """The model folder to read: ``src``, or the model of a run folder (its latest valid checkpoint) or of a checkpoint
+    folder, as ``generate`` and ``eval`` take them."""
+    if not src.exists():
+        raise FileNotFoundError(f"src: {src} does not exist")
+    if not (src / "config.json").is_file() and ((src / "checkpoints").is_dir() or (src / "model").is_dir()):
+        return resolve_model_dir(src, "src")  # verified; a sharded checkpoint is refused naming `foxlm export`
+    return src
 
 
 def _dtype_of(weights: dict[str, torch.Tensor]) -> torch.dtype:
@@ -165,7 +175,8 @@ def convert(
     tokenizer: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Convert the model folder ``src`` into ``dst`` and return ``dst``.
+    """Convert the model folder ``src`` (or the model of a foxlm run or checkpoint folder) into ``dst``; returns
+    ``dst``.
 
     src_format: "auto" (from config.json's model_type), "fox-authors" or "fla" (for ``to="foxlm"``), "foxlm" (for
         ``to="fox-authors"``). to: "foxlm" (a folder ``AutoModelForCausalLM`` loads after ``import foxlm``) or
@@ -178,7 +189,7 @@ def convert(
     """
     from .modeling_fox import FoxForCausalLM
 
-    src = Path(src).expanduser()
+    src = _model_folder(Path(src).expanduser())
     dst = Path(os.path.abspath(Path(dst).expanduser()))  # "." and ".." name their folder
     if dst.is_symlink():  # the model goes where the link points, and the link stays (a swap would move it)
         dst = dst.resolve()

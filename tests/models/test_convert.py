@@ -647,6 +647,29 @@ def test_a_damaged_config_is_named(tmp_path):
         load_checkpoint_model(tmp_path / "model")
 
 
+def test_a_run_or_checkpoint_folder_converts_its_model_and_a_missing_src_is_named(tmp_path, capsys):
+    """SRC may be a run folder (its latest valid checkpoint) or a checkpoint folder, as for generate and eval (both
+    were 'holds no config.json'); a SRC that does not exist says so."""
+    from train.runs import tiny_config
+
+    from foxlm.train import latest_valid_checkpoint, train
+
+    data = tmp_path / "bytes"
+    prepare(shakespeare_plays()[:2], data, tokenizer="byte", val_fraction=0.5, workers=0, progress=False)
+    run = tmp_path / "run"
+    train(tiny_config(data, run, "arch=fox-pro", "model.qk_norm_eps=1.0e-5", "max_steps=2", "save_every=1"))
+    ckpt = latest_valid_checkpoint(run)
+    convert(ckpt / "model", tmp_path / "from-model", to="fox-authors")
+    want = load_file(tmp_path / "from-model" / "model.safetensors")
+    for src in (run, ckpt):
+        assert main(["convert", str(src), str(tmp_path / f"from-{src.name}"), "--to", "fox-authors"]) == 0
+        got = load_file(tmp_path / f"from-{src.name}" / "model.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "dst")]) == 2
+    assert f"src: {tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
+
+
 def test_a_damaged_tokenizer_record_is_an_error_naming_the_field(tmp_path):
     """A foxlm_tokenizer in SRC's config.json that is no record: an error naming it (these were KeyError and
     AttributeError tracebacks, and a string record was passed over for the authors' default tokenizer)."""
