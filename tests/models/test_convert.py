@@ -333,6 +333,20 @@ def test_the_default_jobs_model_converts_to_the_authors_format(tmp_path):
         assert FoxConfig.from_pretrained(tmp_path / f"{arch}-back").qk_norm_eps == 1e-5
 
 
+def test_a_foxlm_config_with_a_number_field_of_another_type_is_named(tmp_path, capsys):
+    """A foxlm config.json whose rms_norm_eps, rope_theta or initializer_range is null or a string: one line naming
+    the field under --to fox-authors (these were TypeError tracebacks from FoxConfig's checks)."""
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=V)).save_pretrained(tmp_path / "m")
+    good = json.loads((tmp_path / "m" / "config.json").read_text())
+    for field, value, want in (("rms_norm_eps", None, "a positive number"), ("rope_theta", "1e4", "a positive number"),
+                               ("initializer_range", None, "a non-negative std")):
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**good, field: value}))
+        capsys.readouterr()
+        assert main(["convert", str(tmp_path / "m"), str(tmp_path / "authors"), "--to", "fox-authors"]) == 2
+        assert f"error: {field}: expected {want}, got {value!r}" in capsys.readouterr().err
+    assert not (tmp_path / "authors").exists()
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(qk_norm_eps=None), r"their QK-norm epsilon is 1e-05 \(fixed in their code\); this model's is 1e-06: a "
                              r"model trained with model.qk_norm_eps=1.0e-5 \(the fox-pro and transformer-pro "
