@@ -11,7 +11,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..models.card import write_model_card
 from .dcp import load_shards
-from .files import fsync_tree, temporary_path
+from .files import fsync_tree, remove_stale_temporaries, temporary_path
 from .manifest import verify_checkpoint, write_manifest
 from .run_folder import SHARDS, is_sharded, latest_valid_checkpoint
 
@@ -32,6 +32,8 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     problem = verify_checkpoint(ckpt)
     if problem is not None:
         raise ValueError(f"src: checkpoint {ckpt}: {problem}; refusing to export it")
+    # killed exports' half-written copies (each a model's size); first, as a killed swap's model is put back at dst
+    remove_stale_temporaries(dst)
     if dst.exists() or dst.is_symlink():  # a dangling link too: the final rename could not replace it
         raise FileExistsError(f"dst: {dst} exists{' (a link to a missing path)' if not dst.exists() else ''}; "
                               f"export into a new folder")

@@ -13,7 +13,8 @@ def register(subparsers) -> None:
                     "pytorch_model.bin) between formats. Every config field is mapped or the conversion stops "
                     "naming it.",
     )
-    p.add_argument("src", metavar="SRC", help="source save_pretrained folder")
+    p.add_argument("src", metavar="SRC",
+                   help="source save_pretrained folder (or a foxlm run or checkpoint folder: its model)")
     p.add_argument("dst", metavar="DST", help="destination folder (not replaced unless --overwrite)")
     p.add_argument("--from", dest="src_format", default="auto", choices=("auto", "fox-authors", "fla", "foxlm"),
                    help="source format (default auto: from config.json's model_type)")

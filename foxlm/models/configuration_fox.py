@@ -128,8 +128,11 @@ class FoxConfig(PretrainedConfig):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         self._check_acp(self.acp, self.acp_tolerance)
+        def number(value) -> bool:  # None or a string read from a config.json: compared, a TypeError
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
         for name in ("rms_norm_eps", "rope_theta"):
-            if not getattr(self, name) > 0:
+            if not (number(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
-        if not self.initializer_range >= 0:
+        if not (number(self.initializer_range) and self.initializer_range >= 0):
             raise ValueError(f"initializer_range: expected a non-negative std, got {self.initializer_range!r}")

@@ -10,15 +10,19 @@ import os
 import re
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
-from ..checkpoint.manifest import verify_model_folder, write_manifest
-from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights
+from ..checkpoint.manifest import MANIFEST, verify_model_folder, write_manifest
+from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights, resolve_model_dir
 from .card import write_model_card
 from .configuration_fox import FoxConfig
 from .state_dict_adapter import FORMATS, authors_config, fla_config, foxlm_to_authors, peer_to_foxlm, to_authors_config
+
+if TYPE_CHECKING:
+    from ..data.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -57,6 +61,16 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     raise ValueError(f"src: {folder} holds no model.safetensors, sharded safetensors or pytorch_model.bin")
 
 
+def _model_folder(src: Path) -> Path:
+    """The model folder to read: ``src``, or the model of a run folder (its latest valid checkpoint) or of a checkpoint
+    folder, as ``generate`` and ``eval`` take them."""
+    if not src.exists():
+        raise FileNotFoundError(f"src: {src} does not exist")
+    if not (src / "config.json").is_file() and ((src / "checkpoints").is_dir() or (src / "model").is_dir()):
+        return resolve_model_dir(src, "src")  # verified; a sharded checkpoint is refused naming `foxlm export`
+    return src
+
+
 def _dtype_of(weights: dict[str, torch.Tensor]) -> torch.dtype:
     """The checkpoint's dtype: that of its floating tensors, or float32 where they mix dtypes (no tensor loses
     precision). config.json's dtype field is not read: it is a label, and a wrong one would cast the weights down."""
@@ -81,7 +95,9 @@ def _stored_dtype(name: str, t: torch.Tensor, target: torch.dtype, to: str) -> t
 # ------------------------------------------------------------------------------------------------------------ output
 # what convert writes into DST (save_pretrained's files, sharded or not): --overwrite replaces a folder with no more
 WRITTEN = re.compile(r"(generation_)?config\.json|model(-\d{5}-of-\d{5})?\.safetensors"
-                     r"|model\.safetensors\.index\.json|manifest\.json|README\.md")
+                     r"|model\.safetensors\.index\.json|manifest\.json|README\.md|tokenizer(_config)?\.json")
+# the copy of its tokenizer a foxlm model folder carries (``save_pretrained`` of a GPT-2 or tokenizer.json folder one)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
@@ -93,6 +109,8 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
         raise ValueError(f"dst: {dst} holds the source {src}; convert into a folder outside it")
     if dst.resolve() == Path.home().resolve():
         raise ValueError(f"dst: {dst} is the home folder; convert into a folder of its own")
+    if (holder := _in_manifest_of(dst)) is not None:
+        raise ValueError(f"dst: {dst} is part of the checkpoint {holder}; convert into a folder of its own")
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
         if (parent := next((p for p in dst.parents if p.exists()), None)) is not None and not parent.is_dir():
             raise ValueError(f"dst: {parent} is a file, not a folder to write {dst} in")
@@ -114,9 +132,22 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
                          "but a converted model: convert into a new folder")
 
 
-def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> dict | None:
-    """The tokenizer to record: ``tokenizer`` if given; else what SRC records (foxlm's key, or its
-    tokenizer_config.json); else the authors' JSON GPT-2 for their format; else none."""
+def _in_manifest_of(dst: Path) -> Path | None:
+    """The folder (a run's checkpoint) whose manifest.json hashes files under ``dst`` (its model/), if any: replacing
+    them would break it."""
+    manifest = dst.parent / MANIFEST
+    try:
+        files = json.loads(manifest.read_text()).get("files") if manifest.is_file() else None
+    except (OSError, ValueError, AttributeError):  # unreadable: nothing foxlm would use as a checkpoint
+        return None
+    prefix = f"{dst.name}/"
+    return dst.parent if isinstance(files, dict) and any(str(name).startswith(prefix) for name in files) else None
+
+
+def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> Tokenizer | None:
+    """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given; else what SRC records (foxlm's
+    key, found in SRC's copy first, or its tokenizer_config.json); else the authors' JSON GPT-2 for their format;
+    else none."""
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
     if tokenizer is None:
@@ -124,14 +155,14 @@ def _tokenizer_spec(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> di
             if not isinstance(record, dict) or not isinstance(record.get("name"), str):
                 raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
                                  "tokenizer record (a mapping with a name); pass --tokenizer")
-            return tokenizer_from_spec(record, [src]).spec()
+            return tokenizer_from_spec(record, [src])
         if (src / "tokenizer_config.json").is_file():
             cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class")
             names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
             tokenizer = names.get(cls)
         elif fmt == "fox-authors":
             tokenizer = "json-gpt2"
-    return None if tokenizer is None else get_tokenizer(tokenizer).spec()
+    return None if tokenizer is None else get_tokenizer(tokenizer)
 
 
 def convert(
@@ -144,18 +175,21 @@ def convert(
     tokenizer: str | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Convert the model folder ``src`` into ``dst`` and return ``dst``.
+    """Convert the model folder ``src`` (or the model of a foxlm run or checkpoint folder) into ``dst``; returns
+    ``dst``.
 
     src_format: "auto" (from config.json's model_type), "fox-authors" or "fla" (for ``to="foxlm"``), "foxlm" (for
         ``to="fox-authors"``). to: "foxlm" (a folder ``AutoModelForCausalLM`` loads after ``import foxlm``) or
         "fox-authors" (the authors' classes' format). dtype: "auto" (the source weights': float32 where they mix
         dtypes) or float32 / bfloat16 / float16.
     tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records; the authors' models: their
-        JSON-escaped GPT-2, "json-gpt2"). overwrite: replace an existing foxlm / authors model folder at ``dst``.
+        JSON-escaped GPT-2, "json-gpt2"); ``dst`` carries a copy of its files, as a run's model folder does, and so
+        does an authors' ``dst`` of the copy ``src`` carries.
+    overwrite: replace an existing foxlm / authors model folder at ``dst``.
     """
     from .modeling_fox import FoxForCausalLM
 
-    src = Path(src).expanduser()
+    src = _model_folder(Path(src).expanduser())
     dst = Path(os.path.abspath(Path(dst).expanduser()))  # "." and ".." name their folder
     if dst.is_symlink():  # the model goes where the link points, and the link stays (a swap would move it)
         dst = dst.resolve()
@@ -178,8 +212,8 @@ def convert(
 
     if to == "foxlm":
         fields = authors_config(raw, weights) if found == "fox-authors" else fla_config(raw, weights)
-        spec = _tokenizer_spec(src, raw, found, tokenizer)
-        cfg = FoxConfig(**fields, **({} if spec is None else {"foxlm_tokenizer": spec}))
+        tok = _tokenizer(src, raw, found, tokenizer)
+        cfg = FoxConfig(**fields, **({} if tok is None else {"foxlm_tokenizer": tok.spec()}))
         state = peer_to_foxlm(weights, cfg, found)
     else:
         cfg = FoxConfig.from_dict(raw)
@@ -200,12 +234,18 @@ def convert(
                 model = FoxForCausalLM(cfg)
             model.load_state_dict(state, strict=True, assign=True)  # shapes checked against the config
             model.save_pretrained(tmp)
+            if hasattr(tok, "save_pretrained"):  # a copy, as foxlm train's model folders carry: its folder may move
+                tok.save_pretrained(tmp)
         else:
             from safetensors.torch import save_file
 
             save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                       metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(out_config, indent=2) + "\n")
+            if "foxlm_tokenizer" in out_config:  # SRC's copy of the recorded tokenizer, for converting back
+                for name in TOKENIZER_FILES:
+                    if (src / name).is_file():
+                        shutil.copyfile(src / name, tmp / name)
         loads = ("Load it with `import foxlm` and `AutoModelForCausalLM.from_pretrained`." if to == "foxlm"
                  else "It is in the FoX authors' format, for their model classes.")
         write_model_card(tmp, title=dst.name,

@@ -85,6 +85,14 @@ class _Fields:
             raise ValueError(f"config.json: {key}={value!r}; expected a positive {what}")
         return value
 
+    def token_ids(self, key: str) -> int | list[int] | None:
+        """A token id (a non-negative int), a list of them (several end-of-text ids), or None."""
+        value = self(key)
+        ids = value if isinstance(value, list) and value else [value]
+        if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ValueError(f"config.json: {key}={value!r}; expected a token id (an int), a list of them, or null")
+        return value
+
     def flag(self, key: str) -> bool:
         """A true/false field (null: false); a string such as "false" is an error, not true."""
         value = self(key)
@@ -135,8 +143,9 @@ def _common_config(f: _Fields, weights: dict[str, torch.Tensor]) -> dict:
     return dict(
         vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
         num_key_value_heads=f.positive("num_kv_heads") or heads, head_dim=hidden // heads,
-        intermediate_size=_intermediate_size(f, weights, hidden), rms_norm_eps=f.positive("norm_eps", float),
-        bos_token_id=f("bos_token_id"), eos_token_id=f("eos_token_id"),
+        intermediate_size=_intermediate_size(f, weights, hidden),
+        rms_norm_eps=f.positive("norm_eps", float, required=True),
+        bos_token_id=f.token_ids("bos_token_id"), eos_token_id=f.token_ids("eos_token_id"),
     )
 
 
@@ -162,6 +171,9 @@ def authors_config(raw: dict, weights: dict[str, torch.Tensor]) -> dict:
         tolerance = f("log_pruning_tolerance")
         if tolerance is not None and (isinstance(tolerance, bool) or not isinstance(tolerance, (int, float))):
             raise ValueError(f"config.json: log_pruning_tolerance={tolerance!r}; expected a number (a log) or null")
+        if tolerance is not None and not -math.inf < tolerance < 0:  # ACP's tolerance is in (0, 1)
+            raise ValueError(f"config.json: log_pruning_tolerance={tolerance!r}; expected a negative number (the log "
+                             "of a pruning tolerance in (0, 1)) or null")
         qk_norm, shared = f.flag("qk_norm"), f.flag("qk_norm_share_param_across_head")
         out.update(
             gate=gates[fgate], qk_norm=qk_norm, qk_norm_shared=qk_norm and shared,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -56,3 +57,25 @@ def test_a_checkpoint_copied_under_another_name_exports(byte_data, tmp_path, cap
     assert "from step 2 of" in (tmp_path / "export" / "README.md").read_text()
     exported = load_checkpoint_model(tmp_path / "export")
     assert torch.equal(exported.lm_head.weight, load_checkpoint_model(run).lm_head.weight)
+
+
+def test_export_removes_what_a_killed_export_left(byte_data, tmp_path):
+    """A killed export leaves its half-written copy in a hidden temporary beside DST (a whole model's size); the next
+    export there removes it, as convert does, and leaves a live process's and a user's folders alone."""
+    import subprocess
+    import sys
+
+    from foxlm.checkpoint.export import export_model
+
+    run = tmp_path / "run"
+    train(tiny_config(byte_data, run, "max_steps=1"))
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a PID no process has now
+    stale = tmp_path / f".export.foxlm-tmp-{dead.pid}"
+    kept = [tmp_path / f".export.foxlm-tmp-{os.getppid()}", tmp_path / ".export.old-2024"]
+    for folder in (stale, *kept):
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half written")
+    export_model(run, tmp_path / "export")
+    assert not stale.exists() and all(folder.is_dir() for folder in kept)
+    assert (tmp_path / "export" / "model.safetensors").is_file()

@@ -10,6 +10,7 @@ Triton-only pieces replaced by the same math in PyTorch, each checked against fl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -332,6 +333,20 @@ def test_the_default_jobs_model_converts_to_the_authors_format(tmp_path):
         assert FoxConfig.from_pretrained(tmp_path / f"{arch}-back").qk_norm_eps == 1e-5
 
 
+def test_a_foxlm_config_with_a_number_field_of_another_type_is_named(tmp_path, capsys):
+    """A foxlm config.json whose rms_norm_eps, rope_theta or initializer_range is null or a string: one line naming
+    the field under --to fox-authors (these were TypeError tracebacks from FoxConfig's checks)."""
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=V)).save_pretrained(tmp_path / "m")
+    good = json.loads((tmp_path / "m" / "config.json").read_text())
+    for field, value, want in (("rms_norm_eps", None, "a positive number"), ("rope_theta", "1e4", "a positive number"),
+                               ("initializer_range", None, "a non-negative std")):
+        (tmp_path / "m" / "config.json").write_text(json.dumps({**good, field: value}))
+        capsys.readouterr()
+        assert main(["convert", str(tmp_path / "m"), str(tmp_path / "authors"), "--to", "fox-authors"]) == 2
+        assert f"error: {field}: expected {want}, got {value!r}" in capsys.readouterr().err
+    assert not (tmp_path / "authors").exists()
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(qk_norm_eps=None), r"their QK-norm epsilon is 1e-05 \(fixed in their code\); this model's is 1e-06: a "
                              r"model trained with model.qk_norm_eps=1.0e-5 \(the fox-pro and transformer-pro "
@@ -447,6 +462,11 @@ def test_auto_dtype_is_the_weights_never_a_narrower_label(tmp_path):
     (dict(hidden_ratio="4"), "hidden_ratio='4'; expected a positive number"),
     (dict(log_pruning_tolerance="-10"), "log_pruning_tolerance='-10'; expected a number"),
     (dict(num_kv_heads=0), "num_kv_heads=0; expected a positive int"),  # was read as "no GQA"
+    (dict(norm_eps=None), "norm_eps is missing"),  # a TypeError traceback
+    (dict(log_pruning_tolerance=5.0), "log_pruning_tolerance=5.0; expected a negative number"),  # named acp_tolerance
+    (dict(log_pruning_tolerance=-math.inf), "log_pruning_tolerance=-inf; expected a negative number"),
+    (dict(bos_token_id="1"), "bos_token_id='1'; expected a token id"),  # was written into the foxlm config
+    (dict(eos_token_id=[2, -1]), r"eos_token_id=\[2, -1\]; expected a token id"),
 ])
 def test_flags_foxlm_cannot_represent_are_errors_naming_them(change, message, tmp_path):
     gen = torch.Generator().manual_seed(0)
@@ -575,6 +595,29 @@ def test_overwrite_replaces_only_what_convert_wrote(tmp_path, monkeypatch, capsy
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folder left
 
 
+def test_overwrite_never_replaces_a_checkpoints_model(tmp_path, capsys):
+    """A run checkpoint's model/ (a foxlm model folder with its tokenizer's copy) is part of the checkpoint: --overwrite
+    refuses it, and the checkpoint stays valid (replacing it broke the checkpoint's sha256 manifest, so a resumed
+    run fell back to an older checkpoint or started over)."""
+    from tokenizer_folders import llama_style_tokenizer
+    from train.runs import tiny_config
+
+    from foxlm.checkpoint.manifest import verify_checkpoint
+    from foxlm.train import latest_valid_checkpoint, train
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    prepare(plays, tmp_path / "data", tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    train(tiny_config(tmp_path / "data", tmp_path / "run", f"tokenizer=hf:{folder.resolve()}", "max_steps=1"))
+    ckpt = latest_valid_checkpoint(tmp_path / "run")
+    assert main(["convert", str(ckpt / "model"), str(tmp_path / "authors"), "--to", "fox-authors"]) == 0
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "authors"), str(ckpt / "model"), "--overwrite"]) == 2
+    assert f"dst: {ckpt / 'model'} is part of the checkpoint {ckpt}; convert into a folder of its own" \
+        in capsys.readouterr().err
+    assert verify_checkpoint(ckpt) is None
+
+
 def test_overwrite_through_a_symlink_replaces_its_target_and_keeps_the_link(tmp_path, monkeypatch):
     """DST a symlink to a converted model, --overwrite: was an rmtree traceback after the swap, the link replaced by a
     real folder and a `.LINK.foxlm-old-PID` link left behind; now the model where it points is replaced, every file
@@ -616,6 +659,29 @@ def test_a_damaged_config_is_named(tmp_path):
         convert(tmp_path / "src", tmp_path / "dst")
     with pytest.raises(ValueError, match=expected.replace("src", "model")):
         load_checkpoint_model(tmp_path / "model")
+
+
+def test_a_run_or_checkpoint_folder_converts_its_model_and_a_missing_src_is_named(tmp_path, capsys):
+    """SRC may be a run folder (its latest valid checkpoint) or a checkpoint folder, as for generate and eval (both
+    were 'holds no config.json'); a SRC that does not exist says so."""
+    from train.runs import tiny_config
+
+    from foxlm.train import latest_valid_checkpoint, train
+
+    data = tmp_path / "bytes"
+    prepare(shakespeare_plays()[:2], data, tokenizer="byte", val_fraction=0.5, workers=0, progress=False)
+    run = tmp_path / "run"
+    train(tiny_config(data, run, "arch=fox-pro", "model.qk_norm_eps=1.0e-5", "max_steps=2", "save_every=1"))
+    ckpt = latest_valid_checkpoint(run)
+    convert(ckpt / "model", tmp_path / "from-model", to="fox-authors")
+    want = load_file(tmp_path / "from-model" / "model.safetensors")
+    for src in (run, ckpt):
+        assert main(["convert", str(src), str(tmp_path / f"from-{src.name}"), "--to", "fox-authors"]) == 0
+        got = load_file(tmp_path / f"from-{src.name}" / "model.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "dst")]) == 2
+    assert f"src: {tmp_path / 'nothing'} does not exist" in capsys.readouterr().err
 
 
 def test_a_damaged_tokenizer_record_is_an_error_naming_the_field(tmp_path):
@@ -839,3 +905,41 @@ def test_a_narrower_dtype_keeps_the_gate_and_shift_as_from_pretrained_does(tmp_p
     assert {k for k, t in got.items() if t.dtype == torch.float32} == kept
     assert all(torch.equal(got[k], full[k]) for k in kept)
     assert all(torch.equal(got[k], loaded[k]) for k in got)
+
+
+def test_a_tokenizer_folder_travels_with_converted_models(tmp_path, capsys):
+    """A run's model folder carries a copy of its tokenizer folder (the original may move); so does what convert
+    writes, to the authors' format and back, and from fla with --tokenizer FOLDER: after the folder moves, the
+    converted models still generate in it and load with AutoTokenizer. (Convert dropped the copy: the record named
+    the moved folder only, and converting back or generating failed with 'is gone'.)"""
+    from tokenizer_folders import llama_style_tokenizer
+    from train.runs import tiny_config
+    from transformers import AutoTokenizer
+
+    from foxlm.train import latest_valid_checkpoint, train
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    data, run = tmp_path / "data", tmp_path / "run"
+    prepare(plays, data, tokenizer=str(folder), val_fraction=0.5, workers=0, progress=False)
+    train(tiny_config(data, run, f"tokenizer=hf:{folder.resolve()}", "max_steps=1"))
+    model_dir = latest_valid_checkpoint(run) / "model"
+    converted = [tmp_path / "authors", tmp_path / "back"]
+    assert main(["convert", str(model_dir), str(converted[0]), "--to", "fox-authors"]) == 0
+    if importlib.util.find_spec("fla") is not None:
+        from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+
+        ForgettingTransformerForCausalLM(ForgettingTransformerConfig(
+            hidden_size=C, num_hidden_layers=L, num_heads=H, vocab_size=320, intermediate_size=96, fuse_norm=False,
+            fuse_swiglu=False, fuse_cross_entropy=False)).save_pretrained(tmp_path / "fla")
+        converted.append(tmp_path / "from-fla")
+        assert main(["convert", str(tmp_path / "fla"), str(converted[2]), "--tokenizer", str(folder)]) == 0
+    folder.rename(tmp_path / "moved")  # the data and the run carry their own copies
+    assert main(["convert", str(converted[0]), str(converted[1])]) == 0
+    want = get_tokenizer(str(tmp_path / "moved")).encode("To be")
+    capsys.readouterr()
+    for model in converted:
+        assert AutoTokenizer.from_pretrained(model)("To be").input_ids[1:] == want, model
+        if model != converted[0]:
+            assert main(["generate", str(model), "--prompt", "To be", "--max-new-tokens", "3", "--device", "cpu"]) == 0
+            assert capsys.readouterr().out.startswith("To be")
