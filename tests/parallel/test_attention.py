@@ -425,6 +425,34 @@ def _acp_share(rank, world):
         torch.testing.assert_close(cp.per_head(), one.per_head(), rtol=0, atol=1e-6, msg=layout)
 
 
+def _sample_keeps_cp(rank, world):
+    """The trainer's sample decodes whole sequences, so it takes context parallelism off the model: it must put it
+    back, or a run that samples and trains on (its loader still gives shards) takes each shard for a whole sequence,
+    with no error and a wrong loss."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.parallel import apply_context_parallel, shard_sequence
+    from foxlm.train.evaluation import sample
+
+    torch.manual_seed(0)
+    config = FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=32, num_hidden_layers=2,
+                              num_attention_heads=2, intermediate_size=64)
+    model = FoxForCausalLM(config).double()
+    ids = torch.randint(0, 97, (1, 8 * world), generator=torch.Generator().manual_seed(1))
+    targets = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+    ref = model(ids, labels=ids).loss
+    apply_context_parallel(model)
+    shards = dict(input_ids=shard_sequence(ids, dim=1), shift_labels=shard_sequence(targets, dim=1))
+    # the token shift computes in fp32, so its rounding is the limit
+    torch.testing.assert_close(model(**shards).loss, ref, rtol=1e-6, atol=1e-6)
+    assert len(sample(model, [1, 2, 3], 2, 0, torch.device("cpu"), False, 0, False)) == 4
+    assert model.training
+    torch.testing.assert_close(model(**shards).loss, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_two_processes_sample_keeps_context_parallel(tmp_path):
+    _spawn(tmp_path, 2, "_sample_keeps_cp")
+
+
 def test_two_processes_acp_share_is_that_of_one(tmp_path):
     _spawn(tmp_path, 2, "_acp_share")
 
