@@ -128,6 +128,33 @@ def _half_precision(rank, world):
                                                f"process's {err_one:.1e}"
 
 
+def _autocast_on_the_math_kernel(rank, world):
+    """Off the CPU the blocks run on the plain-matmul kernel (run here on the CPU), and a GPU model trains under bf16
+    autocast: its matmuls must not round the logits, which carry the gate channels, to bf16. They did: the outputs'
+    error to the fp64 reference grew 2.5x and the gate gradient's to 5e-3 (3e-6 without autocast)."""
+    from foxlm.ops.forgetting_attention import sdpa as sdpa_path
+    from foxlm.ops.forgetting_attention.reference import forgetting_attention_reference
+    from foxlm.parallel import cp_forgetting_attention, gather_sequence, shard_sequence
+
+    sdpa_path._fused = lambda device: False  # the kernel GPU tensors take (this forked worker's copy only)
+    T = 128 * world
+    q, k, v, log_f, do = _inputs(1, T, 4, 2, 32, 32, torch.bfloat16, seed=11)
+    full = [t.double().requires_grad_() for t in (q, k, v, log_f)]
+    ref = forgetting_attention_reference(*full)
+    ref_grads = torch.autograd.grad((ref * do.double()).sum(), full)
+    errors = {}
+    for autocast in (False, True):
+        local = [shard_sequence(t, dim=1).requires_grad_() for t in (q, k, v, log_f)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            o = cp_forgetting_attention(*local)
+        grads = torch.autograd.grad((o.double() * shard_sequence(do, dim=1).double()).sum(), local)
+        for name, got, want in zip(("o", "dq", "dk", "dv", "dlog_f"), (o, *grads), (ref, *ref_grads)):
+            got = gather_sequence(got.detach(), dim=1).double()
+            errors[name, autocast] = ((got - want).norm() / want.norm()).item()
+    for name in ("o", "dq", "dk", "dv", "dlog_f"):
+        assert errors[name, True] < 1.1 * errors[name, False] + 1e-5, (name, errors)
+
+
 def _hard_resets(rank, world):
     """Gates far below the op's floor (-1e12, fp32's min: finite, so the gate check lets them through), one of them at
     a shard's first token: the output and all four gradients are those of the fp64 reference cut into sequences at
@@ -467,6 +494,10 @@ def test_two_processes(tmp_path):
 
 def test_two_processes_half_precision(tmp_path):
     _spawn(tmp_path, 2, "_half_precision")
+
+
+def test_two_processes_autocast_on_the_math_kernel(tmp_path):
+    _spawn(tmp_path, 2, "_autocast_on_the_math_kernel")
 
 
 def test_two_processes_hard_resets(tmp_path):
