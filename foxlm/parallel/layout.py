@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..ops.checks import DTYPES
 
@@ -31,7 +32,18 @@ def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
 
 
+def check_group(group) -> None:
+    """Refuse a ``group`` that is neither a ProcessGroup nor None by name: torch's own error for one (a DeviceMesh,
+    say) is that the group "is not registered". ``new_group``'s answer on a process outside the group passes, for
+    ``_world`` to name."""
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(group, dist.ProcessGroup):
+        hint = " (a 1-D mesh's is mesh.get_group())" if isinstance(group, DeviceMesh) else ""
+        raise ValueError(f"group: expected a ProcessGroup or None, got {type(group).__name__}{hint}")
+
+
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    check_group(group)
     if not dist.is_initialized():
         raise RuntimeError("foxlm.parallel: torch.distributed is not initialised (call init_process_group first)")
     rank = dist.get_rank(group)

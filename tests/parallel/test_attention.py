@@ -314,6 +314,19 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match="^reset: not available while the model runs context-parallel"):
         backend.shift(TokenShift(8, 2), ks, h, reset=torch.ones(1, 4, dtype=torch.bool), cache=None, valid=None,
                       layer_idx=0, name="k")
+    # a DeviceMesh (apply_context_parallel's group may be one) or another object: refused by the argument's name,
+    # not torch's "Group ... is not registered, please create group with torch.distributed.new_group API"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    for bad, shown in ((mesh, r"DeviceMesh \(a 1-D mesh's is mesh.get_group\(\)\)"), ("cp", "str")):
+        for call in (lambda: sequence_positions(4, group=bad), lambda: previous_tokens(x, group=bad),
+                     lambda: shard_sequence(x, dim=1, group=bad),
+                     lambda: gather_sequence(x[:, :4], dim=1, group=bad),
+                     lambda: cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1),
+                                                     group=bad)):
+            with pytest.raises(ValueError, match=f"^group: expected a ProcessGroup or None, got {shown}$"):
+                call()
     # a process outside the group: torch.distributed gives it rank -1, which made wrong positions and tokens
     outside = dist.new_group([1])
     if rank == 0:
