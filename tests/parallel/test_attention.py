@@ -1,4 +1,4 @@
-"""Context parallelism on real torch.distributed (gloo, 2 and 4 CPU processes) against the single-process op.
+"""Context parallelism on real torch.distributed (gloo, 2 to 4 CPU processes) against the single-process op.
 
 Each test spawns its processes once and runs several cases in them: every rank builds the same whole-sequence
 inputs, runs ``forgetting_attention`` on all of it, and compares its shard of the outputs and of all four
@@ -503,6 +503,12 @@ def test_two_processes_model(tmp_path):
 
 def test_two_processes(tmp_path):
     _spawn(tmp_path, 2, "_exact")
+
+
+def test_three_processes(tmp_path):
+    """An odd number of ranks, both layouts: every step sends to one peer and receives from another (with an even P,
+    step P / 2 sends to and receives from the same rank)."""
+    _spawn(tmp_path, 3, "_exact")
 
 
 def test_two_processes_half_precision(tmp_path):
