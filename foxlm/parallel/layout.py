@@ -117,13 +117,16 @@ def gather_sequence(
     """The whole sequence on every rank from the ranks' shards of it (the inverse of ``shard_sequence``).
 
     Not differentiable: it is for outputs and evaluation, and a gradient through it would depend on whether
-    the ranks then compute the same loss or different ones.
+    the ranks then compute the same loss or different ones. The ranks compare the shards' shapes and dtypes first
+    (a collective of a few integers): shards that differ aborted one process in gloo and gave another a wrong
+    sequence.
     """
     rank, world = _world(group)
     if torch.is_grad_enabled() and x_local.requires_grad:
         raise ValueError("x_local: gather_sequence is not differentiable; call it under torch.no_grad() or on a "
                          "detached tensor")
     per = chunks_per_rank(layout)
+    check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape), "x_local.dtype": x_local.dtype})
     if x_local.shape[dim] % per:
         raise ValueError(f"x_local: its length {x_local.shape[dim]} along dim {dim} must be a multiple of {per} "
                          f"({layout} layout)")

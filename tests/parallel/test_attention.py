@@ -297,6 +297,17 @@ def _errors(rank, world):
     with pytest.raises(ValueError, match=r"q.shape: expected the same on every rank .* rank 0: \(1, 4, 2, 4\), "
                                          r"rank 1: \(1, 6, 2, 4\)"):
         cp_forgetting_attention(q, q, q, torch.full(q.shape[:3], -0.1))
+    # gathering shards of different lengths (or dtypes): the same error on every rank; gloo aborted one process and
+    # gave the other a wrong sequence
+    with pytest.raises(ValueError, match=r"x_local.shape: expected the same on every rank .* rank 0: \(1, 4, 2, 4\), "
+                                         r"rank 1: \(1, 6, 2, 4\)"):
+        gather_sequence(q, dim=1)
+    with pytest.raises(ValueError, match=r"x_local.dtype: expected the same on every rank"):
+        gather_sequence(q[:, :4].to(torch.float64 if rank else torch.float32), dim=1)
+    # previous_tokens too: chunks of different lengths exchanged their tokens and gave both ranks a wrong result
+    with pytest.raises(ValueError, match=r"x_local.shape: expected the same on every rank .* rank 0: \(1, 4, 2, 4\), "
+                                         r"rank 1: \(1, 6, 2, 4\)"):
+        previous_tokens(q)
     # a bad gate or a bad length on one rank only: an error on every rank, none left waiting in a collective
     with pytest.raises(ValueError, match=r"log_fgate finite and <= 0: expected the same on every rank"):
         cp_forgetting_attention(q[:, :4], q[:, :4], q[:, :4], torch.full((1, 4, 2), -0.1 if rank else float("nan")))
