@@ -77,7 +77,7 @@ def sample(model: torch.nn.Module, prompt: list[int], tokens: int, seed: int, de
                 out = module.generate(torch.tensor([prompt], device=device), max_new_tokens=tokens, do_sample=True,
                                       top_k=50, temperature=0.8, pad_token_id=eot_id)
     finally:
-        if cp is not None:  # the loader goes on giving shards: without it, each were taken for a whole sequence
+        if cp is not None:  # the loader goes on giving shards, which would otherwise pass for whole sequences
             apply_context_parallel(module, cp.group, layout=cp.layout)
         module.train()
     return out[0, 1:].tolist()
