@@ -249,7 +249,13 @@ def _block_inputs(q, c, plan: _Plan, kv, cc, ia, qheads, pos, D):
     kvb, ckb = kv.index_select(0, p), cc.index_select(0, p)
     kb, vb = kvb[..., :D].permute(1, 2, 0, 3), kvb[..., D:].permute(1, 2, 0, 3)  # [B, L, m, D]
     ckb = ckb.permute(1, 2, 0, 3).reshape(q.shape[0], L, -1)  # [B, L, m * G], query head h * G + g
-    return qb, kb, vb, cqb, ckb
+    # The block computes in fp32 whatever the inputs (attention_from_cumsum's kernel does), but returns o in q's
+    # dtype: bf16 inputs would round each block's o before the merge, while the block's backward takes
+    # rowsum(dO * O) from its unrounded o. The merge's lse gradient (from the rounded o) then no longer cancels it,
+    # and bf16's rounding lands in every dS, whose column sums make the gate gradient (1e-3 relative where one
+    # process's is 1e-6). The upcasts are exact.
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    return qb.to(cdt), kb.to(cdt), vb.to(cdt), cqb, ckb
 
 
 class _CPForgettingAttention(torch.autograd.Function):

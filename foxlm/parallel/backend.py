@@ -39,7 +39,8 @@ class ContextParallelAttention(nn.Module):
     def shift(self, shift, x, h, *, reset, cache, valid, layer_idx, name) -> torch.Tensor:
         """``AttentionBackend.shift``: each chunk of the shard continues from the token before it, on another rank."""
         self.cp.check(cache=cache, reset=reset)  # the chunks below shift without resets, which would go unheeded
-        prev = previous_tokens(x, group=self.cp.group, layout=self.cp.layout)
+        # the model compared its input shards between the ranks once this forward (check_shard)
+        prev = previous_tokens(x, group=self.cp.group, layout=self.cp.layout, check=False)
         xs, hs = x.chunk(len(prev), dim=1), h.chunk(len(prev), dim=1)
         return torch.cat([shift(xc, hc, p) for xc, hc, p in zip(xs, hs, prev)], dim=1)
 

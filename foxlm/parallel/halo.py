@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops.autograd import first_order_only
-from .layout import _world, chunks_per_rank, rank_chunks
+from .layout import _world, check_same_on_ranks, chunks_per_rank, rank_chunks
 
 
 def sequence_positions(
@@ -89,14 +89,18 @@ def _exchange(sends, recvs, group) -> None:
 
 
 def previous_tokens(
-    x_local: torch.Tensor, *, group: dist.ProcessGroup | None = None, layout: str = "zigzag"
+    x_local: torch.Tensor, *, group: dist.ProcessGroup | None = None, layout: str = "zigzag", check: bool = True
 ) -> torch.Tensor:
     """For each chunk of this rank's shard, the token just before it in the whole sequence (zeros before the first).
 
     x_local: [B, T/P, ...] as ``shard_sequence(x, dim=1)`` makes it -> [chunks per rank, B, ...] (one chunk for
     ``contiguous``, two for ``zigzag``), e.g. ``token_shift``'s ``prev`` for each chunk. Differentiable: the
-    gradient goes back to the rank that holds the token.
+    gradient goes back to the rank that holds the token. check: compare the shards' shapes between the ranks first (a
+    collective; shards of different lengths exchanged the wrong tokens without an error); False for a caller that
+    vouches for them, as a foxlm model's layers do (the model compares its input shards once a forward).
     """
+    if check:
+        check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape)})
     per = chunks_per_rank(layout)
     if x_local.dim() < 2 or x_local.shape[1] % per or x_local.shape[1] == 0:
         raise ValueError(f"x_local: expected [B, T/P, ...] with T/P a positive multiple of {per} ({layout} layout), "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from ..ops.checks import DTYPES
 
@@ -31,7 +32,18 @@ def rank_chunks(rank: int, world: int, layout: str) -> list[int]:
     return [rank, 2 * world - 1 - rank] if chunks_per_rank(layout) == 2 else [rank]
 
 
+def check_group(group) -> None:
+    """Refuse a ``group`` that is neither a ProcessGroup nor None by name: torch's own error for one (a DeviceMesh,
+    say) is that the group "is not registered". ``new_group``'s answer on a process outside the group passes, for
+    ``_world`` to name."""
+    if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER \
+            and not isinstance(group, dist.ProcessGroup):
+        hint = " (a 1-D mesh's is mesh.get_group())" if isinstance(group, DeviceMesh) else ""
+        raise ValueError(f"group: expected a ProcessGroup or None, got {type(group).__name__}{hint}")
+
+
 def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    check_group(group)
     if not dist.is_initialized():
         raise RuntimeError("foxlm.parallel: torch.distributed is not initialised (call init_process_group first)")
     rank = dist.get_rank(group)
@@ -105,13 +117,16 @@ def gather_sequence(
     """The whole sequence on every rank from the ranks' shards of it (the inverse of ``shard_sequence``).
 
     Not differentiable: it is for outputs and evaluation, and a gradient through it would depend on whether
-    the ranks then compute the same loss or different ones.
+    the ranks then compute the same loss or different ones. The ranks compare the shards' shapes and dtypes first
+    (a collective of a few integers): shards that differ aborted one process in gloo and gave another a wrong
+    sequence.
     """
     rank, world = _world(group)
     if torch.is_grad_enabled() and x_local.requires_grad:
         raise ValueError("x_local: gather_sequence is not differentiable; call it under torch.no_grad() or on a "
                          "detached tensor")
     per = chunks_per_rank(layout)
+    check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape), "x_local.dtype": x_local.dtype})
     if x_local.shape[dim] % per:
         raise ValueError(f"x_local: its length {x_local.shape[dim]} along dim {dim} must be a multiple of {per} "
                          f"({layout} layout)")

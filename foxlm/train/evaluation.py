@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..parallel import remove_context_parallel
+from ..parallel import apply_context_parallel, remove_context_parallel
 from . import parallel
 from .data import TrainData
 from .loader import Batch, TokenLoader
@@ -64,15 +64,20 @@ def sample(model: torch.nn.Module, prompt: list[int], tokens: int, seed: int, de
     global RNG is left as it was), the prompt's first token dropped."""
     module = parallel.unwrap(model)
     module.eval()
-    if not hf:
+    cp = None if hf else module.model.context_parallel
+    if cp is not None:
         remove_context_parallel(module)  # decoding holds whole sequences
-    # the CPU's and the device's generators, both of which manual_seed reseeds, come back as they were
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
-        # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
-        with (torch.compiler.set_stance("force_eager"),
-              torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)):
-            out = module.generate(torch.tensor([prompt], device=device), max_new_tokens=tokens, do_sample=True,
-                                  top_k=50, temperature=0.8, pad_token_id=eot_id)
-    module.train()
+    try:
+        # the CPU's and the device's generators, both of which manual_seed reseeds, come back as they were
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            # decoding changes shapes at every token: compiled blocks (compile=true) would recompile, and warn, at each
+            with (torch.compiler.set_stance("force_eager"),
+                  torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast)):
+                out = module.generate(torch.tensor([prompt], device=device), max_new_tokens=tokens, do_sample=True,
+                                      top_k=50, temperature=0.8, pad_token_id=eot_id)
+    finally:
+        if cp is not None:  # the loader goes on giving shards, which would otherwise pass for whole sequences
+            apply_context_parallel(module, cp.group, layout=cp.layout)
+        module.train()
     return out[0, 1:].tolist()

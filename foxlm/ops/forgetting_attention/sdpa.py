@@ -423,18 +423,23 @@ def _kernel(device: torch.device):
 
 def _math_attention(q, k, v, dropout_p, is_causal, *, attn_mask=None, scale):
     """Softmax attention as the fused CPU kernel computes it: q: [B, H, M, Dp], k, v: [B, H, N, Dp] ->
-    (o [B, H, M, Dp], lse [B, H, M]); causal is top-left aligned; a row that sees no key gets o = 0, lse = 0."""
-    s = _math_logits(q, k, is_causal, attn_mask, scale)
-    lse = torch.logsumexp(s, -1)
-    lse = lse.masked_fill(lse == -math.inf, 0.0)
-    return torch.exp(s - lse[..., None]) @ v, lse
+    (o [B, H, M, Dp], lse [B, H, M]); causal is top-left aligned; a row that sees no key gets o = 0, lse = 0.
+    In the inputs' dtype whatever autocast says, as the fused kernel: a bf16 autocast (a GPU model's training) made
+    the matmuls round the logits, which carry the gate channels, to bf16."""
+    with torch.autocast(q.device.type, enabled=False):
+        s = _math_logits(q, k, is_causal, attn_mask, scale)
+        lse = torch.logsumexp(s, -1)
+        lse = lse.masked_fill(lse == -math.inf, 0.0)
+        return torch.exp(s - lse[..., None]) @ v, lse
 
 
 def _math_attention_backward(do, q, k, v, o, lse, dropout_p, is_causal, *, attn_mask=None, scale):
-    """The gradients (dq, dk, dv) of _math_attention, from its o and lse (+inf for a row that sees no key)."""
-    p = torch.exp(_math_logits(q, k, is_causal, attn_mask, scale) - lse[..., None])
-    ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
-    return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
+    """The gradients (dq, dk, dv) of _math_attention, from its o and lse (+inf for a row that sees no key); in the
+    inputs' dtype whatever autocast says."""
+    with torch.autocast(q.device.type, enabled=False):
+        p = torch.exp(_math_logits(q, k, is_causal, attn_mask, scale) - lse[..., None])
+        ds = p * (do @ v.transpose(-1, -2) - (do * o).sum(-1, keepdim=True))
+        return scale * ds @ k, scale * ds.transpose(-1, -2) @ q, p.transpose(-1, -2) @ do
 
 
 def _math_logits(q, k, is_causal, attn_mask, scale):
