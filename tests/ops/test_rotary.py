@@ -47,6 +47,25 @@ def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch, device):
     torch.testing.assert_close(dx.to(F64), dx64, atol=tol * scale, rtol=tol)
 
 
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+@pytest.mark.parametrize("cos_batch, sin_batch", [(1, 2), (2, 1)])
+def test_cos_and_sin_of_different_batch_sizes(backend, cos_batch, sin_batch, device):
+    """cos [1, T, D/2] shared with sin [B, T, D/2] (or the other way), each broadcast on its own: the kernel read sin
+    through cos's strides, giving every row sin's row 0, silently."""
+    B, T, H, D = 2, 5, 3, 8
+    cos, sin = angles(cos_batch, T, D)[0].to(device), angles(sin_batch, T, D)[1].to(device)
+    x = torch.randn(B, T, H, D, device=device, requires_grad=True)
+    dy = torch.randn(B, T, H, D, device=device)
+    with use_backend(backend):
+        y = apply_rotary(x, cos, sin)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().to(F64).requires_grad_()
+    expected = reference(x64, cos.to(F64), sin.to(F64))
+    (dx64,) = torch.autograd.grad(expected, x64, dy.to(F64))
+    torch.testing.assert_close(y.to(F64), expected, atol=2e-6 * expected.abs().max().item(), rtol=2e-6)
+    torch.testing.assert_close(dx.to(F64), dx64, atol=2e-6 * dx64.abs().max().item(), rtol=2e-6)
+
+
 @pytest.mark.triton
 def test_rope_depends_on_relative_position_only(device):
     """q_m . k_n after RoPE is the same for (m, n) and (m + s, n + s), on the Triton path; norms are kept."""
