@@ -86,8 +86,9 @@ def _meta(x: torch.Tensor, prev: torch.Tensor | None, reset: torch.Tensor | None
     """Grid and compile-time arguments of both kernels for x: [B, T, H, D]."""
     B, T, H, D = x.shape
     n = B * T * H
-    block_d = triton.next_power_of_2(D)
-    block_r = min(max(1, _BLOCK_ELEMENTS // block_d), triton.next_power_of_2(n))
+    # at least 1 (next_power_of_2(0) is 0): an empty x launches an empty grid
+    block_d = max(1, triton.next_power_of_2(D))
+    block_r = min(max(1, _BLOCK_ELEMENTS // block_d), max(1, triton.next_power_of_2(n)))
     meta = dict(D=D, BLOCK_R=block_r, BLOCK_D=block_d, HAS_PREV=prev is not None, HAS_RESET=reset is not None)
     return (triton.cdiv(n, block_r),), meta
 
@@ -112,7 +113,8 @@ class _TokenShift(torch.autograd.Function):
         x, alpha_logit, prev, reset = ctx.saved_tensors
         B, T, H, _ = x.shape
         dx, dalpha = torch.empty_like(x), torch.empty_like(alpha_logit)
-        dprev = torch.empty_like(prev) if prev is not None and ctx.needs_input_grad[2] else None
+        # zeros: with T = 0 no row (token 0) writes it
+        dprev = torch.zeros_like(prev) if prev is not None and ctx.needs_input_grad[2] else None
         grid, meta = _meta(x, prev, reset)
         _token_shift_bwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset,
                                       dy.contiguous(), dx, dalpha, x if dprev is None else dprev, B * T * H, T, H,

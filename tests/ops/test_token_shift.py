@@ -125,3 +125,21 @@ def test_double_backward_raises(device):
         torch.testing.assert_close(got, w, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="token_shift: cannot differentiate twice"):
         (y.sum() + sum(g.square().sum() for g in grads)).backward()
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+@pytest.mark.parametrize("shape", [(0, 4, 3, 5), (2, 0, 3, 5), (2, 4, 0, 5), (2, 4, 3, 0)])
+def test_empty_inputs(backend, shape, device):
+    """An empty batch, sequence, head or head dim: an empty y and gradients of the inputs' shapes (alpha_logit's zero
+    where x's rows are empty), as on the PyTorch path; the kernels' block sizes divided by zero."""
+    B, T, H, D = shape
+    x = torch.randn(shape, device=device, requires_grad=True)
+    alpha_logit = torch.randn(B, T, H, device=device, requires_grad=True)
+    prev = torch.randn(B, H, D, device=device, requires_grad=True)
+    reset = torch.zeros(B, T, dtype=torch.bool, device=device)
+    with use_backend(backend):
+        y = token_shift(x, alpha_logit, prev=prev, reset=reset)
+        grads = torch.autograd.grad(y, (x, alpha_logit, prev), torch.randn_like(y))
+    assert y.shape == shape
+    for g, t in zip(grads, (x, alpha_logit, prev)):
+        assert g.shape == t.shape and torch.equal(g, torch.zeros_like(g))
