@@ -47,7 +47,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) ->
     x = x if x.stride(-1) == 1 else x.contiguous()
     B, T, H, D = x.shape
     y = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
-    block_half = triton.next_power_of_2(D // 2)
+    block_half = max(1, triton.next_power_of_2(D // 2))  # next_power_of_2(0) is 0
     block_r = max(1, _BLOCK_ELEMENTS // block_half)
     N = B * T * H
 

@@ -139,3 +139,17 @@ def test_torch_path_has_a_second_derivative():
     cos, sin = (t.to(F64) for t in angles(1, 3, 4))
     x = torch.randn(1, 3, 2, 4, dtype=F64, requires_grad=True)
     assert torch.autograd.gradgradcheck(lambda x: apply_rotary(x, cos, sin), (x,))
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+@pytest.mark.parametrize("shape", [(0, 5, 3, 8), (2, 5, 0, 8), (2, 5, 3, 0)])
+def test_empty_inputs(backend, shape, device):
+    """An empty batch, head count or head dim gives an empty y and dx, as on the PyTorch path (the kernel's block
+    size divided by zero for D = 0)."""
+    B, T, _, D = shape
+    cos, sin = (t.to(device) for t in angles(1, T, D))
+    x = torch.randn(shape, device=device, requires_grad=True)
+    with use_backend(backend):
+        y = apply_rotary(x, cos, sin)
+        (dx,) = torch.autograd.grad(y, x, torch.randn_like(y))
+    assert y.shape == dx.shape == shape
