@@ -156,7 +156,7 @@ def _rms_norm_torch(x, weight, eps, residual, gate, out_dtype):
     return y if residual is None else (y, s)
 
 
-def _validate(x, weight, residual, gate, out_dtype) -> None:
+def _validate(x, weight, eps, residual, gate, out_dtype) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
         got = getattr(x, "dtype", type(x))
         raise ValueError(f"x: expected a float16, bfloat16, float32 or float64 tensor, got {got}")
@@ -185,6 +185,9 @@ def _validate(x, weight, residual, gate, out_dtype) -> None:
             raise ValueError(f"{name}: on {t.device}, but x is on {x.device}; all inputs must share a device")
     if out_dtype is not None and out_dtype not in DTYPES:
         raise ValueError(f"out_dtype: expected float16, bfloat16, float32 or float64, got {out_dtype}")
+    # a negative or NaN eps gives NaN rows; a string ran on the kernels (float()) and failed on the PyTorch path
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
 
 
 def rms_norm(
@@ -202,7 +205,7 @@ def rms_norm(
         x: [..., D] with weight [D] (residual stream), or [..., H, D] with weight [H, D] (per-head norm,
             every head its own weight vector).
         weight: [D] or [H, D].
-        eps: added to the mean square.
+        eps: added to the mean square (a finite number >= 0).
         residual: same shape as x: the pre-norm residual add, s = x + residual in the wider of the two
             dtypes, is normalised instead of x and returned too.
         gate: same shape as x (or [..., H * D] for a per-head norm): the output is multiplied by sigmoid(gate).
@@ -215,7 +218,7 @@ def rms_norm(
     rows wider than ``MAX_DIM`` through the PyTorch path; ``foxlm.ops.use_backend`` overrides the choice.
     Gradients reach x, weight, residual and gate.
     """
-    _validate(x, weight, residual, gate, out_dtype)
+    _validate(x, weight, eps, residual, gate, out_dtype)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if gate is not None:
         gate = gate.reshape(x.shape)

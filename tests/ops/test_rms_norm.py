@@ -128,6 +128,11 @@ def test_module_calls_the_op():
         (dict(weight=torch.ones(48, device="meta")), "weight"),
         (dict(gate=torch.ones(2, 13, 48, device="meta")), "gate"),
         (dict(out_dtype=torch.int32), "out_dtype"),
+        (dict(eps=-1e-6), "eps"),  # NaN rows
+        (dict(eps=float("nan")), "eps"),
+        (dict(eps="1e-6"), "eps"),  # ran on the kernels (float()), a TypeError on the PyTorch path
+        (dict(eps=None), "eps"),
+        (dict(eps=True), "eps"),
     ],
 )
 def test_errors(kwargs, match):
