@@ -33,7 +33,7 @@ def default_chunk_size(vocab_size: int) -> int:
     return rows - rows % 128 if rows >= 128 else rows
 
 
-def _validate(hidden, weight, labels, reduction, chunk_size) -> None:
+def _validate(hidden, weight, labels, ignore_index, reduction, chunk_size) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden: expected a 2-D tensor [N, C], got {getattr(hidden, 'shape', type(hidden))}")
     N, C = hidden.shape
@@ -50,6 +50,9 @@ def _validate(hidden, weight, labels, reduction, chunk_size) -> None:
     for name, t in (("weight", weight), ("labels", labels)):
         if t.device != hidden.device:
             raise ValueError(f"{name}: on {t.device}, but hidden is on {hidden.device}; all inputs must share a device")
+    # a float compared with the labels silently; the kernel takes it as an integer
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -248,7 +251,7 @@ def linear_cross_entropy(
     outside [0, V) other than ``ignore_index`` fails an assertion (like ``F.cross_entropy``), on the CPU eagerly it
     raises a ValueError.
     """
-    _validate(hidden, weight, labels, reduction, chunk_size)
+    _validate(hidden, weight, labels, ignore_index, reduction, chunk_size)
     in_range = ((labels >= 0) & (labels < weight.shape[0])) | (labels == ignore_index)
     # Compiled, the check stays in the graph as an assertion (bool() would break it at a host sync).
     if labels.is_cuda or torch.compiler.is_compiling():

@@ -153,6 +153,9 @@ def test_bad_inputs_raise_naming_the_argument():
         (dict(reduction="avg"), "reduction"),
         (dict(chunk_size=0), "chunk_size"),
         (dict(chunk_size=2.0), "chunk_size"),
+        (dict(ignore_index=-100.0), "ignore_index"),  # no error: a float compared with the labels
+        (dict(ignore_index=None), "ignore_index"),  # the labels' range error
+        (dict(ignore_index=True), "ignore_index"),
     ]
     for overrides, name in cases:
         args = {**dict(hidden=hidden, weight=weight, labels=labels), **overrides}
