@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .autograd import first_order_only
-from .backend import interpreted, jit, require_runnable, tl, triton, use_triton
+from .backend import cast, interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -72,7 +72,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 @jit
 def _softmax_rows_kernel(LOGITS, stride, LABELS, SCALE, scale_stride, LOSSES, ignore_index,
-                         V: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+                         V: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr):
     """Row r of the logits [n, V] (row stride ``stride``): LOSSES[r] = lse - logit[label] (fp32, 0 for an
     ignored row) and, with HAS_GRAD, the row overwritten by (softmax - onehot(label)) * SCALE[r * scale_stride]
     (times 0 for an ignored row). Math in fp32, exponentials in base 2."""
@@ -99,7 +99,7 @@ def _softmax_rows_kernel(LOGITS, stride, LABELS, SCALE, scale_stride, LOSSES, ig
             offs = start + cols
             x = tl.load(row + offs, mask=offs < V, other=0.0).to(tl.float32)
             g = tl.exp2(x * LOG2E - lse2) - tl.where(offs == label, 1.0, 0.0)
-            tl.store(row + offs, (g * scale).to(LOGITS.dtype.element_ty), mask=offs < V)
+            tl.store(row + offs, cast(g * scale, LOGITS.dtype.element_ty, INTERPRET), mask=offs < V)
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
@@ -116,7 +116,8 @@ def _softmax_rows_triton(logits, labels, ignore_index, losses, row_scale):
     _softmax_rows_kernel[(n,)](
         logits, logits.stride(0), labels, logits if row_scale is None else row_scale,
         0 if row_scale is None else row_scale.stride(0), losses, ignore_index,
-        V=V, HAS_GRAD=row_scale is not None, BLOCK_V=block_v, num_warps=min(8, max(1, block_v // 512)),
+        V=V, HAS_GRAD=row_scale is not None, BLOCK_V=block_v, INTERPRET=_INTERPRETED,
+        num_warps=min(8, max(1, block_v // 512)),
     )
     return None if row_scale is None else logits
 

@@ -21,7 +21,7 @@ import functools
 import torch
 
 from .autograd import first_order_only
-from .backend import jit, require_runnable, tl, triton, use_triton
+from .backend import cast, interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
 # Largest D the Triton kernels take (one row block must fit in registers); wider rows take the PyTorch path.
@@ -30,7 +30,8 @@ MAX_DIM = 8192
 
 @jit
 def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
-                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                         INTERPRET: tl.constexpr):
     """Rows [pid * BLOCK_R, +BLOCK_R) of head h; all tensors [N, H, D] contiguous, RSTD [N, H]."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -43,7 +44,7 @@ def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
     offs = head_rows[:, None] * D + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        s = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(S.dtype.element_ty)
+        s = cast(x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32), S.dtype.element_ty, INTERPRET)
         tl.store(S + offs, s, mask=mask)
         x = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -52,12 +53,13 @@ def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
     y = x * rstd[:, None] * w[None, :]
     if HAS_GATE:
         y = y * tl.sigmoid(tl.load(G + offs, mask=mask, other=0.0).to(tl.float32))
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, cast(y, Y.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @jit
 def _rms_norm_bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
-                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                         INTERPRET: tl.constexpr):
     """Row blocks pid, pid + P, ... of head h (P programs per head): dx (+ upstream ds; written to DX and,
     with a residual, DR), dgate, and this program's weight-gradient partial sum DW[pid, h] (fp32)."""
     pid = tl.program_id(0)
@@ -79,17 +81,21 @@ def _rms_norm_bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
             g = tl.sigmoid(tl.load(G + offs, mask=mask, other=0.0).to(tl.float32))
-            tl.store(DG + offs, (dy * xhat * w[None, :] * g * (1.0 - g)).to(DG.dtype.element_ty), mask=mask)
+            tl.store(DG + offs, cast(dy * xhat * w[None, :] * g * (1.0 - g), DG.dtype.element_ty, INTERPRET), mask=mask)
             dy = dy * g
         dw += dy * xhat
         dyw = dy * w[None, :]
         dx = (dyw - xhat * (tl.sum(dyw * xhat, axis=1) / D)[:, None]) * rstd[:, None]
         if HAS_RES:
             dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DR + offs, dx.to(DR.dtype.element_ty), mask=mask)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DR + offs, cast(dx, DR.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(DX + offs, cast(dx, DX.dtype.element_ty, INTERPRET), mask=mask)
         start += step
     tl.store(DW + (pid * H + h) * D + cols, tl.sum(dw, axis=0), mask=cmask)
+
+
+# Built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors, small blocks, ``cast``'s bf16 rounding.
+_INTERPRETED = interpreted(_rms_norm_fwd_kernel)
 
 
 @functools.cache
@@ -100,10 +106,10 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _blocks(N: int, D: int, interpreted: bool) -> tuple[int, int, int]:
+def _blocks(N: int, D: int, interpreter: bool) -> tuple[int, int, int]:
     """BLOCK_R, BLOCK_D and num_warps: a row block of about 4096 elements (512 under the interpreter)."""
     block_d = triton.next_power_of_2(D)
-    block_r = min(max(1, (512 if interpreted else 4096) // block_d), triton.next_power_of_2(N))
+    block_r = min(max(1, (512 if interpreter else 4096) // block_d), triton.next_power_of_2(N))
     return block_r, block_d, min(16, max(1, block_r * block_d // 512))
 
 
@@ -111,14 +117,14 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, gate, eps, out_dtype):
         N, H, D = x.shape
-        interpreted = x.device.type == "cpu"
-        block_r, block_d, warps = _blocks(N, D, interpreted)
+        block_r, block_d, warps = _blocks(N, D, _INTERPRETED)
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(N, H, dtype=torch.float32, device=x.device)
         s = None if residual is None else torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
         _rms_norm_fwd_kernel[(triton.cdiv(N, block_r), H)](
             x, residual, gate, weight, y, s, rstd, N, H, D, eps, HAS_RES=residual is not None,
-            HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+            HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, INTERPRET=_INTERPRETED,
+            num_warps=warps,
         )
         ctx.save_for_backward(x if s is None else s, weight, gate, rstd)
         ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
@@ -140,7 +146,7 @@ class _RMSNorm(torch.autograd.Function):
         _rms_norm_bwd_kernel[(programs, H)](
             x, gate, weight, rstd, dy.contiguous(), None if ds is None else ds.contiguous(), dx, dres, dgate, dw,
             N, H, D, HAS_RES=dres is not None, HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=warps,
+            INTERPRET=_INTERPRETED, num_warps=warps,
         )
         return dx, dw.sum(0).to(weight.dtype), dres, dgate, None, None
 
