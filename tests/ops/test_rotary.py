@@ -27,10 +27,10 @@ def angles(B, T, D):
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float16, 1.5e-3), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("cs_batch", [1, 2], ids=["shared-angles", "per-row-angles"])
 def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch, device):
-    B, T, H, D = 2, 19, 3, 20  # D/2 = 10: a padded half-row tile
+    B, T, H, D = 2, 23, 3, 20  # D/2 = 10: a padded half-row tile; 138 rows: two programs of 128
     cos, sin = (t.to(device) for t in angles(cs_batch, T, D))
     base = torch.randn(B, T, H + 2, D + 4, dtype=dtype, device=device)
     x = base[:, :, 1:H + 1, 2:D + 2].detach().requires_grad_()  # strided: read in place, last dim contiguous

@@ -11,7 +11,7 @@ F64 = torch.float64
 
 
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1.5e-3), (torch.bfloat16, 1e-2)])
 def test_swiglu_matches_fp64(backend, dtype, tol, device):
     shape = (3, 7, 2 * 1111)  # not a multiple of the block: a masked tail
     gate = (3 * torch.randn(shape, dtype=dtype, device=device)).requires_grad_()
