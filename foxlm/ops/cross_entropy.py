@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from .autograd import first_order_only
-from .backend import interpreted, jit, require_runnable, tl, triton, use_triton
+from .backend import cast, interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
 REDUCTIONS = ("mean", "sum", "none")
@@ -33,7 +33,7 @@ def default_chunk_size(vocab_size: int) -> int:
     return rows - rows % 128 if rows >= 128 else rows
 
 
-def _validate(hidden, weight, labels, reduction, chunk_size) -> None:
+def _validate(hidden, weight, labels, ignore_index, reduction, chunk_size) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden: expected a 2-D tensor [N, C], got {getattr(hidden, 'shape', type(hidden))}")
     N, C = hidden.shape
@@ -50,6 +50,9 @@ def _validate(hidden, weight, labels, reduction, chunk_size) -> None:
     for name, t in (("weight", weight), ("labels", labels)):
         if t.device != hidden.device:
             raise ValueError(f"{name}: on {t.device}, but hidden is on {hidden.device}; all inputs must share a device")
+    # a float compared with the labels silently; the kernel takes it as an integer
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise ValueError(f"ignore_index: expected an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction: expected one of {REDUCTIONS}, got {reduction!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -69,7 +72,7 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 @jit
 def _softmax_rows_kernel(LOGITS, stride, LABELS, SCALE, scale_stride, LOSSES, ignore_index,
-                         V: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+                         V: tl.constexpr, HAS_GRAD: tl.constexpr, BLOCK_V: tl.constexpr, INTERPRET: tl.constexpr):
     """Row r of the logits [n, V] (row stride ``stride``): LOSSES[r] = lse - logit[label] (fp32, 0 for an
     ignored row) and, with HAS_GRAD, the row overwritten by (softmax - onehot(label)) * SCALE[r * scale_stride]
     (times 0 for an ignored row). Math in fp32, exponentials in base 2."""
@@ -96,7 +99,7 @@ def _softmax_rows_kernel(LOGITS, stride, LABELS, SCALE, scale_stride, LOSSES, ig
             offs = start + cols
             x = tl.load(row + offs, mask=offs < V, other=0.0).to(tl.float32)
             g = tl.exp2(x * LOG2E - lse2) - tl.where(offs == label, 1.0, 0.0)
-            tl.store(row + offs, (g * scale).to(LOGITS.dtype.element_ty), mask=offs < V)
+            tl.store(row + offs, cast(g * scale, LOGITS.dtype.element_ty, INTERPRET), mask=offs < V)
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
@@ -113,7 +116,8 @@ def _softmax_rows_triton(logits, labels, ignore_index, losses, row_scale):
     _softmax_rows_kernel[(n,)](
         logits, logits.stride(0), labels, logits if row_scale is None else row_scale,
         0 if row_scale is None else row_scale.stride(0), losses, ignore_index,
-        V=V, HAS_GRAD=row_scale is not None, BLOCK_V=block_v, num_warps=min(8, max(1, block_v // 512)),
+        V=V, HAS_GRAD=row_scale is not None, BLOCK_V=block_v, INTERPRET=_INTERPRETED,
+        num_warps=min(8, max(1, block_v // 512)),
     )
     return None if row_scale is None else logits
 
@@ -248,7 +252,7 @@ def linear_cross_entropy(
     outside [0, V) other than ``ignore_index`` fails an assertion (like ``F.cross_entropy``), on the CPU eagerly it
     raises a ValueError.
     """
-    _validate(hidden, weight, labels, reduction, chunk_size)
+    _validate(hidden, weight, labels, ignore_index, reduction, chunk_size)
     in_range = ((labels >= 0) & (labels < weight.shape[0])) | (labels == ignore_index)
     # Compiled, the check stays in the graph as an assertion (bool() would break it at a host sync).
     if labels.is_cuda or torch.compiler.is_compiling():

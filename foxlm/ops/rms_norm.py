@@ -21,7 +21,7 @@ import functools
 import torch
 
 from .autograd import first_order_only
-from .backend import jit, require_runnable, tl, triton, use_triton
+from .backend import cast, interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
 # Largest D the Triton kernels take (one row block must fit in registers); wider rows take the PyTorch path.
@@ -30,7 +30,8 @@ MAX_DIM = 8192
 
 @jit
 def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
-                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                         INTERPRET: tl.constexpr):
     """Rows [pid * BLOCK_R, +BLOCK_R) of head h; all tensors [N, H, D] contiguous, RSTD [N, H]."""
     pid = tl.program_id(0)
     h = tl.program_id(1)
@@ -43,7 +44,7 @@ def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
     offs = head_rows[:, None] * D + cols[None, :]
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
-        s = (x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32)).to(S.dtype.element_ty)
+        s = cast(x + tl.load(R + offs, mask=mask, other=0.0).to(tl.float32), S.dtype.element_ty, INTERPRET)
         tl.store(S + offs, s, mask=mask)
         x = s.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
@@ -52,12 +53,13 @@ def _rms_norm_fwd_kernel(X, R, G, W, Y, S, RSTD, N, H, D, eps,
     y = x * rstd[:, None] * w[None, :]
     if HAS_GATE:
         y = y * tl.sigmoid(tl.load(G + offs, mask=mask, other=0.0).to(tl.float32))
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, cast(y, Y.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @jit
 def _rms_norm_bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
-                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HAS_RES: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                         INTERPRET: tl.constexpr):
     """Row blocks pid, pid + P, ... of head h (P programs per head): dx (+ upstream ds; written to DX and,
     with a residual, DR), dgate, and this program's weight-gradient partial sum DW[pid, h] (fp32)."""
     pid = tl.program_id(0)
@@ -79,17 +81,21 @@ def _rms_norm_bwd_kernel(X, G, W, RSTD, DY, DS, DX, DR, DG, DW, N, H, D,
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_GATE:
             g = tl.sigmoid(tl.load(G + offs, mask=mask, other=0.0).to(tl.float32))
-            tl.store(DG + offs, (dy * xhat * w[None, :] * g * (1.0 - g)).to(DG.dtype.element_ty), mask=mask)
+            tl.store(DG + offs, cast(dy * xhat * w[None, :] * g * (1.0 - g), DG.dtype.element_ty, INTERPRET), mask=mask)
             dy = dy * g
         dw += dy * xhat
         dyw = dy * w[None, :]
         dx = (dyw - xhat * (tl.sum(dyw * xhat, axis=1) / D)[:, None]) * rstd[:, None]
         if HAS_RES:
             dx += tl.load(DS + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(DR + offs, dx.to(DR.dtype.element_ty), mask=mask)
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DR + offs, cast(dx, DR.dtype.element_ty, INTERPRET), mask=mask)
+        tl.store(DX + offs, cast(dx, DX.dtype.element_ty, INTERPRET), mask=mask)
         start += step
     tl.store(DW + (pid * H + h) * D + cols, tl.sum(dw, axis=0), mask=cmask)
+
+
+# Built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors, small blocks, ``cast``'s bf16 rounding.
+_INTERPRETED = interpreted(_rms_norm_fwd_kernel)
 
 
 @functools.cache
@@ -100,10 +106,10 @@ def _programs(device: torch.device) -> int:
     return 4 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _blocks(N: int, D: int, interpreted: bool) -> tuple[int, int, int]:
+def _blocks(N: int, D: int, interpreter: bool) -> tuple[int, int, int]:
     """BLOCK_R, BLOCK_D and num_warps: a row block of about 4096 elements (512 under the interpreter)."""
     block_d = triton.next_power_of_2(D)
-    block_r = min(max(1, (512 if interpreted else 4096) // block_d), triton.next_power_of_2(N))
+    block_r = min(max(1, (512 if interpreter else 4096) // block_d), triton.next_power_of_2(N))
     return block_r, block_d, min(16, max(1, block_r * block_d // 512))
 
 
@@ -111,14 +117,14 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, residual, gate, eps, out_dtype):
         N, H, D = x.shape
-        interpreted = x.device.type == "cpu"
-        block_r, block_d, warps = _blocks(N, D, interpreted)
+        block_r, block_d, warps = _blocks(N, D, _INTERPRETED)
         y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
         rstd = torch.empty(N, H, dtype=torch.float32, device=x.device)
         s = None if residual is None else torch.empty_like(x, dtype=torch.promote_types(x.dtype, residual.dtype))
         _rms_norm_fwd_kernel[(triton.cdiv(N, block_r), H)](
             x, residual, gate, weight, y, s, rstd, N, H, D, eps, HAS_RES=residual is not None,
-            HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+            HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d, INTERPRET=_INTERPRETED,
+            num_warps=warps,
         )
         ctx.save_for_backward(x if s is None else s, weight, gate, rstd)
         ctx.dtypes = (x.dtype, None if residual is None else residual.dtype)
@@ -140,7 +146,7 @@ class _RMSNorm(torch.autograd.Function):
         _rms_norm_bwd_kernel[(programs, H)](
             x, gate, weight, rstd, dy.contiguous(), None if ds is None else ds.contiguous(), dx, dres, dgate, dw,
             N, H, D, HAS_RES=dres is not None, HAS_GATE=gate is not None, BLOCK_R=block_r, BLOCK_D=block_d,
-            num_warps=warps,
+            INTERPRET=_INTERPRETED, num_warps=warps,
         )
         return dx, dw.sum(0).to(weight.dtype), dres, dgate, None, None
 
@@ -156,7 +162,7 @@ def _rms_norm_torch(x, weight, eps, residual, gate, out_dtype):
     return y if residual is None else (y, s)
 
 
-def _validate(x, weight, residual, gate, out_dtype) -> None:
+def _validate(x, weight, eps, residual, gate, out_dtype) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in DTYPES:
         got = getattr(x, "dtype", type(x))
         raise ValueError(f"x: expected a float16, bfloat16, float32 or float64 tensor, got {got}")
@@ -185,6 +191,9 @@ def _validate(x, weight, residual, gate, out_dtype) -> None:
             raise ValueError(f"{name}: on {t.device}, but x is on {x.device}; all inputs must share a device")
     if out_dtype is not None and out_dtype not in DTYPES:
         raise ValueError(f"out_dtype: expected float16, bfloat16, float32 or float64, got {out_dtype}")
+    # a negative or NaN eps gives NaN rows; a string ran on the kernels (float()) and failed on the PyTorch path
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < float("inf"):
+        raise ValueError(f"eps: expected a finite number >= 0, got {eps!r}")
 
 
 def rms_norm(
@@ -202,7 +211,7 @@ def rms_norm(
         x: [..., D] with weight [D] (residual stream), or [..., H, D] with weight [H, D] (per-head norm,
             every head its own weight vector).
         weight: [D] or [H, D].
-        eps: added to the mean square.
+        eps: added to the mean square (a finite number >= 0).
         residual: same shape as x: the pre-norm residual add, s = x + residual in the wider of the two
             dtypes, is normalised instead of x and returned too.
         gate: same shape as x (or [..., H * D] for a per-head norm): the output is multiplied by sigmoid(gate).
@@ -215,7 +224,7 @@ def rms_norm(
     rows wider than ``MAX_DIM`` through the PyTorch path; ``foxlm.ops.use_backend`` overrides the choice.
     Gradients reach x, weight, residual and gate.
     """
-    _validate(x, weight, residual, gate, out_dtype)
+    _validate(x, weight, eps, residual, gate, out_dtype)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if gate is not None:
         gate = gate.reshape(x.shape)

@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from .backend import jit, require_runnable, tl, triton, use_triton
+from .backend import cast, interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
 _BLOCK_ELEMENTS = 2048  # half-rows' elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_HALF rows
 
 
 @jit
-def _rotary_kernel(X, COS, SIN, Y, N, T, H, sxb, sxt, sxh, scb, sct, SIGN: tl.constexpr, HALF: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Rows r = (b*T + t)*H + h of x [B, T, H, 2*HALF] (last dim contiguous) into the contiguous y."""
+def _rotary_kernel(X, COS, SIN, Y, N, T, H, sxb, sxt, sxh, scb, sct, ssb, sst, SIGN: tl.constexpr,
+                   HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr, INTERPRET: tl.constexpr):
+    """Rows r = (b*T + t)*H + h of x [B, T, H, 2*HALF] (last dim contiguous) into the contiguous y; cos and sin
+    through their own batch and token strides (a batch stride of 0 broadcasts one row)."""
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     i = tl.arange(0, BLOCK_HALF)
     rmask = r < N
@@ -35,24 +36,27 @@ def _rotary_kernel(X, COS, SIN, Y, N, T, H, sxb, sxt, sxh, scb, sct, SIGN: tl.co
     x_row = X + (b * sxb + t * sxt + h * sxh)[:, None] + i[None, :]
     x1 = tl.load(x_row, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + HALF, mask=mask, other=0.0).to(tl.float32)
-    cs_row = (b * scb + t * sct)[:, None] + i[None, :]
-    c = tl.load(COS + cs_row, mask=mask, other=0.0)
-    s = tl.load(SIN + cs_row, mask=mask, other=0.0) * SIGN
+    c = tl.load(COS + (b * scb + t * sct)[:, None] + i[None, :], mask=mask, other=0.0)
+    s = tl.load(SIN + (b * ssb + t * sst)[:, None] + i[None, :], mask=mask, other=0.0) * SIGN
     y_row = Y + r[:, None] * (2 * HALF) + i[None, :]
-    tl.store(y_row, (x1 * c - x2 * s).to(Y.dtype.element_ty), mask=mask)
-    tl.store(y_row + HALF, (x2 * c + x1 * s).to(Y.dtype.element_ty), mask=mask)
+    tl.store(y_row, cast(x1 * c - x2 * s, Y.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(y_row + HALF, cast(x2 * c + x1 * s, Y.dtype.element_ty, INTERPRET), mask=mask)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: int) -> torch.Tensor:
     x = x if x.stride(-1) == 1 else x.contiguous()
     B, T, H, D = x.shape
     y = torch.empty(B, T, H, D, dtype=x.dtype, device=x.device)
-    block_half = triton.next_power_of_2(D // 2)
+    block_half = max(1, triton.next_power_of_2(D // 2))  # next_power_of_2(0) is 0
     block_r = max(1, _BLOCK_ELEMENTS // block_half)
     N = B * T * H
+
+    def strides(t):  # cos and sin may each be shared by the batch ([1, T, D/2]) or not
+        return t.stride(0) if t.shape[0] > 1 else 0, t.stride(1)
+
     _rotary_kernel[(triton.cdiv(N, block_r),)](
-        x, cos, sin, y, N, T, H, *x.stride()[:3], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1),
-        SIGN=sign, HALF=D // 2, BLOCK_R=block_r, BLOCK_HALF=block_half, num_warps=4,
+        x, cos, sin, y, N, T, H, *x.stride()[:3], *strides(cos), *strides(sin), SIGN=sign, HALF=D // 2,
+        BLOCK_R=block_r, BLOCK_HALF=block_half, INTERPRET=interpreted(_rotary_kernel), num_warps=4,
     )
     return y
 

@@ -12,23 +12,23 @@ import torch
 import torch.nn.functional as F
 
 from .autograd import first_order_only
-from .backend import jit, require_runnable, tl, triton, use_triton
+from .backend import cast, interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
 _BLOCK = 2048
 
 
 @jit
-def _swiglu_fwd_kernel(G, U, H, N, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(G, U, H, N, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(H + offs, (g * tl.sigmoid(g) * u).to(H.dtype.element_ty), mask=mask)
+    tl.store(H + offs, cast(g * tl.sigmoid(g) * u, H.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @jit
-def _swiglu_bwd_kernel(G, U, DH, DG, DU, N, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(G, U, DH, DG, DU, N, BLOCK: tl.constexpr, INTERPRET: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
@@ -36,8 +36,12 @@ def _swiglu_bwd_kernel(G, U, DH, DG, DU, N, BLOCK: tl.constexpr):
     dh = tl.load(DH + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
     silu = g * sig
-    tl.store(DG + offs, (dh * u * (sig + silu * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
-    tl.store(DU + offs, (dh * silu).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, cast(dh * u * (sig + silu * (1.0 - sig)), DG.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(DU + offs, cast(dh * silu, DU.dtype.element_ty, INTERPRET), mask=mask)
+
+
+# Built by Triton's interpreter (TRITON_INTERPRET=1 at import): CPU tensors, and ``cast``'s rounding to bf16.
+_INTERPRETED = interpreted(_swiglu_fwd_kernel)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -46,7 +50,7 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate.contiguous(), up.contiguous()
         h = torch.empty_like(gate)
         N = gate.numel()
-        _swiglu_fwd_kernel[(triton.cdiv(N, _BLOCK),)](gate, up, h, N, BLOCK=_BLOCK)
+        _swiglu_fwd_kernel[(triton.cdiv(N, _BLOCK),)](gate, up, h, N, BLOCK=_BLOCK, INTERPRET=_INTERPRETED)
         ctx.save_for_backward(gate, up)
         return h
 
@@ -56,7 +60,8 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         dg, du = torch.empty_like(gate), torch.empty_like(up)
         N = gate.numel()
-        _swiglu_bwd_kernel[(triton.cdiv(N, _BLOCK),)](gate, up, dh.contiguous(), dg, du, N, BLOCK=_BLOCK)
+        _swiglu_bwd_kernel[(triton.cdiv(N, _BLOCK),)](gate, up, dh.contiguous(), dg, du, N, BLOCK=_BLOCK,
+                                                     INTERPRET=_INTERPRETED)
         return dg, du
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .autograd import first_order_only
-from .backend import jit, require_runnable, tl, triton, use_triton
+from .backend import cast, interpreted, jit, require_runnable, tl, triton, use_triton
 from .checks import DTYPES
 
 _BLOCK_ELEMENTS = 4096  # elements per program: BLOCK_R = _BLOCK_ELEMENTS // BLOCK_D rows
@@ -48,24 +48,24 @@ def _rows(X, A, R, PREV, pid, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, B
 
 @jit
 def _token_shift_fwd_kernel(X, A, PREV, R, Y, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                            HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr):
+                            HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr, INTERPRET: tl.constexpr):
     r, d, _, mask, _, _, _, _, a, x, xp = _rows(
         X, A, R, PREV, tl.program_id(0), N, T, H, D, BLOCK_R, BLOCK_D, HAS_PREV, HAS_RESET
     )
     y = a[:, None] * xp + (1.0 - a[:, None]) * x
-    tl.store(Y + r[:, None] * D + d[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + r[:, None] * D + d[None, :], cast(y, Y.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @jit
 def _token_shift_bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.constexpr, BLOCK_R: tl.constexpr,
                             BLOCK_D: tl.constexpr, HAS_PREV: tl.constexpr, HAS_RESET: tl.constexpr,
-                            NEED_DPREV: tl.constexpr):
+                            NEED_DPREV: tl.constexpr, INTERPRET: tl.constexpr):
     r, d, rmask, mask, t, bt, bh, first, a, x, xp = _rows(
         X, A, R, PREV, tl.program_id(0), N, T, H, D, BLOCK_R, BLOCK_D, HAS_PREV, HAS_RESET
     )
     dy = tl.load(DY + r[:, None] * D + d[None, :], mask=mask, other=0.0).to(tl.float32)
     da = a * (1.0 - a) * tl.sum(dy * (xp - x), 1)
-    tl.store(DA + r, da.to(DA.dtype.element_ty), mask=rmask)
+    tl.store(DA + r, cast(da, DA.dtype.element_ty, INTERPRET), mask=rmask)
     # x_t is also the x_{t-1} of token t+1, unless t is the last token or token t+1 resets
     fed = rmask & (t + 1 < T)
     if HAS_RESET:
@@ -73,10 +73,11 @@ def _token_shift_bwd_kernel(X, A, PREV, R, DY, DX, DA, DPREV, N, T, H, D: tl.con
     a_next = tl.where(fed, tl.sigmoid(tl.load(A + r + H, mask=fed, other=0.0).to(tl.float32)), 0.0)
     dy_next = tl.load(DY + (r + H)[:, None] * D + d[None, :], mask=mask & fed[:, None], other=0.0).to(tl.float32)
     dx = (1.0 - a[:, None]) * dy + a_next[:, None] * dy_next
-    tl.store(DX + r[:, None] * D + d[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DX + r[:, None] * D + d[None, :], cast(dx, DX.dtype.element_ty, INTERPRET), mask=mask)
     if NEED_DPREV:  # prev is x_{-1}: zero gradient where token 0 resets
         dprev = tl.where(first[:, None], a[:, None] * dy, 0.0)
-        tl.store(DPREV + bh[:, None] * D + d[None, :], dprev.to(DPREV.dtype.element_ty), mask=mask & (t == 0)[:, None])
+        tl.store(DPREV + bh[:, None] * D + d[None, :], cast(dprev, DPREV.dtype.element_ty, INTERPRET),
+                 mask=mask & (t == 0)[:, None])
 
 
 # Kernels built by Triton's interpreter (TRITON_INTERPRET=1 at import) run on CPU tensors.
@@ -86,9 +87,11 @@ def _meta(x: torch.Tensor, prev: torch.Tensor | None, reset: torch.Tensor | None
     """Grid and compile-time arguments of both kernels for x: [B, T, H, D]."""
     B, T, H, D = x.shape
     n = B * T * H
-    block_d = triton.next_power_of_2(D)
-    block_r = min(max(1, _BLOCK_ELEMENTS // block_d), triton.next_power_of_2(n))
-    meta = dict(D=D, BLOCK_R=block_r, BLOCK_D=block_d, HAS_PREV=prev is not None, HAS_RESET=reset is not None)
+    # at least 1 (next_power_of_2(0) is 0): an empty x launches an empty grid
+    block_d = max(1, triton.next_power_of_2(D))
+    block_r = min(max(1, _BLOCK_ELEMENTS // block_d), max(1, triton.next_power_of_2(n)))
+    meta = dict(D=D, BLOCK_R=block_r, BLOCK_D=block_d, HAS_PREV=prev is not None, HAS_RESET=reset is not None,
+                INTERPRET=interpreted(_token_shift_fwd_kernel))
     return (triton.cdiv(n, block_r),), meta
 
 
@@ -112,7 +115,8 @@ class _TokenShift(torch.autograd.Function):
         x, alpha_logit, prev, reset = ctx.saved_tensors
         B, T, H, _ = x.shape
         dx, dalpha = torch.empty_like(x), torch.empty_like(alpha_logit)
-        dprev = torch.empty_like(prev) if prev is not None and ctx.needs_input_grad[2] else None
+        # zeros: with T = 0 no row (token 0) writes it
+        dprev = torch.zeros_like(prev) if prev is not None and ctx.needs_input_grad[2] else None
         grid, meta = _meta(x, prev, reset)
         _token_shift_bwd_kernel[grid](x, alpha_logit, x if prev is None else prev, x if reset is None else reset,
                                       dy.contiguous(), dx, dalpha, x if dprev is None else dprev, B * T * H, T, H,
