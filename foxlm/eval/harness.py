@@ -63,7 +63,8 @@ class FoxLM(HFLM):
     ``float16`` | ``auto``, the saved weights', as lm-eval's ``--model hf`` takes it) place the model; without a
     ``dtype``, on CUDA it runs as the FoX authors' evaluations and ``foxlm eval`` do, fp32 weights under bf16 autocast
     (HFLM's ``mixed_precision_dtype``), and in fp32 elsewhere; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or
-    folder) defaults to the one the model's config records, else GPT-2 BPE.
+    folder) defaults to the one the model's config records, else GPT-2 BPE. HFLM's arguments for loading by name
+    (``peft``, ``revision``, ...) are refused: the model is loaded here.
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
@@ -78,6 +79,10 @@ class FoxLM(HFLM):
         if unknown:  # HFLM hands these to from_pretrained, which a model built here never reaches: silently dropped
             raise ValueError(f"--model_args: --model foxlm takes no {', '.join(unknown)} (expected pretrained, "
                              "tokenizer, device, dtype or another argument of lm-eval's HFLM: max_length, ...)")
+        unused = sorted(k for k in set(kwargs) & _LOADING_ARGS if kwargs[k] != _HFLM_DEFAULTS[k])
+        if unused:  # HFLM skips them for a model object: peft=... scored the base model, silently
+            raise ValueError(f"--model_args: --model foxlm loads {pretrained} itself; {', '.join(unused)} (lm-eval's "
+                             "loading of a model by name) would not be used: leave it out (or use --model hf)")
         dev = resolve_device(device)
         dtype = precision(dev, dtype, kwargs)
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
@@ -145,6 +150,12 @@ def precision(device: torch.device, dtype: str | None, kwargs: dict) -> str:
 # never called here; the backend is "causal"
 _HFLM_ARGS = frozenset(name for name, p in inspect.signature(HFLM.__init__).parameters.items()
                        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - {"self", "pretrained", "backend"}
+
+_HFLM_DEFAULTS = {name: p.default for name, p in inspect.signature(HFLM.__init__).parameters.items()}
+
+# HFLM's arguments for loading a model (and its tokenizer) by name, which it skips when handed a model object
+_LOADING_ARGS = frozenset({"revision", "subfolder", "peft", "delta", "autogptq", "gptqmodel", "gguf_file",
+                           "parallelize", "tp_plan", "max_memory_per_gpu", "max_cpu_memory", "offload_folder"})
 
 # HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and
 # passes every other argument on): not the user's doing, nothing to act on

@@ -917,6 +917,20 @@ def test_harness_model_args_that_would_be_dropped_are_refused(tmp_path, key):
     assert FoxLM(pretrained=str(path), device="cpu", batch_size=3, max_batch_size=8).batch_size == 3
 
 
+@pytest.mark.parametrize("key, value", [("peft", "adapters/lora"), ("revision", "v2"), ("parallelize", True)])
+def test_harness_loading_args_it_cannot_honour_are_refused(tmp_path, key, value):
+    """HFLM's arguments for loading a model by name (a PEFT adapter, a revision, ...) are skipped for a model object,
+    which is what ``--model foxlm`` hands it: peft=... scored the base model, silently; parallelize=True was an
+    AssertionError. Their defaults (what lm-eval's command line may pass) are fine."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    with pytest.raises(ValueError, match=f"--model_args: --model foxlm loads {re.escape(str(path))} itself; {key} "):
+        FoxLM(pretrained=str(path), device="cpu", **{key: value})
+    assert FoxLM(pretrained=str(path), device="cpu", peft=None, parallelize=False, trust_remote_code=True)
+
+
 def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
     """``--model foxlm`` with dtype=bfloat16 loads the model as from_pretrained does (the forget gate stays fp32, as
     in lm-eval's own ``--model hf``), rather than casting every weight: the same log-likelihoods as ``--model hf``."""
