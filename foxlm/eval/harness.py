@@ -63,12 +63,16 @@ class FoxLM(HFLM):
     ``float16`` | ``auto``, the saved weights', as lm-eval's ``--model hf`` takes it) place the model; without a
     ``dtype``, on CUDA it runs as the FoX authors' evaluations and ``foxlm eval`` do, fp32 weights under bf16 autocast
     (HFLM's ``mixed_precision_dtype``), and in fp32 elsewhere; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or
-    folder) defaults to the one the model's config records, else GPT-2 BPE. HFLM's arguments for loading by name
-    (``peft``, ``revision``, ...) are refused: the model is loaded here.
+    folder) defaults to the one the model's config records, else the transformers tokenizer in the model's folder (as
+    ``--model hf`` reads it), else GPT-2 BPE. HFLM's arguments for loading by name (``peft``, ``revision``, ...) are
+    refused: the model is loaded here.
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
                  dtype: str | None = None, **kwargs):
+        from transformers import AutoTokenizer
+
+        from foxlm.checkpoint.weights import resolve_model_dir
         from foxlm.data.tokenizer import JSONGPT2Tokenizer, model_tokenizer
         from foxlm.device import resolve_device
         from foxlm.models import load_checkpoint_model
@@ -92,11 +96,20 @@ class FoxLM(HFLM):
         model = load_checkpoint_model(pretrained, "pretrained",
                                       dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         model = model.to(dev).eval()
-        # the one `foxlm train` recorded, else GPT-2 BPE; lm_eval's command line takes it in --model_args
-        own = model_tokenizer(model.config, tokenizer, what=pretrained, flag="tokenizer=NAME_OR_FOLDER in --model_args")
-        # json-gpt2 (the FoX authors' models) has no transformers twin: GPT-2's, on text escaped here (tok_encode)
-        self._json = own if isinstance(own, JSONGPT2Tokenizer) else None
-        tok = hf_tokenizer("gpt2") if self._json else _as_hf(own)
+        folder = resolve_model_dir(pretrained, "pretrained")
+        self._json = None
+        if tokenizer is None and getattr(model.config, "foxlm_tokenizer", None) is None and \
+                any((folder / name).is_file() for name in _HF_TOKENIZER_FILES):
+            # a model of another library with its tokenizer: read as lm-eval's --model hf reads it (its BOS, its
+            # chat template), not GPT-2 BPE
+            tok = AutoTokenizer.from_pretrained(folder, use_fast=kwargs.get("use_fast_tokenizer", True))
+        else:
+            # the one `foxlm train` recorded, else GPT-2 BPE; lm_eval's command line takes it in --model_args
+            own = model_tokenizer(model.config, tokenizer, what=pretrained,
+                                  flag="tokenizer=NAME_OR_FOLDER in --model_args")
+            # json-gpt2 (the FoX authors' models) has no transformers twin: GPT-2's, on text escaped here (tok_encode)
+            self._json = own if isinstance(own, JSONGPT2Tokenizer) else None
+            tok = hf_tokenizer("gpt2") if self._json else _as_hf(own)
         given = kwargs.get("max_length")
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
             # 0 read as "not given" (the training length instead), a negative one went on to lm-eval's truncation
@@ -156,6 +169,9 @@ _HFLM_DEFAULTS = {name: p.default for name, p in inspect.signature(HFLM.__init__
 # HFLM's arguments for loading a model (and its tokenizer) by name, which it skips when handed a model object
 _LOADING_ARGS = frozenset({"revision", "subfolder", "peft", "delta", "autogptq", "gptqmodel", "gguf_file",
                            "parallelize", "tp_plan", "max_memory_per_gpu", "max_cpu_memory", "offload_folder"})
+
+# the files of a transformers tokenizer in a save_pretrained folder (AutoTokenizer reads them)
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and
 # passes every other argument on): not the user's doing, nothing to act on

@@ -931,6 +931,45 @@ def test_harness_loading_args_it_cannot_honour_are_refused(tmp_path, key, value)
     assert FoxLM(pretrained=str(path), device="cpu", peft=None, parallelize=False, trust_remote_code=True)
 
 
+def _bpe_tokenizer_folder(path):
+    """A byte-level BPE tokenizer, not GPT-2's (its own ids, <s> as BOS), written into ``path`` as
+    ``save_pretrained`` writes a model's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["The capital of France is Paris. To be, or not to be, that is the question."] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+
+
+def test_harness_model_reads_the_tokenizer_in_its_folder(tmp_path):
+    """A model folder that records no foxlm tokenizer but holds its own tokenizer files (a Llama's, here in a
+    vocabulary GPT-2's ids fit) is scored with those, as lm-eval's ``--model hf`` reads it: it was GPT-2 BPE's ids."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from foxlm.eval.harness import FoxLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=50304, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=64, bos_token_id=0,
+                                 eos_token_id=1)).save_pretrained(tmp_path / "m")
+    _bpe_tokenizer_folder(tmp_path / "m")
+    reqs = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0),
+            Instance("loglikelihood", {}, ("To be, or not to be:", " that is the question"), 1)]
+    ours, theirs = FoxLM(pretrained=str(tmp_path / "m"), device="cpu"), HFLM(pretrained=str(tmp_path / "m"),
+                                                                             device="cpu")
+    assert ours.tok_encode("To be") == theirs.tok_encode("To be") and ours.tok_encode("To be")[0] == 0
+    assert ours.loglikelihood(reqs, disable_tqdm=True) == theirs.loglikelihood(reqs, disable_tqdm=True)
+
+
 def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
     """``--model foxlm`` with dtype=bfloat16 loads the model as from_pretrained does (the forget gate stays fp32, as
     in lm-eval's own ``--model hf``), rather than casting every weight: the same log-likelihoods as ``--model hf``."""
