@@ -9,6 +9,7 @@ which works from any folder.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -176,7 +177,7 @@ class TrainConfig:
             return
         for key, value in self.model.items():
             if key not in FOX_FIELDS:
-                raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(FOX_FIELDS)})")
+                raise ValueError(f"model.{key}: not a FoxConfig field" + _expected(key, FOX_FIELDS, "model."))
             _check_field_type(key, value)
         # else the first step's forward refused it on every process, after the run had taken out_dir
         if self.cp > 1 and (window := resolved_model(self)["window"]) is not None:
@@ -217,6 +218,12 @@ def _check_field_type(key: str, value) -> None:
         isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
     if not ok:
         raise ValueError(f"model.{key}: expected {kind.__name__}, got {value!r}")
+
+
+def _expected(key: str, known, prefix: str = "") -> str:
+    """What an unknown ``key`` error adds: the known key it is near, else every known one."""
+    near = difflib.get_close_matches(key, known, n=1)
+    return f"; did you mean {prefix}{near[0]}?" if near else f" (expected one of {sorted(known)})"
 
 
 def default_out_dir(arch: str, size: str, data: str) -> str:
@@ -418,13 +425,13 @@ def load_config(config: str | os.PathLike | None = None, overrides: list[str] = 
                 raise ValueError(f"model: expected a mapping in {path}")
             raw["model"][key[len("model."):]] = _parse_yaml(text, f"{key}: {text!r} is")[0] if text else None
         elif key not in _FIELDS:
-            raise ValueError(f"{key}: unknown config key (expected one of {sorted(_FIELDS)})")
+            raise ValueError(f"{key}: unknown config key" + _expected(key, _FIELDS))
         else:
             raw[key] = _override_value(key, text)
     kwargs = {}
     for key, value in raw.items():
         if key not in _FIELDS:
-            raise ValueError(f"{key}: unknown config key (expected one of {sorted(_FIELDS)})")
+            raise ValueError(f"{key}: unknown config key" + _expected(key, _FIELDS))
         kwargs[key] = _check_type(key, value, str(_FIELDS[key].type))
     if not isinstance(kwargs.get("model", {}), dict):
         raise ValueError(f"model: expected a mapping of FoxConfig fields, got {kwargs['model']!r}")

@@ -56,6 +56,20 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert (default.arch, default.size, default.data, default.tokenizer) == ("fox-pro", "tiny", "shakespeare", "gpt2")
 
 
+def test_a_misspelt_key_names_the_near_one(tmp_path):
+    """A typo of a key (on the command line, in a --config file, or of a model field) names the key it is near,
+    rather than only the list of every key."""
+    errors = {"lrr=1e-3": r"^lrr: unknown config key; did you mean lr\?",
+              "warmup_step=5": r"^warmup_step: unknown config key; did you mean warmup_steps\?",
+              "model.hiden_size=64": r"^model.hiden_size: not a FoxConfig field; did you mean model.hidden_size\?"}
+    for override, message in errors.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(None, [override])
+    (tmp_path / "c.yaml").write_text("max_step: 10\n")
+    with pytest.raises(ValueError, match=r"^max_step: unknown config key; did you mean max_steps\?"):
+        load_config(tmp_path / "c.yaml")
+
+
 def test_values_a_run_would_divide_by_are_refused_up_front():
     """seq_len=1 leaves no target (the step's token-weighted loss divided by 0), peak_tflops=0 divides the MFU: both
     stopped the run with a ZeroDivisionError after its model was built; a negative peak logged a negative MFU."""
