@@ -372,6 +372,21 @@ def _file_strings(node) -> dict:
     return strings
 
 
+def _refuse_repeated_keys(node, path: Path, prefix: str = "") -> None:
+    """A ValueError if a mapping of a config file (the top one or a nested one, e.g. ``model``) sets a key twice:
+    PyYAML keeps the last, silently."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[str, int] = {}
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            if key.value in lines:
+                raise ValueError(f"config: {path}: {prefix}{key.value} is given twice (lines {lines[key.value]} and "
+                                 f"{key.start_mark.line + 1}); give it once")
+            lines[key.value] = key.start_mark.line + 1
+            _refuse_repeated_keys(value, path, f"{prefix}{key.value}.")
+
+
 def _check_type(name: str, value, annotation: str):
     """``value`` if it has a type of the field's annotation (``int``, ``float``, ``str | None``, ...; an int is a
     float too, a bool is not a number), else a ValueError naming the field."""
@@ -414,6 +429,7 @@ def load_config(config: str | os.PathLike | None = None, overrides: list[str] = 
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"config: {path} must hold a mapping of keys to values")
+    _refuse_repeated_keys(node, path)
     raw.update(_file_strings(node))
     for item in overrides:
         key, sep, text = item.partition("=")

@@ -70,6 +70,20 @@ def test_a_misspelt_key_names_the_near_one(tmp_path):
         load_config(tmp_path / "c.yaml")
 
 
+def test_a_key_twice_in_a_config_file_is_refused(tmp_path):
+    """A key set twice in a --config file (or in its model mapping) ran with the last value, silently: PyYAML keeps
+    it. Overrides are applied in order, each over what came before (a script's common overrides, then the run's)."""
+    (tmp_path / "c.yaml").write_text("lr: 1.0e-3\nmax_steps: 5\nlr: 2.0e-3\n")
+    with pytest.raises(ValueError, match=rf"^config: {tmp_path / 'c.yaml'}: lr is given twice \(lines 1 and 3\)"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "m.yaml").write_text("model:\n  window: 64\n  acp: true\n  window: 32\n")
+    with pytest.raises(ValueError, match=r"model.window is given twice \(lines 2 and 4\)"):
+        load_config(tmp_path / "m.yaml")
+    (tmp_path / "ok.yaml").write_text("lr: 1.0e-3\nmodel: {window: 64}\n")
+    cfg = load_config(tmp_path / "ok.yaml", ["lr=2e-3", "model.window=32", "lr=3e-3"])
+    assert (cfg.lr, cfg.model) == (3e-3, {"window": 32})
+
+
 def test_values_a_run_would_divide_by_are_refused_up_front():
     """seq_len=1 leaves no target (the step's token-weighted loss divided by 0), peak_tflops=0 divides the MFU: both
     stopped the run with a ZeroDivisionError after its model was built; a negative peak logged a negative MFU."""
