@@ -69,7 +69,7 @@ class FoxLM(HFLM):
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
-                 dtype: str | None = None, **kwargs):
+                 dtype: str | torch.dtype | None = None, **kwargs):
         from transformers import AutoTokenizer
 
         from foxlm.checkpoint.weights import resolve_model_dir
@@ -88,6 +88,8 @@ class FoxLM(HFLM):
             raise ValueError(f"--model_args: --model foxlm loads {pretrained} itself; {', '.join(unused)} (lm-eval's "
                              "loading of a model by name) would not be used: leave it out (or use --model hf)")
         dev = resolve_device(device)
+        if isinstance(dtype, torch.dtype):  # as HFLM takes it from Python (torch.bfloat16)
+            dtype = str(dtype).removeprefix("torch.")
         dtype = precision(dev, dtype, kwargs)
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16', 'float16' or 'auto' (the saved weights'), "

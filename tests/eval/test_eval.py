@@ -988,6 +988,9 @@ def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
     theirs = HFLM(pretrained=str(path), device="cpu", dtype="bfloat16")
     assert [x for x, _ in ours.loglikelihood(reqs, disable_tqdm=True)] == \
         [x for x, _ in theirs.loglikelihood(reqs, disable_tqdm=True)]
+    # from Python, HFLM takes a torch.dtype too (simple_evaluate's model_args dict): it was refused
+    as_object = FoxLM(pretrained=str(path), device="cpu", dtype=torch.bfloat16)
+    assert as_object.loglikelihood(reqs, disable_tqdm=True) == ours.loglikelihood(reqs, disable_tqdm=True)
 
 
 def test_harness_default_precision_is_fp32_weights_under_bf16_autocast_on_cuda(tmp_path):
