@@ -196,20 +196,28 @@ def _quiet(logger: logging.Logger, prefixes: tuple[str, ...]) -> Iterator[None]:
 def with_device(argv: list[str]) -> list[str]:
     """lm_eval arguments with ``--device`` resolved as foxlm does (lm-eval's own default is cuda:0, also on a
     machine without CUDA): absent or ``auto``, CUDA when there is a GPU, else the CPU; a GPU that is not here is a
-    ``ValueError``."""
+    ``ValueError``. Left to lm-eval: its other commands (``ls``, ``validate``) and a ``--config`` file, which may set
+    the device."""
     from foxlm.device import resolve_device
 
     argv = list(argv)
     for i, arg in enumerate(argv):
-        if arg == "--device" and i + 1 < len(argv):
-            argv[i + 1] = str(resolve_device(argv[i + 1]))
+        name, eq, value = arg.partition("=")
+        if len(name) > 3 and "--device".startswith(name):  # argparse takes an unambiguous prefix: --dev
+            if eq:
+                argv[i] = f"{name}={resolve_device(value)}"
+            elif i + 1 < len(argv):
+                argv[i + 1] = str(resolve_device(argv[i + 1]))
             return argv
-        if arg.startswith("--device="):
-            argv[i] = f"--device={resolve_device(arg.split('=', 1)[1])}"
-            return argv
-    if "--model" in argv or any(a.startswith("--model=") for a in argv):  # an evaluation, not `lm_eval ls` or -h
+    # lm-eval runs an evaluation for `run ARGS`, and for ARGS without a command (it puts `run` in front)
+    evaluation = len(argv) > 1 and (argv[0] == "run" or argv[0] not in _LM_EVAL_COMMANDS)
+    if evaluation and not any(a in ("-C", "--config") or a.startswith(("-C=", "--config=")) for a in argv):
         argv += ["--device", str(resolve_device("auto"))]
     return argv
+
+
+# lm_eval's subcommands (lm_eval/_cli/harness.py)
+_LM_EVAL_COMMANDS = ("run", "ls", "validate")
 
 
 def main(argv: list[str] | None = None) -> int:

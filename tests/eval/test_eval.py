@@ -780,6 +780,12 @@ def test_harness_device_is_resolved_as_foxlm_does():
     assert with_device(["--model", "hf", "--device", "auto"]) == ["--model", "hf", "--device", here]
     assert with_device(["--model", "hf", "--device=cpu"]) == ["--model", "hf", "--device=cpu"]
     assert with_device(["ls", "tasks"]) == ["ls", "tasks"]
+    # lm-eval's short -M, an abbreviated --device, its explicit run subcommand: an evaluation too (lm-eval's cuda:0
+    # on a machine without CUDA refused it); a --config file may set the device itself
+    assert with_device(["-M", "foxlm", "-t", "x"]) == ["-M", "foxlm", "-t", "x", "--device", here]
+    assert with_device(["run", "-M", "hf", "--dev", "auto"]) == ["run", "-M", "hf", "--dev", here]
+    assert with_device(["run", "--config", "c.yaml"]) == ["run", "--config", "c.yaml"]
+    assert with_device(["validate", "--tasks", "x"]) == ["validate", "--tasks", "x"]
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device: cuda is not one of the 0 visible GPUs"):
             with_device(["--model", "hf", "--device", "cuda"])
