@@ -1077,10 +1077,11 @@ def test_harness_without_lm_eval_names_the_extra(tmp_path):
     assert "[eval] extra" in message and "pip install -e '.[eval]'" in message
 
 
-def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path):
+@pytest.mark.parametrize("flag", ["--tasks", "-t"])
+def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path, flag):
     """A task whose data is on the hub, where the hub cannot be reached (nothing answers at HF_ENDPOINT; no offline
     flag set): one request finds that out, and one line says what to do, with no retries, traceback or lm-eval
-    warnings about the model object the ``foxlm`` adapter passes it."""
+    warnings about the model object the ``foxlm`` adapter passes it; also with lm-eval's short -t (which retried)."""
     pytest.importorskip("lm_eval")
     from foxlm.eval.harness import save_hf_tokenizer
 
@@ -1092,7 +1093,7 @@ def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path):
         endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
     env = {"HF_ENDPOINT": endpoint, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "",
            "HF_DATASETS_OFFLINE": ""}
-    proc = foxlm("eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", "--tasks",
+    proc = foxlm("eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", flag,
                  "lambada_openai", "--device", "cpu", env=env)
     message = one_line_error(proc, "eval harness")
     assert "EleutherAI/lambada_openai, is on the Hugging Face hub" in message and "--include_path DIR" in message
