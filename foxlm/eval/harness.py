@@ -8,7 +8,8 @@ ARGS``) is lm-eval's own command line with foxlm imported first; ARGS are lm-eva
     foxlm eval harness --model hf --model_args pretrained=runs/x/checkpoints/step_0001000/model --tasks ...
 
 ``--model foxlm`` takes any checkpoint foxlm can load (run dir, checkpoint dir, ``save_pretrained`` dir)
-and builds the HF tokenizer from the tokenizer its config records (``hf_tokenizer``); ``--model hf`` needs a
+and builds the HF tokenizer from the tokenizer its config records (``hf_tokenizer``), else reads the transformers
+tokenizer in its folder as ``--model hf`` does (another library's model); ``--model hf`` needs a
 ``save_pretrained`` dir that also holds tokenizer files (``save_hf_tokenizer``; ``foxlm train`` writes them).
 From Python, ``import foxlm.eval.harness`` then ``lm_eval.simple_evaluate(model="foxlm", ...)``.
 """
