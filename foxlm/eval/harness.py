@@ -22,9 +22,10 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -142,6 +143,28 @@ class FoxLM(HFLM):
         text = super().tok_decode(tokens, *args, **kwargs)
         return self._json.unescape(text) if self._json else text
 
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
+                        **generation_kwargs) -> torch.Tensor:
+        """HFLM's: ``context`` (batch, tokens) and its continuation, up to ``max_length`` tokens. For json-gpt2 the
+        ``stop`` sequences are looked for in the text as decoded (unescaped): HFLM looks in the escaped text the model
+        writes, where a newline is a backslash and an n, so a stop of "\\n" never matched and every answer ran to
+        max_gen_toks (the answer, cut at the stop afterwards, was right)."""
+        if self._json is None:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        # HFLM's reading of its generation kwargs: greedy unless a temperature > 0 (or do_sample) asks to sample
+        temperature = generation_kwargs.setdefault("temperature", 0.0)
+        if temperature == 0.0 and generation_kwargs.get("do_sample") is None:
+            generation_kwargs["do_sample"] = False
+        if temperature == 0.0 and generation_kwargs["do_sample"] is False:
+            del generation_kwargs["temperature"]
+        stopping = transformers.StoppingCriteriaList(
+            [_StopInText(lambda ids: self._json.unescape(self.tokenizer.decode(ids)), stop, context.shape[1],
+                         context.shape[0])])
+        with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                            enabled=self.mixed_precision_dtype is not None):
+            return self.model.generate(input_ids=context, max_length=max_length, stopping_criteria=stopping,
+                                       pad_token_id=self.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
+
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """HFLM's, with each text encoded without the tokenizer's BOS: lm-eval opens the first window with
         ``prefix_token_id`` (that same end-of-text token) already, so the tokenizer's BOS would be scored as the
@@ -151,6 +174,19 @@ class FoxLM(HFLM):
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
         finally:
             self.add_bos_token = add_bos
+
+
+class _StopInText(transformers.StoppingCriteria):
+    """Stops a batch's generation once each row's generated text (``decode`` of its tokens after the first
+    ``start``) holds one of ``stop`` (as HFLM's criteria: the batch goes on until every row is done)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], start: int, batch: int):
+        self.decode, self.stop, self.start, self.done = decode, stop, start, [False] * batch
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> bool:
+        for i, row in enumerate(input_ids):  # the whole generated text: an escape is never cut in two here
+            self.done[i] = self.done[i] or any(s in self.decode(row[self.start:].tolist()) for s in self.stop)
+        return all(self.done)
 
 
 def precision(device: torch.device, dtype: str | None, kwargs: dict) -> str:

@@ -1053,6 +1053,43 @@ def test_harness_runs_a_json_gpt2_model_on_its_escaped_text(tmp_path):
     assert lm.tok_decode(lm.tok_encode(context + continuation, add_special_tokens=False)) == context + continuation
 
 
+def test_harness_json_gpt2_generation_stops_at_the_stop_sequence(tmp_path):
+    """A json-gpt2 model writes a newline as a backslash and an n: a stop of "\\n" was looked for in that escaped text,
+    never matched, and every answer ran to max_gen_toks before being cut. Here a model trained on JSON-escaped lines
+    stops at the end of its line, with the answer it gave before."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from foxlm.eval.harness import FoxLM
+
+    tok = get_tokenizer("json-gpt2")
+    ids = torch.tensor([[tok.eot_id] + tok.encode("".join(f"line {i}\n" for i in range(8)))])
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_config(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   bos_token_id=50256, eos_token_id=50256, pad_token_id=50256, train_length=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(60):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(tmp_path / "m")
+    lm = FoxLM(pretrained=str(tmp_path / "m"), device="cpu", tokenizer="json-gpt2")
+    forwards = []
+    lm.model.register_forward_hook(lambda *_: forwards.append(1))
+
+    def generate(until):
+        forwards.clear()
+        (text,) = lm.generate_until([Instance("generate_until", {}, ("line 0\nline 1\nline", {
+            "until": until, "max_gen_toks": 20}), 0)], disable_tqdm=True)
+        return text, len(forwards)
+
+    whole, steps = generate(["XYZ"])
+    assert "\n" in whole and steps == 20
+    line, steps = generate(["\n"])
+    assert line == whole.split("\n")[0]
+    assert steps == len(tok.encode(line + "\n"))  # one forward a token, the last one the newline's
+
+
 def test_harness_auto_dtype_is_the_saved_weights(tmp_path):
     """dtype=auto (as lm-eval's ``--model hf`` takes it): the weights' saved dtype, the forget gate still fp32."""
     pytest.importorskip("lm_eval")
