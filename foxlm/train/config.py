@@ -220,9 +220,9 @@ def _check_field_type(key: str, value) -> None:
         raise ValueError(f"model.{key}: expected {kind.__name__}, got {value!r}")
 
 
-def _expected(key: str, known, prefix: str = "") -> str:
+def _expected(key: object, known, prefix: str = "") -> str:
     """What an unknown ``key`` error adds: the known key it is near, else every known one."""
-    near = difflib.get_close_matches(key, known, n=1)
+    near = difflib.get_close_matches(str(key).lower(), known, n=1)
     return f"; did you mean {prefix}{near[0]}?" if near else f" (expected one of {sorted(known)})"
 
 
@@ -446,6 +446,10 @@ def load_config(config: str | os.PathLike | None = None, overrides: list[str] = 
             raw[key] = _override_value(key, text)
     kwargs = {}
     for key, value in raw.items():
+        if isinstance(key, str) and key.startswith("model."):  # an override's spelling
+            nested = yaml.safe_dump({key[len("model."):]: value}, default_flow_style=True, width=1000).strip()
+            raise ValueError(f"{key}: unknown config key; in a config file model fields nest under model: "
+                             f"(model: {nested})")
         if key not in _FIELDS:
             raise ValueError(f"{key}: unknown config key" + _expected(key, _FIELDS))
         kwargs[key] = _check_type(key, value, str(_FIELDS[key].type))

@@ -68,6 +68,13 @@ def test_a_misspelt_key_names_the_near_one(tmp_path):
     (tmp_path / "c.yaml").write_text("max_step: 10\n")
     with pytest.raises(ValueError, match=r"^max_step: unknown config key; did you mean max_steps\?"):
         load_config(tmp_path / "c.yaml")
+    with pytest.raises(ValueError, match=r"^Lr: unknown config key; did you mean lr\?"):  # keys are lower case
+        load_config(None, ["Lr=1e-3"])
+    # an override's spelling in a file, where model fields nest under model
+    (tmp_path / "d.yaml").write_text("model.hidden_size: 64\n")
+    with pytest.raises(ValueError, match=r"^model.hidden_size: unknown config key; in a config file model fields nest "
+                                         r"under model: \(model: \{hidden_size: 64\}\)$"):
+        load_config(tmp_path / "d.yaml")
 
 
 def test_a_key_twice_in_a_config_file_is_refused(tmp_path):
