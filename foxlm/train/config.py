@@ -142,6 +142,9 @@ class TrainConfig:
             raise ValueError(f"seed: expected an integer in [0, 2**64), got {self.seed}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:  # no world size fits
+            raise ValueError(f"batch_size: {self.batch_size} is not a multiple of micro_batch_size "
+                             f"({self.micro_batch_size})")
         # the syntax only: whether this machine has that GPU is the trainer's check (reading or printing a config
         # needs no torch)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):

@@ -104,6 +104,15 @@ def test_values_a_run_would_divide_by_are_refused_up_front():
     assert load_config(None, ["seq_len=2", "peak_tflops=989"]).peak_tflops == 989.0
 
 
+def test_a_batch_the_micro_batches_do_not_divide_is_refused_up_front():
+    """batch_size=10 micro_batch_size=4 can run on no number of processes: refused when the config is read (and by
+    --print-config), not when the trainer builds its loader, after the data and the model."""
+    for overrides in (["batch_size=10", "micro_batch_size=4"], ["batch_size=8", "micro_batch_size=16"]):
+        with pytest.raises(ValueError, match=r"^batch_size: \d+ is not a multiple of micro_batch_size \(\d+\)$"):
+            load_config(None, overrides)
+    assert load_config(None, ["batch_size=12", "micro_batch_size=4"]).micro_batch_size == 4
+
+
 def test_a_seed_the_generators_refuse_is_refused_up_front(byte_data, tmp_path):
     """numpy's generators (the data order) take no negative seed and torch's (the model's initialization) none of 64
     bits or more: seed=-1 failed the first step with "expected non-negative integer", naming no key, after the run
