@@ -626,7 +626,7 @@ def run_harness(args) -> int:
     except ModuleNotFoundError:
         raise ValueError("lm_eval: lm-evaluation-harness is not installed; it comes with foxlm's [eval] extra: "
                          "pip install -e '.[eval]' (from the foxlm checkout)") from None
-    if "--tasks" in args.lm_eval_args or any(a.startswith("--tasks=") for a in args.lm_eval_args):
+    if _names_tasks(args.lm_eval_args):
         from ..hub import offline_unless_reachable
 
         # before huggingface_hub and datasets are imported: a task whose data is on the hub then fails at once, not
@@ -637,6 +637,13 @@ def run_harness(args) -> int:
     from .harness import main
 
     return main(args.lm_eval_args)
+
+
+def _names_tasks(argv: list[str]) -> bool:
+    """Whether lm_eval arguments ``argv`` ask for tasks: ``--tasks``, ``--tasks=...``, an abbreviation argparse takes
+    (``--task``), ``-t`` or ``-tNAME``."""
+    return any(a.startswith("-t") or (len(name := a.partition("=")[0]) > 3 and "--tasks".startswith(name))
+               for a in argv)
 
 
 def _write_json(path: Path, args, extra: dict) -> None:

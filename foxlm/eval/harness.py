@@ -8,7 +8,8 @@ ARGS``) is lm-eval's own command line with foxlm imported first; ARGS are lm-eva
     foxlm eval harness --model hf --model_args pretrained=runs/x/checkpoints/step_0001000/model --tasks ...
 
 ``--model foxlm`` takes any checkpoint foxlm can load (run dir, checkpoint dir, ``save_pretrained`` dir)
-and builds the HF tokenizer from the tokenizer its config records (``hf_tokenizer``); ``--model hf`` needs a
+and builds the HF tokenizer from the tokenizer its config records (``hf_tokenizer``), else reads the transformers
+tokenizer in its folder as ``--model hf`` does (another library's model); ``--model hf`` needs a
 ``save_pretrained`` dir that also holds tokenizer files (``save_hf_tokenizer``; ``foxlm train`` writes them).
 From Python, ``import foxlm.eval.harness`` then ``lm_eval.simple_evaluate(model="foxlm", ...)``.
 """
@@ -21,9 +22,10 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
+import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
@@ -63,11 +65,16 @@ class FoxLM(HFLM):
     ``float16`` | ``auto``, the saved weights', as lm-eval's ``--model hf`` takes it) place the model; without a
     ``dtype``, on CUDA it runs as the FoX authors' evaluations and ``foxlm eval`` do, fp32 weights under bf16 autocast
     (HFLM's ``mixed_precision_dtype``), and in fp32 elsewhere; ``tokenizer`` (a ``foxlm.data.get_tokenizer`` name or
-    folder) defaults to the one the model's config records, else GPT-2 BPE.
+    folder) defaults to the one the model's config records, else the transformers tokenizer in the model's folder (as
+    ``--model hf`` reads it), else GPT-2 BPE. HFLM's arguments for loading by name (``peft``, ``revision``, ...) are
+    refused: the model is loaded here.
     """
 
     def __init__(self, pretrained: str, tokenizer: str | None = None, device: str | None = None,
-                 dtype: str | None = None, **kwargs):
+                 dtype: str | torch.dtype | None = None, **kwargs):
+        from transformers import AutoTokenizer
+
+        from foxlm.checkpoint.weights import resolve_model_dir
         from foxlm.data.tokenizer import JSONGPT2Tokenizer, model_tokenizer
         from foxlm.device import resolve_device
         from foxlm.models import load_checkpoint_model
@@ -78,7 +85,13 @@ class FoxLM(HFLM):
         if unknown:  # HFLM hands these to from_pretrained, which a model built here never reaches: silently dropped
             raise ValueError(f"--model_args: --model foxlm takes no {', '.join(unknown)} (expected pretrained, "
                              "tokenizer, device, dtype or another argument of lm-eval's HFLM: max_length, ...)")
+        unused = sorted(k for k in set(kwargs) & _LOADING_ARGS if kwargs[k] != _HFLM_DEFAULTS[k])
+        if unused:  # HFLM skips them for a model object: peft=... scored the base model, silently
+            raise ValueError(f"--model_args: --model foxlm loads {pretrained} itself; {', '.join(unused)} (lm-eval's "
+                             "loading of a model by name) would not be used: leave it out (or use --model hf)")
         dev = resolve_device(device)
+        if isinstance(dtype, torch.dtype):  # as HFLM takes it from Python (torch.bfloat16)
+            dtype = str(dtype).removeprefix("torch.")
         dtype = precision(dev, dtype, kwargs)
         if dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"dtype: expected 'float32', 'bfloat16', 'float16' or 'auto' (the saved weights'), "
@@ -87,11 +100,20 @@ class FoxLM(HFLM):
         model = load_checkpoint_model(pretrained, "pretrained",
                                       dtype=dtype if dtype == "auto" else getattr(torch, dtype))
         model = model.to(dev).eval()
-        # the one `foxlm train` recorded, else GPT-2 BPE; lm_eval's command line takes it in --model_args
-        own = model_tokenizer(model.config, tokenizer, what=pretrained, flag="tokenizer=NAME_OR_FOLDER in --model_args")
-        # json-gpt2 (the FoX authors' models) has no transformers twin: GPT-2's, on text escaped here (tok_encode)
-        self._json = own if isinstance(own, JSONGPT2Tokenizer) else None
-        tok = hf_tokenizer("gpt2") if self._json else _as_hf(own)
+        folder = resolve_model_dir(pretrained, "pretrained")
+        self._json = None
+        if tokenizer is None and getattr(model.config, "foxlm_tokenizer", None) is None and \
+                any((folder / name).is_file() for name in _HF_TOKENIZER_FILES):
+            # a model of another library with its tokenizer: read as lm-eval's --model hf reads it (its BOS, its
+            # chat template), not GPT-2 BPE
+            tok = AutoTokenizer.from_pretrained(folder, use_fast=kwargs.get("use_fast_tokenizer", True))
+        else:
+            # the one `foxlm train` recorded, else GPT-2 BPE; lm_eval's command line takes it in --model_args
+            own = model_tokenizer(model.config, tokenizer, what=pretrained,
+                                  flag="tokenizer=NAME_OR_FOLDER in --model_args")
+            # json-gpt2 (the FoX authors' models) has no transformers twin: GPT-2's, on text escaped here (tok_encode)
+            self._json = own if isinstance(own, JSONGPT2Tokenizer) else None
+            tok = hf_tokenizer("gpt2") if self._json else _as_hf(own)
         given = kwargs.get("max_length")
         if given is not None and (isinstance(given, bool) or not isinstance(given, int) or given < 1):
             # 0 read as "not given" (the training length instead), a negative one went on to lm-eval's truncation
@@ -121,6 +143,28 @@ class FoxLM(HFLM):
         text = super().tok_decode(tokens, *args, **kwargs)
         return self._json.unescape(text) if self._json else text
 
+    def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str],
+                        **generation_kwargs) -> torch.Tensor:
+        """HFLM's: ``context`` (batch, tokens) and its continuation, up to ``max_length`` tokens. For json-gpt2 the
+        ``stop`` sequences are looked for in the text as decoded (unescaped): HFLM looks in the escaped text the model
+        writes, where a newline is a backslash and an n, so a stop of "\\n" never matched and every answer ran to
+        max_gen_toks (the answer, cut at the stop afterwards, was right)."""
+        if self._json is None:
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)
+        # HFLM's reading of its generation kwargs: greedy unless a temperature > 0 (or do_sample) asks to sample
+        temperature = generation_kwargs.setdefault("temperature", 0.0)
+        if temperature == 0.0 and generation_kwargs.get("do_sample") is None:
+            generation_kwargs["do_sample"] = False
+        if temperature == 0.0 and generation_kwargs["do_sample"] is False:
+            del generation_kwargs["temperature"]
+        stopping = transformers.StoppingCriteriaList(
+            [_StopInText(lambda ids: self._json.unescape(self.tokenizer.decode(ids)), stop, context.shape[1],
+                         context.shape[0])])
+        with torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                            enabled=self.mixed_precision_dtype is not None):
+            return self.model.generate(input_ids=context, max_length=max_length, stopping_criteria=stopping,
+                                       pad_token_id=self.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
+
     def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
         """HFLM's, with each text encoded without the tokenizer's BOS: lm-eval opens the first window with
         ``prefix_token_id`` (that same end-of-text token) already, so the tokenizer's BOS would be scored as the
@@ -130,6 +174,19 @@ class FoxLM(HFLM):
             return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
         finally:
             self.add_bos_token = add_bos
+
+
+class _StopInText(transformers.StoppingCriteria):
+    """Stops a batch's generation once each row's generated text (``decode`` of its tokens after the first
+    ``start``) holds one of ``stop`` (as HFLM's criteria: the batch goes on until every row is done)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: list[str], start: int, batch: int):
+        self.decode, self.stop, self.start, self.done = decode, stop, start, [False] * batch
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> bool:
+        for i, row in enumerate(input_ids):  # the whole generated text: an escape is never cut in two here
+            self.done[i] = self.done[i] or any(s in self.decode(row[self.start:].tolist()) for s in self.stop)
+        return all(self.done)
 
 
 def precision(device: torch.device, dtype: str | None, kwargs: dict) -> str:
@@ -145,6 +202,15 @@ def precision(device: torch.device, dtype: str | None, kwargs: dict) -> str:
 # never called here; the backend is "causal"
 _HFLM_ARGS = frozenset(name for name, p in inspect.signature(HFLM.__init__).parameters.items()
                        if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD) - {"self", "pretrained", "backend"}
+
+_HFLM_DEFAULTS = {name: p.default for name, p in inspect.signature(HFLM.__init__).parameters.items()}
+
+# HFLM's arguments for loading a model (and its tokenizer) by name, which it skips when handed a model object
+_LOADING_ARGS = frozenset({"revision", "subfolder", "peft", "delta", "autogptq", "gptqmodel", "gguf_file",
+                           "parallelize", "tp_plan", "max_memory_per_gpu", "max_cpu_memory", "offload_folder"})
+
+# the files of a transformers tokenizer in a save_pretrained folder (AutoTokenizer reads them)
+_HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # HFLM's warnings about being handed a model object, which is how this adapter works (it places the model itself and
 # passes every other argument on): not the user's doing, nothing to act on
@@ -167,20 +233,28 @@ def _quiet(logger: logging.Logger, prefixes: tuple[str, ...]) -> Iterator[None]:
 def with_device(argv: list[str]) -> list[str]:
     """lm_eval arguments with ``--device`` resolved as foxlm does (lm-eval's own default is cuda:0, also on a
     machine without CUDA): absent or ``auto``, CUDA when there is a GPU, else the CPU; a GPU that is not here is a
-    ``ValueError``."""
+    ``ValueError``. Left to lm-eval: its other commands (``ls``, ``validate``) and a ``--config`` file, which may set
+    the device."""
     from foxlm.device import resolve_device
 
     argv = list(argv)
     for i, arg in enumerate(argv):
-        if arg == "--device" and i + 1 < len(argv):
-            argv[i + 1] = str(resolve_device(argv[i + 1]))
+        name, eq, value = arg.partition("=")
+        if len(name) > 3 and "--device".startswith(name):  # argparse takes an unambiguous prefix: --dev
+            if eq:
+                argv[i] = f"{name}={resolve_device(value)}"
+            elif i + 1 < len(argv):
+                argv[i + 1] = str(resolve_device(argv[i + 1]))
             return argv
-        if arg.startswith("--device="):
-            argv[i] = f"--device={resolve_device(arg.split('=', 1)[1])}"
-            return argv
-    if "--model" in argv or any(a.startswith("--model=") for a in argv):  # an evaluation, not `lm_eval ls` or -h
+    # lm-eval runs an evaluation for `run ARGS`, and for ARGS without a command (it puts `run` in front)
+    evaluation = len(argv) > 1 and (argv[0] == "run" or argv[0] not in _LM_EVAL_COMMANDS)
+    if evaluation and not any(a in ("-C", "--config") or a.startswith(("-C=", "--config=")) for a in argv):
         argv += ["--device", str(resolve_device("auto"))]
     return argv
+
+
+# lm_eval's subcommands (lm_eval/_cli/harness.py)
+_LM_EVAL_COMMANDS = ("run", "ls", "validate")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ def register(subparsers) -> None:
                     "(GPT-2 BPE), minutes on a CPU. Under torchrun: FSDP2 (parallel=fsdp) or DDP.",
         # config keys are key=value (like the YAML they override); options of the command itself are --kebab-case
         epilog="config keys (key=value; model.FIELD=value sets a FoxConfig field), with the defaults that --config's "
-               "YAML overrides (--print-config shows the resolved values). A string key takes its value as written "
+               "YAML overrides (--print-config shows the resolved values); overrides apply in order, a key given "
+               "twice takes the later value. A string key takes its value as written "
                "(key= or key=null unsets an optional one); the others read it as YAML 1.2 (true, 1e-3, [1, 2]):\n"
                + config_keys_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -9,6 +9,7 @@ which works from any folder.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import os
 import re
@@ -141,6 +142,9 @@ class TrainConfig:
             raise ValueError(f"seed: expected an integer in [0, 2**64), got {self.seed}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size: expected a positive integer, got {self.micro_batch_size}")
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:  # no world size fits
+            raise ValueError(f"batch_size: {self.batch_size} is not a multiple of micro_batch_size "
+                             f"({self.micro_batch_size})")
         # the syntax only: whether this machine has that GPU is the trainer's check (reading or printing a config
         # needs no torch)
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device):
@@ -176,7 +180,7 @@ class TrainConfig:
             return
         for key, value in self.model.items():
             if key not in FOX_FIELDS:
-                raise ValueError(f"model.{key}: not a FoxConfig field (expected one of {sorted(FOX_FIELDS)})")
+                raise ValueError(f"model.{key}: not a FoxConfig field" + _expected(key, FOX_FIELDS, "model."))
             _check_field_type(key, value)
         # else the first step's forward refused it on every process, after the run had taken out_dir
         if self.cp > 1 and (window := resolved_model(self)["window"]) is not None:
@@ -217,6 +221,12 @@ def _check_field_type(key: str, value) -> None:
         isinstance(value, (int, float) if kind is float else int) and not isinstance(value, bool)
     if not ok:
         raise ValueError(f"model.{key}: expected {kind.__name__}, got {value!r}")
+
+
+def _expected(key: object, known, prefix: str = "") -> str:
+    """What an unknown ``key`` error adds: the known key it is near, else every known one."""
+    near = difflib.get_close_matches(str(key).lower(), known, n=1)
+    return f"; did you mean {prefix}{near[0]}?" if near else f" (expected one of {sorted(known)})"
 
 
 def default_out_dir(arch: str, size: str, data: str) -> str:
@@ -365,6 +375,21 @@ def _file_strings(node) -> dict:
     return strings
 
 
+def _refuse_repeated_keys(node, path: Path, prefix: str = "") -> None:
+    """A ValueError if a mapping of a config file (the top one or a nested one, e.g. ``model``) sets a key twice:
+    PyYAML keeps the last, silently."""
+    if not isinstance(node, yaml.MappingNode):
+        return
+    lines: dict[str, int] = {}
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            if key.value in lines:
+                raise ValueError(f"config: {path}: {prefix}{key.value} is given twice (lines {lines[key.value]} and "
+                                 f"{key.start_mark.line + 1}); give it once")
+            lines[key.value] = key.start_mark.line + 1
+            _refuse_repeated_keys(value, path, f"{prefix}{key.value}.")
+
+
 def _check_type(name: str, value, annotation: str):
     """``value`` if it has a type of the field's annotation (``int``, ``float``, ``str | None``, ...; an int is a
     float too, a bool is not a number), else a ValueError naming the field."""
@@ -407,6 +432,7 @@ def load_config(config: str | os.PathLike | None = None, overrides: list[str] = 
     raw = {} if raw is None else raw
     if not isinstance(raw, dict):
         raise ValueError(f"config: {path} must hold a mapping of keys to values")
+    _refuse_repeated_keys(node, path)
     raw.update(_file_strings(node))
     for item in overrides:
         key, sep, text = item.partition("=")
@@ -418,13 +444,17 @@ def load_config(config: str | os.PathLike | None = None, overrides: list[str] = 
                 raise ValueError(f"model: expected a mapping in {path}")
             raw["model"][key[len("model."):]] = _parse_yaml(text, f"{key}: {text!r} is")[0] if text else None
         elif key not in _FIELDS:
-            raise ValueError(f"{key}: unknown config key (expected one of {sorted(_FIELDS)})")
+            raise ValueError(f"{key}: unknown config key" + _expected(key, _FIELDS))
         else:
             raw[key] = _override_value(key, text)
     kwargs = {}
     for key, value in raw.items():
+        if isinstance(key, str) and key.startswith("model."):  # an override's spelling
+            nested = yaml.safe_dump({key[len("model."):]: value}, default_flow_style=True, width=1000).strip()
+            raise ValueError(f"{key}: unknown config key; in a config file model fields nest under model: "
+                             f"(model: {nested})")
         if key not in _FIELDS:
-            raise ValueError(f"{key}: unknown config key (expected one of {sorted(_FIELDS)})")
+            raise ValueError(f"{key}: unknown config key" + _expected(key, _FIELDS))
         kwargs[key] = _check_type(key, value, str(_FIELDS[key].type))
     if not isinstance(kwargs.get("model", {}), dict):
         raise ValueError(f"model: expected a mapping of FoxConfig fields, got {kwargs['model']!r}")

@@ -780,6 +780,12 @@ def test_harness_device_is_resolved_as_foxlm_does():
     assert with_device(["--model", "hf", "--device", "auto"]) == ["--model", "hf", "--device", here]
     assert with_device(["--model", "hf", "--device=cpu"]) == ["--model", "hf", "--device=cpu"]
     assert with_device(["ls", "tasks"]) == ["ls", "tasks"]
+    # lm-eval's short -M, an abbreviated --device, its explicit run subcommand: an evaluation too (lm-eval's cuda:0
+    # on a machine without CUDA refused it); a --config file may set the device itself
+    assert with_device(["-M", "foxlm", "-t", "x"]) == ["-M", "foxlm", "-t", "x", "--device", here]
+    assert with_device(["run", "-M", "hf", "--dev", "auto"]) == ["run", "-M", "hf", "--dev", here]
+    assert with_device(["run", "--config", "c.yaml"]) == ["run", "--config", "c.yaml"]
+    assert with_device(["validate", "--tasks", "x"]) == ["validate", "--tasks", "x"]
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device: cuda is not one of the 0 visible GPUs"):
             with_device(["--model", "hf", "--device", "cuda"])
@@ -917,6 +923,59 @@ def test_harness_model_args_that_would_be_dropped_are_refused(tmp_path, key):
     assert FoxLM(pretrained=str(path), device="cpu", batch_size=3, max_batch_size=8).batch_size == 3
 
 
+@pytest.mark.parametrize("key, value", [("peft", "adapters/lora"), ("revision", "v2"), ("parallelize", True)])
+def test_harness_loading_args_it_cannot_honour_are_refused(tmp_path, key, value):
+    """HFLM's arguments for loading a model by name (a PEFT adapter, a revision, ...) are skipped for a model object,
+    which is what ``--model foxlm`` hands it: peft=... scored the base model, silently; parallelize=True was an
+    AssertionError. Their defaults (what lm-eval's command line may pass) are fine."""
+    pytest.importorskip("lm_eval")
+    from foxlm.eval.harness import FoxLM
+
+    path = _gpt2_model(tmp_path / "m")
+    with pytest.raises(ValueError, match=f"--model_args: --model foxlm loads {re.escape(str(path))} itself; {key} "):
+        FoxLM(pretrained=str(path), device="cpu", **{key: value})
+    assert FoxLM(pretrained=str(path), device="cpu", peft=None, parallelize=False, trust_remote_code=True)
+
+
+def _bpe_tokenizer_folder(path):
+    """A byte-level BPE tokenizer, not GPT-2's (its own ids, <s> as BOS), written into ``path`` as
+    ``save_pretrained`` writes a model's."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["The capital of France is Paris. To be, or not to be, that is the question."] * 4,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"],
+                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>").save_pretrained(path)
+
+
+def test_harness_model_reads_the_tokenizer_in_its_folder(tmp_path):
+    """A model folder that records no foxlm tokenizer but holds its own tokenizer files (a Llama's, here in a
+    vocabulary GPT-2's ids fit) is scored with those, as lm-eval's ``--model hf`` reads it: it was GPT-2 BPE's ids."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from foxlm.eval.harness import FoxLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=50304, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, max_position_embeddings=64, bos_token_id=0,
+                                 eos_token_id=1)).save_pretrained(tmp_path / "m")
+    _bpe_tokenizer_folder(tmp_path / "m")
+    reqs = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0),
+            Instance("loglikelihood", {}, ("To be, or not to be:", " that is the question"), 1)]
+    ours, theirs = FoxLM(pretrained=str(tmp_path / "m"), device="cpu"), HFLM(pretrained=str(tmp_path / "m"),
+                                                                             device="cpu")
+    assert ours.tok_encode("To be") == theirs.tok_encode("To be") and ours.tok_encode("To be")[0] == 0
+    assert ours.loglikelihood(reqs, disable_tqdm=True) == theirs.loglikelihood(reqs, disable_tqdm=True)
+
+
 def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
     """``--model foxlm`` with dtype=bfloat16 loads the model as from_pretrained does (the forget gate stays fp32, as
     in lm-eval's own ``--model hf``), rather than casting every weight: the same log-likelihoods as ``--model hf``."""
@@ -935,6 +994,9 @@ def test_harness_bfloat16_keeps_the_forget_gate_in_fp32(tmp_path):
     theirs = HFLM(pretrained=str(path), device="cpu", dtype="bfloat16")
     assert [x for x, _ in ours.loglikelihood(reqs, disable_tqdm=True)] == \
         [x for x, _ in theirs.loglikelihood(reqs, disable_tqdm=True)]
+    # from Python, HFLM takes a torch.dtype too (simple_evaluate's model_args dict): it was refused
+    as_object = FoxLM(pretrained=str(path), device="cpu", dtype=torch.bfloat16)
+    assert as_object.loglikelihood(reqs, disable_tqdm=True) == ours.loglikelihood(reqs, disable_tqdm=True)
 
 
 def test_harness_default_precision_is_fp32_weights_under_bf16_autocast_on_cuda(tmp_path):
@@ -991,6 +1053,43 @@ def test_harness_runs_a_json_gpt2_model_on_its_escaped_text(tmp_path):
     assert lm.tok_decode(lm.tok_encode(context + continuation, add_special_tokens=False)) == context + continuation
 
 
+def test_harness_json_gpt2_generation_stops_at_the_stop_sequence(tmp_path):
+    """A json-gpt2 model writes a newline as a backslash and an n: a stop of "\\n" was looked for in that escaped text,
+    never matched, and every answer ran to max_gen_toks before being cut. Here a model trained on JSON-escaped lines
+    stops at the end of its line, with the answer it gave before."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+
+    from foxlm.eval.harness import FoxLM
+
+    tok = get_tokenizer("json-gpt2")
+    ids = torch.tensor([[tok.eot_id] + tok.encode("".join(f"line {i}\n" for i in range(8)))])
+    torch.manual_seed(0)
+    model = FoxForCausalLM(_config(vocab_size=50304, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                   bos_token_id=50256, eos_token_id=50256, pad_token_id=50256, train_length=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for _ in range(60):
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.save_pretrained(tmp_path / "m")
+    lm = FoxLM(pretrained=str(tmp_path / "m"), device="cpu", tokenizer="json-gpt2")
+    forwards = []
+    lm.model.register_forward_hook(lambda *_: forwards.append(1))
+
+    def generate(until):
+        forwards.clear()
+        (text,) = lm.generate_until([Instance("generate_until", {}, ("line 0\nline 1\nline", {
+            "until": until, "max_gen_toks": 20}), 0)], disable_tqdm=True)
+        return text, len(forwards)
+
+    whole, steps = generate(["XYZ"])
+    assert "\n" in whole and steps == 20
+    line, steps = generate(["\n"])
+    assert line == whole.split("\n")[0]
+    assert steps == len(tok.encode(line + "\n"))  # one forward a token, the last one the newline's
+
+
 def test_harness_auto_dtype_is_the_saved_weights(tmp_path):
     """dtype=auto (as lm-eval's ``--model hf`` takes it): the weights' saved dtype, the forget gate still fp32."""
     pytest.importorskip("lm_eval")
@@ -1015,10 +1114,11 @@ def test_harness_without_lm_eval_names_the_extra(tmp_path):
     assert "[eval] extra" in message and "pip install -e '.[eval]'" in message
 
 
-def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path):
+@pytest.mark.parametrize("flag", ["--tasks", "-t"])
+def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path, flag):
     """A task whose data is on the hub, where the hub cannot be reached (nothing answers at HF_ENDPOINT; no offline
     flag set): one request finds that out, and one line says what to do, with no retries, traceback or lm-eval
-    warnings about the model object the ``foxlm`` adapter passes it."""
+    warnings about the model object the ``foxlm`` adapter passes it; also with lm-eval's short -t (which retried)."""
     pytest.importorskip("lm_eval")
     from foxlm.eval.harness import save_hf_tokenizer
 
@@ -1030,7 +1130,7 @@ def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path):
         endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
     env = {"HF_ENDPOINT": endpoint, "HF_DATASETS_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "",
            "HF_DATASETS_OFFLINE": ""}
-    proc = foxlm("eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", "--tasks",
+    proc = foxlm("eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", flag,
                  "lambada_openai", "--device", "cpu", env=env)
     message = one_line_error(proc, "eval harness")
     assert "EleutherAI/lambada_openai, is on the Hugging Face hub" in message and "--include_path DIR" in message

@@ -56,6 +56,41 @@ def test_config_errors_name_the_key(tmp_path, capsys):
     assert (default.arch, default.size, default.data, default.tokenizer) == ("fox-pro", "tiny", "shakespeare", "gpt2")
 
 
+def test_a_misspelt_key_names_the_near_one(tmp_path):
+    """A typo of a key (on the command line, in a --config file, or of a model field) names the key it is near,
+    rather than only the list of every key."""
+    errors = {"lrr=1e-3": r"^lrr: unknown config key; did you mean lr\?",
+              "warmup_step=5": r"^warmup_step: unknown config key; did you mean warmup_steps\?",
+              "model.hiden_size=64": r"^model.hiden_size: not a FoxConfig field; did you mean model.hidden_size\?"}
+    for override, message in errors.items():
+        with pytest.raises(ValueError, match=message):
+            load_config(None, [override])
+    (tmp_path / "c.yaml").write_text("max_step: 10\n")
+    with pytest.raises(ValueError, match=r"^max_step: unknown config key; did you mean max_steps\?"):
+        load_config(tmp_path / "c.yaml")
+    with pytest.raises(ValueError, match=r"^Lr: unknown config key; did you mean lr\?"):  # keys are lower case
+        load_config(None, ["Lr=1e-3"])
+    # an override's spelling in a file, where model fields nest under model
+    (tmp_path / "d.yaml").write_text("model.hidden_size: 64\n")
+    with pytest.raises(ValueError, match=r"^model.hidden_size: unknown config key; in a config file model fields nest "
+                                         r"under model: \(model: \{hidden_size: 64\}\)$"):
+        load_config(tmp_path / "d.yaml")
+
+
+def test_a_key_twice_in_a_config_file_is_refused(tmp_path):
+    """A key set twice in a --config file (or in its model mapping) ran with the last value, silently: PyYAML keeps
+    it. Overrides are applied in order, each over what came before (a script's common overrides, then the run's)."""
+    (tmp_path / "c.yaml").write_text("lr: 1.0e-3\nmax_steps: 5\nlr: 2.0e-3\n")
+    with pytest.raises(ValueError, match=rf"^config: {tmp_path / 'c.yaml'}: lr is given twice \(lines 1 and 3\)"):
+        load_config(tmp_path / "c.yaml")
+    (tmp_path / "m.yaml").write_text("model:\n  window: 64\n  acp: true\n  window: 32\n")
+    with pytest.raises(ValueError, match=r"model.window is given twice \(lines 2 and 4\)"):
+        load_config(tmp_path / "m.yaml")
+    (tmp_path / "ok.yaml").write_text("lr: 1.0e-3\nmodel: {window: 64}\n")
+    cfg = load_config(tmp_path / "ok.yaml", ["lr=2e-3", "model.window=32", "lr=3e-3"])
+    assert (cfg.lr, cfg.model) == (3e-3, {"window": 32})
+
+
 def test_values_a_run_would_divide_by_are_refused_up_front():
     """seq_len=1 leaves no target (the step's token-weighted loss divided by 0), peak_tflops=0 divides the MFU: both
     stopped the run with a ZeroDivisionError after its model was built; a negative peak logged a negative MFU."""
@@ -67,6 +102,15 @@ def test_values_a_run_would_divide_by_are_refused_up_front():
         with pytest.raises(ValueError, match=message):
             load_config(None, [override])
     assert load_config(None, ["seq_len=2", "peak_tflops=989"]).peak_tflops == 989.0
+
+
+def test_a_batch_the_micro_batches_do_not_divide_is_refused_up_front():
+    """batch_size=10 micro_batch_size=4 can run on no number of processes: refused when the config is read (and by
+    --print-config), not when the trainer builds its loader, after the data and the model."""
+    for overrides in (["batch_size=10", "micro_batch_size=4"], ["batch_size=8", "micro_batch_size=16"]):
+        with pytest.raises(ValueError, match=r"^batch_size: \d+ is not a multiple of micro_batch_size \(\d+\)$"):
+            load_config(None, overrides)
+    assert load_config(None, ["batch_size=12", "micro_batch_size=4"]).micro_batch_size == 4
 
 
 def test_a_seed_the_generators_refuse_is_refused_up_front(byte_data, tmp_path):
