@@ -59,6 +59,23 @@ def test_full_forward_equals_cached_decoding(variant):
     assert cache.get_seq_length() == 14
 
 
+@pytest.mark.parametrize("variant", [dict(arch="fox-pro"), dict(arch="fox-llama", window=4)], ids=["full", "window"])
+def test_mask_sizes_as_a_dynamic_cache_of_the_same_tokens(variant):
+    """``get_mask_sizes`` (transformers' ``create_causal_mask`` asks a cache for the mask's key length and offset): a
+    FoxCache keeps every token, sliding window or not, so its answer is a DynamicCache's after the same tokens. It
+    raised, calling the FoxCache one of linear-attention layers only."""
+    from transformers import DynamicCache
+
+    model = _model(**variant)
+    cache, dynamic = FoxCache(), DynamicCache()
+    assert cache.get_mask_sizes(5, 0) == dynamic.get_mask_sizes(5, 0) == (5, 0)  # before any token
+    model(_ids(2, 7), cache=cache, use_cache=True)
+    for layer in range(2):
+        dynamic.update(torch.zeros(2, 2, 7, 8), torch.zeros(2, 2, 7, 8), layer)
+    for layer, query_length in ((0, 1), (1, 1), (0, 3)):
+        assert cache.get_mask_sizes(query_length, layer) == dynamic.get_mask_sizes(query_length, layer)
+
+
 def test_crop_then_decode_equals_full_forward():
     """FoxCache.crop (assisted decoding's rejection of candidates): decoding on from the cropped cache gives
     the logits of a full forward over the kept prefix plus the new tokens, token shift included."""
