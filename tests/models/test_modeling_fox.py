@@ -76,6 +76,29 @@ def test_mask_sizes_as_a_dynamic_cache_of_the_same_tokens(variant):
         assert cache.get_mask_sizes(query_length, layer) == dynamic.get_mask_sizes(query_length, layer)
 
 
+@pytest.mark.parametrize("name", ["llama", "fox-pro", "fox-llama"])
+def test_given_cache_is_used_with_use_cache_false_as_in_llama(name):
+    """A cache passed with ``use_cache=False``: transformers' models attend to it and append to it (use_cache only
+    says whether to make one when none is given), and so does FoX's docstring. FoX dropped it silently: the new token
+    was computed without its context (other logits) and the cache was neither filled nor returned."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if name == "llama":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+                                             intermediate_size=64, num_hidden_layers=2)).double().eval()
+    else:
+        model = _model(name)
+    ids = _ids(2, 8)
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        cache = DynamicCache() if name == "llama" else FoxCache()
+        model(ids[:, :7], past_key_values=cache, use_cache=True)
+        out = model(ids[:, 7:], past_key_values=cache, use_cache=False)
+    torch.testing.assert_close(out.logits[:, -1], full, rtol=1e-9, atol=1e-9)
+    assert out.past_key_values is cache and cache.get_seq_length() == 8
+
+
 def test_crop_then_decode_equals_full_forward():
     """FoxCache.crop (assisted decoding's rejection of candidates): decoding on from the cropped cache gives
     the logits of a full forward over the kept prefix plus the new tokens, token shift included."""
