@@ -459,6 +459,13 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"min_new_tokens": 3, "eos_token_id": 0}, r"min_new_tokens: expected at most max_new_tokens \(2\), "
                                                               r"got 3"),
     ([[[1, 2]], 2], {"min_new_tokens": 1}, "min_new_tokens: needs eos_token_id"),
+    # a truthy string evicted, another type of generator was ignored when greedy (a TypeError of torch.multinomial
+    # naming its own argument when sampling), and CUDA graphs asked for off CUDA ran eagerly (or failed in torch.cuda)
+    ([[[1, 2]], 2], {"evict": "no"}, "evict: expected True or False, got 'no'"),
+    ([[[1, 2]], 2], {"cuda_graph": "yes"}, "cuda_graph: expected True, False or None, got 'yes'"),
+    ([[[1, 2]], 2], {"cuda_graph": True}, "cuda_graph: CUDA graphs need a CUDA device, the model is on cpu"),
+    ([[[1, 2]], 2], {"generator": 3}, "generator: expected a torch.Generator or None, got 3"),
+    ([[[1, 2]], 2], {"do_sample": True, "generator": 3}, "generator: expected a torch.Generator or None, got 3"),
 ])
 def test_generate_mistakes_name_the_argument(args, kwargs, message):
     """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and
