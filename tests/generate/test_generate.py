@@ -137,6 +137,31 @@ def test_paged_cache_decode_steps_ignore_autocast():
     assert errors[1] < 1.1 * errors[0] + 1e-6, errors
 
 
+_PAGED = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, batch_size=1, max_length=8, device="cpu",
+              dtype=torch.float32)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"page_size": 2.5}, "page_size: expected a positive int, got 2.5"),
+    ({"batch_size": True}, "batch_size: expected a positive int, got True"),
+    ({"num_kv_heads": 0}, "num_kv_heads: expected a positive int, got 0"),
+    ({"num_heads": 0}, "num_heads: expected a positive int, got 0"),
+    ({"head_dim": 0}, "head_dim: expected a positive int, got 0"),
+    ({"num_layers": 0}, "num_layers: expected a positive int, got 0"),
+    ({"max_length": 8.0}, "max_length: expected a positive int, got 8.0"),
+    ({"num_pages": -3}, "num_pages: expected a positive int or None, got -3"),
+    ({"num_pages": 2.5}, "num_pages: expected a positive int or None, got 2.5"),
+    ({"dtype": torch.int32}, "dtype: expected a floating-point dtype for the keys and values, got torch.int32"),
+    ({"logit_bounds": [torch.ones(2)] * 2}, r"logit_bounds: expected one per layer \(1\) or None, got 2"),
+])
+def test_paged_cache_mistakes_name_the_argument(change, message):
+    """PagedFoxCache's shape and pool arguments: a one-line error naming the argument. They were TypeErrors of
+    torch.zeros naming its own argument, a ZeroDivisionError, or a cache made anyway (a pool of 0-wide pages, a
+    negative pool size taken as 2, integer keys, a bound list that evict() would index wrongly)."""
+    with pytest.raises(ValueError, match=message):
+        PagedFoxCache(**{**_PAGED, **change})
+
+
 def test_paged_cache_refuses_padding_inside_a_call():
     """A row whose real tokens are not one run in a call: a clear error, not attention over the wrong columns."""
     model = _model("fox-llama")
