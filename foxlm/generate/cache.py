@@ -61,11 +61,19 @@ class PagedFoxCache:
         logit_bounds: list[torch.Tensor | None] | None = None,
         tolerance: float = math.exp(-10),
     ):
+        # sizes of the pool and the tables: another type or 0 failed inside torch.zeros, or made a cache of nothing
+        for name, n in (("num_layers", num_layers), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
+                        ("head_dim", head_dim), ("batch_size", batch_size), ("max_length", max_length),
+                        ("page_size", page_size), ("num_pages", num_pages)):
+            if (n is not None or name != "num_pages") and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+                raise ValueError(f"{name}: expected a positive int{' or None' if name == 'num_pages' else ''}, "
+                                 f"got {n!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
-        if page_size < 1 or max_length < 1 or batch_size < 1:
-            raise ValueError(f"page_size, max_length, batch_size: expected positive integers, "
-                             f"got {page_size}, {max_length}, {batch_size}")
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype: expected a floating-point dtype for the keys and values, got {dtype}")
+        if logit_bounds is not None and len(logit_bounds) != num_layers:
+            raise ValueError(f"logit_bounds: expected one per layer ({num_layers}) or None, got {len(logit_bounds)}")
         ACP(tolerance)  # the eviction bound's epsilon, validated as ACP's
         self.num_layers, self.batch_size, self.max_length = num_layers, batch_size, max_length
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim

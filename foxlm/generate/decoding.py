@@ -90,6 +90,10 @@ class CachedDecoder:
     """
 
     def __init__(self, model, cache: PagedFoxCache, cuda_graph: bool | None = None):
+        if cuda_graph is not None and not isinstance(cuda_graph, bool):
+            raise ValueError(f"cuda_graph: expected True, False or None, got {cuda_graph!r}")
+        if cuda_graph and cache.device.type != "cuda":
+            raise ValueError(f"cuda_graph: CUDA graphs need a CUDA device, the model is on {cache.device}")
         self.model, self.cache = model, cache
         self.cuda_graph = cache.device.type == "cuda" if cuda_graph is None else cuda_graph
         B = cache.batch_size
@@ -266,7 +270,7 @@ def generate(
             ``foxlm.ops.forgetting_attention.decode``).
         page_size: cache page size in tokens (the eviction granularity).
         prefill_chunk: prompt columns per prefill forward (bounds activation memory of long prompts).
-        cuda_graph: capture the decode step in a CUDA graph (default: on CUDA).
+        cuda_graph: capture the decode step in a CUDA graph (default: on CUDA; True needs a CUDA device).
         generator: random generator for sampling.
 
     Returns:
@@ -307,6 +311,10 @@ def generate(
         raise ValueError(f"min_new_tokens: expected at most max_new_tokens ({max_new_tokens}), got {min_new_tokens}")
     if min_new_tokens and not stops and "min_new_tokens" not in from_config:  # a no-op the caller did not mean
         raise ValueError("min_new_tokens: needs eos_token_id, the stop it holds back (without one no row stops early)")
+    if not isinstance(evict, bool):  # a truthy string ("no") evicted
+        raise ValueError(f"evict: expected True or False, got {evict!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):  # ignored when greedy
+        raise ValueError(f"generator: expected a torch.Generator or None, got {generator!r}")
     if evict and model.config.gate == "none":
         raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "
                          "so eviction would free nothing")
@@ -332,6 +340,7 @@ def generate(
                                          tolerance=tolerance)
         if evict and cache.logit_bounds is None:
             raise ValueError("evict: needs a QK-norm model (qk_norm=True), whose norm weights bound every logit")
+        decoder = CachedDecoder(model, cache, cuda_graph)  # before the prefill: it checks cuda_graph
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         pick = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                     generator=generator)
@@ -374,7 +383,6 @@ def generate(
         new = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
         new[:, 0] = tokens
         done = torch.zeros(B, dtype=torch.bool, device=device)
-        decoder = CachedDecoder(model, cache, cuda_graph)
         steps, first_step = 1, 0.0
         for i in range(1, max_new_tokens):
             if stops:

@@ -243,6 +243,11 @@ class FoxCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length if layer_idx < len(self.layers) else 0
 
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        """(kv_length, kv_offset) of a mask for ``query_length`` new tokens, as transformers' ``create_causal_mask``
+        asks: every cached token and the new ones from offset 0 (a FoxCache keeps all tokens, sliding window too)."""
+        return self.get_seq_length(layer_idx) + query_length, 0
+
     def get_last_output(self) -> torch.Tensor | None:
         """The model's output [B, C] at each row's last real token (see ``KVCache``), or None (none kept)."""
         return self._last_output

@@ -519,12 +519,10 @@ def _as_count(num_items_in_batch: torch.Tensor | int, device: torch.device) -> t
 
 def _as_fox_cache(cache, use_cache: bool | None, num_layers: int):
     """The cache to decode with: a given cache that speaks the protocol, an empty generic HF cache turned into a
-    FoxCache (``_become_fox_cache``), a new FoxCache when use_cache is set; None when use_cache is False or neither
-    is given."""
-    if use_cache is False or (cache is None and not use_cache):
-        return None
+    FoxCache (``_become_fox_cache``), a new FoxCache when none is given and use_cache is set; else None. A given cache
+    is used whatever use_cache says, as in transformers' models (use_cache only asks for a new one)."""
     if cache is None:
-        return FoxCache(num_layers)
+        return FoxCache(num_layers) if use_cache else None
     if isinstance(cache, KVCache):
         return cache
     if type(cache) is DynamicCache and cache.get_seq_length() == 0:  # e.g. DynamicCache() in transformers' docs

@@ -111,6 +111,57 @@ def test_paged_cache_right_padding(arch, chunk):
     assert cache.lengths.tolist() == [len(r) for r in rows]
 
 
+def test_paged_cache_decode_steps_ignore_autocast():
+    """Decode steps of a paged cache on the PyTorch path, under bf16 autocast (a CPU model's, or with the torch
+    back-end on a GPU), against the fp64 reference: as accurate as without autocast, as the prompt path, the chunks and
+    the Triton kernel are. The steps' matmuls ran in bf16 (QK-normed logits of ~10 rounded to bf16): 2e4x the error
+    of fp32, 6e-3 relative."""
+    from foxlm.ops.forgetting_attention.reference import forgetting_attention_reference
+
+    B, T, Hq, Hk, D = 2, 24, 4, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    q = torch.nn.functional.normalize(torch.randn(B, T, Hq, D, generator=gen), dim=-1) * 2 * D**0.5  # |logit| <= 4*8
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, D, generator=gen), dim=-1) * 2 * D**0.5
+    v = torch.randn(B, T, Hk, D, generator=gen)
+    log_f = torch.nn.functional.logsigmoid(torch.randn(B, T, Hq, generator=gen) + 4)
+    want = forgetting_attention_reference(*(t.double() for t in (q, k, v, log_f)), scale=D**-0.5)[:, 16:]
+    errors = []
+    for autocast in (False, True):
+        cache = PagedFoxCache(num_layers=1, num_heads=Hq, num_kv_heads=Hk, head_dim=D, batch_size=B, max_length=T,
+                              device="cpu", dtype=torch.float32, page_size=8)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            cache.attend(0, q[:, :16], k[:, :16], v[:, :16], log_f[:, :16], scale=D**-0.5)  # the prompt
+            got = torch.cat([cache.attend(0, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], log_f[:, t:t + 1],
+                                          scale=D**-0.5) for t in range(16, T)], 1)  # decode steps
+        errors.append(((got.double() - want).norm() / want.norm()).item())
+    assert errors[1] < 1.1 * errors[0] + 1e-6, errors
+
+
+_PAGED = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, batch_size=1, max_length=8, device="cpu",
+              dtype=torch.float32)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"page_size": 2.5}, "page_size: expected a positive int, got 2.5"),
+    ({"batch_size": True}, "batch_size: expected a positive int, got True"),
+    ({"num_kv_heads": 0}, "num_kv_heads: expected a positive int, got 0"),
+    ({"num_heads": 0}, "num_heads: expected a positive int, got 0"),
+    ({"head_dim": 0}, "head_dim: expected a positive int, got 0"),
+    ({"num_layers": 0}, "num_layers: expected a positive int, got 0"),
+    ({"max_length": 8.0}, "max_length: expected a positive int, got 8.0"),
+    ({"num_pages": -3}, "num_pages: expected a positive int or None, got -3"),
+    ({"num_pages": 2.5}, "num_pages: expected a positive int or None, got 2.5"),
+    ({"dtype": torch.int32}, "dtype: expected a floating-point dtype for the keys and values, got torch.int32"),
+    ({"logit_bounds": [torch.ones(2)] * 2}, r"logit_bounds: expected one per layer \(1\) or None, got 2"),
+])
+def test_paged_cache_mistakes_name_the_argument(change, message):
+    """PagedFoxCache's shape and pool arguments: a one-line error naming the argument. They were TypeErrors of
+    torch.zeros naming its own argument, a ZeroDivisionError, or a cache made anyway (a pool of 0-wide pages, a
+    negative pool size taken as 2, integer keys, a bound list that evict() would index wrongly)."""
+    with pytest.raises(ValueError, match=message):
+        PagedFoxCache(**{**_PAGED, **change})
+
+
 def test_paged_cache_refuses_padding_inside_a_call():
     """A row whose real tokens are not one run in a call: a clear error, not attention over the wrong columns."""
     model = _model("fox-llama")
@@ -433,6 +484,13 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"min_new_tokens": 3, "eos_token_id": 0}, r"min_new_tokens: expected at most max_new_tokens \(2\), "
                                                               r"got 3"),
     ([[[1, 2]], 2], {"min_new_tokens": 1}, "min_new_tokens: needs eos_token_id"),
+    # a truthy string evicted, another type of generator was ignored when greedy (a TypeError of torch.multinomial
+    # naming its own argument when sampling), and CUDA graphs asked for off CUDA ran eagerly (or failed in torch.cuda)
+    ([[[1, 2]], 2], {"evict": "no"}, "evict: expected True or False, got 'no'"),
+    ([[[1, 2]], 2], {"cuda_graph": "yes"}, "cuda_graph: expected True, False or None, got 'yes'"),
+    ([[[1, 2]], 2], {"cuda_graph": True}, "cuda_graph: CUDA graphs need a CUDA device, the model is on cpu"),
+    ([[[1, 2]], 2], {"generator": 3}, "generator: expected a torch.Generator or None, got 3"),
+    ([[[1, 2]], 2], {"do_sample": True, "generator": 3}, "generator: expected a torch.Generator or None, got 3"),
 ])
 def test_generate_mistakes_name_the_argument(args, kwargs, message):
     """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and

@@ -59,6 +59,46 @@ def test_full_forward_equals_cached_decoding(variant):
     assert cache.get_seq_length() == 14
 
 
+@pytest.mark.parametrize("variant", [dict(arch="fox-pro"), dict(arch="fox-llama", window=4)], ids=["full", "window"])
+def test_mask_sizes_as_a_dynamic_cache_of_the_same_tokens(variant):
+    """``get_mask_sizes`` (transformers' ``create_causal_mask`` asks a cache for the mask's key length and offset): a
+    FoxCache keeps every token, sliding window or not, so its answer is a DynamicCache's after the same tokens. It
+    raised, calling the FoxCache one of linear-attention layers only."""
+    from transformers import DynamicCache
+
+    model = _model(**variant)
+    cache, dynamic = FoxCache(), DynamicCache()
+    assert cache.get_mask_sizes(5, 0) == dynamic.get_mask_sizes(5, 0) == (5, 0)  # before any token
+    model(_ids(2, 7), cache=cache, use_cache=True)
+    for layer in range(2):
+        dynamic.update(torch.zeros(2, 2, 7, 8), torch.zeros(2, 2, 7, 8), layer)
+    for layer, query_length in ((0, 1), (1, 1), (0, 3)):
+        assert cache.get_mask_sizes(query_length, layer) == dynamic.get_mask_sizes(query_length, layer)
+
+
+@pytest.mark.parametrize("name", ["llama", "fox-pro", "fox-llama"])
+def test_given_cache_is_used_with_use_cache_false_as_in_llama(name):
+    """A cache passed with ``use_cache=False``: transformers' models attend to it and append to it (use_cache only
+    says whether to make one when none is given), and so does FoX's docstring. FoX dropped it silently: the new token
+    was computed without its context (other logits) and the cache was neither filled nor returned."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if name == "llama":
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4,
+                                             intermediate_size=64, num_hidden_layers=2)).double().eval()
+    else:
+        model = _model(name)
+    ids = _ids(2, 8)
+    with torch.no_grad():
+        full = model(ids).logits[:, -1]
+        cache = DynamicCache() if name == "llama" else FoxCache()
+        model(ids[:, :7], past_key_values=cache, use_cache=True)
+        out = model(ids[:, 7:], past_key_values=cache, use_cache=False)
+    torch.testing.assert_close(out.logits[:, -1], full, rtol=1e-9, atol=1e-9)
+    assert out.past_key_values is cache and cache.get_seq_length() == 8
+
+
 def test_crop_then_decode_equals_full_forward():
     """FoxCache.crop (assisted decoding's rejection of candidates): decoding on from the cropped cache gives
     the logits of a full forward over the kept prefix plus the new tokens, token shift included."""

@@ -247,8 +247,14 @@ def decode_attention_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch path of ``forgetting_attention_decode``: gathers the live pages and attends in one matmul.
 
-    Same arguments and results; computes in fp32 (fp64 for fp64 inputs). Memory O(B * Hq * Tq * keys).
+    Same arguments and results; computes in fp32 (fp64 for fp64 inputs) whatever autocast says, as the kernel: a bf16
+    autocast made its matmuls round the logits and probabilities to bf16. Memory O(B * Hq * Tq * keys).
     """
+    with torch.autocast(q.device.type, enabled=False):
+        return _decode_attention_torch(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
+
+
+def _decode_attention_torch(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window):
     B, Tq, Hq, D = q.shape
     Hk = page_table.shape[1]
     G = Hq // Hk
