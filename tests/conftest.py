@@ -29,6 +29,11 @@ from foxlm.data.assets import shakespeare_plays  # noqa: E402
 from foxlm.ops import use_backend  # noqa: E402
 from foxlm.ops.backend import triton  # noqa: E402
 
+if triton is not None:
+    # foxlm imports its forgetting-attention kernels at their first call; imported here, they are built for the
+    # interpreter whatever a test does to the variable later (the benchmark tests unset it to import the scripts)
+    import foxlm.ops.forgetting_attention.triton_op  # noqa: E402, F401
+
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "triton: run on foxlm's Triton kernels (the interpreter on CPU)")
