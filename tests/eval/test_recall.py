@@ -132,6 +132,33 @@ def test_bad_ranges_and_sizes_are_refused_by_name(tmp_path):
         write_dataset(tmp_path / "x", MQARSpec((0, 12)), lengths=(20, 20), pairs=[2], mix=tmp_path, mix_fraction=1.0)
 
 
+def test_bad_task_is_refused_by_name_before_the_output_or_the_mix_is_touched(tmp_path):
+    """A seed numpy refuses, or lengths and pairs no document can hold, are one error naming the argument, raised
+    when the documents are asked for (not at the first one drawn) and before ``out_dir`` is looked at: an existing
+    dataset there is left as it was and its "already holds" is not what the user reads."""
+    spec = MQARSpec((0, 48))
+    with pytest.raises(ValueError, match="length: expected 2 <= MIN <= MAX"):
+        documents(spec, (1, 1), [2], 0)
+    with pytest.raises(ValueError, match="pairs: expected at least one"):
+        documents(spec, (20, 20), [], 0)
+    with pytest.raises(ValueError, match="seed: expected a non-negative integer, got -1"):
+        documents(spec, (20, 20), [2], -1)
+    write_dataset(tmp_path / "d", spec, lengths=(16, 24), pairs=[2], tokens=500, tokenizer="byte")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "d").iterdir())
+    for kwargs, error, message in [({"seed": -1}, ValueError, "seed: expected a non-negative integer, got -1"),
+                                   ({"pairs": [2, 17]}, ValueError, "pairs: expected 1 to 16"),
+                                   ({"lengths": (8, 8)}, ValueError, "length: 8 tokens cannot hold 2 pairs"),
+                                   ({"mix": tmp_path / "nope", "mix_fraction": 0.1, "tokens": None},
+                                    FileNotFoundError, "mix: .*nope is not a prepared dataset")]:
+        args = {"lengths": (16, 24), "pairs": [2], "tokens": 500, "tokenizer": "byte"} | kwargs
+        with pytest.raises(error, match=message):
+            write_dataset(tmp_path / "d", spec, **args)
+        with pytest.raises(error, match=message):
+            write_dataset(tmp_path / "new", spec, **args)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "d").iterdir()) == before
+    assert not (tmp_path / "new").exists()
+
+
 def test_recipe_writes_a_dataset_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("mqar_recipe", Path(__file__).parents[2] / "recipes/mqar.py")
     recipe = importlib.util.module_from_spec(spec)
