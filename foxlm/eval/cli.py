@@ -520,7 +520,8 @@ def run_recall(args) -> int:
     # the flags, a recorded task's values included (the flags are how to pass others)
     with _flag_errors(vocab="--vocab"):
         spec = MQARSpec(_vocab_range(args.vocab) if args.vocab is not None else tuple(task["vocab"]))
-    pairs = args.pairs or (task["pairs"] if task is not None else None)
+    # a recorded count given twice weighted the data's draws; as a cell it is evaluated once (--pairs refuses repeats)
+    pairs = args.pairs or (list(dict.fromkeys(task["pairs"])) if task is not None else None)
     if not pairs:
         raise ValueError("--pairs: the training data records no numbers of pairs; pass --pairs N,...")
     with _flag_errors(pairs="--pairs"):

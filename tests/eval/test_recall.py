@@ -257,6 +257,18 @@ def test_recall_cli_reads_the_task_from_the_training_data_and_refuses_without_on
     assert "--lengths: " in capsys.readouterr().err
 
 
+def test_recall_cli_evaluates_a_recorded_count_of_pairs_once(tmp_path):
+    """``--pairs 2,3,2`` weights a dataset's draws (a count given twice is drawn twice as often); the recorded list is
+    not a grid of cells, and evaluating it as one repeated the cells of 2 pairs in recall.csv and recall.json."""
+    write_dataset(tmp_path / "mq", MQARSpec((0, 48)), lengths=(16, 24), pairs=[2, 3, 2], tokens=500, tokenizer="byte")
+    _model(tmp_path, "m").save_pretrained(tmp_path / "m")
+    assert main(["eval", "recall", str(tmp_path / "m"), "--data", str(tmp_path / "mq"), "--lengths", "16", "--samples",
+                 "2", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "out" / "recall.json").read_text())
+    assert result["pairs"] == [2, 3] and [c["pairs"] for c in result["cells"]] == [2, 3]
+    assert (tmp_path / "out" / "recall.csv").read_text().count("\n") == 3
+
+
 def test_recall_cli_takes_the_tokenizer_a_model_records_none_of(tmp_path, capsys):
     """A byte-level model saved without a recorded tokenizer: the error says "pass --tokenizer", and recall takes it
     (it had no such option)."""
