@@ -241,6 +241,18 @@ def test_recall_scores_exactly_what_the_model_predicts(tmp_path):
     assert "| 3 | " in recall.table(cells, 20) and "20 (1x)" in recall.table(cells, 20)
 
 
+def test_recall_refuses_an_empty_grid_or_no_documents_by_name():
+    """Zero documents in a cell, or no lengths or pairs, are one error naming the argument: cell_sequences said
+    "need at least one array to stack", and run_recall returned no cells (an empty table) without a word."""
+    spec = MQARSpec((0, 12))
+    with pytest.raises(ValueError, match="samples: expected >= 1, got 0"):
+        recall.cell_sequences(spec, 20, 2, 0, 9, 256)
+    model = _model(Path("."), "m").eval()
+    for lengths, pairs, name in (([], [2], "context_lengths"), ([20], [], "pairs")):
+        with pytest.raises(ValueError, match=f"{name}: expected at least one"):
+            recall.run_recall(model, spec, lengths, pairs, bos_id=256, vocab_size=257, show_progress=False)
+
+
 def test_recall_cli_reads_the_task_from_the_training_data_and_refuses_without_one(tmp_path, capsys):
     write_dataset(tmp_path / "mq", MQARSpec((0, 48)), lengths=(16, 24), pairs=[2, 3], tokens=2000, tokenizer="byte")
     _model(tmp_path, "m").save_pretrained(tmp_path / "m")
