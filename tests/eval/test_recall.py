@@ -281,6 +281,20 @@ def test_recall_cli_evaluates_a_recorded_count_of_pairs_once(tmp_path):
     assert (tmp_path / "out" / "recall.csv").read_text().count("\n") == 3
 
 
+def test_recall_cli_refuses_a_task_recorded_in_another_tokenizer(tmp_path, capsys):
+    """A task's id ranges mean those ids of the tokenizer its dataset was written in: ids 0:48 of GPT-2 data are not
+    the bytes a byte-level model saw, and were evaluated on it all the same (at chance), as the task it learned."""
+    write_dataset(tmp_path / "mq", MQARSpec((0, 48)), lengths=(16, 24), pairs=[2], tokens=500, tokenizer="gpt2")
+    _model(tmp_path, "m").save_pretrained(tmp_path / "m")
+    capsys.readouterr()
+    assert main(["eval", "recall", str(tmp_path / "m"), "--data", str(tmp_path / "mq"), "--lengths", "16", "--samples",
+                 "2", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(r"foxlm eval recall: error: --data: .*mq was written with gpt2, but .*m's "
+                                              r"tokenizer is byte", err), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_recall_cli_takes_the_tokenizer_a_model_records_none_of(tmp_path, capsys):
     """A byte-level model saved without a recorded tokenizer: the error says "pass --tokenizer", and recall takes it
     (it had no such option)."""
