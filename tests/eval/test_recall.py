@@ -234,8 +234,11 @@ def test_recall_scores_exactly_what_the_model_predicts(tmp_path):
     cells = recall.run_recall(model, spec, [20, 33], [2, 3], bos_id=256, vocab_size=257, samples=40, seed=9,
                               batch_size=16, show_progress=False)
     for c in cells:
-        seqs, answers = recall.cell_sequences(spec, c.context_length, c.pairs, 40, 9, 256)
-        expected = sum(int(table[int(s[a - 1])] == s[a]) for s in seqs for a in answers)
+        seqs, _ = recall.cell_sequences(spec, c.context_length, c.pairs, 40, 9, 256)
+        # the answers found in each document, not taken from foxlm: the tokens after a key's second occurrence
+        found = [[i for i in range(2, len(s)) if s[i - 1] < 4 and s[i - 1] in s[1:i - 1]] for s in seqs]
+        assert all(len(f) == c.pairs for f in found)
+        expected = sum(int(table[int(s[i - 1])] == s[i]) for s, f in zip(seqs, found) for i in f)
         assert c.correct == expected and c.queries == 40 * c.pairs
         assert 0 < c.correct < c.queries  # both outcomes occur, so an off-by-one would show
     assert "| 3 | " in recall.table(cells, 20) and "20 (1x)" in recall.table(cells, 20)
