@@ -24,7 +24,8 @@ import torch
 from _results import positive_int
 
 from foxlm.cli import main as foxlm
-from foxlm.data.mqar import MQARSpec, write_dataset
+from foxlm.data import get_tokenizer
+from foxlm.data.mqar import MQARSpec, documents, write_dataset
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +56,16 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [int(x) for x in args.pairs.split(",")]
     except ValueError:
         p.error(f"argument --pairs: expected comma-separated counts, got {args.pairs!r}")
-    write_dataset(out / "data", MQARSpec((lo, hi)), lengths=(args.length, args.length), pairs=pairs,
-                  tokens=args.batch_size * args.seq_len * args.steps // 4, tokenizer="byte", overwrite=True)
+    flags = {"vocab": "--vocab", "pairs": "--pairs", "length": "--length"}
+    try:  # the task is checked before training: write_dataset's errors name its parameters, here the flags
+        spec = MQARSpec((lo, hi))
+        spec.check(get_tokenizer("byte"))
+        documents(spec, (args.length, args.length), pairs, 0)
+    except ValueError as e:
+        name, _, rest = str(e).partition(": ")
+        p.error(f"argument {flags.get(name, name)}: {rest}")
+    write_dataset(out / "data", spec, lengths=(args.length, args.length), pairs=pairs,
+                  tokens=max(1, args.batch_size * args.seq_len * args.steps // 4), tokenizer="byte", overwrite=True)
     run = out / "run"
     start = time.perf_counter()
     rc = foxlm(["train", f"arch={args.arch}", "size=tiny", f"data={out / 'data'}", "tokenizer=byte",
@@ -75,8 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     for ckpt in sorted((run / "checkpoints").glob("step_*")):
         step = int(ckpt.name.split("_")[1])
         res = out / "recall" / ckpt.name
-        foxlm(["eval", "recall", str(ckpt), "--lengths", f"{args.length},{2 * args.seq_len},{4 * args.seq_len}",
-               "--samples", str(args.samples), "--out", str(res), "--no-progress"])
+        # the document length may be one of the multiples, which eval recall refuses to take twice
+        lengths = ",".join(map(str, sorted({args.length, 2 * args.seq_len, 4 * args.seq_len})))
+        rc = foxlm(["eval", "recall", str(ckpt), "--lengths", lengths, "--samples", str(args.samples), "--out",
+                    str(res), "--no-progress"])
+        if rc:
+            return rc
         cells = json.loads((res / "recall.json").read_text())["cells"]
         loss = next((r["loss"] for r in reversed(log) if r.get("step") == step and "loss" in r), None)
         rows.append({"step": step, "train_loss": loss,
@@ -85,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu: {platform.machine()}"
     summary = {"device": device, "date": datetime.date.today().isoformat(), "args": vars(args),
                "train_seconds": train_s, "tokens": args.steps * args.batch_size * args.seq_len,
-               "chance_values": 1 / MQARSpec((lo, hi)).third, "checkpoints": rows}
+               "chance_values": 1 / spec.third, "checkpoints": rows}
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"training: {args.steps} steps of {args.batch_size} x {args.seq_len} tokens in {train_s:.0f} s")
     return 0

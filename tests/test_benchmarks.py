@@ -93,6 +93,10 @@ def test_gpu_benchmarks_refuse_at_once_without_a_gpu(monkeypatch, tmp_path, caps
     ("mqar_learning", ["--out", "unused", "--vocab", "0-48"], "--vocab"),
     ("mqar_learning", ["--out", "unused", "--pairs", "2;4"], "--pairs"),
     ("mqar_learning", ["--out", "unused", "--steps", "0"], "--steps"),
+    # the task itself, refused before training (write_dataset's traceback named "vocab", "pairs", "length")
+    ("mqar_learning", ["--out", "unused", "--vocab", "0:300"], "--vocab: 0:300 goes past byte's 257 ids"),
+    ("mqar_learning", ["--out", "unused", "--pairs", "2,17"], "--pairs: expected 1 to 16"),
+    ("mqar_learning", ["--out", "unused", "--length", "12"], "--length: 12 tokens cannot hold 4 pairs"),
 ])
 def test_bad_flags_are_one_line_naming_the_flag(monkeypatch, capsys, name, argv, flag):
     script = load(name, monkeypatch)
@@ -118,6 +122,17 @@ def test_every_flag_is_documented(monkeypatch, name):
         script.main([])
     undocumented = [a.option_strings or a.dest for a in parsers[0]._actions if not a.help]
     assert not undocumented
+
+
+def test_mqar_learning_evaluates_a_document_length_that_is_a_multiple_once(monkeypatch, capsys, tmp_path):
+    """Documents of 2x the training length: the evaluated lengths are 64 and 128, not 64, 64, 128 (which eval recall
+    refuses, after the whole training run)."""
+    script = load("mqar_learning", monkeypatch)
+    out = tmp_path / "b"
+    assert script.main(["--out", str(out), "--length", "64", "--seq-len", "32", "--steps", "1", "--every", "1",
+                        "--batch-size", "2", "--hidden", "64", "--layers", "1", "--samples", "2"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [sorted(row["accuracy"]) for row in summary["checkpoints"]] == [["128/2", "128/4", "64/2", "64/4"]]
 
 
 def test_mqar_learning_refuses_a_folder_with_an_earlier_run(monkeypatch, capsys, tmp_path):

@@ -106,7 +106,8 @@ def sample(spec: MQARSpec, length: int, pairs: int, rng: np.random.Generator) ->
 def documents(spec: MQARSpec, lengths: tuple[int, int], pairs: list[int], seed: int | list[int]
               ) -> Iterator[np.ndarray]:
     """Endless documents (bodies, as ``sample`` gives them): each draws its number of pairs from ``pairs`` and its
-    length uniformly from ``lengths = (min, max)``, raised where needed to hold its pairs."""
+    length uniformly from ``lengths = (min, max)``, raised where needed to hold its pairs. The arguments are checked
+    here, not when the first document is drawn (a generator's body runs only then)."""
     if not pairs:
         raise ValueError("pairs: expected at least one count of pairs")
     lo, hi = lengths
@@ -114,7 +115,13 @@ def documents(spec: MQARSpec, lengths: tuple[int, int], pairs: list[int], seed: 
         raise ValueError(f"length: expected 2 <= MIN <= MAX, got {lo}:{hi}")
     for n in pairs:
         spec.check_document(hi, n)
-    rng = np.random.default_rng(seed)
+    if any(int(s) < 0 for s in np.atleast_1d(seed)):  # numpy's own error names no argument
+        raise ValueError(f"seed: expected a non-negative integer, got {seed}")
+    return _documents(spec, lo, hi, pairs, np.random.default_rng(seed))
+
+
+def _documents(spec: MQARSpec, lo: int, hi: int, pairs: list[int], rng: np.random.Generator
+               ) -> Iterator[np.ndarray]:
     while True:
         n = int(pairs[rng.integers(len(pairs))])
         yield sample(spec, int(rng.integers(max(lo, 1 + 4 * n), hi + 1)), n, rng)[0]
@@ -180,8 +187,14 @@ def write_dataset(
         raise ValueError(f"tokens: expected a positive number of training tokens, got {tokens}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction: expected a value in [0, 1), got {val_fraction}")
+    if seed < 0:  # said by documents() too, but of the stream's [seed, part]
+        raise ValueError(f"seed: expected a non-negative integer, got {seed}")
+    streams = {split: documents(spec, lengths, pairs, [seed, part]) for part, split in enumerate(("train", "val"))}
     bases = None
     if mix is not None:
+        if not (Path(mix).expanduser() / "meta.json").is_file():  # TokenDataset's message names a "path"
+            raise FileNotFoundError(f"mix: {mix} is not a prepared dataset (no meta.json); prepare it with "
+                                    "`foxlm data prepare`")
         bases = {split: TokenDataset(mix, split) for split in ("train", "val")}
         for ds in bases.values():
             ds.verify()  # copied token by token: a damaged shard would be copied silently
@@ -191,7 +204,6 @@ def write_dataset(
     else:
         tok = get_tokenizer(tokenizer)
     spec.check(tok)
-    stream = lambda part: documents(spec, lengths, pairs, [seed, part])  # noqa: E731
     if bases is not None:
         share = mix_fraction / (1.0 - mix_fraction)
         budgets = {split: round(share * len(ds.tokens)) for split, ds in bases.items()}
@@ -207,9 +219,9 @@ def write_dataset(
     tmp.mkdir(parents=True)
     try:
         synthetic, splits = {}, {}
-        for part, split in enumerate(("train", "val")):
+        for split in ("train", "val"):
             writer = _SplitWriter(tmp, split, dtype, tok.eot_id, shard_tokens)
-            docs, count = _write_split(writer, stream(part), budgets[split], None if bases is None else bases[split])
+            docs, count = _write_split(writer, streams[split], budgets[split], None if bases is None else bases[split])
             synthetic[split] = {"documents": docs, "tokens": count}
             splits[split] = writer.finish()
         record = spec.record() | {"lengths": list(lengths), "pairs": list(pairs), "seed": seed,

@@ -487,7 +487,7 @@ def _vocab_range(text: str) -> tuple[int, int]:
 def run_recall(args) -> int:
     import importlib.util
 
-    from foxlm.data import model_tokenizer
+    from foxlm.data import matches_spec, model_tokenizer
     from foxlm.data.mqar import MQARSpec, recorded_task
     from foxlm.device import resolve_device
 
@@ -520,7 +520,8 @@ def run_recall(args) -> int:
     # the flags, a recorded task's values included (the flags are how to pass others)
     with _flag_errors(vocab="--vocab"):
         spec = MQARSpec(_vocab_range(args.vocab) if args.vocab is not None else tuple(task["vocab"]))
-    pairs = args.pairs or (task["pairs"] if task is not None else None)
+    # a recorded count given twice weighted the data's draws; as a cell it is evaluated once (--pairs refuses repeats)
+    pairs = args.pairs or (list(dict.fromkeys(task["pairs"])) if task is not None else None)
     if not pairs:
         raise ValueError("--pairs: the training data records no numbers of pairs; pass --pairs N,...")
     with _flag_errors(pairs="--pairs"):
@@ -538,6 +539,12 @@ def run_recall(args) -> int:
     lengths = args.lengths or [k * train_length for k in (1, 2, 3, 4)]
     with _flag_errors(tokenizer="--tokenizer"):
         tok = model_tokenizer(model.config, args.tokenizer, what=args.checkpoint)
+    if task is not None and (args.vocab is None or not args.pairs):  # the recorded ranges are ids of its tokenizer
+        written = json.loads((Path(data).expanduser() / "meta.json").read_text()).get("tokenizer")
+        if isinstance(written, dict) and not matches_spec(tok, written):
+            raise ValueError(f"--data: {data} was written with {written.get('name')}, but {args.checkpoint}'s "
+                             f"tokenizer is {tok.name}; its task's ids are not the ones the model saw (pass --vocab "
+                             "and --pairs to evaluate the ranges anyway)")
     with _flag_errors(vocab="--vocab"):
         spec.check(tok)
     with _flag_errors(length="--lengths", pairs="--pairs"):

@@ -37,6 +37,8 @@ class RecallCell:
 def cell_sequences(spec: MQARSpec, context_length: int, pairs: int, samples: int, seed: int, bos_id: int
                    ) -> tuple[np.ndarray, np.ndarray]:
     """A cell's documents ([samples, context_length] int64, ``bos_id`` first) and answer positions [pairs]."""
+    if samples < 1:
+        raise ValueError(f"samples: expected >= 1, got {samples}")
     rng = np.random.default_rng([seed, context_length, pairs])
     rows, answers = [], None
     for _ in range(samples):
@@ -71,6 +73,9 @@ def run_recall(
     """Accuracy of every (context length, pairs) cell; a cell whose length cannot hold its pairs is refused first."""
     if samples < 1 or batch_size < 1:
         raise ValueError(f"samples, batch_size: expected >= 1, got {samples} and {batch_size}")
+    for name, grid in (("context_lengths", context_lengths), ("pairs", pairs)):
+        if not grid:
+            raise ValueError(f"{name}: expected at least one value, got none")
     for n in context_lengths:
         for p in pairs:
             spec.check_document(n, p)

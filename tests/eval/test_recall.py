@@ -132,6 +132,33 @@ def test_bad_ranges_and_sizes_are_refused_by_name(tmp_path):
         write_dataset(tmp_path / "x", MQARSpec((0, 12)), lengths=(20, 20), pairs=[2], mix=tmp_path, mix_fraction=1.0)
 
 
+def test_bad_task_is_refused_by_name_before_the_output_or_the_mix_is_touched(tmp_path):
+    """A seed numpy refuses, or lengths and pairs no document can hold, are one error naming the argument, raised
+    when the documents are asked for (not at the first one drawn) and before ``out_dir`` is looked at: an existing
+    dataset there is left as it was and its "already holds" is not what the user reads."""
+    spec = MQARSpec((0, 48))
+    with pytest.raises(ValueError, match="length: expected 2 <= MIN <= MAX"):
+        documents(spec, (1, 1), [2], 0)
+    with pytest.raises(ValueError, match="pairs: expected at least one"):
+        documents(spec, (20, 20), [], 0)
+    with pytest.raises(ValueError, match="seed: expected a non-negative integer, got -1"):
+        documents(spec, (20, 20), [2], -1)
+    write_dataset(tmp_path / "d", spec, lengths=(16, 24), pairs=[2], tokens=500, tokenizer="byte")
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "d").iterdir())
+    for kwargs, error, message in [({"seed": -1}, ValueError, "seed: expected a non-negative integer, got -1"),
+                                   ({"pairs": [2, 17]}, ValueError, "pairs: expected 1 to 16"),
+                                   ({"lengths": (8, 8)}, ValueError, "length: 8 tokens cannot hold 2 pairs"),
+                                   ({"mix": tmp_path / "nope", "mix_fraction": 0.1, "tokens": None},
+                                    FileNotFoundError, "mix: .*nope is not a prepared dataset")]:
+        args = {"lengths": (16, 24), "pairs": [2], "tokens": 500, "tokenizer": "byte"} | kwargs
+        with pytest.raises(error, match=message):
+            write_dataset(tmp_path / "d", spec, **args)
+        with pytest.raises(error, match=message):
+            write_dataset(tmp_path / "new", spec, **args)
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in (tmp_path / "d").iterdir()) == before
+    assert not (tmp_path / "new").exists()
+
+
 def test_recipe_writes_a_dataset_and_refuses_bad_input_in_one_line(tmp_path, capsys):
     spec = importlib.util.spec_from_file_location("mqar_recipe", Path(__file__).parents[2] / "recipes/mqar.py")
     recipe = importlib.util.module_from_spec(spec)
@@ -207,11 +234,26 @@ def test_recall_scores_exactly_what_the_model_predicts(tmp_path):
     cells = recall.run_recall(model, spec, [20, 33], [2, 3], bos_id=256, vocab_size=257, samples=40, seed=9,
                               batch_size=16, show_progress=False)
     for c in cells:
-        seqs, answers = recall.cell_sequences(spec, c.context_length, c.pairs, 40, 9, 256)
-        expected = sum(int(table[int(s[a - 1])] == s[a]) for s in seqs for a in answers)
+        seqs, _ = recall.cell_sequences(spec, c.context_length, c.pairs, 40, 9, 256)
+        # the answers found in each document, not taken from foxlm: the tokens after a key's second occurrence
+        found = [[i for i in range(2, len(s)) if s[i - 1] < 4 and s[i - 1] in s[1:i - 1]] for s in seqs]
+        assert all(len(f) == c.pairs for f in found)
+        expected = sum(int(table[int(s[i - 1])] == s[i]) for s, f in zip(seqs, found) for i in f)
         assert c.correct == expected and c.queries == 40 * c.pairs
         assert 0 < c.correct < c.queries  # both outcomes occur, so an off-by-one would show
     assert "| 3 | " in recall.table(cells, 20) and "20 (1x)" in recall.table(cells, 20)
+
+
+def test_recall_refuses_an_empty_grid_or_no_documents_by_name():
+    """Zero documents in a cell, or no lengths or pairs, are one error naming the argument: cell_sequences said
+    "need at least one array to stack", and run_recall returned no cells (an empty table) without a word."""
+    spec = MQARSpec((0, 12))
+    with pytest.raises(ValueError, match="samples: expected >= 1, got 0"):
+        recall.cell_sequences(spec, 20, 2, 0, 9, 256)
+    model = _model(Path("."), "m").eval()
+    for lengths, pairs, name in (([], [2], "context_lengths"), ([20], [], "pairs")):
+        with pytest.raises(ValueError, match=f"{name}: expected at least one"):
+            recall.run_recall(model, spec, lengths, pairs, bos_id=256, vocab_size=257, show_progress=False)
 
 
 def test_recall_cli_reads_the_task_from_the_training_data_and_refuses_without_one(tmp_path, capsys):
@@ -228,6 +270,32 @@ def test_recall_cli_reads_the_task_from_the_training_data_and_refuses_without_on
     assert main(["eval", "recall", str(tmp_path / "m"), "--vocab", "0:48", "--pairs", "2", "--out",
                  str(tmp_path / "refused"), "--no-progress"]) == 2
     assert "--lengths: " in capsys.readouterr().err
+
+
+def test_recall_cli_evaluates_a_recorded_count_of_pairs_once(tmp_path):
+    """``--pairs 2,3,2`` weights a dataset's draws (a count given twice is drawn twice as often); the recorded list is
+    not a grid of cells, and evaluating it as one repeated the cells of 2 pairs in recall.csv and recall.json."""
+    write_dataset(tmp_path / "mq", MQARSpec((0, 48)), lengths=(16, 24), pairs=[2, 3, 2], tokens=500, tokenizer="byte")
+    _model(tmp_path, "m").save_pretrained(tmp_path / "m")
+    assert main(["eval", "recall", str(tmp_path / "m"), "--data", str(tmp_path / "mq"), "--lengths", "16", "--samples",
+                 "2", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    result = json.loads((tmp_path / "out" / "recall.json").read_text())
+    assert result["pairs"] == [2, 3] and [c["pairs"] for c in result["cells"]] == [2, 3]
+    assert (tmp_path / "out" / "recall.csv").read_text().count("\n") == 3
+
+
+def test_recall_cli_refuses_a_task_recorded_in_another_tokenizer(tmp_path, capsys):
+    """A task's id ranges mean those ids of the tokenizer its dataset was written in: ids 0:48 of GPT-2 data are not
+    the bytes a byte-level model saw, and were evaluated on it all the same (at chance), as the task it learned."""
+    write_dataset(tmp_path / "mq", MQARSpec((0, 48)), lengths=(16, 24), pairs=[2], tokens=500, tokenizer="gpt2")
+    _model(tmp_path, "m").save_pretrained(tmp_path / "m")
+    capsys.readouterr()
+    assert main(["eval", "recall", str(tmp_path / "m"), "--data", str(tmp_path / "mq"), "--lengths", "16", "--samples",
+                 "2", "--out", str(tmp_path / "out"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(r"foxlm eval recall: error: --data: .*mq was written with gpt2, but .*m's "
+                                              r"tokenizer is byte", err), err
+    assert not (tmp_path / "out").exists()
 
 
 def test_recall_cli_takes_the_tokenizer_a_model_records_none_of(tmp_path, capsys):
