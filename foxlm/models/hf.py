@@ -9,6 +9,7 @@ it soft-caps or scales its logits (Gemma 2, Cohere, Granite): then with its own 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from pathlib import Path
 
@@ -109,14 +110,22 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
     the cross-entropy (a mixture of experts' router load-balancing loss, under ``output_router_logits``), whose own
     loss is then the right one. The model is the one called, so DDP and FSDP2 hooks run as usual.
     ``num_items_in_batch`` (what HF's ``Trainer`` passes a forward that takes ``**kwargs``) makes the loss the sum over
-    the labels divided by it, as in transformers' own loss. Returns ``model``."""
+    the labels divided by it, as in transformers' own loss. The new forward takes the arguments of the model's own
+    (positional ones by its order, its signature shown), and ``return_dict`` and ``output_hidden_states`` as it does.
+    Returns ``model``."""
     own_forward = model.forward
     own_loss = bool(logit_transforms(model.config))
+    signature = inspect.signature(own_forward)
+    var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
-    def forward(input_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
+    @functools.wraps(own_forward)  # its signature too: HF's Trainer keeps the dataset columns that it names
+    def forward(*args, num_items_in_batch: torch.Tensor | int | None = None, **kwargs):
+        # arguments by name, as the model's forward takes them: model(ids, mask) passes a mask, not labels
+        kwargs = signature.bind_partial(*args, **kwargs).arguments
+        kwargs.update(kwargs.pop(var_keyword, None) or {})
+        labels = kwargs.pop("labels", None)
         if labels is None:
-            return own_forward(input_ids=input_ids, **kwargs)
+            return own_forward(**kwargs)
         for key in ("cu_seqlens", "shift_labels"):
             if kwargs.pop(key, None) is not None:
                 raise ValueError(f"{key}: {type(model).__name__} does not take {key} (packing=documents and cp > 1 "
@@ -125,9 +134,13 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
         if own_loss or kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
             if num_items_in_batch is not None:
                 kwargs["num_items_in_batch"] = num_items_in_batch
-            return own_forward(input_ids=input_ids, labels=labels, **kwargs)
+            return own_forward(labels=labels, **kwargs)
         kwargs.setdefault("use_cache", False)
-        hidden = model.base_model(input_ids=input_ids, **kwargs).last_hidden_state  # [B, T, C]
+        kwargs.pop("logits_to_keep", None)  # no logits are computed
+        return_dict = kwargs.pop("return_dict", None)
+        return_dict = model.config.return_dict if return_dict is None else return_dict
+        out = model.base_model(**kwargs, return_dict=True)
+        hidden = out.last_hidden_state  # [B, T, C]
         head = model.get_output_embeddings()
         if getattr(head, "bias", None) is not None:
             raise ValueError(f"arch: {type(model).__name__}'s LM head has a bias, which linear_cross_entropy lacks")
@@ -137,7 +150,9 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
         if num_items_in_batch is not None:
             loss = loss / (num_items_in_batch.to(loss.device) if torch.is_tensor(num_items_in_batch)
                            else num_items_in_batch)
-        return CausalLMOutput(loss=loss)
+        result = CausalLMOutput(loss=loss, hidden_states=getattr(out, "hidden_states", None),
+                                attentions=getattr(out, "attentions", None))
+        return result if return_dict else result.to_tuple()
 
     model.forward = forward
     return model

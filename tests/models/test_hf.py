@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import math
 import os
@@ -114,6 +115,38 @@ def test_chunked_loss_is_the_models_own_loss():
     for (name, a), b in zip(own.named_parameters(), ours.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert ours(input_ids=ids).logits.shape == (2, 24, 100)  # without labels: the model's own forward
+
+
+def test_chunked_loss_takes_the_models_arguments_as_it_does(tmp_path):
+    """The wrapped forward is called as Llama's: positional arguments by Llama's order (model(ids, mask) was a loss
+    with the mask as labels), Llama's signature (HF's Trainer keeps the columns it names: attention_mask was
+    dropped), return_dict=False a tuple (a crash) and output_hidden_states the hidden states (they were None)."""
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64)
+    own, ours = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    ours.load_state_dict(own.state_dict())
+    use_chunked_loss(ours)
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    torch.testing.assert_close(ours(ids, mask).logits, own(ids, mask).logits)
+    torch.testing.assert_close(ours(ids, mask, None, None, None, labels).loss,
+                               own(ids, mask, None, None, None, labels).loss)
+    assert inspect.signature(ours.forward) == inspect.signature(own.forward)
+    trainer = Trainer(ours, TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    trainer._set_signature_columns_if_needed()
+    assert "attention_mask" in trainer._signature_columns
+    got, want = (m(input_ids=ids, labels=labels, return_dict=False) for m in (ours, own))
+    assert isinstance(got, tuple)
+    torch.testing.assert_close(got[0], want[0])
+    got, want = (m(input_ids=ids, labels=labels, output_hidden_states=True).hidden_states for m in (ours, own))
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
