@@ -303,3 +303,34 @@ def test_load_without_progress_shows_no_loading_bar(tmp_path, capsys):
     assert hf_logging.is_progress_bar_enabled()
     load_checkpoint_model(tmp_path)  # the bar this test looks for, where progress is on
     assert "Loading weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type, fields, pad", [
+    ("opt", dict(ffn_dim=64, word_embed_proj_dim=32), 1),
+    ("gemma", dict(num_key_value_heads=1, intermediate_size=64, head_dim=16), 0),
+])
+def test_trainer_model_learns_every_token_of_its_tokenizer(model_type, fields, pad, tmp_path):
+    """The trainer's model takes its token ids from the data's tokenizer, its pad id too (the byte tokenizer has
+    none): the model type's default (OPT's 1, Gemma's 0, a byte of the data) was the embedding's padding_idx, a row
+    zeroed at initialization that never learns; a config.json's pad id past the vocabulary failed to build."""
+    from foxlm.train.model import build_model, model_config
+
+    assert AutoModelForCausalLM.from_config(hf_config(f"hf:{model_type}", {
+        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, **fields,
+    })).get_input_embeddings().padding_idx == pad  # the model type's default pad id, a token of the data
+    tok_spec = {"name": "byte", "vocab_size": 257, "eot_id": 256}
+    args = ["device=cpu", f"arch=hf:{model_type}", "model.hidden_size=32", "model.num_hidden_layers=1",
+            "model.num_attention_heads=2", *(f"model.{k}={v}" for k, v in fields.items())]
+    cfg = load_config(None, args)
+    model = build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
+    assert model.config.pad_token_id is None
+    ids = torch.tensor([[pad, 7, pad, 9, 11, pad]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.get_input_embeddings().weight.grad[pad].abs().sum() > 0
+    cfg = load_config(None, [*args, f"model.pad_token_id={pad}"])  # asked for: as given
+    assert model_config(cfg, tok_spec, torch.device("cpu")).pad_token_id == pad
+    path = tmp_path / "config.json"  # a pretrained model's config, with its own tokenizer's pad id
+    hf_config(f"hf:{model_type}", {"pad_token_id": 128004, "vocab_size": 128256}).to_json_file(path)
+    cfg = load_config(None, ["device=cpu", f"arch={path}", "model.hidden_size=32", "model.num_hidden_layers=1",
+                             "model.num_attention_heads=2", *(f"model.{k}={v}" for k, v in fields.items())])
+    assert build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
