@@ -49,13 +49,16 @@ def hf_config(arch: str, fields: dict | None = None, size: str = "tiny") -> Pret
         if model_type not in CONFIG_MAPPING:
             raise ValueError(f"arch: {model_type!r} is not a model type registered with transformers' AutoConfig "
                              f"(e.g. hf:llama, hf:mamba2)")
-        base = config_class(model_type)()
+        # the class's defaults, not a default config's values: fields it derives (Llama's num_key_value_heads and
+        # head_dim) must follow ``fields``
+        base, given = config_class(model_type)(), {}
     else:
         path = Path(arch).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"arch: {path} does not exist (expected a model's config.json)")
         base = AutoConfig.from_pretrained(path)  # trust_remote_code stays off: a config needing code is refused
-    return with_fields(base, fields, arch)
+        given = base.to_diff_dict()
+    return with_fields(base, fields, arch, given)
 
 
 def config_class(model_type: str) -> type[PretrainedConfig]:
@@ -65,13 +68,14 @@ def config_class(model_type: str) -> type[PretrainedConfig]:
     return getattr(transformers, own) if own else CONFIG_MAPPING[model_type]
 
 
-def with_fields(base: PretrainedConfig, fields: dict, arch: str) -> PretrainedConfig:
-    """A copy of ``base`` with ``fields`` set (``arch`` in errors), for a model ``AutoModelForCausalLM`` builds."""
+def with_fields(base: PretrainedConfig, fields: dict, arch: str, given: dict) -> PretrainedConfig:
+    """A config of ``base``'s class from ``given`` (what the user's config sets) with ``fields`` over it (``arch`` in
+    errors), for a model ``AutoModelForCausalLM`` builds; ``fields`` are checked against ``base``'s."""
     unknown = sorted(set(fields) - config_fields(base))
     if unknown:
         raise ValueError(f"model.{unknown[0]}: not a field of {type(base).__name__} (arch={arch})")
     try:
-        config = type(base)(**{**base.to_diff_dict(), **fields})
+        config = type(base)(**{**given, **fields})
     except Exception as e:  # transformers' own checks (e.g. heads dividing hidden_size) raise several types
         reason = " ".join(str(e.__cause__ or e).split())  # the validator's own message, on one line
         raise ValueError(f"model: {type(base).__name__} refuses {fields}: {reason}") from e

@@ -202,6 +202,23 @@ def test_what_does_not_apply_is_refused(byte_data, tmp_path):
         hf_config("hf:llama", {"hidden_size": 48})
 
 
+@pytest.mark.parametrize("model_type, fields", [
+    ("llama", dict(hidden_size=32, num_attention_heads=2, intermediate_size=64)),
+    ("mistral", dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)),
+    ("mamba2", dict(hidden_size=32, num_heads=4, head_dim=16, expand=2, n_groups=1)),
+])
+def test_hf_config_is_the_config_class_with_these_fields(model_type, fields):
+    """arch=hf:TYPE with model.* fields is transformers' config of those fields: the fields that a config derives
+    from others (Llama's key/value heads and head dim, Mamba-2's time_step_rank) follow them, where they kept the
+    values derived from the type's defaults (hf:llama with 2 heads had 32 key/value heads, failing in the forward)."""
+    from transformers import AutoConfig
+
+    ours, want = hf_config(f"hf:{model_type}", fields), AutoConfig.for_model(model_type, **fields)
+    assert type(ours) is type(want) and ours.to_dict() == want.to_dict()
+    model = AutoModelForCausalLM.from_config(ours)
+    assert model(input_ids=torch.randint(0, 100, (1, 8))).logits.shape == (1, 8, ours.vocab_size)
+
+
 def test_gates_of_a_model_without_gates_is_a_clear_error(byte_data, tmp_path):
     path = tmp_path / "llama"
     LlamaForCausalLM(LlamaConfig(vocab_size=320, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
