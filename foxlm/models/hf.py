@@ -4,7 +4,8 @@
 ``hf:mamba2``, ...), ``arch=PATH/config.json`` a config file; ``model.<field>=...`` sets that config's fields. foxlm's
 own presets (``fox-pro``, ...) stay the default. Such a model trains with foxlm's chunked linear cross-entropy on its
 backbone's hidden states and LM head (``use_chunked_loss``), so the fp32 logits of a whole batch never exist, unless
-it soft-caps or scales its logits (Gemma 2, Cohere, Granite): then with its own loss.
+it soft-caps or scales its logits (Gemma 2, Cohere, Granite) or its LM head has a bias (GPT-J): then with its own
+loss.
 """
 
 from __future__ import annotations
@@ -110,15 +111,17 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
     """Make ``model(input_ids=..., labels=...)`` return ``.loss`` from ``linear_cross_entropy`` on the backbone's
     hidden states and the LM head, chunk by chunk, instead of the model's own loss over [B, T, V] fp32 logits.
     Calls without labels (generation, evaluation) run the model's own forward, and so do the calls of a model whose
-    logits are more than its LM head's output (``logit_transforms``: a soft cap or a scale) or whose loss is more than
-    the cross-entropy (a mixture of experts' router load-balancing loss, under ``output_router_logits``), whose own
-    loss is then the right one. The model is the one called, so DDP and FSDP2 hooks run as usual.
+    logits are more than its LM head's output (``logit_transforms``: a soft cap or a scale; a head with a bias) or
+    whose loss is more than the cross-entropy (a mixture of experts' router load-balancing loss, under
+    ``output_router_logits``), whose own loss is then the right one. The model is the one called, so DDP and FSDP2
+    hooks run as usual.
     ``num_items_in_batch`` (what HF's ``Trainer`` passes a forward that takes ``**kwargs``) makes the loss the sum over
     the labels divided by it, as in transformers' own loss. The new forward takes the arguments of the model's own
     (positional ones by its order, its signature shown), and ``return_dict`` and ``output_hidden_states`` as it does.
     Returns ``model``."""
     own_forward = model.forward
-    own_loss = bool(logit_transforms(model.config))
+    # linear_cross_entropy has no bias: a biased head's logits (GPT-J's, CodeGen's) are the model's own to compute
+    own_loss = bool(logit_transforms(model.config)) or getattr(model.get_output_embeddings(), "bias", None) is not None
     signature = inspect.signature(own_forward)
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
@@ -146,8 +149,6 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
         out = model.base_model(**kwargs, return_dict=True)
         hidden = out.last_hidden_state  # [B, T, C]
         head = model.get_output_embeddings()
-        if getattr(head, "bias", None) is not None:
-            raise ValueError(f"arch: {type(model).__name__}'s LM head has a bias, which linear_cross_entropy lacks")
         # position t predicts token t + 1, as in the models' own loss
         loss = linear_cross_entropy(hidden[:, :-1].flatten(0, 1), head.weight, labels[:, 1:].flatten(),
                                     reduction="mean" if num_items_in_batch is None else "sum")

@@ -44,24 +44,29 @@ def _losses(run) -> dict[int, float]:
     ("gemma2", dict(final_logit_softcapping=0.5, head_dim=16)),  # a cap small enough to bite at initialization
     ("cohere", dict(logit_scale=0.25)),
     ("granite", dict(logits_scaling=4.0)),
+    # an LM head with a bias (GPT-J's), which linear_cross_entropy lacks: it was a ValueError at the first step
+    ("gptj", dict(n_embd=32, n_layer=2, n_head=2, rotary_dim=8)),
 ])
 def test_chunked_loss_keeps_the_models_logit_transforms(model_type, fields):
-    """A model whose logits are more than its LM head's output (a soft cap, a scale) trains on its own loss: the
-    wrapped model's loss and gradients equal the model's own, where the raw head's loss would not."""
+    """A model whose logits are more than its LM head's output (a soft cap, a scale, a bias) trains on its own loss:
+    the wrapped model's loss and gradients equal the model's own, where the raw head's loss would not."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, **fields)
+    sizes = {} if model_type == "gptj" else dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                 num_key_value_heads=1, intermediate_size=64)
+    config = AutoConfig.for_model(model_type, vocab_size=100, **sizes, **fields)
     own = AutoModelForCausalLM.from_config(config)
+    head = own.get_output_embeddings()
+    if head.bias is not None:  # zeros at initialization; a trained one
+        torch.nn.init.normal_(head.bias)
     ours = AutoModelForCausalLM.from_config(config)
     ours.load_state_dict(own.state_dict())
     use_chunked_loss(ours)
     ids = torch.randint(0, 100, (2, 12))
     want, got = own(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss
     hidden = own.base_model(input_ids=ids).last_hidden_state
-    raw = torch.nn.functional.cross_entropy(own.get_output_embeddings()(hidden)[:, :-1].flatten(0, 1),
-                                            ids[:, 1:].flatten())
+    raw = torch.nn.functional.cross_entropy((hidden @ head.weight.T)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert (raw - want).abs() > 1e-3  # the transform matters here
     torch.testing.assert_close(got, want)
     got.backward()
