@@ -164,5 +164,7 @@ def use_chunked_loss(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def build_model(config: PretrainedConfig) -> torch.nn.Module:
-    """A new, randomly initialized causal LM for ``config`` (``AutoModelForCausalLM.from_config``)."""
-    return AutoModelForCausalLM.from_config(config)
+    """A new, randomly initialized causal LM for ``config`` (``AutoModelForCausalLM.from_config``), for training: in
+    fp32 whatever ``config.dtype`` (a pretrained model's config.json records its bf16 weights), as the trainer keeps
+    every model's weights, bf16 being autocast's."""
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)

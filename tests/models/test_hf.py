@@ -356,3 +356,20 @@ def test_trainer_model_learns_every_token_of_its_tokenizer(model_type, fields, p
     cfg = load_config(None, ["device=cpu", f"arch={path}", "model.hidden_size=32", "model.num_hidden_layers=1",
                              "model.num_attention_heads=2", *(f"model.{k}={v}" for k, v in fields.items())])
     assert build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
+
+
+def test_trainer_model_of_a_bf16_config_json_has_fp32_weights(tmp_path):
+    """A pretrained model's config.json often records its weights' dtype (bfloat16), which from_config takes: the
+    trainer's model of such a file had bf16 weights, updated by AdamW in bf16, where precision=fp32 (the CPU's
+    auto) and bf16 (autocast over fp32 weights) both keep fp32 weights, as for arch=hf:llama."""
+    from foxlm.train.model import build_model, model_config
+
+    path = tmp_path / "config.json"
+    LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                dtype="bfloat16").to_json_file(path)
+    assert next(AutoModelForCausalLM.from_config(hf_config(str(path))).parameters()).dtype == torch.bfloat16
+    for precision in ("fp32", "bf16"):
+        cfg = load_config(None, ["device=cpu", f"arch={path}", f"precision={precision}"])
+        tok_spec = {"name": "byte", "vocab_size": 257, "eot_id": 256}
+        model = build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
