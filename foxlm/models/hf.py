@@ -57,7 +57,11 @@ def hf_config(arch: str, fields: dict | None = None, size: str = "tiny") -> Pret
         path = Path(arch).expanduser()
         if not path.is_file():
             raise FileNotFoundError(f"arch: {path} does not exist (expected a model's config.json)")
-        base = AutoConfig.from_pretrained(path)  # trust_remote_code stays off: a config needing code is refused
+        try:  # a config needing a repository's code is refused, not asked about on stdin
+            base = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        except Exception as e:  # transformers' OSError (not JSON), ValueError (its code), a validator's own types
+            reason = " ".join(str(e.__cause__ or e).split())  # the message, on one line
+            raise ValueError(f"arch: {path}: {reason}") from e
         given = base.to_diff_dict()
     return with_fields(base, fields, arch, given)
 

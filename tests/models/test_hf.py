@@ -373,3 +373,22 @@ def test_trainer_model_of_a_bf16_config_json_has_fp32_weights(tmp_path):
         tok_spec = {"name": "byte", "vocab_size": 257, "eot_id": 256}
         model = build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
         assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_config_json_the_trainer_cannot_read_is_one_line_naming_it(tmp_path):
+    """arch=PATH/config.json that is not JSON, fails its config class's checks or needs the custom code of a remote
+    repository is one ValueError naming the file (they were an OSError's or a validator's traceback, and a question
+    waiting for an answer on stdin: "Do you wish to run the custom code? [y/N]")."""
+    cases = {"broken": ("{oops", "not a valid JSON file"),
+             "heads": ('{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 3}',
+                       r"hidden size \(32\) is not a multiple of the number of attention heads \(3\)"),
+             "remote": ('{"model_type": "my_custom", "auto_map": {"AutoConfig": "my.MyConfig"}}',
+                        "custom code")}
+    for name, (text, reason) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=rf"^arch: {path}: .*{reason}") as info:
+            hf_config(str(path))
+        assert "\n" not in str(info.value)
+    proc = foxlm("train", "device=cpu", f"arch={tmp_path / 'remote.json'}", "--print-config")
+    assert "custom code" in one_line_error(proc, "train") and "[y/N]" not in proc.stdout + proc.stderr
