@@ -89,14 +89,22 @@ def with_fields(base: PretrainedConfig, fields: dict, arch: str, given: dict) ->
     return config
 
 
-def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The blocks of a causal LM's backbone (``model.layers`` for Llama-like models, ``backbone.layers`` for Mamba)."""
-    base = model.base_model
+def decoder_layers(model: torch.nn.Module, arg: str = "parallel") -> torch.nn.ModuleList:
+    """The blocks of a causal LM's backbone, for ``arg`` (``parallel``: FSDP2 shards them, ``compile``: each is
+    compiled) to name in its error: the ModuleList of the classes the model keeps whole (``_no_split_modules``:
+    Llama's ``model.layers``, Mamba's ``backbone.layers``, OPT's ``model.decoder.layers``), else one named ``layers``,
+    ``h`` or ``blocks`` on the backbone."""
+    kept = set(getattr(model, "_no_split_modules", None) or ())
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) and all(type(m).__name__ in kept for m in module):
+            return module
+    base = getattr(model, "base_model", model)
     for name in ("layers", "h", "blocks"):
         layers = getattr(base, name, None)
         if isinstance(layers, torch.nn.ModuleList):
             return layers
-    raise ValueError(f"parallel: cannot find the blocks of {type(model).__name__} to shard them; use parallel=ddp")
+    fix = "parallel=ddp" if arg == "parallel" else f"{arg}=false"
+    raise ValueError(f"{arg}: cannot find the blocks of {type(model).__name__} (a ModuleList of its layers); use {fix}")
 
 
 # Config fields through which transformers' causal LMs change their logits after the LM head (Gemma 2's soft cap,

@@ -392,3 +392,22 @@ def test_config_json_the_trainer_cannot_read_is_one_line_naming_it(tmp_path):
         assert "\n" not in str(info.value)
     proc = foxlm("train", "device=cpu", f"arch={tmp_path / 'remote.json'}", "--print-config")
     assert "custom code" in one_line_error(proc, "train") and "[y/N]" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("model_type, fields, blocks", [
+    ("llama", dict(num_attention_heads=2, intermediate_size=64), "model.layers"),
+    ("mamba2", dict(num_heads=4, head_dim=16, n_groups=1), "backbone.layers"),
+    ("gpt2", dict(n_embd=32, n_head=2, n_layer=2), "transformer.h"),
+    # the blocks one level down, under the backbone's decoder: compile=true and FSDP2 failed to find them
+    ("opt", dict(num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32), "model.decoder.layers"),
+])
+def test_decoder_layers_are_the_models_blocks(model_type, fields, blocks):
+    """What compile=true compiles and FSDP2 shards one by one: the ModuleList of the model's blocks, wherever its
+    backbone holds it."""
+    from foxlm.models.hf import decoder_layers
+
+    sizes = {} if model_type == "gpt2" else {"hidden_size": 32, "num_hidden_layers": 2}
+    model = AutoModelForCausalLM.from_config(hf_config(f"hf:{model_type}", {"vocab_size": 64, **sizes, **fields}))
+    assert decoder_layers(model, "compile") is model.get_submodule(blocks)
+    with pytest.raises(ValueError, match="^compile: cannot find the blocks of Linear .*; use compile=false"):
+        decoder_layers(torch.nn.Linear(2, 2), "compile")
