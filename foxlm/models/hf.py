@@ -27,12 +27,13 @@ from .baselines import require_fla
 
 
 def config_fields(config: PretrainedConfig) -> set[str]:
-    """What ``model.*`` may set on ``config``: its class's constructor arguments and the attributes it holds."""
+    """What ``model.*`` may set on ``config``: its class's constructor arguments, the attributes it holds and the
+    names it maps to them (``attribute_map``: GPT-2's hidden_size is its n_embd)."""
     params = set()
     for cls in type(config).__mro__:
         if issubclass(cls, PretrainedConfig):
             params |= set(inspect.signature(cls.__init__).parameters)
-    return (params | set(config.to_dict())) - {"self", "kwargs", "args"}
+    return (params | set(config.to_dict()) | set(config.attribute_map)) - {"self", "kwargs", "args"}
 
 
 def hf_config(arch: str, fields: dict | None = None, size: str = "tiny") -> PretrainedConfig:
@@ -79,6 +80,8 @@ def with_fields(base: PretrainedConfig, fields: dict, arch: str, given: dict) ->
     unknown = sorted(set(fields) - config_fields(base))
     if unknown:
         raise ValueError(f"model.{unknown[0]}: not a field of {type(base).__name__} (arch={arch})")
+    # under the config's own names, so that they replace what ``given`` holds under them
+    fields = {base.attribute_map.get(name, name): value for name, value in fields.items()}
     try:
         config = type(base)(**{**given, **fields})
     except Exception as e:  # transformers' own checks (e.g. heads dividing hidden_size) raise several types

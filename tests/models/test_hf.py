@@ -211,6 +211,8 @@ def test_what_does_not_apply_is_refused(byte_data, tmp_path):
     ("llama", dict(hidden_size=32, num_attention_heads=2, intermediate_size=64)),
     ("mistral", dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)),
     ("mamba2", dict(hidden_size=32, num_heads=4, head_dim=16, expand=2, n_groups=1)),
+    # the names a config maps to its own (GPT-2's n_embd, n_head, n_layer): "not a field of GPT2Config"
+    ("gpt2", dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=2)),
 ])
 def test_hf_config_is_the_config_class_with_these_fields(model_type, fields):
     """arch=hf:TYPE with model.* fields is transformers' config of those fields: the fields that a config derives
@@ -220,6 +222,7 @@ def test_hf_config_is_the_config_class_with_these_fields(model_type, fields):
 
     ours, want = hf_config(f"hf:{model_type}", fields), AutoConfig.for_model(model_type, **fields)
     assert type(ours) is type(want) and ours.to_dict() == want.to_dict()
+    assert ours.hidden_size == 32
     model = AutoModelForCausalLM.from_config(ours)
     assert model(input_ids=torch.randint(0, 100, (1, 8))).logits.shape == (1, 8, ours.vocab_size)
 
