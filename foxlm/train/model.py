@@ -18,13 +18,16 @@ from .config import TrainConfig
 
 def model_config(cfg: TrainConfig, tok_spec: dict, device: torch.device) -> PretrainedConfig:
     """The config of the model ``cfg`` trains on data of tokenizer ``tok_spec``: the vocabulary (padded to a multiple of
-    64) and end-of-text id are the tokenizer's, the context its ``seq_len``, unless ``model.*`` says otherwise."""
+    64) and end-of-text id are the tokenizer's, a Hugging Face model's pad id None (the tokenizer has no pad token),
+    the context its ``seq_len``, unless ``model.*`` says otherwise."""
     overrides = {"vocab_size": 64 * math.ceil(tok_spec["vocab_size"] / 64), "bos_token_id": tok_spec["eot_id"],
                  "eos_token_id": tok_spec["eot_id"], **cfg.model}
     try:
         if is_hf_arch(cfg.arch):
             check_device(cfg.arch, device.type)
             config = hf_config(cfg.arch, overrides, cfg.size)
+            if "pad_token_id" not in cfg.model:  # foxlm's tokenizers have no pad token: the config's pad id is
+                config.pad_token_id = None  # another vocabulary's, and an embedding's padding_idx never learns
         else:
             config = FoxConfig.preset(cfg.arch, cfg.size, **{"train_length": cfg.seq_len, **overrides})
     except ValueError as e:  # the config names its field; the user gave it as model.FIELD

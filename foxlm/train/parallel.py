@@ -152,7 +152,7 @@ def parallelize(model: torch.nn.Module, compile: bool, parallel: str, d: Dist, d
     if compile:
         from ..models.hf import decoder_layers
 
-        for block in decoder_layers(model):
+        for block in decoder_layers(model, "compile"):
             block.compile()
     return wrap(model, parallel, d, device)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import math
 import os
@@ -43,24 +44,29 @@ def _losses(run) -> dict[int, float]:
     ("gemma2", dict(final_logit_softcapping=0.5, head_dim=16)),  # a cap small enough to bite at initialization
     ("cohere", dict(logit_scale=0.25)),
     ("granite", dict(logits_scaling=4.0)),
+    # an LM head with a bias (GPT-J's), which linear_cross_entropy lacks: it was a ValueError at the first step
+    ("gptj", dict(n_embd=32, n_layer=2, n_head=2, rotary_dim=8)),
 ])
 def test_chunked_loss_keeps_the_models_logit_transforms(model_type, fields):
-    """A model whose logits are more than its LM head's output (a soft cap, a scale) trains on its own loss: the
-    wrapped model's loss and gradients equal the model's own, where the raw head's loss would not."""
+    """A model whose logits are more than its LM head's output (a soft cap, a scale, a bias) trains on its own loss:
+    the wrapped model's loss and gradients equal the model's own, where the raw head's loss would not."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model(model_type, vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, **fields)
+    sizes = {} if model_type == "gptj" else dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                 num_key_value_heads=1, intermediate_size=64)
+    config = AutoConfig.for_model(model_type, vocab_size=100, **sizes, **fields)
     own = AutoModelForCausalLM.from_config(config)
+    head = own.get_output_embeddings()
+    if head.bias is not None:  # zeros at initialization; a trained one
+        torch.nn.init.normal_(head.bias)
     ours = AutoModelForCausalLM.from_config(config)
     ours.load_state_dict(own.state_dict())
     use_chunked_loss(ours)
     ids = torch.randint(0, 100, (2, 12))
     want, got = own(input_ids=ids, labels=ids).loss, ours(input_ids=ids, labels=ids).loss
     hidden = own.base_model(input_ids=ids).last_hidden_state
-    raw = torch.nn.functional.cross_entropy(own.get_output_embeddings()(hidden)[:, :-1].flatten(0, 1),
-                                            ids[:, 1:].flatten())
+    raw = torch.nn.functional.cross_entropy((hidden @ head.weight.T)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
     assert (raw - want).abs() > 1e-3  # the transform matters here
     torch.testing.assert_close(got, want)
     got.backward()
@@ -116,6 +122,38 @@ def test_chunked_loss_is_the_models_own_loss():
     assert ours(input_ids=ids).logits.shape == (2, 24, 100)  # without labels: the model's own forward
 
 
+def test_chunked_loss_takes_the_models_arguments_as_it_does(tmp_path):
+    """The wrapped forward is called as Llama's: positional arguments by Llama's order (model(ids, mask) was a loss
+    with the mask as labels), Llama's signature (HF's Trainer keeps the columns it names: attention_mask was
+    dropped), return_dict=False a tuple (a crash) and output_hidden_states the hidden states (they were None)."""
+    from transformers import Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=64)
+    own, ours = LlamaForCausalLM(config), LlamaForCausalLM(config)
+    ours.load_state_dict(own.state_dict())
+    use_chunked_loss(ours)
+    ids = torch.randint(0, 100, (2, 12))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    torch.testing.assert_close(ours(ids, mask).logits, own(ids, mask).logits)
+    torch.testing.assert_close(ours(ids, mask, None, None, None, labels).loss,
+                               own(ids, mask, None, None, None, labels).loss)
+    assert inspect.signature(ours.forward) == inspect.signature(own.forward)
+    trainer = Trainer(ours, TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True))
+    trainer._set_signature_columns_if_needed()
+    assert "attention_mask" in trainer._signature_columns
+    got, want = (m(input_ids=ids, labels=labels, return_dict=False) for m in (ours, own))
+    assert isinstance(got, tuple)
+    torch.testing.assert_close(got[0], want[0])
+    got, want = (m(input_ids=ids, labels=labels, output_hidden_states=True).hidden_states for m in (ours, own))
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_train_resume_and_evaluate(name, byte_data, tmp_path):
     """`foxlm train` on a transformers model; a resume from its step-3 checkpoint reproduces steps 4-6 exactly;
@@ -167,6 +205,26 @@ def test_what_does_not_apply_is_refused(byte_data, tmp_path):
     assert hf_config("hf:llama", {"hidden_size": 48, "num_attention_heads": 4}).hidden_size == 48
     with pytest.raises(ValueError, match="model: LlamaConfig refuses .* not a multiple of the number of attention"):
         hf_config("hf:llama", {"hidden_size": 48})
+
+
+@pytest.mark.parametrize("model_type, fields", [
+    ("llama", dict(hidden_size=32, num_attention_heads=2, intermediate_size=64)),
+    ("mistral", dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64)),
+    ("mamba2", dict(hidden_size=32, num_heads=4, head_dim=16, expand=2, n_groups=1)),
+    # the names a config maps to its own (GPT-2's n_embd, n_head, n_layer): "not a field of GPT2Config"
+    ("gpt2", dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=2)),
+])
+def test_hf_config_is_the_config_class_with_these_fields(model_type, fields):
+    """arch=hf:TYPE with model.* fields is transformers' config of those fields: the fields that a config derives
+    from others (Llama's key/value heads and head dim, Mamba-2's time_step_rank) follow them, where they kept the
+    values derived from the type's defaults (hf:llama with 2 heads had 32 key/value heads, failing in the forward)."""
+    from transformers import AutoConfig
+
+    ours, want = hf_config(f"hf:{model_type}", fields), AutoConfig.for_model(model_type, **fields)
+    assert type(ours) is type(want) and ours.to_dict() == want.to_dict()
+    assert ours.hidden_size == 32
+    model = AutoModelForCausalLM.from_config(ours)
+    assert model(input_ids=torch.randint(0, 100, (1, 8))).logits.shape == (1, 8, ours.vocab_size)
 
 
 def test_gates_of_a_model_without_gates_is_a_clear_error(byte_data, tmp_path):
@@ -270,3 +328,89 @@ def test_load_without_progress_shows_no_loading_bar(tmp_path, capsys):
     assert hf_logging.is_progress_bar_enabled()
     load_checkpoint_model(tmp_path)  # the bar this test looks for, where progress is on
     assert "Loading weights" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model_type, fields, pad", [
+    ("opt", dict(ffn_dim=64, word_embed_proj_dim=32), 1),
+    ("gemma", dict(num_key_value_heads=1, intermediate_size=64, head_dim=16), 0),
+])
+def test_trainer_model_learns_every_token_of_its_tokenizer(model_type, fields, pad, tmp_path):
+    """The trainer's model takes its token ids from the data's tokenizer, its pad id too (the byte tokenizer has
+    none): the model type's default (OPT's 1, Gemma's 0, a byte of the data) was the embedding's padding_idx, a row
+    zeroed at initialization that never learns; a config.json's pad id past the vocabulary failed to build."""
+    from foxlm.train.model import build_model, model_config
+
+    assert AutoModelForCausalLM.from_config(hf_config(f"hf:{model_type}", {
+        "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, **fields,
+    })).get_input_embeddings().padding_idx == pad  # the model type's default pad id, a token of the data
+    tok_spec = {"name": "byte", "vocab_size": 257, "eot_id": 256}
+    args = ["device=cpu", f"arch=hf:{model_type}", "model.hidden_size=32", "model.num_hidden_layers=1",
+            "model.num_attention_heads=2", *(f"model.{k}={v}" for k, v in fields.items())]
+    cfg = load_config(None, args)
+    model = build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
+    assert model.config.pad_token_id is None
+    ids = torch.tensor([[pad, 7, pad, 9, 11, pad]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert model.get_input_embeddings().weight.grad[pad].abs().sum() > 0
+    cfg = load_config(None, [*args, f"model.pad_token_id={pad}"])  # asked for: as given
+    assert model_config(cfg, tok_spec, torch.device("cpu")).pad_token_id == pad
+    path = tmp_path / "config.json"  # a pretrained model's config, with its own tokenizer's pad id
+    hf_config(f"hf:{model_type}", {"pad_token_id": 128004, "vocab_size": 128256}).to_json_file(path)
+    cfg = load_config(None, ["device=cpu", f"arch={path}", "model.hidden_size=32", "model.num_hidden_layers=1",
+                             "model.num_attention_heads=2", *(f"model.{k}={v}" for k, v in fields.items())])
+    assert build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
+
+
+def test_trainer_model_of_a_bf16_config_json_has_fp32_weights(tmp_path):
+    """A pretrained model's config.json often records its weights' dtype (bfloat16), which from_config takes: the
+    trainer's model of such a file had bf16 weights, updated by AdamW in bf16, where precision=fp32 (the CPU's
+    auto) and bf16 (autocast over fp32 weights) both keep fp32 weights, as for arch=hf:llama."""
+    from foxlm.train.model import build_model, model_config
+
+    path = tmp_path / "config.json"
+    LlamaConfig(vocab_size=256, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                dtype="bfloat16").to_json_file(path)
+    assert next(AutoModelForCausalLM.from_config(hf_config(str(path))).parameters()).dtype == torch.bfloat16
+    for precision in ("fp32", "bf16"):
+        cfg = load_config(None, ["device=cpu", f"arch={path}", f"precision={precision}"])
+        tok_spec = {"name": "byte", "vocab_size": 257, "eot_id": 256}
+        model = build_model(cfg, model_config(cfg, tok_spec, torch.device("cpu")), torch.device("cpu"))
+        assert {p.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_config_json_the_trainer_cannot_read_is_one_line_naming_it(tmp_path):
+    """arch=PATH/config.json that is not JSON, fails its config class's checks or needs the custom code of a remote
+    repository is one ValueError naming the file (they were an OSError's or a validator's traceback, and a question
+    waiting for an answer on stdin: "Do you wish to run the custom code? [y/N]")."""
+    cases = {"broken": ("{oops", "not a valid JSON file"),
+             "heads": ('{"model_type": "llama", "hidden_size": 32, "num_attention_heads": 3}',
+                       r"hidden size \(32\) is not a multiple of the number of attention heads \(3\)"),
+             "remote": ('{"model_type": "my_custom", "auto_map": {"AutoConfig": "my.MyConfig"}}',
+                        "custom code")}
+    for name, (text, reason) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(text)
+        with pytest.raises(ValueError, match=rf"^arch: {path}: .*{reason}") as info:
+            hf_config(str(path))
+        assert "\n" not in str(info.value)
+    proc = foxlm("train", "device=cpu", f"arch={tmp_path / 'remote.json'}", "--print-config")
+    assert "custom code" in one_line_error(proc, "train") and "[y/N]" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("model_type, fields, blocks", [
+    ("llama", dict(num_attention_heads=2, intermediate_size=64), "model.layers"),
+    ("mamba2", dict(num_heads=4, head_dim=16, n_groups=1), "backbone.layers"),
+    ("gpt2", dict(n_embd=32, n_head=2, n_layer=2), "transformer.h"),
+    # the blocks one level down, under the backbone's decoder: compile=true and FSDP2 failed to find them
+    ("opt", dict(num_attention_heads=2, ffn_dim=64, word_embed_proj_dim=32), "model.decoder.layers"),
+])
+def test_decoder_layers_are_the_models_blocks(model_type, fields, blocks):
+    """What compile=true compiles and FSDP2 shards one by one: the ModuleList of the model's blocks, wherever its
+    backbone holds it."""
+    from foxlm.models.hf import decoder_layers
+
+    sizes = {} if model_type == "gpt2" else {"hidden_size": 32, "num_hidden_layers": 2}
+    model = AutoModelForCausalLM.from_config(hf_config(f"hf:{model_type}", {"vocab_size": 64, **sizes, **fields}))
+    assert decoder_layers(model, "compile") is model.get_submodule(blocks)
+    with pytest.raises(ValueError, match="^compile: cannot find the blocks of Linear .*; use compile=false"):
+        decoder_layers(torch.nn.Linear(2, 2), "compile")
