@@ -218,10 +218,10 @@ def test_hf_config_is_the_config_class_with_these_fields(model_type, fields):
     """arch=hf:TYPE with model.* fields is transformers' config of those fields: the fields that a config derives
     from others (Llama's key/value heads and head dim, Mamba-2's time_step_rank) follow them, where they kept the
     values derived from the type's defaults (hf:llama with 2 heads had 32 key/value heads, failing in the forward)."""
-    from transformers import AutoConfig
-
-    ours, want = hf_config(f"hf:{model_type}", fields), AutoConfig.for_model(model_type, **fields)
-    assert type(ours) is type(want) and ours.to_dict() == want.to_dict()
+    ours = hf_config(f"hf:{model_type}", fields)
+    # transformers' own class (fla, when installed, registers its own Mamba2Config for "mamba2" with AutoConfig)
+    assert type(ours).__module__.startswith("transformers.models.")
+    assert ours.to_dict() == type(ours)(**fields).to_dict()
     assert ours.hidden_size == 32
     model = AutoModelForCausalLM.from_config(ours)
     assert model(input_ids=torch.randint(0, 100, (1, 8))).logits.shape == (1, 8, ours.vocab_size)
