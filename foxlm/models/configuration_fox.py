@@ -104,6 +104,9 @@ class FoxConfig(PretrainedConfig):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
 
+        def number(value) -> bool:  # None or a string read from a config.json: compared, a TypeError
+            return isinstance(value, (int, float)) and not isinstance(value, bool)
+
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "intermediate_size"):
             positive_int(name, getattr(self, name))
@@ -128,9 +131,6 @@ class FoxConfig(PretrainedConfig):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name))
         self._check_acp(self.acp, self.acp_tolerance)
-        def number(value) -> bool:  # None or a string read from a config.json: compared, a TypeError
-            return isinstance(value, (int, float)) and not isinstance(value, bool)
-
         for name in ("rms_norm_eps", "rope_theta"):
             if not (number(getattr(self, name)) and getattr(self, name) > 0):
                 raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")

@@ -101,14 +101,19 @@ def test_chunked_loss_keeps_a_mixture_of_experts_router_loss(in_config):
         torch.testing.assert_close(b.grad, a.grad, msg=name)
 
 
-def test_chunked_loss_is_the_models_own_loss():
-    """The trainer's loss (linear_cross_entropy on the backbone's hidden states) equals Llama's own, gradients too."""
+def _llama_and_chunked_copy() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """A tiny Llama (seed 0) and a copy of it with the chunked loss (``use_chunked_loss``)."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, intermediate_size=64)
     own, ours = LlamaForCausalLM(config), LlamaForCausalLM(config)
     ours.load_state_dict(own.state_dict())
-    use_chunked_loss(ours)
+    return own, use_chunked_loss(ours)
+
+
+def test_chunked_loss_is_the_models_own_loss():
+    """The trainer's loss (linear_cross_entropy on the backbone's hidden states) equals Llama's own, gradients too."""
+    own, ours = _llama_and_chunked_copy()
     ids = torch.randint(0, 100, (2, 24))
     labels = ids.clone()
     labels[0, 5:9] = -100
@@ -128,12 +133,7 @@ def test_chunked_loss_takes_the_models_arguments_as_it_does(tmp_path):
     dropped), return_dict=False a tuple (a crash) and output_hidden_states the hidden states (they were None)."""
     from transformers import Trainer, TrainingArguments
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=64)
-    own, ours = LlamaForCausalLM(config), LlamaForCausalLM(config)
-    ours.load_state_dict(own.state_dict())
-    use_chunked_loss(ours)
+    own, ours = _llama_and_chunked_copy()
     ids = torch.randint(0, 100, (2, 12))
     mask = torch.ones_like(ids)
     mask[0, :3] = 0

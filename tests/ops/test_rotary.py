@@ -26,6 +26,17 @@ def angles(B, T, D):
     return a.cos(), a.sin()
 
 
+def _run_and_fp64(backend: str, x, cos, sin, dy):
+    """(y, dx) of apply_rotary on ``backend`` and (y, dx) of the fp64 reference, for the cotangent ``dy``."""
+    with use_backend(backend):
+        y = apply_rotary(x, cos, sin)
+        (dx,) = torch.autograd.grad(y, x, dy)
+    x64 = x.detach().to(F64).requires_grad_()
+    expected = reference(x64, cos.to(F64), sin.to(F64))
+    (dx64,) = torch.autograd.grad(expected, x64, dy.to(F64))
+    return y, dx, expected, dx64
+
+
 @pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.float16, 1.5e-3), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("cs_batch", [1, 2], ids=["shared-angles", "per-row-angles"])
@@ -35,12 +46,7 @@ def test_apply_rotary_matches_fp64(backend, dtype, tol, cs_batch, device):
     base = torch.randn(B, T, H + 2, D + 4, dtype=dtype, device=device)
     x = base[:, :, 1:H + 1, 2:D + 2].detach().requires_grad_()  # strided: read in place, last dim contiguous
     dy = torch.randn(B, T, H, D, dtype=dtype, device=device)
-    with use_backend(backend):
-        y = apply_rotary(x, cos, sin)
-        (dx,) = torch.autograd.grad(y, x, dy)
-    x64 = x.detach().to(F64).requires_grad_()
-    expected = reference(x64, cos.to(F64), sin.to(F64))
-    (dx64,) = torch.autograd.grad(expected, x64, dy.to(F64))
+    y, dx, expected, dx64 = _run_and_fp64(backend, x, cos, sin, dy)
     assert y.dtype == dx.dtype == dtype and y.is_contiguous()
     scale = expected.abs().max().item()
     torch.testing.assert_close(y.to(F64), expected, atol=tol * scale, rtol=tol)
@@ -56,12 +62,7 @@ def test_cos_and_sin_of_different_batch_sizes(backend, cos_batch, sin_batch, dev
     cos, sin = angles(cos_batch, T, D)[0].to(device), angles(sin_batch, T, D)[1].to(device)
     x = torch.randn(B, T, H, D, device=device, requires_grad=True)
     dy = torch.randn(B, T, H, D, device=device)
-    with use_backend(backend):
-        y = apply_rotary(x, cos, sin)
-        (dx,) = torch.autograd.grad(y, x, dy)
-    x64 = x.detach().to(F64).requires_grad_()
-    expected = reference(x64, cos.to(F64), sin.to(F64))
-    (dx64,) = torch.autograd.grad(expected, x64, dy.to(F64))
+    y, dx, expected, dx64 = _run_and_fp64(backend, x, cos, sin, dy)
     torch.testing.assert_close(y.to(F64), expected, atol=2e-6 * expected.abs().max().item(), rtol=2e-6)
     torch.testing.assert_close(dx.to(F64), dx64, atol=2e-6 * dx64.abs().max().item(), rtol=2e-6)
 
