@@ -4,8 +4,10 @@ q, k, v: [B, T, H, D] bf16 randn with B*T = 65,536 and H*D = 2048; the "standard
 times log-spaced from 16 to 16,384 tokens); FLOPs = 4*B*H*T^2*D/2 forward, 3.5x that forward+backward; median
 of 10 timed runs after 3 warm-ups, CUDA events. Compared in the same run: foxlm, foxlm with ACP (effective
 TF/s: the unpruned FLOPs over the pruned time), PyTorch SDPA
-flash and cuDNN (no gate), fla's parallel_forgetting_attn when importable. Before timing, the kernels are checked
-against the fp64 reference.
+flash and cuDNN (no gate), fla's parallel_forgetting_attn when importable, and flash-attn-4 when importable (plain
+causal; the gate as a score_mod, without and with the gate gradient from padding channels; the gate as channels:
+fa4_gate.py). Before timing, the
+kernels are checked against the fp64 reference.
 
     PYTHONPATH=. python benchmarks/attention.py [--out DIR] [--dims 64 128] [--seqlens 2048 8192 16384]
 
@@ -109,7 +111,33 @@ def check(device, quick: bool = False) -> dict:
     return out
 
 
-def bench(D: int, T: int, device, fla) -> dict:
+def check_fa4(fa4: dict, device) -> dict:
+    """Relative error (vs the fp64 reference) of FA4's gated attention (padding channels for the gate gradient)."""
+    out = {}
+    for D, T in ((64, 1024), (128, 1024), (64, 4096)):
+        B, H = 2, 4
+        q, k, v = (torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        g = standard_log_fgate(B, T, H, device).requires_grad_()
+        do = torch.randn_like(q)
+        x = [t.detach().double().requires_grad_() for t in (q, k, v, g)]
+        o2 = forgetting_attention_reference(*x)
+        grads2 = torch.autograd.grad(o2, x, do.double())
+        for name in ("foxlm", "fa4+gate+dg", "fa4+ch", "fa4+ch(v padded)"):
+            key = f"{name} d{D} T={T}"
+            try:
+                o = forgetting_attention(q, k, v, g) if name == "foxlm" else fa4[name](q, k, v, g)
+                grads = torch.autograd.grad(o, (q, k, v, g), do)
+            except Exception as e:
+                out[key] = {"error": repr(e)[:300]}
+                print(f"check {key}: {out[key]}", flush=True)
+                continue
+            out[key] = {n: ((a.double() - b).norm() / b.norm()).item()
+                        for n, a, b in zip(("o", "dq", "dk", "dv", "dg"), (o, *grads), (o2, *grads2))}
+            print(f"check {key} bf16 " + " ".join(f"{n}={e:.1e}" for n, e in out[key].items()), flush=True)
+    return out
+
+
+def bench(D: int, T: int, device, fla, fa4=None) -> dict:
     B, H = TOKENS // T, WIDTH // D
     flops_fwd = 4 * B * H * T * T * D / 2
     q, k, v = (torch.randn(B, T, H, D, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
@@ -128,6 +156,8 @@ def bench(D: int, T: int, device, fla) -> dict:
         impls[name] = (sdpa, (qt, kt, vt), dot)
     if fla is not None:
         impls["fla"] = (lambda: fla(q, k, v, g, scale=D ** -0.5), (q, k, v, g), do)
+    for name, fn in (fa4 or {}).items():
+        impls[name] = (lambda fn=fn: fn(q, k, v, g), (q, k, v) if name in ("fa4", "fa4+gate") else (q, k, v, g), do)
     row = {"D": D, "T": T, "B": B, "H": H, "flops_fwd": flops_fwd}
     for name, (fwd, inputs, grad_out) in impls.items():
         try:
@@ -177,6 +207,15 @@ def load_fla():
         return parallel_forgetting_attn
     except Exception as e:
         print(f"fla not available: {e!r}")
+        return None
+
+
+def load_fa4():
+    try:
+        import fa4_gate
+        return fa4_gate.load()
+    except Exception as e:
+        print(f"flash-attn-4 not available: {e!r}")
         return None
 
 
@@ -302,6 +341,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="autotune over the listed tiles, or take the first per head dim (fast compile)")
     parser.add_argument("--quick-check", action="store_true", help="check only the benchmark's specializations")
     parser.add_argument("--no-fla", action="store_true", help="leave fla out (saves its compile time)")
+    parser.add_argument("--no-fa4", action="store_true", help="leave flash-attn-4 out (saves its compile time)")
     args = parser.parse_args(argv)
     if args.peak_mib:
         print(json.dumps(cpu_peak_mib(args.peak_mib)))
@@ -330,10 +370,13 @@ def main(argv: list[str] | None = None) -> None:
             kernel.configs = configs
     timings = record_tuning(kernels)
     fla = None if args.no_fla else load_fla()
+    fa4 = None if args.no_fa4 else load_fa4()
+    if fa4 is not None:
+        errors["fa4+gate+dg"] = check_fa4(fa4, device)
     rows = []
     for D in args.dims:
         for T in args.seqlens or [2048, 8192, 16384]:
-            rows.append(bench(D, T, device, fla))
+            rows.append(bench(D, T, device, fla, fa4))
             torch.cuda.empty_cache()
             with open(path, "w") as f:  # after every shape, so that a run cut short still reports
                 json.dump({"env": env, "check_rel_err": errors, "rows": rows, "tuning_ms": timings}, f, indent=1)
@@ -349,7 +392,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def table(rows: list[dict], env: dict) -> str:
     """Markdown table of fwd+bwd TF/s (ratio to SDPA flash) per implementation and shape."""
-    names = [n for n in ("foxlm", "foxlm+acp", "foxlm-det", "foxlm+acp-det", "sdpa-flash", "sdpa-cudnn", "fla")
+    names = [n for n in ("foxlm", "foxlm+acp", "foxlm-det", "foxlm+acp-det", "sdpa-flash", "sdpa-cudnn", "fla", "fa4",
+                           "fa4+gate", "fa4+gate+dg", "fa4+ch", "fa4+ch(v padded)")
              if any(n in r for r in rows)]
     head = "| impl | " + " | ".join(f"d{r['D']} T={r['T'] // 1024}k" for r in rows) + " |"
     lines = [f"fwd+bwd TF/s (x SDPA flash), {env['device']}, {env['date']}", head, "|---" * (len(rows) + 1) + "|"]
