@@ -180,7 +180,7 @@ def is_token_dataset(path: Path) -> bool:
 
 
 def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[Source]:
-    """Expand files and folders into sources, sorted within each folder.
+    """Expand files and folders into sources, sorted within each folder, each file once where inputs overlap.
 
     Inside folders: the files whose name matches ``pattern`` (e.g. ``*.md``) at any depth, or, for a pattern with a
     ``/``, the files it globs; hidden entries and prepared token datasets are skipped, and a subfolder that cannot be
@@ -207,7 +207,21 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
             sources.append(Source(path, _kind(path)))
         else:
             raise FileNotFoundError(f"inputs: {path} does not exist")
-    return sources
+    return _unique(sources)
+
+
+def _unique(sources: list[Source]) -> list[Source]:
+    """``sources`` with each file (or dataset split) once, where inputs overlap (a folder and a file or subfolder
+    in it, one named twice): read twice, its documents would be trained on twice and could land in both splits."""
+    seen, unique = set(), []
+    for src in sources:
+        key = (src.kind, src.path if src.kind == "hub" else src.path.resolve(), src.split)
+        if key in seen:
+            print(f"{src.path}: named by more than one input; read once", file=sys.stderr)
+            continue
+        seen.add(key)
+        unique.append(src)
+    return unique
 
 
 def _split_sources(path: Path, kind: str, splits: list[str]) -> list[Source]:

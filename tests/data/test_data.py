@@ -412,6 +412,23 @@ def test_every_json_lines_suffix_is_read_as_json_lines(tmp_path, gpt2):
                                                                                for t in texts]
 
 
+def test_overlapping_inputs_read_each_file_once(tmp_path, capsys):
+    """A file named by several inputs (a folder and a subfolder or a file in it, one input twice) is one source: its
+    documents were read once per input, trained on twice and held out too (the same text in train and val)."""
+    sub = tmp_path / "src" / "sub"
+    sub.mkdir(parents=True)
+    texts = [f"document number {i}" for i in range(3)]
+    for i, text in enumerate(texts):
+        (sub / f"{i}.txt").write_text(text)
+    meta = prepare([tmp_path / "src", sub, sub / "0.txt", tmp_path / "src"], tmp_path / "out", tokenizer="byte",
+                   val_fraction=0.34, workers=0, progress=False)
+    docs = {split: [bytes(d[1:].astype(np.uint8)).decode() for d in TokenDataset(tmp_path / "out", split).documents()]
+            for split in ("train", "val")}
+    assert sorted(docs["train"] + docs["val"]) == texts and meta["num_docs"] == 3
+    assert [r["path"] for r in meta["sources"]] == [str(sub / f"{i}.txt") for i in range(3)]
+    assert "named by more than one input; read once" in capsys.readouterr().err
+
+
 def test_a_lone_surrogate_in_json_is_a_reported_skip(tmp_path):
     """A JSON Lines text with half of a UTF-16 pair (``"\\ud83e"``, a cut emoji) is no text: it is skipped as bad
     UTF-8 naming its line, for every tokenizer (byte crashed the run with a UnicodeEncodeError, gpt2 silently made it
