@@ -168,7 +168,10 @@ def _kind(path: Path) -> str:
 
 
 def _is_hf_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    """Whether folder ``path`` is a ``datasets`` ``save_to_disk`` folder (a DatasetDict's, or a Dataset's: not just
+    any folder holding a ``state.json``)."""
+    return (path / "dataset_dict.json").is_file() or all((path / f).is_file() for f in ("state.json",
+                                                                                        "dataset_info.json"))
 
 
 def is_token_dataset(path: Path) -> bool:
@@ -183,8 +186,9 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
     """Expand files and folders into sources, sorted within each folder, each file once where inputs overlap.
 
     Inside folders: the files whose name matches ``pattern`` (e.g. ``*.md``) at any depth, or, for a pattern with a
-    ``/``, the files it globs; hidden entries and prepared token datasets are skipped, and a subfolder that cannot be
-    listed becomes an ``unreadable`` source (reported and counted like an unreadable file).
+    ``/``, the files it globs; hidden entries and prepared token datasets are skipped, a ``datasets`` folder is read
+    as a dataset (with the default pattern, else skipped), and a subfolder that cannot be listed becomes an
+    ``unreadable`` source (reported and counted like an unreadable file).
     """
     if Path(pattern).is_absolute() or ".." in Path(pattern).parts:  # it could only match outside the folders
         raise ValueError(f"pattern (--glob): expected a pattern inside the input folders (e.g. '*.md' or "
@@ -198,9 +202,7 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
         if path.is_dir() and is_token_dataset(path):
             raise ValueError(f"inputs: {path} holds prepared token shards, not text (its `foxlm data prepare` output)")
         if path.is_dir() and _is_hf_dataset(path):
-            dict_file = path / "dataset_dict.json"
-            splits = json.loads(dict_file.read_text())["splits"] if dict_file.is_file() else []
-            sources.extend(_split_sources(path, "hf", splits))
+            sources.extend(_hf_folder_sources(path))
         elif path.is_dir():
             sources.extend(_folder_sources(path, pattern))
         elif path.exists():
@@ -222,6 +224,13 @@ def _unique(sources: list[Source]) -> list[Source]:
         seen.add(key)
         unique.append(src)
     return unique
+
+
+def _hf_folder_sources(path: Path) -> list[Source]:
+    """The sources of a ``datasets`` folder (``save_to_disk``): its train and validation splits, or all of it."""
+    dict_file = path / "dataset_dict.json"
+    splits = json.loads(dict_file.read_text())["splits"] if dict_file.is_file() else []
+    return _split_sources(path, "hf", splits)
 
 
 def _split_sources(path: Path, kind: str, splits: list[str]) -> list[Source]:
@@ -266,6 +275,14 @@ def _folder_sources(root: Path, pattern: str) -> list[Source]:
         if here != root and is_token_dataset(here):
             print(f"skipped {here}: prepared token shards, not text", file=sys.stderr)
             dirs.clear()
+            continue
+        if here != root and _is_hf_dataset(here):  # its files are Arrow data and JSON metadata, not documents
+            dirs.clear()
+            if pattern == "*":
+                found.extend(_hf_folder_sources(here))
+            else:
+                print(f"skipped {here}: a datasets folder, not files matching {pattern!r} (name it as an input to "
+                      "read it)", file=sys.stderr)
             continue
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         walked += [here / f for f in files if not f.startswith(".") and ("/" in pattern or fnmatch.fnmatch(f, pattern))]

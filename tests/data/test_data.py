@@ -561,6 +561,29 @@ def _split_docs(path) -> dict[str, list[list[int]]]:
     return {split: [d[1:].tolist() for d in TokenDataset(path, split).documents()] for split in ("train", "val")}
 
 
+def test_a_datasets_folder_inside_an_input_folder_is_read_as_a_dataset(tmp_path, gpt2, capsys):
+    """A ``save_to_disk`` folder met inside an input folder is a dataset (its rows the documents, its own splits
+    kept), as when named itself: its JSON metadata was trained on as text documents, its Arrow file skipped as binary
+    and its rows lost. With a pattern it is skipped and named; a folder that merely holds a state.json is text."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"train": ["alpha beta gamma", "delta epsilon"], "validation": ["zeta eta"]}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()}).save_to_disk(
+        str(tmp_path / "src" / "saved"))
+    (tmp_path / "src" / "notes").mkdir()
+    (tmp_path / "src" / "notes" / "state.json").write_text('{"a": "an app state file, read as text"}')
+    (tmp_path / "src" / "z.txt").write_text("a plain text file")
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    assert meta["skipped"]["count"] == 0
+    assert _split_docs(tmp_path / "out") == {
+        "train": [gpt2.encode(t) for t in ['{"a": "an app state file, read as text"}', *rows["train"],
+                                           "a plain text file"]],
+        "val": [gpt2.encode(t) for t in rows["validation"]]}
+    capsys.readouterr()
+    prepare([tmp_path / "src"], tmp_path / "txt", pattern="*.txt", val_fraction=0.0, workers=0, progress=False)
+    assert _split_docs(tmp_path / "txt")["train"] == [gpt2.encode("a plain text file")]
+    assert f"skipped {tmp_path / 'src' / 'saved'}: a datasets folder" in capsys.readouterr().err
+
+
 def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
     """A DatasetDict (save_to_disk) and a streamed dataset folder (hub:PATH, as ``load_dataset(NAME, streaming=True)``
     reads a Hub dataset) with train and validation splits keep them, whatever val_fraction; a test split is not
