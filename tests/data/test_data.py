@@ -412,6 +412,24 @@ def test_every_json_lines_suffix_is_read_as_json_lines(tmp_path, gpt2):
                                                                                for t in texts]
 
 
+@pytest.mark.parametrize("layout", ["lines", "array", "array.gz"])
+def test_a_json_file_is_read_as_json_records(tmp_path, gpt2, layout):
+    """A .json file of JSON Lines or of one array of records gives the texts ``datasets.load_dataset("json")`` reads
+    from it (it was one text document of raw JSON: braces, keys and escapes trained on)."""
+    datasets = pytest.importorskip("datasets")
+    records = [{"text": "first \u00e9 document", "id": 1}, {"text": "second\nline", "id": 2}, {"text": "third"}]
+    data = ("".join(json.dumps(r) + "\n" for r in records) if layout == "lines" else json.dumps(records, indent=2))
+    file = tmp_path / "src" / ("data.json.gz" if layout.endswith(".gz") else "data.json")
+    file.parent.mkdir()
+    file.write_bytes(gzip.compress(data.encode()) if layout.endswith(".gz") else data.encode())
+    expected = datasets.load_dataset("json", data_files=str(file), split="train",
+                                     cache_dir=str(tmp_path / "cache"))["text"]
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    assert meta["skipped"]["count"] == 0
+    assert [d.tolist() for d in TokenDataset(tmp_path / "out").documents()] == [[gpt2.eot_id] + gpt2.encode(t)
+                                                                               for t in expected]
+
+
 def test_overlapping_inputs_read_each_file_once(tmp_path, capsys):
     """A file named by several inputs (a folder and a subfolder or a file in it, one input twice) is one source: its
     documents were read once per input, trained on twice and held out too (the same text in train and val)."""
@@ -564,18 +582,19 @@ def _split_docs(path) -> dict[str, list[list[int]]]:
 def test_a_datasets_folder_inside_an_input_folder_is_read_as_a_dataset(tmp_path, gpt2, capsys):
     """A ``save_to_disk`` folder met inside an input folder is a dataset (its rows the documents, its own splits
     kept), as when named itself: its JSON metadata was trained on as text documents, its Arrow file skipped as binary
-    and its rows lost. With a pattern it is skipped and named; a folder that merely holds a state.json is text."""
+    and its rows lost. With a pattern it is skipped and named; a folder that merely holds a state.json is no
+    dataset."""
     datasets = pytest.importorskip("datasets")
     rows = {"train": ["alpha beta gamma", "delta epsilon"], "validation": ["zeta eta"]}
     datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()}).save_to_disk(
         str(tmp_path / "src" / "saved"))
     (tmp_path / "src" / "notes").mkdir()
-    (tmp_path / "src" / "notes" / "state.json").write_text('{"a": "an app state file, read as text"}')
+    (tmp_path / "src" / "notes" / "state.json").write_text('{"text": "an app state file, read as JSON"}')
     (tmp_path / "src" / "z.txt").write_text("a plain text file")
     meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
     assert meta["skipped"]["count"] == 0
     assert _split_docs(tmp_path / "out") == {
-        "train": [gpt2.encode(t) for t in ['{"a": "an app state file, read as text"}', *rows["train"],
+        "train": [gpt2.encode(t) for t in ["an app state file, read as JSON", *rows["train"],
                                            "a plain text file"]],
         "val": [gpt2.encode(t) for t in rows["validation"]]}
     capsys.readouterr()
