@@ -124,6 +124,31 @@ def test_any_hf_tokenizer_folder(tmp_path, plays):
     assert ds.tokenizer().name == f"hf:{(tmp_path / 'data' / 'tokenizer').resolve()}"
 
 
+def test_a_tokenizer_folders_eos_is_the_one_autotokenizer_reads(tmp_path, plays):
+    """A folder naming its eos_token in special_tokens_map.json (older save_pretrained folders) separates documents
+    with that token, as ``AutoTokenizer`` reads it, also over tokenizer_config.json's (foxlm took </s>, a candidate,
+    or the config's, and trained on another EOS than the folder's users generate until); a dataset's copy keeps it."""
+    from transformers import AutoTokenizer
+
+    rng = random.Random()
+    texts = [_random_text(rng, plays, 2000) for _ in range(3)]
+    folder = llama_style_tokenizer(tmp_path / "tok", texts)
+    for config in ({"bos_token": "<s>"}, {"bos_token": "<s>", "eos_token": "</s>"}):
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<s>"}))
+        get_tokenizer.cache_clear()
+        tok = get_tokenizer(str(folder))
+        hf = AutoTokenizer.from_pretrained(folder)
+        assert tok.eot_id == hf.eos_token_id == hf.convert_tokens_to_ids("<s>")
+    out = tmp_path / "data"
+    prepare(texts_to_files(tmp_path / "src", texts[:1]), out, tokenizer=str(folder), val_fraction=0.0, workers=0,
+            progress=False)
+    ds = TokenDataset(out)
+    assert ds.document(0)[0] == tok.eot_id and ds.tokenizer().eot_id == tok.eot_id  # the copy names it too
+    prepare(texts_to_files(tmp_path / "src2", texts[1:]), out, tokenizer=str(folder), val_fraction=0.0, workers=0,
+            progress=False, overwrite=True)  # a dataset carrying the map is still only a dataset
+
+
 def texts_to_files(folder, texts):
     folder.mkdir()
     for i, text in enumerate(texts):
