@@ -12,8 +12,9 @@ def register(subparsers) -> None:
                        description="Tokenize inputs into packed uint16 (uint32 for large vocabularies) shards with "
                                    "document boundaries, split into train/val by whole documents; a dataset with "
                                    "train and validation splits keeps them.")
-    p.add_argument("inputs", nargs="+", help="files or folders (text, .gz, .jsonl, .parquet, datasets save_to_disk), "
-                   "or hub:NAME, a dataset datasets.load_dataset(NAME, streaming=True) streams (Hub name or folder)")
+    p.add_argument("inputs", nargs="+", help="files or folders (text, .gz, .jsonl, .json, .parquet, datasets "
+                   "save_to_disk), or hub:NAME, a dataset datasets.load_dataset(NAME, streaming=True) streams "
+                   "(Hub name or folder)")
     p.add_argument("--out", required=True, help="output folder (written atomically)")
     p.add_argument("--tokenizer", default="gpt2", help="'gpt2', 'json-gpt2', 'byte', or a folder with "
                    "encoder.json + vocab.bpe or a Hugging Face tokenizer.json")

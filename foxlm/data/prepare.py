@@ -41,7 +41,7 @@ BATCH_CHARS = 1 << 18
 MAX_SKIP_EXAMPLES = 100
 _SHARD_FILE = re.compile(r"(train|val)-\d{5}\.(bin|idx)")
 # what a dataset's tokenizer/ holds (``copy_files``: a folder tokenizer's files)
-_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "encoder.json", "vocab.bpe"}
+_TOKENIZER_FILES = {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "encoder.json", "vocab.bpe"}
 
 _worker_tok: Tokenizer | None = None
 

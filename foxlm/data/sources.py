@@ -1,12 +1,13 @@
 """Streaming document readers for ``foxlm data prepare``.
 
 Inputs: text files (``.gz`` too; one file = one document), directories of them, JSON Lines (one document per line,
-under ``text_key``), both UTF-8 (a leading byte-order mark is dropped), Parquet (needs ``pyarrow``), local Hugging
-Face ``datasets`` folders saved with ``save_to_disk`` and ``hub:NAME``, a dataset ``datasets.load_dataset(NAME,
-streaming=True)`` streams (a Hub name or a local dataset folder; both need ``datasets``). A dataset with a validation
-split (``validation``, ``valid`` or ``val``) keeps its own splits: its ``train`` split is trained on, its validation
-split held out, any other split (``test``) left unread; one without is read whole and split like any input. Every
-reader yields *events* so that memory stays flat whatever the size:
+under ``text_key``; a ``.json`` file may also hold one array of such records), both UTF-8 (a leading byte-order mark
+is dropped), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folders saved with ``save_to_disk`` and
+``hub:NAME``, a dataset ``datasets.load_dataset(NAME, streaming=True)`` streams (a Hub name or a local dataset
+folder; both need ``datasets``). A dataset with a validation split (``validation``, ``valid`` or ``val``) keeps its
+own splits: its ``train`` split is trained on, its validation split held out, any other split (``test``) left unread;
+one without is read whole and split like any input. Every reader yields *events* so that memory stays flat whatever
+the size (a ``.json`` array apart):
 
 - ``("piece", text)``: the next piece of the current document. Long texts are cut into pieces of about
   ``Cuts.chars`` characters only where the tokenizer splits anyway (for GPT-2's pre-tokenizer: where whitespace
@@ -41,6 +42,7 @@ from ..hub import offline_unless_reachable
 Event = tuple[str, "str | tuple[str, str] | None"]
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson", ".ndjson.gz")
+JSON_SUFFIXES = (".json", ".json.gz")  # JSON Lines, or one array of records (as ``datasets``' json loader reads)
 PARQUET_SUFFIXES = (".parquet",)
 PIECE_CHARS = 1 << 20
 FORMAT = "foxlm.tokens/1"  # the meta.json format of what `prepare` writes: never read back as text
@@ -142,7 +144,7 @@ class Source:
     """One input: a file or a ``datasets`` folder, with what was read from it."""
 
     path: Path
-    kind: str  # "text" | "jsonl" | "parquet" | "hf" | "hub"
+    kind: str  # "text" | "jsonl" | "json" | "parquet" | "hf" | "hub"
     split: str | None = None  # the dataset's split read (None: all of it)
     to: str | None = None  # "train" | "val": where its documents go (None: by val_fraction)
     sha256: str | None = None
@@ -162,13 +164,18 @@ def _kind(path: Path) -> str:
     name = path.name.lower()
     if name.endswith(JSONL_SUFFIXES):
         return "jsonl"
+    if name.endswith(JSON_SUFFIXES):
+        return "json"
     if name.endswith(PARQUET_SUFFIXES):
         return "parquet"
     return "text"
 
 
 def _is_hf_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+    """Whether folder ``path`` is a ``datasets`` ``save_to_disk`` folder (a DatasetDict's, or a Dataset's: not just
+    any folder holding a ``state.json``)."""
+    return (path / "dataset_dict.json").is_file() or all((path / f).is_file() for f in ("state.json",
+                                                                                        "dataset_info.json"))
 
 
 def is_token_dataset(path: Path) -> bool:
@@ -180,11 +187,12 @@ def is_token_dataset(path: Path) -> bool:
 
 
 def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[Source]:
-    """Expand files and folders into sources, sorted within each folder.
+    """Expand files and folders into sources, sorted within each folder, each file once where inputs overlap.
 
     Inside folders: the files whose name matches ``pattern`` (e.g. ``*.md``) at any depth, or, for a pattern with a
-    ``/``, the files it globs; hidden entries and prepared token datasets are skipped, and a subfolder that cannot be
-    listed becomes an ``unreadable`` source (reported and counted like an unreadable file).
+    ``/``, the files it globs; hidden entries and prepared token datasets are skipped, a ``datasets`` folder is read
+    as a dataset (with the default pattern, else skipped), and a subfolder that cannot be listed becomes an
+    ``unreadable`` source (reported and counted like an unreadable file).
     """
     if Path(pattern).is_absolute() or ".." in Path(pattern).parts:  # it could only match outside the folders
         raise ValueError(f"pattern (--glob): expected a pattern inside the input folders (e.g. '*.md' or "
@@ -198,16 +206,35 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
         if path.is_dir() and is_token_dataset(path):
             raise ValueError(f"inputs: {path} holds prepared token shards, not text (its `foxlm data prepare` output)")
         if path.is_dir() and _is_hf_dataset(path):
-            dict_file = path / "dataset_dict.json"
-            splits = json.loads(dict_file.read_text())["splits"] if dict_file.is_file() else []
-            sources.extend(_split_sources(path, "hf", splits))
+            sources.extend(_hf_folder_sources(path))
         elif path.is_dir():
             sources.extend(_folder_sources(path, pattern))
         elif path.exists():
             sources.append(Source(path, _kind(path)))
         else:
             raise FileNotFoundError(f"inputs: {path} does not exist")
-    return sources
+    return _unique(sources)
+
+
+def _unique(sources: list[Source]) -> list[Source]:
+    """``sources`` with each file (or dataset split) once, where inputs overlap (a folder and a file or subfolder
+    in it, one named twice): read twice, its documents would be trained on twice and could land in both splits."""
+    seen, unique = set(), []
+    for src in sources:
+        key = (src.kind, src.path if src.kind == "hub" else src.path.resolve(), src.split)
+        if key in seen:
+            print(f"{src.path}: named by more than one input; read once", file=sys.stderr)
+            continue
+        seen.add(key)
+        unique.append(src)
+    return unique
+
+
+def _hf_folder_sources(path: Path) -> list[Source]:
+    """The sources of a ``datasets`` folder (``save_to_disk``): its train and validation splits, or all of it."""
+    dict_file = path / "dataset_dict.json"
+    splits = json.loads(dict_file.read_text())["splits"] if dict_file.is_file() else []
+    return _split_sources(path, "hf", splits)
 
 
 def _split_sources(path: Path, kind: str, splits: list[str]) -> list[Source]:
@@ -252,6 +279,14 @@ def _folder_sources(root: Path, pattern: str) -> list[Source]:
         if here != root and is_token_dataset(here):
             print(f"skipped {here}: prepared token shards, not text", file=sys.stderr)
             dirs.clear()
+            continue
+        if here != root and _is_hf_dataset(here):  # its files are Arrow data and JSON metadata, not documents
+            dirs.clear()
+            if pattern == "*":
+                found.extend(_hf_folder_sources(here))
+            else:
+                print(f"skipped {here}: a datasets folder, not files matching {pattern!r} (name it as an input to "
+                      "read it)", file=sys.stderr)
             continue
         dirs[:] = [d for d in dirs if not d.startswith(".")]
         walked += [here / f for f in files if not f.startswith(".") and ("/" in pattern or fnmatch.fnmatch(f, pattern))]
@@ -320,25 +355,54 @@ def _jsonl_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[
                 continue
             try:
                 obj = json.loads(line.decode("utf-8-sig" if lineno == 1 else "utf-8"))  # no byte-order mark
-                text = obj[text_key] if isinstance(obj, dict) else None
             except UnicodeDecodeError as e:
                 yield "skip", ("bad UTF-8", f"line {lineno}: {e.reason} at byte {e.start}")
                 continue
             except json.JSONDecodeError as e:
                 yield "skip", ("bad JSON", f"line {lineno}: {e.msg}")
                 continue
-            except KeyError:
-                yield "skip", ("no text", f"line {lineno}: no {text_key!r} field")
-                continue
-            if not isinstance(text, str):
-                yield "skip", ("no text", f"line {lineno}: {text_key!r} is not a string")
-                continue
-            if (half := _SURROGATE.search(text)) is not None:  # no UTF-8 has it: tokenizers raise or replace it
-                yield "skip", ("bad UTF-8", f"line {lineno}: {text_key!r} holds a lone surrogate \\u"
-                                            f"{ord(half.group()):04x} (half of a character) at index {half.start()}")
-                continue
-            yield from document_events(text, cuts)
+            yield from _record_events(obj, text_key, f"line {lineno}", cuts)
         src.sha256 = raw.sha256.hexdigest()
+
+
+def _record_events(obj, text_key: str, where: str, cuts: Cuts) -> Iterator[Event]:
+    """Events of one JSON record (``where``: its line or index, for a skip's detail)."""
+    if not isinstance(obj, dict) or text_key not in obj:
+        yield "skip", ("no text", f"{where}: no {text_key!r} field")
+        return
+    text = obj[text_key]
+    if not isinstance(text, str):
+        yield "skip", ("no text", f"{where}: {text_key!r} is not a string")
+        return
+    if (half := _SURROGATE.search(text)) is not None:  # no UTF-8 has it: tokenizers raise or replace it
+        yield "skip", ("bad UTF-8", f"{where}: {text_key!r} holds a lone surrogate \\u{ord(half.group()):04x} "
+                                    f"(half of a character) at index {half.start()}")
+        return
+    yield from document_events(text, cuts)
+
+
+def _json_events(src: Source, text_key: str, on_bytes, cuts: Cuts) -> Iterator[Event]:
+    """A ``.json`` file: JSON Lines, or an array of records (read whole), as ``datasets.load_dataset("json")`` takes
+    both; its raw JSON is no document."""
+    with (gzip.open if src.path.name.lower().endswith(".gz") else open)(src.path, "rb") as f:
+        head = f.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip()
+    if not head.startswith(b"["):
+        yield from _jsonl_events(src, text_key, on_bytes, cuts)
+        return
+    stream, raw = _open_binary(src.path, on_bytes)
+    with stream:
+        data = stream.read()
+    src.sha256 = raw.sha256.hexdigest()
+    try:
+        records = json.loads(data.decode("utf-8-sig"))
+    except UnicodeDecodeError as e:
+        yield "skip", ("bad UTF-8", f"{e.reason} at byte {e.start}")
+        return
+    except json.JSONDecodeError as e:
+        yield "skip", ("bad JSON", f"line {e.lineno}: {e.msg}")
+        return
+    for i, obj in enumerate(records):
+        yield from _record_events(obj, text_key, f"record {i}", cuts)
 
 
 def _column_events(src: Source, text_key: str, batches: Iterator[list], total_rows: int, on_bytes, cuts: Cuts):
@@ -428,6 +492,7 @@ def source_events(src: Source, text_key: str, on_bytes: Callable[[int], None],
     """Events of one source; an unreadable source or a decoding error ends in a ``skip`` event, never a crash."""
     readers = {"text": lambda: _text_file_events(src, on_bytes, cuts),
                "jsonl": lambda: _jsonl_events(src, text_key, on_bytes, cuts),
+               "json": lambda: _json_events(src, text_key, on_bytes, cuts),
                "parquet": lambda: _parquet_events(src, text_key, on_bytes, cuts),
                "hf": lambda: _hf_events(src, text_key, on_bytes, cuts),
                "hub": lambda: _hub_events(src, text_key, on_bytes, cuts)}

@@ -101,7 +101,8 @@ class BPETokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizers`` tokenizer from a folder's ``tokenizer.json`` (e.g. a Llama or Mistral one).
 
-    ``eot_id`` is its end-of-text token: ``eos_token`` of the folder's ``tokenizer_config.json``, else the first of
+    ``eot_id`` is its end-of-text token: ``eos_token`` of the folder's ``special_tokens_map.json`` or
+    ``tokenizer_config.json`` (the first that names one, as in ``transformers``), else the first of
     ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>`` it has. ``vocab_size`` counts the added tokens.
     One that gives GPT-2's ids (``BPETokenizer.save_pretrained`` of GPT-2, in every model folder of a GPT-2 run) is
     ``"gpt2"``, with its fingerprint, as a folder of GPT-2's own files is: it stands in for them where they are missing.
@@ -112,7 +113,7 @@ class HFTokenizer:
 
         self.folder = Path(folder).expanduser().resolve()
         file = self.folder / "tokenizer.json"
-        self.files = tuple(f for f in (file, self.folder / "tokenizer_config.json") if f.is_file())
+        self.files = tuple(f for f in (file, *(self.folder / n for n in _EOS_FILES)) if f.is_file())
         self.name = f"hf:{self.folder}"
         self.file_sha256 = sha256_file(file)  # the fingerprint datasets recorded before it was the content's
         self._tok = _Tokenizer.from_file(str(file))
@@ -213,23 +214,29 @@ def _gpt2_pre_tokenized(tok) -> bool:
 _EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
 
+# where a folder names its eos_token, the first that does wins (as in transformers)
+_EOS_FILES = ("special_tokens_map.json", "tokenizer_config.json")
+
+
 def _eot_token(folder: Path, vocab: dict[str, int]) -> str:
-    """The end-of-text token of a tokenizer folder (``HFTokenizer``)."""
-    config = folder / "tokenizer_config.json"
-    settings = {}
-    if config.is_file():
+    """The end-of-text token of a tokenizer folder (``HFTokenizer``): ``eos_token`` as ``AutoTokenizer`` reads it
+    (``special_tokens_map.json``'s over ``tokenizer_config.json``'s), else the first candidate the vocabulary has."""
+    for name in _EOS_FILES:
+        config = folder / name
+        if not config.is_file():
+            continue
         try:
             settings = json.loads(config.read_text(encoding="utf-8"))
         except ValueError as e:  # bad JSON or bad UTF-8
             raise ValueError(f"tokenizer: {config}: not valid JSON ({e})") from None
         if not isinstance(settings, dict):
             raise ValueError(f"tokenizer: {config}: expected a JSON object, got {type(settings).__name__}")
-    eos = settings.get("eos_token")
-    eos = eos.get("content") if isinstance(eos, dict) else eos
-    if eos is not None:
-        if eos not in vocab:
-            raise ValueError(f"tokenizer: {config} names eos_token {eos!r}, which tokenizer.json does not have")
-        return eos
+        eos = settings.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        if eos is not None:
+            if eos not in vocab:
+                raise ValueError(f"tokenizer: {config} names eos_token {eos!r}, which tokenizer.json does not have")
+            return eos
     for token in _EOT_CANDIDATES:
         if token in vocab:
             return token
@@ -406,7 +413,7 @@ def tokenizer_from_spec(spec: dict, folders: Sequence[str | os.PathLike] = ()) -
 
 
 def copy_files(tok: Tokenizer, folder: str | os.PathLike) -> bool:
-    """Copy a folder's tokenizer (its ``files``: ``tokenizer.json`` and ``tokenizer_config.json``, or ``encoder.json``
+    """Copy a folder's tokenizer (its ``files``: ``tokenizer.json`` and its settings files, or ``encoder.json``
     and ``vocab.bpe``) into ``folder``, so that what carries it keeps working when the original moves; returns
     whether ``tok`` has such files (the built-in ones need none; a ``tokenizer.json`` folder that stands in for
     GPT-2's files is copied too, as it may be all there is offline)."""

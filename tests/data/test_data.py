@@ -124,6 +124,31 @@ def test_any_hf_tokenizer_folder(tmp_path, plays):
     assert ds.tokenizer().name == f"hf:{(tmp_path / 'data' / 'tokenizer').resolve()}"
 
 
+def test_a_tokenizer_folders_eos_is_the_one_autotokenizer_reads(tmp_path, plays):
+    """A folder naming its eos_token in special_tokens_map.json (older save_pretrained folders) separates documents
+    with that token, as ``AutoTokenizer`` reads it, also over tokenizer_config.json's (foxlm took </s>, a candidate,
+    or the config's, and trained on another EOS than the folder's users generate until); a dataset's copy keeps it."""
+    from transformers import AutoTokenizer
+
+    rng = random.Random()
+    texts = [_random_text(rng, plays, 2000) for _ in range(3)]
+    folder = llama_style_tokenizer(tmp_path / "tok", texts)
+    for config in ({"bos_token": "<s>"}, {"bos_token": "<s>", "eos_token": "</s>"}):
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        (folder / "special_tokens_map.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "<s>"}))
+        get_tokenizer.cache_clear()
+        tok = get_tokenizer(str(folder))
+        hf = AutoTokenizer.from_pretrained(folder)
+        assert tok.eot_id == hf.eos_token_id == hf.convert_tokens_to_ids("<s>")
+    out = tmp_path / "data"
+    prepare(texts_to_files(tmp_path / "src", texts[:1]), out, tokenizer=str(folder), val_fraction=0.0, workers=0,
+            progress=False)
+    ds = TokenDataset(out)
+    assert ds.document(0)[0] == tok.eot_id and ds.tokenizer().eot_id == tok.eot_id  # the copy names it too
+    prepare(texts_to_files(tmp_path / "src2", texts[1:]), out, tokenizer=str(folder), val_fraction=0.0, workers=0,
+            progress=False, overwrite=True)  # a dataset carrying the map is still only a dataset
+
+
 def texts_to_files(folder, texts):
     folder.mkdir()
     for i, text in enumerate(texts):
@@ -412,6 +437,41 @@ def test_every_json_lines_suffix_is_read_as_json_lines(tmp_path, gpt2):
                                                                                for t in texts]
 
 
+@pytest.mark.parametrize("layout", ["lines", "array", "array.gz"])
+def test_a_json_file_is_read_as_json_records(tmp_path, gpt2, layout):
+    """A .json file of JSON Lines or of one array of records gives the texts ``datasets.load_dataset("json")`` reads
+    from it (it was one text document of raw JSON: braces, keys and escapes trained on)."""
+    datasets = pytest.importorskip("datasets")
+    records = [{"text": "first \u00e9 document", "id": 1}, {"text": "second\nline", "id": 2}, {"text": "third"}]
+    data = ("".join(json.dumps(r) + "\n" for r in records) if layout == "lines" else json.dumps(records, indent=2))
+    file = tmp_path / "src" / ("data.json.gz" if layout.endswith(".gz") else "data.json")
+    file.parent.mkdir()
+    file.write_bytes(gzip.compress(data.encode()) if layout.endswith(".gz") else data.encode())
+    expected = datasets.load_dataset("json", data_files=str(file), split="train",
+                                     cache_dir=str(tmp_path / "cache"))["text"]
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    assert meta["skipped"]["count"] == 0
+    assert [d.tolist() for d in TokenDataset(tmp_path / "out").documents()] == [[gpt2.eot_id] + gpt2.encode(t)
+                                                                               for t in expected]
+
+
+def test_overlapping_inputs_read_each_file_once(tmp_path, capsys):
+    """A file named by several inputs (a folder and a subfolder or a file in it, one input twice) is one source: its
+    documents were read once per input, trained on twice and held out too (the same text in train and val)."""
+    sub = tmp_path / "src" / "sub"
+    sub.mkdir(parents=True)
+    texts = [f"document number {i}" for i in range(3)]
+    for i, text in enumerate(texts):
+        (sub / f"{i}.txt").write_text(text)
+    meta = prepare([tmp_path / "src", sub, sub / "0.txt", tmp_path / "src"], tmp_path / "out", tokenizer="byte",
+                   val_fraction=0.34, workers=0, progress=False)
+    docs = {split: [bytes(d[1:].astype(np.uint8)).decode() for d in TokenDataset(tmp_path / "out", split).documents()]
+            for split in ("train", "val")}
+    assert sorted(docs["train"] + docs["val"]) == texts and meta["num_docs"] == 3
+    assert [r["path"] for r in meta["sources"]] == [str(sub / f"{i}.txt") for i in range(3)]
+    assert "named by more than one input; read once" in capsys.readouterr().err
+
+
 def test_a_lone_surrogate_in_json_is_a_reported_skip(tmp_path):
     """A JSON Lines text with half of a UTF-16 pair (``"\\ud83e"``, a cut emoji) is no text: it is skipped as bad
     UTF-8 naming its line, for every tokenizer (byte crashed the run with a UnicodeEncodeError, gpt2 silently made it
@@ -542,6 +602,30 @@ def test_prepare_parquet_and_hf_datasets(tmp_path, gpt2, plays):
 
 def _split_docs(path) -> dict[str, list[list[int]]]:
     return {split: [d[1:].tolist() for d in TokenDataset(path, split).documents()] for split in ("train", "val")}
+
+
+def test_a_datasets_folder_inside_an_input_folder_is_read_as_a_dataset(tmp_path, gpt2, capsys):
+    """A ``save_to_disk`` folder met inside an input folder is a dataset (its rows the documents, its own splits
+    kept), as when named itself: its JSON metadata was trained on as text documents, its Arrow file skipped as binary
+    and its rows lost. With a pattern it is skipped and named; a folder that merely holds a state.json is no
+    dataset."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"train": ["alpha beta gamma", "delta epsilon"], "validation": ["zeta eta"]}
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()}).save_to_disk(
+        str(tmp_path / "src" / "saved"))
+    (tmp_path / "src" / "notes").mkdir()
+    (tmp_path / "src" / "notes" / "state.json").write_text('{"text": "an app state file, read as JSON"}')
+    (tmp_path / "src" / "z.txt").write_text("a plain text file")
+    meta = prepare([tmp_path / "src"], tmp_path / "out", val_fraction=0.0, workers=0, progress=False)
+    assert meta["skipped"]["count"] == 0
+    assert _split_docs(tmp_path / "out") == {
+        "train": [gpt2.encode(t) for t in ["an app state file, read as JSON", *rows["train"],
+                                           "a plain text file"]],
+        "val": [gpt2.encode(t) for t in rows["validation"]]}
+    capsys.readouterr()
+    prepare([tmp_path / "src"], tmp_path / "txt", pattern="*.txt", val_fraction=0.0, workers=0, progress=False)
+    assert _split_docs(tmp_path / "txt")["train"] == [gpt2.encode("a plain text file")]
+    assert f"skipped {tmp_path / 'src' / 'saved'}: a datasets folder" in capsys.readouterr().err
 
 
 def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
