@@ -128,12 +128,13 @@ def test_the_last_record_holds_the_steps_before_a_skipped_last_step(byte_data, t
 
 
 def test_eval_batches_past_the_val_split_are_reported(byte_data, tmp_path, capsys):
-    """eval_batches=1000 of 64 x 512 tokens on a val split of a few such batches: validation reads the split once,
-    the val loss of eval_batches=that count, and the run says so (it said nothing of the declared 1000)."""
+    """eval_batches=1000 of 64 x 512 tokens on a val split of a few such batches: validation reads the split once
+    (its whole rows of 512 tokens, the last batch partial), the val loss of eval_batches=that count, and the run says
+    so (it said nothing of the declared 1000)."""
     from foxlm.data import TokenDataset
 
     tokens = len(TokenDataset(byte_data, "val").tokens)
-    n = tokens // (64 * 512)
+    n = -(-(tokens // 512) // 64)
     assert 1 < n < 1000
     extra = ["seq_len=512", "batch_size=64", "micro_batch_size=16", "max_steps=1", "eval_every=0"]
     many = train(tiny_config(byte_data, tmp_path / "many", *extra, "eval_batches=1000"))
@@ -245,26 +246,32 @@ def test_a_run_without_progress_saves_without_transformers_bar(byte_data, tmp_pa
     assert "Writing model shards" in capsys.readouterr().err
 
 
+_HAMLET = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings. "
+
+
 @pytest.mark.parametrize("packing", ["windows", "documents"])
-def test_a_val_split_shorter_than_a_batch_is_validated_once(tmp_path, packing):
-    """A val split of 97 tokens, batch_size 4 x seq_len 32: validation reads its one batch, whose fourth row has no
-    tokens left and wrapped around to ones the first rows read. The val loss is the mean over the split's three whole
-    rows, each read once, as the model gives it on each; the wrapped row weighed some tokens twice."""
+@pytest.mark.parametrize("text, rows", [(_HAMLET.strip(), 3), ((_HAMLET * 3)[:220], 6)],
+                         ids=["under-a-batch", "a-batch-and-a-half"])
+def test_the_whole_val_split_is_validated_once(tmp_path, packing, text, rows):
+    """batch_size 4 x seq_len 32 on a val split of 97 tokens (3 whole rows: under a batch) or of 221 (6 whole rows: a
+    batch and a half), eval_batches=2: the val loss is the mean over all the split's whole rows, each read once, as
+    the model gives it on each (as HF Trainer's eval loop reads a dataset whole, its last batch partial). A last batch
+    past the split's end has rows that wrapped around to tokens read already: those weighed some tokens twice; and a
+    split of 1.5 batches was validated on its first batch only, while one of 0.75 batches was validated whole."""
     from foxlm.data import TokenDataset, prepare
     from foxlm.data.assets import shakespeare_plays
 
     (tmp_path / "a.txt").write_text(shakespeare_plays()[0].read_text())
-    (tmp_path / "b.txt").write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to "
-                                    "suffer the slings.")
+    (tmp_path / "b.txt").write_text(text)
     data = tmp_path / "data"
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], data, tokenizer="byte", val_fraction=0.5, workers=0,
             progress=False)
     val = np.asarray(TokenDataset(data, "val").tokens).astype(np.int64)
-    assert len(val) == 97
+    assert len(val) // 32 == rows
     trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", f"packing={packing}"))
     got = trainer.evaluate()["val_loss"]
     model = trainer.model.eval()
     with torch.no_grad():
-        rows = [torch.from_numpy(val[i * 32:(i + 1) * 32])[None] for i in range(3)]
-        expected = sum(model(input_ids=r, labels=r).loss.item() for r in rows) / 3
-    assert got == pytest.approx(expected, rel=1e-6)
+        losses = [model(input_ids=r, labels=r).loss.item()
+                  for r in (torch.from_numpy(val[i * 32:(i + 1) * 32])[None] for i in range(rows))]
+    assert got == pytest.approx(sum(losses) / rows, rel=1e-6)
