@@ -39,8 +39,10 @@ def validation_loss(model: torch.nn.Module, forward: Callable[[Batch], torch.Ten
         with module.probe_acp() if gated else contextlib.nullcontext() as share, interruptible:
             for k in range(batches):
                 for b in val_loader.batch(k):
-                    loss_sum += forward(b).float() * b.num_targets
-                    count += b.num_targets
+                    loss = forward(b)  # every process runs every forward: FSDP's gathers are collective
+                    if b.num_targets:  # past the split's end: a model's own mean over no target is NaN, not 0
+                        loss_sum += loss.float() * b.num_targets
+                        count += b.num_targets
     finally:
         model.train()
     total = d.sum(torch.tensor([count], device=device)).item()

@@ -258,6 +258,14 @@ def test_the_whole_val_split_is_validated_once(tmp_path, packing, text, rows):
     the model gives it on each (as HF Trainer's eval loop reads a dataset whole, its last batch partial). A last batch
     past the split's end has rows that wrapped around to tokens read already: those weighed some tokens twice; and a
     split of 1.5 batches was validated on its first batch only, while one of 0.75 batches was validated whole."""
+    data, val = _val_split(tmp_path, text)
+    assert len(val) // 32 == rows
+    trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", f"packing={packing}"))
+    assert trainer.evaluate()["val_loss"] == pytest.approx(_mean_row_loss(trainer.model, val, rows), rel=1e-6)
+
+
+def _val_split(tmp_path: Path, text: str) -> tuple[Path, np.ndarray]:
+    """A byte-level data folder whose val split is ``text`` and its end-of-text token: (the folder, its val tokens)."""
     from foxlm.data import TokenDataset, prepare
     from foxlm.data.assets import shakespeare_plays
 
@@ -266,12 +274,22 @@ def test_the_whole_val_split_is_validated_once(tmp_path, packing, text, rows):
     data = tmp_path / "data"
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], data, tokenizer="byte", val_fraction=0.5, workers=0,
             progress=False)
-    val = np.asarray(TokenDataset(data, "val").tokens).astype(np.int64)
-    assert len(val) // 32 == rows
-    trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", f"packing={packing}"))
-    got = trainer.evaluate()["val_loss"]
-    model = trainer.model.eval()
+    return data, np.asarray(TokenDataset(data, "val").tokens).astype(np.int64)
+
+
+def _mean_row_loss(model: torch.nn.Module, val: np.ndarray, rows: int) -> float:
+    """The mean of the model's own loss on each of the first ``rows`` rows of 32 tokens of ``val``."""
+    model.eval()
     with torch.no_grad():
-        losses = [model(input_ids=r, labels=r).loss.item()
-                  for r in (torch.from_numpy(val[i * 32:(i + 1) * 32])[None] for i in range(rows))]
-    assert got == pytest.approx(sum(losses) / rows, rel=1e-6)
+        return sum(model(input_ids=r, labels=r).loss.item()
+                   for r in (torch.from_numpy(val[i * 32:(i + 1) * 32])[None] for i in range(rows))) / rows
+
+
+def test_a_validation_micro_batch_past_the_split_adds_nothing_to_an_hf_models_loss(tmp_path):
+    """A Hugging Face model that computes its own loss (cohere: a logit scale) on a val split of 3 rows, batch_size 4
+    in micro-batches of 1: the fourth micro-batch is past the split's end, without a target, and the model's mean
+    over no target is NaN; weighed by 0 targets it still made the val loss NaN. The val loss is the 3 rows' mean."""
+    data, val = _val_split(tmp_path, _HAMLET.strip())
+    trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", "arch=hf:cohere", "model.logit_scale=0.25",
+                                  "model.num_key_value_heads=1", "micro_batch_size=1"))
+    assert trainer.evaluate()["val_loss"] == pytest.approx(_mean_row_loss(trainer.model, val, 3), rel=1e-6)
