@@ -51,10 +51,14 @@ def _ignore_labels(trainer: Trainer, steps: set[int], rows: slice) -> None:
     trainer.loader.batch = batch
 
 
-def test_a_micro_batch_without_targets_adds_nothing_to_the_step(byte_data, tmp_path):
+@pytest.mark.parametrize("arch", [[], ["arch=hf:cohere", "model.logit_scale=0.25", "model.num_key_value_heads=1"]],
+                         ids=["fox", "hf-own-loss"])
+def test_a_micro_batch_without_targets_adds_nothing_to_the_step(byte_data, tmp_path, arch):
     """Steps 1 and 3 hold a micro-batch whose labels are all ignored: the step's loss is the sum over its targets
-    over their count, as in one micro-batch holding the same targets (no NaN, no skipped step)."""
-    extra = ["seq_len=8", "batch_size=2", "packing=windows", "max_steps=3", "eval_every=0", "warmup_steps=0"]
+    over their count, as in one micro-batch holding the same targets (no NaN, no skipped step). Also for a Hugging
+    Face model that computes its own loss (cohere: a logit scale), whose mean over no target is NaN: its NaN loss and
+    gradients, weighed by 0, made the step a bad one."""
+    extra = ["seq_len=8", "batch_size=2", "packing=windows", "max_steps=3", "eval_every=0", "warmup_steps=0", *arch]
     split = Trainer(tiny_config(byte_data, tmp_path / "split", *extra, "micro_batch_size=1"))
     _ignore_labels(split, {0, 2}, slice(None))
     assert [[b.num_targets for b in split.loader.batch(s)] for s in range(3)] == [[7, 0], [7, 7], [7, 0]]
