@@ -15,9 +15,11 @@ from .loader import Batch, TokenLoader
 
 
 def validation_batches(val_loader: TokenLoader, max_batches: int) -> int:
-    """How many validation batches ``validation_loss`` reads: ``max_batches``, but no more than the split holds (it is
-    read at most once), and at least one."""
-    return max(1, min(max_batches, len(val_loader.ds.tokens) // (val_loader.batch_size * val_loader.seq_len)))
+    """How many validation batches ``validation_loss`` reads: ``max_batches``, but no more than it takes to read the
+    split's whole rows of ``seq_len`` tokens once, the last batch maybe partial (its rows past the split's end have no
+    target), as HF ``Trainer`` evaluates a dataset whole; at least one."""
+    rows = len(val_loader.ds.tokens) // val_loader.seq_len
+    return max(1, min(max_batches, -(-rows // val_loader.batch_size)))
 
 
 @torch.no_grad()
@@ -37,8 +39,10 @@ def validation_loss(model: torch.nn.Module, forward: Callable[[Batch], torch.Ten
         with module.probe_acp() if gated else contextlib.nullcontext() as share, interruptible:
             for k in range(batches):
                 for b in val_loader.batch(k):
-                    loss_sum += forward(b).float() * b.num_targets
-                    count += b.num_targets
+                    loss = forward(b)  # every process runs every forward: FSDP's gathers are collective
+                    if b.num_targets:  # past the split's end: a model's own mean over no target is NaN, not 0
+                        loss_sum += loss.float() * b.num_targets
+                        count += b.num_targets
     finally:
         model.train()
     total = d.sum(torch.tensor([count], device=device)).item()

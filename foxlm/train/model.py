@@ -56,10 +56,11 @@ def build_model(cfg: TrainConfig, config: PretrainedConfig, device: torch.device
 
 def causal_lm_loss(model: torch.nn.Module, autocast: bool, input_ids: torch.Tensor, labels: torch.Tensor,
                    cu_seqlens: torch.Tensor | None = None, shifted: bool = False) -> torch.Tensor:
-    """The model's mean next-token loss on input_ids / labels [B, T], under bf16 autocast when ``autocast``;
-    ``shifted``: labels are the targets of the tokens (a context-parallel shard's)."""
-    targets = {"shift_labels" if shifted else "labels": labels}
-    if shifted:  # this shard's own mean: the trainer weighs it by the shard's count (a CP model's mean is the rows')
-        targets["num_items_in_batch"] = (labels != -100).sum().clamp_min(1)
+    """The model's mean next-token loss on input_ids / labels [B, T] (0 without a target), under bf16 autocast when
+    ``autocast``; ``shifted``: labels are the targets of the tokens (a context-parallel shard's)."""
+    # the sum over the batch's own count, at least 1: a shard's own mean (a CP model's mean is the rows'), and 0 where
+    # no label counts (a Hugging Face model's own mean, a soft cap's or a logit scale's, is NaN there, its gradient too)
+    count = (labels if shifted else labels[:, 1:]) != -100
+    targets = {"shift_labels" if shifted else "labels": labels, "num_items_in_batch": count.sum().clamp_min(1)}
     with torch.autocast(input_ids.device.type, dtype=torch.bfloat16, enabled=autocast):
         return model(input_ids=input_ids, cu_seqlens=cu_seqlens, use_cache=False, **targets).loss

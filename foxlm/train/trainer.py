@@ -93,9 +93,9 @@ class Trainer:
 
         The loss is that of HF ``Trainer`` with ``num_items_in_batch`` (and torchtitan's): the sum of the token losses
         of all micro-batches and processes over the step's count of targets. A micro-batch without targets (every label
-        ignored: the loader makes none, a user's data may) adds 0: its mean loss is 0 (foxlm's losses average over
-        ``max(count, 1)``) and its weight 0. A step without a target anywhere has no loss: None, and no forward or
-        backward runs."""
+        ignored: the loader makes none, a user's data may) adds 0: its mean loss is 0 (``causal_lm_loss`` averages over
+        ``max(count, 1)``, a Hugging Face model's own loss too) and its weight 0. A step without a target anywhere
+        has no loss: None, and no forward or backward runs."""
         started = time.perf_counter()
         total = float(sum(b.num_targets for b in micro))
         if self.d.world > 1:

@@ -51,10 +51,14 @@ def _ignore_labels(trainer: Trainer, steps: set[int], rows: slice) -> None:
     trainer.loader.batch = batch
 
 
-def test_a_micro_batch_without_targets_adds_nothing_to_the_step(byte_data, tmp_path):
+@pytest.mark.parametrize("arch", [[], ["arch=hf:cohere", "model.logit_scale=0.25", "model.num_key_value_heads=1"]],
+                         ids=["fox", "hf-own-loss"])
+def test_a_micro_batch_without_targets_adds_nothing_to_the_step(byte_data, tmp_path, arch):
     """Steps 1 and 3 hold a micro-batch whose labels are all ignored: the step's loss is the sum over its targets
-    over their count, as in one micro-batch holding the same targets (no NaN, no skipped step)."""
-    extra = ["seq_len=8", "batch_size=2", "packing=windows", "max_steps=3", "eval_every=0", "warmup_steps=0"]
+    over their count, as in one micro-batch holding the same targets (no NaN, no skipped step). Also for a Hugging
+    Face model that computes its own loss (cohere: a logit scale), whose mean over no target is NaN: its NaN loss and
+    gradients, weighed by 0, made the step a bad one."""
+    extra = ["seq_len=8", "batch_size=2", "packing=windows", "max_steps=3", "eval_every=0", "warmup_steps=0", *arch]
     split = Trainer(tiny_config(byte_data, tmp_path / "split", *extra, "micro_batch_size=1"))
     _ignore_labels(split, {0, 2}, slice(None))
     assert [[b.num_targets for b in split.loader.batch(s)] for s in range(3)] == [[7, 0], [7, 7], [7, 0]]
@@ -128,12 +132,13 @@ def test_the_last_record_holds_the_steps_before_a_skipped_last_step(byte_data, t
 
 
 def test_eval_batches_past_the_val_split_are_reported(byte_data, tmp_path, capsys):
-    """eval_batches=1000 of 64 x 512 tokens on a val split of a few such batches: validation reads the split once,
-    the val loss of eval_batches=that count, and the run says so (it said nothing of the declared 1000)."""
+    """eval_batches=1000 of 64 x 512 tokens on a val split of a few such batches: validation reads the split once
+    (its whole rows of 512 tokens, the last batch partial), the val loss of eval_batches=that count, and the run says
+    so (it said nothing of the declared 1000)."""
     from foxlm.data import TokenDataset
 
     tokens = len(TokenDataset(byte_data, "val").tokens)
-    n = tokens // (64 * 512)
+    n = -(-(tokens // 512) // 64)
     assert 1 < n < 1000
     extra = ["seq_len=512", "batch_size=64", "micro_batch_size=16", "max_steps=1", "eval_every=0"]
     many = train(tiny_config(byte_data, tmp_path / "many", *extra, "eval_batches=1000"))
@@ -245,26 +250,50 @@ def test_a_run_without_progress_saves_without_transformers_bar(byte_data, tmp_pa
     assert "Writing model shards" in capsys.readouterr().err
 
 
+_HAMLET = "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings. "
+
+
 @pytest.mark.parametrize("packing", ["windows", "documents"])
-def test_a_val_split_shorter_than_a_batch_is_validated_once(tmp_path, packing):
-    """A val split of 97 tokens, batch_size 4 x seq_len 32: validation reads its one batch, whose fourth row has no
-    tokens left and wrapped around to ones the first rows read. The val loss is the mean over the split's three whole
-    rows, each read once, as the model gives it on each; the wrapped row weighed some tokens twice."""
+@pytest.mark.parametrize("text, rows", [(_HAMLET.strip(), 3), ((_HAMLET * 3)[:220], 6)],
+                         ids=["under-a-batch", "a-batch-and-a-half"])
+def test_the_whole_val_split_is_validated_once(tmp_path, packing, text, rows):
+    """batch_size 4 x seq_len 32 on a val split of 97 tokens (3 whole rows: under a batch) or of 221 (6 whole rows: a
+    batch and a half), eval_batches=2: the val loss is the mean over all the split's whole rows, each read once, as
+    the model gives it on each (as HF Trainer's eval loop reads a dataset whole, its last batch partial). A last batch
+    past the split's end has rows that wrapped around to tokens read already: those weighed some tokens twice; and a
+    split of 1.5 batches was validated on its first batch only, while one of 0.75 batches was validated whole."""
+    data, val = _val_split(tmp_path, text)
+    assert len(val) // 32 == rows
+    trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", f"packing={packing}"))
+    assert trainer.evaluate()["val_loss"] == pytest.approx(_mean_row_loss(trainer.model, val, rows), rel=1e-6)
+
+
+def _val_split(tmp_path: Path, text: str) -> tuple[Path, np.ndarray]:
+    """A byte-level data folder whose val split is ``text`` and its end-of-text token: (the folder, its val tokens)."""
     from foxlm.data import TokenDataset, prepare
     from foxlm.data.assets import shakespeare_plays
 
     (tmp_path / "a.txt").write_text(shakespeare_plays()[0].read_text())
-    (tmp_path / "b.txt").write_text("To be, or not to be, that is the question: whether 'tis nobler in the mind to "
-                                    "suffer the slings.")
+    (tmp_path / "b.txt").write_text(text)
     data = tmp_path / "data"
     prepare([tmp_path / "a.txt", tmp_path / "b.txt"], data, tokenizer="byte", val_fraction=0.5, workers=0,
             progress=False)
-    val = np.asarray(TokenDataset(data, "val").tokens).astype(np.int64)
-    assert len(val) == 97
-    trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", f"packing={packing}"))
-    got = trainer.evaluate()["val_loss"]
-    model = trainer.model.eval()
+    return data, np.asarray(TokenDataset(data, "val").tokens).astype(np.int64)
+
+
+def _mean_row_loss(model: torch.nn.Module, val: np.ndarray, rows: int) -> float:
+    """The mean of the model's own loss on each of the first ``rows`` rows of 32 tokens of ``val``."""
+    model.eval()
     with torch.no_grad():
-        rows = [torch.from_numpy(val[i * 32:(i + 1) * 32])[None] for i in range(3)]
-        expected = sum(model(input_ids=r, labels=r).loss.item() for r in rows) / 3
-    assert got == pytest.approx(expected, rel=1e-6)
+        return sum(model(input_ids=r, labels=r).loss.item()
+                   for r in (torch.from_numpy(val[i * 32:(i + 1) * 32])[None] for i in range(rows))) / rows
+
+
+def test_a_validation_micro_batch_past_the_split_adds_nothing_to_an_hf_models_loss(tmp_path):
+    """A Hugging Face model that computes its own loss (cohere: a logit scale) on a val split of 3 rows, batch_size 4
+    in micro-batches of 1: the fourth micro-batch is past the split's end, without a target, and the model's mean
+    over no target is NaN; weighed by 0 targets it still made the val loss NaN. The val loss is the 3 rows' mean."""
+    data, val = _val_split(tmp_path, _HAMLET.strip())
+    trainer = Trainer(tiny_config(data, tmp_path / "run", "max_steps=1", "arch=hf:cohere", "model.logit_scale=0.25",
+                                  "model.num_key_value_heads=1", "micro_batch_size=1"))
+    assert trainer.evaluate()["val_loss"] == pytest.approx(_mean_row_loss(trainer.model, val, 3), rel=1e-6)
