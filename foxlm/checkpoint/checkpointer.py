@@ -36,7 +36,7 @@ from ..data.tokenizer import same_tokenizer
 from ..models import FoxConfig
 from ..presets import FOX_FIELDS, has_size
 from .dcp import load_sharded, save_shards, sharded_model_shapes
-from .files import fsync_tree, read_json, replace_folder, sha256_file, write_atomic
+from .files import read_json, replace_folder, sha256_file, write_atomic
 from .manifest import MANIFEST, verify_checkpoint, write_manifest
 from .run_folder import SHARDS, checkpoint_name, is_sharded, list_checkpoints
 from .weights import DAMAGED_MODEL, read_model_weights, reading_weights, resolve_model_dir
@@ -116,7 +116,6 @@ class PendingCheckpoint:
                 save_model(tmp / "model")
                 torch.save(trainer_state, tmp / "trainer.pt")
                 write_manifest(tmp, digests, step=self.step)
-                fsync_tree(tmp)
         if not self.main:
             return None
         replace_folder(self.tmp, self.final)  # a step saved again (Trainer.save called twice) is swapped, never lost

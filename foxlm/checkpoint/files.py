@@ -71,8 +71,11 @@ def _alive(pid: int) -> bool:
 
 def replace_folder(new: Path, dest: Path) -> None:
     """Move folder ``new`` to ``dest``, replacing what is there by a swap (rename the old copy aside, rename the new
-    one in, delete the old one): a kill at any point leaves a complete copy, never none. A replaced folder's
-    permissions are kept (a private ``chmod 700`` folder stays private)."""
+    one in, delete the old one): a kill at any point leaves a complete copy, never none. ``new``'s files are flushed
+    to disk first, so that a power loss after the swap cannot leave them unwritten (files of the right size holding
+    zeros) in place of a deleted old copy. A replaced folder's permissions are kept (a private ``chmod 700`` folder
+    stays private)."""
+    fsync_tree(new)
     if not dest.exists():
         new.rename(dest)
         return

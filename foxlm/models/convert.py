@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..checkpoint.files import fsync_tree, read_json, remove_stale_temporaries, replace_folder, temporary_path
+from ..checkpoint.files import read_json, remove_stale_temporaries, replace_folder, temporary_path
 from ..checkpoint.manifest import MANIFEST, verify_model_folder, write_manifest
 from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights, resolve_model_dir
 from .card import write_model_card
@@ -251,7 +251,6 @@ def convert(
         write_model_card(tmp, title=dst.name,
                          source=f"Converted by `foxlm convert` from `{src}` (a {found} model). {loads}")
         write_manifest(tmp)  # checked whenever foxlm loads it
-        fsync_tree(tmp)  # on disk before the swap deletes a replaced model
         replace_folder(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

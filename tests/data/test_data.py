@@ -22,7 +22,7 @@ import pytest
 from foxlm_cli import ctrl_c_reaches_it, foxlm, one_line_error
 from tokenizer_folders import llama_style_tokenizer
 
-from foxlm.checkpoint.files import sha256_file
+from foxlm.checkpoint.files import sha256_file, temporary_path
 from foxlm.data import TokenDataset, assets, get_tokenizer, prepare, same_tokenizer
 from foxlm.data.assets import (
     _TIKTOKEN_GPT2,
@@ -154,6 +154,22 @@ def texts_to_files(folder, texts):
     for i, text in enumerate(texts):
         (folder / f"{i}.txt").write_text(text)
     return [folder]
+
+
+def test_a_prepared_folder_is_on_disk_before_it_replaces_one(tmp_path, monkeypatch):
+    """--overwrite swaps the new dataset in and deletes the old one: every file of the new one is flushed to disk
+    (os.fsync) while still under its temporary name, so that a power loss after the swap cannot leave shards of the
+    right size holding zeros where the old dataset was (they were renamed in unflushed)."""
+    prepare(texts_to_files(tmp_path / "src", ["one text", "another text"]), tmp_path / "data", tokenizer="byte",
+            val_fraction=0.0, workers=0, progress=False)
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))[1])
+    prepare(texts_to_files(tmp_path / "src2", ["a third text"]), tmp_path / "data", tokenizer="byte",
+            val_fraction=0.0, workers=0, progress=False, overwrite=True)
+    tmp = temporary_path(tmp_path / "data", "tmp")  # where prepare writes before the swap
+    written = sorted(str(p.relative_to(tmp_path / "data")) for p in (tmp_path / "data").rglob("*") if p.is_file())
+    flushed = sorted(str(Path(f).relative_to(tmp)) for f in synced if Path(f).is_relative_to(tmp))
+    assert written and flushed == written
 
 
 def test_large_vocabulary_is_stored_as_uint32(tmp_path):
