@@ -4,14 +4,17 @@ on a tiny random FoX model with the offline GPT-2 tokenizer and a chat template.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -53,15 +56,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_folder):
-    """``foxlm serve`` on 127.0.0.1, ready (its /health answers); stopped with Ctrl-C as a user stops it."""
+@contextlib.contextmanager
+def _serving(model: str, env: dict | None = None) -> Iterator[str]:
+    """``foxlm serve MODEL`` on 127.0.0.1, ready (its /health answers), at the URL given; stopped with Ctrl-C as a
+    user stops it."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "serve", str(model_folder), "--host", "127.0.0.1",
+    child_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
+    child_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "serve", model, "--host", "127.0.0.1",
                              "--port", str(port), "--device", "cpu", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=ctrl_c_reaches_it)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -84,6 +88,12 @@ def server(model_folder):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server(model_folder):
+    with _serving(str(model_folder)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +167,34 @@ def test_a_missing_serving_dependency_names_the_extra(model_folder):
 
 def test_a_model_neither_here_nor_reachable_is_one_line(tmp_path):
     """A path that does not exist went to transformers as a hub name (its OSError traceback: "Repo id must use
-    alphanumeric chars"); a hub name where the hub cannot be reached (nothing answers at HF_ENDPOINT) is one line
-    saying so, found by one request rather than huggingface_hub's retries."""
-    import socket
-
+    alphanumeric chars"); a hub name where the hub cannot be reached (nothing answers at HF_ENDPOINT), and not in its
+    cache, is one line saying so, found by one request rather than huggingface_hub's retries."""
     line = one_line_error(foxlm("serve", tmp_path / "missing"), "serve")
     assert line.endswith(f"MODEL: {tmp_path / 'missing'} does not exist (expected a run, checkpoint or "
                          "save_pretrained folder, or a model name on the Hugging Face hub)")
-    with socket.socket() as s:  # a free port: connections to it are refused
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
-    proc = foxlm("serve", "foxlm-tests/no-such-model", env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "",
-                                                             "HF_HOME": str(tmp_path / "hf")})
+    env = {"HF_ENDPOINT": _unreachable_endpoint(), "HF_HUB_OFFLINE": "", "HF_HOME": str(tmp_path / "hf")}
+    proc = foxlm("serve", "foxlm-tests/no-such-model", env=env)
     line = one_line_error(proc, "serve")
     assert "MODEL: foxlm-tests/no-such-model is not a folder here" in line and "cannot be reached" in line
+
+
+def _unreachable_endpoint() -> str:
+    with socket.socket() as s:  # a free port: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_hub_model_in_the_cache_is_served_where_the_hub_cannot_be_reached(model_folder, local, tmp_path):
+    """A model downloaded before (in the hub's cache, as huggingface_hub lays it out) is served where the hub cannot
+    be reached, offline mode not set: it was refused as unreachable, though transformers loads it from the cache."""
+    name = "foxlm-tests/tiny-fox"
+    repo = tmp_path / "hf" / "hub" / "models--foxlm-tests--tiny-fox"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(model_folder, repo / "snapshots" / ("0" * 40))
+    env = {"HF_ENDPOINT": _unreachable_endpoint(), "HF_HUB_OFFLINE": "", "HF_HOME": str(tmp_path / "hf")}
+    with _serving(name, env) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        prompt = "To be, or not to be"
+        done = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    assert done.choices[0].text == _greedy(local, local[1](prompt)["input_ids"])
