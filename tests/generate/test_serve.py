@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -198,3 +199,29 @@ def test_a_hub_model_in_the_cache_is_served_where_the_hub_cannot_be_reached(mode
         prompt = "To be, or not to be"
         done = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
     assert done.choices[0].text == _greedy(local, local[1](prompt)["input_ids"])
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` as JSON; the HTTP status and the JSON answer, an error's too."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("messages, field", [
+    (None, "messages: is missing"), ("Hello", "messages: must be a non-empty list"), ([], "messages: must be"),
+    (["Hello"], "messages[0]: expected an object with a string role"),
+    ([{"content": "Hello"}], "messages[0]: expected an object with a string role"),
+    ([{"role": "user", "content": 5}], "messages[0].content: expected a string or a list of parts"),
+    ([{"role": "user", "content": ["Hello"]}], "messages[0].content: expected a string or a list of parts")])
+def test_chat_requests_without_proper_messages_are_refused(server, model_folder, messages, field):
+    """A chat request whose messages are missing or not messages is a 422 naming the field, as a request's other
+    mistakes are; it was a 500 (Internal Server Error), with a traceback in the server's log."""
+    body = {"model": str(model_folder), "max_tokens": 4}
+    if messages is not None:
+        body["messages"] = messages
+    status, answer = _post(f"{server}/v1/chat/completions", body)
+    assert status == 422 and answer["detail"].startswith(field), (status, answer)
