@@ -9,10 +9,12 @@ that unpickling it imports this module) registers them in each process before it
 
 from __future__ import annotations
 
+import math
+
 import transformers
 from fastapi import HTTPException
 from transformers.cli.serve import Serve
-from transformers.cli.serving import chat_completion
+from transformers.cli.serving import chat_completion, completion
 from transformers.cli.serving.model_manager import ModelLoader
 
 
@@ -59,22 +61,65 @@ def check_messages(messages: object) -> None:
                                                         f"parts with a type, not {content!r:.60}")
 
 
+def _refuse(field: str, expected: str, value: object) -> None:
+    raise HTTPException(status_code=422, detail=f"{field}: expected {expected}, got {value!r:.60}")
+
+
+def _is_number(value: object) -> bool:
+    # JSON's integers may be past a float's range (math.isfinite would overflow); Python's JSON reads NaN too
+    return isinstance(value, int) and not isinstance(value, bool) or isinstance(value, float) and math.isfinite(value)
+
+
+def check_generation_fields(body: dict) -> None:
+    """Refuse (HTTP 422, naming the field) the generation settings of a completion or chat request that
+    transformers serve would take wrong: a fractional or boolean token count (cut to an int: 1.5 and true were 1),
+    ``top_p`` outside (0, 1] or a negative temperature (taken as given), ``stop`` other than strings (a 500) or an
+    empty one (it stopped at the first token), ``n`` other than 1 (one choice was returned whatever was asked)."""
+    for field in ("max_tokens", "max_completion_tokens", "seed"):
+        value = body.get(field)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or field != "seed" and value < 1):
+            _refuse(field, "an integer" if field == "seed" else "a positive integer (tokens)", value)
+    if (value := body.get("temperature")) is not None and not (_is_number(value) and value >= 0):
+        _refuse("temperature", "a number >= 0 (0: greedy)", value)
+    if (value := body.get("top_p")) is not None and not (_is_number(value) and 0 < value <= 1):
+        _refuse("top_p", "a probability mass in (0, 1]", value)
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) and stop or isinstance(stop, list) and stop and all(
+            isinstance(s, str) and s for s in stop)):
+        _refuse("stop", "a non-empty string or a list of them", stop)
+    if (value := body.get("n")) is not None and value != 1:
+        _refuse("n", "1 (transformers serve gives one choice a request)", value)
+
+
+class FoxCompletionHandler(completion.CompletionHandler):
+    """transformers serve's /v1/completions handler, which checks the generation settings first
+    (``check_generation_fields``)."""
+
+    def _validate_request(self, body: dict) -> None:
+        super()._validate_request(body)
+        check_generation_fields(body)
+
+
 class FoxChatCompletionHandler(chat_completion.ChatCompletionHandler):
-    """transformers serve's /v1/chat/completions handler, which checks ``messages`` first: transformers' own reads
-    them while rendering the chat template, so a missing or malformed one was a 500 and a traceback in the log."""
+    """transformers serve's /v1/chat/completions handler, which checks ``messages`` and the generation settings
+    first: transformers' own reads messages while rendering the chat template, so a missing or malformed one was a
+    500 and a traceback in the log."""
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request(body)
         check_messages(body.get("messages"))
+        check_generation_fields(body)
 
 
 class FoxServe(Serve):
-    """``transformers serve``, its models loaded by ``FoxModelLoader``, its chat requests checked by
-    ``FoxChatCompletionHandler``."""
+    """``transformers serve``, its models loaded by ``FoxModelLoader``, its requests checked by
+    ``FoxCompletionHandler`` and ``FoxChatCompletionHandler``."""
 
     def run(self, *args, **kwargs) -> None:
-        # Serve.run builds its handlers from the chat_completion module's class, in each process that serves the API
+        # Serve.run builds its handlers from the classes of their modules, in each process that serves the API
         chat_completion.ChatCompletionHandler = FoxChatCompletionHandler
+        completion.CompletionHandler = FoxCompletionHandler
         super().run(*args, **kwargs)
 
     # Serve.__init__ builds its ModelLoader and starts serving at once: the loader is made a FoxModelLoader as it is

@@ -225,3 +225,26 @@ def test_chat_requests_without_proper_messages_are_refused(server, model_folder,
         body["messages"] = messages
     status, answer = _post(f"{server}/v1/chat/completions", body)
     assert status == 422 and answer["detail"].startswith(field), (status, answer)
+
+
+@pytest.mark.parametrize("endpoint, field, value, detail", [
+    ("completions", "max_tokens", 1.5, "max_tokens: expected a positive integer"),  # was cut to 1
+    ("completions", "max_tokens", True, "max_tokens: expected a positive integer"),  # was 1
+    ("chat/completions", "max_completion_tokens", 2.5, "max_completion_tokens: expected a positive integer"),
+    ("completions", "temperature", -1, "temperature: expected a number >= 0"),  # was taken as given
+    ("completions", "temperature", "hot", "temperature: expected a number >= 0"),  # named no field
+    ("completions", "top_p", 5, "top_p: expected a probability mass in (0, 1]"),  # was taken as given
+    ("completions", "stop", 5, "stop: expected a non-empty string or a list of them"),  # a 500
+    ("chat/completions", "stop", ["\n", 1], "stop: expected a non-empty string or a list of them"),  # a 500
+    ("completions", "stop", "", "stop: expected a non-empty string"),  # stopped after the first token
+    ("completions", "n", 2, "n: expected 1"),  # one choice came back
+    ("completions", "seed", "x", "seed: expected an integer")])
+def test_generation_settings_that_would_be_taken_wrong_are_refused(server, model_folder, endpoint, field, value,
+                                                                   detail):
+    """A request's generation setting that transformers serve would take as something else, or fail on inside the
+    model's process (a 500, with a traceback in the server's log), is a 422 naming the field."""
+    body = {"model": str(model_folder), "max_tokens": 4, field: value}
+    body.update({"messages": [{"role": "user", "content": "Hello"}]} if endpoint.startswith("chat") else
+                {"prompt": "Hello"})
+    status, answer = _post(f"{server}/v1/{endpoint}", body)
+    assert status == 422 and answer["detail"].startswith(detail), (status, answer)
