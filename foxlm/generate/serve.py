@@ -9,6 +9,8 @@ that unpickling it imports this module) registers them in each process before it
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import math
 
 import transformers
@@ -92,19 +94,108 @@ def check_generation_fields(body: dict) -> None:
         _refuse("n", "1 (transformers serve gives one choice a request)", value)
 
 
-class FoxCompletionHandler(completion.CompletionHandler):
+class _StopCut:
+    """The text of a stream (a ``Detokenizer``'s output queue, as far as transformers serve's handlers read it) up to
+    the first of ``stops``, which it holds back while its end could begin one; other outputs pass as they come."""
+
+    def __init__(self, queue: asyncio.Queue, stops: list[str]):
+        self.queue, self.stops = queue, stops
+        self.ready: collections.deque = collections.deque()
+        self.held, self.stopped = "", False
+
+    def _take(self, item: object) -> None:
+        if type(item) is not str:  # the end (None), an error, a tool call or reasoning: what is held goes first
+            if self.held and not self.stopped:
+                self.ready.append(self.held)
+            self.held = ""
+            self.ready.append(item)
+            return
+        if self.stopped:
+            return
+        self.held += item
+        cut = cut_at_stop(self.held, self.stops)
+        if cut is not None:
+            self.held, self.stopped = "", True
+            text = cut
+        else:  # hold back the longest end of the text that begins a stop string
+            keep = max((k for stop in self.stops for k in range(1, len(stop)) if self.held.endswith(stop[:k])),
+                       default=0)
+            text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        if text:
+            self.ready.append(text)
+
+    async def get(self) -> object:
+        while not self.ready:
+            self._take(await self.queue.get())
+        return self.ready.popleft()
+
+    def empty(self) -> bool:
+        while not self.ready and not self.queue.empty():
+            self._take(self.queue.get_nowait())
+        return not self.ready
+
+    def get_nowait(self) -> object:
+        if self.empty():
+            raise asyncio.QueueEmpty
+        return self.ready.popleft()
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str | None:
+    """``text`` up to the first of ``stops`` in it, or None if none is."""
+    found = [i for i in (text.find(stop) for stop in stops) if i >= 0]
+    return text[:min(found)] if found else None
+
+
+class _StopCutEngine:
+    """A transformers serve engine whose answers end before the stop string that ended them, as OpenAI's API gives
+    them (transformers serve's include it)."""
+
+    def __init__(self, engine, stops: list[str]):
+        self.engine, self.stops = engine, stops
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+    async def generate_non_streaming(self, *args, **kwargs) -> tuple[str, int, list[int]]:
+        text, input_len, generated_ids = await self.engine.generate_non_streaming(*args, **kwargs)
+        cut = cut_at_stop(text, self.stops)
+        return text if cut is None else cut, input_len, generated_ids
+
+    def generate_streaming(self, *args, **kwargs):
+        queue, streamer = self.engine.generate_streaming(*args, **kwargs)
+        return _StopCut(queue, self.stops), streamer
+
+
+def _cutting_stops(engine, generation_kwargs: dict):
+    stops = generation_kwargs.get("stop_strings")
+    return engine if not stops else _StopCutEngine(engine, [stops] if isinstance(stops, str) else list(stops))
+
+
+class _CutsStops:
+    """A handler whose answers end before their stop string (``_StopCutEngine``)."""
+
+    def _streaming(self, request_id, engine, inputs, generation_kwargs, *args, **kwargs):
+        return super()._streaming(request_id, _cutting_stops(engine, generation_kwargs), inputs, generation_kwargs,
+                                  *args, **kwargs)
+
+    async def _non_streaming(self, request_id, engine, inputs, generation_kwargs, *args, **kwargs):
+        return await super()._non_streaming(request_id, _cutting_stops(engine, generation_kwargs), inputs,
+                                            generation_kwargs, *args, **kwargs)
+
+
+class FoxCompletionHandler(_CutsStops, completion.CompletionHandler):
     """transformers serve's /v1/completions handler, which checks the generation settings first
-    (``check_generation_fields``)."""
+    (``check_generation_fields``) and ends answers before their stop string."""
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request(body)
         check_generation_fields(body)
 
 
-class FoxChatCompletionHandler(chat_completion.ChatCompletionHandler):
+class FoxChatCompletionHandler(_CutsStops, chat_completion.ChatCompletionHandler):
     """transformers serve's /v1/chat/completions handler, which checks ``messages`` and the generation settings
-    first: transformers' own reads messages while rendering the chat template, so a missing or malformed one was a
-    500 and a traceback in the log."""
+    first (transformers' own reads messages while rendering the chat template, so a missing or malformed one was a
+    500 and a traceback in the log), and ends answers before their stop string."""
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request(body)

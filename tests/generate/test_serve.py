@@ -248,3 +248,22 @@ def test_generation_settings_that_would_be_taken_wrong_are_refused(server, model
                 {"prompt": "Hello"})
     status, answer = _post(f"{server}/v1/{endpoint}", body)
     assert status == 422 and answer["detail"].startswith(detail), (status, answer)
+
+
+def test_answers_end_before_their_stop_string(client, model_folder, local):
+    """An answer that a stop string ended stops before it, as OpenAI's API gives it, streamed or not (transformers
+    serve's included the stop string)."""
+    prompt = "To be, or not to be"
+    text = _greedy(local, local[1](prompt)["input_ids"])
+    words = text.split()
+    # two words from the middle of the greedy answer, as a stop string of several tokens: a stream holds the first
+    # back until it knows whether the stop string follows
+    i = next(i for i in range(len(words) // 3, len(words) - 1)
+             if all(w.isascii() and w.isalpha() and len(w) >= 3 for w in words[i:i + 2]))
+    stop = f" {words[i]} {words[i + 1]}"
+    assert stop in text and len(local[1](stop)["input_ids"]) >= 2
+    args = dict(model=str(model_folder), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[stop])
+    done = client.completions.create(**args)
+    assert done.choices[0].text == text[:text.index(stop)] and done.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+    assert streamed == text[:text.index(stop)]
