@@ -18,6 +18,7 @@ from fastapi import HTTPException
 from transformers.cli.serve import Serve
 from transformers.cli.serving import chat_completion, completion
 from transformers.cli.serving.model_manager import ModelLoader
+from transformers.cli.serving.utils import prompt_length
 
 
 def register() -> None:
@@ -171,31 +172,42 @@ def _cutting_stops(engine, generation_kwargs: dict):
     return engine if not stops else _StopCutEngine(engine, [stops] if isinstance(stops, str) else list(stops))
 
 
-class _CutsStops:
-    """A handler whose answers end before their stop string (``_StopCutEngine``)."""
+class _Answers:
+    """A handler whose answers end before their stop string (``_StopCutEngine``) and fit the context the server
+    takes (``--max-model-len``, else the model's), prompt and answer: transformers serve checks the prompt only, so
+    an answer ran past it (with its default of at least 1024 new tokens, or any ``max_tokens``)."""
+
+    def _fitted(self, engine, inputs: dict, generation_kwargs: dict) -> dict:
+        limit = self.generation_state.context_length(engine.model_config)
+        if limit is None:
+            return generation_kwargs
+        room = limit - prompt_length(inputs)  # at least 1: a longer prompt was refused
+        return {**generation_kwargs, "max_new_tokens": min(generation_kwargs["max_new_tokens"], room)}
 
     def _streaming(self, request_id, engine, inputs, generation_kwargs, *args, **kwargs):
+        generation_kwargs = self._fitted(engine, inputs, generation_kwargs)
         return super()._streaming(request_id, _cutting_stops(engine, generation_kwargs), inputs, generation_kwargs,
                                   *args, **kwargs)
 
     async def _non_streaming(self, request_id, engine, inputs, generation_kwargs, *args, **kwargs):
+        generation_kwargs = self._fitted(engine, inputs, generation_kwargs)
         return await super()._non_streaming(request_id, _cutting_stops(engine, generation_kwargs), inputs,
                                             generation_kwargs, *args, **kwargs)
 
 
-class FoxCompletionHandler(_CutsStops, completion.CompletionHandler):
+class FoxCompletionHandler(_Answers, completion.CompletionHandler):
     """transformers serve's /v1/completions handler, which checks the generation settings first
-    (``check_generation_fields``) and ends answers before their stop string."""
+    (``check_generation_fields``) and ends answers before their stop string, within the context (``_Answers``)."""
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request(body)
         check_generation_fields(body)
 
 
-class FoxChatCompletionHandler(_CutsStops, chat_completion.ChatCompletionHandler):
+class FoxChatCompletionHandler(_Answers, chat_completion.ChatCompletionHandler):
     """transformers serve's /v1/chat/completions handler, which checks ``messages`` and the generation settings
     first (transformers' own reads messages while rendering the chat template, so a missing or malformed one was a
-    500 and a traceback in the log), and ends answers before their stop string."""
+    500 and a traceback in the log), and ends answers before their stop string, within the context (``_Answers``)."""
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request(body)

@@ -58,14 +58,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serving(model: str, env: dict | None = None) -> Iterator[str]:
-    """``foxlm serve MODEL`` on 127.0.0.1, ready (its /health answers), at the URL given; stopped with Ctrl-C as a
-    user stops it."""
+def _serving(model: str, *options: str, env: dict | None = None) -> Iterator[str]:
+    """``foxlm serve MODEL OPTIONS`` on 127.0.0.1, ready (its /health answers), at the URL given; stopped with Ctrl-C
+    as a user stops it."""
     port = _free_port()
     child_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
     child_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
     proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "serve", model, "--host", "127.0.0.1",
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
+                             "--port", str(port), "--device", "cpu", "--log-level", "warning", *options],
                             env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=ctrl_c_reaches_it)
     url = f"http://127.0.0.1:{port}"
@@ -110,10 +110,10 @@ def local(model_folder):
     return AutoModelForCausalLM.from_pretrained(model_folder).eval(), AutoTokenizer.from_pretrained(model_folder)
 
 
-def _greedy(local, ids: list[int]) -> str:
+def _greedy(local, ids: list[int], new_tokens: int = NEW_TOKENS) -> str:
     model, tok = local
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
     return tok.decode(out[0, len(ids):])
 
 
@@ -194,7 +194,7 @@ def test_a_hub_model_in_the_cache_is_served_where_the_hub_cannot_be_reached(mode
     (repo / "refs" / "main").write_text("0" * 40)
     shutil.copytree(model_folder, repo / "snapshots" / ("0" * 40))
     env = {"HF_ENDPOINT": _unreachable_endpoint(), "HF_HUB_OFFLINE": "", "HF_HOME": str(tmp_path / "hf")}
-    with _serving(name, env) as url:
+    with _serving(name, env=env) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         prompt = "To be, or not to be"
         done = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
@@ -267,3 +267,21 @@ def test_answers_end_before_their_stop_string(client, model_folder, local):
     assert done.choices[0].text == text[:text.index(stop)] and done.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
     assert streamed == text[:text.index(stop)]
+
+
+def test_answers_fit_the_context_with_their_prompt(model_folder, local):
+    """``--max-model-len`` bounds a request, prompt and answer (as its help says): an answer asked for, or left to the
+    server's default (at least 1024 tokens), ends where the context does, finish_reason "length", streamed or not.
+    transformers serve checked the prompt only, and generated past it."""
+    prompt, limit = "To be, or not to be", 16
+    ids = local[1](prompt)["input_ids"]
+    room = limit - len(ids)
+    with _serving(str(model_folder), "--max-model-len", str(limit)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        for asked in ({"max_tokens": 4 * limit}, {}):
+            done = client.completions.create(model=str(model_folder), prompt=prompt, temperature=0, **asked)
+            assert done.usage.completion_tokens == room and done.choices[0].finish_reason == "length", asked
+            assert done.choices[0].text == _greedy(local, ids, room)
+        chunks = list(client.completions.create(model=str(model_folder), prompt=prompt, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == "length"
