@@ -22,6 +22,7 @@ from typing import IO
 
 import yaml
 
+from .files import remove_stale_temporaries
 from .manifest import MANIFEST, verify_checkpoint
 
 try:
@@ -148,8 +149,9 @@ def check_run_folder(run_dir: Path) -> None:
 def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
     """An exclusive lock on a run folder (its ``.lock`` file, which records the holder's pid), held while the
     returned file stays open, or None if another process holds it; the folder is marked as a run's
-    (``check_run_folder``). The OS releases the lock with its process, killed or not. Where ``fcntl`` is missing (not
-    POSIX) or the filesystem has no ``flock``, the file is returned unlocked."""
+    (``check_run_folder``), and its checkpoints that a killed save set aside are put back. The OS releases the lock
+    with its process, killed or not. Where ``fcntl`` is missing (not POSIX) or the filesystem has no ``flock``, the
+    file is returned unlocked."""
     marker = Path(run_dir) / RUN_MARKER
     if not marker.is_file():
         marker.write_text("a foxlm train run's out_dir: its log.jsonl, train_config.yaml, tb/ and checkpoints/\n")
@@ -167,7 +169,21 @@ def lock_run(run_dir: str | os.PathLike) -> IO[str] | None:
     f.truncate()
     f.write(f"{os.getpid()}\n")
     f.flush()
+    restore_set_aside_checkpoints(run_dir)
     return f
+
+
+def restore_set_aside_checkpoints(run_dir: str | os.PathLike) -> None:
+    """Put back each checkpoint that a run killed while saving its step again set aside (``replace_folder``'s swap:
+    ``.step_NNNNNNN.foxlm-old-PID``, and no ``step_NNNNNNN``), and delete what such runs left: unseen by
+    ``list_checkpoints``, it was neither resumed from nor ever deleted."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    steps = {match.group(1) for entry in root.iterdir()
+             if (match := re.fullmatch(r"\.(step_\d{7,})\.foxlm-(?:old|tmp)-\d+", entry.name))}
+    for step in sorted(steps):
+        remove_stale_temporaries(root / step)
 
 
 def lock_holder(run_dir: str | os.PathLike) -> str:

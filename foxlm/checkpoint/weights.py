@@ -1,9 +1,10 @@
 """Reading a trained model's weights back: from a run folder, a checkpoint folder or a ``save_pretrained`` folder.
 
-A checkpoint is used only once every file matches the sha256 its ``manifest.json`` records; weights are read from
-safetensors only (a sharded checkpoint's, after ``foxlm export``). A ``save_pretrained`` folder that ``foxlm export``
-or ``foxlm convert`` wrote has a ``manifest.json`` too, checked the same way; one without (e.g. from the hub) is used
-unchecked. Damaged files and pickles that ``weights_only`` refuses are one-line errors naming the argument.
+A checkpoint (or its ``model/`` folder) is used only once every file matches the sha256 its ``manifest.json`` records;
+weights are read from safetensors only (a sharded checkpoint's, after ``foxlm export``). A ``save_pretrained`` folder
+that ``foxlm export`` or ``foxlm convert`` wrote has a ``manifest.json`` too, checked the same way; one without (e.g.
+from the hub) is used unchecked. Damaged files and pickles that ``weights_only`` refuses are one-line errors naming
+the argument.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from .files import read_json
-from .manifest import verify_checkpoint, verify_model_folder
+from .manifest import MANIFEST, verify_checkpoint, verify_model_folder
 from .run_folder import is_sharded, latest_valid_checkpoint
 
 # what to do about a model folder's damaged JSON file (read_json's fix)
@@ -38,6 +39,11 @@ def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
     a ``save_pretrained`` folder itself; errors name the argument ``arg``."""
     path = Path(path).expanduser()
     if (path / "config.json").is_file() and any(path.glob("model*.safetensors*")):
+        if _in_checkpoint(path):  # a checkpoint's model/ folder, its sha256 in the checkpoint's manifest
+            problem = verify_checkpoint(path.parent)
+            if problem is not None:
+                raise ValueError(f"{arg}: {path} is the model of checkpoint {path.parent}: {problem}; refusing to "
+                                 "load it")
         verify_model_folder(path, arg)
         return path
     if (path / "model" / "config.json").is_file():
@@ -57,6 +63,12 @@ def resolve_model_dir(path: str | os.PathLike, arg: str = "path") -> Path:
                                 "safetensors only, never a pickle such as pytorch_model.bin: save the model again with "
                                 "save_pretrained where you trust it")
     raise FileNotFoundError(f"{arg}: {path} is not a run folder, a checkpoint folder or a save_pretrained folder")
+
+
+def _in_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is the ``model/`` folder of a checkpoint (beside its ``trainer.pt`` and ``manifest.json``,
+    which records the sha256 of its files)."""
+    return folder.name == "model" and (folder.parent / MANIFEST).is_file() and (folder.parent / "trainer.pt").is_file()
 
 
 @contextlib.contextmanager

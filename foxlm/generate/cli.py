@@ -95,19 +95,28 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _check_hub_name(model: str) -> None:
     """A MODEL that is no local path must be a Hugging Face hub name, and the hub must answer (one request, where
-    transformers would retry each file five times), unless offline mode is set (the hub's cache may hold it)."""
+    transformers would retry each file five times), unless offline mode is set or the model is in the hub's cache (then
+    served in offline mode)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    from ..hub import hub_offline, hub_reachable
+    from ..hub import offline_unless_reachable
 
     try:
         validate_repo_id(model)
     except HFValidationError:
         raise ValueError(f"MODEL: {model} does not exist (expected a run, checkpoint or save_pretrained folder, or a "
                          "model name on the Hugging Face hub)") from None
-    if not hub_offline() and not hub_reachable():
-        raise ValueError(f"MODEL: {model} is not a folder here, and the Hugging Face hub, where it would be a model "
-                         "name, cannot be reached; download the model where the hub is reachable and pass its folder")
+    # a model downloaded before is served from the hub's cache: offline mode, set before huggingface_hub reads it
+    # (validate_repo_id reads none of its settings), in this process and the server's model process alike
+    if not offline_unless_reachable():
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(model, "config.json"), str):
+        raise ValueError(f"MODEL: {model} is not a folder here nor in the Hugging Face hub's cache, and the hub, where "
+                         "it would be a model name, cannot be reached; download the model where the hub is reachable "
+                         "and pass its folder")
+    print(f"foxlm serve: the Hugging Face hub cannot be reached; serving {model} from its cache", file=sys.stderr)
 
 
 def _check_flags(args: argparse.Namespace) -> None:

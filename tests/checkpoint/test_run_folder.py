@@ -25,6 +25,10 @@ def test_damaged_checkpoint_is_never_loaded(byte_data, tmp_path):
         assert latest_valid_checkpoint(run).name == "step_0000002"
     with pytest.raises(ValueError, match="does not match its sha256"):
         load_checkpoint_model(last)
+    # its model/ folder, as a save_pretrained folder is given (from_pretrained's): checked by the checkpoint's manifest
+    with pytest.raises(ValueError, match="is the model of checkpoint .*: model/model.safetensors does not match its "
+                                         "sha256"):
+        load_checkpoint_model(last / "model")
     with pytest.warns(UserWarning):
         model = load_checkpoint_model(run)
     assert isinstance(model, FoxForCausalLM)

@@ -4,14 +4,18 @@ on a tiny random FoX model with the offline GPT-2 tokenizer and a chat template.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -53,15 +57,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model_folder):
-    """``foxlm serve`` on 127.0.0.1, ready (its /health answers); stopped with Ctrl-C as a user stops it."""
+@contextlib.contextmanager
+def _serving(model: str, *options: str, env: dict | None = None) -> Iterator[str]:
+    """``foxlm serve MODEL OPTIONS`` on 127.0.0.1, ready (its /health answers), at the URL given; stopped with Ctrl-C
+    as a user stops it."""
     port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "serve", str(model_folder), "--host", "127.0.0.1",
-                             "--port", str(port), "--device", "cpu", "--log-level", "warning"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    child_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
+    child_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    proc = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "serve", model, "--host", "127.0.0.1",
+                             "--port", str(port), "--device", "cpu", "--log-level", "warning", *options],
+                            env=child_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=ctrl_c_reaches_it)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -87,6 +92,12 @@ def server(model_folder):
 
 
 @pytest.fixture(scope="module")
+def server(model_folder):
+    with _serving(str(model_folder)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=f"{server}/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -99,10 +110,10 @@ def local(model_folder):
     return AutoModelForCausalLM.from_pretrained(model_folder).eval(), AutoTokenizer.from_pretrained(model_folder)
 
 
-def _greedy(local, ids: list[int]) -> str:
+def _greedy(local, ids: list[int], new_tokens: int = NEW_TOKENS) -> str:
     model, tok = local
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, min_new_tokens=new_tokens)
     return tok.decode(out[0, len(ids):])
 
 
@@ -157,17 +168,120 @@ def test_a_missing_serving_dependency_names_the_extra(model_folder):
 
 def test_a_model_neither_here_nor_reachable_is_one_line(tmp_path):
     """A path that does not exist went to transformers as a hub name (its OSError traceback: "Repo id must use
-    alphanumeric chars"); a hub name where the hub cannot be reached (nothing answers at HF_ENDPOINT) is one line
-    saying so, found by one request rather than huggingface_hub's retries."""
-    import socket
-
+    alphanumeric chars"); a hub name where the hub cannot be reached (nothing answers at HF_ENDPOINT), and not in its
+    cache, is one line saying so, found by one request rather than huggingface_hub's retries."""
     line = one_line_error(foxlm("serve", tmp_path / "missing"), "serve")
     assert line.endswith(f"MODEL: {tmp_path / 'missing'} does not exist (expected a run, checkpoint or "
                          "save_pretrained folder, or a model name on the Hugging Face hub)")
-    with socket.socket() as s:  # a free port: connections to it are refused
-        s.bind(("127.0.0.1", 0))
-        endpoint = f"http://127.0.0.1:{s.getsockname()[1]}"
-    proc = foxlm("serve", "foxlm-tests/no-such-model", env={"HF_ENDPOINT": endpoint, "HF_HUB_OFFLINE": "",
-                                                             "HF_HOME": str(tmp_path / "hf")})
+    env = {"HF_ENDPOINT": _unreachable_endpoint(), "HF_HUB_OFFLINE": "", "HF_HOME": str(tmp_path / "hf")}
+    proc = foxlm("serve", "foxlm-tests/no-such-model", env=env)
     line = one_line_error(proc, "serve")
     assert "MODEL: foxlm-tests/no-such-model is not a folder here" in line and "cannot be reached" in line
+
+
+def _unreachable_endpoint() -> str:
+    with socket.socket() as s:  # a free port: connections to it are refused
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+def test_a_hub_model_in_the_cache_is_served_where_the_hub_cannot_be_reached(model_folder, local, tmp_path):
+    """A model downloaded before (in the hub's cache, as huggingface_hub lays it out) is served where the hub cannot
+    be reached, offline mode not set: it was refused as unreachable, though transformers loads it from the cache."""
+    name = "foxlm-tests/tiny-fox"
+    repo = tmp_path / "hf" / "hub" / "models--foxlm-tests--tiny-fox"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(model_folder, repo / "snapshots" / ("0" * 40))
+    env = {"HF_ENDPOINT": _unreachable_endpoint(), "HF_HUB_OFFLINE": "", "HF_HOME": str(tmp_path / "hf")}
+    with _serving(name, env=env) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        prompt = "To be, or not to be"
+        done = client.completions.create(model=name, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+    assert done.choices[0].text == _greedy(local, local[1](prompt)["input_ids"])
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    """POST ``body`` as JSON; the HTTP status and the JSON answer, an error's too."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.mark.parametrize("messages, field", [
+    (None, "messages: is missing"), ("Hello", "messages: must be a non-empty list"), ([], "messages: must be"),
+    (["Hello"], "messages[0]: expected an object with a string role"),
+    ([{"content": "Hello"}], "messages[0]: expected an object with a string role"),
+    ([{"role": "user", "content": 5}], "messages[0].content: expected a string or a list of parts"),
+    ([{"role": "user", "content": ["Hello"]}], "messages[0].content: expected a string or a list of parts")])
+def test_chat_requests_without_proper_messages_are_refused(server, model_folder, messages, field):
+    """A chat request whose messages are missing or not messages is a 422 naming the field, as a request's other
+    mistakes are; it was a 500 (Internal Server Error), with a traceback in the server's log."""
+    body = {"model": str(model_folder), "max_tokens": 4}
+    if messages is not None:
+        body["messages"] = messages
+    status, answer = _post(f"{server}/v1/chat/completions", body)
+    assert status == 422 and answer["detail"].startswith(field), (status, answer)
+
+
+@pytest.mark.parametrize("endpoint, field, value, detail", [
+    ("completions", "max_tokens", 1.5, "max_tokens: expected a positive integer"),  # was cut to 1
+    ("completions", "max_tokens", True, "max_tokens: expected a positive integer"),  # was 1
+    ("chat/completions", "max_completion_tokens", 2.5, "max_completion_tokens: expected a positive integer"),
+    ("completions", "temperature", -1, "temperature: expected a number >= 0"),  # was taken as given
+    ("completions", "temperature", "hot", "temperature: expected a number >= 0"),  # named no field
+    ("completions", "top_p", 5, "top_p: expected a probability mass in (0, 1]"),  # was taken as given
+    ("completions", "stop", 5, "stop: expected a non-empty string or a list of them"),  # a 500
+    ("chat/completions", "stop", ["\n", 1], "stop: expected a non-empty string or a list of them"),  # a 500
+    ("completions", "stop", "", "stop: expected a non-empty string"),  # stopped after the first token
+    ("completions", "n", 2, "n: expected 1"),  # one choice came back
+    ("completions", "seed", "x", "seed: expected an integer")])
+def test_generation_settings_that_would_be_taken_wrong_are_refused(server, model_folder, endpoint, field, value,
+                                                                   detail):
+    """A request's generation setting that transformers serve would take as something else, or fail on inside the
+    model's process (a 500, with a traceback in the server's log), is a 422 naming the field."""
+    body = {"model": str(model_folder), "max_tokens": 4, field: value}
+    body.update({"messages": [{"role": "user", "content": "Hello"}]} if endpoint.startswith("chat") else
+                {"prompt": "Hello"})
+    status, answer = _post(f"{server}/v1/{endpoint}", body)
+    assert status == 422 and answer["detail"].startswith(detail), (status, answer)
+
+
+def test_answers_end_before_their_stop_string(client, model_folder, local):
+    """An answer that a stop string ended stops before it, as OpenAI's API gives it, streamed or not (transformers
+    serve's included the stop string)."""
+    prompt = "To be, or not to be"
+    text = _greedy(local, local[1](prompt)["input_ids"])
+    words = text.split()
+    # two words from the middle of the greedy answer, as a stop string of several tokens: a stream holds the first
+    # back until it knows whether the stop string follows
+    i = next(i for i in range(len(words) // 3, len(words) - 1)
+             if all(w.isascii() and w.isalpha() and len(w) >= 3 for w in words[i:i + 2]))
+    stop = f" {words[i]} {words[i + 1]}"
+    assert stop in text and len(local[1](stop)["input_ids"]) >= 2
+    args = dict(model=str(model_folder), prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stop=[stop])
+    done = client.completions.create(**args)
+    assert done.choices[0].text == text[:text.index(stop)] and done.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in client.completions.create(**args, stream=True) if c.choices)
+    assert streamed == text[:text.index(stop)]
+
+
+def test_answers_fit_the_context_with_their_prompt(model_folder, local):
+    """``--max-model-len`` bounds a request, prompt and answer (as its help says): an answer asked for, or left to the
+    server's default (at least 1024 tokens), ends where the context does, finish_reason "length", streamed or not.
+    transformers serve checked the prompt only, and generated past it."""
+    prompt, limit = "To be, or not to be", 16
+    ids = local[1](prompt)["input_ids"]
+    room = limit - len(ids)
+    with _serving(str(model_folder), "--max-model-len", str(limit)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        for asked in ({"max_tokens": 4 * limit}, {}):
+            done = client.completions.create(model=str(model_folder), prompt=prompt, temperature=0, **asked)
+            assert done.usage.completion_tokens == room and done.choices[0].finish_reason == "length", asked
+            assert done.choices[0].text == _greedy(local, ids, room)
+        chunks = list(client.completions.create(model=str(model_folder), prompt=prompt, temperature=0, stream=True))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == "length"
