@@ -2,9 +2,9 @@
 
 FA4 adds ``c_i - c_j`` (c: the gate's cumulative log, an fp32 auxiliary tensor [B, H, T]) to each scaled score,
 and its backward passes dS through unchanged. It returns no gradient for an auxiliary tensor, so the gate gradient
-comes from padding channels (see padding_channels.py): q' = [q, alpha, 0, 0...], k' = [k, 0, beta, 0...] (head
-dim rounded up to a multiple of 8), v unpadded; channel D of dK' is scale alpha colsum(dS), channel D + 1 of dQ'
-scale beta rowsum(dS), and d(log f) is the reverse cumsum of their difference. Both channels leave the kernel in
+comes from padding channels (see padding_channels.py): q' = [q, 1, 0, 0...], k' = [k, 0, 1, 0...] (head dim
+rounded up to a multiple of 8), v unpadded; channel D of dK' is scale colsum(dS), channel D + 1 of dQ' scale
+rowsum(dS), and d(log f) is the reverse cumsum of their difference. Both channels leave the kernel in
 q's dtype.
 
 "fa4+ch" puts the gate itself in channels, so that FA4 runs its plain kernel: with x = c / scale split into three
@@ -22,15 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-ALPHA = BETA = 1.0
-PAD_V = [False]  # set where FA4 refuses a head dim of v unlike q's (v then padded too, o sliced)
-
 
 def load() -> dict:
     """{name: fn(q, k, v, log_fgate) -> o}, q, k, v: [B, T, H, D], log_fgate: [B, T, H] fp32; o: [B, T, H, D].
 
     "fa4": plain causal attention (no gate); "fa4+gate": the gate as a score_mod, no gate gradient;
-    "fa4+gate+dg": the same with padding channels, the gate gradient included. Raises ImportError without FA4.
+    "fa4+gate+dg": the same with padding channels, the gate gradient included; "fa4+ch" (v padded or not): the
+    gate as channels (see the module docstring). Raises ImportError without FA4.
     """
     import cutlass
     import cutlass.cute as cute
@@ -66,87 +64,64 @@ def load() -> dict:
         return flash_attn_func(q, k, v, causal=True, score_mod=gate_mod, score_mod_bwd=gate_mod_bwd,
                                aux_tensors=[c])[0]
 
-    class GatedWithGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, log_fgate):
-            D = q.shape[-1]
-            pad = -(-(D + 2) // 8) * 8 - D
-            qp = F.pad(q, (0, pad)).contiguous()
-            kp = F.pad(k, (0, pad)).contiguous()
-            qp[..., D] = ALPHA
-            kp[..., D + 1] = BETA
-            c = cumulative(log_fgate)
-            with torch.enable_grad():
-                qp.requires_grad_()
-                kp.requires_grad_()
-                vv = v.detach().requires_grad_()
+    def rounded(width: int) -> int:  # FA4 takes head dims that are multiples of 8
+        return -(-width // 8) * 8
 
-                def run():
-                    vp = F.pad(vv, (0, pad)) if PAD_V[0] else vv
-                    o = flash_attn_func(qp, kp, vp, causal=True, softmax_scale=D ** -0.5, score_mod=gate_mod,
-                                        score_mod_bwd=gate_mod_bwd, aux_tensors=[c])[0]
-                    return o[..., :D]
-                try:
-                    o = run()
-                except Exception as e:
-                    if PAD_V[0]:
-                        raise
-                    print(f"fa4: v padded as well ({e!r:.200})", flush=True)
-                    PAD_V[0] = True
-                    o = run()
+    def score_mod_layout(q, k, log_fgate):
+        """q' = [q, 1, 0, 0...], k' = [k, 0, 1, 0...] and the gate as a score_mod: (q', k', the row-sum channel of
+        dQ', the column-sum channel of dK', FA4's extra arguments)."""
+        D = q.shape[-1]
+        qp = F.pad(q, (0, rounded(D + 2) - D))
+        kp = F.pad(k, (0, rounded(D + 2) - D))
+        qp[..., D] = 1
+        kp[..., D + 1] = 1
+        return qp, kp, D + 1, D, dict(score_mod=gate_mod, score_mod_bwd=gate_mod_bwd,
+                                      aux_tensors=[cumulative(log_fgate)])
+
+    def channel_layout(q, k, log_fgate):
+        """q' = [q, h, m, l, 1, 1, 1, 0...], k' = [k, 1, 1, 1, -h, -m, -l, 0...] (see the module docstring)."""
+        D = q.shape[-1]
+        x = (log_fgate.double().cumsum(1) * D**0.5).unsqueeze(-1)  # c / scale: [B, T, H, 1]
+        parts = []
+        for _ in range(3):
+            parts.append(x.to(q.dtype))
+            x = x - parts[-1].double()
+        h = torch.cat(parts, -1)
+        one = torch.ones_like(h)
+        qp = F.pad(torch.cat([q, h, one], -1), (0, rounded(D + 6) - D - 6))
+        kp = F.pad(torch.cat([k, one, -h], -1), (0, rounded(D + 6) - D - 6))
+        return qp, kp, D, D + 3, {}
+
+    class ChannelAttention(torch.autograd.Function):
+        """FA4 on padded q', k' (``layout``): o, dq, dk, dv as the unpadded attention's, and the gate gradient from
+        the row- and column-sum channels of dQ' and dK'."""
+
+        @staticmethod
+        def forward(ctx, q, k, v, log_fgate, layout, pad_v):
+            D = q.shape[-1]
+            qp, kp, ctx.row, ctx.col, extra = layout(q, k, log_fgate)
+            with torch.enable_grad():
+                qp = qp.contiguous().requires_grad_()
+                kp = kp.contiguous().requires_grad_()
+                vv = v.detach().requires_grad_()
+                vp = F.pad(vv, (0, qp.shape[-1] - D)) if pad_v else vv
+                o = flash_attn_func(qp, kp, vp, causal=True, softmax_scale=D**-0.5, **extra)[0][..., :D]
             ctx.graph = (o, qp, kp, vv)
-            ctx.D = D
             return o.detach()
 
         @staticmethod
         def backward(ctx, do):
             o, qp, kp, vv = ctx.graph
-            D, scale = ctx.D, ctx.D ** -0.5
+            D = vv.shape[-1]
             dqp, dkp, dv = torch.autograd.grad(o, (qp, kp, vv), do)
-            dc = dqp[..., D + 1].float() / (scale * BETA) - dkp[..., D].float() / (scale * ALPHA)  # [B, T, H]
-            dg = dc.flip(1).cumsum(1).flip(1)
+            dc = (dqp[..., ctx.row].float() - dkp[..., ctx.col].float()) * D**0.5  # [B, T, H]: rowsum - colsum
             del ctx.graph
-            return dqp[..., :D], dkp[..., :D], dv, dg
-
-    class ChannelGate(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, log_fgate, pad_v):
-            D = q.shape[-1]
-            scale = D**-0.5
-            width = -(-(D + 6) // 8) * 8
-            x = (log_fgate.double().cumsum(1) / scale).unsqueeze(-1)  # [B, T, H, 1]
-            parts = []
-            for _ in range(3):
-                parts.append(x.to(q.dtype))
-                x = x - parts[-1].double()
-            h = torch.cat(parts, -1)
-            one = torch.ones_like(h)
-            qp = F.pad(torch.cat([q, h, one], -1), (0, width - D - 6)).contiguous()
-            kp = F.pad(torch.cat([k, one, -h], -1), (0, width - D - 6)).contiguous()
-            with torch.enable_grad():
-                qp.requires_grad_()
-                kp.requires_grad_()
-                vv = v.detach().requires_grad_()
-                vp = F.pad(vv, (0, width - D)) if pad_v else vv
-                o = flash_attn_func(qp, kp, vp, causal=True, softmax_scale=scale)[0][..., :D]
-            ctx.graph = (o, qp, kp, vv)
-            ctx.D = D
-            return o.detach()
-
-        @staticmethod
-        def backward(ctx, do):
-            o, qp, kp, vv = ctx.graph
-            D, scale = ctx.D, ctx.D**-0.5
-            dqp, dkp, dv = torch.autograd.grad(o, (qp, kp, vv), do)
-            dc = (dqp[..., D].float() - dkp[..., D + 3].float()) / scale  # [B, T, H]
-            dg = dc.flip(1).cumsum(1).flip(1)
-            del ctx.graph
-            return dqp[..., :D], dkp[..., :D], dv, dg, None
+            return dqp[..., :D], dkp[..., :D], dv, dc.flip(1).cumsum(1).flip(1), None, None
 
     return {
         "fa4": plain,
         "fa4+gate": gated,
-        "fa4+gate+dg": GatedWithGrad.apply,
-        "fa4+ch": lambda q, k, v, g: ChannelGate.apply(q, k, v, g, False),
-        "fa4+ch(v padded)": lambda q, k, v, g: ChannelGate.apply(q, k, v, g, True),
+        "fa4+gate+dg": lambda q, k, v, g: ChannelAttention.apply(q, k, v, g, score_mod_layout, False),
+        "fa4+ch": lambda q, k, v, g: ChannelAttention.apply(q, k, v, g, channel_layout, False),
+        "fa4+ch(v padded)": lambda q, k, v, g: ChannelAttention.apply(q, k, v, g, channel_layout, True),
     }
