@@ -33,6 +33,17 @@ def _records(run) -> list[dict]:
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
 
 
+def _torchrun(scenario: str, root, args: list[str]) -> subprocess.CompletedProcess:
+    """Run this file's ``scenario`` in 2 torchrun workers (into folders of ``root``, with the CLI's ``args``)."""
+    # conftest turns on Triton's interpreter for kernel tests; the trainer runs the PyTorch path, as in-process
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, scenario, str(root), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 def test_two_processes_match_one(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 
@@ -44,12 +55,7 @@ def test_two_processes_match_one(tmp_path, capsys):
             progress=False)
     packing = random.choice(["windows", "documents"])
     common = ARGS + [f"data={data}", f"packing={packing}", f"seed={random.randrange(1000)}"]
-    # conftest turns on Triton's interpreter for kernel tests; the trainer runs the PyTorch path, as in-process
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(tmp_path), *common], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _torchrun("parallel", tmp_path, common)
     # fsdp's step 3, saved in the background, is committed at the next save: after step 5's validation
     assert done.stderr.index(f"saved {tmp_path / 'fsdp' / 'checkpoints' / 'step_0000003'}\n") > \
         done.stderr.index("step 5: val loss")
@@ -121,13 +127,12 @@ def _sigterm_once_training(run: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP, in one process group
+def _parallel_runs(root: str, args: list[str]) -> None:
+    """test_two_processes_match_one's runs: the real CLI, FSDP2 then DDP."""
     import torch.distributed as dist
 
     from foxlm.cli import main
 
-    root, args = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
     # step 3 is written in the background while steps 4 and 5 train; what resumes from it checks it holds step 3
     assert main(["train", *args, "parallel=fsdp", "save_every=3", "async_checkpoint=true",
                  f"out_dir={os.path.join(root, 'fsdp')}", f"export_dir={os.path.join(root, 'fsdp-export')}"]) == 0
@@ -144,4 +149,12 @@ if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP,
                  "grad_clip=0", "max_bad_steps=1", "eval_every=0", "max_steps=20",
                  f"out_dir={os.path.join(root, 'fsdp-nan')}"]) == 1
     assert main(["train", *args, "parallel=ddp", f"out_dir={os.path.join(root, 'ddp')}"]) == 0
+
+
+if __name__ == "__main__":  # one torchrun worker: a scenario's runs, in one process group
+    import torch.distributed as dist
+
+    scenario, root, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    dist.init_process_group("gloo")
+    {"parallel": _parallel_runs}[scenario](root, args)
     dist.destroy_process_group()
