@@ -40,6 +40,7 @@ from .config import TrainConfig
 from .data import TrainData
 from .loader import TokenLoader
 from .optim import lr_at
+from .rng import restore_rng_states, rng_state
 
 
 def take_run_folder(run_dir: Path, d: parallel.Dist, device: torch.device) -> tuple[IO[str] | None, list[Path]]:
@@ -86,8 +87,8 @@ def give_back_run_folder(created: list[Path]) -> None:
 class Checkpointer:
     """A run's checkpoints in ``out_dir``, keeping the last ``keep_last``: each holds the step's model (with the data's
     tokenizer in Hugging Face's format where it has one, all but byte, so that ``AutoTokenizer`` loads it from there),
-    optimizer, loader, RNG and counters. It resumes a run from one, or initializes a new run's model from a trained
-    one."""
+    optimizer, loader, each process's RNG (``rng.py``) and counters. It resumes a run from one, or initializes a new
+    run's model from a trained one."""
 
     def __init__(self, cfg: TrainConfig, d: parallel.Dist, device: torch.device, model: torch.nn.Module,
                  model_config: PretrainedConfig, optimizer: torch.optim.Optimizer, loader: TokenLoader,
@@ -114,7 +115,13 @@ class Checkpointer:
         else:
             shards = None
             model_sd, optim_sd = full_state_dicts(self.module, self.optimizer)
-        state = self._trainer_state(step, bad_steps, tokens_seen, optim_sd, interval, val_due) if self.d.main else None
+        rng = [rng_state(self.device)]
+        if sharded:  # each process's own: its draws (dropout) are its own
+            gathered = [None] * self.d.world if self.d.main else None
+            dist.gather_object(rng[0], gathered, dst=0)
+            rng = gathered
+        state = self._trainer_state(step, bad_steps, tokens_seen, optim_sd, interval, val_due, rng) \
+            if self.d.main else None
         save_model = functools.partial(self._save_model, model_sd)
         if sharded and background:
             if self._save_group is None:  # DCP's thread must not interleave its collectives with the training's
@@ -152,16 +159,15 @@ class Checkpointer:
         return f"saved {written[0] if written else f'step {step}'}; {resumes}"
 
     def _trainer_state(self, step: int, bad_steps: int, tokens_seen: int, optimizer: dict | None,
-                       interval: tuple[float, int], val_due: bool = False) -> dict:
-        """What a checkpoint holds besides the model: counters, schedule, loader, RNG, and ``optimizer`` (the whole
-        optimizer state of one process; None: it is in the shards)."""
+                       interval: tuple[float, int], val_due: bool, rng: list[dict]) -> dict:
+        """What a checkpoint holds besides the model: counters, schedule, loader, ``rng`` (each process's generator
+        states, by rank), and ``optimizer`` (the whole optimizer state of one process; None: it is in the shards)."""
         return {
             "step": step,
             **({} if optimizer is None else {"optimizer": optimizer}),
             "scheduler": {"step": step, "lr": lr_at(max(step - 1, 0), self.cfg)},
             "loader": self.loader.state_dict(),
-            "rng": {"cpu": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+            "rng": rng,
             "bad_steps": bad_steps,
             "tokens_seen": tokens_seen,
             "log_interval": [float(interval[0]), int(interval[1])],
@@ -192,9 +198,11 @@ class Checkpointer:
         ckpt = resume_point(self.run_dir, self.cfg.resume)
         check_out_dir(self.run_dir, ckpt, self.cfg.resume)
         if ckpt is not None:
-            state, changed = self.load(ckpt)
+            state, changed, rng_warning = self.load(ckpt)
             notes = [f"resumed from {ckpt} at step {state['step']}"
                      + (f", with changed settings: {'; '.join(changed)}" if changed else "")]
+            if rng_warning is not None:
+                notes.append(rng_warning)
             if self.cfg.init_from is not None and self.cfg.init_from != state["config"].get("init_from"):
                 notes.append(f"init_from={self.cfg.init_from} is not used: a resumed run goes on from its checkpoint's "
                              f"weights (init_from starts a new run, in a new out_dir)")
@@ -205,20 +213,20 @@ class Checkpointer:
                           + (f", with changed model settings: {'; '.join(differ)}" if differ else "")]
         return None, []
 
-    def load(self, ckpt: Path) -> tuple[dict, list[str]]:
-        """Restore model, optimizer, loader and RNG from a verified checkpoint; return its trainer state (counters) and
-        the settings this run changes from the checkpoint's run ("key: old -> new"). The optimizer's hyperparameters
-        are this run's (a changed weight_decay, beta1, beta2 or eps applies, as reported): loading a state dict would
-        bring back the checkpoint's."""
+    def load(self, ckpt: Path) -> tuple[dict, list[str], str | None]:
+        """Restore model, optimizer, loader and this process's RNG from a verified checkpoint; return its trainer state
+        (counters), the settings this run changes from the checkpoint's run ("key: old -> new") and a warning when not
+        every process restored its own RNG state (a run of another number of processes resumes it). The optimizer's
+        hyperparameters are this run's (a changed weight_decay, beta1, beta2 or eps applies, as reported): loading a
+        state dict would bring back the checkpoint's."""
         settings = [{k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups]
         state, changed = restore_checkpoint(ckpt, self.module, self.optimizer, self.data.tok_spec, self.cfg.to_dict())
         for group, own in zip(self.optimizer.param_groups, settings):
             group.update(own)
         self.loader.load_state_dict(state["loader"])
-        torch.set_rng_state(state["rng"]["cpu"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        return state, changed
+        warning = restore_rng_states(state["rng"], state.get("world_size", 1), self.d.rank, self.d.world, self.device,
+                                     self.cfg.seed)
+        return state, changed, warning
 
     def initialize(self, path: str | os.PathLike) -> tuple[Path, list[str]]:
         """Load the weights of a trained model (a run folder, a checkpoint or a ``save_pretrained`` folder) into this

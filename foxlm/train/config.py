@@ -105,7 +105,7 @@ class TrainConfig:
                                "meet")
     resume: str = _key("auto", "auto (latest valid checkpoint in out_dir, if any) | never | a checkpoint path; "
                        "out_dir may hold no checkpoint this run does not continue from")
-    seed: int = _key(0, "model initialization, data order and sampling")
+    seed: int = _key(0, "model initialization, data order, sampling, and each process's random draws (dropout)")
     progress: bool = _key(True)
     tensorboard: bool = _key(True)
     wandb: bool = _key(False, "the metrics to Weights & Biases too (the extra [wandb]; WANDB_MODE=offline: local "

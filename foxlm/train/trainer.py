@@ -11,9 +11,9 @@ last whole step; several: between micro-batches on the CPU, else after the step)
 
 The parts have a home each: the data and its loaders (``data.py``), the model (``model.py``), parallelism and
 compilation (``parallel.py``), the optimizer, schedule and clipping (``optim.py``), CUDA graphs (``cuda_graph.py``),
-the run folder's lock, saving, resuming and initializing (``checkpointing.py``), validation and sampling
-(``evaluation.py``), throughput and MFU (``metrics.py``), logs (``logging.py``), SIGTERM (``preemption.py``). This
-module builds them from the config and runs the loop.
+the run folder's lock, saving, resuming and initializing (``checkpointing.py``), each process's random draws
+(``rng.py``), validation and sampling (``evaluation.py``), throughput and MFU (``metrics.py``), logs (``logging.py``),
+SIGTERM (``preemption.py``). This module builds them from the config and runs the loop.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from .metrics import Metrics, cpu_warning, pace
 from .model import build_model, causal_lm_loss, model_config
 from .optim import build_optimizer, clip_gradients, lr_at, set_lr
 from .preemption import Preempted, Preemption
+from .rng import seed_process
 
 
 class Trainer:
@@ -60,6 +61,7 @@ class Trainer:
         self.model_config = model_config(cfg, self.data.tok_spec, self.device)
         self.data.verify(self.model_config.vocab_size)
         module = build_model(cfg, self.model_config, self.device)
+        seed_process(cfg.seed, self.d.rank)  # the same weights on every process, then each process's own draws
         self.num_params = module.num_parameters()
         self.model = parallel.parallelize(module, cfg.compile, cfg.parallel, self.d, self.device)
         self.optimizer = build_optimizer(cfg, self.model, self.d, self.device)

@@ -202,6 +202,40 @@ def test_a_model_with_tied_embeddings_resumes_and_initializes(byte_data, tmp_pat
     assert trainer.model.lm_head.weight is trainer.model.transformer.wte.weight  # still tied
 
 
+def test_a_checkpoint_of_one_shared_rng_state_still_resumes_exactly(byte_data, tmp_path):
+    """A checkpoint from before each process's RNG state was kept holds one (the main process's CPU state and all its
+    GPUs'): a run of one process resumes from it as exactly as before (hf:gpt2 draws its dropout), and in a run of
+    several only process 0 restores it, the others keeping their own streams, which the log says."""
+    from foxlm.checkpoint.manifest import write_manifest
+    from foxlm.train.rng import restore_rng_states
+
+    gpt2 = [t for t in TINY if not t.startswith("model.")] + [
+        "arch=hf:gpt2", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "eval_every=0", "save_every=2"]
+    config = lambda run, *extra: load_config(None, [*gpt2, f"data={byte_data}", f"out_dir={run}", *extra])  # noqa
+    train(config(tmp_path / "ref", "max_steps=4"))
+    run = tmp_path / "run"
+    train(config(run, "max_steps=2"))
+    ckpt = run / "checkpoints" / "step_0000002"
+    state = torch.load(ckpt / "trainer.pt", weights_only=True)
+    (own,) = state["rng"]
+    state["rng"] = old = {"cpu": own["cpu"], "cuda": []}  # as written then, on a machine without a GPU
+    torch.save(state, ckpt / "trainer.pt")
+    write_manifest(ckpt, step=2)
+    train(config(run, "max_steps=4"))
+    assert logged_losses(run) == logged_losses(tmp_path / "ref") and len(logged_losses(run)) == 4
+    a, b = load_checkpoint_model(run), load_checkpoint_model(tmp_path / "ref")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+    before = torch.get_rng_state()
+    assert restore_rng_states(old, 2, 1, 2, torch.device("cpu"), seed=7) == (
+        "warning: RNG: the checkpoint holds the main process's RNG state only (saved before foxlm kept each "
+        "process's): process 0 restored; process 1 from seed=7 and rank; random draws (dropout) are not an "
+        "uninterrupted run's")
+    assert torch.equal(torch.get_rng_state(), before)  # process 1's own stream goes on
+    assert restore_rng_states(old, 2, 0, 2, torch.device("cpu"), seed=7) is not None
+    assert torch.equal(torch.get_rng_state(), own["cpu"])
+
+
 def test_init_from_refuses_what_does_not_fit(byte_data, tmp_path):
     src = tmp_path / "src"
     train(tiny_config(byte_data, src, "max_steps=1", "eval_every=0"))

@@ -1,9 +1,10 @@
 """`foxlm train` under torchrun: 2 CPU processes on gloo (FSDP2 and DDP) match 1 process with the same global batch,
 FSDP2 also when resumed from one of its checkpoints (sharded, DCP, written in the background), by 2 processes or by 1;
 SIGTERM to one process stops both after the same step, saved; a run stopped by NaN keeps its background save; the job
-prints one summary; `foxlm export` and export_dir= give the models as save_pretrained folders.
+prints one summary; `foxlm export` and export_dir= give the models as save_pretrained folders. With dropout, each
+process draws its own random numbers, and a resumed run draws what the uninterrupted one did.
 
-The test launches this file with torchrun; its ``__main__`` runs the real CLI twice in each worker.
+The tests launch this file with torchrun; its ``__main__`` runs a scenario's runs of the real CLI in each worker.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from foxlm.data import prepare
 from foxlm.data.assets import shakespeare_plays
+from train.runs import logged_losses
 
 ARGS = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=2",
         "model.intermediate_size=128", "tokenizer=byte", "seq_len=32", "batch_size=4", "micro_batch_size=1",
@@ -31,6 +33,17 @@ ARGS = ["device=cpu", "model.hidden_size=64", "model.num_hidden_layers=2", "mode
 
 def _records(run) -> list[dict]:
     return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+
+
+def _torchrun(scenario: str, root, args: list[str]) -> subprocess.CompletedProcess:
+    """Run this file's ``scenario`` in 2 torchrun workers (into folders of ``root``, with the CLI's ``args``)."""
+    # conftest turns on Triton's interpreter for kernel tests; the trainer runs the PyTorch path, as in-process
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           __file__, scenario, str(root), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
 
 
 def test_two_processes_match_one(tmp_path, capsys):
@@ -44,12 +57,7 @@ def test_two_processes_match_one(tmp_path, capsys):
             progress=False)
     packing = random.choice(["windows", "documents"])
     common = ARGS + [f"data={data}", f"packing={packing}", f"seed={random.randrange(1000)}"]
-    # conftest turns on Triton's interpreter for kernel tests; the trainer runs the PyTorch path, as in-process
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           __file__, str(tmp_path), *common], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = _torchrun("parallel", tmp_path, common)
     # fsdp's step 3, saved in the background, is committed at the next save: after step 5's validation
     assert done.stderr.index(f"saved {tmp_path / 'fsdp' / 'checkpoints' / 'step_0000003'}\n") > \
         done.stderr.index("step 5: val loss")
@@ -113,6 +121,51 @@ def test_two_processes_match_one(tmp_path, capsys):
     assert latest_valid_checkpoint(tmp_path / "fsdp-sigterm").name == f"step_{len(steps):07d}"
 
 
+def test_each_process_draws_its_own_random_numbers_and_resumes_them(tmp_path, capsys):
+    """hf:gpt2 (dropout 0.1) on 2 processes, stopped after step 2 and resumed, trains as the uninterrupted run: the
+    same losses and weights, and each process's generator ends where it would. The processes draw different
+    numbers (they drew the same: every one seeded with seed), and each checkpoint keeps every process's RNG state
+    (it kept the main process's, which both restored). A run of another number of processes says, in one line, that
+    its draws are not an uninterrupted run's; the processes the checkpoint has a state for restore it."""
+    from transformers import AutoModelForCausalLM
+
+    from foxlm.cli import main
+
+    data = tmp_path / "bytes"
+    prepare(random.Random().sample(shakespeare_plays(), 1), data, tokenizer="byte", val_fraction=0.5, workers=0,
+            progress=False)
+    seed = random.randrange(1000)
+    gpt2 = [a for a in ARGS if not a.startswith(("model.", "max_steps=", "save_every=", "eval_every="))] + [
+        "arch=hf:gpt2", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "max_steps=4", "save_every=2",
+        "eval_every=0", f"data={data}", f"seed={seed}"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["train", *gpt2, "max_steps=2", f"out_dir={tmp_path / 'one'}"]) == 0  # resumed by 2 below
+        done = _torchrun("dropout", tmp_path, gpt2)
+        step2 = tmp_path / "run" / "checkpoints" / "step_0000002"
+        assert main(["train", *gpt2, "max_steps=2", f"resume={step2}", f"out_dir={tmp_path / 'shrunk'}"]) == 0
+        shrunk = torch.get_rng_state()  # as restored: nothing trained since
+    finally:
+        torch.set_num_threads(threads)
+    losses = logged_losses(tmp_path / "ref")
+    assert logged_losses(tmp_path / "run") == losses and len(losses) == 4
+    ref, run = (AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-export") for name in ("ref", "run"))
+    assert all(torch.equal(a, b) for a, b in zip(run.state_dict().values(), ref.state_dict().values()))
+    rng = {(name, rank): torch.load(tmp_path / f"{name}-rng{rank}.pt", weights_only=True)
+           for name in ("ref", "stopped", "run") for rank in (0, 1)}
+    assert torch.equal(rng["run", 0], rng["ref", 0]) and torch.equal(rng["run", 1], rng["ref", 1])
+    assert not torch.equal(rng["stopped", 0], rng["stopped", 1])
+    saved = torch.load(step2 / "trainer.pt", weights_only=True)["rng"]
+    assert [torch.equal(s["cpu"], rng["stopped", rank]) for rank, s in enumerate(saved)] == [True, True]
+    assert torch.equal(shrunk, saved[0]["cpu"])
+    assert "warning: RNG: the checkpoint was saved by 1 process, this run has 2: process 0 restored; process 1 from " \
+        f"seed={seed} and rank; random draws (dropout) are not an uninterrupted run's\n" in done.stderr
+    assert "warning: RNG: the checkpoint was saved by 2 processes, this run has 1: process 0 restored; random draws " \
+        "(dropout) are not an uninterrupted run's\n" in capsys.readouterr().err
+    assert done.stderr.count("warning: RNG") == 1  # the runs of 2 processes resumed by 2: none
+
+
 def _sigterm_once_training(run: str) -> None:
     """SIGTERM this process once the run has logged two steps (its handler is installed by then)."""
     log = os.path.join(run, "log.jsonl")
@@ -121,13 +174,12 @@ def _sigterm_once_training(run: str) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP, in one process group
+def _parallel_runs(root: str, args: list[str]) -> None:
+    """test_two_processes_match_one's runs: the real CLI, FSDP2 then DDP."""
     import torch.distributed as dist
 
     from foxlm.cli import main
 
-    root, args = sys.argv[1], sys.argv[2:]
-    dist.init_process_group("gloo")
     # step 3 is written in the background while steps 4 and 5 train; what resumes from it checks it holds step 3
     assert main(["train", *args, "parallel=fsdp", "save_every=3", "async_checkpoint=true",
                  f"out_dir={os.path.join(root, 'fsdp')}", f"export_dir={os.path.join(root, 'fsdp-export')}"]) == 0
@@ -144,4 +196,32 @@ if __name__ == "__main__":  # one torchrun worker: the real CLI, FSDP2 then DDP,
                  "grad_clip=0", "max_bad_steps=1", "eval_every=0", "max_steps=20",
                  f"out_dir={os.path.join(root, 'fsdp-nan')}"]) == 1
     assert main(["train", *args, "parallel=ddp", f"out_dir={os.path.join(root, 'ddp')}"]) == 0
+
+
+
+def _dropout_runs(root: str, args: list[str]) -> None:
+    """test_each_process_draws_its_own_random_numbers_and_resumes_them's runs: ``ref`` uninterrupted, ``run`` stopped
+    after step 2 (``stopped``) and resumed, ``grown`` a checkpoint of one process resumed; each process records its
+    CPU generator's state after each but the last."""
+    import torch.distributed as dist
+
+    from foxlm.cli import main
+
+    def train(name: str, record: str | None, *extra: str) -> None:
+        assert main(["train", *args, f"out_dir={os.path.join(root, name)}", *extra]) == 0
+        if record is not None:
+            torch.save(torch.get_rng_state(), os.path.join(root, f"{record}-rng{dist.get_rank()}.pt"))
+
+    # an export initializes a model on the main process before loading the weights: draws of its own, after the run
+    train("ref", "ref", f"export_dir={os.path.join(root, 'ref-export')}")
+    train("run", "stopped", "max_steps=2")
+    train("run", "run", "resume=auto", f"export_dir={os.path.join(root, 'run-export')}")
+    train("grown", None, f"resume={os.path.join(root, 'one', 'checkpoints', 'step_0000002')}")
+
+if __name__ == "__main__":  # one torchrun worker: a scenario's runs, in one process group
+    import torch.distributed as dist
+
+    scenario, root, args = sys.argv[1], sys.argv[2], sys.argv[3:]
+    dist.init_process_group("gloo")
+    {"parallel": _parallel_runs, "dropout": _dropout_runs}[scenario](root, args)
     dist.destroy_process_group()
