@@ -63,13 +63,14 @@ def sample_next(
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does (>=, so that
-        # at an exact boundary the token that would overshoot goes, as in HF's TopPLogitsWarper)
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[:, 0] = False  # the likeliest token stays whatever top_p (0: greedy), as HF's min_tokens_to_keep=1
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        # keep the smallest set of likeliest tokens whose mass reaches top_p, read as HF's TopPLogitsWarper reads it:
+        # sorted ascending, a token goes while the mass up to it (itself and every less likely one) is <= 1 - top_p.
+        # The same sort orders tied logits (frequent in bf16) as HF's does, and the same sums round as HF's, so the
+        # same tokens stay at the boundary; a descending sort kept other tied tokens, a seeded draw other tokens
+        sorted_logits, order = torch.sort(logits, dim=-1)
+        drop = torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # the likeliest token stays whatever top_p (0: greedy), as HF's min_tokens_to_keep=1
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     if min_p > 0.0:
         # compared as probabilities, not as logits against log(min_p): the same rounding as HF's MinPLogitsWarper at
         # a boundary; the likeliest token always stays (min_p <= 1)

@@ -551,7 +551,9 @@ def test_sample_next_top_p():
 
 @pytest.mark.parametrize("probs, top_p", [
     ([0.5, 0.25, 0.25], 0.5),  # the first token alone reaches the mass
-    ([0.375, 0.125, 0.3125, 0.1875], 0.6875),  # two tokens do (no ties: HF and foxlm order equal tokens apart)
+    ([0.375, 0.125, 0.3125, 0.1875], 0.6875),  # two tokens do
+    ([0.4, 0.2, 0.2, 0.2], 0.5),  # ties at the boundary: the tied token HF keeps
+    ([0.25, 0.25, 0.25, 0.25], 0.5),
     ([0.125, 0.5, 0.25, 0.125], 0.75),
     ([0.05, 0.6, 0.3, 0.05], 0.8),  # no exact boundary
     ([0.2, 0.5, 0.3], 0.0),  # no mass: the likeliest token (HF keeps one), not a NaN distribution
@@ -559,13 +561,31 @@ def test_sample_next_top_p():
 def test_sample_next_top_p_boundary_as_hf(probs, top_p):
     """Where a prefix of the sorted tokens holds exactly top_p of the mass, the tokens after it go, as in HF's
     TopPLogitsWarper (the smallest prefix reaching top_p); one more token was kept, and sampled. The likeliest token
-    always stays, as HF's warper keeps one: top_p=0 dropped every token once the boundary was fixed."""
+    always stays, as HF's warper keeps one: top_p=0 dropped every token once the boundary was fixed. Of tokens tied at
+    the boundary, those HF keeps stay (others did: a descending sort orders ties otherwise)."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
     logits = torch.log(torch.tensor([probs]))
     kept = set(torch.nonzero(TopPLogitsWarper(top_p)(None, logits.clone())[0].isfinite())[:, 0].tolist())
     picks = sample_next(logits.expand(400, -1), do_sample=True, top_p=top_p, generator=torch.Generator().manual_seed(0))
     assert set(picks.tolist()) == kept
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sample_next_draws_hf_tokens_from_bf16_logits(seed):
+    """bf16 logits, where many tie, through temperature, top-k and top-p: sample_next draws the tokens HF generate's
+    warpers and multinomial draw from the same seed. Half the rows kept another set of tokens (top-p's ties and sums
+    taken in the other order), so seeded sampling of a bf16 model left HF generate's tokens."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = (2 * torch.randn(256, 1000, generator=torch.Generator().manual_seed(seed))).bfloat16()
+    scores = logits.float()  # HF generate processes fp32 copies of the logits
+    for warper in (TemperatureLogitsWarper(0.8), TopKLogitsWarper(400), TopPLogitsWarper(0.9)):
+        scores = warper(None, scores)
+    want = torch.multinomial(scores.softmax(-1), 1, generator=torch.Generator().manual_seed(seed))[:, 0]
+    got = sample_next(logits, do_sample=True, temperature=0.8, top_k=400, top_p=0.9,
+                      generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("probs, min_p", [
