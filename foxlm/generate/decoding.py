@@ -173,9 +173,11 @@ _HF_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p
                     min_new_tokens=0, eos_token_id=None)
 
 
-# generation_config entries that change HF generate's tokens and that foxlm's decoding (greedy or sampling, the controls
-# above) does not apply, with the value at which they do nothing
-_NOT_APPLIED = dict(num_beams=1, num_beam_groups=1, penalty_alpha=None, diversity_penalty=0.0, typical_p=1.0,
+# generation_config entries that change HF generate's tokens (num_return_sequences: how many sequences a prompt gets)
+# and that foxlm's decoding (greedy or sampling, the controls above) does not apply, with the value at which they do
+# nothing; encoder_repetition_penalty applies to a decoder-only model's prompt in HF generate
+_NOT_APPLIED = dict(num_beams=1, num_return_sequences=1, encoder_repetition_penalty=1.0, num_beam_groups=1,
+                    penalty_alpha=None, diversity_penalty=0.0, typical_p=1.0,
                     epsilon_cutoff=0.0, eta_cutoff=0.0, top_h=None, no_repeat_ngram_size=0, bad_words_ids=None,
                     force_words_ids=None, forced_bos_token_id=None, forced_eos_token_id=None, suppress_tokens=None,
                     begin_suppress_tokens=None, sequence_bias=None, guidance_scale=1.0,

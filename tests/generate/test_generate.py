@@ -526,6 +526,23 @@ def test_generate_warns_of_generation_config_entries_it_does_not_apply():
     assert caught[0].filename == __file__  # the caller's line, not generate's
 
 
+def test_generate_warns_of_num_return_sequences_and_encoder_repetition_penalty():
+    """Two more generation_config entries HF generate applies to a FoX model: num_return_sequences (as many sequences
+    per prompt, sampled) and encoder_repetition_penalty (a penalty, or a boost, for the prompt's tokens). foxlm's
+    generate gave one sequence per prompt and the unpenalised tokens, without a word."""
+    model = _model("fox-llama", seed=5)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    model.generation_config.encoder_repetition_penalty = 3.0
+    assert not torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0), plain)
+    with pytest.warns(UserWarning, match=r"^model\.generation_config sets encoder_repetition_penalty=3\.0: foxlm's "):
+        generate(model, ids, 8)
+    model.generation_config.update(encoder_repetition_penalty=1.0, num_return_sequences=3, do_sample=True)
+    assert model.generate(ids, max_new_tokens=2, pad_token_id=0).shape[0] == 3
+    with pytest.warns(UserWarning, match=r"^model\.generation_config sets num_return_sequences=3: foxlm's "):
+        assert len(generate(model, ids, 2).sequences) == 1
+
+
 def test_generate_gives_the_model_back_in_its_mode():
     """generate decodes in eval mode and leaves a training model training (HF generate changes no mode)."""
     model = _model("fox-llama", seed=7)
