@@ -299,8 +299,14 @@ def generate(
     if vocab_size is not None and not (_is_int(vocab_size) and 1 <= vocab_size <= vocab):
         raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size!r}")
     stops = _check_eos(eos_token_id)
-    if do_sample and not (_is_real(temperature) and temperature > 0):
-        raise ValueError(f"{arg('temperature')}: expected > 0, got {temperature!r}")
+    if not isinstance(do_sample, (bool, np.bool_)):  # a truthy string ("no") sampled
+        raise ValueError(f"{arg('do_sample')}: expected True or False, got {do_sample!r}")
+    do_sample = bool(do_sample)
+    # greedy decoding ignores the temperature, but a negative one (or NaN, or a string) is a mistake all the same, as
+    # top_k's and top_p's are; 0 stays a greedy caller's way of saying greedy
+    if not (_is_real(temperature) and (temperature > 0 if do_sample else temperature >= 0)):
+        raise ValueError(f"{arg('temperature')}: expected > 0{'' if do_sample else ' (or 0 when greedy)'}, got "
+                         f"{temperature!r}")
     if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
         raise ValueError(f"{arg('top_p')}: expected a probability mass in (0, 1], got {top_p!r}")
     if not (_is_real(min_p) and 0.0 <= min_p <= 1.0):

@@ -470,6 +470,10 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"do_sample": True, "top_k": "5"}, "top_k: expected an integer >= 0, got '5'"),
     ([[[1, 2]], 2], {"do_sample": True, "top_p": "0.5"}, r"top_p: expected a probability mass in \(0, 1\], got '0.5'"),
     ([[[1, 2]], 2], {"do_sample": True, "temperature": "0.7"}, "temperature: expected > 0, got '0.7'"),
+    # greedy decoding ignored them (a truthy do_sample string sampled)
+    ([[[1, 2]], 2], {"temperature": -0.7}, r"temperature: expected > 0 \(or 0 when greedy\), got -0.7"),
+    ([[[1, 2]], 2], {"temperature": float("nan")}, r"temperature: expected > 0 \(or 0 when greedy\), got nan"),
+    ([[[1, 2]], 2], {"do_sample": "no"}, "do_sample: expected True or False, got 'no'"),
     ([[[1, 2]], 2], {"prefill_chunk": 1.5}, "prefill_chunk: expected an integer >= 1, got 1.5"),
     ([[[1, 2]], 2], {"page_size": 2.0}, "page_size: expected an integer >= 1, got 2.0"),
     ([[[1, 2]], 2], {"vocab_size": 10.5}, f"vocab_size: expected 1 to the model's {V}, got 10.5"),
@@ -508,6 +512,11 @@ def test_generate_names_a_bad_generation_config_value():
     with pytest.raises(ValueError, match=r"model\.generation_config\.top_k: expected an integer >= 0, got -1"):
         generate(model, [[1, 2]], 2, do_sample=True)
     assert len(generate(model, [[1, 2]], 2, do_sample=True, top_k=0).sequences[0]) == 2
+    model.generation_config.update(top_k=None, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"model\.generation_config\.temperature: expected > 0 \(or 0 when greedy\)"):
+        generate(model, [[1, 2]], 2)
+    model.generation_config.update(temperature=0.0)  # greedy, whose temperature 0 is no mistake
+    assert len(generate(model, [[1, 2]], 2).sequences[0]) == 2
 
 
 def test_generate_warns_of_generation_config_entries_it_does_not_apply():
