@@ -158,6 +158,31 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
     return out
 
 
+def _unpad(prompts, attention_mask) -> list[list[int]]:
+    """Each row's real tokens of a padded batch, HF generate's input_ids and attention_mask: prompts [B, T] (or [T])
+    and attention_mask of the same shape, 1 at real tokens and 0 at padding, before them, after them or both (a
+    tokenizer's padding=True)."""
+    try:
+        ids, mask = (np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x) for x in (prompts, attention_mask))
+    except ValueError:  # a ragged list: no batch to unpad
+        raise ValueError("prompts: with an attention_mask, expected a [B, T] batch of token ids (rows of one length), "
+                         "as the mask is") from None
+    if not ids.size:
+        raise ValueError("prompts: expected a non-empty list of token-id lists")
+    if ids.ndim not in (1, 2) or mask.shape != ids.shape:
+        raise ValueError(f"attention_mask: expected the prompts' shape {ids.shape}, got {mask.shape}")
+    if not (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer)) or not np.isin(mask, (0, 1)).all():
+        raise ValueError("attention_mask: expected 1 at real tokens and 0 at padding")
+    rows = []
+    for b, (row, real) in enumerate(zip(ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1]))):
+        at = np.flatnonzero(real)
+        if not len(at) or at[-1] - at[0] + 1 != len(at):
+            raise ValueError(f"attention_mask[{b}]: expected one run of real tokens with padding before and/or after "
+                             f"it, got {'none' if not len(at) else 'padding between real tokens'}")
+        rows.append(row[at[0]:at[-1] + 1].tolist())
+    return rows
+
+
 def _is_int(value) -> bool:
     """An integer, numpy's included, but not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -228,6 +253,7 @@ def generate(
     prompts: list[list[int]] | torch.Tensor,
     max_new_tokens: int,
     *,
+    attention_mask: torch.Tensor | list[list[int]] | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -256,7 +282,11 @@ def generate(
     Args:
         model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro), or a PEFT model
             around one (LoRA adapters).
-        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token).
+        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token
+            unless ``attention_mask`` says otherwise).
+        attention_mask: with a padded [B, T] (or [T]) ``prompts``, 1 at its real tokens and 0 at padding (before and/or
+            after each row's real tokens), as a tokenizer's ``padding=True`` gives it and HF generate takes it; only
+            the real tokens are prompts.
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``, ``min_p``) instead of greedy decoding.
         top_k: sampling keeps only the ``top_k`` likeliest tokens (0: all).
         min_p: sampling keeps only the tokens at least ``min_p`` times as likely as the likeliest (0: all).
@@ -280,7 +310,7 @@ def generate(
         GenerateOutput with the new tokens per prompt, the cache size and the phase timings.
     """
     vocab = model.config.vocab_size
-    prompts = _check_prompts(prompts, vocab)
+    prompts = _check_prompts(prompts if attention_mask is None else _unpad(prompts, attention_mask), vocab)
     from_config: set[str] = set()
     do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens, eos_token_id = \
         _generation_controls(model, from_config, do_sample=do_sample, temperature=temperature, top_k=top_k,

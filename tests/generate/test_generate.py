@@ -461,6 +461,25 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
         generate(model, prompts[0], 3)
 
 
+def test_generate_takes_a_padded_batch_with_its_attention_mask():
+    """A tokenizer's padded batch, its padding ids real vocabulary ids, with its attention_mask (left or right
+    padding, tensors or numpy): the tokens of HF generate given the same input_ids and attention_mask. There was no
+    argument for the mask: a padded tensor's padding was read as prompt tokens."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12, 4))
+    ids, mask = _left_pad(prompts)
+    ids = ids.masked_fill(mask == 0, 7)  # a padding id that is a real token
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=7)
+    want = hf[:, ids.shape[1]:].tolist()
+    assert generate(model, ids, 6, attention_mask=mask, page_size=4).sequences == want
+    assert generate(model, ids.numpy(), 6, attention_mask=mask.bool().numpy(), page_size=4).sequences == want
+    right, right_mask = torch.full_like(ids, 7), torch.zeros_like(mask)  # a tokenizer's default padding side
+    for b, p in enumerate(prompts):
+        right[b, :len(p)], right_mask[b, :len(p)] = torch.tensor(p), 1
+    assert generate(model, right, 6, attention_mask=right_mask, page_size=4).sequences == want
+    assert generate(model, ids, 6, page_size=4).sequences != want  # without the mask, padding is prompt
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     ([[[1, 2], [3, V]], 2], {}, rf"prompts\[1\]: token id {V} is outside the model's vocabulary of {V}"),
     ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
@@ -495,6 +514,14 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"cuda_graph": True}, "cuda_graph: CUDA graphs need a CUDA device, the model is on cpu"),
     ([[[1, 2]], 2], {"generator": 3}, "generator: expected a torch.Generator or None, got 3"),
     ([[[1, 2]], 2], {"do_sample": True, "generator": 3}, "generator: expected a torch.Generator or None, got 3"),
+    # a padded batch's mask, which must say where each row's one run of real tokens is
+    ([[[1, 2]], 2], {"attention_mask": [[1, 1, 1]]},
+     r"attention_mask: expected the prompts' shape \(1, 2\), got \(1, 3\)"),
+    ([[[1, 2]], 2], {"attention_mask": [[1, 2]]}, "attention_mask: expected 1 at real tokens and 0 at padding"),
+    ([[[1, 2]], 2], {"attention_mask": [[0.0, 1.0]]}, "attention_mask: expected 1 at real tokens and 0 at padding"),
+    ([[[1, 2]], 2], {"attention_mask": [[0, 0]]}, r"attention_mask\[0\]: expected one run of real tokens .*, got none"),
+    ([[[1, 2, 3]], 2], {"attention_mask": [[1, 0, 1]]}, r"attention_mask\[0\]: .*, got padding between real tokens"),
+    ([[[1, 2], [3]], 2], {"attention_mask": [[1, 1], [1]]}, r"prompts: with an attention_mask, expected a \[B, T\]"),
 ])
 def test_generate_mistakes_name_the_argument(args, kwargs, message):
     """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and
