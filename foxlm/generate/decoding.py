@@ -58,6 +58,15 @@ def sample_next(
     (tokens less likely than ``min_p`` times the likeliest go), applied in that order as HF generate does."""
     if not do_sample:
         return logits.argmax(-1)
+    # as HF's warpers check theirs: these were torch errors naming nothing (top_k < 0, temperature 0, min_p > 1), or
+    # no error at all (top_p > 1); generate checks its own, naming where each came from
+    if not (_is_real(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    if not (_is_int(top_k) and top_k >= 0):
+        raise ValueError(f"top_k: expected an integer >= 0, got {top_k!r}")
+    for name, value in (("top_p", top_p), ("min_p", min_p)):
+        if not (_is_real(value) and 0.0 <= value <= 1.0):
+            raise ValueError(f"{name}: expected a number in [0, 1], got {value!r}")
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]

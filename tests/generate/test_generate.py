@@ -624,6 +624,20 @@ def test_sample_next_top_p_boundary_as_hf(probs, top_p):
     assert set(picks.tolist()) == kept
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": 0.0}, "temperature: expected > 0, got 0.0"),
+    ({"top_k": -1}, "top_k: expected an integer >= 0, got -1"),
+    ({"top_k": 2.5}, "top_k: expected an integer >= 0, got 2.5"),
+    ({"top_p": 1.5}, r"top_p: expected a number in \[0, 1\], got 1.5"),
+    ({"min_p": 2.0}, r"min_p: expected a number in \[0, 1\], got 2.0"),
+])
+def test_sample_next_mistakes_name_the_argument(kwargs, message):
+    """sample_next's sampling controls, checked as HF's warpers check theirs: torch errors naming nothing (a NaN
+    distribution, an index out of range) or, for top_p > 1, no error."""
+    with pytest.raises(ValueError, match=message):
+        sample_next(torch.randn(2, 10), do_sample=True, **kwargs)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_sample_next_draws_hf_tokens_from_bf16_logits(seed):
     """bf16 logits, where many tie, through temperature, top-k and top-p: sample_next draws the tokens HF generate's
