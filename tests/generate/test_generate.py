@@ -244,6 +244,19 @@ def test_eviction_matches_full_cache():
     assert 0 < worst < 10 * tol, worst
 
 
+def test_generate_with_eviction_equals_hf_generate_over_many_pages():
+    """Greedy decoding of a left-padded batch for 90 tokens (pages of 8: many page boundaries, evictions after the
+    prefill and every 8 steps, the early-stop checks at every 16th step): with a tiny tolerance the
+    tokens of HF generate (no eviction), and pages evicted all the same."""
+    model = _fast_forgetting_model()
+    prompts = _prompts(torch.Generator().manual_seed(2), (5, 70, 33))
+    ids, mask = _left_pad(prompts)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=90, do_sample=False, pad_token_id=0)
+    out = generate(model, prompts, 90, page_size=8, evict=True, tolerance=1e-12)
+    assert out.sequences == hf[:, ids.shape[1]:].tolist()
+    assert out.cache["fraction"] < 0.9
+
+
 def test_eviction_needs_qk_norm_and_a_forget_gate():
     with pytest.raises(ValueError, match="evict: needs a QK-norm model"):
         generate(_model("fox-llama"), [[1, 2, 3]], 2, evict=True)
