@@ -58,18 +58,28 @@ def sample_next(
     (tokens less likely than ``min_p`` times the likeliest go), applied in that order as HF generate does."""
     if not do_sample:
         return logits.argmax(-1)
+    # as HF's warpers check theirs: these were torch errors naming nothing (top_k < 0, temperature 0, min_p > 1), or
+    # no error at all (top_p > 1); generate checks its own, naming where each came from
+    if not (_is_real(temperature) and temperature > 0):
+        raise ValueError(f"temperature: expected > 0, got {temperature!r}")
+    if not (_is_int(top_k) and top_k >= 0):
+        raise ValueError(f"top_k: expected an integer >= 0, got {top_k!r}")
+    for name, value in (("top_p", top_p), ("min_p", min_p)):
+        if not (_is_real(value) and 0.0 <= value <= 1.0):
+            raise ValueError(f"{name}: expected a number in [0, 1], got {value!r}")
     logits = logits.float() / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does (>=, so that
-        # at an exact boundary the token that would overshoot goes, as in HF's TopPLogitsWarper)
-        drop = probs.cumsum(-1) - probs >= top_p
-        drop[:, 0] = False  # the likeliest token stays whatever top_p (0: greedy), as HF's min_tokens_to_keep=1
-        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        # keep the smallest set of likeliest tokens whose mass reaches top_p, read as HF's TopPLogitsWarper reads it:
+        # sorted ascending, a token goes while the mass up to it (itself and every less likely one) is <= 1 - top_p.
+        # The same sort orders tied logits (frequent in bf16) as HF's does, and the same sums round as HF's, so the
+        # same tokens stay at the boundary; a descending sort kept other tied tokens, a seeded draw other tokens
+        sorted_logits, order = torch.sort(logits, dim=-1)
+        drop = torch.softmax(sorted_logits, dim=-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False  # the likeliest token stays whatever top_p (0: greedy), as HF's min_tokens_to_keep=1
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
     if min_p > 0.0:
         # compared as probabilities, not as logits against log(min_p): the same rounding as HF's MinPLogitsWarper at
         # a boundary; the likeliest token always stays (min_p <= 1)
@@ -157,6 +167,31 @@ def _check_prompts(prompts, vocab: int) -> list[list[int]]:
     return out
 
 
+def _unpad(prompts, attention_mask) -> list[list[int]]:
+    """Each row's real tokens of a padded batch, HF generate's input_ids and attention_mask: prompts [B, T] (or [T])
+    and attention_mask of the same shape, 1 at real tokens and 0 at padding, before them, after them or both (a
+    tokenizer's padding=True)."""
+    try:
+        ids, mask = (np.asarray(x.cpu() if isinstance(x, torch.Tensor) else x) for x in (prompts, attention_mask))
+    except ValueError:  # a ragged list: no batch to unpad
+        raise ValueError("prompts: with an attention_mask, expected a [B, T] batch of token ids (rows of one length), "
+                         "as the mask is") from None
+    if not ids.size:
+        raise ValueError("prompts: expected a non-empty list of token-id lists")
+    if ids.ndim not in (1, 2) or mask.shape != ids.shape:
+        raise ValueError(f"attention_mask: expected the prompts' shape {ids.shape}, got {mask.shape}")
+    if not (mask.dtype == bool or np.issubdtype(mask.dtype, np.integer)) or not np.isin(mask, (0, 1)).all():
+        raise ValueError("attention_mask: expected 1 at real tokens and 0 at padding")
+    rows = []
+    for b, (row, real) in enumerate(zip(ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, ids.shape[-1]))):
+        at = np.flatnonzero(real)
+        if not len(at) or at[-1] - at[0] + 1 != len(at):
+            raise ValueError(f"attention_mask[{b}]: expected one run of real tokens with padding before and/or after "
+                             f"it, got {'none' if not len(at) else 'padding between real tokens'}")
+        rows.append(row[at[0]:at[-1] + 1].tolist())
+    return rows
+
+
 def _is_int(value) -> bool:
     """An integer, numpy's included, but not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -172,9 +207,11 @@ _HF_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p
                     min_new_tokens=0, eos_token_id=None)
 
 
-# generation_config entries that change HF generate's tokens and that foxlm's decoding (greedy or sampling, the controls
-# above) does not apply, with the value at which they do nothing
-_NOT_APPLIED = dict(num_beams=1, num_beam_groups=1, penalty_alpha=None, diversity_penalty=0.0, typical_p=1.0,
+# generation_config entries that change HF generate's tokens (num_return_sequences: how many sequences a prompt gets)
+# and that foxlm's decoding (greedy or sampling, the controls above) does not apply, with the value at which they do
+# nothing; encoder_repetition_penalty applies to a decoder-only model's prompt in HF generate
+_NOT_APPLIED = dict(num_beams=1, num_return_sequences=1, encoder_repetition_penalty=1.0, num_beam_groups=1,
+                    penalty_alpha=None, diversity_penalty=0.0, typical_p=1.0,
                     epsilon_cutoff=0.0, eta_cutoff=0.0, top_h=None, no_repeat_ngram_size=0, bad_words_ids=None,
                     force_words_ids=None, forced_bos_token_id=None, forced_eos_token_id=None, suppress_tokens=None,
                     begin_suppress_tokens=None, sequence_bias=None, guidance_scale=1.0,
@@ -225,6 +262,7 @@ def generate(
     prompts: list[list[int]] | torch.Tensor,
     max_new_tokens: int,
     *,
+    attention_mask: torch.Tensor | list[list[int]] | None = None,
     do_sample: bool | None = None,
     temperature: float | None = None,
     top_k: int | None = None,
@@ -253,7 +291,11 @@ def generate(
     Args:
         model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro), or a PEFT model
             around one (LoRA adapters).
-        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token).
+        prompts: token-id lists of any lengths (or a [B, T] / [T] tensor or numpy array, every id a real token
+            unless ``attention_mask`` says otherwise).
+        attention_mask: with a padded [B, T] (or [T]) ``prompts``, 1 at its real tokens and 0 at padding (before and/or
+            after each row's real tokens), as a tokenizer's ``padding=True`` gives it and HF generate takes it; only
+            the real tokens are prompts.
         do_sample: sample (with ``temperature``, ``top_k``, ``top_p``, ``min_p``) instead of greedy decoding.
         top_k: sampling keeps only the ``top_k`` likeliest tokens (0: all).
         min_p: sampling keeps only the tokens at least ``min_p`` times as likely as the likeliest (0: all).
@@ -277,7 +319,7 @@ def generate(
         GenerateOutput with the new tokens per prompt, the cache size and the phase timings.
     """
     vocab = model.config.vocab_size
-    prompts = _check_prompts(prompts, vocab)
+    prompts = _check_prompts(prompts if attention_mask is None else _unpad(prompts, attention_mask), vocab)
     from_config: set[str] = set()
     do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens, eos_token_id = \
         _generation_controls(model, from_config, do_sample=do_sample, temperature=temperature, top_k=top_k,
@@ -296,8 +338,14 @@ def generate(
     if vocab_size is not None and not (_is_int(vocab_size) and 1 <= vocab_size <= vocab):
         raise ValueError(f"vocab_size: expected 1 to the model's {vocab}, got {vocab_size!r}")
     stops = _check_eos(eos_token_id)
-    if do_sample and not (_is_real(temperature) and temperature > 0):
-        raise ValueError(f"{arg('temperature')}: expected > 0, got {temperature!r}")
+    if not isinstance(do_sample, (bool, np.bool_)):  # a truthy string ("no") sampled
+        raise ValueError(f"{arg('do_sample')}: expected True or False, got {do_sample!r}")
+    do_sample = bool(do_sample)
+    # greedy decoding ignores the temperature, but a negative one (or NaN, or a string) is a mistake all the same, as
+    # top_k's and top_p's are; 0 stays a greedy caller's way of saying greedy
+    if not (_is_real(temperature) and (temperature > 0 if do_sample else temperature >= 0)):
+        raise ValueError(f"{arg('temperature')}: expected > 0{'' if do_sample else ' (or 0 when greedy)'}, got "
+                         f"{temperature!r}")
     if not (_is_real(top_p) and 0.0 < top_p <= 1.0):
         raise ValueError(f"{arg('top_p')}: expected a probability mass in (0, 1], got {top_p!r}")
     if not (_is_real(min_p) and 0.0 <= min_p <= 1.0):

@@ -244,6 +244,19 @@ def test_eviction_matches_full_cache():
     assert 0 < worst < 10 * tol, worst
 
 
+def test_generate_with_eviction_equals_hf_generate_over_many_pages():
+    """Greedy decoding of a left-padded batch for 90 tokens (pages of 8: many page boundaries, evictions after the
+    prefill and every 8 steps, the early-stop checks at every 16th step): with a tiny tolerance the
+    tokens of HF generate (no eviction), and pages evicted all the same."""
+    model = _fast_forgetting_model()
+    prompts = _prompts(torch.Generator().manual_seed(2), (5, 70, 33))
+    ids, mask = _left_pad(prompts)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=90, do_sample=False, pad_token_id=0)
+    out = generate(model, prompts, 90, page_size=8, evict=True, tolerance=1e-12)
+    assert out.sequences == hf[:, ids.shape[1]:].tolist()
+    assert out.cache["fraction"] < 0.9
+
+
 def test_eviction_needs_qk_norm_and_a_forget_gate():
     with pytest.raises(ValueError, match="evict: needs a QK-norm model"):
         generate(_model("fox-llama"), [[1, 2, 3]], 2, evict=True)
@@ -461,6 +474,25 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
         generate(model, prompts[0], 3)
 
 
+def test_generate_takes_a_padded_batch_with_its_attention_mask():
+    """A tokenizer's padded batch, its padding ids real vocabulary ids, with its attention_mask (left or right
+    padding, tensors or numpy): the tokens of HF generate given the same input_ids and attention_mask. There was no
+    argument for the mask: a padded tensor's padding was read as prompt tokens."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12, 4))
+    ids, mask = _left_pad(prompts)
+    ids = ids.masked_fill(mask == 0, 7)  # a padding id that is a real token
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=7)
+    want = hf[:, ids.shape[1]:].tolist()
+    assert generate(model, ids, 6, attention_mask=mask, page_size=4).sequences == want
+    assert generate(model, ids.numpy(), 6, attention_mask=mask.bool().numpy(), page_size=4).sequences == want
+    right, right_mask = torch.full_like(ids, 7), torch.zeros_like(mask)  # a tokenizer's default padding side
+    for b, p in enumerate(prompts):
+        right[b, :len(p)], right_mask[b, :len(p)] = torch.tensor(p), 1
+    assert generate(model, right, 6, attention_mask=right_mask, page_size=4).sequences == want
+    assert generate(model, ids, 6, page_size=4).sequences != want  # without the mask, padding is prompt
+
+
 @pytest.mark.parametrize("args, kwargs, message", [
     ([[[1, 2], [3, V]], 2], {}, rf"prompts\[1\]: token id {V} is outside the model's vocabulary of {V}"),
     ([[[1, 2]], 2], {"vocab_size": 0}, f"vocab_size: expected 1 to the model's {V}, got 0"),
@@ -470,6 +502,10 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"do_sample": True, "top_k": "5"}, "top_k: expected an integer >= 0, got '5'"),
     ([[[1, 2]], 2], {"do_sample": True, "top_p": "0.5"}, r"top_p: expected a probability mass in \(0, 1\], got '0.5'"),
     ([[[1, 2]], 2], {"do_sample": True, "temperature": "0.7"}, "temperature: expected > 0, got '0.7'"),
+    # greedy decoding ignored them (a truthy do_sample string sampled)
+    ([[[1, 2]], 2], {"temperature": -0.7}, r"temperature: expected > 0 \(or 0 when greedy\), got -0.7"),
+    ([[[1, 2]], 2], {"temperature": float("nan")}, r"temperature: expected > 0 \(or 0 when greedy\), got nan"),
+    ([[[1, 2]], 2], {"do_sample": "no"}, "do_sample: expected True or False, got 'no'"),
     ([[[1, 2]], 2], {"prefill_chunk": 1.5}, "prefill_chunk: expected an integer >= 1, got 1.5"),
     ([[[1, 2]], 2], {"page_size": 2.0}, "page_size: expected an integer >= 1, got 2.0"),
     ([[[1, 2]], 2], {"vocab_size": 10.5}, f"vocab_size: expected 1 to the model's {V}, got 10.5"),
@@ -491,6 +527,14 @@ def test_generate_takes_numpy_token_ids_and_names_a_flat_prompt():
     ([[[1, 2]], 2], {"cuda_graph": True}, "cuda_graph: CUDA graphs need a CUDA device, the model is on cpu"),
     ([[[1, 2]], 2], {"generator": 3}, "generator: expected a torch.Generator or None, got 3"),
     ([[[1, 2]], 2], {"do_sample": True, "generator": 3}, "generator: expected a torch.Generator or None, got 3"),
+    # a padded batch's mask, which must say where each row's one run of real tokens is
+    ([[[1, 2]], 2], {"attention_mask": [[1, 1, 1]]},
+     r"attention_mask: expected the prompts' shape \(1, 2\), got \(1, 3\)"),
+    ([[[1, 2]], 2], {"attention_mask": [[1, 2]]}, "attention_mask: expected 1 at real tokens and 0 at padding"),
+    ([[[1, 2]], 2], {"attention_mask": [[0.0, 1.0]]}, "attention_mask: expected 1 at real tokens and 0 at padding"),
+    ([[[1, 2]], 2], {"attention_mask": [[0, 0]]}, r"attention_mask\[0\]: expected one run of real tokens .*, got none"),
+    ([[[1, 2, 3]], 2], {"attention_mask": [[1, 0, 1]]}, r"attention_mask\[0\]: .*, got padding between real tokens"),
+    ([[[1, 2], [3]], 2], {"attention_mask": [[1, 1], [1]]}, r"prompts: with an attention_mask, expected a \[B, T\]"),
 ])
 def test_generate_mistakes_name_the_argument(args, kwargs, message):
     """Token ids past the vocabulary (an IndexError of the embedding), a vocab_size the logits cannot be cut to and
@@ -508,6 +552,11 @@ def test_generate_names_a_bad_generation_config_value():
     with pytest.raises(ValueError, match=r"model\.generation_config\.top_k: expected an integer >= 0, got -1"):
         generate(model, [[1, 2]], 2, do_sample=True)
     assert len(generate(model, [[1, 2]], 2, do_sample=True, top_k=0).sequences[0]) == 2
+    model.generation_config.update(top_k=None, temperature=-1.0)
+    with pytest.raises(ValueError, match=r"model\.generation_config\.temperature: expected > 0 \(or 0 when greedy\)"):
+        generate(model, [[1, 2]], 2)
+    model.generation_config.update(temperature=0.0)  # greedy, whose temperature 0 is no mistake
+    assert len(generate(model, [[1, 2]], 2).sequences[0]) == 2
 
 
 def test_generate_warns_of_generation_config_entries_it_does_not_apply():
@@ -524,6 +573,23 @@ def test_generate_warns_of_generation_config_entries_it_does_not_apply():
                                          r"foxlm's generate does not apply them") as caught:
         generate(model, [[1, 2]], 2)
     assert caught[0].filename == __file__  # the caller's line, not generate's
+
+
+def test_generate_warns_of_num_return_sequences_and_encoder_repetition_penalty():
+    """Two more generation_config entries HF generate applies to a FoX model: num_return_sequences (as many sequences
+    per prompt, sampled) and encoder_repetition_penalty (a penalty, or a boost, for the prompt's tokens). foxlm's
+    generate gave one sequence per prompt and the unpenalised tokens, without a word."""
+    model = _model("fox-llama", seed=5)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    model.generation_config.encoder_repetition_penalty = 3.0
+    assert not torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0), plain)
+    with pytest.warns(UserWarning, match=r"^model\.generation_config sets encoder_repetition_penalty=3\.0: foxlm's "):
+        generate(model, ids, 8)
+    model.generation_config.update(encoder_repetition_penalty=1.0, num_return_sequences=3, do_sample=True)
+    assert model.generate(ids, max_new_tokens=2, pad_token_id=0).shape[0] == 3
+    with pytest.warns(UserWarning, match=r"^model\.generation_config sets num_return_sequences=3: foxlm's "):
+        assert len(generate(model, ids, 2).sequences) == 1
 
 
 def test_generate_gives_the_model_back_in_its_mode():
@@ -551,7 +617,9 @@ def test_sample_next_top_p():
 
 @pytest.mark.parametrize("probs, top_p", [
     ([0.5, 0.25, 0.25], 0.5),  # the first token alone reaches the mass
-    ([0.375, 0.125, 0.3125, 0.1875], 0.6875),  # two tokens do (no ties: HF and foxlm order equal tokens apart)
+    ([0.375, 0.125, 0.3125, 0.1875], 0.6875),  # two tokens do
+    ([0.4, 0.2, 0.2, 0.2], 0.5),  # ties at the boundary: the tied token HF keeps
+    ([0.25, 0.25, 0.25, 0.25], 0.5),
     ([0.125, 0.5, 0.25, 0.125], 0.75),
     ([0.05, 0.6, 0.3, 0.05], 0.8),  # no exact boundary
     ([0.2, 0.5, 0.3], 0.0),  # no mass: the likeliest token (HF keeps one), not a NaN distribution
@@ -559,13 +627,45 @@ def test_sample_next_top_p():
 def test_sample_next_top_p_boundary_as_hf(probs, top_p):
     """Where a prefix of the sorted tokens holds exactly top_p of the mass, the tokens after it go, as in HF's
     TopPLogitsWarper (the smallest prefix reaching top_p); one more token was kept, and sampled. The likeliest token
-    always stays, as HF's warper keeps one: top_p=0 dropped every token once the boundary was fixed."""
+    always stays, as HF's warper keeps one: top_p=0 dropped every token once the boundary was fixed. Of tokens tied at
+    the boundary, those HF keeps stay (others did: a descending sort orders ties otherwise)."""
     from transformers.generation.logits_process import TopPLogitsWarper
 
     logits = torch.log(torch.tensor([probs]))
     kept = set(torch.nonzero(TopPLogitsWarper(top_p)(None, logits.clone())[0].isfinite())[:, 0].tolist())
     picks = sample_next(logits.expand(400, -1), do_sample=True, top_p=top_p, generator=torch.Generator().manual_seed(0))
     assert set(picks.tolist()) == kept
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"temperature": 0.0}, "temperature: expected > 0, got 0.0"),
+    ({"top_k": -1}, "top_k: expected an integer >= 0, got -1"),
+    ({"top_k": 2.5}, "top_k: expected an integer >= 0, got 2.5"),
+    ({"top_p": 1.5}, r"top_p: expected a number in \[0, 1\], got 1.5"),
+    ({"min_p": 2.0}, r"min_p: expected a number in \[0, 1\], got 2.0"),
+])
+def test_sample_next_mistakes_name_the_argument(kwargs, message):
+    """sample_next's sampling controls, checked as HF's warpers check theirs: torch errors naming nothing (a NaN
+    distribution, an index out of range) or, for top_p > 1, no error."""
+    with pytest.raises(ValueError, match=message):
+        sample_next(torch.randn(2, 10), do_sample=True, **kwargs)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sample_next_draws_hf_tokens_from_bf16_logits(seed):
+    """bf16 logits, where many tie, through temperature, top-k and top-p: sample_next draws the tokens HF generate's
+    warpers and multinomial draw from the same seed. Half the rows kept another set of tokens (top-p's ties and sums
+    taken in the other order), so seeded sampling of a bf16 model left HF generate's tokens."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    logits = (2 * torch.randn(256, 1000, generator=torch.Generator().manual_seed(seed))).bfloat16()
+    scores = logits.float()  # HF generate processes fp32 copies of the logits
+    for warper in (TemperatureLogitsWarper(0.8), TopKLogitsWarper(400), TopPLogitsWarper(0.9)):
+        scores = warper(None, scores)
+    want = torch.multinomial(scores.softmax(-1), 1, generator=torch.Generator().manual_seed(seed))[:, 0]
+    got = sample_next(logits, do_sample=True, temperature=0.8, top_k=400, top_p=0.9,
+                      generator=torch.Generator().manual_seed(seed))
+    assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("probs, min_p", [
