@@ -67,7 +67,8 @@ def test_attention_cpu_rerun_writes_a_new_file_with_device_date_and_settings(mon
 
 @no_gpu
 @pytest.mark.parametrize("name, argv", [("attention", []), ("train", ["--steps", "1"]),
-                                        ("gate_gradient", ["--seqlens", "16"]), ("decode", ["--contexts", "64"])])
+                                        ("gate_gradient", ["--seqlens", "16"]), ("decode", ["--contexts", "64"]),
+                                        ("gluon_dq", ["check"])])
 def test_gpu_benchmarks_refuse_at_once_without_a_gpu(monkeypatch, tmp_path, capsys, name, argv):
     script = load(name, monkeypatch)
     with pytest.raises(SystemExit) as exc:
@@ -86,6 +87,7 @@ def test_gpu_benchmarks_refuse_at_once_without_a_gpu(monkeypatch, tmp_path, caps
     ("gate_gradient", ["--device", "cpu", "--dtypes", "bfloat17"], "--dtypes"),
     ("decode", ["--contexts", "4096,-1"], "--contexts"),
     ("decode", ["--batches", "x"], "--batches"),
+    ("gluon_dq", ["bench", "--tiles", "64,64,3"], "--tiles"),
     ("trained_gates", ["--out", "unused", "--steps", "0"], "--steps"),
     ("trained_gates", ["--out", "unused", "--tail", "0"], "--tail"),
     ("decode_cpu", ["--new-tokens", "0"], "--new-tokens"),
@@ -106,7 +108,7 @@ def test_bad_flags_are_one_line_naming_the_flag(monkeypatch, capsys, name, argv,
 
 
 @pytest.mark.parametrize("name", ["attention", "decode", "gate_gradient", "train", "trained_gates",
-                                  "decode_cpu", "mqar_learning", "padding_channels", "kernel_resources",
+                                  "decode_cpu", "mqar_learning", "padding_channels", "kernel_resources", "gluon_dq",
                                   "recipes/mqar", "recipes/debian_corpus"])
 def test_every_flag_is_documented(monkeypatch, name):
     """--help says what each flag does: the script's own parser, taken as it parses."""
