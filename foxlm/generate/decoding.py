@@ -249,8 +249,17 @@ def _generation_controls(model, from_config: set[str], **given) -> list:
 
 
 def _check_eos(eos_token_id) -> list[int]:
-    """The stop tokens: [] for None, [id] for an int, the list's ids for a list (a tensor compared with a list of
-    as many ids as rows would have matched them row by row)."""
+    """The stop tokens: [] for None, [id] for an int, the ids of a list or of a 0-d or 1-d integer tensor or array (HF
+    generate takes a tensor too; a list compared with a tensor of as many ids as rows would have matched them row by
+    row)."""
+    if isinstance(eos_token_id, (torch.Tensor, np.ndarray)):
+        dtype = eos_token_id.dtype
+        integral = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool) \
+            if isinstance(dtype, torch.dtype) else np.issubdtype(dtype, np.integer)
+        if not integral or eos_token_id.ndim > 1:  # floats HF would compare as given, and never stop
+            raise ValueError(f"eos_token_id: expected a 0-d or 1-d integer tensor, got {eos_token_id.ndim}-d "
+                             f"{dtype}")
+        eos_token_id = eos_token_id.tolist()  # a 0-d one's is an int
     ids = [] if eos_token_id is None else [eos_token_id] if _is_int(eos_token_id) else eos_token_id
     if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
         raise ValueError(f"eos_token_id: expected a token id, a list of them or None, got {eos_token_id!r}")
@@ -271,7 +280,7 @@ def generate(
     min_p: float | None = None,
     repetition_penalty: float | None = None,
     min_new_tokens: int | None = None,
-    eos_token_id: int | list[int] | None = None,
+    eos_token_id: int | list[int] | torch.Tensor | None = None,
     num_return_sequences: int | None = None,
     vocab_size: int | None = None,
     evict: bool = False,
@@ -307,8 +316,9 @@ def generate(
             encourages them), greedy or sampling, before the sampling controls: HF's ``repetition_penalty``. Only a
             prompt's real tokens count, never padding (HF generate with an ``attention_mask`` reads it so too).
         min_new_tokens: no row stops before this many new tokens: until then ``eos_token_id`` cannot be generated.
-        eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which
-            may be a list; ``[]``: no stop); the step loop ends when all rows have.
+        eos_token_id: a row stops at this token, or at any of a list's or 1-d tensor's (as
+            ``generation_config.eos_token_id``, which may be a list; ``[]``: no stop); the step loop ends when all
+            rows have.
         num_return_sequences: sequences to sample for each prompt (needs ``do_sample``, as HF generate without beam
             search): HF's rows, each prompt's one after another, and from the same seed HF's tokens.
         vocab_size: only ids below it can be generated (the model's vocabulary is padded, e.g. 50304).

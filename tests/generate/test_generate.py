@@ -624,6 +624,23 @@ def test_generate_num_return_sequences_equals_hf_generate():
             generate(model, prompts, 2, do_sample=True, num_return_sequences=bad)
 
 
+def test_generate_takes_eos_token_id_as_a_tensor():
+    """eos_token_id as a 0-d or 1-d integer tensor (HF generate takes one) stops where HF's does; it was refused. A
+    tensor of floats (HF's never stops) or of two dimensions is named."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    full = generate(model, prompts, 10, page_size=4).sequences
+    for eos in (torch.tensor(full[0][1]), torch.tensor([full[0][1], full[1][2]])):
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                            eos_token_id=eos)[:, ids.shape[1]:].tolist()
+        ours = generate(model, prompts, 10, page_size=4, eos_token_id=eos).sequences
+        assert ours == [_cut(row, eos.view(-1).tolist()) for row in hf] and len(ours[0]) == 2
+    for bad, got in ((torch.tensor([5.0]), r"1-d torch\.float32"), (torch.tensor([[5]]), r"2-d torch\.int64")):
+        with pytest.raises(ValueError, match=rf"^eos_token_id: expected a 0-d or 1-d integer tensor, got {got}$"):
+            generate(model, prompts, 2, eos_token_id=bad)
+
+
 def test_generate_gives_the_model_back_in_its_mode():
     """generate decodes in eval mode and leaves a training model training (HF generate changes no mode)."""
     model = _model("fox-llama", seed=7)
