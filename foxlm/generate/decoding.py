@@ -379,6 +379,11 @@ def generate(
         raise ValueError(f"min_new_tokens: expected at most max_new_tokens ({max_new_tokens}), got {min_new_tokens}")
     if min_new_tokens and not stops and "min_new_tokens" not in from_config:  # a no-op the caller did not mean
         raise ValueError("min_new_tokens: needs eos_token_id, the stop it holds back (without one no row stops early)")
+    # min_new_tokens holds back the stops with -inf logits, which an infinite temperature makes NaN: torch.multinomial
+    # failed on them after the prefill, as in HF generate, naming neither
+    if do_sample and temperature == math.inf and min_new_tokens and any(t < (vocab_size or vocab) for t in stops):
+        raise ValueError(f"{arg('temperature')}: inf cannot sample while {arg('min_new_tokens')} holds back "
+                         f"eos_token_id (its -inf logit over an infinite temperature is NaN); give a finite one")
     if not isinstance(evict, bool):  # a truthy string ("no") evicted
         raise ValueError(f"evict: expected True or False, got {evict!r}")
     if generator is not None and not isinstance(generator, torch.Generator):  # ignored when greedy

@@ -641,6 +641,25 @@ def test_generate_takes_eos_token_id_as_a_tensor():
             generate(model, prompts, 2, eos_token_id=bad)
 
 
+def test_generate_names_an_infinite_temperature_that_min_new_tokens_makes_nan():
+    """temperature=inf samples uniformly (HF's tokens from the same seed); with min_new_tokens holding back the eos,
+    whose -inf logit it makes NaN, HF generate fails in torch.multinomial naming neither, and foxlm's failed so too,
+    after the prefill: it is an error naming temperature."""
+    model = _model("fox-llama", seed=5)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    hot = dict(do_sample=True, temperature=math.inf, top_k=0)
+    torch.manual_seed(0)
+    hf = model.generate(ids, max_new_tokens=6, pad_token_id=0, **hot)[:, ids.shape[1]:].tolist()
+    torch.manual_seed(0)
+    assert generate(model, ids, 6, **hot).sequences == hf
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        model.generate(ids, max_new_tokens=6, pad_token_id=0, eos_token_id=3, min_new_tokens=2, **hot)
+    with pytest.raises(ValueError, match=r"^temperature: inf cannot sample while min_new_tokens holds back "
+                                         r"eos_token_id"):
+        generate(model, ids, 6, eos_token_id=3, min_new_tokens=2, **hot)
+    assert len(generate(model, ids, 6, eos_token_id=V + 1, min_new_tokens=2, **hot).sequences[0]) == 6  # none held
+
+
 def test_generate_gives_the_model_back_in_its_mode():
     """generate decodes in eval mode and leaves a training model training (HF generate changes no mode)."""
     model = _model("fox-llama", seed=7)
