@@ -221,11 +221,13 @@ class _Answers:
 
 
 class FoxCompletionHandler(_Answers, completion.CompletionHandler):
-    """transformers serve's /v1/completions handler, which checks the generation settings first
+    """transformers serve's /v1/completions handler, which checks the prompt and the generation settings first
     (``check_generation_fields``) and ends answers before their stop string, within the context (``_Answers``)."""
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request(body)
+        if body.get("prompt") is None:  # transformers serve took it as "" and generated from no token at all
+            raise HTTPException(status_code=422, detail="prompt: is missing (the text to complete)")
         check_generation_fields(body)
 
 

@@ -250,6 +250,17 @@ def test_generation_settings_that_would_be_taken_wrong_are_refused(server, model
     assert status == 422 and answer["detail"].startswith(detail), (status, answer)
 
 
+@pytest.mark.parametrize("prompt", [None, "missing"])
+def test_a_completion_without_a_prompt_is_refused(server, model_folder, prompt):
+    """A completion request without a prompt (or a null one) is a 422 naming it, as a request's other mistakes are:
+    transformers serve took it as an empty prompt."""
+    body = {"model": str(model_folder), "max_tokens": 4}
+    if prompt is None:
+        body["prompt"] = None
+    status, answer = _post(f"{server}/v1/completions", body)
+    assert (status, answer.get("detail")) == (422, "prompt: is missing (the text to complete)"), (status, answer)
+
+
 def test_answers_end_before_their_stop_string(client, model_folder, local):
     """An answer that a stop string ended stops before it, as OpenAI's API gives it, streamed or not (transformers
     serve's included the stop string)."""
