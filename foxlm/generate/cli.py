@@ -31,6 +31,8 @@ def register(subparsers) -> None:
                         "(default 1: none; above 1 discourages repeats)")
     p.add_argument("--min-new-tokens", type=int, default=0,
                    help="generate at least this many tokens before <|endoftext|> may stop a prompt (default 0)")
+    p.add_argument("--num-return-sequences", type=int, default=1, metavar="N",
+                   help="sample N continuations of each prompt (default 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     p.add_argument("--evict", action="store_true",
                    help="forget-gate cache eviction (FoX models with QK-norm, e.g. fox-pro)")
@@ -133,8 +135,11 @@ def _check_flags(args: argparse.Namespace) -> None:
     if not 0 <= args.min_p <= 1:
         raise ValueError(f"--min-p: expected a fraction of the likeliest token's probability in [0, 1], got "
                          f"{args.min_p}")
+    if args.num_return_sequences < 1:
+        raise ValueError(f"--num-return-sequences: expected a positive number, got {args.num_return_sequences}")
     given = [flag for flag, value, default in (("--temperature", args.temperature, 1.0), ("--top-k", args.top_k, 0),
-                                               ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0))
+                                               ("--top-p", args.top_p, 1.0), ("--min-p", args.min_p, 0.0),
+                                               ("--num-return-sequences", args.num_return_sequences, 1))
              if value != default]
     if given and not args.sample:
         raise ValueError(f"{given[0]}: applies to sampling only; add --sample (without it decoding is greedy)")
@@ -190,13 +195,15 @@ def run(args: argparse.Namespace) -> int:
         model, ids, args.max_new_tokens, do_sample=args.sample, temperature=args.temperature, top_k=args.top_k,
         top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
         min_new_tokens=args.min_new_tokens, eos_token_id=tok.eot_id if args.stop_at_eos else [],
-        vocab_size=tok.vocab_size, evict=args.evict, tolerance=args.tolerance, page_size=args.page_size, generator=gen,
+        num_return_sequences=args.num_return_sequences, vocab_size=tok.vocab_size, evict=args.evict,
+        tolerance=args.tolerance, page_size=args.page_size, generator=gen,
     )
-    for i, seq in enumerate(out.sequences):
-        if len(prompts) > 1:
-            print(f"=== {i} ===")
+    n = args.num_return_sequences
+    for i, seq in enumerate(out.sequences):  # each prompt's n continuations, one after another
+        if len(out.sequences) > 1:
+            print(f"=== {i} ===" if n == 1 else f"=== {i // n}.{i % n} ===")  # prompt, or prompt.continuation
         text = tok.decode([t for t in seq if t != tok.eot_id])
-        print(prompts[i] + text)
+        print(prompts[i // n] + text)
     if args.stats:  # the decode's rate leaves out its first step, a warm-up that dominates short runs
         rate = out.decode_tokens_per_s
         steady = f"then {rate:.1f} tokens/s" if rate is not None else "too few steps for a rate"

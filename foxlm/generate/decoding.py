@@ -23,11 +23,12 @@ from .cache import PagedFoxCache
 
 @dataclass
 class GenerateOutput:
-    """sequences: the new tokens of every prompt (cut after ``eos_token_id``); cache: ``PagedFoxCache.stats()``
-    at the end; prefill_seconds / decode_seconds: wall time of the two phases (device synchronised), the prefill
-    giving the first token (its time to first token) and ``decode_steps`` (that first token included) counting the
-    decode's; first_step_seconds: the decode's first step alone, its warm-up (kernels compiled, a CUDA graph's
-    warm-up, first allocations), left out of ``decode_tokens_per_s``."""
+    """sequences: the new tokens of every prompt (cut after ``eos_token_id``), ``num_return_sequences`` rows a
+    prompt, one after another; cache: ``PagedFoxCache.stats()`` at the end; prefill_seconds / decode_seconds: wall
+    time of the two phases (device synchronised), the prefill giving the first token (its time to first token) and
+    ``decode_steps`` (that first token included) counting the decode's; first_step_seconds: the decode's first step
+    alone, its warm-up (kernels compiled, a CUDA graph's warm-up, first allocations), left out of
+    ``decode_tokens_per_s``."""
 
     sequences: list[list[int]]
     cache: dict = field(default_factory=dict)
@@ -204,13 +205,13 @@ def _is_real(value) -> bool:
 # GenerationConfig's global defaults in transformers 5.x (``_get_default_generation_params``; min_p and min_new_tokens
 # have none, which means off): what HF generate takes for a control neither the caller nor generation_config sets
 _HF_DEFAULTS = dict(do_sample=False, temperature=1.0, top_k=50, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                    min_new_tokens=0, eos_token_id=None)
+                    min_new_tokens=0, eos_token_id=None, num_return_sequences=1)
 
 
-# generation_config entries that change HF generate's tokens (num_return_sequences: how many sequences a prompt gets)
-# and that foxlm's decoding (greedy or sampling, the controls above) does not apply, with the value at which they do
-# nothing; encoder_repetition_penalty applies to a decoder-only model's prompt in HF generate
-_NOT_APPLIED = dict(num_beams=1, num_return_sequences=1, encoder_repetition_penalty=1.0, num_beam_groups=1,
+# generation_config entries that change HF generate's tokens and that foxlm's decoding (greedy or sampling, the
+# controls above) does not apply, with the value at which they do nothing; encoder_repetition_penalty applies to a
+# decoder-only model's prompt in HF generate
+_NOT_APPLIED = dict(num_beams=1, encoder_repetition_penalty=1.0, num_beam_groups=1,
                     penalty_alpha=None, diversity_penalty=0.0, typical_p=1.0,
                     epsilon_cutoff=0.0, eta_cutoff=0.0, top_h=None, no_repeat_ngram_size=0, bad_words_ids=None,
                     force_words_ids=None, forced_bos_token_id=None, forced_eos_token_id=None, suppress_tokens=None,
@@ -248,8 +249,17 @@ def _generation_controls(model, from_config: set[str], **given) -> list:
 
 
 def _check_eos(eos_token_id) -> list[int]:
-    """The stop tokens: [] for None, [id] for an int, the list's ids for a list (a tensor compared with a list of
-    as many ids as rows would have matched them row by row)."""
+    """The stop tokens: [] for None, [id] for an int, the ids of a list or of a 0-d or 1-d integer tensor or array (HF
+    generate takes a tensor too; a list compared with a tensor of as many ids as rows would have matched them row by
+    row)."""
+    if isinstance(eos_token_id, (torch.Tensor, np.ndarray)):
+        dtype = eos_token_id.dtype
+        integral = not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool) \
+            if isinstance(dtype, torch.dtype) else np.issubdtype(dtype, np.integer)
+        if not integral or eos_token_id.ndim > 1:  # floats HF would compare as given, and never stop
+            raise ValueError(f"eos_token_id: expected a 0-d or 1-d integer tensor, got {eos_token_id.ndim}-d "
+                             f"{dtype}")
+        eos_token_id = eos_token_id.tolist()  # a 0-d one's is an int
     ids = [] if eos_token_id is None else [eos_token_id] if _is_int(eos_token_id) else eos_token_id
     if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
         raise ValueError(f"eos_token_id: expected a token id, a list of them or None, got {eos_token_id!r}")
@@ -270,7 +280,8 @@ def generate(
     min_p: float | None = None,
     repetition_penalty: float | None = None,
     min_new_tokens: int | None = None,
-    eos_token_id: int | list[int] | None = None,
+    eos_token_id: int | list[int] | torch.Tensor | None = None,
+    num_return_sequences: int | None = None,
     vocab_size: int | None = None,
     evict: bool = False,
     tolerance: float = math.exp(-10),
@@ -281,12 +292,13 @@ def generate(
 ) -> GenerateOutput:
     """Generate up to ``max_new_tokens`` tokens for every prompt with foxlm's fast path.
 
-    The decoding controls (``do_sample`` to ``eos_token_id``) left None take ``model.generation_config``'s values, as
-    HF ``model.generate`` merges them: the config's where it sets one, else HF's defaults (greedy; when sampling,
-    temperature 1, top_k 50, top_p 1, no min_p; no repetition penalty, no min_new_tokens, no eos). So with nothing
-    set, generation stops at the config's ``eos_token_id`` (a model saved by foxlm records its config's). Unlike
-    HF, an explicit None is the same as leaving a control unset: ``eos_token_id=[]`` stops at nothing (as in HF,
-    there with a ``pad_token_id``) and ``top_k=0`` samples among all tokens.
+    The decoding controls (``do_sample`` to ``num_return_sequences``) left None take ``model.generation_config``'s
+    values, as HF ``model.generate`` merges them: the config's where it sets one, else HF's defaults (greedy; when
+    sampling, temperature 1, top_k 50, top_p 1, no min_p; no repetition penalty, no min_new_tokens, no eos; one
+    sequence a prompt). So with nothing set, generation stops at the config's ``eos_token_id`` (a model saved by
+    foxlm records its config's). Unlike HF, an explicit None is the same as leaving a control unset:
+    ``eos_token_id=[]`` stops at nothing (as in HF, there with a ``pad_token_id``) and ``top_k=0`` samples among all
+    tokens.
 
     Args:
         model: a ``FoxForCausalLM`` (any arch; eviction needs QK-norm and a forget gate: fox-pro), or a PEFT model
@@ -304,8 +316,11 @@ def generate(
             encourages them), greedy or sampling, before the sampling controls: HF's ``repetition_penalty``. Only a
             prompt's real tokens count, never padding (HF generate with an ``attention_mask`` reads it so too).
         min_new_tokens: no row stops before this many new tokens: until then ``eos_token_id`` cannot be generated.
-        eos_token_id: a row stops at this token, or at any of a list's (as ``generation_config.eos_token_id``, which
-            may be a list; ``[]``: no stop); the step loop ends when all rows have.
+        eos_token_id: a row stops at this token, or at any of a list's or 1-d tensor's (as
+            ``generation_config.eos_token_id``, which may be a list; ``[]``: no stop); the step loop ends when all
+            rows have.
+        num_return_sequences: sequences to sample for each prompt (needs ``do_sample``, as HF generate without beam
+            search): HF's rows, each prompt's one after another, and from the same seed HF's tokens.
         vocab_size: only ids below it can be generated (the model's vocabulary is padded, e.g. 50304).
         evict: forget-gate cache eviction: free the cache pages whose keys have decayed so far that no future
             query can give them more than ``tolerance`` of its attention (see
@@ -316,22 +331,24 @@ def generate(
         generator: random generator for sampling.
 
     Returns:
-        GenerateOutput with the new tokens per prompt, the cache size and the phase timings.
+        GenerateOutput with the new tokens per prompt (``num_return_sequences`` rows each), the cache size and the
+        phase timings.
     """
     vocab = model.config.vocab_size
     prompts = _check_prompts(prompts if attention_mask is None else _unpad(prompts, attention_mask), vocab)
     from_config: set[str] = set()
-    do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens, eos_token_id = \
+    do_sample, temperature, top_k, top_p, min_p, repetition_penalty, min_new_tokens, eos_token_id, n = \
         _generation_controls(model, from_config, do_sample=do_sample, temperature=temperature, top_k=top_k,
                              top_p=top_p, min_p=min_p, repetition_penalty=repetition_penalty,
-                             min_new_tokens=min_new_tokens, eos_token_id=eos_token_id)
+                             min_new_tokens=min_new_tokens, eos_token_id=eos_token_id,
+                             num_return_sequences=num_return_sequences)
 
     def arg(name: str) -> str:  # what an error names: the argument, or the config entry its value came from
         return f"model.generation_config.{name}" if name in from_config else name
 
     # counts and numbers of another type (2.5, "5") were TypeErrors deep inside naming nothing
     for name, value, low in (("max_new_tokens", max_new_tokens, 1), (arg("top_k"), top_k, 0),
-                             (arg("min_new_tokens"), min_new_tokens, 0),
+                             (arg("min_new_tokens"), min_new_tokens, 0), (arg("num_return_sequences"), n, 1),
                              ("page_size", page_size, 1), ("prefill_chunk", prefill_chunk, 1)):
         if not _is_int(value) or value < low:
             raise ValueError(f"{name}: expected an integer >= {low}, got {value!r}")
@@ -341,6 +358,9 @@ def generate(
     if not isinstance(do_sample, (bool, np.bool_)):  # a truthy string ("no") sampled
         raise ValueError(f"{arg('do_sample')}: expected True or False, got {do_sample!r}")
     do_sample = bool(do_sample)
+    if n > 1 and not do_sample:  # HF generate's ValueError, where its beam search (which foxlm has not) would not run
+        raise ValueError(f"{arg('num_return_sequences')}: greedy decoding gives one sequence a prompt, got {n} (as "
+                         f"in HF generate without beam search); sample them with do_sample=True")
     # greedy decoding ignores the temperature, but a negative one (or NaN, or a string) is a mistake all the same, as
     # top_k's and top_p's are; 0 stays a greedy caller's way of saying greedy
     if not (_is_real(temperature) and (temperature > 0 if do_sample else temperature >= 0)):
@@ -359,6 +379,11 @@ def generate(
         raise ValueError(f"min_new_tokens: expected at most max_new_tokens ({max_new_tokens}), got {min_new_tokens}")
     if min_new_tokens and not stops and "min_new_tokens" not in from_config:  # a no-op the caller did not mean
         raise ValueError("min_new_tokens: needs eos_token_id, the stop it holds back (without one no row stops early)")
+    # min_new_tokens holds back the stops with -inf logits, which an infinite temperature makes NaN: torch.multinomial
+    # failed on them after the prefill, as in HF generate, naming neither
+    if do_sample and temperature == math.inf and min_new_tokens and any(t < (vocab_size or vocab) for t in stops):
+        raise ValueError(f"{arg('temperature')}: inf cannot sample while {arg('min_new_tokens')} holds back "
+                         f"eos_token_id (its -inf logit over an infinite temperature is NaN); give a finite one")
     if not isinstance(evict, bool):  # a truthy string ("no") evicted
         raise ValueError(f"evict: expected True or False, got {evict!r}")
     if generator is not None and not isinstance(generator, torch.Generator):  # ignored when greedy
@@ -366,6 +391,7 @@ def generate(
     if evict and model.config.gate == "none":
         raise ValueError("evict: needs a forget gate, and this model has gate='none': none of its keys ever decays, "
                          "so eviction would free nothing")
+    prompts = [p for p in prompts for _ in range(n)]  # HF's expansion: each prompt's sequences one after another
     was_training = model.training
     model.eval()  # no dropout while decoding; the caller's mode comes back after
     try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import math
 
 import transformers
@@ -172,16 +173,40 @@ def _cutting_stops(engine, generation_kwargs: dict):
     return engine if not stops else _StopCutEngine(engine, [stops] if isinstance(stops, str) else list(stops))
 
 
+# The answer length a request asks for, (its field, tokens), or None: set for the request's task by
+# ``_Answers.handle_request``, read by ``_Answers._fitted`` (which transformers serve's handlers call without the body)
+_ASKED: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("foxlm_serve_asked", default=None)
+
+
 class _Answers:
     """A handler whose answers end before their stop string (``_StopCutEngine``) and fit the context the server
     takes (``--max-model-len``, else the model's), prompt and answer: transformers serve checks the prompt only, so
-    an answer ran past it (with its default of at least 1024 new tokens, or any ``max_tokens``)."""
+    an answer ran past it (with its default of at least 1024 new tokens, or any ``max_tokens``). An answer left to the
+    server's default is cut to the room the prompt leaves; a request asking for more than that room is refused (HTTP
+    400 naming the field and the numbers, as vLLM and OpenAI refuse it), not silently given less."""
+
+    async def handle_request(self, body: dict, request_id: str):
+        # chat's max_completion_tokens before its deprecated max_tokens, as transformers serve reads them
+        field = next((f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None)
+        token = _ASKED.set(None if field is None else (field, body[field]))
+        try:
+            return await super().handle_request(body, request_id)
+        finally:
+            _ASKED.reset(token)
 
     def _fitted(self, engine, inputs: dict, generation_kwargs: dict) -> dict:
         limit = self.generation_state.context_length(engine.model_config)
         if limit is None:
             return generation_kwargs
-        room = limit - prompt_length(inputs)  # at least 1: a longer prompt was refused
+        length = prompt_length(inputs)
+        room = limit - length  # at least 1: a longer prompt was refused
+        asked = _ASKED.get()
+        if asked is not None and asked[1] > room:
+            (field, tokens) = asked
+            whose = "--max-model-len" if self.generation_state.max_model_len is not None else "the model's"
+            raise HTTPException(status_code=400, detail=f"{field}: {tokens} tokens asked for, but the context is "
+                                                        f"{limit} tokens ({whose}), prompt and answer, and the prompt "
+                                                        f"has {length}: at most {room}")
         return {**generation_kwargs, "max_new_tokens": min(generation_kwargs["max_new_tokens"], room)}
 
     def _streaming(self, request_id, engine, inputs, generation_kwargs, *args, **kwargs):
@@ -196,11 +221,13 @@ class _Answers:
 
 
 class FoxCompletionHandler(_Answers, completion.CompletionHandler):
-    """transformers serve's /v1/completions handler, which checks the generation settings first
+    """transformers serve's /v1/completions handler, which checks the prompt and the generation settings first
     (``check_generation_fields``) and ends answers before their stop string, within the context (``_Answers``)."""
 
     def _validate_request(self, body: dict) -> None:
         super()._validate_request(body)
+        if body.get("prompt") is None:  # transformers serve took it as "" and generated from no token at all
+            raise HTTPException(status_code=422, detail="prompt: is missing (the text to complete)")
         check_generation_fields(body)
 
 

@@ -575,10 +575,9 @@ def test_generate_warns_of_generation_config_entries_it_does_not_apply():
     assert caught[0].filename == __file__  # the caller's line, not generate's
 
 
-def test_generate_warns_of_num_return_sequences_and_encoder_repetition_penalty():
-    """Two more generation_config entries HF generate applies to a FoX model: num_return_sequences (as many sequences
-    per prompt, sampled) and encoder_repetition_penalty (a penalty, or a boost, for the prompt's tokens). foxlm's
-    generate gave one sequence per prompt and the unpenalised tokens, without a word."""
+def test_generate_warns_of_encoder_repetition_penalty():
+    """A generation_config entry HF generate applies to a FoX model: encoder_repetition_penalty (a penalty, or a boost,
+    for the prompt's tokens). foxlm's generate gave the unpenalised tokens, without a word."""
     model = _model("fox-llama", seed=5)
     ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
     plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
@@ -586,10 +585,79 @@ def test_generate_warns_of_num_return_sequences_and_encoder_repetition_penalty()
     assert not torch.equal(model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0), plain)
     with pytest.warns(UserWarning, match=r"^model\.generation_config sets encoder_repetition_penalty=3\.0: foxlm's "):
         generate(model, ids, 8)
-    model.generation_config.update(encoder_repetition_penalty=1.0, num_return_sequences=3, do_sample=True)
-    assert model.generate(ids, max_new_tokens=2, pad_token_id=0).shape[0] == 3
-    with pytest.warns(UserWarning, match=r"^model\.generation_config sets num_return_sequences=3: foxlm's "):
-        assert len(generate(model, ids, 2).sequences) == 1
+
+
+def test_generate_num_return_sequences_equals_hf_generate():
+    """num_return_sequences, given or from the generation_config: HF generate's rows (each prompt's sequences one
+    after another) and, from the same seed, HF's sampled tokens, a padded batch with an eos list included. It was one
+    sequence a prompt (the config's only warned of). Greedy, it is HF's error, named."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    eos = list(range(0, V, 16))  # rows stop at various steps, or run to 10
+
+    def draw(seed, **kwargs):
+        torch.manual_seed(seed)
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, pad_token_id=0, eos_token_id=eos,
+                            **kwargs)[:, ids.shape[1]:].tolist()
+        torch.manual_seed(seed)
+        ours = generate(model, prompts, 10, page_size=4, eos_token_id=eos, **kwargs).sequences
+        assert ours == [_cut(row, eos) for row in hf]
+        return ours
+
+    ours = draw(0, do_sample=True, temperature=0.7, num_return_sequences=3)
+    assert len(ours) == 6 and len({tuple(row) for row in ours}) > 2
+    model.generation_config.update(do_sample=True, num_return_sequences=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no longer warned of: applied
+        assert len(draw(1)) == 4
+    model.generation_config.do_sample = False  # update() would refuse it, as HF generate does below
+    with pytest.raises(ValueError, match="num_return_sequences"):
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, pad_token_id=0)
+    with pytest.raises(ValueError, match=r"^model\.generation_config\.num_return_sequences: greedy decoding gives one "
+                                         r"sequence a prompt, got 2 .*; sample them with do_sample=True"):
+        generate(model, prompts, 2)
+    with pytest.raises(ValueError, match="^num_return_sequences: greedy decoding gives one sequence a prompt, got 3"):
+        generate(model, prompts, 2, do_sample=False, num_return_sequences=3)
+    for bad in (0, 2.5):
+        with pytest.raises(ValueError, match=f"^num_return_sequences: expected an integer >= 1, got {bad}"):
+            generate(model, prompts, 2, do_sample=True, num_return_sequences=bad)
+
+
+def test_generate_takes_eos_token_id_as_a_tensor():
+    """eos_token_id as a 0-d or 1-d integer tensor (HF generate takes one) stops where HF's does; it was refused. A
+    tensor of floats (HF's never stops) or of two dimensions is named."""
+    model = _model("fox-pro", seed=5)
+    prompts = _prompts(torch.Generator().manual_seed(3), (7, 12))
+    ids, mask = _left_pad(prompts)
+    full = generate(model, prompts, 10, page_size=4).sequences
+    for eos in (torch.tensor(full[0][1]), torch.tensor([full[0][1], full[1][2]])):
+        hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0,
+                            eos_token_id=eos)[:, ids.shape[1]:].tolist()
+        ours = generate(model, prompts, 10, page_size=4, eos_token_id=eos).sequences
+        assert ours == [_cut(row, eos.view(-1).tolist()) for row in hf] and len(ours[0]) == 2
+    for bad, got in ((torch.tensor([5.0]), r"1-d torch\.float32"), (torch.tensor([[5]]), r"2-d torch\.int64")):
+        with pytest.raises(ValueError, match=rf"^eos_token_id: expected a 0-d or 1-d integer tensor, got {got}$"):
+            generate(model, prompts, 2, eos_token_id=bad)
+
+
+def test_generate_names_an_infinite_temperature_that_min_new_tokens_makes_nan():
+    """temperature=inf samples uniformly (HF's tokens from the same seed); with min_new_tokens holding back the eos,
+    whose -inf logit it makes NaN, HF generate fails in torch.multinomial naming neither, and foxlm's failed so too,
+    after the prefill: it is an error naming temperature."""
+    model = _model("fox-llama", seed=5)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11]])
+    hot = dict(do_sample=True, temperature=math.inf, top_k=0)
+    torch.manual_seed(0)
+    hf = model.generate(ids, max_new_tokens=6, pad_token_id=0, **hot)[:, ids.shape[1]:].tolist()
+    torch.manual_seed(0)
+    assert generate(model, ids, 6, **hot).sequences == hf
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        model.generate(ids, max_new_tokens=6, pad_token_id=0, eos_token_id=3, min_new_tokens=2, **hot)
+    with pytest.raises(ValueError, match=r"^temperature: inf cannot sample while min_new_tokens holds back "
+                                         r"eos_token_id"):
+        generate(model, ids, 6, eos_token_id=3, min_new_tokens=2, **hot)
+    assert len(generate(model, ids, 6, eos_token_id=V + 1, min_new_tokens=2, **hot).sequences[0]) == 6  # none held
 
 
 def test_generate_gives_the_model_back_in_its_mode():
@@ -768,6 +836,8 @@ def test_generate_cli_mistakes_are_one_line(tmp_path):
     (["--sample", "--min-p", "1.5"], "--min-p: expected a fraction of the likeliest token's probability in [0, 1], "
                                      "got 1.5"),
     (["--min-p", "0.1"], "--min-p: applies to sampling only; add --sample"),
+    (["--num-return-sequences", "2"], "--num-return-sequences: applies to sampling only; add --sample"),
+    (["--sample", "--num-return-sequences", "0"], "--num-return-sequences: expected a positive number, got 0"),
     (["--repetition-penalty", "0"], "--repetition-penalty: expected a positive number (1: no penalty), got 0.0"),
     (["--min-new-tokens", "-1"], "--min-new-tokens: expected 0 to --max-new-tokens (128), got -1"),
     (["--max-new-tokens", "4", "--min-new-tokens", "5"], "--min-new-tokens: expected 0 to --max-new-tokens (4), got 5"),
@@ -828,6 +898,23 @@ def test_generate_cli_passes_repetition_penalty_min_p_and_min_new_tokens(tmp_pat
                      vocab_size=byte.vocab_size, generator=torch.Generator().manual_seed(3))
     assert len(out.sequences[0]) == 6 and out.sequences != plain.sequences
     assert capsys.readouterr().out == "To be" + byte.decode(out.sequences[0]) + "\n"
+
+
+def test_generate_cli_samples_num_return_sequences(tmp_path, capsys):
+    """--num-return-sequences N prints N sampled continuations of each prompt, those of generate() with
+    num_return_sequences, each after its own prompt."""
+    from foxlm.cli import main
+
+    byte, model = _byte_model_folder(tmp_path / "m")
+    assert main(["generate", str(tmp_path / "m"), "--prompt", "To be", "--prompt", "or not", "--max-new-tokens", "6",
+                 "--sample", "--seed", "3", "--num-return-sequences", "2", "--no-eos", "--device", "cpu"]) == 0
+    out = generate(model, [[byte.eot_id] + byte.encode(p) for p in ("To be", "or not")], 6, do_sample=True, top_k=0,
+                   eos_token_id=[], num_return_sequences=2, vocab_size=byte.vocab_size,
+                   generator=torch.Generator().manual_seed(3))
+    assert len(out.sequences) == 4 and out.sequences[0] != out.sequences[1]
+    assert capsys.readouterr().out == "".join(
+        f"=== {i // 2}.{i % 2} ===\n{('To be', 'or not')[i // 2]}{byte.decode(seq)}\n"
+        for i, seq in enumerate(out.sequences))
 
 
 def test_generate_cli_flags_hold_over_the_generation_config(tmp_path, capsys):

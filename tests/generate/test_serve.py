@@ -250,6 +250,17 @@ def test_generation_settings_that_would_be_taken_wrong_are_refused(server, model
     assert status == 422 and answer["detail"].startswith(detail), (status, answer)
 
 
+@pytest.mark.parametrize("prompt", [None, "missing"])
+def test_a_completion_without_a_prompt_is_refused(server, model_folder, prompt):
+    """A completion request without a prompt (or a null one) is a 422 naming it, as a request's other mistakes are:
+    transformers serve took it as an empty prompt."""
+    body = {"model": str(model_folder), "max_tokens": 4}
+    if prompt is None:
+        body["prompt"] = None
+    status, answer = _post(f"{server}/v1/completions", body)
+    assert (status, answer.get("detail")) == (422, "prompt: is missing (the text to complete)"), (status, answer)
+
+
 def test_answers_end_before_their_stop_string(client, model_folder, local):
     """An answer that a stop string ended stops before it, as OpenAI's API gives it, streamed or not (transformers
     serve's included the stop string)."""
@@ -270,18 +281,40 @@ def test_answers_end_before_their_stop_string(client, model_folder, local):
 
 
 def test_answers_fit_the_context_with_their_prompt(model_folder, local):
-    """``--max-model-len`` bounds a request, prompt and answer (as its help says): an answer asked for, or left to the
-    server's default (at least 1024 tokens), ends where the context does, finish_reason "length", streamed or not.
-    transformers serve checked the prompt only, and generated past it."""
+    """``--max-model-len`` bounds a request, prompt and answer (as its help says): an answer left to the server's
+    default (at least 1024 tokens) ends where the context does, finish_reason "length", streamed or not; one asked
+    for up to that room is given. transformers serve checked the prompt only, and generated past it."""
     prompt, limit = "To be, or not to be", 16
     ids = local[1](prompt)["input_ids"]
     room = limit - len(ids)
     with _serving(str(model_folder), "--max-model-len", str(limit)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
-        for asked in ({"max_tokens": 4 * limit}, {}):
+        for asked in ({"max_tokens": room}, {}):
             done = client.completions.create(model=str(model_folder), prompt=prompt, temperature=0, **asked)
             assert done.usage.completion_tokens == room and done.choices[0].finish_reason == "length", asked
             assert done.choices[0].text == _greedy(local, ids, room)
         chunks = list(client.completions.create(model=str(model_folder), prompt=prompt, temperature=0, stream=True))
         assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
         assert chunks[-1].choices[0].finish_reason == "length"
+        _asking_past_the_context_is_refused(url, model_folder, local, limit)
+
+
+def _asking_past_the_context_is_refused(url, model_folder, local, limit):
+    """A request whose max_tokens (chat: or max_completion_tokens) is more than the context leaves after its prompt
+    is a 400 naming the field and the numbers, streamed or not, as vLLM's and OpenAI's are: it was silently given
+    fewer tokens."""
+    prompt = "To be, or not to be"
+    messages = [{"role": "user", "content": "Good morrow"}]
+    chat_ids = local[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    chat_ids = chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids
+    for endpoint, field, body, length in (
+            ("completions", "max_tokens", {"prompt": prompt}, len(local[1](prompt)["input_ids"])),
+            ("chat/completions", "max_tokens", {"messages": messages}, len(chat_ids)),
+            ("chat/completions", "max_completion_tokens", {"messages": messages}, len(chat_ids))):
+        room = limit - length
+        for stream in (False, True):
+            request = {"model": str(model_folder), field: room + 1, "temperature": 0, "stream": stream, **body}
+            status, answer = _post(f"{url}/v1/{endpoint}", request)
+            assert (status, answer.get("detail")) == (400, (
+                f"{field}: {room + 1} tokens asked for, but the context is {limit} tokens (--max-model-len), prompt "
+                f"and answer, and the prompt has {length}: at most {room}")), (endpoint, stream)
