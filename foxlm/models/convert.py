@@ -31,7 +31,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, the state dict) of a ``save_pretrained`` folder: ``model.safetensors``, sharded
     safetensors (``model.safetensors.index.json``), or ``pytorch_model.bin`` (sharded or not) read with
-    ``torch.load(weights_only=True)``."""
+    ``torch.load(weights_only=True)``; the first of these the folder holds, in that order, as ``from_pretrained``
+    reads it (an unsharded save over a sharded one leaves the index behind, and the reverse the single file)."""
     from safetensors.torch import load_file
 
     folder = Path(src).expanduser()
@@ -45,10 +46,10 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
         ("pytorch_model.bin.index.json", "pytorch_model.bin",
          lambda p: torch.load(p, map_location="cpu", weights_only=True)),
     ):
-        if (folder / index).is_file():
-            shards = index_shards(folder / index, "src")
-        elif (folder / single).is_file():
+        if (folder / single).is_file():
             shards = [single]
+        elif (folder / index).is_file():
+            shards = index_shards(folder / index, "src")
         else:
             continue
         for shard in shards:

@@ -836,6 +836,33 @@ def test_an_fla_folder_carrying_its_tokenizer_converts_with_it(tokenizer_class, 
     assert not (tmp_path / "dst2").exists()
 
 
+def test_a_folder_saved_over_in_another_sharding_converts_what_from_pretrained_loads(tmp_path, monkeypatch):
+    """save_pretrained unsharded over a sharded save leaves the index (its shards deleted), and sharded over an
+    unsharded one leaves model.safetensors: from_pretrained reads model.safetensors first, and so does convert, whose
+    model gives the logits of the model fla loads. (Convert read the index first: the first folder was refused as
+    damaged, a shard missing, and the second converted other weights than fla's model has.)"""
+    _fla_on_cpu(monkeypatch)
+    from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+
+    torch.manual_seed(6)
+    fla_model = ForgettingTransformerForCausalLM(ForgettingTransformerConfig(
+        hidden_size=C, num_hidden_layers=L, num_heads=H, vocab_size=V, intermediate_size=96, fuse_norm=False,
+        fuse_swiglu=False, fuse_cross_entropy=False)).float()
+    ids = torch.randint(0, V, (2, T))
+    for name, shard_sizes in (("unsharded-last", ["100KB", "5GB"]), ("sharded-last", ["5GB", "100KB"])):
+        for size in shard_sizes:  # the second save's weights differ from the first's
+            with torch.no_grad():
+                for p in fla_model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            fla_model.save_pretrained(tmp_path / name, max_shard_size=size)
+        assert {"model.safetensors", "model.safetensors.index.json"} <= {f.name for f in (tmp_path / name).iterdir()}
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-fox")]) == 0
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-fox").eval()
+        loaded = ForgettingTransformerForCausalLM.from_pretrained(tmp_path / name).float().eval()
+        with torch.no_grad():
+            assert _rel(model(ids).logits, loaded(ids).logits) < RTOL, name
+
+
 def _fla_greedy_with_cache(fla_model, ids: torch.Tensor, n: int) -> torch.Tensor:
     """Greedy decoding through fla's own cache, one token a step. (fla 0.6's ``generate`` passes its cache as
     ``past_key_values``, which transformers 5.25 renamed to ``cache``; its model would start afresh each step.)"""
