@@ -31,7 +31,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config.json as a dict, the state dict) of a ``save_pretrained`` folder: ``model.safetensors``, sharded
     safetensors (``model.safetensors.index.json``), or ``pytorch_model.bin`` (sharded or not) read with
-    ``torch.load(weights_only=True)``."""
+    ``torch.load(weights_only=True)``; the first of these the folder holds, in that order, as ``from_pretrained``
+    reads it (an unsharded save over a sharded one leaves the index behind, and the reverse the single file)."""
     from safetensors.torch import load_file
 
     folder = Path(src).expanduser()
@@ -45,10 +46,10 @@ def read_folder(src: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:
         ("pytorch_model.bin.index.json", "pytorch_model.bin",
          lambda p: torch.load(p, map_location="cpu", weights_only=True)),
     ):
-        if (folder / index).is_file():
-            shards = index_shards(folder / index, "src")
-        elif (folder / single).is_file():
+        if (folder / single).is_file():
             shards = [single]
+        elif (folder / index).is_file():
+            shards = index_shards(folder / index, "src")
         else:
             continue
         for shard in shards:
@@ -146,8 +147,10 @@ def _in_manifest_of(dst: Path) -> Path | None:
 
 def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> Tokenizer | None:
     """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given; else what SRC records (foxlm's
-    key, found in SRC's copy first, or its tokenizer_config.json); else the authors' JSON GPT-2 for their format;
-    else none."""
+    key, found in SRC's copy first); else the authors' JSON GPT-2 where its tokenizer_config.json names it; else the
+    tokenizer SRC's own files hold (a ``tokenizer.json``, as ``save_pretrained`` writes it, or GPT-2's files): fla's
+    checkpoints carry their tokenizer so; else GPT-2 where tokenizer_config.json names a GPT-2 class (and any
+    vocab.json / merges.txt beside it are GPT-2's); else the authors' JSON GPT-2 for their format; else none."""
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
     if tokenizer is None:
@@ -156,13 +159,44 @@ def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> Tokeniz
                 raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
                                  "tokenizer record (a mapping with a name); pass --tokenizer")
             return tokenizer_from_spec(record, [src])
-        if (src / "tokenizer_config.json").is_file():
-            cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class")
-            names = {"JSONGPT2Tokenizer": "json-gpt2", "GPT2Tokenizer": "gpt2", "GPT2TokenizerFast": "gpt2"}
-            tokenizer = names.get(cls)
-        elif fmt == "fox-authors":
+        has_config = (src / "tokenizer_config.json").is_file()
+        cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class") if has_config \
+            else None
+        if cls == "JSONGPT2Tokenizer":
+            tokenizer = "json-gpt2"
+        elif (src / "tokenizer.json").is_file() or (src / "encoder.json").is_file():
+            # the files, not the class name: a GPT2TokenizerFast of another vocabulary is no GPT-2 (a folder that
+            # gives GPT-2's ids is named "gpt2")
+            try:
+                tok = get_tokenizer(str(src))
+            except ValueError as e:
+                raise ValueError(f"src: {e}; pass --tokenizer") from e
+            return tok
+        elif cls in ("GPT2Tokenizer", "GPT2TokenizerFast"):
+            if (different := _not_gpt2_files(src)) is not None:
+                raise ValueError(f"src: {src / different} is not GPT-2's, though tokenizer_config.json names {cls}; "
+                                 "pass --tokenizer")
+            tokenizer = "gpt2"
+        elif fmt == "fox-authors" and not has_config:
             tokenizer = "json-gpt2"
     return None if tokenizer is None else get_tokenizer(tokenizer)
+
+
+def _not_gpt2_files(src: Path) -> str | None:
+    """The first of a slow GPT-2 tokenizer's files in ``src`` (vocab.json, merges.txt: GPT-2's encoder.json and
+    vocab.bpe under transformers' names) whose content is not GPT-2's, or None."""
+    from ..data.assets import gpt2_files
+
+    def merges(path: Path) -> list[str]:  # the merge rules, without the "#version" header
+        return [line for line in path.read_text(encoding="utf-8", errors="replace").splitlines()
+                if line and not line.startswith("#")]
+
+    encoder, bpe = gpt2_files()
+    if (src / "vocab.json").is_file() and read_json(src / "vocab.json", "pass --tokenizer") != read_json(encoder, ""):
+        return "vocab.json"
+    if (src / "merges.txt").is_file() and merges(src / "merges.txt") != merges(bpe):
+        return "merges.txt"
+    return None
 
 
 def convert(

@@ -789,6 +789,80 @@ def test_fla_forgetting_transformer_converts_with_equal_logits_and_greedy_tokens
     assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0), want)
 
 
+@pytest.mark.parametrize("tokenizer_class", ["PreTrainedTokenizerFast", "GPT2TokenizerFast"])
+def test_an_fla_folder_carrying_its_tokenizer_converts_with_it(tokenizer_class, tmp_path, monkeypatch):
+    """An fla checkpoint saved with its tokenizer (``tokenizer.save_pretrained``): DST records and carries that
+    tokenizer, so a text through AutoTokenizer of either folder gives the same logits, and `foxlm generate` reads it.
+    (A class other than GPT-2's was dropped, leaving DST without a tokenizer; a GPT2TokenizerFast of another
+    vocabulary was recorded as GPT-2 BPE by its class name, and DST carried GPT-2's files.) A slow GPT-2 folder whose
+    vocab.json is not GPT-2's is refused naming it."""
+    _fla_on_cpu(monkeypatch)
+    import transformers
+    from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+    from tokenizer_folders import llama_style_tokenizer
+    from transformers import AutoTokenizer
+
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays], vocab_size=300)
+    torch.manual_seed(5)
+    fla_model = ForgettingTransformerForCausalLM(ForgettingTransformerConfig(
+        hidden_size=C, num_hidden_layers=L, num_heads=H, vocab_size=320, intermediate_size=96, fuse_norm=False,
+        fuse_swiglu=False, fuse_cross_entropy=False)).float().eval()
+    src = tmp_path / "fla"
+    fla_model.save_pretrained(src)
+    getattr(transformers, tokenizer_class)(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<s>",
+                                           eos_token="</s>").save_pretrained(src)
+    folder.rename(tmp_path / "moved")  # DST must carry its own copy
+    assert main(["convert", str(src), str(tmp_path / "dst")]) == 0
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
+    assert model.config.foxlm_tokenizer["vocab_size"] <= 320 and model.config.foxlm_tokenizer["name"] != "gpt2"
+    text = "To be, or not to be"
+    want = AutoTokenizer.from_pretrained(src)(text, return_tensors="pt").input_ids
+    got = AutoTokenizer.from_pretrained(tmp_path / "dst")(text, return_tensors="pt").input_ids
+    assert torch.equal(got[:, 1:], want)  # foxlm's copy starts a text with its end-of-text token, as its data does
+    with torch.no_grad():
+        assert _rel(model(want).logits, fla_model(want).logits) < RTOL
+    assert main(["generate", str(tmp_path / "dst"), "--prompt", "To be", "--max-new-tokens", "3", "--device",
+                 "cpu"]) == 0
+    # a slow GPT-2 tokenizer's files (vocab.json, merges.txt) of another vocabulary, with no tokenizer.json
+    content = json.loads((src / "tokenizer.json").read_text())["model"]
+    (src / "tokenizer.json").unlink()
+    (src / "vocab.json").write_text(json.dumps(content["vocab"]))
+    (src / "merges.txt").write_text("#version: 0.2\n" + "\n".join(" ".join(m) for m in content["merges"]) + "\n")
+    (src / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "GPT2Tokenizer"}))
+    with pytest.raises(ValueError, match=re.escape(f"src: {src / 'vocab.json'} is not GPT-2's, though "
+                                                   "tokenizer_config.json names GPT2Tokenizer; pass --tokenizer")):
+        convert(src, tmp_path / "dst2")
+    assert not (tmp_path / "dst2").exists()
+
+
+def test_a_folder_saved_over_in_another_sharding_converts_what_from_pretrained_loads(tmp_path, monkeypatch):
+    """save_pretrained unsharded over a sharded save leaves the index (its shards deleted), and sharded over an
+    unsharded one leaves model.safetensors: from_pretrained reads model.safetensors first, and so does convert, whose
+    model gives the logits of the model fla loads. (Convert read the index first: the first folder was refused as
+    damaged, a shard missing, and the second converted other weights than fla's model has.)"""
+    _fla_on_cpu(monkeypatch)
+    from fla.models import ForgettingTransformerConfig, ForgettingTransformerForCausalLM
+
+    torch.manual_seed(6)
+    fla_model = ForgettingTransformerForCausalLM(ForgettingTransformerConfig(
+        hidden_size=C, num_hidden_layers=L, num_heads=H, vocab_size=V, intermediate_size=96, fuse_norm=False,
+        fuse_swiglu=False, fuse_cross_entropy=False)).float()
+    ids = torch.randint(0, V, (2, T))
+    for name, shard_sizes in (("unsharded-last", ["100KB", "5GB"]), ("sharded-last", ["5GB", "100KB"])):
+        for size in shard_sizes:  # the second save's weights differ from the first's
+            with torch.no_grad():
+                for p in fla_model.parameters():
+                    p.add_(torch.randn_like(p) * 0.05)
+            fla_model.save_pretrained(tmp_path / name, max_shard_size=size)
+        assert {"model.safetensors", "model.safetensors.index.json"} <= {f.name for f in (tmp_path / name).iterdir()}
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-fox")]) == 0
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / f"{name}-fox").eval()
+        loaded = ForgettingTransformerForCausalLM.from_pretrained(tmp_path / name).float().eval()
+        with torch.no_grad():
+            assert _rel(model(ids).logits, loaded(ids).logits) < RTOL, name
+
+
 def _fla_greedy_with_cache(fla_model, ids: torch.Tensor, n: int) -> torch.Tensor:
     """Greedy decoding through fla's own cache, one token a step. (fla 0.6's ``generate`` passes its cache as
     ``past_key_values``, which transformers 5.25 renamed to ``cache``; its model would start afresh each step.)"""
