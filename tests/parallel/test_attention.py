@@ -226,7 +226,7 @@ def _halo(rank, world):
     """FoX Pro's token shift on the shards, each chunk given the token before it by ``previous_tokens``, is the
     shift of the whole sequence, gradients included; ``sequence_positions`` are the shard's global positions."""
     from foxlm.ops.token_shift import token_shift
-    from foxlm.parallel import previous_tokens, sequence_positions, shard_sequence
+    from foxlm.parallel import gather_sequence, previous_tokens, sequence_positions, shard_sequence
 
     g = torch.Generator().manual_seed(7)
     B, H, D, L = 2, 3, 4, 3
@@ -248,6 +248,11 @@ def _halo(rank, world):
             torch.testing.assert_close(got, shard_sequence(want, dim=1, layout=layout), rtol=1e-12, atol=1e-12)
         assert torch.equal(sequence_positions(T // world, layout=layout),
                            shard_sequence(torch.arange(T), dim=0, layout=layout))
+        # gather_sequence takes any tensor, not only attention's float dtypes: token ids and masks came back as
+        # "tuple.index(x): x not in tuple"
+        for whole in (torch.randint(0, 97, (B, T), generator=g), torch.rand(B, T, generator=g) < 0.5):
+            assert torch.equal(gather_sequence(shard_sequence(whole, dim=1, layout=layout), dim=1, layout=layout),
+                               whole)
 
 
 def _double_backward(rank, world):
