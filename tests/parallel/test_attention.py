@@ -425,6 +425,13 @@ def _model(rank, world):
         model(ids[:, :8], labels=ids[:, :8])
     with pytest.raises(ValueError, match="cu_seqlens / attention_mask: not available"):
         model(ids[:, :8], attention_mask=torch.ones(2, 8).index_fill_(1, torch.tensor([0]), 0))
+    # a right-padded batch's mask, sharded: only the rank holding the last chunk sees padding. It raised alone, and
+    # left the other ranks in the shards' comparison (gloo: "Connection closed by peer"; NCCL: a hang)
+    mask = torch.ones(2, 8 * world, dtype=torch.long)
+    mask[1, -3:] = 0
+    with pytest.raises(ValueError, match=r"cu_seqlens / attention_mask with padding: expected the same on every "
+                                         r"rank .* rank 0: False, rank 1: True"):  # contiguous: rank 1's last
+        model(shard_sequence(ids, dim=1, layout=layout), attention_mask=shard_sequence(mask, dim=1, layout=layout))
     with pytest.raises(ValueError, match="window: not available"):
         model.model.layers[0].attn.window = 4
         model(ids[:, :8], shift_labels=ids[:, :8])
@@ -458,7 +465,8 @@ def _model(rank, world):
         model(shard_sequence(ids, dim=1), labels=None)
     finally:
         layout_module.check_same_on_ranks = attention_module.check_same_on_ranks = counted.__defaults__[0]
-    assert compared == [["input_ids.shape", "position_ids are the shard's"]], compared
+    assert compared == [["cu_seqlens / attention_mask with padding", "input_ids.shape",
+                         "position_ids are the shard's"]], compared
     backends = [block.attn.attention_backend for block in model.model.layers]
     assert all(isinstance(b, ContextParallelAttention) for b in backends)
     remove_context_parallel(model)
