@@ -98,12 +98,13 @@ def _exact(rank, world):
 
 def _exact_fp64(rank, world):
     """In fp64 the shards' result is one process's to fp64's rounding, not fp32's: outputs and all four gradients
-    within 1e-12 for both layouts, GQA, chunks of odd length and ACP. The blocks' lse, rounded to fp32 before their
-    merge, cost ~1e-8 where the one-process op is exact to ~1e-15."""
+    within 1e-12 for both layouts, GQA, chunks of odd length (one token too) and ACP. The blocks' lse, rounded to
+    fp32 before their merge, cost ~1e-8 where the one-process op is exact to ~1e-15."""
     for layout in ("zigzag", "contiguous"):
         _check(layout, world, tol=1e-12)
         _check(layout, world, Hq=4, Hk=1, D=8, Dv=16, L=5, seed=1, tol=1e-12)
         _check(layout, world, prune=True, gate_bias=(6.0, -4.0), seed=4, tol=1e-12)
+        _check(layout, world, L=1, prune=True, gate_bias=(6.0, -8.0), seed=3, tol=1e-12)  # one token a chunk
 
 
 def _half_precision(rank, world):
