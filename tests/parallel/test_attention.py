@@ -475,6 +475,42 @@ def _model(rank, world):
     model(ids, labels=ids)
 
 
+def _model_loss(rank, world):
+    """The model on more ranks than two (each zigzag shard's chunks then border other ranks' on both sides): with
+    labels ignored unevenly over the shards and chunks of 3 tokens, .loss on every rank and the parameters' gradients
+    averaged over the ranks (as DDP / FSDP2 average them) are one process's, to fp64's rounding."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.parallel import apply_context_parallel, remove_context_parallel, shard_sequence
+
+    cases = [("fox-pro", {"acp": True, "num_attention_heads": 4, "num_key_value_heads": 2}, "zigzag"),
+             ("transformer-llama", {}, "contiguous")]
+    for seed, (arch, extra, layout) in enumerate(cases):
+        torch.manual_seed(seed)
+        config = FoxConfig.preset(arch, "tiny", **{"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 2, "intermediate_size": 64, **extra})
+        model = FoxForCausalLM(config).double()
+        T = 3 * world * (2 if layout == "zigzag" else 1)
+        ids = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(seed))
+        labels = ids.clone()
+        labels[1, :T // 2 + 1] = -100
+        ref = model(ids, labels=labels)
+        ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+        targets = torch.cat([labels[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        apply_context_parallel(model, layout=layout)
+        try:
+            out = model(shard_sequence(ids, dim=1, layout=layout),
+                        shift_labels=shard_sequence(targets, dim=1, layout=layout))
+            grads = torch.autograd.grad(out.loss, list(model.parameters()))
+        finally:
+            remove_context_parallel(model)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-12, msg=arch)
+        for (name, _), got, expected in zip(model.named_parameters(), grads, ref_grads):
+            got = got.clone()
+            dist.all_reduce(got)
+            torch.testing.assert_close(got / world, expected, rtol=1e-10, atol=1e-12 * float(expected.abs().max()),
+                                       msg=f"{arch}: {name}")
+
+
 def _acp_share(rank, world):
     """The ACP share ``probe_acp`` records (what validation logs as val_acp_skipped) is the same number under
     context parallelism as in one process, for both layouts: one definition, the share of the whole sequence's
@@ -535,6 +571,10 @@ def test_two_processes_acp_share_is_that_of_one(tmp_path):
 
 def test_two_processes_model(tmp_path):
     _spawn(tmp_path, 2, "_model")
+
+
+def test_four_processes_model(tmp_path):
+    _spawn(tmp_path, 4, "_model_loss")
 
 
 def test_two_processes(tmp_path):
