@@ -270,14 +270,17 @@ class FoxModel(FoxPreTrainedModel):
                                                     self.config.window, packed)
         cp = self.context_parallel
         if cp is not None:
-            cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
             # positions that restart mark packed documents, which attention and the token shift would cross
             positions_ok, whole = True, None
             if T and T % chunks_per_rank(cp.layout) == 0:  # else check_shard refuses the length
                 whole = sequence_positions(T, group=cp.group, layout=cp.layout, device=x.device).expand(B, T)
                 positions_ok = position_ids is None or torch.equal(position_ids.to(x.device).expand(B, T), whole)
+            # compared before any rank refuses them: a right-padded batch's mask has zeros in one rank's shard only,
+            # and that rank's error left the others waiting in the comparison's collective
             cp.check_shard("input_ids" if inputs_embeds is None else "inputs_embeds", (B, T), x.device,
-                           {"position_ids are the shard's": positions_ok})
+                           {"position_ids are the shard's": positions_ok,
+                            "cu_seqlens / attention_mask with padding": segments is not None})
+            cp.check(segments=segments, cache=cache, output_attentions=output_attentions)
             if not positions_ok:
                 raise ValueError("position_ids: under context parallelism expected the shard's positions in the whole "
                                  "sequence (shard_sequence(arange(T), dim=0)); packed documents are not supported")

@@ -27,7 +27,7 @@ from ..ops.autograd import first_order_only
 from ..ops.checks import check_qkv
 from ..ops.forgetting_attention.acp import ACP, acp_tile_stats
 from ..ops.forgetting_attention.gate import floor_gates, gate_cumsum, reverse_cumsum
-from ..ops.forgetting_attention.sdpa import attention_from_cumsum
+from ..ops.forgetting_attention.sdpa import attention_from_cumsum_wide_lse
 from .layout import _world, all_gather_single, check_same_on_ranks, chunks_per_rank, gather_sequence, rank_chunks
 
 
@@ -249,7 +249,7 @@ def _block_inputs(q, c, plan: _Plan, kv, cc, ia, qheads, pos, D):
     kvb, ckb = kv.index_select(0, p), cc.index_select(0, p)
     kb, vb = kvb[..., :D].permute(1, 2, 0, 3), kvb[..., D:].permute(1, 2, 0, 3)  # [B, L, m, D]
     ckb = ckb.permute(1, 2, 0, 3).reshape(q.shape[0], L, -1)  # [B, L, m * G], query head h * G + g
-    # The block computes in fp32 whatever the inputs (attention_from_cumsum's kernel does), but returns o in q's
+    # The block computes in fp32 at least (attention_from_cumsum's kernel does), but returns o in q's
     # dtype: bf16 inputs would round each block's o before the merge, while the block's backward takes
     # rowsum(dO * O) from its unrounded o. The merge's lse gradient (from the rounded o) then no longer cancels it,
     # and bf16's rounding lands in every dS, whose column sums make the gate gradient (1e-3 relative where one
@@ -271,7 +271,9 @@ class _CPForgettingAttention(torch.autograd.Function):
             for ia, q_offset, qheads, pos in _blocks(plan, src, units):
                 qb, kb, vb, cqb, ckb = _block_inputs(q, c, plan, kv, cc, ia, qheads, pos, D)
                 thr = None if plan.threshold is None else plan.threshold[:, qheads]
-                ob, lb = attention_from_cumsum(qb, kb, vb, cqb, ckb, scale=scale, q_offset=q_offset, threshold=thr)
+                # the blocks merge through their lse, which must not be rounded to fp32 for fp64 inputs
+                ob, lb = attention_from_cumsum_wide_lse(qb, kb, vb, cqb, ckb, scale=scale, q_offset=q_offset,
+                                                        threshold=thr)
                 _merge(o, lse, ob, lb, ia * L, L, qheads)
         ctx.save_for_backward(q, k, v, c, o, lse)
         ctx.plan, ctx.scale, ctx.gate_dtype = plan, scale, log_fgate.dtype
@@ -355,7 +357,7 @@ def _block_backward(inputs, q_offset, thr, scale, o, lse, do, start, L, qheads):
     dog = do[:, start:start + L].index_select(2, idx)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in inputs]
-        ob, lb = attention_from_cumsum(*leaves, scale=scale, q_offset=q_offset, threshold=thr)
+        ob, lb = attention_from_cumsum_wide_lse(*leaves, scale=scale, q_offset=q_offset, threshold=thr)
         w = torch.exp(lb.to(lg.dtype) - lg)  # share of the row's mass in this block: [B, h, L]
         dob = dog * w.transpose(1, 2)[..., None]
         dlb = w * (dog * (ob.to(og.dtype) - og)).sum(-1).transpose(1, 2)

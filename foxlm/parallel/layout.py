@@ -12,12 +12,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from ..ops.checks import DTYPES
-
 # torch >= 2.12's name; there all_gather_into_tensor warns that it is deprecated, and torch 2.11 has only the old one
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 LAYOUTS = ("zigzag", "contiguous")
+# Every dtype this torch has, in one order on every process: check_same_on_ranks compares them by index, and
+# gather_sequence gathers any tensor (token ids, masks), not only the attention's float dtypes
+_ALL_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype)}, key=str))
 
 
 def chunks_per_rank(layout: str) -> int:
@@ -77,7 +78,7 @@ def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, f
 
 def _encode(value) -> tuple[int, ...]:
     if isinstance(value, torch.dtype):
-        return (DTYPES.index(value),)
+        return (_ALL_DTYPES.index(value),)
     if isinstance(value, str):
         return (LAYOUTS.index(value),)
     if isinstance(value, bool):
@@ -87,7 +88,7 @@ def _encode(value) -> tuple[int, ...]:
 
 def _decode(like, code: tuple[int, ...]):
     if isinstance(like, torch.dtype):
-        return DTYPES[code[0]]
+        return _ALL_DTYPES[code[0]]
     if isinstance(like, str):
         return repr(LAYOUTS[code[0]])
     if isinstance(like, bool):

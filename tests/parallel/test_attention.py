@@ -96,6 +96,17 @@ def _exact(rank, world):
     _check("contiguous", world, dtype=torch.bfloat16, seed=3, tol=3e-2)
 
 
+def _exact_fp64(rank, world):
+    """In fp64 the shards' result is one process's to fp64's rounding, not fp32's: outputs and all four gradients
+    within 1e-12 for both layouts, GQA, chunks of odd length (one token too) and ACP. The blocks' lse, rounded to
+    fp32 before their merge, cost ~1e-8 where the one-process op is exact to ~1e-15."""
+    for layout in ("zigzag", "contiguous"):
+        _check(layout, world, tol=1e-12)
+        _check(layout, world, Hq=4, Hk=1, D=8, Dv=16, L=5, seed=1, tol=1e-12)
+        _check(layout, world, prune=True, gate_bias=(6.0, -4.0), seed=4, tol=1e-12)
+        _check(layout, world, L=1, prune=True, gate_bias=(6.0, -8.0), seed=3, tol=1e-12)  # one token a chunk
+
+
 def _half_precision(rank, world):
     """bf16 over a few hundred tokens: outputs and all four gradients, the gate's included, within 5e-3 of the fp64
     reference (what the peers' kernels reach), and as close to it as the one-process op on the same inputs: the merge
@@ -216,7 +227,7 @@ def _halo(rank, world):
     """FoX Pro's token shift on the shards, each chunk given the token before it by ``previous_tokens``, is the
     shift of the whole sequence, gradients included; ``sequence_positions`` are the shard's global positions."""
     from foxlm.ops.token_shift import token_shift
-    from foxlm.parallel import previous_tokens, sequence_positions, shard_sequence
+    from foxlm.parallel import gather_sequence, previous_tokens, sequence_positions, shard_sequence
 
     g = torch.Generator().manual_seed(7)
     B, H, D, L = 2, 3, 4, 3
@@ -238,6 +249,11 @@ def _halo(rank, world):
             torch.testing.assert_close(got, shard_sequence(want, dim=1, layout=layout), rtol=1e-12, atol=1e-12)
         assert torch.equal(sequence_positions(T // world, layout=layout),
                            shard_sequence(torch.arange(T), dim=0, layout=layout))
+        # gather_sequence takes any tensor, not only attention's float dtypes: token ids and masks came back as
+        # "tuple.index(x): x not in tuple"
+        for whole in (torch.randint(0, 97, (B, T), generator=g), torch.rand(B, T, generator=g) < 0.5):
+            assert torch.equal(gather_sequence(shard_sequence(whole, dim=1, layout=layout), dim=1, layout=layout),
+                               whole)
 
 
 def _double_backward(rank, world):
@@ -370,13 +386,13 @@ def _model(rank, world):
         out = model(shard_sequence(ids, dim=1, layout=layout), shift_labels=shard_sequence(targets, dim=1,
                     layout=layout), return_per_token_loss=True)
         want = shard_sequence(F.pad(ref.per_token_loss.detach(), (0, 1)), dim=1, layout=layout)
-        torch.testing.assert_close(out.per_token_loss, want, rtol=1e-6, atol=1e-6, msg=arch)
+        # fp64 throughout, as one process: the blocks' lse rounded to fp32 before their merge cost ~1e-7 here
+        torch.testing.assert_close(out.per_token_loss, want, rtol=1e-12, atol=1e-12, msg=arch)
         grads = torch.autograd.grad(out.per_token_loss.sum(), list(model.parameters()))
         for (name, _), got, expected in zip(model.named_parameters(), grads, ref_grads):
             got = got.clone()
             dist.all_reduce(got)
-            # the token shift computes in fp32, so its rounding is the limit
-            torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()),
+            torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-12 * float(expected.abs().max()),
                                        msg=f"{arch}: {name}")
     # labels ignored unevenly over the shards: .loss is the whole rows' mean on every rank, and the gradients
     # averaged over the ranks (as DDP / FSDP2 do) are one process's; with num_items_in_batch, HF's sum over it
@@ -396,7 +412,8 @@ def _model(rank, world):
         for got, expected in zip(torch.autograd.grad(out.loss, list(model.parameters())), ref_grads):
             got = got.clone()
             dist.all_reduce(got)
-            torch.testing.assert_close(got / reduce, expected, rtol=1e-6, atol=1e-6 * float(expected.abs().max()))
+            torch.testing.assert_close(got / reduce, expected, rtol=1e-10,
+                                       atol=1e-12 * float(expected.abs().max()))
     # packed documents marked by restarting position_ids (padding-free batches) would be crossed: refused, on
     # every rank even where only one rank's shard holds a restart
     pos = shard_sequence(torch.arange(8 * world), dim=0, layout=layout)
@@ -409,6 +426,13 @@ def _model(rank, world):
         model(ids[:, :8], labels=ids[:, :8])
     with pytest.raises(ValueError, match="cu_seqlens / attention_mask: not available"):
         model(ids[:, :8], attention_mask=torch.ones(2, 8).index_fill_(1, torch.tensor([0]), 0))
+    # a right-padded batch's mask, sharded: only the rank holding the last chunk sees padding. It raised alone, and
+    # left the other ranks in the shards' comparison (gloo: "Connection closed by peer"; NCCL: a hang)
+    mask = torch.ones(2, 8 * world, dtype=torch.long)
+    mask[1, -3:] = 0
+    with pytest.raises(ValueError, match=r"cu_seqlens / attention_mask with padding: expected the same on every "
+                                         r"rank .* rank 0: False, rank 1: True"):  # contiguous: rank 1's last
+        model(shard_sequence(ids, dim=1, layout=layout), attention_mask=shard_sequence(mask, dim=1, layout=layout))
     with pytest.raises(ValueError, match="window: not available"):
         model.model.layers[0].attn.window = 4
         model(ids[:, :8], shift_labels=ids[:, :8])
@@ -442,12 +466,49 @@ def _model(rank, world):
         model(shard_sequence(ids, dim=1), labels=None)
     finally:
         layout_module.check_same_on_ranks = attention_module.check_same_on_ranks = counted.__defaults__[0]
-    assert compared == [["input_ids.shape", "position_ids are the shard's"]], compared
+    assert compared == [["cu_seqlens / attention_mask with padding", "input_ids.shape",
+                         "position_ids are the shard's"]], compared
     backends = [block.attn.attention_backend for block in model.model.layers]
     assert all(isinstance(b, ContextParallelAttention) for b in backends)
     remove_context_parallel(model)
     assert all(type(block.attn.attention_backend) is AttentionBackend for block in model.model.layers)
     model(ids, labels=ids)
+
+
+def _model_loss(rank, world):
+    """The model on more ranks than two (each zigzag shard's chunks then border other ranks' on both sides): with
+    labels ignored unevenly over the shards and chunks of 3 tokens, .loss on every rank and the parameters' gradients
+    averaged over the ranks (as DDP / FSDP2 average them) are one process's, to fp64's rounding."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.parallel import apply_context_parallel, remove_context_parallel, shard_sequence
+
+    cases = [("fox-pro", {"acp": True, "num_attention_heads": 4, "num_key_value_heads": 2}, "zigzag"),
+             ("transformer-llama", {}, "contiguous")]
+    for seed, (arch, extra, layout) in enumerate(cases):
+        torch.manual_seed(seed)
+        config = FoxConfig.preset(arch, "tiny", **{"vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2,
+                                                   "num_attention_heads": 2, "intermediate_size": 64, **extra})
+        model = FoxForCausalLM(config).double()
+        T = 3 * world * (2 if layout == "zigzag" else 1)
+        ids = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(seed))
+        labels = ids.clone()
+        labels[1, :T // 2 + 1] = -100
+        ref = model(ids, labels=labels)
+        ref_grads = torch.autograd.grad(ref.loss, list(model.parameters()))
+        targets = torch.cat([labels[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+        apply_context_parallel(model, layout=layout)
+        try:
+            out = model(shard_sequence(ids, dim=1, layout=layout),
+                        shift_labels=shard_sequence(targets, dim=1, layout=layout))
+            grads = torch.autograd.grad(out.loss, list(model.parameters()))
+        finally:
+            remove_context_parallel(model)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-12, atol=1e-12, msg=arch)
+        for (name, _), got, expected in zip(model.named_parameters(), grads, ref_grads):
+            got = got.clone()
+            dist.all_reduce(got)
+            torch.testing.assert_close(got / world, expected, rtol=1e-10, atol=1e-12 * float(expected.abs().max()),
+                                       msg=f"{arch}: {name}")
 
 
 def _acp_share(rank, world):
@@ -512,6 +573,10 @@ def test_two_processes_model(tmp_path):
     _spawn(tmp_path, 2, "_model")
 
 
+def test_four_processes_model(tmp_path):
+    _spawn(tmp_path, 4, "_model_loss")
+
+
 def test_two_processes(tmp_path):
     _spawn(tmp_path, 2, "_exact")
 
@@ -520,6 +585,10 @@ def test_three_processes(tmp_path):
     """An odd number of ranks, both layouts: every step sends to one peer and receives from another (with an even P,
     step P / 2 sends to and receives from the same rank)."""
     _spawn(tmp_path, 3, "_exact")
+
+
+def test_four_processes_exact_in_fp64(tmp_path):
+    _spawn(tmp_path, 4, "_exact_fp64")
 
 
 def test_two_processes_half_precision(tmp_path):

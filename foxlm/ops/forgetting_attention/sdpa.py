@@ -118,7 +118,7 @@ class _SdpaAttention(torch.autograd.Function):
         ctx.plan, ctx.gqa, ctx.scale, ctx.q_offset = chunks, gqa, scale, q_offset
         ctx.kv_shape = k.shape[2], v.shape[-1]
         # Contiguous, as flash_attn's o (a port may .view it): o' is wider than Dv, so this copies where q is fp32.
-        return o[..., :v.shape[-1]].to(q.dtype).contiguous(), lse.float()
+        return o[..., :v.shape[-1]].to(q.dtype).contiguous(), lse  # in q's dtype promoted to fp32
 
     @staticmethod
     @first_order_only("forgetting_attention")  # the kernel's backward has none: differentiating it raises
@@ -851,18 +851,36 @@ def attention_from_cumsum(
     _validate(q, k, v, c_q, c_k, q_offset, window, threshold, cu_seqlens)
     q_offset = k.shape[1] - q.shape[1] if q_offset is None else q_offset
     scale = float(scale)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
-    if torch.compiler.is_compiling():
-        o, lse, row_start = _forward_op(q, k, v, c_q, c_k, threshold, cu_seqlens, scale, q_offset, window, grad)
-        o, lse = o[..., :v.shape[-1]].to(q.dtype).contiguous(), lse.float()
-        row_start = None if row_start.dim() == 1 else row_start
-    else:
-        row_start = _row_start(c_q, c_k, q_offset, cu_seqlens, threshold, window)
-        if grad:
-            o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, scale, q_offset)
-        else:
-            o, lse = _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset)
-            o, lse = o.to(q.dtype).contiguous(), lse.float()  # o: a view where D > Dv
+    o, lse, row_start = _attention(q, k, v, c_q, c_k, scale, q_offset, window, threshold, cu_seqlens)
+    lse = lse.float()
     if return_probs:
         return o, lse, _probs(q, k, c_q, c_k, row_start, lse, scale, q_offset)
     return o, lse
+
+
+def attention_from_cumsum_wide_lse(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c_q: torch.Tensor, c_k: torch.Tensor, *, scale: float,
+    q_offset: int | None = None, threshold: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention_from_cumsum`` whose lse stays in q's dtype promoted to fp32 (fp64 for fp64 inputs), not rounded
+    to fp32: context parallelism merges its blocks through their lse, and an fp32 lse cost an fp64 merge ~1e-8
+    relative in o and every gradient where one process's op is exact to ~1e-15."""
+    _validate(q, k, v, c_q, c_k, q_offset, None, threshold, None)
+    q_offset = k.shape[1] - q.shape[1] if q_offset is None else q_offset
+    return _attention(q, k, v, c_q, c_k, float(scale), q_offset, None, threshold, None)[:2]
+
+
+def _attention(q, k, v, c_q, c_k, scale, q_offset, window, threshold, cu_seqlens):
+    """(o in q's dtype, lse in q's dtype promoted to fp32, the row starts or None) of checked arguments."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
+    if torch.compiler.is_compiling():
+        o, lse, row_start = _forward_op(q, k, v, c_q, c_k, threshold, cu_seqlens, scale, q_offset, window, grad)
+        o = o[..., :v.shape[-1]].to(q.dtype).contiguous()
+        return o, lse, None if row_start.dim() == 1 else row_start
+    row_start = _row_start(c_q, c_k, q_offset, cu_seqlens, threshold, window)
+    if grad:
+        o, lse = _SdpaAttention.apply(q, k, v, c_q, c_k, row_start, scale, q_offset)
+    else:
+        o, lse = _bias_attention(q, k, v, c_q, c_k, row_start, scale, q_offset)
+        o = o.to(q.dtype).contiguous()  # o: a view where D > Dv
+    return o, lse, row_start
