@@ -104,18 +104,21 @@ def streams_logits(model: torch.nn.Module) -> bool:
 def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """log p(x_{t+1} | x_<=t) for t = start .. T-2: input_ids [B, T] -> [B, T-1-start] fp32.
 
+    The model reads ``input_ids[:, :-1]``, T - 1 tokens: the last one is only a target (a model with a learned
+    position table of T - 1 rows is evaluated on T tokens, as HF's own loss of T - 1 predictions reads them).
+
     A foxlm model streams: the backbone runs once (Forgetting Attention never builds a T x T matrix) and the LM head
     is applied a chunk of positions at a time, so [B, T, V] logits never exist. Any other model's logits are its own
     forward's (those of positions ``start`` on), as the model defines them.
     """
     if not 0 <= start < input_ids.shape[1] - 1:
         raise ValueError(f"start: expected 0 <= start < T - 1 = {input_ids.shape[1] - 1}, got {start}")
-    targets = input_ids[:, start + 1:]
+    inputs, targets = input_ids[:, :-1], input_ids[:, start + 1:]
     if streams_logits(model):
-        return head_logprobs(model, hidden_states(model, input_ids)[:, start:-1], targets)
-    keep = {"logits_to_keep": input_ids.shape[1] - start} if "logits_to_keep" in inspect.signature(
+        return head_logprobs(model, hidden_states(model, inputs)[:, start:], targets)
+    keep = {"logits_to_keep": targets.shape[1]} if "logits_to_keep" in inspect.signature(
         model.forward).parameters else {}
-    logits = model(input_ids=input_ids, use_cache=False, **keep).logits[:, -targets.shape[1] - 1:-1]
+    logits = model(input_ids=inputs, use_cache=False, **keep).logits[:, -targets.shape[1]:]
     chunk = max(1, _LOGIT_CHUNK_TOKENS // input_ids.shape[0])
     out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
     for a in range(0, targets.shape[1], chunk):  # fp32 a chunk at a time: one [B, T, V] copy is enough

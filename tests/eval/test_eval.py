@@ -396,6 +396,26 @@ def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path
                      str(tmp_path / "out"), "--no-progress"]) == 0
 
 
+def test_loss_at_exactly_the_learned_positions_reads_them_only(corpus, tmp_path):
+    """An evaluation length of n_positions predicts n_positions tokens from as many: the last token of a sequence
+    [T + 1] is a target only, as in HF's own loss. It was put into the model too, one position past GPT-2's table:
+    an IndexError's traceback at the very length the check let through."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
+                                                                 n_positions=48)).eval()
+    x = torch.randint(0, 257, (2, 49))
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model(x[:, :-1]).logits.transpose(1, 2), x[:, 1:], reduction="none")
+    torch.testing.assert_close(-utils.next_token_logprobs(model, x), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(-utils.next_token_logprobs(model, x, start=40), ref[:, 40:], rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path / "gpt2")
+    assert main(["eval", "loss", str(tmp_path / "gpt2"), "--data", str(corpus), "--train-length", "32",
+                 "--eval-length", "48", "--max-sequences", "2", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert len(_read_csv(tmp_path / "out" / "per_token_loss.csv")) == 1 + 48
+
+
 def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, capsys):
     """One held-out document long enough gives one sequence with --windows first; the default then takes all of its
     windows, and says so."""
