@@ -461,7 +461,7 @@ def run_niah(args) -> int:
     _check_train_length(args)
     _check_exist([args.checkpoint])
     (model,), data, tok, out = _setup(args, [args.checkpoint])
-    check_positions(model, max(args.lengths) + len(tok.encode(" " + niah.ANSWER)), "--lengths")
+    check_positions(model, max(args.lengths), "--lengths", extra=niah.completion_tokens(tok) - 1)
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)

@@ -60,19 +60,21 @@ def run_train_data(checkpoint: str | os.PathLike) -> tuple[str, str | None] | No
     return cfg["data"], cfg.get("tokenizer")
 
 
-def check_positions(model: torch.nn.Module, length: int, what: str) -> None:
-    """Refuse ``length`` tokens to a model whose learned position table has fewer rows (GPT-2's ``n_positions``, OPT's
-    ``max_position_embeddings``): it failed with an IndexError inside its embedding (on CUDA a device-side assert).
-    Rotary and foxlm models, which compute positions, take any length. ``what``: the flag that asked for it."""
+def check_positions(model: torch.nn.Module, length: int, what: str, extra: int = 0) -> None:
+    """Refuse ``length`` tokens, and ``extra`` the model reads after them (a completion), to a model whose learned
+    position table has fewer rows (GPT-2's ``n_positions``, OPT's ``max_position_embeddings``): it failed with an
+    IndexError inside its embedding (on CUDA a device-side assert). Rotary and foxlm models, which compute positions,
+    take any length. ``what``: the flag that asked for ``length``."""
     config = model.config
     rows = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if not isinstance(rows, int) or length <= rows:
+    if not isinstance(rows, int) or length + extra <= rows:
         return
     tables = {m.num_embeddings for m in model.modules()
               if isinstance(m, torch.nn.Embedding) and m is not model.get_input_embeddings()}
     if tables & {rows, rows + 2}:  # OPT's table has 2 rows more than its positions
-        raise ValueError(f"{what}: {length} tokens, but the {config.model_type!r} model learned position embeddings "
-                         f"for {rows} only; evaluate at {rows} tokens or fewer")
+        more = f" and {extra} generated after them" if extra else ""
+        raise ValueError(f"{what}: {length} tokens{more}, but the {config.model_type!r} model learned position "
+                         f"embeddings for {rows} only; evaluate at {rows - extra} tokens or fewer")
 
 
 def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -373,8 +373,9 @@ def test_results_replace_files_in_out_only_with_overwrite(untrained, corpus, tmp
 
 
 @pytest.mark.parametrize("command,argv,length", [
-    ("loss", ["--train-length", "32", "--eval-length", "63"], "--eval-length: 63"),
-    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], r"--lengths: \d+"),
+    ("loss", ["--train-length", "32", "--eval-length", "63"], "--eval-length: 63 tokens"),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], r"--lengths: 600 tokens and \d+ generated "
+                                                                          "after them"),
 ])
 def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path, capsys, command, argv, length):
     """GPT-2 learns a table of n_positions positions: a longer evaluation was an IndexError's traceback inside its
@@ -384,7 +385,7 @@ def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path
     gpt2, llama = tmp_path / "gpt2", tmp_path / "llama"
     transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
                                                          n_positions=48)).save_pretrained(gpt2)
-    _refused(capsys, f"{length} tokens, but the 'gpt2' model learned position embeddings for 48 only",
+    _refused(capsys, f"{length}, but the 'gpt2' model learned position embeddings for 48 only",
              ["eval", command, str(gpt2), "--data", str(corpus), *argv, "--out", str(tmp_path / "out"),
               "--no-progress"])
     assert not (tmp_path / "out").exists()
@@ -394,6 +395,23 @@ def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path
             max_position_embeddings=48)).save_pretrained(llama)
         assert main(["eval", command, str(llama), "--data", str(corpus), *argv, "--max-sequences", "2", "--out",
                      str(tmp_path / "out"), "--no-progress"]) == 0
+
+
+def test_niah_prompt_and_completion_within_the_learned_positions(corpus, tmp_path, capsys):
+    """The greedy completion reads its tokens after the prompt: --lengths was checked with the answer's length alone,
+    so a prompt that left fewer positions than the completion takes was an IndexError's traceback. The longest
+    prompt that fits runs; one token longer is one line saying how long a prompt fits."""
+    import transformers
+
+    fit = 600 - (niah.completion_tokens(get_tokenizer("byte")) - 1)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
+                                                         n_positions=600)).save_pretrained(tmp_path / "gpt2")
+    argv = ["eval", "niah", str(tmp_path / "gpt2"), "--data", str(corpus), "--depths", "0.5", "--modes", "easy",
+            "--no-progress", "--out"]
+    _refused(capsys, f"--lengths: {fit + 1} tokens and .* for 600 only; evaluate at {fit} tokens or fewer",
+             [*argv, str(tmp_path / "refused"), "--lengths", str(fit + 1)])
+    assert main([*argv, str(tmp_path / "out"), "--lengths", str(fit)]) == 0
+    assert _read_csv(tmp_path / "out" / "niah.csv")[1][1] == str(fit)
 
 
 def test_loss_at_exactly_the_learned_positions_reads_them_only(corpus, tmp_path):
