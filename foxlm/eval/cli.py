@@ -492,7 +492,7 @@ def run_recall(args) -> int:
     from foxlm.device import resolve_device
 
     from . import recall
-    from .utils import load_model, run_train_data, run_train_length
+    from .utils import check_positions, load_model, run_train_data, run_train_length
 
     _check_exist([args.checkpoint])
     for name in ("samples", "batch_size"):
@@ -551,6 +551,7 @@ def run_recall(args) -> int:
         for n in lengths:
             for p in pairs:
                 spec.check_document(n, p)
+    check_positions(model, max(lengths), "--lengths")  # the default lengths too: --lengths is how to change them
     cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
                               samples=args.samples, seed=args.seed, batch_size=args.batch_size, dtype=args.dtype,
                               show_progress=args.progress)
