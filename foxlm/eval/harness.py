@@ -271,6 +271,12 @@ def main(argv: list[str] | None = None) -> int:
         name = twice.group(1)
         raise ValueError(f"--model_args: {name} is set there and by lm_eval's --{name} (given or its default); set "
                          f"it once, with --{name}") from None
+    except ValueError as e:  # lm-eval's own words for a task name it does not know name no flag
+        found = re.fullmatch(r"Tasks not found: (.+)", str(e))
+        if found is None:
+            raise
+        raise ValueError(f"--tasks: no task named {found.group(1)}; `foxlm eval harness ls tasks` lists them, and "
+                         "--include_path DIR adds the task YAMLs in DIR") from None
     except ConnectionError as e:  # datasets' own, after huggingface_hub's retries (none when offline)
         found = re.search(r"Couldn't reach '([^']+)' on the Hub", str(e))
         if found is None:

@@ -1176,6 +1176,22 @@ def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path, flag):
     assert "Retry" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
 
 
+def test_harness_unknown_task_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """A task name lm-eval does not know (a typo, or a task YAML outside --include_path): one line naming --tasks and
+    how to list the names; it was lm-eval's "Tasks not found: NAME", which names no flag. The known task beside it
+    (from --include_path) is not blamed."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    path = _gpt2_model(tmp_path / "m")
+    _tiny_task(tmp_path / "tasks")
+    assert main(["eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={path}", "--device", "cpu",
+                 "--tasks", "foxlm_tiny_mc,foxlm_tiny_mcq", "--include_path", str(tmp_path / "tasks")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        "foxlm eval harness: error: --tasks: no task named foxlm_tiny_mcq; `foxlm eval harness ls tasks` lists them, "
+        "and --include_path DIR adds the task YAMLs in DIR")
+
+
 def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
     """``--model hf`` (AutoModel registration) and ``--model foxlm`` on a local task file, with the real harness;
     the log-likelihoods it reports are foxlm's own."""
