@@ -1192,6 +1192,18 @@ def test_harness_unknown_task_is_one_line_naming_the_flag(tmp_path, monkeypatch,
         "and --include_path DIR adds the task YAMLs in DIR")
 
 
+@pytest.mark.parametrize("form", ["--include_path", "--include_path=", "--include"])
+def test_harness_missing_include_path_is_one_line_naming_the_flag(tmp_path, capsys, form):
+    """A task folder that is not there: lm-eval skipped it without a word, and its tasks were then "not found"."""
+    pytest.importorskip("lm_eval")
+    missing = str(tmp_path / "tasks")
+    where = [form + missing] if form.endswith("=") else [form, missing]
+    assert main(["eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", "--device",
+                 "cpu", "--tasks", "foxlm_tiny_mc", *where]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"foxlm eval harness: error: --include_path: {missing} does not exist (expected a folder of task YAMLs)")
+
+
 def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):
     """``--model hf`` (AutoModel registration) and ``--model foxlm`` on a local task file, with the real harness;
     the log-likelihoods it reports are foxlm's own."""
