@@ -461,7 +461,7 @@ def run_niah(args) -> int:
     _check_train_length(args)
     _check_exist([args.checkpoint])
     (model,), data, tok, out = _setup(args, [args.checkpoint])
-    check_positions(model, max(args.lengths) + len(tok.encode(" " + niah.ANSWER)), "--lengths")
+    check_positions(model, max(args.lengths), "--lengths", extra=niah.completion_tokens(tok) - 1)
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
     results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
                             batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
@@ -492,7 +492,7 @@ def run_recall(args) -> int:
     from foxlm.device import resolve_device
 
     from . import recall
-    from .utils import load_model, run_train_data, run_train_length
+    from .utils import check_positions, load_model, run_train_data, run_train_length
 
     _check_exist([args.checkpoint])
     for name in ("samples", "batch_size"):
@@ -551,6 +551,7 @@ def run_recall(args) -> int:
         for n in lengths:
             for p in pairs:
                 spec.check_document(n, p)
+    check_positions(model, max(lengths), "--lengths")  # the default lengths too: --lengths is how to change them
     cells = recall.run_recall(model, spec, lengths, pairs, bos_id=tok.eot_id, vocab_size=tok.vocab_size,
                               samples=args.samples, seed=args.seed, batch_size=args.batch_size, dtype=args.dtype,
                               show_progress=args.progress)

@@ -257,11 +257,23 @@ def with_device(argv: list[str]) -> list[str]:
 _LM_EVAL_COMMANDS = ("run", "ls", "validate")
 
 
+def check_include_path(argv: list[str]) -> None:
+    """Refuse an lm_eval ``--include_path`` (or an abbreviation argparse takes) that is not there: lm-eval skips it
+    without a word, and its tasks were then "not found"."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if len(name) > 3 and "--include_path".startswith(name):
+            path = value if eq else argv[i + 1] if i + 1 < len(argv) else None
+            if path is not None and not os.path.exists(os.path.expanduser(path)):
+                raise ValueError(f"--include_path: {path} does not exist (expected a folder of task YAMLs)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """lm-eval's command line, run with foxlm imported (``foxlm`` model and ``fox`` Auto classes registered)."""
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *with_device(sys.argv[1:] if argv is None else argv)]
+    check_include_path(sys.argv[1:])
     try:
         cli_evaluate()
     except TypeError as e:  # lm-eval hands the model its --batch_size, --max_batch_size, --device besides --model_args
@@ -271,6 +283,12 @@ def main(argv: list[str] | None = None) -> int:
         name = twice.group(1)
         raise ValueError(f"--model_args: {name} is set there and by lm_eval's --{name} (given or its default); set "
                          f"it once, with --{name}") from None
+    except ValueError as e:  # lm-eval's own words for a task name it does not know name no flag
+        found = re.fullmatch(r"Tasks not found: (.+)", str(e))
+        if found is None:
+            raise
+        raise ValueError(f"--tasks: no task named {found.group(1)}; `foxlm eval harness ls tasks` lists them, and "
+                         "--include_path DIR adds the task YAMLs in DIR") from None
     except ConnectionError as e:  # datasets' own, after huggingface_hub's retries (none when offline)
         found = re.search(r"Couldn't reach '([^']+)' on the Hub", str(e))
         if found is None:

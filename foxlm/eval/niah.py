@@ -38,6 +38,13 @@ QUIZ = ("There is an important piece of information hidden inside the above docu
         "document, I will quiz you about it. Answer the following question: ")
 MODES = ("easy", "standard")
 _BOUNDARY_LOOKBACK = 256  # tokens searched back from the requested depth for a "."
+_SPARE_TOKENS = 4  # generated past the answer's length: an answer that opens with a token or two more still fits
+
+
+def completion_tokens(tokenizer) -> int:
+    """Tokens of the greedy completion: the answer's, and a few spare. The model reads all but the last after the
+    prompt (the scored answer, whose last token is only a target, is shorter)."""
+    return len(tokenizer.encode(" " + ANSWER)) + _SPARE_TOKENS
 
 
 @dataclass
@@ -186,7 +193,7 @@ def run_niah(
         built = [builder.build(n, d, mode, offsets[t]) for d, t in cells]
         ids = torch.tensor([p for p, _ in built], device=device)
         with autocast(device, dtype):
-            new = greedy_complete(model, ids, len(builder.answer) + 4, tokenizer)
+            new = greedy_complete(model, ids, completion_tokens(tokenizer), tokenizer)
             full = torch.cat([ids, answer.expand(len(cells), -1)], 1)
             logp = next_token_logprobs(model, full, start=n - 1).sum(1).tolist()
         for (d, t), (_, pos), gen, lp in zip(cells, built, new, logp):

@@ -60,19 +60,21 @@ def run_train_data(checkpoint: str | os.PathLike) -> tuple[str, str | None] | No
     return cfg["data"], cfg.get("tokenizer")
 
 
-def check_positions(model: torch.nn.Module, length: int, what: str) -> None:
-    """Refuse ``length`` tokens to a model whose learned position table has fewer rows (GPT-2's ``n_positions``, OPT's
-    ``max_position_embeddings``): it failed with an IndexError inside its embedding (on CUDA a device-side assert).
-    Rotary and foxlm models, which compute positions, take any length. ``what``: the flag that asked for it."""
+def check_positions(model: torch.nn.Module, length: int, what: str, extra: int = 0) -> None:
+    """Refuse ``length`` tokens, and ``extra`` the model reads after them (a completion), to a model whose learned
+    position table has fewer rows (GPT-2's ``n_positions``, OPT's ``max_position_embeddings``): it failed with an
+    IndexError inside its embedding (on CUDA a device-side assert). Rotary and foxlm models, which compute positions,
+    take any length. ``what``: the flag that asked for ``length``."""
     config = model.config
     rows = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
-    if not isinstance(rows, int) or length <= rows:
+    if not isinstance(rows, int) or length + extra <= rows:
         return
     tables = {m.num_embeddings for m in model.modules()
               if isinstance(m, torch.nn.Embedding) and m is not model.get_input_embeddings()}
     if tables & {rows, rows + 2}:  # OPT's table has 2 rows more than its positions
-        raise ValueError(f"{what}: {length} tokens, but the {config.model_type!r} model learned position embeddings "
-                         f"for {rows} only; evaluate at {rows} tokens or fewer")
+        more = f" and {extra} generated after them" if extra else ""
+        raise ValueError(f"{what}: {length} tokens{more}, but the {config.model_type!r} model learned position "
+                         f"embeddings for {rows} only; evaluate at {rows - extra} tokens or fewer")
 
 
 def hidden_states(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
@@ -104,18 +106,21 @@ def streams_logits(model: torch.nn.Module) -> bool:
 def next_token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, start: int = 0) -> torch.Tensor:
     """log p(x_{t+1} | x_<=t) for t = start .. T-2: input_ids [B, T] -> [B, T-1-start] fp32.
 
+    The model reads ``input_ids[:, :-1]``, T - 1 tokens: the last one is only a target (a model with a learned
+    position table of T - 1 rows is evaluated on T tokens, as HF's own loss of T - 1 predictions reads them).
+
     A foxlm model streams: the backbone runs once (Forgetting Attention never builds a T x T matrix) and the LM head
     is applied a chunk of positions at a time, so [B, T, V] logits never exist. Any other model's logits are its own
     forward's (those of positions ``start`` on), as the model defines them.
     """
     if not 0 <= start < input_ids.shape[1] - 1:
         raise ValueError(f"start: expected 0 <= start < T - 1 = {input_ids.shape[1] - 1}, got {start}")
-    targets = input_ids[:, start + 1:]
+    inputs, targets = input_ids[:, :-1], input_ids[:, start + 1:]
     if streams_logits(model):
-        return head_logprobs(model, hidden_states(model, input_ids)[:, start:-1], targets)
-    keep = {"logits_to_keep": input_ids.shape[1] - start} if "logits_to_keep" in inspect.signature(
+        return head_logprobs(model, hidden_states(model, inputs)[:, start:], targets)
+    keep = {"logits_to_keep": targets.shape[1]} if "logits_to_keep" in inspect.signature(
         model.forward).parameters else {}
-    logits = model(input_ids=input_ids, use_cache=False, **keep).logits[:, -targets.shape[1] - 1:-1]
+    logits = model(input_ids=inputs, use_cache=False, **keep).logits[:, -targets.shape[1]:]
     chunk = max(1, _LOGIT_CHUNK_TOKENS // input_ids.shape[0])
     out = torch.empty(targets.shape, dtype=torch.float32, device=logits.device)
     for a in range(0, targets.shape[1], chunk):  # fp32 a chunk at a time: one [B, T, V] copy is enough

@@ -373,8 +373,9 @@ def test_results_replace_files_in_out_only_with_overwrite(untrained, corpus, tmp
 
 
 @pytest.mark.parametrize("command,argv,length", [
-    ("loss", ["--train-length", "32", "--eval-length", "63"], "--eval-length: 63"),
-    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], r"--lengths: \d+"),
+    ("loss", ["--train-length", "32", "--eval-length", "63"], "--eval-length: 63 tokens"),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], r"--lengths: 600 tokens and \d+ generated "
+                                                                          "after them"),
 ])
 def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path, capsys, command, argv, length):
     """GPT-2 learns a table of n_positions positions: a longer evaluation was an IndexError's traceback inside its
@@ -384,7 +385,7 @@ def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path
     gpt2, llama = tmp_path / "gpt2", tmp_path / "llama"
     transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
                                                          n_positions=48)).save_pretrained(gpt2)
-    _refused(capsys, f"{length} tokens, but the 'gpt2' model learned position embeddings for 48 only",
+    _refused(capsys, f"{length}, but the 'gpt2' model learned position embeddings for 48 only",
              ["eval", command, str(gpt2), "--data", str(corpus), *argv, "--out", str(tmp_path / "out"),
               "--no-progress"])
     assert not (tmp_path / "out").exists()
@@ -394,6 +395,43 @@ def test_learned_positions_shorter_than_the_length_are_one_line(corpus, tmp_path
             max_position_embeddings=48)).save_pretrained(llama)
         assert main(["eval", command, str(llama), "--data", str(corpus), *argv, "--max-sequences", "2", "--out",
                      str(tmp_path / "out"), "--no-progress"]) == 0
+
+
+def test_niah_prompt_and_completion_within_the_learned_positions(corpus, tmp_path, capsys):
+    """The greedy completion reads its tokens after the prompt: --lengths was checked with the answer's length alone,
+    so a prompt that left fewer positions than the completion takes was an IndexError's traceback. The longest
+    prompt that fits runs; one token longer is one line saying how long a prompt fits."""
+    import transformers
+
+    fit = 600 - (niah.completion_tokens(get_tokenizer("byte")) - 1)
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
+                                                         n_positions=600)).save_pretrained(tmp_path / "gpt2")
+    argv = ["eval", "niah", str(tmp_path / "gpt2"), "--data", str(corpus), "--depths", "0.5", "--modes", "easy",
+            "--no-progress", "--out"]
+    _refused(capsys, f"--lengths: {fit + 1} tokens and .* for 600 only; evaluate at {fit} tokens or fewer",
+             [*argv, str(tmp_path / "refused"), "--lengths", str(fit + 1)])
+    assert main([*argv, str(tmp_path / "out"), "--lengths", str(fit)]) == 0
+    assert _read_csv(tmp_path / "out" / "niah.csv")[1][1] == str(fit)
+
+
+def test_loss_at_exactly_the_learned_positions_reads_them_only(corpus, tmp_path):
+    """An evaluation length of n_positions predicts n_positions tokens from as many: the last token of a sequence
+    [T + 1] is a target only, as in HF's own loss. It was put into the model too, one position past GPT-2's table:
+    an IndexError's traceback at the very length the check let through."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=257, n_embd=32, n_layer=1, n_head=2,
+                                                                 n_positions=48)).eval()
+    x = torch.randint(0, 257, (2, 49))
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model(x[:, :-1]).logits.transpose(1, 2), x[:, 1:], reduction="none")
+    torch.testing.assert_close(-utils.next_token_logprobs(model, x), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(-utils.next_token_logprobs(model, x, start=40), ref[:, 40:], rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path / "gpt2")
+    assert main(["eval", "loss", str(tmp_path / "gpt2"), "--data", str(corpus), "--train-length", "32",
+                 "--eval-length", "48", "--max-sequences", "2", "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert len(_read_csv(tmp_path / "out" / "per_token_loss.csv")) == 1 + 48
 
 
 def test_loss_cli_uses_enough_sequences_by_default(untrained, corpus, tmp_path, capsys):
@@ -1136,6 +1174,34 @@ def test_harness_task_on_an_unreachable_hub_is_one_line(tmp_path, flag):
     assert "EleutherAI/lambada_openai, is on the Hugging Face hub" in message and "--include_path DIR" in message
     assert "the Hugging Face hub cannot be reached; running offline" in proc.stderr
     assert "Retry" not in proc.stderr and "WARNING" not in proc.stderr, proc.stderr
+
+
+def test_harness_unknown_task_is_one_line_naming_the_flag(tmp_path, monkeypatch, capsys):
+    """A task name lm-eval does not know (a typo, or a task YAML outside --include_path): one line naming --tasks and
+    how to list the names; it was lm-eval's "Tasks not found: NAME", which names no flag. The known task beside it
+    (from --include_path) is not blamed."""
+    pytest.importorskip("lm_eval")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    path = _gpt2_model(tmp_path / "m")
+    _tiny_task(tmp_path / "tasks")
+    assert main(["eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={path}", "--device", "cpu",
+                 "--tasks", "foxlm_tiny_mc,foxlm_tiny_mcq", "--include_path", str(tmp_path / "tasks")]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        "foxlm eval harness: error: --tasks: no task named foxlm_tiny_mcq; `foxlm eval harness ls tasks` lists them, "
+        "and --include_path DIR adds the task YAMLs in DIR")
+
+
+@pytest.mark.parametrize("form", ["--include_path", "--include_path=", "--include"])
+def test_harness_missing_include_path_is_one_line_naming_the_flag(tmp_path, capsys, form):
+    """A task folder that is not there: lm-eval skipped it without a word, and its tasks were then "not found"."""
+    pytest.importorskip("lm_eval")
+    missing = str(tmp_path / "tasks")
+    where = [form + missing] if form.endswith("=") else [form, missing]
+    assert main(["eval", "harness", "--model", "foxlm", "--model_args", f"pretrained={tmp_path / 'm'}", "--device",
+                 "cpu", "--tasks", "foxlm_tiny_mc", *where]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"foxlm eval harness: error: --include_path: {missing} does not exist (expected a folder of task YAMLs)")
 
 
 def test_lm_eval_harness_end_to_end(tmp_path, monkeypatch):

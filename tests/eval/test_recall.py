@@ -337,3 +337,23 @@ def test_recall_cli_names_the_flag_and_leaves_out_as_it_was(tmp_path, capsys, mo
         err = capsys.readouterr().err
         assert "Traceback" not in err and re.match(f"foxlm eval recall: error: {message}", err.splitlines()[-1]), err
     assert not (tmp_path / "new").exists() and [p.name for p in (tmp_path / "kept").iterdir()] == ["mine.txt"]
+
+
+def test_recall_lengths_past_learned_positions_are_one_line(tmp_path, capsys):
+    """A model with a learned position table (GPT-2's n_positions) was given documents past it: an IndexError's
+    traceback inside its embedding. Documents as long as the table run."""
+    import transformers
+
+    transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=50257, n_embd=16, n_layer=1, n_head=2,
+                                                         n_positions=48)).save_pretrained(tmp_path / "gpt2")
+    argv = ["eval", "recall", str(tmp_path / "gpt2"), "--vocab", "1000:1300", "--pairs", "2", "--samples", "2",
+            "--no-progress", "--out"]
+    assert main([*argv, str(tmp_path / "refused"), "--lengths", "16,49"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1] == (
+        "foxlm eval recall: error: --lengths: 49 tokens, but the 'gpt2' model learned position embeddings for 48 only; "
+        "evaluate at 48 tokens or fewer")
+    assert not (tmp_path / "refused").exists()
+    assert main([*argv, str(tmp_path / "out"), "--lengths", "16,48"]) == 0
+    cells = json.loads((tmp_path / "out" / "recall.json").read_text())["cells"]
+    assert [c["context_length"] for c in cells] == [16, 48]
