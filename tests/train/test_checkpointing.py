@@ -184,12 +184,18 @@ def test_a_resumed_run_trains_with_the_optimizer_settings_it_reports(byte_data, 
     assert trainer.optimizer.state[decay["params"][0]]["step"] == 2  # the moments are the checkpoint's
 
 
+def _tiny_gpt2(byte_data):
+    """The config of a tiny hf:gpt2 run (tied embeddings, dropout) saving every 2 steps: run folder, overrides ->
+    TrainConfig."""
+    gpt2 = [t for t in TINY if not t.startswith("model.")] + [
+        "arch=hf:gpt2", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "eval_every=0", "save_every=2"]
+    return lambda run, *extra: load_config(None, [*gpt2, f"data={byte_data}", f"out_dir={run}", *extra])
+
+
 def test_a_model_with_tied_embeddings_resumes_and_initializes(byte_data, tmp_path):
     """hf:gpt2 ties its LM head to the embedding, so save_pretrained writes that weight once: resuming reproduces an
     uninterrupted run and init_from takes its weights. Both refused it ("lm_head.weight: absent there")."""
-    gpt2 = [t for t in TINY if not t.startswith("model.")] + [
-        "arch=hf:gpt2", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "eval_every=0", "save_every=2"]
-    config = lambda run, *extra: load_config(None, [*gpt2, f"data={byte_data}", f"out_dir={run}", *extra])  # noqa
+    config = _tiny_gpt2(byte_data)
     train(config(tmp_path / "ref", "max_steps=4"))
     run = tmp_path / "run"
     train(config(run, "max_steps=2"))
@@ -209,9 +215,7 @@ def test_a_checkpoint_of_one_shared_rng_state_still_resumes_exactly(byte_data, t
     from foxlm.checkpoint.manifest import write_manifest
     from foxlm.train.rng import restore_rng_states
 
-    gpt2 = [t for t in TINY if not t.startswith("model.")] + [
-        "arch=hf:gpt2", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "eval_every=0", "save_every=2"]
-    config = lambda run, *extra: load_config(None, [*gpt2, f"data={byte_data}", f"out_dir={run}", *extra])  # noqa
+    config = _tiny_gpt2(byte_data)
     train(config(tmp_path / "ref", "max_steps=4"))
     run = tmp_path / "run"
     train(config(run, "max_steps=2"))
