@@ -1,7 +1,9 @@
-"""The README's Python examples run as written, in order, in one namespace (as a reader would paste them)."""
+"""The README's Python examples run as written, in order, in one namespace (as a reader would paste them); its
+command lines parse, and the docs' examples run."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -91,3 +93,27 @@ def test_readme_eval_and_generate_commands_run_as_written(tmp_path, monkeypatch,
     for out in ("loss/per_token_loss.png", "acp/summary.md", "niah/niah.csv", "gates/acp.csv"):
         assert (tmp_path / "out" / out).is_file(), out
     assert "To be, or not to be" in capsys.readouterr().out
+
+
+def test_context_parallel_doc_example_runs_under_torchrun(tmp_path):
+    """docs/context-parallel.md's API example, as written, on 2 CPU processes under torchrun: the gathered output is
+    the op's on the whole sequence, every shard gets its gradient and the exchange sent bytes."""
+    doc = (Path(__file__).parents[1] / "docs" / "context-parallel.md").read_text()
+    (block,) = re.findall(r"```python\n(.*?)```", doc, re.S)
+    checks = """
+from foxlm.ops import forgetting_attention
+torch.manual_seed(0)
+qw, kw, vw = (torch.randn(B, T, H, D) for _ in range(3))
+ref = forgetting_attention(qw, kw, vw, F.logsigmoid(torch.randn(B, T, H) + 3.0), prune=True)
+torch.testing.assert_close(whole, ref)
+assert all(x.grad is not None and x.grad.shape == x.shape for x in (q, k, v, log_fgate))
+assert t.sent_bytes > 0 and stats.flops_total.shape == (H,)
+dist.destroy_process_group()
+"""
+    script = tmp_path / "example.py"
+    script.write_text(block + checks)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # as a reader runs it (conftest sets it)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
