@@ -117,3 +117,55 @@ dist.destroy_process_group()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_readme_starts_with_the_two_setup_commands():
+    """The README's first command block is the fresh machine's set-up: one line ending in the default job, one the
+    tests."""
+    first = re.search(r"```bash\n(.*?)```", README.read_text(), re.S).group(1)
+    lines = first.replace("\\\n", " ").splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("pip install ") and lines[0].rstrip().endswith("&& foxlm train"), lines[0]
+    assert shlex.split(lines[1], comments=True) == ["bash", ".ci/run"]
+    assert (README.parent / ".ci" / "run").is_file()
+
+
+def _doc_commands() -> list[tuple[str, list[str]]]:
+    """Every foxlm command line of README.md and docs/*.md (fenced ``bash`` blocks and indented ones; `foxlm ...`,
+    `python -m foxlm[.cli] ...`, under torchrun too) as (file, the arguments after the program), the docs' shell
+    variables given example values."""
+    names = {"$ARCH": "fox-pro", "$R": "runs/x", "$OUT": "out"}
+    found = []
+    for path in [README, *sorted((README.parent / "docs").glob("*.md"))]:
+        text = path.read_text()
+        blocks = re.findall(r"```bash\n(.*?)```", text, re.S)
+        blocks += re.findall(r"\n\n((?: {4}.*\n)+)", text)  # indented code blocks, after a blank line
+        for block in blocks:
+            for line in block.replace("\\\n", " ").splitlines():
+                if "foxlm" not in line:
+                    continue
+                for name, value in names.items():
+                    line = line.replace(name, value)
+                argv = shlex.split(line, comments=True)
+                for program in (["foxlm"], ["-m", "foxlm"], ["-m", "foxlm.cli"]):
+                    n = len(program)
+                    at = [i for i in range(len(argv)) if argv[i:i + n] == program]
+                    if at and (program != ["foxlm"] or at[0] == 0):
+                        found.append((path.name, argv[at[0] + n:]))
+                        break
+    return found
+
+
+def test_doc_foxlm_commands_parse_and_their_train_settings_exist():
+    """Every foxlm command line of the README and docs/ parses with the command line as it is, and every `train`
+    line's config (its --config and key=value settings, model.* fields included) resolves."""
+    from foxlm.cli import build_parser
+    from foxlm.train.config import load_config, printed_config
+
+    commands = _doc_commands()
+    assert sum(f != "README.md" for f, _ in commands) >= 6  # docs/context-parallel.md, serving.md, small-scale.md
+    for where, argv in commands:
+        args = build_parser().parse_args(argv)
+        assert args.func is not None, (where, argv)
+        if argv[0] == "train":
+            printed_config(load_config(args.config, args.overrides))
