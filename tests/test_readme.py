@@ -169,3 +169,16 @@ def test_doc_foxlm_commands_parse_and_their_train_settings_exist():
         assert args.func is not None, (where, argv)
         if argv[0] == "train":
             printed_config(load_config(args.config, args.overrides))
+
+
+def test_readme_backend_switch_as_written():
+    """The README's backend override, as written, takes effect inside its block (use_backend is a context manager:
+    called bare it changes nothing) and ends with it."""
+    import foxlm.ops
+    from foxlm.ops import backend
+
+    (line,) = re.findall(r"`(with foxlm\.ops\.use_backend\(\"torch\"\):)`", README.read_text())
+    namespace = {"foxlm": foxlm}
+    with backend.use_backend("auto"):  # whatever the test session set
+        exec(line + "\n    inside = foxlm.ops.backend._backend\n", namespace)
+        assert namespace["inside"] == "torch" and backend._backend == "auto"
