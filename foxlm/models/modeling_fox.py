@@ -243,6 +243,8 @@ class FoxModel(FoxPreTrainedModel):
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        _check_inputs(input_ids, inputs_embeds, position_ids, self.config.hidden_size,
+                      sharded=self.context_parallel is not None)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         cache = cache if cache is not None else past_key_values
@@ -436,10 +438,11 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         over the whole rows' counted labels on every rank (``ContextParallel.mean_loss``).
         num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
         accumulation and processes): .loss is then the sum over this batch's (this shard's) labels divided by it.
-        logits_to_keep: compute logits for the last n positions only (0: all), or, as a 1-D tensor, for the
-        positions it lists (transformers' two forms). Other arguments as in
-        ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
-        and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
+        logits_to_keep: compute logits for the last n positions only (0: all), or, as a tensor, for the
+        positions it lists (transformers' forms, ``_keep_positions``: 1-D; 2-D [B, K] per row; a 2-D bool [B, T]
+        mask gives .logits [N, V]). Other arguments as in ``FoxModel.forward``; .logits: [B, T, V], except in
+        training with labels, config.fuse_cross_entropy and no per-token loss: then the loss is fused with the LM
+        head (``linear_cross_entropy``), .logits None."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -467,7 +470,7 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         # every position predicts its shift_labels entry; with labels, all but the last predict the next label
         targets = shift_labels if shift_labels is not None else None if labels is None else labels[:, 1:]
         if isinstance(logits_to_keep, torch.Tensor) and targets is None:
-            h = h[:, logits_to_keep.to(h.device)]
+            h = _keep_positions(h, logits_to_keep.to(h.device))
         elif logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
@@ -505,6 +508,20 @@ def _names_module(name: str, key: str) -> bool:
     """Whether parameter ``name`` lies in a module (or is a parameter) that ``key`` names, as transformers matches
     its ``_keep_in_fp32_modules``: ``key`` a whole dotted part of ``name``."""
     return f".{key}." in f".{name}."
+
+
+def _keep_positions(h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """h: [B, T, C] at the positions a tensor ``logits_to_keep`` names, in transformers' forms: 1-D, the same
+    positions in every row -> [B, K, C]; 2-D integer [B, K], each row's own -> [B, K, C]; 2-D bool [B, T], the True
+    positions of all rows in order -> [N, C] (rows may keep different counts, e.g. packed training)."""
+    if keep.dim() == 1:
+        return h[:, keep]
+    if keep.dim() != 2 or keep.shape[0] != h.shape[0] or (keep.dtype == torch.bool and keep.shape[1] != h.shape[1]):
+        raise ValueError(f"logits_to_keep: expected an int, a 1-D tensor, a [B, K] = [{h.shape[0]}, K] tensor of "
+                         f"positions or a [B, T] = {tuple(h.shape[:2])} bool mask, got shape {tuple(keep.shape)}")
+    if keep.dtype == torch.bool:
+        return h[keep]
+    return h.gather(1, keep[..., None].expand(-1, -1, h.shape[2]))
 
 
 def _as_count(num_items_in_batch: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
@@ -665,6 +682,28 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
             torch._assert_async(~bad.any(), message)
         elif bool(bad.any()):
             raise ValueError(message)
+
+
+def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                  position_ids: torch.Tensor | None, hidden_size: int, sharded: bool) -> None:
+    """Refuse, naming the argument, the shapes the layers would fail on deep inside (or, position_ids in a model
+    without RoPE, silently ignore): input_ids [B, T], inputs_embeds [B, T, hidden_size], T >= 1 (unless ``sharded``: a
+    context-parallel shard), position_ids [T] or [B or 1, T]."""
+    if inputs_embeds is not None:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden_size:
+            raise ValueError(f"inputs_embeds: expected a 3-D [B, T, {hidden_size}] tensor, got "
+                             f"{tuple(inputs_embeds.shape)}")
+        name, (B, T) = "inputs_embeds", inputs_embeds.shape[:2]
+    else:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected a 2-D [B, T] tensor, got {tuple(input_ids.shape)}")
+        name, (B, T) = "input_ids", input_ids.shape
+    if T == 0 and not sharded:  # a context-parallel shard's length is checked with the other ranks'
+        raise ValueError(f"{name}: expected at least one token, got T=0")
+    if position_ids is not None and not (position_ids.shape[-1:] == (T,) and (
+            position_ids.dim() == 1 or (position_ids.dim() == 2 and position_ids.shape[0] in (1, B)))):
+        raise ValueError(f"position_ids: expected [T] or [B or 1, T] = [{B} or 1, {T}], "
+                         f"got {tuple(position_ids.shape)}")
 
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:

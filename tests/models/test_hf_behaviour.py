@@ -148,6 +148,47 @@ def test_logits_to_keep_as_positions_as_in_llama():
         torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=3).logits, full[:, -3:])
 
 
+def test_logits_to_keep_two_dimensional_forms_as_in_llama():
+    """logits_to_keep as a 2-D tensor (transformers' third and fourth forms): integer [B, K], each row's own
+    positions -> [B, K, V]; bool [B, T], the True positions of all rows -> [N, V]. FoX indexed the positions axis
+    with it, [B, B, K, V] or an IndexError, where a Llama gives each row its positions."""
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    per_row = torch.tensor([[0, 4, 8], [7, 1, 1]])
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, [2, 5]], mask[1, 8] = True, True
+    for model in (_llama().eval(), _fox().eval()):
+        full = model(ids, use_cache=False).logits
+        want = torch.stack([full[0, per_row[0]], full[1, per_row[1]]])
+        torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=per_row).logits, want)
+        torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=mask).logits,
+                                   torch.stack([full[0, 2], full[0, 5], full[1, 8]]))
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(input_ids=torch.zeros(7, dtype=torch.long)), "input_ids"),
+    (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), "input_ids"),
+    (dict(inputs_embeds=torch.zeros(7, 32)), "inputs_embeds"),
+    (dict(inputs_embeds=torch.zeros(2, 7, 5)), "inputs_embeds"),
+    (dict(input_ids=torch.zeros(2, 7, dtype=torch.long), position_ids=torch.arange(5)[None]), "position_ids"),
+    (dict(input_ids=torch.zeros(2, 7, dtype=torch.long), position_ids=torch.arange(7).expand(3, 7)), "position_ids"),
+    (dict(input_ids=torch.zeros(2, 7, dtype=torch.long), position_ids=torch.arange(7)[None, None]), "position_ids"),
+    (dict(input_ids=torch.zeros(2, 9, dtype=torch.long), logits_to_keep=torch.tensor([[0, 1]])), "logits_to_keep"),
+    (dict(input_ids=torch.zeros(2, 9, dtype=torch.long), logits_to_keep=torch.ones(2, 5, dtype=torch.bool)),
+     "logits_to_keep"),
+])
+def test_misshapen_inputs_give_an_error_naming_the_argument(arch, kwargs, name):
+    """Inputs of a wrong shape: a one-line ValueError that names the argument. FoX failed deep inside ("not enough
+    values to unpack", "weight: expected [D] ...", "cos: expected shape ...", an IndexError for T = 0) or, in a model
+    without RoPE, ran with position_ids of another length, ignored."""
+    with pytest.raises(ValueError, match=f"^{name}: ") as error:
+        _fox(arch).eval()(**kwargs, use_cache=False)
+    assert "\n" not in str(error.value)
+    ok = dict(input_ids=torch.zeros(2, 7, dtype=torch.long), use_cache=False)  # the forms that stay accepted
+    for positions in (torch.arange(7), torch.arange(7)[None], torch.arange(7).expand(2, 7)):
+        assert _fox(arch).eval()(**ok, position_ids=positions).logits.shape == (2, 7, VOCAB)
+
+
 def test_config_output_flags_and_return_dict(tmp_path):
     """output_hidden_states / output_attentions / use_cache / return_dict from the config (from_pretrained's
     kwargs), and return_dict=False gives the output's fields as a tuple, as for transformers' models."""
