@@ -23,7 +23,7 @@ from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
-from ..ops.cross_entropy import linear_cross_entropy
+from ..ops.cross_entropy import check_label_values, linear_cross_entropy
 from ..ops.forgetting_attention.acp import check_tolerance
 from ..ops.forgetting_attention.gate import first_and_end
 from ..parallel import ContextParallel, sequence_positions
@@ -476,6 +476,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         logits = loss = per_token = None
         cp = self.model.context_parallel
         reduction = "mean" if num_items_in_batch is None and cp is None else "sum"
+        if targets is not None:  # F.cross_entropy's own errors name no argument (on CUDA: a bare device assert)
+            check_label_values(targets, self.lm_head.out_features, name=name)
         if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
             loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                         reduction=reduction)

@@ -189,6 +189,25 @@ def test_misshapen_inputs_give_an_error_naming_the_argument(arch, kwargs, name):
         assert _fox(arch).eval()(**ok, position_ids=positions).logits.shape == (2, 7, VOCAB)
 
 
+@pytest.mark.parametrize("path", ["fused-train", "eval", "per-token"])
+@pytest.mark.parametrize("name", ["labels", "shift_labels"])
+def test_bad_label_values_give_an_error_naming_the_argument(path, name):
+    """A label outside [0, V) other than -100, or float labels: the loss's one-line ValueError names the argument on
+    every path. The fused training loss did; the unfused one (eval, per-token loss) passed them to F.cross_entropy:
+    "IndexError: Target 161 is out of bounds." on the CPU, a bare device-side assert on CUDA."""
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    model = _fox().train(path == "fused-train")
+    for bad, message in ((ids + 100, rf"expected values in \[0, {VOCAB}\) or ignore_index=-100$"),
+                         (ids - 100, rf"expected values in \[0, {VOCAB}\) or ignore_index=-100$"),
+                         (ids.float(), "expected int64 class indices, got torch.float32$")):
+        with pytest.raises(ValueError, match=f"^{name}: {message}"):
+            model(ids, **{name: bad}, return_per_token_loss=path == "per-token")
+    labels = ids.clone()
+    labels[:, :3] = -100  # -100 and every class in range stay accepted
+    labels[0, 5], labels[1, 6] = 0, VOCAB - 1
+    assert model(ids, **{name: labels}, return_per_token_loss=path == "per-token").loss.isfinite()
+
+
 def test_config_output_flags_and_return_dict(tmp_path):
     """output_hidden_states / output_attentions / use_cache / return_dict from the config (from_pretrained's
     kwargs), and return_dict=False gives the output's fields as a tuple, as for transformers' models."""
