@@ -226,8 +226,8 @@ class FoxModel(FoxPreTrainedModel):
     ) -> FoxModelOutput | tuple:
         """input_ids: [B, T] (or inputs_embeds: [B, T, C]).
 
-        attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens; rows must be one run of
-            ones (left or right padding; left only with a cache). Padding is kept apart from real tokens.
+        attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens, padding anywhere, except between
+            real tokens of a cache's later call (refused). Padding is kept apart from real tokens.
         position_ids: [B, T] RoPE positions (default: from the mask / document starts / cache length). Without
             a mask, a cache or cu_seqlens, a position that does not follow the one before starts a new document,
             as in transformers' models (the padding-free batches of ``DataCollatorWithFlattening``).
@@ -258,12 +258,18 @@ class FoxModel(FoxPreTrainedModel):
         if use_cache is None and cache is None:
             use_cache = self._default_use_cache(cu_seqlens, output_attentions)
         cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
-        order = None
-        if cache is None and cu_seqlens is None and attention_mask is not None and self.context_parallel is None:
-            order = _compaction(attention_mask, B, T, sync=not torch.compiler.is_compiling())
-        if order is not None:  # each row's real tokens to its front: right padding, which a forward keeps inert
+        order, past = None, 0 if cache is None else cache.get_seq_length()
+        # with a cache, only a first call's padding moves before its real tokens (where the token shift starts afresh,
+        # as at left padding: a later call's would cut its first real token off the cached one before it), and not
+        # with a sliding window (it counts cache slots); _layout refuses what stays between real tokens
+        if cu_seqlens is None and attention_mask is not None and self.context_parallel is None and (
+                cache is None or (past == 0 and T > 1 and self.config.window is None)):
+            _check_mask(attention_mask, B, past + T)
+            order = _compaction(attention_mask[:, past:], B, T, sync=not torch.compiler.is_compiling(),
+                                pads_first=cache is not None)
+        if order is not None:  # without a cache: right padding, which a forward keeps inert; with one: left padding
             x = x.gather(1, order[..., None].expand_as(x))
-            attention_mask = attention_mask.gather(1, order)
+            attention_mask = torch.cat([attention_mask[:, :past], attention_mask[:, past:].gather(1, order)], 1)
             position_ids = None if position_ids is None else position_ids.gather(1, order)
         packed = None
         if cache is None and cu_seqlens is None and attention_mask is None and self.context_parallel is None:
@@ -575,17 +581,26 @@ def _become_fox_cache(cache: DynamicCache, num_layers: int, arg: str) -> FoxCach
     return cache
 
 
-def _compaction(attention_mask: torch.Tensor, B: int, T: int, sync: bool = True) -> torch.Tensor | None:
+def _compaction(attention_mask: torch.Tensor, B: int, T: int, sync: bool = True, pads_first: bool = False
+                ) -> torch.Tensor | None:
     """[B, T] per-row order that moves each row's real tokens to its front (in their order), or None where every row's
     real tokens are one run. Padding between real tokens (generate without a cache on a right-padded batch appends
     after the pads) becomes right padding, which a causal forward keeps inert; FoX has no positions to disturb, and
-    RoPE positions count real tokens only. ``sync=False`` (compiled): no host sync, so never None: the identity
-    where eager's would be None."""
+    RoPE positions count real tokens only. ``pads_first`` (a cache's first call): the padding between real tokens to
+    the front instead, left padding, which a cache keeps inert (PEFT prompt tuning's virtual tokens before a
+    left-padded prompt; the token shift would cross padding between them); right padding stays. ``sync=False``
+    (compiled): no host sync,
+    so never None: the identity where eager's would be None."""
     mask = _check_mask(attention_mask, B, T).bool()
     several = (Segments.real_runs(mask) > 1).any()
     if sync and not bool(several):
         return None
-    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    key = (~mask).to(torch.int8)
+    if pads_first:  # 0: padding before the last real token, 1: real, 2: right padding, which stays at the end
+        positions = torch.arange(T, device=mask.device)
+        last = torch.where(mask, positions, -1).amax(1, keepdim=True)
+        key = torch.where(mask, 1, torch.where(positions > last, 2, 0)).to(torch.int8)
+    order = torch.sort(key, dim=1, stable=True).indices
     return order if sync else torch.where(several, order, torch.arange(T, device=mask.device))
 
 
@@ -629,7 +644,8 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, windo
     cache, padding becomes ``valid`` (the cache keeps padded keys out of reach, adds no decay at them and
     carries the token-shift state over them) and positions count real tokens only. Left padding, and right
     padding that later calls continue after (generate on a right-padded batch), are inert; a real token after
-    padding that follows real tokens in the same call is refused (the token shift looks back one position),
+    padding that follows real tokens in the same call is refused (the token shift looks back one position; in a
+    cache's first call ``FoxModel.forward`` has moved such padding before the real tokens),
     and so is any padding between real tokens with a sliding window (it counts cache slots). ``packed``: [B, T]
     document starts read off position_ids (``_packed_starts``), segments too."""
     segments = reset = valid = None

@@ -308,13 +308,31 @@ def test_forward_without_cache_keeps_padding_between_real_tokens_inert():
             torch.testing.assert_close(got[i][:, real][:, :, real], want[0], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_cached_first_call_with_padding_between_real_tokens_as_without_cache(arch):
+    """A first cached call whose mask has padding between real tokens (PEFT prompt tuning's virtual tokens before a
+    left-padded prompt; any holed mask): the real tokens' logits of the forward without a cache, as for a Llama, and
+    generate gives each row's tokens alone. FoX refused it ("padding between real tokens must end a call"), and so
+    failed every eval-mode forward of a prompt-tuned model on a left-padded batch (use_cache defaults to True)."""
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1, 1], [1, 0, 1, 0, 1, 0, 1, 1, 0]])
+    real = mask.bool()
+    for model in (_llama().eval(), _fox(arch).eval()):
+        want = model(ids, attention_mask=mask, use_cache=False).logits[real]
+        torch.testing.assert_close(model(ids, attention_mask=mask, use_cache=True).logits[real], want)
+    got = _greedy(model, ids, mask)[0]
+    for i in range(2):  # row 1 ends in padding: generate continues after it (a Llama's RoPE positions do not)
+        assert torch.equal(got[i], _greedy(model, ids[i:i + 1, real[i]])[0][0])
+
+
 def test_cached_padding_a_model_cannot_skip_is_refused():
     """What a cache cannot make inert is a one-line ValueError naming attention_mask: padding between real tokens
-    of one call (the token shift looks back one position), any such padding with a sliding window."""
+    of a later call (the token shift looks back one position), any such padding with a sliding window."""
     model = _fox("fox-pro").eval()
     ids = torch.randint(1, VOCAB, (1, 6))
+    cache = model(ids[:, :2], use_cache=True).past_key_values
     with pytest.raises(ValueError, match="attention_mask: with a cache, padding between real tokens must end"):
-        model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]), use_cache=True)
+        model(ids[:, 2:], attention_mask=torch.tensor([[1, 1, 1, 0, 1, 1]]), cache=cache, use_cache=True)
     windowed = _fox("fox-llama", gate="alibi", window=4).eval()
     out = windowed(ids[:, :4], attention_mask=torch.tensor([[1, 1, 1, 0]]), use_cache=True)  # ends in padding: fine
     with pytest.raises(ValueError, match=r"attention_mask: a sliding-window model \(window=4\)"):
