@@ -267,17 +267,17 @@ def test_generate_on_compiled_forward_with_left_padding_matches_eager(arch):
 
 
 def test_compiled_cached_forward_asserts_bad_padding_eager_raises_one_line():
-    """Compiled, padding a cached call cannot make inert (between real tokens of one call) fails an in-graph
+    """Compiled, padding a cached call cannot make inert (between real tokens of a later call) fails an in-graph
     assertion (no host sync); eagerly it is a one-line ValueError naming the argument."""
     model = _padded_model("fox-pro", num_hidden_layers=1).eval()
-    ids = torch.randint(1, 97, (2, 6), generator=torch.Generator().manual_seed(1))
-    bad = torch.tensor([[1, 1, 0, 1, 1, 1], [1] * 6])
+    ids = torch.randint(1, 97, (2, 8), generator=torch.Generator().manual_seed(1))
+    bad = torch.tensor([[1, 1, 1, 1, 0, 1, 1, 1], [1] * 8])
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     message = "attention_mask: with a cache, padding between real tokens must end a call"
-    with pytest.raises(RuntimeError, match=message):
-        compiled(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)
-    with pytest.raises(ValueError, match=f"^{message}"):
-        model(ids, attention_mask=bad, cache=FoxCache(), use_cache=True)
+    for run, error in ((compiled, RuntimeError), (model, ValueError)):
+        cache = model(ids[:, :2], cache=FoxCache(), use_cache=True).past_key_values
+        with pytest.raises(error, match=("" if run is compiled else "^") + message):
+            run(ids[:, 2:], attention_mask=bad, cache=cache, use_cache=True)
 
 
 @needs_triton[0]

@@ -23,7 +23,7 @@ from transformers.utils import logging
 from transformers.utils.generic import can_return_tuple
 
 from ..layers import ForgettingAttention, RMSNorm, RotaryEmbedding, Segments, SwiGLU
-from ..ops.cross_entropy import linear_cross_entropy
+from ..ops.cross_entropy import check_label_values, linear_cross_entropy
 from ..ops.forgetting_attention.acp import check_tolerance
 from ..ops.forgetting_attention.gate import first_and_end
 from ..parallel import ContextParallel, sequence_positions
@@ -226,8 +226,8 @@ class FoxModel(FoxPreTrainedModel):
     ) -> FoxModelOutput | tuple:
         """input_ids: [B, T] (or inputs_embeds: [B, T, C]).
 
-        attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens; rows must be one run of
-            ones (left or right padding; left only with a cache). Padding is kept apart from real tokens.
+        attention_mask: [B, T] (with a cache [B, cached + T]), 1 for real tokens, padding anywhere, except between
+            real tokens of a cache's later call (refused). Padding is kept apart from real tokens.
         position_ids: [B, T] RoPE positions (default: from the mask / document starts / cache length). Without
             a mask, a cache or cu_seqlens, a position that does not follow the one before starts a new document,
             as in transformers' models (the padding-free batches of ``DataCollatorWithFlattening``).
@@ -243,6 +243,8 @@ class FoxModel(FoxPreTrainedModel):
         output_attentions = self.config.output_attentions if output_attentions is None else output_attentions
         if output_hidden_states is None:
             output_hidden_states = self.config.output_hidden_states
+        _check_inputs(input_ids, inputs_embeds, position_ids, self.config.hidden_size,
+                      sharded=self.context_parallel is not None)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         cache = cache if cache is not None else past_key_values
@@ -256,12 +258,18 @@ class FoxModel(FoxPreTrainedModel):
         if use_cache is None and cache is None:
             use_cache = self._default_use_cache(cu_seqlens, output_attentions)
         cache = _as_fox_cache(cache, use_cache, self.config.num_hidden_layers)
-        order = None
-        if cache is None and cu_seqlens is None and attention_mask is not None and self.context_parallel is None:
-            order = _compaction(attention_mask, B, T, sync=not torch.compiler.is_compiling())
-        if order is not None:  # each row's real tokens to its front: right padding, which a forward keeps inert
+        order, past = None, 0 if cache is None else cache.get_seq_length()
+        # with a cache, only a first call's padding moves before its real tokens (where the token shift starts afresh,
+        # as at left padding: a later call's would cut its first real token off the cached one before it), and not
+        # with a sliding window (it counts cache slots); _layout refuses what stays between real tokens
+        if cu_seqlens is None and attention_mask is not None and self.context_parallel is None and (
+                cache is None or (past == 0 and T > 1 and self.config.window is None)):
+            _check_mask(attention_mask, B, past + T)
+            order = _compaction(attention_mask[:, past:], B, T, sync=not torch.compiler.is_compiling(),
+                                pads_first=cache is not None)
+        if order is not None:  # without a cache: right padding, which a forward keeps inert; with one: left padding
             x = x.gather(1, order[..., None].expand_as(x))
-            attention_mask = attention_mask.gather(1, order)
+            attention_mask = torch.cat([attention_mask[:, :past], attention_mask[:, past:].gather(1, order)], 1)
             position_ids = None if position_ids is None else position_ids.gather(1, order)
         packed = None
         if cache is None and cu_seqlens is None and attention_mask is None and self.context_parallel is None:
@@ -436,10 +444,11 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         over the whole rows' counted labels on every rank (``ContextParallel.mean_loss``).
         num_items_in_batch: the counted labels of the whole step (HF ``Trainer`` passes it, summed over gradient
         accumulation and processes): .loss is then the sum over this batch's (this shard's) labels divided by it.
-        logits_to_keep: compute logits for the last n positions only (0: all), or, as a 1-D tensor, for the
-        positions it lists (transformers' two forms). Other arguments as in
-        ``FoxModel.forward``; .logits: [B, T, V], except in training with labels, config.fuse_cross_entropy
-        and no per-token loss: then the loss is fused with the LM head (``linear_cross_entropy``), .logits None."""
+        logits_to_keep: compute logits for the last n positions only (0: all), or, as a tensor, for the
+        positions it lists (transformers' forms, ``_keep_positions``: 1-D; 2-D [B, K] per row; a 2-D bool [B, T]
+        mask gives .logits [N, V]). Other arguments as in ``FoxModel.forward``; .logits: [B, T, V], except in
+        training with labels, config.fuse_cross_entropy and no per-token loss: then the loss is fused with the LM
+        head (``linear_cross_entropy``), .logits None."""
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -467,12 +476,14 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         # every position predicts its shift_labels entry; with labels, all but the last predict the next label
         targets = shift_labels if shift_labels is not None else None if labels is None else labels[:, 1:]
         if isinstance(logits_to_keep, torch.Tensor) and targets is None:
-            h = h[:, logits_to_keep.to(h.device)]
+            h = _keep_positions(h, logits_to_keep.to(h.device))
         elif logits_to_keep and targets is None:
             h = h[:, -logits_to_keep:]
         logits = loss = per_token = None
         cp = self.model.context_parallel
         reduction = "mean" if num_items_in_batch is None and cp is None else "sum"
+        if targets is not None:  # F.cross_entropy's own errors name no argument (on CUDA: a bare device assert)
+            check_label_values(targets, self.lm_head.out_features, name=name)
         if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
             loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten(),
                                         reduction=reduction)
@@ -505,6 +516,20 @@ def _names_module(name: str, key: str) -> bool:
     """Whether parameter ``name`` lies in a module (or is a parameter) that ``key`` names, as transformers matches
     its ``_keep_in_fp32_modules``: ``key`` a whole dotted part of ``name``."""
     return f".{key}." in f".{name}."
+
+
+def _keep_positions(h: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """h: [B, T, C] at the positions a tensor ``logits_to_keep`` names, in transformers' forms: 1-D, the same
+    positions in every row -> [B, K, C]; 2-D integer [B, K], each row's own -> [B, K, C]; 2-D bool [B, T], the True
+    positions of all rows in order -> [N, C] (rows may keep different counts, e.g. packed training)."""
+    if keep.dim() == 1:
+        return h[:, keep]
+    if keep.dim() != 2 or keep.shape[0] != h.shape[0] or (keep.dtype == torch.bool and keep.shape[1] != h.shape[1]):
+        raise ValueError(f"logits_to_keep: expected an int, a 1-D tensor, a [B, K] = [{h.shape[0]}, K] tensor of "
+                         f"positions or a [B, T] = {tuple(h.shape[:2])} bool mask, got shape {tuple(keep.shape)}")
+    if keep.dtype == torch.bool:
+        return h[keep]
+    return h.gather(1, keep[..., None].expand(-1, -1, h.shape[2]))
 
 
 def _as_count(num_items_in_batch: torch.Tensor | int, device: torch.device) -> torch.Tensor | int:
@@ -556,17 +581,26 @@ def _become_fox_cache(cache: DynamicCache, num_layers: int, arg: str) -> FoxCach
     return cache
 
 
-def _compaction(attention_mask: torch.Tensor, B: int, T: int, sync: bool = True) -> torch.Tensor | None:
+def _compaction(attention_mask: torch.Tensor, B: int, T: int, sync: bool = True, pads_first: bool = False
+                ) -> torch.Tensor | None:
     """[B, T] per-row order that moves each row's real tokens to its front (in their order), or None where every row's
     real tokens are one run. Padding between real tokens (generate without a cache on a right-padded batch appends
     after the pads) becomes right padding, which a causal forward keeps inert; FoX has no positions to disturb, and
-    RoPE positions count real tokens only. ``sync=False`` (compiled): no host sync, so never None: the identity
-    where eager's would be None."""
+    RoPE positions count real tokens only. ``pads_first`` (a cache's first call): the padding between real tokens to
+    the front instead, left padding, which a cache keeps inert (PEFT prompt tuning's virtual tokens before a
+    left-padded prompt; the token shift would cross padding between them); right padding stays. ``sync=False``
+    (compiled): no host sync,
+    so never None: the identity where eager's would be None."""
     mask = _check_mask(attention_mask, B, T).bool()
     several = (Segments.real_runs(mask) > 1).any()
     if sync and not bool(several):
         return None
-    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    key = (~mask).to(torch.int8)
+    if pads_first:  # 0: padding before the last real token, 1: real, 2: right padding, which stays at the end
+        positions = torch.arange(T, device=mask.device)
+        last = torch.where(mask, positions, -1).amax(1, keepdim=True)
+        key = torch.where(mask, 1, torch.where(positions > last, 2, 0)).to(torch.int8)
+    order = torch.sort(key, dim=1, stable=True).indices
     return order if sync else torch.where(several, order, torch.arange(T, device=mask.device))
 
 
@@ -610,7 +644,8 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, windo
     cache, padding becomes ``valid`` (the cache keeps padded keys out of reach, adds no decay at them and
     carries the token-shift state over them) and positions count real tokens only. Left padding, and right
     padding that later calls continue after (generate on a right-padded batch), are inert; a real token after
-    padding that follows real tokens in the same call is refused (the token shift looks back one position),
+    padding that follows real tokens in the same call is refused (the token shift looks back one position; in a
+    cache's first call ``FoxModel.forward`` has moved such padding before the real tokens),
     and so is any padding between real tokens with a sliding window (it counts cache slots). ``packed``: [B, T]
     document starts read off position_ids (``_packed_starts``), segments too."""
     segments = reset = valid = None
@@ -665,6 +700,28 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
             torch._assert_async(~bad.any(), message)
         elif bool(bad.any()):
             raise ValueError(message)
+
+
+def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,
+                  position_ids: torch.Tensor | None, hidden_size: int, sharded: bool) -> None:
+    """Refuse, naming the argument, the shapes the layers would fail on deep inside (or, position_ids in a model
+    without RoPE, silently ignore): input_ids [B, T], inputs_embeds [B, T, hidden_size], T >= 1 (unless ``sharded``: a
+    context-parallel shard), position_ids [T] or [B or 1, T]."""
+    if inputs_embeds is not None:
+        if inputs_embeds.dim() != 3 or inputs_embeds.shape[2] != hidden_size:
+            raise ValueError(f"inputs_embeds: expected a 3-D [B, T, {hidden_size}] tensor, got "
+                             f"{tuple(inputs_embeds.shape)}")
+        name, (B, T) = "inputs_embeds", inputs_embeds.shape[:2]
+    else:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids: expected a 2-D [B, T] tensor, got {tuple(input_ids.shape)}")
+        name, (B, T) = "input_ids", input_ids.shape
+    if T == 0 and not sharded:  # a context-parallel shard's length is checked with the other ranks'
+        raise ValueError(f"{name}: expected at least one token, got T=0")
+    if position_ids is not None and not (position_ids.shape[-1:] == (T,) and (
+            position_ids.dim() == 1 or (position_ids.dim() == 2 and position_ids.shape[0] in (1, B)))):
+        raise ValueError(f"position_ids: expected [T] or [B or 1, T] = [{B} or 1, {T}], "
+                         f"got {tuple(position_ids.shape)}")
 
 
 def _check_mask(attention_mask: torch.Tensor, batch: int, length: int) -> torch.Tensor:

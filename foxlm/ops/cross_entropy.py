@@ -33,6 +33,20 @@ def default_chunk_size(vocab_size: int) -> int:
     return rows - rows % 128 if rows >= 128 else rows
 
 
+def check_label_values(labels: torch.Tensor, vocab_size: int, ignore_index: int = -100, name: str = "labels") -> None:
+    """Refuse, naming ``name``, labels that are not int64 or hold a value outside [0, vocab_size) other than
+    ``ignore_index``. No host sync on CUDA or compiled: there the range check is an assertion (as ``F.cross_entropy``'s,
+    with a message), on the CPU eagerly a ValueError."""
+    if labels.dtype != torch.int64:
+        raise ValueError(f"{name}: expected int64 class indices, got {labels.dtype}")
+    in_range = ((labels >= 0) & (labels < vocab_size)) | (labels == ignore_index)
+    # Compiled, the check stays in the graph as an assertion (bool() would break it at a host sync).
+    if labels.is_cuda or torch.compiler.is_compiling():
+        torch._assert_async(in_range.all(), f"{name}: expected values in [0, V) or ignore_index")
+    elif not bool(in_range.all()):
+        raise ValueError(f"{name}: expected values in [0, {vocab_size}) or ignore_index={ignore_index}")
+
+
 def _validate(hidden, weight, labels, ignore_index, reduction, chunk_size) -> None:
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden: expected a 2-D tensor [N, C], got {getattr(hidden, 'shape', type(hidden))}")
@@ -253,12 +267,7 @@ def linear_cross_entropy(
     raises a ValueError.
     """
     _validate(hidden, weight, labels, ignore_index, reduction, chunk_size)
-    in_range = ((labels >= 0) & (labels < weight.shape[0])) | (labels == ignore_index)
-    # Compiled, the check stays in the graph as an assertion (bool() would break it at a host sync).
-    if labels.is_cuda or torch.compiler.is_compiling():
-        torch._assert_async(in_range.all(), "labels: expected values in [0, V) or ignore_index")
-    elif not bool(in_range.all()):
-        raise ValueError(f"labels: expected values in [0, {weight.shape[0]}) or ignore_index={ignore_index}")
+    check_label_values(labels, weight.shape[0], ignore_index)
     dtype = _compute_dtype(hidden, weight)
     chunk_size = chunk_size or default_chunk_size(weight.shape[0])
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):

@@ -148,6 +148,66 @@ def test_logits_to_keep_as_positions_as_in_llama():
         torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=3).logits, full[:, -3:])
 
 
+def test_logits_to_keep_two_dimensional_forms_as_in_llama():
+    """logits_to_keep as a 2-D tensor (transformers' third and fourth forms): integer [B, K], each row's own
+    positions -> [B, K, V]; bool [B, T], the True positions of all rows -> [N, V]. FoX indexed the positions axis
+    with it, [B, B, K, V] or an IndexError, where a Llama gives each row its positions."""
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(7))
+    per_row = torch.tensor([[0, 4, 8], [7, 1, 1]])
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    mask[0, [2, 5]], mask[1, 8] = True, True
+    for model in (_llama().eval(), _fox().eval()):
+        full = model(ids, use_cache=False).logits
+        want = torch.stack([full[0, per_row[0]], full[1, per_row[1]]])
+        torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=per_row).logits, want)
+        torch.testing.assert_close(model(ids, use_cache=False, logits_to_keep=mask).logits,
+                                   torch.stack([full[0, 2], full[0, 5], full[1, 8]]))
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(input_ids=torch.zeros(7, dtype=torch.long)), "input_ids"),
+    (dict(input_ids=torch.zeros(2, 0, dtype=torch.long)), "input_ids"),
+    (dict(inputs_embeds=torch.zeros(7, 32)), "inputs_embeds"),
+    (dict(inputs_embeds=torch.zeros(2, 7, 5)), "inputs_embeds"),
+    (dict(input_ids=torch.zeros(2, 7, dtype=torch.long), position_ids=torch.arange(5)[None]), "position_ids"),
+    (dict(input_ids=torch.zeros(2, 7, dtype=torch.long), position_ids=torch.arange(7).expand(3, 7)), "position_ids"),
+    (dict(input_ids=torch.zeros(2, 7, dtype=torch.long), position_ids=torch.arange(7)[None, None]), "position_ids"),
+    (dict(input_ids=torch.zeros(2, 9, dtype=torch.long), logits_to_keep=torch.tensor([[0, 1]])), "logits_to_keep"),
+    (dict(input_ids=torch.zeros(2, 9, dtype=torch.long), logits_to_keep=torch.ones(2, 5, dtype=torch.bool)),
+     "logits_to_keep"),
+])
+def test_misshapen_inputs_give_an_error_naming_the_argument(arch, kwargs, name):
+    """Inputs of a wrong shape: a one-line ValueError that names the argument. FoX failed deep inside ("not enough
+    values to unpack", "weight: expected [D] ...", "cos: expected shape ...", an IndexError for T = 0) or, in a model
+    without RoPE, ran with position_ids of another length, ignored."""
+    with pytest.raises(ValueError, match=f"^{name}: ") as error:
+        _fox(arch).eval()(**kwargs, use_cache=False)
+    assert "\n" not in str(error.value)
+    ok = dict(input_ids=torch.zeros(2, 7, dtype=torch.long), use_cache=False)  # the forms that stay accepted
+    for positions in (torch.arange(7), torch.arange(7)[None], torch.arange(7).expand(2, 7)):
+        assert _fox(arch).eval()(**ok, position_ids=positions).logits.shape == (2, 7, VOCAB)
+
+
+@pytest.mark.parametrize("path", ["fused-train", "eval", "per-token"])
+@pytest.mark.parametrize("name", ["labels", "shift_labels"])
+def test_bad_label_values_give_an_error_naming_the_argument(path, name):
+    """A label outside [0, V) other than -100, or float labels: the loss's one-line ValueError names the argument on
+    every path. The fused training loss did; the unfused one (eval, per-token loss) passed them to F.cross_entropy:
+    "IndexError: Target 161 is out of bounds." on the CPU, a bare device-side assert on CUDA."""
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(2))
+    model = _fox().train(path == "fused-train")
+    for bad, message in ((ids + 100, rf"expected values in \[0, {VOCAB}\) or ignore_index=-100$"),
+                         (ids - 100, rf"expected values in \[0, {VOCAB}\) or ignore_index=-100$"),
+                         (ids.float(), "expected int64 class indices, got torch.float32$")):
+        with pytest.raises(ValueError, match=f"^{name}: {message}"):
+            model(ids, **{name: bad}, return_per_token_loss=path == "per-token")
+    labels = ids.clone()
+    labels[:, :3] = -100  # -100 and every class in range stay accepted
+    labels[0, 5], labels[1, 6] = 0, VOCAB - 1
+    assert model(ids, **{name: labels}, return_per_token_loss=path == "per-token").loss.isfinite()
+
+
 def test_config_output_flags_and_return_dict(tmp_path):
     """output_hidden_states / output_attentions / use_cache / return_dict from the config (from_pretrained's
     kwargs), and return_dict=False gives the output's fields as a tuple, as for transformers' models."""
@@ -248,13 +308,31 @@ def test_forward_without_cache_keeps_padding_between_real_tokens_inert():
             torch.testing.assert_close(got[i][:, real][:, :, real], want[0], rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_cached_first_call_with_padding_between_real_tokens_as_without_cache(arch):
+    """A first cached call whose mask has padding between real tokens (PEFT prompt tuning's virtual tokens before a
+    left-padded prompt; any holed mask): the real tokens' logits of the forward without a cache, as for a Llama, and
+    generate gives each row's tokens alone. FoX refused it ("padding between real tokens must end a call"), and so
+    failed every eval-mode forward of a prompt-tuned model on a left-padded batch (use_cache defaults to True)."""
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 1, 1], [1, 0, 1, 0, 1, 0, 1, 1, 0]])
+    real = mask.bool()
+    for model in (_llama().eval(), _fox(arch).eval()):
+        want = model(ids, attention_mask=mask, use_cache=False).logits[real]
+        torch.testing.assert_close(model(ids, attention_mask=mask, use_cache=True).logits[real], want)
+    got = _greedy(model, ids, mask)[0]
+    for i in range(2):  # row 1 ends in padding: generate continues after it (a Llama's RoPE positions do not)
+        assert torch.equal(got[i], _greedy(model, ids[i:i + 1, real[i]])[0][0])
+
+
 def test_cached_padding_a_model_cannot_skip_is_refused():
     """What a cache cannot make inert is a one-line ValueError naming attention_mask: padding between real tokens
-    of one call (the token shift looks back one position), any such padding with a sliding window."""
+    of a later call (the token shift looks back one position), any such padding with a sliding window."""
     model = _fox("fox-pro").eval()
     ids = torch.randint(1, VOCAB, (1, 6))
+    cache = model(ids[:, :2], use_cache=True).past_key_values
     with pytest.raises(ValueError, match="attention_mask: with a cache, padding between real tokens must end"):
-        model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]), use_cache=True)
+        model(ids[:, 2:], attention_mask=torch.tensor([[1, 1, 1, 0, 1, 1]]), cache=cache, use_cache=True)
     windowed = _fox("fox-llama", gate="alibi", window=4).eval()
     out = windowed(ids[:, :4], attention_mask=torch.tensor([[1, 1, 1, 0]]), use_cache=True)  # ends in padding: fine
     with pytest.raises(ValueError, match=r"attention_mask: a sliding-window model \(window=4\)"):
