@@ -274,7 +274,10 @@ def _folder_sources(root: Path, pattern: str) -> list[Source]:
         found.append(Source(Path(e.filename), "text", error=f"{type(e).__name__}: {e.strerror}"))
 
     walked: list[Path] = []
-    for folder, dirs, files in os.walk(root, onerror=unreadable):
+    # linked subfolders are followed (a corpus of links to where the text lies); each real folder is walked once, by
+    # the first path in name order, so a folder linked twice is read once and a link to an ancestor ends
+    seen = {os.path.realpath(root)}
+    for folder, dirs, files in os.walk(root, onerror=unreadable, followlinks=True):
         here = Path(folder)
         if here != root and is_token_dataset(here):
             print(f"skipped {here}: prepared token shards, not text", file=sys.stderr)
@@ -288,13 +291,32 @@ def _folder_sources(root: Path, pattern: str) -> list[Source]:
                 print(f"skipped {here}: a datasets folder, not files matching {pattern!r} (name it as an input to "
                       "read it)", file=sys.stderr)
             continue
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        dirs[:] = [d for d in sorted(dirs) if not d.startswith(".") and _first_visit(here / d, seen)]
         walked += [here / f for f in files if not f.startswith(".") and ("/" in pattern or fnmatch.fnmatch(f, pattern))]
-    if "/" in pattern:  # a path pattern: what it globs, among the files the walk admitted
-        globbed = set(root.glob(pattern))
-        walked = [f for f in walked if f in globbed]
+    if "/" in pattern:  # a path pattern: the files the walk admitted whose path under root it matches
+        walked = [f for f in walked if _path_matches(f.relative_to(root).parts, Path(pattern).parts)]
     found += [Source(p, _kind(p)) for p in walked if p.is_file()]
     return sorted(found, key=lambda s: s.path)
+
+
+def _path_matches(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    """Whether a relative path (its ``parts``) matches a glob pattern's parts as ``Path.glob`` would, ``**`` being
+    any number of folders (a trailing one: every file below), through linked folders too, which ``Path.glob``'s
+    ``**`` does not enter."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_path_matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatch(parts[0], pattern[0]) and _path_matches(parts[1:], pattern[1:])
+
+
+def _first_visit(folder: Path, seen: set[str]) -> bool:
+    """Whether the real folder behind ``folder`` is not in ``seen`` (then it is added)."""
+    real = os.path.realpath(folder)
+    if real in seen:
+        return False
+    seen.add(real)
+    return True
 
 
 def _open_binary(path: Path, on_bytes: Callable[[int], None]) -> tuple[io.BufferedReader, _HashingReader]:

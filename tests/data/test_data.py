@@ -488,6 +488,26 @@ def test_overlapping_inputs_read_each_file_once(tmp_path, capsys):
     assert "named by more than one input; read once" in capsys.readouterr().err
 
 
+def test_linked_subfolders_are_read_once_and_link_cycles_end(tmp_path):
+    """A subfolder that is a symlink (``ln -s /data/books corpus/books``) is read like any subfolder, with ``--glob``
+    too: the walk skipped it silently and its documents were lost. A folder met twice (a link to a sibling, a link to
+    an ancestor: a cycle) is read once, by the first path in name order."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.txt").write_text("linked document")
+    (tmp_path / "corpus" / "real").mkdir(parents=True)
+    (tmp_path / "corpus" / "real" / "a.txt").write_text("real document")
+    (tmp_path / "corpus" / "books").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "corpus" / "real" / "up").symlink_to(tmp_path / "corpus")  # a cycle
+    (tmp_path / "corpus" / "same").symlink_to(tmp_path / "corpus" / "real")  # "real" again, under another name
+    for i, pattern in enumerate(["*", "*.txt", "*/*.txt", "**/*.txt"]):
+        meta = prepare([tmp_path / "corpus"], tmp_path / f"out{i}", tokenizer="byte", val_fraction=0.0,
+                       pattern=pattern, workers=0, progress=False)
+        assert [r["path"] for r in meta["sources"]] == [str(tmp_path / "corpus" / "books" / "b.txt"),
+                                                        str(tmp_path / "corpus" / "real" / "a.txt")], pattern
+        docs = [bytes(d[1:].astype(np.uint8)).decode() for d in TokenDataset(tmp_path / f"out{i}").documents()]
+        assert docs == ["linked document", "real document"]
+
+
 def test_a_lone_surrogate_in_json_is_a_reported_skip(tmp_path):
     """A JSON Lines text with half of a UTF-16 pair (``"\\ud83e"``, a cut emoji) is no text: it is skipped as bad
     UTF-8 naming its line, for every tokenizer (byte crashed the run with a UnicodeEncodeError, gpt2 silently made it
