@@ -233,7 +233,16 @@ def _unique(sources: list[Source]) -> list[Source]:
 def _hf_folder_sources(path: Path) -> list[Source]:
     """The sources of a ``datasets`` folder (``save_to_disk``): its train and validation splits, or all of it."""
     dict_file = path / "dataset_dict.json"
-    splits = json.loads(dict_file.read_text())["splits"] if dict_file.is_file() else []
+    if not dict_file.is_file():
+        return _split_sources(path, "hf", [])
+    try:
+        splits = json.loads(dict_file.read_text(encoding="utf-8")).get("splits")
+    except (ValueError, AttributeError) as e:  # bad JSON or UTF-8; JSON that is no object
+        raise ValueError(f"inputs: {dict_file}: not a datasets split list ({e or type(e).__name__}); save the "
+                         "dataset again with save_to_disk") from None
+    if not isinstance(splits, list) or not all(isinstance(name, str) for name in splits):
+        raise ValueError(f"inputs: {dict_file}: expected {{\"splits\": [names]}} as save_to_disk writes it, got "
+                         f"splits={splits!r}; save the dataset again with save_to_disk")
     return _split_sources(path, "hf", splits)
 
 

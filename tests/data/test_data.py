@@ -906,6 +906,23 @@ def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
             TokenDataset(here)
 
 
+def test_a_damaged_dataset_dict_json_is_named(tmp_path):
+    """A ``save_to_disk`` folder whose ``dataset_dict.json`` is damaged (bad JSON, no split list) is refused in one
+    line naming that file, named itself or met inside an input folder: it was a bare JSONDecodeError message or a
+    KeyError traceback."""
+    saved = tmp_path / "corpus" / "saved"
+    saved.mkdir(parents=True)
+    _write_text(tmp_path / "corpus" / "a.txt")
+    for damage in ("{bad", "[]", '{"splits": "train"}', '{"other": 1}'):
+        (saved / "dataset_dict.json").write_text(damage)
+        for source in (saved, tmp_path / "corpus"):
+            with pytest.raises(ValueError, match=f"^inputs: {re.escape(str(saved / 'dataset_dict.json'))}: "):
+                prepare([source], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    message = one_line_error(foxlm("data", "prepare", saved, "--out", tmp_path / "out", "--tokenizer", "byte",
+                                   "--no-progress"), "data prepare")
+    assert str(saved / "dataset_dict.json") in message and not (tmp_path / "out").exists()
+
+
 def _write_text(path, text: str = "a few words of text\n"):
     path.write_text(text)
     return path
