@@ -6,8 +6,8 @@ is dropped), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folder
 ``hub:NAME``, a dataset ``datasets.load_dataset(NAME, streaming=True)`` streams (a Hub name or a local dataset
 folder; both need ``datasets``). A dataset with a validation split (``validation``, ``valid`` or ``val``) keeps its
 own splits: its ``train`` split is trained on, its validation split held out, any other split (``test``) left unread;
-one without is read whole and split like any input. Every reader yields *events* so that memory stays flat whatever
-the size (a ``.json`` array apart):
+one without is read whole (but for a ``test`` split beside others, left unread: never trained on) and split like
+any input. Every reader yields *events* so that memory stays flat whatever the size (a ``.json`` array apart):
 
 - ``("piece", text)``: the next piece of the current document. Long texts are cut into pieces of about
   ``Cuts.chars`` characters only where the tokenizer splits anyway (for GPT-2's pre-tokenizer: where whitespace
@@ -51,6 +51,7 @@ UNICODE_SPACES = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205
     chr(c) for c in range(0x2000, 0x200B))
 _CUT_SEARCH = 4096
 VAL_SPLITS = ("validation", "valid", "val")
+TEST_SPLIT = "test"  # never read beside other splits: a later evaluation on it would measure memorized text
 HUB_PREFIX = "hub:"
 _SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only from a JSON escape of half a UTF-16 pair
 RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
@@ -249,6 +250,10 @@ def _hf_folder_sources(path: Path) -> list[Source]:
 def _split_sources(path: Path, kind: str, splits: list[str]) -> list[Source]:
     """One source for a whole dataset, or, where it has a validation split, one for its train and one for that."""
     val = next((name for name in VAL_SPLITS if name in splits), None)
+    if val is None and TEST_SPLIT in splits and len(splits) > 1:  # the others, split by val_fraction
+        print(f"{path}: has no validation split; its other splits are split by val_fraction; not read: "
+              f"{TEST_SPLIT} (never trained on)", file=sys.stderr)
+        return [Source(path, kind, split=name) for name in sorted(splits) if name != TEST_SPLIT]
     if val is None:
         return [Source(path, kind)]
     if "train" not in splits:

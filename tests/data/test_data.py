@@ -695,6 +695,32 @@ def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
         prepare(["hub:"], tmp_path / "none", workers=0, progress=False)
 
 
+def test_a_datasets_test_split_is_never_trained_on(tmp_path, gpt2, capsys):
+    """A dataset with train and test splits but no validation one (imdb, ag_news) is split by val_fraction like any
+    input, its test split left out and named: it was read with the rest, its rows trained on (and held out by
+    chance), so a later evaluation on it measured memorized text. A dataset of a test split alone is read."""
+    datasets = pytest.importorskip("datasets")
+    texts = {"train": [f"training row {i} of the corpus" for i in range(5)], "test": ["a test row", "another one"]}
+    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": t}) for name, t in texts.items()}).save_to_disk(
+        str(tmp_path / "saved"))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for name, t in texts.items():
+        (hub / f"{name}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in t))
+    train = [gpt2.encode(t) for t in texts["train"]]
+    for i, source in enumerate([tmp_path / "saved", f"hub:{hub}"]):
+        capsys.readouterr()
+        meta = prepare([source], tmp_path / f"out{i}", val_fraction=0.4, workers=0, progress=False)
+        assert _split_docs(tmp_path / f"out{i}") == {"train": [train[0], train[1], train[3]],
+                                                    "val": [train[2], train[4]]}
+        assert [(r["split"], r["documents"]) for r in meta["sources"]] == [("train", 5)]
+        assert "not read: test" in capsys.readouterr().err
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": texts["test"]})}).save_to_disk(
+        str(tmp_path / "only-test"))
+    prepare([tmp_path / "only-test"], tmp_path / "out-test", val_fraction=0.0, workers=0, progress=False)
+    assert _split_docs(tmp_path / "out-test")["train"] == [gpt2.encode(t) for t in texts["test"]]
+
+
 def test_a_hub_dataset_the_hub_cannot_serve_is_one_line(tmp_path):
     """`hub:NAME` where the Hugging Face hub cannot be reached (offline mode set, or nothing answering at
     HF_ENDPOINT, which one request finds out, with no retries) is one line naming the input and what to pass
