@@ -325,6 +325,8 @@ def prepare(
                              f"{meta['skipped']['by_reason']}{''.join(first)})")  # the error alone says what to fix
         copy_files(tok, tmp / TOKENIZER_DIR)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        # again: a folder made there while the inputs were read (another job's) would be swapped out and deleted
+        check_out_dir(out_dir, inputs, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

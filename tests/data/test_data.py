@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -968,6 +969,32 @@ def test_prepare_removes_what_killed_runs_left_and_no_user_folder(tmp_path):
     assert not any(f.exists() for f in stale)
     assert all((f / "train-00000.bin").read_bytes() == b"xx" for f in mine)
     assert TokenDataset(tmp_path / "out").num_docs == 1
+
+
+def test_a_folder_made_at_out_while_prepare_runs_is_kept(tmp_path):
+    """``--out`` is checked again before the dataset moves in: a folder made there while the input was read (another
+    job's results, a second prepare's dataset) was renamed aside and deleted with its files. The input is a named
+    pipe (as ``<(zcat x.gz)`` is), so the folder appears after the first check and before the dataset is done."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    out = tmp_path / "out"
+    result = {}
+
+    def run():
+        try:
+            prepare([pipe], out, tokenizer="byte", val_fraction=0.0, workers=0, progress=False)
+        except FileExistsError as e:
+            result["error"] = str(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    with open(pipe, "w") as writer:  # opens once prepare reads it: after its first look at --out
+        out.mkdir()
+        (out / "results.csv").write_text("another job's results")
+        writer.write("the only document")
+    thread.join(60)
+    assert "out_dir (--out)" in result.get("error", "") and (out / "results.csv").read_text() == "another job's results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "pipe"]  # and no temporary folder left
 
 
 def test_prepare_keeps_an_existing_folders_mode(tmp_path):
