@@ -153,6 +153,10 @@ def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: boo
             raise ValueError(f"out_dir (--out): {out_dir} is or lies inside the input {raw}; write the dataset to a "
                              "folder outside the inputs")
     if not out_dir.exists():
+        # the nearest existing folder above it: a file there fails only at the first mkdir, naming a temporary folder
+        above = next(p for p in out_dir.parents if p.exists())
+        if not above.is_dir():
+            raise NotADirectoryError(f"out_dir (--out): {out_dir} lies under the file {above}; expected a folder")
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"out_dir (--out): {out_dir} is a file; expected a new or empty folder")

@@ -955,6 +955,17 @@ def _write_text(path, text: str = "a few words of text\n"):
     return path
 
 
+def test_an_out_folder_under_a_file_is_named(tmp_path):
+    """``--out`` under a file (``notes.txt/data``) is refused naming the flag, before anything is read: it was
+    ``[Errno 20] Not a directory`` naming a temporary folder the user never heard of."""
+    text = _write_text(tmp_path / "x.txt")
+    _write_text(tmp_path / "notes.txt")
+    for out in (tmp_path / "notes.txt" / "data", tmp_path / "notes.txt" / "deeper" / "data"):
+        message = one_line_error(foxlm("data", "prepare", text, "--out", out, "--tokenizer", "byte", "--no-progress"),
+                                 "data prepare")
+        assert f"out_dir (--out): {out} lies under the file {tmp_path / 'notes.txt'}" in message
+
+
 def test_prepare_removes_what_killed_runs_left_and_no_user_folder(tmp_path):
     """Only foxlm's own temporaries of dead processes go; a user's folders of similar names stay (one named
     ``.out.old-2024`` used to be taken for a killed run's)."""
