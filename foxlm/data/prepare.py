@@ -306,8 +306,8 @@ def prepare(
     out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
     if out_dir.is_symlink():  # the dataset goes where the link points, and the link stays (a swap would move it)
         out_dir = out_dir.resolve()
+    remove_stale_temporaries(out_dir)  # first: a killed swap's set-aside dataset is put back, then checked
     check_out_dir(out_dir, inputs, overwrite)
-    remove_stale_temporaries(out_dir)
     tok = get_tokenizer(tokenizer)
     sources = find_sources(inputs, pattern)
     if not sources:

@@ -968,18 +968,25 @@ def test_an_out_folder_under_a_file_is_named(tmp_path):
 
 def test_prepare_removes_what_killed_runs_left_and_no_user_folder(tmp_path):
     """Only foxlm's own temporaries of dead processes go; a user's folders of similar names stay (one named
-    ``.out.old-2024`` used to be taken for a killed run's)."""
+    ``.out.old-2024`` used to be taken for a killed run's). The dataset a run killed mid-swap set aside is put back
+    before ``--out`` is checked, so it is the dataset there: kept without ``--overwrite`` (it was replaced)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a PID no process has now
     stale = [tmp_path / f".out.foxlm-tmp-{dead.pid}", tmp_path / f".out.foxlm-old-{dead.pid}"]
     mine = [tmp_path / ".out.old-2024", tmp_path / f".out.tmp-{dead.pid}", tmp_path / ".out.foxlm-old-x1"]
-    for folder in stale + mine:
+    for folder in [stale[0], *mine]:
         folder.mkdir()
         (folder / "train-00000.bin").write_bytes(b"xx")
-    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    prepare([_write_text(tmp_path / "old.txt", "the set-aside dataset")], stale[1], tokenizer="byte", workers=0,
+            progress=False)
+    with pytest.raises(FileExistsError, match="already holds a dataset"):
+        prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
     assert not any(f.exists() for f in stale)
     assert all((f / "train-00000.bin").read_bytes() == b"xx" for f in mine)
-    assert TokenDataset(tmp_path / "out").num_docs == 1
+    assert len(TokenDataset(tmp_path / "out").tokens) == 1 + len("the set-aside dataset")
+    prepare([tmp_path / "x.txt"], tmp_path / "out", tokenizer="byte", workers=0, overwrite=True, progress=False)
+    assert TokenDataset(tmp_path / "out").num_docs == 1 and len(TokenDataset(tmp_path / "out").tokens) == 1 + len(
+        "a few words of text\n")
 
 
 def test_a_folder_made_at_out_while_prepare_runs_is_kept(tmp_path):
