@@ -275,6 +275,18 @@ def _tokenize(sources: list[Source], docs: _Documents, tokenizer: str, dtype: st
             pool.join()
 
 
+def check_arguments(*, val_fraction: float = 0.01, shard_tokens: int = 1, workers: int | None = None) -> None:
+    """Raise ``ValueError`` naming the flag for a value ``prepare`` refuses (a recipe checks them before its work)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction (--val-fraction): expected a value in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens (--shard-tokens): expected a positive count, got {shard_tokens}")
+    cpus = os.cpu_count() or 1
+    if workers is not None and not 0 <= workers <= 4 * cpus:
+        raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "
+                         f"{workers}")
+
+
 def prepare(
     inputs: list[str | os.PathLike],
     out_dir: str | os.PathLike,
@@ -295,14 +307,8 @@ def prepare(
     inside folders, at any depth (see ``find_sources``). Skipped documents (bad UTF-8, binary, empty, unreadable, bad
     JSON) are reported on stderr and listed in ``meta.json``. ``overwrite`` replaces only a previous dataset.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction (--val-fraction): expected a value in [0, 1), got {val_fraction}")
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens (--shard-tokens): expected a positive count, got {shard_tokens}")
+    check_arguments(val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers)
     cpus = os.cpu_count() or 1
-    if workers is not None and not 0 <= workers <= 4 * cpus:
-        raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "
-                         f"{workers}")
     out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
     if out_dir.is_symlink():  # the dataset goes where the link points, and the link stays (a swap would move it)
         out_dir = out_dir.resolve()
