@@ -370,15 +370,18 @@ def _tokenizer_folder(folder, texts, pre_tokenizer, decoder, alphabet=()):
 def test_long_documents_get_the_ids_of_their_whole_text(tmp_path, plays):
     """A long document read in pieces gets exactly the ids its tokenizer gives the whole text, for every kind:
     json-gpt2 (GPT-2 merges ")" with the "\\" of the escaped "\n" after it), Hugging Face folders whose
-    pre-tokenizer joins what follows whitespace (Metaspace, as SentencePiece's) or runs into it (Llama 3's regex)."""
-    from tokenizers import Regex, decoders, pre_tokenizers
+    pre-tokenizer joins what follows whitespace (Metaspace, as SentencePiece's) or runs into it (Llama 3's regex),
+    and a GPT-2-like one with an added token that takes the whitespace after it (``rstrip``: cut before that
+    whitespace, its pieces got other ids than the whole)."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
 
     rng = random.Random()
     texts = []
     for _ in range(3):
         chars = list(_random_text(rng, plays, 6000))
         for _ in range(100):
-            chars.insert(rng.randrange(len(chars)), rng.choice(["):\n", "(x)\t", "} \n", ".\n\n", "é\u00a0"]))
+            chars.insert(rng.randrange(len(chars)), rng.choice(["):\n", "(x)\t", "} \n", ".\n\n", "é\u00a0", "<x> "]))
         texts.append("".join(chars))
     llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -388,6 +391,11 @@ def test_long_documents_get_the_ids_of_their_whole_text(tmp_path, plays):
                   _tokenizer_folder(tmp_path / "llama3", texts, pre_tokenizers.Sequence(
                       [pre_tokenizers.Split(Regex(llama3), "isolated"), byte_level]), decoders.ByteLevel(),
                       pre_tokenizers.ByteLevel.alphabet())]
+    rstrip = llama_style_tokenizer(tmp_path / "rstrip", texts)
+    added = HFTokenizer.from_file(str(rstrip / "tokenizer.json"))
+    added.add_tokens([AddedToken("<x>", rstrip=True)])
+    added.save(str(rstrip / "tokenizer.json"))
+    tokenizers.append(str(rstrip))
     src = texts_to_files(tmp_path / "src", texts)
     for i, name in enumerate(tokenizers):
         prepare(src, tmp_path / f"out{i}", tokenizer=name, val_fraction=0.0, workers=0, progress=False,
