@@ -288,7 +288,7 @@ def check_arguments(*, val_fraction: float = 0.01, shard_tokens: int = 1, worker
 
 
 def prepare(
-    inputs: list[str | os.PathLike],
+    inputs: str | os.PathLike | list[str | os.PathLike],
     out_dir: str | os.PathLike,
     *,
     tokenizer: str = "gpt2",
@@ -301,13 +301,16 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Tokenize ``inputs`` (files, folders, ``datasets`` folders) into shards under ``out_dir``; return the meta.
+    """Tokenize ``inputs`` (files, folders, ``datasets`` folders; a list, or one of them) into shards under
+    ``out_dir``; return the meta.
 
     ``workers``: tokenizer processes (default: all CPUs; 0 tokenizes in this process). ``pattern`` selects files
     inside folders, at any depth (see ``find_sources``). Skipped documents (bad UTF-8, binary, empty, unreadable, bad
     JSON) are reported on stderr and listed in ``meta.json``. ``overwrite`` replaces only a previous dataset.
     """
     check_arguments(val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers)
+    if isinstance(inputs, (str, os.PathLike)):  # one input: a str is no list of its characters
+        inputs = [inputs]
     cpus = os.cpu_count() or 1
     out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
     if out_dir.is_symlink():  # the dataset goes where the link points, and the link stays (a swap would move it)

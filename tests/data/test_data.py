@@ -963,6 +963,20 @@ def _write_text(path, text: str = "a few words of text\n"):
     return path
 
 
+def test_one_input_may_be_named_alone(tmp_path, monkeypatch):
+    """``prepare("corpus.txt", out)`` (one path, not a list, as ``load_dataset("text", data_files=...)`` takes it)
+    reads that file: a str was read as its characters, each an input ("inputs: c does not exist", or a folder named
+    by one of them read in its place) and a Path was a TypeError."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "other.txt").write_text("a folder named by one character of the input")
+    _write_text(tmp_path / "text.txt", "the document")
+    for i, single in enumerate(["text.txt", tmp_path / "text.txt"]):
+        meta = prepare(single, tmp_path / f"out{i}", tokenizer="byte", val_fraction=0.0, workers=0, progress=False)
+        assert [r["path"] for r in meta["sources"]] == ["text.txt" if isinstance(single, str) else str(single)]
+        assert bytes(TokenDataset(tmp_path / f"out{i}").document(0)[1:].astype(np.uint8)) == b"the document"
+
+
 def test_an_out_folder_under_a_file_is_named(tmp_path):
     """``--out`` under a file (``notes.txt/data``) is refused naming the flag, before anything is read: it was
     ``[Errno 20] Not a directory`` naming a temporary folder the user never heard of."""
