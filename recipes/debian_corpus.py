@@ -164,6 +164,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace the dataset in --out")
     args = p.parse_args(argv)
 
+    from foxlm.cli import USER_ERRORS
+    from foxlm.data.prepare import check_arguments, check_out_dir
+
+    try:  # what prepare would refuse, before minutes of downloading
+        check_arguments(val_fraction=args.val_fraction, workers=args.workers)
+        check_out_dir(Path(os.path.abspath(Path(args.out).expanduser())), [], args.overwrite)
+    except USER_ERRORS as e:
+        print(f"debian_corpus.py: error: {e}", file=sys.stderr)
+        return 2
     work = Path(args.work)
     taken = [str(p) for p in (work / "root", work / "text") if foreign(p)]
     if taken:
@@ -187,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from foxlm.data import prepare
 
-    meta = prepare(sorted(p for p in (work / "text").iterdir() if p.is_dir()), args.out, tokenizer=args.tokenizer,
-                   val_fraction=args.val_fraction, workers=args.workers, overwrite=args.overwrite)
+    try:
+        meta = prepare(sorted(p for p in (work / "text").iterdir() if p.is_dir()), args.out, tokenizer=args.tokenizer,
+                       val_fraction=args.val_fraction, workers=args.workers, overwrite=args.overwrite)
+    except USER_ERRORS as e:
+        print(f"debian_corpus.py: error: {e}", file=sys.stderr)
+        return 2
     print(f"{args.out}: {meta['num_docs']:,} documents, {meta['num_tokens']:,} tokens "
           f"(train {meta['splits']['train']['num_tokens']:,}, val {meta['splits']['val']['num_tokens']:,}), "
           f"{meta['skipped']['count']} skipped")

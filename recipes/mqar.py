@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overwrite", action="store_true", help="replace the dataset in --out")
     args = p.parse_args(argv)
 
+    from foxlm.cli import USER_ERRORS
     from foxlm.data import ensure_default_corpus
     from foxlm.data.mqar import MQARSpec, write_dataset
 
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         meta = write_dataset(args.out, MQARSpec(args.vocab), lengths=args.length, pairs=args.pairs, seed=args.seed,
                              tokens=args.tokens, val_fraction=args.val_fraction, mix=mix,
                              mix_fraction=args.mix_fraction, tokenizer=args.tokenizer, overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
+    except USER_ERRORS as e:
         print(f"mqar.py: error: {e}", file=sys.stderr)
         return 2
     written = meta["synthetic"]["written"]

@@ -156,3 +156,30 @@ def test_small_scale_recipe_needs_a_gpu_or_says_so(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "no GPU here" in proc.stderr and "ALLOW_CPU=1" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_debian_out_is_checked_before_anything_is_downloaded(recipe, tmp_path, capsys):
+    """An --out that holds a user's files, or lies under a file, is refused in one line before apt runs (it was
+    prepare's traceback, after minutes of downloading and extracting); so is a --val-fraction prepare would refuse."""
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "notes.md").write_text("a user's notes")
+    (tmp_path / "file.txt").write_text("a file")
+    for args, expected in ((["--out", str(tmp_path / "results")], "holds files and is not a foxlm dataset"),
+                           (["--out", str(tmp_path / "file.txt" / "d")], "lies under the file"),
+                           (["--out", str(tmp_path / "d"), "--val-fraction", "1.5"], "val_fraction (--val-fraction)")):
+        assert recipe.main([*args, "--work", str(tmp_path / "work")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("debian_corpus.py: error: ") and expected in err, err
+    assert not (tmp_path / "work").exists() and (tmp_path / "results" / "notes.md").read_text() == "a user's notes"
+
+
+def test_mqar_recipe_errors_are_one_line(tmp_path, capsys):
+    """Every error a user's input causes is one line: an --out under a file was a NotADirectoryError traceback."""
+    spec = importlib.util.spec_from_file_location("mqar_recipe", Path(__file__).parents[1] / "recipes/mqar.py")
+    mqar = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mqar)
+    (tmp_path / "file.txt").write_text("a file")
+    assert mqar.main(["--out", str(tmp_path / "file.txt" / "d"), "--tokens", "200", "--tokenizer", "byte", "--vocab",
+                      "0:48", "--pairs", "2", "--length", "16:32"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("mqar.py: error: out_dir (--out): ") and "under the file" in err

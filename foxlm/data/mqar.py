@@ -211,8 +211,8 @@ def write_dataset(
         budgets = {"train": tokens, "val": max(1, round(val_fraction * tokens)) if val_fraction > 0 else 0}
 
     out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))
+    remove_stale_temporaries(out_dir)  # first: a killed swap's set-aside dataset is put back, then checked
     check_out_dir(out_dir, [mix] if mix is not None else [], overwrite)
-    remove_stale_temporaries(out_dir)
     dtype = token_dtype(tok.vocab_size)
     tmp = temporary_path(out_dir, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -153,6 +153,10 @@ def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: boo
             raise ValueError(f"out_dir (--out): {out_dir} is or lies inside the input {raw}; write the dataset to a "
                              "folder outside the inputs")
     if not out_dir.exists():
+        # the nearest existing folder above it: a file there fails only at the first mkdir, naming a temporary folder
+        above = next(p for p in out_dir.parents if p.exists())
+        if not above.is_dir():
+            raise NotADirectoryError(f"out_dir (--out): {out_dir} lies under the file {above}; expected a folder")
         return
     if not out_dir.is_dir():
         raise FileExistsError(f"out_dir (--out): {out_dir} is a file; expected a new or empty folder")
@@ -271,8 +275,20 @@ def _tokenize(sources: list[Source], docs: _Documents, tokenizer: str, dtype: st
             pool.join()
 
 
+def check_arguments(*, val_fraction: float = 0.01, shard_tokens: int = 1, workers: int | None = None) -> None:
+    """Raise ``ValueError`` naming the flag for a value ``prepare`` refuses (a recipe checks them before its work)."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction (--val-fraction): expected a value in [0, 1), got {val_fraction}")
+    if shard_tokens < 1:
+        raise ValueError(f"shard_tokens (--shard-tokens): expected a positive count, got {shard_tokens}")
+    cpus = os.cpu_count() or 1
+    if workers is not None and not 0 <= workers <= 4 * cpus:
+        raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "
+                         f"{workers}")
+
+
 def prepare(
-    inputs: list[str | os.PathLike],
+    inputs: str | os.PathLike | list[str | os.PathLike],
     out_dir: str | os.PathLike,
     *,
     tokenizer: str = "gpt2",
@@ -285,25 +301,22 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
 ) -> dict:
-    """Tokenize ``inputs`` (files, folders, ``datasets`` folders) into shards under ``out_dir``; return the meta.
+    """Tokenize ``inputs`` (files, folders, ``datasets`` folders; a list, or one of them) into shards under
+    ``out_dir``; return the meta.
 
     ``workers``: tokenizer processes (default: all CPUs; 0 tokenizes in this process). ``pattern`` selects files
     inside folders, at any depth (see ``find_sources``). Skipped documents (bad UTF-8, binary, empty, unreadable, bad
     JSON) are reported on stderr and listed in ``meta.json``. ``overwrite`` replaces only a previous dataset.
     """
-    if not 0.0 <= val_fraction < 1.0:
-        raise ValueError(f"val_fraction (--val-fraction): expected a value in [0, 1), got {val_fraction}")
-    if shard_tokens < 1:
-        raise ValueError(f"shard_tokens (--shard-tokens): expected a positive count, got {shard_tokens}")
+    check_arguments(val_fraction=val_fraction, shard_tokens=shard_tokens, workers=workers)
+    if isinstance(inputs, (str, os.PathLike)):  # one input: a str is no list of its characters
+        inputs = [inputs]
     cpus = os.cpu_count() or 1
-    if workers is not None and not 0 <= workers <= 4 * cpus:
-        raise ValueError(f"workers (--workers): expected 0 (tokenize in this process) to {4 * cpus} (4 per CPU), got "
-                         f"{workers}")
     out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
     if out_dir.is_symlink():  # the dataset goes where the link points, and the link stays (a swap would move it)
         out_dir = out_dir.resolve()
+    remove_stale_temporaries(out_dir)  # first: a killed swap's set-aside dataset is put back, then checked
     check_out_dir(out_dir, inputs, overwrite)
-    remove_stale_temporaries(out_dir)
     tok = get_tokenizer(tokenizer)
     sources = find_sources(inputs, pattern)
     if not sources:
@@ -325,6 +338,8 @@ def prepare(
                              f"{meta['skipped']['by_reason']}{''.join(first)})")  # the error alone says what to fix
         copy_files(tok, tmp / TOKENIZER_DIR)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        # again: a folder made there while the inputs were read (another job's) would be swapped out and deleted
+        check_out_dir(out_dir, inputs, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -6,8 +6,8 @@ is dropped), Parquet (needs ``pyarrow``), local Hugging Face ``datasets`` folder
 ``hub:NAME``, a dataset ``datasets.load_dataset(NAME, streaming=True)`` streams (a Hub name or a local dataset
 folder; both need ``datasets``). A dataset with a validation split (``validation``, ``valid`` or ``val``) keeps its
 own splits: its ``train`` split is trained on, its validation split held out, any other split (``test``) left unread;
-one without is read whole and split like any input. Every reader yields *events* so that memory stays flat whatever
-the size (a ``.json`` array apart):
+one without is read whole (but for a ``test`` split beside others, left unread: never trained on) and split like
+any input. Every reader yields *events* so that memory stays flat whatever the size (a ``.json`` array apart):
 
 - ``("piece", text)``: the next piece of the current document. Long texts are cut into pieces of about
   ``Cuts.chars`` characters only where the tokenizer splits anyway (for GPT-2's pre-tokenizer: where whitespace
@@ -51,6 +51,7 @@ UNICODE_SPACES = frozenset("\t\n\x0b\x0c\r \x85\xa0\u1680\u2028\u2029\u202f\u205
     chr(c) for c in range(0x2000, 0x200B))
 _CUT_SEARCH = 4096
 VAL_SPLITS = ("validation", "valid", "val")
+TEST_SPLIT = "test"  # never read beside other splits: a later evaluation on it would measure memorized text
 HUB_PREFIX = "hub:"
 _SURROGATE = re.compile("[\ud800-\udfff]")  # in a str only from a JSON escape of half a UTF-16 pair
 RUN_PIECES = 4  # a run without whitespace longer than this many pieces is cut inside (see forced_cut)
@@ -233,13 +234,26 @@ def _unique(sources: list[Source]) -> list[Source]:
 def _hf_folder_sources(path: Path) -> list[Source]:
     """The sources of a ``datasets`` folder (``save_to_disk``): its train and validation splits, or all of it."""
     dict_file = path / "dataset_dict.json"
-    splits = json.loads(dict_file.read_text())["splits"] if dict_file.is_file() else []
+    if not dict_file.is_file():
+        return _split_sources(path, "hf", [])
+    try:
+        splits = json.loads(dict_file.read_text(encoding="utf-8")).get("splits")
+    except (ValueError, AttributeError) as e:  # bad JSON or UTF-8; JSON that is no object
+        raise ValueError(f"inputs: {dict_file}: not a datasets split list ({e or type(e).__name__}); save the "
+                         "dataset again with save_to_disk") from None
+    if not isinstance(splits, list) or not all(isinstance(name, str) for name in splits):
+        raise ValueError(f"inputs: {dict_file}: expected {{\"splits\": [names]}} as save_to_disk writes it, got "
+                         f"splits={splits!r}; save the dataset again with save_to_disk")
     return _split_sources(path, "hf", splits)
 
 
 def _split_sources(path: Path, kind: str, splits: list[str]) -> list[Source]:
     """One source for a whole dataset, or, where it has a validation split, one for its train and one for that."""
     val = next((name for name in VAL_SPLITS if name in splits), None)
+    if val is None and TEST_SPLIT in splits and len(splits) > 1:  # the others, split by val_fraction
+        print(f"{path}: has no validation split; its other splits are split by val_fraction; not read: "
+              f"{TEST_SPLIT} (never trained on)", file=sys.stderr)
+        return [Source(path, kind, split=name) for name in sorted(splits) if name != TEST_SPLIT]
     if val is None:
         return [Source(path, kind)]
     if "train" not in splits:
@@ -274,7 +288,10 @@ def _folder_sources(root: Path, pattern: str) -> list[Source]:
         found.append(Source(Path(e.filename), "text", error=f"{type(e).__name__}: {e.strerror}"))
 
     walked: list[Path] = []
-    for folder, dirs, files in os.walk(root, onerror=unreadable):
+    # linked subfolders are followed (a corpus of links to where the text lies); each real folder is walked once, by
+    # the first path in name order, so a folder linked twice is read once and a link to an ancestor ends
+    seen = {os.path.realpath(root)}
+    for folder, dirs, files in os.walk(root, onerror=unreadable, followlinks=True):
         here = Path(folder)
         if here != root and is_token_dataset(here):
             print(f"skipped {here}: prepared token shards, not text", file=sys.stderr)
@@ -288,13 +305,32 @@ def _folder_sources(root: Path, pattern: str) -> list[Source]:
                 print(f"skipped {here}: a datasets folder, not files matching {pattern!r} (name it as an input to "
                       "read it)", file=sys.stderr)
             continue
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        dirs[:] = [d for d in sorted(dirs) if not d.startswith(".") and _first_visit(here / d, seen)]
         walked += [here / f for f in files if not f.startswith(".") and ("/" in pattern or fnmatch.fnmatch(f, pattern))]
-    if "/" in pattern:  # a path pattern: what it globs, among the files the walk admitted
-        globbed = set(root.glob(pattern))
-        walked = [f for f in walked if f in globbed]
+    if "/" in pattern:  # a path pattern: the files the walk admitted whose path under root it matches
+        walked = [f for f in walked if _path_matches(f.relative_to(root).parts, Path(pattern).parts)]
     found += [Source(p, _kind(p)) for p in walked if p.is_file()]
     return sorted(found, key=lambda s: s.path)
+
+
+def _path_matches(parts: tuple[str, ...], pattern: tuple[str, ...]) -> bool:
+    """Whether a relative path (its ``parts``) matches a glob pattern's parts as ``Path.glob`` would, ``**`` being
+    any number of folders (a trailing one: every file below), through linked folders too, which ``Path.glob``'s
+    ``**`` does not enter."""
+    if not pattern:
+        return not parts
+    if pattern[0] == "**":
+        return any(_path_matches(parts[i:], pattern[1:]) for i in range(len(parts) + 1))
+    return bool(parts) and fnmatch.fnmatch(parts[0], pattern[0]) and _path_matches(parts[1:], pattern[1:])
+
+
+def _first_visit(folder: Path, seen: set[str]) -> bool:
+    """Whether the real folder behind ``folder`` is not in ``seen`` (then it is added)."""
+    real = os.path.realpath(folder)
+    if real in seen:
+        return False
+    seen.add(real)
+    return True
 
 
 def _open_binary(path: Path, on_bytes: Callable[[int], None]) -> tuple[io.BufferedReader, _HashingReader]:

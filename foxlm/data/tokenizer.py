@@ -200,15 +200,17 @@ def _gives_gpt2_ids(content: dict, eot_id: int) -> bool:
 
 def _gpt2_pre_tokenized(tok) -> bool:
     """Whether a ``tokenizers.Tokenizer`` splits text as GPT-2 does (no normalizer, the ByteLevel pre-tokenizer with
-    its regex and no prefix space, no added token holding whitespace), so it never merges across whitespace that
-    follows a non-space: others may (a Metaspace prefix on every piece, Llama 3's ``[^\\s...]+[\\r\\n]*``)."""
+    its regex and no prefix space, no added token holding whitespace or taking the whitespace after it: ``rstrip``),
+    so it never merges across whitespace that follows a non-space: others may (a Metaspace prefix on every piece,
+    Llama 3's ``[^\\s...]+[\\r\\n]*``). Special tokens are text to foxlm (``encode_special_tokens``): not matched."""
     content = json.loads(tok.to_str())
     pre = content.get("pre_tokenizer") or {}
     if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
         pre = pre["pretokenizers"][0]
     gpt2 = pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space")
-    added = [t["content"] for t in content.get("added_tokens") or [] if not t.get("special")]
-    return content.get("normalizer") is None and gpt2 and not any(c in UNICODE_SPACES for t in added for c in t)
+    added = [t for t in content.get("added_tokens") or [] if not t.get("special")]
+    joins = any(t.get("rstrip") or any(c in UNICODE_SPACES for c in t["content"]) for t in added)
+    return content.get("normalizer") is None and gpt2 and not joins
 
 
 _EOT_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")

@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 import tracemalloc
 from pathlib import Path
@@ -369,15 +370,18 @@ def _tokenizer_folder(folder, texts, pre_tokenizer, decoder, alphabet=()):
 def test_long_documents_get_the_ids_of_their_whole_text(tmp_path, plays):
     """A long document read in pieces gets exactly the ids its tokenizer gives the whole text, for every kind:
     json-gpt2 (GPT-2 merges ")" with the "\\" of the escaped "\n" after it), Hugging Face folders whose
-    pre-tokenizer joins what follows whitespace (Metaspace, as SentencePiece's) or runs into it (Llama 3's regex)."""
-    from tokenizers import Regex, decoders, pre_tokenizers
+    pre-tokenizer joins what follows whitespace (Metaspace, as SentencePiece's) or runs into it (Llama 3's regex),
+    and a GPT-2-like one with an added token that takes the whitespace after it (``rstrip``: cut before that
+    whitespace, its pieces got other ids than the whole)."""
+    from tokenizers import AddedToken, Regex, decoders, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
 
     rng = random.Random()
     texts = []
     for _ in range(3):
         chars = list(_random_text(rng, plays, 6000))
         for _ in range(100):
-            chars.insert(rng.randrange(len(chars)), rng.choice(["):\n", "(x)\t", "} \n", ".\n\n", "é\u00a0"]))
+            chars.insert(rng.randrange(len(chars)), rng.choice(["):\n", "(x)\t", "} \n", ".\n\n", "é\u00a0", "<x> "]))
         texts.append("".join(chars))
     llama3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -387,6 +391,11 @@ def test_long_documents_get_the_ids_of_their_whole_text(tmp_path, plays):
                   _tokenizer_folder(tmp_path / "llama3", texts, pre_tokenizers.Sequence(
                       [pre_tokenizers.Split(Regex(llama3), "isolated"), byte_level]), decoders.ByteLevel(),
                       pre_tokenizers.ByteLevel.alphabet())]
+    rstrip = llama_style_tokenizer(tmp_path / "rstrip", texts)
+    added = HFTokenizer.from_file(str(rstrip / "tokenizer.json"))
+    added.add_tokens([AddedToken("<x>", rstrip=True)])
+    added.save(str(rstrip / "tokenizer.json"))
+    tokenizers.append(str(rstrip))
     src = texts_to_files(tmp_path / "src", texts)
     for i, name in enumerate(tokenizers):
         prepare(src, tmp_path / f"out{i}", tokenizer=name, val_fraction=0.0, workers=0, progress=False,
@@ -486,6 +495,26 @@ def test_overlapping_inputs_read_each_file_once(tmp_path, capsys):
     assert sorted(docs["train"] + docs["val"]) == texts and meta["num_docs"] == 3
     assert [r["path"] for r in meta["sources"]] == [str(sub / f"{i}.txt") for i in range(3)]
     assert "named by more than one input; read once" in capsys.readouterr().err
+
+
+def test_linked_subfolders_are_read_once_and_link_cycles_end(tmp_path):
+    """A subfolder that is a symlink (``ln -s /data/books corpus/books``) is read like any subfolder, with ``--glob``
+    too: the walk skipped it silently and its documents were lost. A folder met twice (a link to a sibling, a link to
+    an ancestor: a cycle) is read once, by the first path in name order."""
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.txt").write_text("linked document")
+    (tmp_path / "corpus" / "real").mkdir(parents=True)
+    (tmp_path / "corpus" / "real" / "a.txt").write_text("real document")
+    (tmp_path / "corpus" / "books").symlink_to(tmp_path / "elsewhere")
+    (tmp_path / "corpus" / "real" / "up").symlink_to(tmp_path / "corpus")  # a cycle
+    (tmp_path / "corpus" / "same").symlink_to(tmp_path / "corpus" / "real")  # "real" again, under another name
+    for i, pattern in enumerate(["*", "*.txt", "*/*.txt", "**/*.txt"]):
+        meta = prepare([tmp_path / "corpus"], tmp_path / f"out{i}", tokenizer="byte", val_fraction=0.0,
+                       pattern=pattern, workers=0, progress=False)
+        assert [r["path"] for r in meta["sources"]] == [str(tmp_path / "corpus" / "books" / "b.txt"),
+                                                        str(tmp_path / "corpus" / "real" / "a.txt")], pattern
+        docs = [bytes(d[1:].astype(np.uint8)).decode() for d in TokenDataset(tmp_path / f"out{i}").documents()]
+        assert docs == ["linked document", "real document"]
 
 
 def test_a_lone_surrogate_in_json_is_a_reported_skip(tmp_path):
@@ -673,6 +702,32 @@ def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
     assert got == {"train": [train[0], train[1], train[3]], "val": [train[2], train[4]]}
     with pytest.raises(ValueError, match="hub:NAME"):
         prepare(["hub:"], tmp_path / "none", workers=0, progress=False)
+
+
+def test_a_datasets_test_split_is_never_trained_on(tmp_path, gpt2, capsys):
+    """A dataset with train and test splits but no validation one (imdb, ag_news) is split by val_fraction like any
+    input, its test split left out and named: it was read with the rest, its rows trained on (and held out by
+    chance), so a later evaluation on it measured memorized text. A dataset of a test split alone is read."""
+    datasets = pytest.importorskip("datasets")
+    texts = {"train": [f"training row {i} of the corpus" for i in range(5)], "test": ["a test row", "another one"]}
+    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": t}) for name, t in texts.items()}).save_to_disk(
+        str(tmp_path / "saved"))
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    for name, t in texts.items():
+        (hub / f"{name}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in t))
+    train = [gpt2.encode(t) for t in texts["train"]]
+    for i, source in enumerate([tmp_path / "saved", f"hub:{hub}"]):
+        capsys.readouterr()
+        meta = prepare([source], tmp_path / f"out{i}", val_fraction=0.4, workers=0, progress=False)
+        assert _split_docs(tmp_path / f"out{i}") == {"train": [train[0], train[1], train[3]],
+                                                    "val": [train[2], train[4]]}
+        assert [(r["split"], r["documents"]) for r in meta["sources"]] == [("train", 5)]
+        assert "not read: test" in capsys.readouterr().err
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"text": texts["test"]})}).save_to_disk(
+        str(tmp_path / "only-test"))
+    prepare([tmp_path / "only-test"], tmp_path / "out-test", val_fraction=0.0, workers=0, progress=False)
+    assert _split_docs(tmp_path / "out-test")["train"] == [gpt2.encode(t) for t in texts["test"]]
 
 
 def test_a_hub_dataset_the_hub_cannot_serve_is_one_line(tmp_path):
@@ -886,25 +941,100 @@ def test_prepare_messages_name_the_flag_and_the_file(tmp_path):
             TokenDataset(here)
 
 
+def test_a_damaged_dataset_dict_json_is_named(tmp_path):
+    """A ``save_to_disk`` folder whose ``dataset_dict.json`` is damaged (bad JSON, no split list) is refused in one
+    line naming that file, named itself or met inside an input folder: it was a bare JSONDecodeError message or a
+    KeyError traceback."""
+    saved = tmp_path / "corpus" / "saved"
+    saved.mkdir(parents=True)
+    _write_text(tmp_path / "corpus" / "a.txt")
+    for damage in ("{bad", "[]", '{"splits": "train"}', '{"other": 1}'):
+        (saved / "dataset_dict.json").write_text(damage)
+        for source in (saved, tmp_path / "corpus"):
+            with pytest.raises(ValueError, match=f"^inputs: {re.escape(str(saved / 'dataset_dict.json'))}: "):
+                prepare([source], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    message = one_line_error(foxlm("data", "prepare", saved, "--out", tmp_path / "out", "--tokenizer", "byte",
+                                   "--no-progress"), "data prepare")
+    assert str(saved / "dataset_dict.json") in message and not (tmp_path / "out").exists()
+
+
 def _write_text(path, text: str = "a few words of text\n"):
     path.write_text(text)
     return path
 
 
+def test_one_input_may_be_named_alone(tmp_path, monkeypatch):
+    """``prepare("corpus.txt", out)`` (one path, not a list, as ``load_dataset("text", data_files=...)`` takes it)
+    reads that file: a str was read as its characters, each an input ("inputs: c does not exist", or a folder named
+    by one of them read in its place) and a Path was a TypeError."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "other.txt").write_text("a folder named by one character of the input")
+    _write_text(tmp_path / "text.txt", "the document")
+    for i, single in enumerate(["text.txt", tmp_path / "text.txt"]):
+        meta = prepare(single, tmp_path / f"out{i}", tokenizer="byte", val_fraction=0.0, workers=0, progress=False)
+        assert [r["path"] for r in meta["sources"]] == ["text.txt" if isinstance(single, str) else str(single)]
+        assert bytes(TokenDataset(tmp_path / f"out{i}").document(0)[1:].astype(np.uint8)) == b"the document"
+
+
+def test_an_out_folder_under_a_file_is_named(tmp_path):
+    """``--out`` under a file (``notes.txt/data``) is refused naming the flag, before anything is read: it was
+    ``[Errno 20] Not a directory`` naming a temporary folder the user never heard of."""
+    text = _write_text(tmp_path / "x.txt")
+    _write_text(tmp_path / "notes.txt")
+    for out in (tmp_path / "notes.txt" / "data", tmp_path / "notes.txt" / "deeper" / "data"):
+        message = one_line_error(foxlm("data", "prepare", text, "--out", out, "--tokenizer", "byte", "--no-progress"),
+                                 "data prepare")
+        assert f"out_dir (--out): {out} lies under the file {tmp_path / 'notes.txt'}" in message
+
+
 def test_prepare_removes_what_killed_runs_left_and_no_user_folder(tmp_path):
     """Only foxlm's own temporaries of dead processes go; a user's folders of similar names stay (one named
-    ``.out.old-2024`` used to be taken for a killed run's)."""
+    ``.out.old-2024`` used to be taken for a killed run's). The dataset a run killed mid-swap set aside is put back
+    before ``--out`` is checked, so it is the dataset there: kept without ``--overwrite`` (it was replaced)."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()  # a PID no process has now
     stale = [tmp_path / f".out.foxlm-tmp-{dead.pid}", tmp_path / f".out.foxlm-old-{dead.pid}"]
     mine = [tmp_path / ".out.old-2024", tmp_path / f".out.tmp-{dead.pid}", tmp_path / ".out.foxlm-old-x1"]
-    for folder in stale + mine:
+    for folder in [stale[0], *mine]:
         folder.mkdir()
         (folder / "train-00000.bin").write_bytes(b"xx")
-    prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
+    prepare([_write_text(tmp_path / "old.txt", "the set-aside dataset")], stale[1], tokenizer="byte", workers=0,
+            progress=False)
+    with pytest.raises(FileExistsError, match="already holds a dataset"):
+        prepare([_write_text(tmp_path / "x.txt")], tmp_path / "out", tokenizer="byte", workers=0, progress=False)
     assert not any(f.exists() for f in stale)
     assert all((f / "train-00000.bin").read_bytes() == b"xx" for f in mine)
-    assert TokenDataset(tmp_path / "out").num_docs == 1
+    assert len(TokenDataset(tmp_path / "out").tokens) == 1 + len("the set-aside dataset")
+    prepare([tmp_path / "x.txt"], tmp_path / "out", tokenizer="byte", workers=0, overwrite=True, progress=False)
+    assert TokenDataset(tmp_path / "out").num_docs == 1 and len(TokenDataset(tmp_path / "out").tokens) == 1 + len(
+        "a few words of text\n")
+
+
+def test_a_folder_made_at_out_while_prepare_runs_is_kept(tmp_path):
+    """``--out`` is checked again before the dataset moves in: a folder made there while the input was read (another
+    job's results, a second prepare's dataset) was renamed aside and deleted with its files. The input is a named
+    pipe (as ``<(zcat x.gz)`` is), so the folder appears after the first check and before the dataset is done."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    out = tmp_path / "out"
+    result = {}
+
+    def run():
+        try:
+            prepare([pipe], out, tokenizer="byte", val_fraction=0.0, workers=0, progress=False)
+        except FileExistsError as e:
+            result["error"] = str(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    with open(pipe, "w") as writer:  # opens once prepare reads it: after its first look at --out
+        out.mkdir()
+        (out / "results.csv").write_text("another job's results")
+        writer.write("the only document")
+    thread.join(60)
+    assert "out_dir (--out)" in result.get("error", "") and (out / "results.csv").read_text() == "another job's results"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "pipe"]  # and no temporary folder left
 
 
 def test_prepare_keeps_an_existing_folders_mode(tmp_path):
