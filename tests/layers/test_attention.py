@@ -135,12 +135,16 @@ def test_gates_bias_alibi_none():
      # a ZeroDivisionError (or a RuntimeError from a negative size) before; a bool or float window was kept
      (dict(num_heads=0), "num_heads: expected a positive int"), (dict(num_heads=-4), "num_heads"),
      (dict(num_kv_heads=0), "num_kv_heads: expected a positive int"), (dict(head_dim=0), "head_dim"),
-     (dict(window=True), "window"), (dict(window=2.5), "window")],
+     (dict(window=True), "window"), (dict(window=2.5), "window"),
+     # a ZeroDivisionError (default head dim 32 // 64 = 0), or a module of zero-width projections / a TypeError
+     (dict(num_heads=64), "hidden_size: 32 is less than num_heads=64"), (dict(hidden_size=0), "hidden_size"),
+     (dict(hidden_size=True, num_heads=1), "hidden_size"), (dict(hidden_size=32.0), "hidden_size")],
 )
 def test_layer_rejects_bad_arguments(kwargs, match):
     num_heads, num_kv_heads = kwargs.pop("num_heads", 4), kwargs.pop("num_kv_heads", None)
+    hidden_size = kwargs.pop("hidden_size", 32)
     with pytest.raises(ValueError, match=match):
-        ForgettingAttention(32, num_heads, num_kv_heads, **kwargs)
+        ForgettingAttention(hidden_size, num_heads, num_kv_heads, **kwargs)
 
 
 def test_qk_norm_logit_bound_holds_and_acp_changes_little():
