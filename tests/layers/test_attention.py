@@ -217,3 +217,14 @@ def test_rope_layer_rotates_by_the_given_cos_sin():
     plain = ForgettingAttention(32, 4, gate="none").double()
     plain.load_state_dict(layer.state_dict())
     assert not torch.allclose(plain(x)[0], y)  # and the rotation changes the output
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(theta=-1.0), "theta"), (dict(theta=0.0), "theta"), (dict(theta=float("nan")), "theta"),
+    (dict(theta=float("inf")), "theta"), (dict(head_dim=7), "head_dim"), (dict(head_dim=0), "head_dim"),
+    (dict(head_dim=8.0), "head_dim"),
+])
+def test_rotary_embedding_rejects_bad_arguments(kwargs, match):
+    """theta <= 0, inf or NaN made NaN (or inf) frequencies, so NaN cos and sin and NaN attention, with no error."""
+    with pytest.raises(ValueError, match=match):
+        RotaryEmbedding(**{"head_dim": 8, **kwargs})
