@@ -12,7 +12,7 @@ from foxlm.layers import (
     alibi_slopes,
 )
 from foxlm.layers.attention import ACPConfig
-from foxlm.ops import forgetting_attention_reference, sequence_attention
+from foxlm.ops import forgetting_attention_reference, sequence_attention, use_backend
 
 F64 = torch.float64
 
@@ -228,3 +228,46 @@ def test_rotary_embedding_rejects_bad_arguments(kwargs, match):
     """theta <= 0, inf or NaN made NaN (or inf) frequencies, so NaN cos and sin and NaN attention, with no error."""
     with pytest.raises(ValueError, match=match):
         RotaryEmbedding(**{"head_dim": 8, **kwargs})
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+def test_pro_layer_backends_match_fp64(backend, device):
+    """A fox-pro layer (GQA, token shift, QK-norm, output norm and gate) over two packed documents, fp32 on either
+    back-end: the output and every gradient as the fp64 layer's."""
+    torch.manual_seed(0)
+    kw = dict(qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True)
+    ref = ForgettingAttention(32, 4, 2, **kw).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    layer = ForgettingAttention(32, 4, 2, **kw).to(device)
+    layer.load_state_dict(ref.state_dict())
+    seg = Segments.from_cu_seqlens(torch.tensor([0, 5, 13], dtype=torch.int32), 13)
+    x = torch.randn(1, 13, 32, dtype=F64)
+    dy = torch.randn(1, 13, 32, dtype=F64)
+
+    def run(module, x, seg):
+        x = x.requires_grad_()
+        y = module(x, segments=seg, reset=seg.starts)[0]
+        return y, torch.autograd.grad(y, [x, *module.parameters()], dy.to(y))
+
+    want, want_grads = run(ref, x, seg)
+    seg = Segments(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in vars(seg).values()))
+    with use_backend(backend):
+        got, grads = run(layer, x.float().to(device), seg)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_use_backend_names_the_argument_and_restores_on_an_exception():
+    from foxlm.ops import backend
+
+    before = backend._backend
+    with pytest.raises(ValueError, match="name: expected one of"):
+        with use_backend("cuda"):
+            pass
+    with pytest.raises(RuntimeError, match="inside"):
+        with use_backend("torch" if before != "torch" else "auto"):
+            raise RuntimeError("inside")
+    assert backend._backend == before
