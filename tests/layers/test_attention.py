@@ -271,3 +271,57 @@ def test_use_backend_names_the_argument_and_restores_on_an_exception():
         with use_backend("torch" if before != "torch" else "auto"):
             raise RuntimeError("inside")
     assert backend._backend == before
+
+
+def test_blocks_match_hf_llama():
+    """RMSNorm, SwiGLU and RoPE against transformers' Llama classes with the same weights and positions (per-row
+    position_ids, as after left padding, up to 2^17). In bf16 and fp16 RMSNorm rounds once, after the weight (the FoX
+    authors' fla norm), where LlamaRMSNorm rounds the normalised x and then the product: one unit in the last place
+    apart at most, and no farther from fp64."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaMLP,
+        LlamaRMSNorm,
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from foxlm.layers import SwiGLU
+    from foxlm.ops import apply_rotary
+
+    torch.manual_seed(0)
+    weight = 1 + 0.5 * torch.randn(96)
+    x = 3 * torch.randn(4, 7, 96)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ours, theirs = RMSNorm(96), LlamaRMSNorm(96, eps=1e-6)
+        for norm in (ours, theirs):
+            norm.weight.data.copy_(weight)
+            norm.to(dtype)
+        xd = x.to(dtype)
+        exact = xd.double() * xd.double().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * ours.weight.double()
+        y, y_hf = ours(xd), theirs(xd)
+        assert y.dtype == y_hf.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, y_hf, rtol=2e-7, atol=1e-6)
+        else:
+            ulp = torch.finfo(dtype).eps * y_hf.double().abs().clamp_min(torch.finfo(dtype).tiny)
+            assert bool(((y.double() - y_hf.double()).abs() <= ulp).all())
+            assert (y.double() - exact).abs().max() <= (y_hf.double() - exact).abs().max()
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=2, rope_theta=500000.0,
+                         max_position_embeddings=1 << 17)
+    mlp, swiglu = LlamaMLP(config), SwiGLU(64, 160)
+    swiglu.load_state_dict(mlp.state_dict())
+    h = torch.randn(3, 5, 64)
+    torch.testing.assert_close(swiglu(h), mlp(h), rtol=0, atol=1e-6)
+
+    positions = torch.stack([torch.arange(9), torch.arange(9).clamp_min(3) - 3, torch.arange(9) + (1 << 17) - 9])
+    q = torch.randn(3, 9, 2, 32)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions)
+    want = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0].transpose(1, 2)
+    got = apply_rotary(q, *RotaryEmbedding(32, 500000.0)(positions))
+    # both angles are fp32 products of fp32 frequencies (Llama's 1 / theta^x, ours theta^-x: an ulp apart at most)
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=2e-2)
+    exact = apply_rotary(q.double(), *RotaryEmbedding(32, 500000.0)(positions, torch.float64))
+    assert (got[2] - exact[2]).abs().max() <= (want[2] - exact[2]).abs().max() + 1e-6
