@@ -60,6 +60,13 @@ def test_segments_from_cu_seqlens_and_mask():
         Segments.from_mask(torch.tensor([[1, 0, 1]]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         Segments.from_cu_seqlens(torch.tensor([0, 5, 3], dtype=torch.int32), 3)
+    # an IndexError, a bad unpack or a torch.where dtype error before, naming nothing
+    for bad in (torch.ones(5), torch.ones(2, 0), torch.ones(1, 2, 3)):
+        with pytest.raises(ValueError, match="attention_mask: expected a \\[B, T\\] tensor with T >= 1"):
+            Segments.from_mask(bad)
+    for bad in (torch.zeros(2, 0, dtype=torch.bool), torch.zeros(5, dtype=torch.bool), torch.zeros(2, 3)):
+        with pytest.raises(ValueError, match="starts: expected a \\[B, T\\] torch.bool tensor"):
+            Segments.from_starts(bad)
 
 
 def test_packed_segments_equal_separate_sequences():
