@@ -40,8 +40,10 @@ def _pairwise(x, name: str, dim: int):
     from onnxscript import opset18 as op
 
     dtype = x.dtype
-    if dtype.is_floating_point() or not (dtype.is_integer() or dtype.name == "BOOL"):
-        raise NotImplementedError(f"{name}: only integer and bool tensors have an ONNX form here, got {dtype.name}")
+    # compared as int64, which uint64 above 2^63 would wrap
+    if dtype.name == "UINT64" or not (dtype.is_integer() or dtype.name == "BOOL"):
+        raise NotImplementedError(f"{name}: only integer (but uint64) and bool tensors have an ONNX form here, "
+                                  f"got {dtype.name}")
     rank = len(x.shape)
     dim = dim % rank
     x = op.Cast(x, to=INT64.dtype)
