@@ -115,6 +115,11 @@ class ForgettingAttention(nn.Module):
             if (n is not None or name == "num_heads") and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
                 raise ValueError(f"{name}: expected a positive int{'' if name == 'num_heads' else ' or None'}, "
                                  f"got {n!r}")
+        if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size < 1:
+            raise ValueError(f"hidden_size: expected a positive int, got {hidden_size!r}")
+        # the default head dim C // H is 0 for C < H: its scale 0 ** -0.5 ended in a ZeroDivisionError
+        if head_dim is None and hidden_size < num_heads:
+            raise ValueError(f"hidden_size: {hidden_size} is less than num_heads={num_heads}; give head_dim")
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         head_dim = hidden_size // num_heads if head_dim is None else head_dim
         if gate not in GATES:

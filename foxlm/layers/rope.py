@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -16,8 +18,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, theta: float = 10000.0):
         super().__init__()
-        if head_dim % 2:
-            raise ValueError(f"head_dim: RoPE needs an even head dim, got {head_dim}")
+        if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim: RoPE needs an even positive int head dim, got {head_dim!r}")
+        # theta <= 0 (or inf, NaN) gave NaN frequencies: every rotated q and k NaN, with no error
+        if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not 0 < theta < math.inf:
+            raise ValueError(f"theta: expected a finite positive number, got {theta!r}")
         self.head_dim, self.theta = head_dim, theta
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32

@@ -30,6 +30,7 @@ class Segments:
     def from_starts(cls, starts: torch.Tensor, offsets: tuple[torch.Tensor, int] | None = None) -> "Segments":
         """starts: [B, T] bool (column 0 is treated as True); offsets: (cu_seqlens, max_seqlen) of the segments
         that ``starts`` cuts, empty segments allowed (default: computed from ``starts``, a host sync)."""
+        _check_batch("starts", starts, torch.bool)
         starts = starts.clone()
         starts[:, 0] = True
         B, T = starts.shape
@@ -61,6 +62,7 @@ class Segments:
         fixed size, three segments a row (padding, real tokens, padding; empty where a row has none, e.g. every
         segment but the real one for an all-ones mask), with max_seqlen T: the same attention, gate cumsum and
         token shift as the segments cut where the mask changes."""
+        _check_batch("attention_mask", attention_mask)
         real = attention_mask.bool()
         starts = real != torch.cat([real[:, :1], real[:, :-1]], dim=1)
         if sync:
@@ -75,3 +77,11 @@ class Segments:
         real = attention_mask.bool()
         before = torch.cat([torch.zeros_like(real[:, :1]), real[:, :-1]], dim=1)
         return (real & ~before).sum(1)
+
+
+def _check_batch(name: str, t, dtype: torch.dtype | None = None) -> None:
+    """A [B, T] tensor with T >= 1 (of ``dtype`` if given): an IndexError or a bad unpack deep inside before."""
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[1] < 1 or (dtype is not None and t.dtype != dtype):
+        got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        kind = "" if dtype is None else f"{dtype} "
+        raise ValueError(f"{name}: expected a [B, T] {kind}tensor with T >= 1, got {got}")

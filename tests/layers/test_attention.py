@@ -12,7 +12,7 @@ from foxlm.layers import (
     alibi_slopes,
 )
 from foxlm.layers.attention import ACPConfig
-from foxlm.ops import forgetting_attention_reference, sequence_attention
+from foxlm.ops import forgetting_attention_reference, sequence_attention, use_backend
 
 F64 = torch.float64
 
@@ -60,6 +60,13 @@ def test_segments_from_cu_seqlens_and_mask():
         Segments.from_mask(torch.tensor([[1, 0, 1]]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         Segments.from_cu_seqlens(torch.tensor([0, 5, 3], dtype=torch.int32), 3)
+    # an IndexError, a bad unpack or a torch.where dtype error before, naming nothing
+    for bad in (torch.ones(5), torch.ones(2, 0), torch.ones(1, 2, 3)):
+        with pytest.raises(ValueError, match="attention_mask: expected a \\[B, T\\] tensor with T >= 1"):
+            Segments.from_mask(bad)
+    for bad in (torch.zeros(2, 0, dtype=torch.bool), torch.zeros(5, dtype=torch.bool), torch.zeros(2, 3)):
+        with pytest.raises(ValueError, match="starts: expected a \\[B, T\\] torch.bool tensor"):
+            Segments.from_starts(bad)
 
 
 def test_packed_segments_equal_separate_sequences():
@@ -135,12 +142,16 @@ def test_gates_bias_alibi_none():
      # a ZeroDivisionError (or a RuntimeError from a negative size) before; a bool or float window was kept
      (dict(num_heads=0), "num_heads: expected a positive int"), (dict(num_heads=-4), "num_heads"),
      (dict(num_kv_heads=0), "num_kv_heads: expected a positive int"), (dict(head_dim=0), "head_dim"),
-     (dict(window=True), "window"), (dict(window=2.5), "window")],
+     (dict(window=True), "window"), (dict(window=2.5), "window"),
+     # a ZeroDivisionError (default head dim 32 // 64 = 0), or a module of zero-width projections / a TypeError
+     (dict(num_heads=64), "hidden_size: 32 is less than num_heads=64"), (dict(hidden_size=0), "hidden_size"),
+     (dict(hidden_size=True, num_heads=1), "hidden_size"), (dict(hidden_size=32.0), "hidden_size")],
 )
 def test_layer_rejects_bad_arguments(kwargs, match):
     num_heads, num_kv_heads = kwargs.pop("num_heads", 4), kwargs.pop("num_kv_heads", None)
+    hidden_size = kwargs.pop("hidden_size", 32)
     with pytest.raises(ValueError, match=match):
-        ForgettingAttention(32, num_heads, num_kv_heads, **kwargs)
+        ForgettingAttention(hidden_size, num_heads, num_kv_heads, **kwargs)
 
 
 def test_qk_norm_logit_bound_holds_and_acp_changes_little():
@@ -213,3 +224,111 @@ def test_rope_layer_rotates_by_the_given_cos_sin():
     plain = ForgettingAttention(32, 4, gate="none").double()
     plain.load_state_dict(layer.state_dict())
     assert not torch.allclose(plain(x)[0], y)  # and the rotation changes the output
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(theta=-1.0), "theta"), (dict(theta=0.0), "theta"), (dict(theta=float("nan")), "theta"),
+    (dict(theta=float("inf")), "theta"), (dict(head_dim=7), "head_dim"), (dict(head_dim=0), "head_dim"),
+    (dict(head_dim=8.0), "head_dim"),
+])
+def test_rotary_embedding_rejects_bad_arguments(kwargs, match):
+    """theta <= 0, inf or NaN made NaN (or inf) frequencies, so NaN cos and sin and NaN attention, with no error."""
+    with pytest.raises(ValueError, match=match):
+        RotaryEmbedding(**{"head_dim": 8, **kwargs})
+
+
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.triton), "torch"])
+def test_pro_layer_backends_match_fp64(backend, device):
+    """A fox-pro layer (GQA, token shift, QK-norm, output norm and gate) over two packed documents, fp32 on either
+    back-end: the output and every gradient as the fp64 layer's."""
+    torch.manual_seed(0)
+    kw = dict(qk_norm=True, output_gate=True, output_norm=True, k_shift=True, v_shift=True)
+    ref = ForgettingAttention(32, 4, 2, **kw).double()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    layer = ForgettingAttention(32, 4, 2, **kw).to(device)
+    layer.load_state_dict(ref.state_dict())
+    seg = Segments.from_cu_seqlens(torch.tensor([0, 5, 13], dtype=torch.int32), 13)
+    x = torch.randn(1, 13, 32, dtype=F64)
+    dy = torch.randn(1, 13, 32, dtype=F64)
+
+    def run(module, x, seg):
+        x = x.requires_grad_()
+        y = module(x, segments=seg, reset=seg.starts)[0]
+        return y, torch.autograd.grad(y, [x, *module.parameters()], dy.to(y))
+
+    want, want_grads = run(ref, x, seg)
+    seg = Segments(*(t.to(device) if isinstance(t, torch.Tensor) else t for t in vars(seg).values()))
+    with use_backend(backend):
+        got, grads = run(layer, x.float().to(device), seg)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-5)
+    for g, w in zip(grads, want_grads):
+        torch.testing.assert_close(g.double().cpu(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_use_backend_names_the_argument_and_restores_on_an_exception():
+    from foxlm.ops import backend
+
+    before = backend._backend
+    with pytest.raises(ValueError, match="name: expected one of"):
+        with use_backend("cuda"):
+            pass
+    with pytest.raises(RuntimeError, match="inside"):
+        with use_backend("torch" if before != "torch" else "auto"):
+            raise RuntimeError("inside")
+    assert backend._backend == before
+
+
+def test_blocks_match_hf_llama():
+    """RMSNorm, SwiGLU and RoPE against transformers' Llama classes with the same weights and positions (per-row
+    position_ids, as after left padding, up to 2^17). In bf16 and fp16 RMSNorm rounds once, after the weight (the FoX
+    authors' fla norm), where LlamaRMSNorm rounds the normalised x and then the product: one unit in the last place
+    apart at most, and no farther from fp64."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import (
+        LlamaMLP,
+        LlamaRMSNorm,
+        LlamaRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
+
+    from foxlm.layers import SwiGLU
+    from foxlm.ops import apply_rotary
+
+    torch.manual_seed(0)
+    weight = 1 + 0.5 * torch.randn(96)
+    x = 3 * torch.randn(4, 7, 96)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ours, theirs = RMSNorm(96), LlamaRMSNorm(96, eps=1e-6)
+        for norm in (ours, theirs):
+            norm.weight.data.copy_(weight)
+            norm.to(dtype)
+        xd = x.to(dtype)
+        exact = xd.double() * xd.double().pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt() * ours.weight.double()
+        y, y_hf = ours(xd), theirs(xd)
+        assert y.dtype == y_hf.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(y, y_hf, rtol=2e-7, atol=1e-6)
+        else:
+            ulp = torch.finfo(dtype).eps * y_hf.double().abs().clamp_min(torch.finfo(dtype).tiny)
+            assert bool(((y.double() - y_hf.double()).abs() <= ulp).all())
+            assert (y.double() - exact).abs().max() <= (y_hf.double() - exact).abs().max()
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=160, num_attention_heads=2, rope_theta=500000.0,
+                         max_position_embeddings=1 << 17)
+    mlp, swiglu = LlamaMLP(config), SwiGLU(64, 160)
+    swiglu.load_state_dict(mlp.state_dict())
+    h = torch.randn(3, 5, 64)
+    torch.testing.assert_close(swiglu(h), mlp(h), rtol=0, atol=1e-6)
+
+    positions = torch.stack([torch.arange(9), torch.arange(9).clamp_min(3) - 3, torch.arange(9) + (1 << 17) - 9])
+    q = torch.randn(3, 9, 2, 32)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions)
+    want = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0].transpose(1, 2)
+    got = apply_rotary(q, *RotaryEmbedding(32, 500000.0)(positions))
+    # both angles are fp32 products of fp32 frequencies (Llama's 1 / theta^x, ours theta^-x: an ulp apart at most)
+    torch.testing.assert_close(got[:2], want[:2], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got[2], want[2], rtol=0, atol=2e-2)
+    exact = apply_rotary(q.double(), *RotaryEmbedding(32, 500000.0)(positions, torch.float64))
+    assert (got[2] - exact[2]).abs().max() <= (want[2] - exact[2]).abs().max() + 1e-6

@@ -8,7 +8,11 @@ as dense masked softmax attention with the gate's bias, in fp32 (fp64 for fp64 i
 
 Dense: memory grows as T^2 (the graph holds one [B, H, Tq, Tk] score tensor), as in transformers' eager attention.
 ACP's threshold is not applied: the skipped tiles carry less than its tolerance of the attention mass, and the
-ONNX graph computes them. Packed sequences (``cu_seqlens``) are refused at export.
+ONNX graph computes them. Packed sequences (``cu_seqlens``, which is also how a model lays out a padded batch given
+an ``attention_mask``) are masked per sequence over the flattened batch: a [1, H, B*T, B*T] score tensor.
+
+The table also writes the two ops of a model's padding layout that ONNX lacks, for integer and bool tensors: the
+stable sort (``aten.sort.stable``) and the running maximum (``aten.cummax``), each as [..., n, n] comparisons.
 """
 
 from __future__ import annotations
@@ -17,14 +21,72 @@ import torch
 
 
 def onnx_translation_table() -> dict:
-    """{op overload: ONNX function} for ``torch.onnx.export``'s ``custom_translation_table`` (needs onnxscript)."""
+    """{op overload: ONNX function} for ``torch.onnx.export``'s ``custom_translation_table`` (needs onnxscript): the
+    attention op, and the stable sort and running maximum of a model's padding layout (integer and bool tensors)."""
     try:
         import onnxscript  # noqa: F401
     except ImportError as e:
         raise ImportError("ONNX export needs onnxscript and onnx: pip install 'foxlm[onnx]'") from e
     from . import sdpa  # noqa: F401  (registers the op)
 
-    return {torch.ops.foxlm.attention_from_cumsum.default: _attention_from_cumsum}
+    return {torch.ops.foxlm.attention_from_cumsum.default: _attention_from_cumsum,
+            torch.ops.aten.sort.stable: _stable_sort, torch.ops.aten.cummax.default: _cummax}
+
+
+def _pairwise(x, name: str, dim: int):
+    """x [..., n (at dim), ...] as int64, for comparisons of every pair along dim: (x_i [n at dim, 1 at dim + 1],
+    x_j [1 at dim, n at dim + 1], i and j in the same layout, the normalised dim)."""
+    from onnxscript import INT64
+    from onnxscript import opset18 as op
+
+    dtype = x.dtype
+    # compared as int64, which uint64 above 2^63 would wrap
+    if dtype.name == "UINT64" or not (dtype.is_integer() or dtype.name == "BOOL"):
+        raise NotImplementedError(f"{name}: only integer (but uint64) and bool tensors have an ONNX form here, "
+                                  f"got {dtype.name}")
+    rank = len(x.shape)
+    dim = dim % rank
+    x = op.Cast(x, to=INT64.dtype)
+    n = op.Squeeze(op.Slice(op.Shape(x), op.Constant(value_ints=[dim]), op.Constant(value_ints=[dim + 1])),
+                   op.Constant(value_ints=[0]))
+    idx = op.Range(op.Constant(value_int=0), n, op.Constant(value_int=1))
+
+    def along(t, axis):  # [n] -> n at axis, 1 elsewhere (rank + 1 dims)
+        shape = [1] * (rank + 1)
+        shape[axis] = -1
+        return op.Reshape(t, op.Constant(value_ints=shape))
+
+    return (op.Unsqueeze(x, op.Constant(value_ints=[dim + 1])), op.Unsqueeze(x, op.Constant(value_ints=[dim])),
+            along(idx, dim), along(idx, dim + 1), dim)
+
+
+def _stable_sort(x, stable=None, dim: int = -1, descending: bool = False):
+    """aten.sort.stable: (values, indices int64) along dim, ties in their order (stable, whatever ``stable``). Each
+    element's rank is the number of elements before it in the sorted order, counted over all pairs."""
+    from onnxscript import INT64
+    from onnxscript import opset18 as op
+
+    xi, xj, i, j, dim = _pairwise(x, "aten.sort.stable", dim)
+    ahead = op.Greater(xj, xi) if descending else op.Less(xj, xi)
+    ahead = op.Or(ahead, op.And(op.Equal(xj, xi), op.Less(j, i)))
+    rank = op.ReduceSum(op.Cast(ahead, to=INT64.dtype), op.Constant(value_ints=[dim + 1]), keepdims=0)
+    positions = op.Expand(op.Squeeze(i, op.Constant(value_ints=[dim + 1])), op.Shape(rank))
+    indices = op.ScatterElements(positions, rank, positions, axis=dim)  # the element of rank r goes to slot r
+    return op.GatherElements(x, indices, axis=dim), indices
+
+
+def _cummax(x, dim: int):
+    """aten.cummax: (values, indices int64) along dim, the index of the last occurrence of the maximum so far."""
+    from onnxscript import opset18 as op
+
+    xi, xj, i, j, dim = _pairwise(x, "aten.cummax", dim)
+    seen = op.LessOrEqual(j, i)
+    first = op.Slice(xj, op.Constant(value_ints=[0]), op.Constant(value_ints=[1]), op.Constant(value_ints=[dim + 1]))
+    values = op.ReduceMax(op.Where(seen, xj, first), op.Constant(value_ints=[dim + 1]), keepdims=1)  # x_0 is seen
+    at = op.And(seen, op.Equal(xj, values))
+    indices = op.ReduceMax(op.Where(at, j, op.Constant(value_int=-1)), op.Constant(value_ints=[dim + 1]), keepdims=0)
+    values = op.CastLike(op.Squeeze(values, op.Constant(value_ints=[dim + 1])), x)
+    return values, indices
 
 
 def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, scale: float = 1.0,
@@ -34,9 +96,6 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     from onnxscript import DOUBLE, FLOAT, INT64
     from onnxscript import opset18 as op
 
-    if cu_seqlens is not None:
-        raise NotImplementedError("foxlm::attention_from_cumsum: packed sequences (cu_seqlens) have no ONNX form; "
-                                  "export the model on padded batches")
     Hq, D = q.shape[2], q.shape[3]
     Hk, Dv = k.shape[2], v.shape[3]
     if not all(isinstance(n, int) for n in (Hq, D, Hk, Dv)):
@@ -73,6 +132,12 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     first = zero  # a row's first visible key
     if window is not None:
         first = op.Max(op.Sub(pos, op.Constant(value_int=int(window) - 1)), zero)
+    if cu_seqlens is not None:  # B == 1, Tq == Tk, q_offset 0: a row's sequence starts at the last offset <= it
+        offsets = op.Cast(op.Slice(cu_seqlens, ints(0), ints(-1)), to=INT64.dtype)
+        begun = op.Where(op.LessOrEqual(op.Unsqueeze(offsets, ints(0)), op.Unsqueeze(pos, ints(1))),
+                         op.Unsqueeze(offsets, ints(0)), zero)  # [Tq, N]: the offsets at or before each row
+        first = op.Max(first, op.ReduceMax(begun, ints(1), keepdims=0))
+    if window is not None or cu_seqlens is not None:
         visible = op.And(visible, op.GreaterOrEqual(op.Unsqueeze(keys, ints(0)), op.Unsqueeze(first, ints(1))))
     s = op.Where(visible, s, op.Cast(op.Constant(value_float=float("-inf")), to=dtype))
     m = op.ReduceMax(s, ints(-1), keepdims=1)
@@ -82,7 +147,7 @@ def _attention_from_cumsum(q, k, v, c_q, c_k, threshold=None, cu_seqlens=None, s
     o = op.Transpose(op.Div(op.MatMul(p, vh), total), perm=[0, 2, 1, 3])  # [B, Tq, Hq, Dv]
     if channels:  # the op's widened output o' (its caller reads the first Dv channels)
         o = op.Pad(o, ints(0, 0, 0, 0, 0, 0, 0, max(D, Dv) + 2 - Dv))
-    if threshold is None and window is None:
+    if threshold is None and window is None and cu_seqlens is None:
         starts = op.Constant(value_ints=[])
     else:  # [B, Hq, Tq], as the op's fake gives it
         starts = op.Expand(op.Cast(first, to=INT64.dtype), op.Shape(lse))  # first: [Tq], or 0 for every row

@@ -80,14 +80,88 @@ def test_op_exports_with_window_query_offset_acp_and_fp64(case, tmp_path):
                                                     dict(rtol=1e-4, atol=1e-5)))
 
 
-def test_packed_sequences_are_refused_at_export(tmp_path):
-    q, k, v = (torch.randn(1, 12, 2, 16) for _ in range(3))
-    log_fgate = F.logsigmoid(torch.randn(1, 12, 2))
-    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+@pytest.mark.parametrize("window", [None, 4])
+def test_packed_sequences_export(window, tmp_path):
+    """Packed sequences (cu_seqlens with empty ones, as a model's padding layout has them; with a window too) export
+    and give the op's o and lse: they were refused at export."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 20, 4, 16, generator=g)
+    k, v = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(2))
+    log_fgate = F.logsigmoid(torch.randn(1, 20, 4, generator=g) + 1)
+    cu = torch.tensor([0, 0, 6, 6, 13, 20, 20], dtype=torch.int32)
 
     class Packed(torch.nn.Module):
-        def forward(self, q, k, v, log_fgate):
-            return forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu, max_seqlen=7)
+        def forward(self, q, k, v, log_fgate, cu_seqlens):
+            return forgetting_attention(q, k, v, log_fgate, cu_seqlens=cu_seqlens, max_seqlen=7, window=window,
+                                        return_lse=True)
 
-    with pytest.raises(Exception, match="cu_seqlens"):
-        _export(Packed(), (q, k, v, log_fgate), tmp_path / "packed.onnx")
+    inputs = (q, k, v, log_fgate, cu)
+    session = _export(Packed(), inputs, tmp_path / "packed.onnx")
+    got = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)})
+    with torch.no_grad():
+        want = Packed()(*inputs)
+    for a, e in zip(got, want):
+        np.testing.assert_allclose(a, e.numpy(), rtol=1e-4, atol=1e-5)
+
+
+class _MaskedLogits(_Logits):
+    def forward(self, input_ids, attention_mask):
+        return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+@pytest.mark.parametrize("preset", ["fox-pro", "transformer-llama"])
+def test_model_with_attention_mask_exports(preset, tmp_path):
+    """A model exported with an attention_mask (dynamic batch and length) gives eager's logits on padded batches of
+    other shapes: left, right and inner padding, a row of padding only. The export failed: ONNX has no stable sort
+    or running maximum (the model's padding layout), and the attention refused the padding's segments."""
+    torch.manual_seed(0)
+    cfg = FoxConfig.preset(preset, "tiny", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, bos_token_id=96, eos_token_id=96)
+    model = FoxForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (2, 21))
+    session = _export(_MaskedLogits(model), (ids, torch.ones_like(ids)), tmp_path / "model.onnx",
+                      dynamic_shapes=({0: "batch", 1: "length"}, {0: "batch", 1: "length"}))
+    ids = torch.randint(0, 97, (4, 30))
+    mask = torch.ones_like(ids)
+    mask[0, :4] = 0
+    mask[1, 25:] = 0
+    mask[2, 10:13] = 0
+    mask[3] = 0
+    got = session.run(None, {session.get_inputs()[0].name: ids.numpy(), session.get_inputs()[1].name: mask.numpy()})
+    with torch.no_grad():
+        want = model(ids, attention_mask=mask, use_cache=False).logits.numpy()
+    np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5)
+
+
+class _Call(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+@pytest.mark.parametrize("case", ["sort", "sort descending dim 0", "sort bool", "cummax", "cummax dim 0 bool"])
+def test_stable_sort_and_cummax_translations(case, tmp_path):
+    """The table's aten.sort.stable and aten.cummax give torch's values and indices (ties: a stable order, the
+    last maximum) at another length than the export's."""
+    fns = {"sort": lambda x: torch.sort(x, dim=1, stable=True),
+           "sort descending dim 0": lambda x: torch.sort(x, dim=0, stable=True, descending=True),
+           "sort bool": lambda x: torch.sort(x > 1, dim=-1, stable=True),
+           "cummax": lambda x: torch.cummax(x, dim=1),
+           "cummax dim 0 bool": lambda x: torch.cummax(x > 1, dim=0)}
+    module = _Call(fns[case])
+    g = torch.Generator().manual_seed(3)
+    session = _export(module, (torch.randint(0, 4, (5, 9), generator=g),), tmp_path / "op.onnx",
+                      dynamic_shapes=({0: "rows", 1: "length"},))
+    x = torch.randint(0, 4, (6, 13), generator=g, dtype=torch.int64)
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})
+    want = module(x)
+    for a, e in zip(got, want):
+        np.testing.assert_array_equal(a, e.numpy())
+
+
+def test_float_stable_sort_is_refused_at_export(tmp_path):
+    with pytest.raises(Exception, match="aten.sort.stable: only integer"):
+        _export(_Call(lambda x: torch.sort(x, stable=True)), (torch.randn(3, 5),), tmp_path / "sort.onnx")
