@@ -51,6 +51,7 @@ class FoxConfig(PretrainedConfig):
         for name, value in fields.items():
             setattr(self, name, value)
         self._check()
+        _refuse_rope_variants(kwargs, self.rope_theta)
         super().__init__(**hf_fields, **kwargs)
         if self.tie_word_embeddings:
             raise ValueError("tie_word_embeddings: FoX models have an untied LM head")
@@ -136,3 +137,21 @@ class FoxConfig(PretrainedConfig):
                 raise ValueError(f"{name}: expected a positive number, got {getattr(self, name)!r}")
         if not (number(self.initializer_range) and self.initializer_range >= 0):
             raise ValueError(f"initializer_range: expected a non-negative std, got {self.initializer_range!r}")
+
+
+def _refuse_rope_variants(kwargs: dict, rope_theta: float) -> None:
+    """Pop transformers' RoPE variants from ``kwargs``, refusing any but plain RoPE: the baselines' RoPE has no
+    scaling and rotates every channel, and a config taking them (a Llama config's ``rope_scaling``) would say what
+    the model does not do, and save it."""
+    scaling = kwargs.pop("rope_scaling", None)
+    if scaling is not None:
+        raise ValueError(f"rope_scaling: foxlm's RoPE (the Transformer baselines') has no scaling, got {scaling!r}; "
+                         "set rope_theta instead")
+    factor = kwargs.pop("partial_rotary_factor", None)
+    if factor not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor: foxlm's RoPE rotates every channel (1.0), got {factor!r}")
+    params = kwargs.pop("rope_parameters", None)
+    plain = {"rope_type": "default", "rope_theta": rope_theta}
+    if params is not None and (not isinstance(params, dict) or {**plain, **params} != plain):
+        raise ValueError(f"rope_parameters: foxlm's RoPE is the default type with rope_theta={rope_theta}, got "
+                         f"{params!r}; set rope_theta instead")

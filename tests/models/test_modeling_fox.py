@@ -1,5 +1,6 @@
 """foxlm.models: presets, HF integration (save/load, Auto classes, generate), KV-cache decoding, packing, padding."""
 
+import json
 import math
 
 import pytest
@@ -537,11 +538,28 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         (dict(qk_norm="yes"), "qk_norm"),
         (dict(rms_norm_eps=0.0), "rms_norm_eps"),
         (dict(tie_word_embeddings=True), "tie_word_embeddings"),
+        (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope_scaling"),
+        (dict(partial_rotary_factor=0.5), "partial_rotary_factor"),
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0}), "rope_parameters"),
+        (dict(rope=True, rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+         "rope_parameters"),
     ],
 )
 def test_bad_config_values_raise_naming_the_field(overrides, field):
     with pytest.raises(ValueError, match=field):
         FoxConfig.preset("fox-llama", "tiny", **overrides)
+
+
+def test_plain_rope_parameters_are_taken_and_not_saved(tmp_path):
+    """A Llama config's plain RoPE entries (transformers' defaults) are accepted; no variant is kept or saved, since
+    the baselines' RoPE has none (a rope_scaling was taken, saved, and changed nothing in the logits)."""
+    config = FoxConfig.preset("transformer-llama", "tiny", rope_theta=1e4,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+                              partial_rotary_factor=1.0, rope_scaling=None)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert not {"rope_parameters", "rope_scaling", "partial_rotary_factor"} & set(saved)
+    assert saved["rope"] is True and saved["rope_theta"] == 1e4
 
 
 def test_from_pretrained_checks_the_fields_it_is_given(tmp_path):
