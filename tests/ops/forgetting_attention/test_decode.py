@@ -302,3 +302,34 @@ def test_decode_positions_out_of_range_raise_on_the_cpu(backend, change, match):
             pt[tuple(where)] = value
         with pytest.raises(ValueError, match=match):
             forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+def test_decode_and_eviction_ignore_page_table_entries_of_pages_not_live(backend):
+    """Entries of evicted pages and of pages past a row's length are never read, so they may hold anything (a pool
+    index that is no longer there, -1): the PyTorch path and evictable_pages indexed the pool with them, an IndexError
+    for an entry past the pool's end. Results against the fp64 oracle, and eviction as with clean entries."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hk, G, D, page = 3, 50, 2, 2, 16, 8
+    q, k, v, log_fgate = _problem(B, T, Hk * G, Hk, D, D, torch.float32, gen)
+    q = q[:, :2]
+    lengths = torch.tensor([50, 20, 33], dtype=torch.int32)
+    kc, vc, cc, pt = _paged(k, v, gate_cumsum(log_fgate), lengths, page, gen=gen)
+    start = torch.tensor([[2, 0], [0, 1], [0, 0]], dtype=torch.int32)
+    U = torch.full((Hk * G,), 2.0)
+    clean = evictable_pages(cc, pt, start, lengths, U, max_length=T, tolerance=math.exp(-3))
+    stale = pt.clone()
+    stale[0, 0, :2] = 10 ** 6  # evicted
+    stale[1, 1, 0] = -1
+    stale[1, :, 3:] = 10 ** 6  # past the row's 20 keys (3 pages)
+    stale[2, :, 5:] = -(10 ** 6)
+    with use_backend(backend):
+        o = forgetting_attention_decode(q, kc, vc, cc, stale, start, lengths)
+    for b in range(B):
+        for h in range(Hk):
+            heads = slice(h * G, (h + 1) * G)
+            ref = _oracle(q[b:b + 1, :, heads], k[b:b + 1, :, h:h + 1], v[b:b + 1, :, h:h + 1],
+                          log_fgate[b:b + 1, :, heads], lengths[b:b + 1], [int(start[b, h]) * page], D ** -0.5)
+            assert (o[b:b + 1, :, heads].double() - ref).abs().max() < 1e-5
+    assert torch.equal(evictable_pages(cc, stale, start, lengths, U, max_length=T, tolerance=math.exp(-3)), clean)
