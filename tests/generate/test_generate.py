@@ -162,6 +162,28 @@ def test_paged_cache_mistakes_name_the_argument(change, message):
         PagedFoxCache(**{**_PAGED, **change})
 
 
+@pytest.mark.parametrize("change, message", [
+    (dict(D=8), r"q: expected \[B, T, Hq, head_dim\] = \[1, 3, 2, 4\] as the cache, got \[1, 3, 2, 8\]"),
+    (dict(Dv=8), r"v: expected \[B, T, Hk, head_dim\] = \[1, 3, 1, 4\] as the cache, got \[1, 3, 1, 8\]"),
+    (dict(Dv=2), r"v: expected \[B, T, Hk, head_dim\] = \[1, 3, 1, 4\] as the cache, got \[1, 3, 1, 2\]"),
+    (dict(Tk=4), r"k: expected \[B, T, Hk, head_dim\] = \[1, 3, 1, 4\] as the cache, got \[1, 4, 1, 4\]"),
+    (dict(Hf=1), r"log_fgate: expected \[B, T, Hq\] = \[1, 3, 2\] as the cache, got \[1, 3, 1\]"),
+])
+def test_paged_cache_refuses_new_tokens_of_other_shapes(change, message):
+    """q, k, v and log_fgate of another head dim, length or head count than the cache's: a one-line error naming the
+    argument, raised before anything is stored. The pools are written through flat views, so keys or values of another
+    head dim were written across slots (over other tokens') and the call returned as if all was well."""
+    D, Dv, Tk, Hf = (change.get(n, d) for n, d in (("D", 4), ("Dv", 4), ("Tk", 3), ("Hf", 2)))
+    cache = PagedFoxCache(**_PAGED)
+    with pytest.raises(ValueError, match=message):
+        cache.attend(0, torch.randn(1, 3, 2, D), torch.randn(1, Tk, 1, D), torch.randn(1, Tk, 1, Dv),
+                     -torch.rand(1, 3, Hf), scale=0.5)
+    assert cache.lengths.tolist() == [0] and cache.get_seq_length() == 0
+    cache.attend(0, torch.randn(1, 3, 2, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), -torch.rand(1, 3, 2),
+                 scale=0.5)  # the right shapes go on
+    assert cache.lengths.tolist() == [3]
+
+
 def test_paged_cache_refuses_padding_inside_a_call():
     """A row whose real tokens are not one run in a call: a clear error, not attention over the wrong columns."""
     model = _model("fox-llama")
