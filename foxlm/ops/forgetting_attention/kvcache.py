@@ -17,6 +17,7 @@ own lengths and a first live page per (row, kv head) after eviction.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -69,9 +70,19 @@ def forgetting_attention_with_kvcache(
     """
     B, T = q.shape[:2]
     if block_table is None:
+        # a float was cut to an int (attention from the wrong position), a list or a value past the cache failed
+        # naming nothing or c_q
+        if not (isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool)
+                and 0 <= cache_seqlens <= k_cache.shape[1] - T):
+            raise ValueError(f"cache_seqlens: expected the int number of tokens every row of a contiguous cache held "
+                             f"before this call, 0 to {k_cache.shape[1] - T} (the cache's {k_cache.shape[1]} slots "
+                             f"less the {T} new tokens), got {cache_seqlens!r}")
         return _contiguous(q, k_cache, v_cache, c_cache, k, v, log_fgate, int(cache_seqlens), scale, window, prune,
                            valid)
     before = np.asarray(cache_seqlens)
+    if before.shape != (B,) or before.dtype.kind not in "iu" or (before < 0).any():
+        raise ValueError(f"cache_seqlens: expected the tokens each of the {B} rows of a paged cache held before this "
+                         f"call, {B} ints >= 0 (host), got {cache_seqlens!r}")
     if T <= DECODE_MAX_TQ and valid is None and bool(before.min() > 0):
         return forgetting_attention_decode(q.to(k_cache.dtype), k_cache, v_cache, c_cache, block_table, cache_start,
                                            cache_lengths, scale=scale, window=window, num_splits=num_splits)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxlm.ops import forgetting_attention_reference, gate_cumsum, use_backend
+from foxlm.ops import forgetting_attention_reference, forgetting_attention_with_kvcache, gate_cumsum, use_backend
 from foxlm.ops.forgetting_attention.decode import decode_attention_torch, evictable_pages, forgetting_attention_decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -333,3 +333,37 @@ def test_decode_and_eviction_ignore_page_table_entries_of_pages_not_live(backend
                           log_fgate[b:b + 1, :, heads], lengths[b:b + 1], [int(start[b, h]) * page], D ** -0.5)
             assert (o[b:b + 1, :, heads].double() - ref).abs().max() < 1e-5
     assert torch.equal(evictable_pages(cc, stale, start, lengths, U, max_length=T, tolerance=math.exp(-3)), clean)
+
+
+@pytest.mark.parametrize("layout, before", [
+    ("contiguous", 9.5), ("contiguous", [10, 10]), ("contiguous", 16), ("contiguous", -1), ("contiguous", True),
+    ("paged", [9.5, 10]), ("paged", [-1, 10]), ("paged", [10]), ("paged", 10),
+], ids=str)
+def test_with_kvcache_bad_cache_seqlens_names_the_argument(layout, before):
+    """forgetting_attention_with_kvcache's cache_seqlens (an int for a contiguous cache, a host int >= 0 per row for
+    a paged one; a contiguous cache holds them and the new tokens): anything else is a one-line error naming it. A
+    float was cut to an int (the new token attended as if it sat at position 9: a wrong output, no error), a list or a
+    value past the cache failed naming nothing or c_q, and a paged cache's negative length was taken."""
+    gen = torch.Generator().manual_seed(4)
+    B, N, Hq, Hk, D, page = 2, 16, 4, 2, 8, 4
+    k, v = torch.randn(B, N, Hk, D, generator=gen), torch.randn(B, N, Hk, D, generator=gen)
+    log_fgate = F.logsigmoid(2.0 + torch.randn(B, N, Hq, generator=gen))
+    q = torch.randn(B, 1, Hq, D, generator=gen)
+    c = gate_cumsum(log_fgate)
+    lengths = torch.full((B,), 11, dtype=torch.int32)  # 10 cached tokens and the new one
+    caches, extra, good = (k, v, c), {}, 10
+    if layout == "paged":
+        kc, vc, cc, pt = _paged(k, v, c, lengths, page, gen=gen)
+        caches, good = (kc, vc, cc), [10, 10]
+        extra = dict(block_table=pt, cache_start=torch.zeros(B, Hk, dtype=torch.int32),
+                     cache_start_host=np.zeros((B, Hk), dtype=np.int64), cache_lengths=lengths)
+
+    def call(cache_seqlens):
+        return forgetting_attention_with_kvcache(q, *caches, k=k[:, 10:11], v=v[:, 10:11],
+                                                 log_fgate=log_fgate[:, 10:11], cache_seqlens=cache_seqlens,
+                                                 scale=D ** -0.5, **extra)
+
+    ref = _oracle(q, k, v, log_fgate, lengths, [0] * B, D ** -0.5)
+    assert (call(good).double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="cache_seqlens: expected"):
+        call(before)
