@@ -79,6 +79,15 @@ def forgetting_attention_with_kvcache(
                              f"less the {T} new tokens), got {cache_seqlens!r}")
         return _contiguous(q, k_cache, v_cache, c_cache, k, v, log_fgate, int(cache_seqlens), scale, window, prune,
                            valid)
+    # the paged layout's own arguments: missing, they failed as None deep in a path (which one, by the lengths)
+    missing = [name for name, x in (("cache_start", cache_start), ("cache_start_host", cache_start_host),
+                                    ("cache_lengths", cache_lengths)) if x is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: a paged cache (block_table given) needs cache_start, cache_start_host "
+                         f"and cache_lengths")
+    if np.shape(cache_start_host) != tuple(block_table.shape[:2]):
+        raise ValueError(f"cache_start_host: expected the host copy of cache_start, [B, Hk] = "
+                         f"{list(block_table.shape[:2])}, got the shape {list(np.shape(cache_start_host))}")
     before = np.asarray(cache_seqlens)
     if before.shape != (B,) or before.dtype.kind not in "iu" or (before < 0).any():
         raise ValueError(f"cache_seqlens: expected the tokens each of the {B} rows of a paged cache held before this "

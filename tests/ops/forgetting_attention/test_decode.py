@@ -335,8 +335,34 @@ def test_decode_and_eviction_ignore_page_table_entries_of_pages_not_live(backend
     assert torch.equal(evictable_pages(cc, stale, start, lengths, U, max_length=T, tolerance=math.exp(-3)), clean)
 
 
+def _kvcache_problem(layout: str, T: int = 1):
+    """Two rows of 10 cached tokens and T new ones, for forgetting_attention_with_kvcache: (call, oracle output), where
+    call(cache_seqlens, **changes) runs it with the layout's arguments (a paged layout's changed or dropped, None)."""
+    gen = torch.Generator().manual_seed(4)
+    B, N, Hq, Hk, D, page = 2, 32, 4, 2, 8, 4
+    k, v = torch.randn(B, N, Hk, D, generator=gen), torch.randn(B, N, Hk, D, generator=gen)
+    log_fgate = F.logsigmoid(2.0 + torch.randn(B, N, Hq, generator=gen))
+    q = torch.randn(B, T, Hq, D, generator=gen)
+    c = gate_cumsum(log_fgate)
+    lengths = torch.full((B,), 10 + T, dtype=torch.int32)
+    caches, extra = (k, v, c), {}
+    if layout == "paged":
+        kc, vc, cc, pt = _paged(k, v, c, lengths, page, gen=gen)
+        caches = (kc, vc, cc)
+        extra = dict(block_table=pt, cache_start=torch.zeros(B, Hk, dtype=torch.int32),
+                     cache_start_host=np.zeros((B, Hk), dtype=np.int64), cache_lengths=lengths)
+
+    def call(cache_seqlens, **changes):
+        kwargs = {name: x for name, x in {**extra, **changes}.items() if x is not None}
+        return forgetting_attention_with_kvcache(q, *caches, k=k[:, 10:10 + T], v=v[:, 10:10 + T],
+                                                 log_fgate=log_fgate[:, 10:10 + T], cache_seqlens=cache_seqlens,
+                                                 scale=D ** -0.5, **kwargs)
+
+    return call, _oracle(q, k, v, log_fgate, lengths, [0] * B, D ** -0.5)
+
+
 @pytest.mark.parametrize("layout, before", [
-    ("contiguous", 9.5), ("contiguous", [10, 10]), ("contiguous", 16), ("contiguous", -1), ("contiguous", True),
+    ("contiguous", 9.5), ("contiguous", [10, 10]), ("contiguous", 32), ("contiguous", -1), ("contiguous", True),
     ("paged", [9.5, 10]), ("paged", [-1, 10]), ("paged", [10]), ("paged", 10),
 ], ids=str)
 def test_with_kvcache_bad_cache_seqlens_names_the_argument(layout, before):
@@ -344,26 +370,23 @@ def test_with_kvcache_bad_cache_seqlens_names_the_argument(layout, before):
     a paged one; a contiguous cache holds them and the new tokens): anything else is a one-line error naming it. A
     float was cut to an int (the new token attended as if it sat at position 9: a wrong output, no error), a list or a
     value past the cache failed naming nothing or c_q, and a paged cache's negative length was taken."""
-    gen = torch.Generator().manual_seed(4)
-    B, N, Hq, Hk, D, page = 2, 16, 4, 2, 8, 4
-    k, v = torch.randn(B, N, Hk, D, generator=gen), torch.randn(B, N, Hk, D, generator=gen)
-    log_fgate = F.logsigmoid(2.0 + torch.randn(B, N, Hq, generator=gen))
-    q = torch.randn(B, 1, Hq, D, generator=gen)
-    c = gate_cumsum(log_fgate)
-    lengths = torch.full((B,), 11, dtype=torch.int32)  # 10 cached tokens and the new one
-    caches, extra, good = (k, v, c), {}, 10
-    if layout == "paged":
-        kc, vc, cc, pt = _paged(k, v, c, lengths, page, gen=gen)
-        caches, good = (kc, vc, cc), [10, 10]
-        extra = dict(block_table=pt, cache_start=torch.zeros(B, Hk, dtype=torch.int32),
-                     cache_start_host=np.zeros((B, Hk), dtype=np.int64), cache_lengths=lengths)
-
-    def call(cache_seqlens):
-        return forgetting_attention_with_kvcache(q, *caches, k=k[:, 10:11], v=v[:, 10:11],
-                                                 log_fgate=log_fgate[:, 10:11], cache_seqlens=cache_seqlens,
-                                                 scale=D ** -0.5, **extra)
-
-    ref = _oracle(q, k, v, log_fgate, lengths, [0] * B, D ** -0.5)
-    assert (call(good).double() - ref).abs().max() < 1e-5
+    call, ref = _kvcache_problem(layout)
+    assert (call(10 if layout == "contiguous" else [10, 10]).double() - ref).abs().max() < 1e-5
     with pytest.raises(ValueError, match="cache_seqlens: expected"):
         call(before)
+
+
+@pytest.mark.parametrize("T", [1, 3, 20], ids=["decode", "speculative", "chunk"])
+@pytest.mark.parametrize("change, match", [
+    (dict(cache_start=None), "cache_start: a paged cache .* needs cache_start, cache_start_host and cache_lengths"),
+    (dict(cache_start_host=None), "cache_start_host: a paged cache"),
+    (dict(cache_lengths=None), "cache_lengths: a paged cache"),
+    (dict(cache_start_host=np.zeros(2, dtype=np.int64)), r"cache_start_host: expected .* got the shape \[2\]"),
+], ids=["no-start", "no-host-start", "no-lengths", "host-start-shape"])
+def test_with_kvcache_paged_arguments_missing_name_the_argument(T, change, match):
+    """A paged cache's cache_start, its host copy and the lengths: one missing (or the host copy of another shape) is a
+    one-line error naming it, on every path; they failed as None deep inside (an AttributeError, a TypeError)."""
+    call, ref = _kvcache_problem("paged", T)
+    assert (call([10, 10]).double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match=match):
+        call([10, 10], **change)
