@@ -54,7 +54,8 @@ def forgetting_attention_with_kvcache(
     cache_lengths: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Attention of T new tokens per row over everything cached, the new tokens included: o [B, T, Hq, Dv].
+    """Attention of T new tokens per row over everything cached, the new tokens included: o [B, T, Hq, Dv] in q's
+    dtype.
 
     q: [B, T, Hq, D]; k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None (no gate): the new
         tokens, already written to the cache with their gate cumsum (read by the prompt path).
@@ -93,8 +94,9 @@ def forgetting_attention_with_kvcache(
         raise ValueError(f"cache_seqlens: expected the tokens each of the {B} rows of a paged cache held before this "
                          f"call, {B} ints >= 0 (host), got {cache_seqlens!r}")
     if T <= DECODE_MAX_TQ and valid is None and bool(before.min() > 0):
+        # in q's dtype, as the other paths' (and flash_attn's): a cache of another dtype gave its own
         return forgetting_attention_decode(q.to(k_cache.dtype), k_cache, v_cache, c_cache, block_table, cache_start,
-                                           cache_lengths, scale=scale, window=window, num_splits=num_splits)
+                                           cache_lengths, scale=scale, window=window, num_splits=num_splits).to(q.dtype)
     new = np.full(B, T) if seqlens_new is None else np.asarray(seqlens_new)
     first = _first_real(valid, new, T)
     o = q.new_zeros(*q.shape[:3], v.shape[-1])
