@@ -71,6 +71,7 @@ def forgetting_attention_with_kvcache(
     """
     B, T = q.shape[:2]
     if block_table is None:
+        _check_contiguous(q, k_cache, v_cache, c_cache, k)
         # a float was cut to an int (attention from the wrong position), a list or a value past the cache failed
         # naming nothing or c_q
         if not (isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool)
@@ -121,6 +122,20 @@ def forgetting_attention_with_kvcache(
             o[b:b + 1, rows, heads] = attention_from_cumsum(qq, kk, vv, cc[:, -n:], cc, scale=scale, window=window,
                                                             threshold=threshold)[0]
     return o
+
+
+def _check_contiguous(q, k_cache, v_cache, c_cache, k) -> None:
+    """A contiguous cache's tensors against q and k: a mistaken one failed as the op's internal c_q, k or v."""
+    B, _, Hq, D = q.shape
+    N, Hk = k_cache.shape[1], k.shape[2]
+    for name, x, want, dims in (("k_cache", k_cache, (B, N, Hk, D), "B, N, Hk, D"),
+                                ("v_cache", v_cache, (B, N, Hk, v_cache.shape[-1]), "B, N, Hk, Dv"),
+                                ("c_cache", c_cache, (B, N, Hq), "B, N, Hq")):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}: expected [{dims}] = {list(want)} (q {list(q.shape)}, k {list(k.shape)}), "
+                             f"got {list(x.shape)}")
+    if c_cache.dtype != torch.float64:
+        raise ValueError(f"c_cache: expected the fp64 gate cumsum, got {c_cache.dtype}")
 
 
 def _first_real(valid: torch.Tensor | None, new: np.ndarray, T: int) -> np.ndarray:

@@ -390,3 +390,31 @@ def test_with_kvcache_paged_arguments_missing_name_the_argument(T, change, match
     assert (call([10, 10]).double() - ref).abs().max() < 1e-5
     with pytest.raises(ValueError, match=match):
         call([10, 10], **change)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda k, v, c: (k[:, :, :1], v, c), r"k_cache: expected \[B, N, Hk, D\] = \[2, 32, 2, 8\]"),
+    (lambda k, v, c: (k, v[:, :5], c), r"v_cache: expected \[B, N, Hk, Dv\] = \[2, 32, 2, 8\]"),
+    (lambda k, v, c: (k, v, c[..., :2]), r"c_cache: expected \[B, N, Hq\] = \[2, 32, 4\]"),
+    (lambda k, v, c: (k, v, c[:, :12]), r"c_cache: expected \[B, N, Hq\] = \[2, 32, 4\]"),
+    (lambda k, v, c: (k, v, c.float()), "c_cache: expected the fp64 gate cumsum, got torch.float32"),
+], ids=["k-heads", "v-length", "c-heads", "c-length", "c-fp32"])
+def test_with_kvcache_contiguous_cache_of_another_shape_names_it(change, match):
+    """A contiguous cache's k_cache, v_cache or c_cache of another shape than q and k say (or a c_cache not fp64): a
+    one-line error naming it: they failed naming the op's internals (c_q, v), or were taken (an fp32 c_cache, whose
+    differences lose digits as |c| grows; a c_cache shorter than k_cache)."""
+    gen = torch.Generator().manual_seed(4)
+    B, N, Hq, Hk, D = 2, 32, 4, 2, 8
+    k, v = torch.randn(B, N, Hk, D, generator=gen), torch.randn(B, N, Hk, D, generator=gen)
+    log_fgate = F.logsigmoid(2.0 + torch.randn(B, N, Hq, generator=gen))
+    q = torch.randn(B, 1, Hq, D, generator=gen)
+    c = gate_cumsum(log_fgate)
+
+    def call(k_cache, v_cache, c_cache):
+        return forgetting_attention_with_kvcache(q, k_cache, v_cache, c_cache, k=k[:, 10:11], v=v[:, 10:11],
+                                                 log_fgate=log_fgate[:, 10:11], cache_seqlens=10, scale=D ** -0.5)
+
+    ref = _oracle(q, k, v, log_fgate, torch.full((B,), 11), [0] * B, D ** -0.5)
+    assert (call(k, v, c).double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match=match):
+        call(*change(k, v, c))
