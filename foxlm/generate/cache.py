@@ -237,6 +237,7 @@ class PagedFoxCache:
         if B != self.batch_size or Hq != self.num_heads or k.shape[2] != self.num_kv_heads:
             raise ValueError(f"q, k: expected B={self.batch_size}, Hq={self.num_heads}, Hk={self.num_kv_heads}, "
                              f"got {tuple(q.shape)} and {tuple(k.shape)}")
+        self._check_new(q, k, v, log_fgate)  # before begin(): a refused call changes nothing
         if layer_idx == 0:
             if not self._begun:
                 self.begin(T, valid)
@@ -255,6 +256,7 @@ class PagedFoxCache:
 
         k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] or None. Returns c [B, T, Hq] fp64.
         """
+        self._check_new(None, k, v, log_fgate)
         B, T, Hk, D = k.shape
         offset = torch.arange(T, device=k.device) if valid is None else valid.long().cumsum(1) - 1
         c = continue_cumsum(self.c_last[layer], log_fgate, T, valid)
@@ -271,6 +273,19 @@ class PagedFoxCache:
         cg = c.view(B, T, Hk, self.group).permute(0, 2, 1, 3).reshape(-1, self.group)
         self.c_pool.view(-1, self.group).index_copy_(0, slot, cg)
         return c
+
+    def _check_new(self, q: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor,
+                   log_fgate: torch.Tensor | None) -> None:
+        """The new tokens' shapes against the cache's: the pools are written through flat views, so a head dim
+        other than ``head_dim`` was written across slots (over other tokens' keys) instead of refused."""
+        B, D, Hq, Hk = self.batch_size, self.head_dim, self.num_heads, self.num_kv_heads
+        T = (q if q is not None else k).shape[1]
+        for name, x, want, dims in (("q", q, (B, T, Hq, D), "B, T, Hq, head_dim"),
+                                    ("k", k, (B, T, Hk, D), "B, T, Hk, head_dim"),
+                                    ("v", v, (B, T, Hk, D), "B, T, Hk, head_dim"),
+                                    ("log_fgate", log_fgate, (B, T, Hq), "B, T, Hq")):
+            if x is not None and tuple(x.shape) != want:
+                raise ValueError(f"{name}: expected [{dims}] = {list(want)} as the cache, got {list(x.shape)}")
 
     def get_shift_state(self, layer_idx: int, name: str) -> torch.Tensor | None:
         """The pre-shift projection [B, Hk, D] of stream ``name`` at each row's last token, or None."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
@@ -137,6 +138,32 @@ def test_paged_cache_decode_steps_ignore_autocast():
     assert errors[1] < 1.1 * errors[0] + 1e-6, errors
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+def test_paged_cache_returns_q_dtype_on_every_path(backend):
+    """bf16 q, k, v into an fp32 PagedFoxCache (an fp32 model's cache under bf16 autocast): every call's output is in
+    q's dtype, as FoxCache's and flash_attn_with_kvcache's are, and as accurate as the fp64 reference allows. The
+    decode steps (T <= 16 new tokens a row) gave the cache's fp32, the prompt and chunks bf16."""
+    from foxlm.ops.forgetting_attention.reference import forgetting_attention_reference
+
+    B, Hq, Hk, D = 2, 4, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    sizes = (5, 1, 3, 20)
+    q, k, v = (torch.randn(B, sum(sizes), h, D, generator=gen).bfloat16() for h in (Hq, Hk, Hk))
+    log_f = -torch.rand(B, sum(sizes), Hq, generator=gen)
+    want = forgetting_attention_reference(q.double(), k.double(), v.double(), log_f.double(), scale=0.3)
+    cache = PagedFoxCache(num_layers=1, num_heads=Hq, num_kv_heads=Hk, head_dim=D, batch_size=B, max_length=64,
+                          device="cpu", dtype=torch.float32, page_size=4)
+    at = 0
+    with use_backend(backend):
+        for T in sizes:
+            cols = slice(at, at + T)
+            o = cache.attend(0, q[:, cols], k[:, cols], v[:, cols], log_f[:, cols], scale=0.3)
+            assert o.dtype == torch.bfloat16, T
+            torch.testing.assert_close(o.double(), want[:, cols], rtol=1e-2, atol=1e-2)
+            at += T
+
+
 _PAGED = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, batch_size=1, max_length=8, device="cpu",
               dtype=torch.float32)
 
@@ -160,6 +187,28 @@ def test_paged_cache_mistakes_name_the_argument(change, message):
     negative pool size taken as 2, integer keys, a bound list that evict() would index wrongly)."""
     with pytest.raises(ValueError, match=message):
         PagedFoxCache(**{**_PAGED, **change})
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(D=8), r"q: expected \[B, T, Hq, head_dim\] = \[1, 3, 2, 4\] as the cache, got \[1, 3, 2, 8\]"),
+    (dict(Dv=8), r"v: expected \[B, T, Hk, head_dim\] = \[1, 3, 1, 4\] as the cache, got \[1, 3, 1, 8\]"),
+    (dict(Dv=2), r"v: expected \[B, T, Hk, head_dim\] = \[1, 3, 1, 4\] as the cache, got \[1, 3, 1, 2\]"),
+    (dict(Tk=4), r"k: expected \[B, T, Hk, head_dim\] = \[1, 3, 1, 4\] as the cache, got \[1, 4, 1, 4\]"),
+    (dict(Hf=1), r"log_fgate: expected \[B, T, Hq\] = \[1, 3, 2\] as the cache, got \[1, 3, 1\]"),
+])
+def test_paged_cache_refuses_new_tokens_of_other_shapes(change, message):
+    """q, k, v and log_fgate of another head dim, length or head count than the cache's: a one-line error naming the
+    argument, raised before anything is stored. The pools are written through flat views, so keys or values of another
+    head dim were written across slots (over other tokens') and the call returned as if all was well."""
+    D, Dv, Tk, Hf = (change.get(n, d) for n, d in (("D", 4), ("Dv", 4), ("Tk", 3), ("Hf", 2)))
+    cache = PagedFoxCache(**_PAGED)
+    with pytest.raises(ValueError, match=message):
+        cache.attend(0, torch.randn(1, 3, 2, D), torch.randn(1, Tk, 1, D), torch.randn(1, Tk, 1, Dv),
+                     -torch.rand(1, 3, Hf), scale=0.5)
+    assert cache.lengths.tolist() == [0] and cache.get_seq_length() == 0
+    cache.attend(0, torch.randn(1, 3, 2, 4), torch.randn(1, 3, 1, 4), torch.randn(1, 3, 1, 4), -torch.rand(1, 3, 2),
+                 scale=0.5)  # the right shapes go on
+    assert cache.lengths.tolist() == [3]
 
 
 def test_paged_cache_refuses_padding_inside_a_call():

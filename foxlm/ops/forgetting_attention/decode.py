@@ -263,6 +263,12 @@ def _decode_attention_torch(q, k_cache, v_cache, c_cache, page_table, cache_star
     first = int(cache_start.min())
     last = -(-int(lengths.max()) // page_size)
     pages = page_table[:, :, first:last].long()  # [B, Hk, P]
+    # entries of pages not live in their row (evicted, or past its length) may hold anything, as in the kernel, which
+    # never reads them: the gather took them as pool indices, and one past the pool raised an IndexError
+    logical = torch.arange(first, last, device=q.device)
+    row_pages = -(-lengths.long() // page_size)
+    live_page = (logical >= cache_start.long()[..., None]) & (logical < row_pages[:, None, None])
+    pages = pages.masked_fill(~live_page, 0)
     keys = pages.shape[2] * page_size
     k = k_cache[pages].reshape(B, Hk, keys, D).to(cdt)
     v = v_cache[pages].reshape(B, Hk, keys, -1).to(cdt)
@@ -388,7 +394,8 @@ def forgetting_attention_decode(
     On the CPU, lengths outside [Tq, max_pages * page_size], a cache_start past the page of a row's first new token
     and live page-table entries outside the pool raise a ValueError. On a GPU they are not checked (a check would
     be a host sync every step, and none may happen while a CUDA graph is captured): such rows get undefined values
-    (NaN, or other pages' keys), and an entry outside the pool may fault.
+    (NaN, or other pages' keys), and an entry outside the pool may fault. The entries of pages not live (before
+    cache_start, past a row's length) are never read, on either path, and may hold anything (-1, a freed page).
     """
     _validate(q, k_cache, v_cache, c_cache, page_table, cache_start, lengths)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
@@ -436,11 +443,12 @@ def evictable_pages(
     c_t = c_cache[newest_page, (last % page_size)[:, None]]  # [B, Hk, G]
     # A page may go iff its last key is past delta for every query head (keys inside are older still).
     pages = torch.arange(page_table.shape[2], device=c_cache.device)
-    last_key = c_cache[page_table.long(), page_size - 1]  # [B, Hk, max_pages, G]
-    gone = ((c_t[:, :, None] - last_key) < delta[:, :, None].double()).all(-1)
-    gone &= pages < (last // page_size)[:, None, None]  # never the newest page; stale entries beyond it
-    # Prefix length from the current start (gone is a prefix of the live pages, by monotonicity).
+    # only the full live pages before the newest can go; the other entries may hold anything (see the torch path)
     live = pages >= cache_start.long()[..., None]
+    full = pages < (last // page_size)[:, None, None]
+    last_key = c_cache[page_table.long().masked_fill(~(live & full), 0), page_size - 1]  # [B, Hk, max_pages, G]
+    gone = ((c_t[:, :, None] - last_key) < delta[:, :, None].double()).all(-1) & full
+    # Prefix length from the current start (gone is a prefix of the live pages, by monotonicity).
     kept_before = (~gone & live).long().cumsum(-1)
     n_gone = ((kept_before == 0) & live).sum(-1)
     return (cache_start.long() + n_gone).to(torch.int32)

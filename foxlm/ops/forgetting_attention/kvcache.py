@@ -17,6 +17,7 @@ own lengths and a first live page per (row, kv head) after eviction.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 
 import numpy as np
@@ -53,7 +54,8 @@ def forgetting_attention_with_kvcache(
     cache_lengths: torch.Tensor | None = None,
     num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Attention of T new tokens per row over everything cached, the new tokens included: o [B, T, Hq, Dv].
+    """Attention of T new tokens per row over everything cached, the new tokens included: o [B, T, Hq, Dv] in q's
+    dtype.
 
     q: [B, T, Hq, D]; k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] fp32 or None (no gate): the new
         tokens, already written to the cache with their gate cumsum (read by the prompt path).
@@ -69,12 +71,33 @@ def forgetting_attention_with_kvcache(
     """
     B, T = q.shape[:2]
     if block_table is None:
+        _check_contiguous(q, k_cache, v_cache, c_cache, k)
+        # a float was cut to an int (attention from the wrong position), a list or a value past the cache failed
+        # naming nothing or c_q
+        if not (isinstance(cache_seqlens, numbers.Integral) and not isinstance(cache_seqlens, bool)
+                and 0 <= cache_seqlens <= k_cache.shape[1] - T):
+            raise ValueError(f"cache_seqlens: expected the int number of tokens every row of a contiguous cache held "
+                             f"before this call, 0 to {k_cache.shape[1] - T} (the cache's {k_cache.shape[1]} slots "
+                             f"less the {T} new tokens), got {cache_seqlens!r}")
         return _contiguous(q, k_cache, v_cache, c_cache, k, v, log_fgate, int(cache_seqlens), scale, window, prune,
                            valid)
+    # the paged layout's own arguments: missing, they failed as None deep in a path (which one, by the lengths)
+    missing = [name for name, x in (("cache_start", cache_start), ("cache_start_host", cache_start_host),
+                                    ("cache_lengths", cache_lengths)) if x is None]
+    if missing:
+        raise ValueError(f"{', '.join(missing)}: a paged cache (block_table given) needs cache_start, cache_start_host "
+                         f"and cache_lengths")
+    if np.shape(cache_start_host) != tuple(block_table.shape[:2]):
+        raise ValueError(f"cache_start_host: expected the host copy of cache_start, [B, Hk] = "
+                         f"{list(block_table.shape[:2])}, got the shape {list(np.shape(cache_start_host))}")
     before = np.asarray(cache_seqlens)
+    if before.shape != (B,) or before.dtype.kind not in "iu" or (before < 0).any():
+        raise ValueError(f"cache_seqlens: expected the tokens each of the {B} rows of a paged cache held before this "
+                         f"call, {B} ints >= 0 (host), got {cache_seqlens!r}")
     if T <= DECODE_MAX_TQ and valid is None and bool(before.min() > 0):
+        # in q's dtype, as the other paths' (and flash_attn's): a cache of another dtype gave its own
         return forgetting_attention_decode(q.to(k_cache.dtype), k_cache, v_cache, c_cache, block_table, cache_start,
-                                           cache_lengths, scale=scale, window=window, num_splits=num_splits)
+                                           cache_lengths, scale=scale, window=window, num_splits=num_splits).to(q.dtype)
     new = np.full(B, T) if seqlens_new is None else np.asarray(seqlens_new)
     first = _first_real(valid, new, T)
     o = q.new_zeros(*q.shape[:3], v.shape[-1])
@@ -99,6 +122,20 @@ def forgetting_attention_with_kvcache(
             o[b:b + 1, rows, heads] = attention_from_cumsum(qq, kk, vv, cc[:, -n:], cc, scale=scale, window=window,
                                                             threshold=threshold)[0]
     return o
+
+
+def _check_contiguous(q, k_cache, v_cache, c_cache, k) -> None:
+    """A contiguous cache's tensors against q and k: a mistaken one failed as the op's internal c_q, k or v."""
+    B, _, Hq, D = q.shape
+    N, Hk = k_cache.shape[1], k.shape[2]
+    for name, x, want, dims in (("k_cache", k_cache, (B, N, Hk, D), "B, N, Hk, D"),
+                                ("v_cache", v_cache, (B, N, Hk, v_cache.shape[-1]), "B, N, Hk, Dv"),
+                                ("c_cache", c_cache, (B, N, Hq), "B, N, Hq")):
+        if tuple(x.shape) != want:
+            raise ValueError(f"{name}: expected [{dims}] = {list(want)} (q {list(q.shape)}, k {list(k.shape)}), "
+                             f"got {list(x.shape)}")
+    if c_cache.dtype != torch.float64:
+        raise ValueError(f"c_cache: expected the fp64 gate cumsum, got {c_cache.dtype}")
 
 
 def _first_real(valid: torch.Tensor | None, new: np.ndarray, T: int) -> np.ndarray:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from foxlm.ops import forgetting_attention_reference, gate_cumsum, use_backend
+from foxlm.ops import forgetting_attention_reference, forgetting_attention_with_kvcache, gate_cumsum, use_backend
 from foxlm.ops.forgetting_attention.decode import decode_attention_torch, evictable_pages, forgetting_attention_decode
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -302,3 +302,119 @@ def test_decode_positions_out_of_range_raise_on_the_cpu(backend, change, match):
             pt[tuple(where)] = value
         with pytest.raises(ValueError, match=match):
             forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+def test_decode_and_eviction_ignore_page_table_entries_of_pages_not_live(backend):
+    """Entries of evicted pages and of pages past a row's length are never read, so they may hold anything (a pool
+    index that is no longer there, -1): the PyTorch path and evictable_pages indexed the pool with them, an IndexError
+    for an entry past the pool's end. Results against the fp64 oracle, and eviction as with clean entries."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, Hk, G, D, page = 3, 50, 2, 2, 16, 8
+    q, k, v, log_fgate = _problem(B, T, Hk * G, Hk, D, D, torch.float32, gen)
+    q = q[:, :2]
+    lengths = torch.tensor([50, 20, 33], dtype=torch.int32)
+    kc, vc, cc, pt = _paged(k, v, gate_cumsum(log_fgate), lengths, page, gen=gen)
+    start = torch.tensor([[2, 0], [0, 1], [0, 0]], dtype=torch.int32)
+    U = torch.full((Hk * G,), 2.0)
+    clean = evictable_pages(cc, pt, start, lengths, U, max_length=T, tolerance=math.exp(-3))
+    stale = pt.clone()
+    stale[0, 0, :2] = 10 ** 6  # evicted
+    stale[1, 1, 0] = -1
+    stale[1, :, 3:] = 10 ** 6  # past the row's 20 keys (3 pages)
+    stale[2, :, 5:] = -(10 ** 6)
+    with use_backend(backend):
+        o = forgetting_attention_decode(q, kc, vc, cc, stale, start, lengths)
+    for b in range(B):
+        for h in range(Hk):
+            heads = slice(h * G, (h + 1) * G)
+            ref = _oracle(q[b:b + 1, :, heads], k[b:b + 1, :, h:h + 1], v[b:b + 1, :, h:h + 1],
+                          log_fgate[b:b + 1, :, heads], lengths[b:b + 1], [int(start[b, h]) * page], D ** -0.5)
+            assert (o[b:b + 1, :, heads].double() - ref).abs().max() < 1e-5
+    assert torch.equal(evictable_pages(cc, stale, start, lengths, U, max_length=T, tolerance=math.exp(-3)), clean)
+
+
+def _kvcache_problem(layout: str, T: int = 1):
+    """Two rows of 10 cached tokens and T new ones, for forgetting_attention_with_kvcache: (call, oracle output), where
+    call(cache_seqlens, **changes) runs it with the layout's arguments (a paged layout's changed or dropped, None)."""
+    gen = torch.Generator().manual_seed(4)
+    B, N, Hq, Hk, D, page = 2, 32, 4, 2, 8, 4
+    k, v = torch.randn(B, N, Hk, D, generator=gen), torch.randn(B, N, Hk, D, generator=gen)
+    log_fgate = F.logsigmoid(2.0 + torch.randn(B, N, Hq, generator=gen))
+    q = torch.randn(B, T, Hq, D, generator=gen)
+    c = gate_cumsum(log_fgate)
+    lengths = torch.full((B,), 10 + T, dtype=torch.int32)
+    caches, extra = (k, v, c), {}
+    if layout == "paged":
+        kc, vc, cc, pt = _paged(k, v, c, lengths, page, gen=gen)
+        caches = (kc, vc, cc)
+        extra = dict(block_table=pt, cache_start=torch.zeros(B, Hk, dtype=torch.int32),
+                     cache_start_host=np.zeros((B, Hk), dtype=np.int64), cache_lengths=lengths)
+
+    def call(cache_seqlens, **changes):
+        kwargs = {name: x for name, x in {**extra, **changes}.items() if x is not None}
+        return forgetting_attention_with_kvcache(q, *caches, k=k[:, 10:10 + T], v=v[:, 10:10 + T],
+                                                 log_fgate=log_fgate[:, 10:10 + T], cache_seqlens=cache_seqlens,
+                                                 scale=D ** -0.5, **kwargs)
+
+    return call, _oracle(q, k, v, log_fgate, lengths, [0] * B, D ** -0.5)
+
+
+@pytest.mark.parametrize("layout, before", [
+    ("contiguous", 9.5), ("contiguous", [10, 10]), ("contiguous", 32), ("contiguous", -1), ("contiguous", True),
+    ("paged", [9.5, 10]), ("paged", [-1, 10]), ("paged", [10]), ("paged", 10),
+], ids=str)
+def test_with_kvcache_bad_cache_seqlens_names_the_argument(layout, before):
+    """forgetting_attention_with_kvcache's cache_seqlens (an int for a contiguous cache, a host int >= 0 per row for
+    a paged one; a contiguous cache holds them and the new tokens): anything else is a one-line error naming it. A
+    float was cut to an int (the new token attended as if it sat at position 9: a wrong output, no error), a list or a
+    value past the cache failed naming nothing or c_q, and a paged cache's negative length was taken."""
+    call, ref = _kvcache_problem(layout)
+    assert (call(10 if layout == "contiguous" else [10, 10]).double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="cache_seqlens: expected"):
+        call(before)
+
+
+@pytest.mark.parametrize("T", [1, 3, 20], ids=["decode", "speculative", "chunk"])
+@pytest.mark.parametrize("change, match", [
+    (dict(cache_start=None), "cache_start: a paged cache .* needs cache_start, cache_start_host and cache_lengths"),
+    (dict(cache_start_host=None), "cache_start_host: a paged cache"),
+    (dict(cache_lengths=None), "cache_lengths: a paged cache"),
+    (dict(cache_start_host=np.zeros(2, dtype=np.int64)), r"cache_start_host: expected .* got the shape \[2\]"),
+], ids=["no-start", "no-host-start", "no-lengths", "host-start-shape"])
+def test_with_kvcache_paged_arguments_missing_name_the_argument(T, change, match):
+    """A paged cache's cache_start, its host copy and the lengths: one missing (or the host copy of another shape) is a
+    one-line error naming it, on every path; they failed as None deep inside (an AttributeError, a TypeError)."""
+    call, ref = _kvcache_problem("paged", T)
+    assert (call([10, 10]).double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match=match):
+        call([10, 10], **change)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda k, v, c: (k[:, :, :1], v, c), r"k_cache: expected \[B, N, Hk, D\] = \[2, 32, 2, 8\]"),
+    (lambda k, v, c: (k, v[:, :5], c), r"v_cache: expected \[B, N, Hk, Dv\] = \[2, 32, 2, 8\]"),
+    (lambda k, v, c: (k, v, c[..., :2]), r"c_cache: expected \[B, N, Hq\] = \[2, 32, 4\]"),
+    (lambda k, v, c: (k, v, c[:, :12]), r"c_cache: expected \[B, N, Hq\] = \[2, 32, 4\]"),
+    (lambda k, v, c: (k, v, c.float()), "c_cache: expected the fp64 gate cumsum, got torch.float32"),
+], ids=["k-heads", "v-length", "c-heads", "c-length", "c-fp32"])
+def test_with_kvcache_contiguous_cache_of_another_shape_names_it(change, match):
+    """A contiguous cache's k_cache, v_cache or c_cache of another shape than q and k say (or a c_cache not fp64): a
+    one-line error naming it: they failed naming the op's internals (c_q, v), or were taken (an fp32 c_cache, whose
+    differences lose digits as |c| grows; a c_cache shorter than k_cache)."""
+    gen = torch.Generator().manual_seed(4)
+    B, N, Hq, Hk, D = 2, 32, 4, 2, 8
+    k, v = torch.randn(B, N, Hk, D, generator=gen), torch.randn(B, N, Hk, D, generator=gen)
+    log_fgate = F.logsigmoid(2.0 + torch.randn(B, N, Hq, generator=gen))
+    q = torch.randn(B, 1, Hq, D, generator=gen)
+    c = gate_cumsum(log_fgate)
+
+    def call(k_cache, v_cache, c_cache):
+        return forgetting_attention_with_kvcache(q, k_cache, v_cache, c_cache, k=k[:, 10:11], v=v[:, 10:11],
+                                                 log_fgate=log_fgate[:, 10:11], cache_seqlens=10, scale=D ** -0.5)
+
+    ref = _oracle(q, k, v, log_fgate, torch.full((B,), 11), [0] * B, D ** -0.5)
+    assert (call(k, v, c).double() - ref).abs().max() < 1e-5
+    with pytest.raises(ValueError, match=match):
+        call(*change(k, v, c))
