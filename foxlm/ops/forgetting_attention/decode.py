@@ -127,7 +127,7 @@ def _decode_split_kernel(
     )
     if DOT_FP32:
         q = q.to(tl.float32)
-    q_page = tl.load(pt + qpos // PAGE, mask=row_ok, other=0)
+    q_page = tl.load(pt + qpos // PAGE, mask=row_ok, other=0).to(tl.int64)  # as _decode_tile: a pool past 2^31 slots
     c_q = tl.load(C + q_page * stride_cp + (qpos % PAGE) * stride_cs + g, mask=row_ok, other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
