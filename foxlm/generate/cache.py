@@ -109,7 +109,7 @@ class PagedFoxCache:
         cfg = model.config
         param = next(model.parameters())
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's: its adapters injected
-        bounds = [block.attn.logit_bound() for block in base.model.layers]
+        bounds = [block.attn.logit_bound(param.dtype) for block in base.model.layers]
         return cls(
             num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, batch_size=batch_size,

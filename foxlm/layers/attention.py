@@ -52,7 +52,7 @@ class ACPProbe:
         tolerance = attn.acp_config.acp_tolerance if self.tolerance is None else self.tolerance
         self.records.append(attn.attention_backend.tile_stats(
             q.detach(), k.detach(), log_fgate.detach(), segments=segments, scale=attn.scale, tolerance=tolerance,
-            logit_bound=attn.logit_bound(), block_m=self.block_m, block_n=self.block_n))
+            logit_bound=attn.logit_bound(q.dtype), block_m=self.block_m, block_n=self.block_n))
 
 
 def alibi_slopes(num_heads: int) -> torch.Tensor:
@@ -173,11 +173,15 @@ class ForgettingAttention(nn.Module):
             return -alibi_slopes(self.num_heads).to(device=x.device, dtype=dt).expand(B, T, -1)
         return None
 
-    def logit_bound(self) -> torch.Tensor | None:
-        """U_h = max|w_q,h| * max|w_k,h| * D * scale per query head ([H] fp32) under QK-norm, else None.
+    def logit_bound(self, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        """U_h >= |scale * q_i . k_j| for every token under QK-norm ([H] fp32), else None; ``dtype``: that of the q
+        and k attention is given (default: the QK-norm weight's).
 
-        RMS-normalised vectors have norm sqrt(D), so |scale * q_i . k_j| <= U_h for every token, now and in
-        the future (RoPE rotations keep norms): the bound ACP and cache eviction rely on.
+        RMS-normalised vectors have norm sqrt(D), so |scale * q_i . k_j| <= max|w_q,h| * max|w_k,h| * D * scale, now
+        and in the future (RoPE rotations keep norms): the bound ACP and cache eviction rely on. q and k reach the
+        kernels rounded to ``dtype`` (once by the norm, again by RoPE), each rounding growing a norm by up to a unit
+        roundoff, and their dot accumulates in fp32: U allows for both, so that the pruned mass stays below the
+        tolerance (in bf16 the rounding alone lifted logits up to 0.8% past the exact bound).
         """
         if self.q_norm is None:
             return None
@@ -188,7 +192,11 @@ class ForgettingAttention(nn.Module):
             wq, wk = wq.expand(self.num_heads), wk.expand(self.num_heads)
         elif self.num_heads != self.num_kv_heads:
             wk = wk.repeat_interleave(self.num_heads // self.num_kv_heads)
-        return (wq * wk).mul_(self.head_dim * self.scale)
+        unit = torch.finfo(self.q_norm.weight.dtype if dtype is None else dtype).eps / 2
+        roundings = 2 * (2 if self.rope else 1)  # q's and k's, by the norm and by RoPE
+        # the dot's fp32 accumulation (D terms) and the norm's own fp32 arithmetic
+        margin = (1 + unit) ** roundings * (1 + (self.head_dim + 8) * 2.0 ** -24)
+        return (wq * wk).mul_(self.head_dim * self.scale * margin)
 
     def forward(
         self,
@@ -227,7 +235,7 @@ class ForgettingAttention(nn.Module):
                 raise ValueError("rotary: this layer applies RoPE and needs the (cos, sin) of its positions")
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         log_fgate = self.log_fgate(x)
-        acp = ACP(self.acp_config.acp_tolerance, self.logit_bound()) if self.acp_config.acp else None
+        acp = ACP(self.acp_config.acp_tolerance, self.logit_bound(q.dtype)) if self.acp_config.acp else None
         if cache is None and self.acp_probe is not None and self.acp_probe.active:
             self.acp_probe.record(self, q, k, log_fgate, segments)
         o, probs = self.attention_backend.attend(

@@ -175,6 +175,25 @@ def test_qk_norm_logit_bound_holds_and_acp_changes_little():
     assert 0 < (pruned - exact).abs().max() < 1e-3
 
 
+def test_qk_norm_logit_bound_holds_for_bf16_q_and_k():
+    """q and k reach the kernels rounded to bf16: a token's logit with itself (q_proj = k_proj) rises up to a unit
+    roundoff per side past D * scale * max|w_q| * max|w_k|, the bound in exact arithmetic; ACP's and eviction's
+    tolerance holds only if U allows for it."""
+    torch.manual_seed(0)
+    layer = ForgettingAttention(64, 4, 4, qk_norm=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.k_proj.weight.copy_(layer.q_proj.weight)
+    x = torch.randn(4, 512, 64, dtype=torch.bfloat16)
+    q = layer.q_norm(layer.q_proj(x).view(4, 512, 4, 16))
+    k = layer.k_norm(layer.k_proj(x).view(4, 512, 4, 16))
+    logits = layer.scale * torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()).abs().amax(dim=(0, 2, 3))
+    assert bool((logits > 16 * layer.scale).any())  # past the exact-arithmetic bound
+    for bound in (layer.logit_bound(torch.bfloat16), layer.logit_bound()):
+        assert bool((logits <= bound).all())
+    # fp32 q and k: the margin stays within fp32's rounding
+    assert torch.allclose(layer.logit_bound(torch.float32), torch.full((4,), 16 * layer.scale), rtol=1e-5, atol=0)
+
+
 def test_layer_gradients_match_finite_differences():
     """Input, gate projection and token-shift weights of a fox-pro layer over two packed documents (fp64)."""
     torch.manual_seed(0)
