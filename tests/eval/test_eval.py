@@ -948,6 +948,36 @@ def test_harness_rolling_loglikelihood_scores_each_token_once(tmp_path):
     assert got == pytest.approx(direct, abs=1e-3)
 
 
+@pytest.mark.parametrize("add_bos_token", [None, True])
+def test_harness_hf_and_foxlm_score_the_same_tokens(tmp_path, add_bos_token):
+    """``--model hf`` (lm-eval's own HFLM, as its registry resolves the name) and ``--model foxlm`` on a foxlm folder
+    give the same log-likelihoods: a continuation after BOS and its context, and a text's rolling log-likelihood after
+    lm-eval's one end-of-text prefix. HFLM's rolling windows encoded the text with the saved tokenizer's BOS, behind
+    that prefix: a double BOS, log p(BOS | BOS) counted into every perplexity. With lm-eval's add_bos_token=True (the
+    FoX authors' setting) too."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    from foxlm.eval.harness import FoxLM, hf_tokenizer
+
+    path = _gpt2_model(tmp_path / "m")
+    args = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
+    ours = FoxLM(pretrained=str(path), device="cpu", **args)
+    theirs = get_model("hf")(pretrained=str(path), device="cpu", **args)
+    reqs = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0),
+            Instance("loglikelihood", {}, ("", "To be, or not to be"), 1)]
+    assert ours.loglikelihood(reqs, disable_tqdm=True) == theirs.loglikelihood(reqs, disable_tqdm=True)
+    text = "To be, or not to be, that is the question"
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
+    (got,) = theirs.loglikelihood_rolling(rolling, disable_tqdm=True)
+    assert ours.loglikelihood_rolling(rolling, disable_tqdm=True) == [got]
+    model = utils.load_model(path, torch.device("cpu"))
+    ids = [50256] + hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert got == pytest.approx(float(utils.next_token_logprobs(model, torch.tensor([ids])).sum()), abs=1e-3)
+    assert theirs.add_bos_token is add_bos_token  # lm-eval's own setting, as it was
+
+
 @pytest.mark.parametrize("key", ["bach_size", "backend"])
 def test_harness_model_args_that_would_be_dropped_are_refused(tmp_path, key):
     """A key HFLM does not take (a typo such as bach_size=8) went to its from_pretrained, never called for a model
