@@ -11,12 +11,14 @@ ARGS``) is lm-eval's own command line with foxlm imported first; ARGS are lm-eva
 and builds the HF tokenizer from the tokenizer its config records (``hf_tokenizer``), else reads the transformers
 tokenizer in its folder as ``--model hf`` does (another library's model); ``--model hf`` needs a
 ``save_pretrained`` dir that also holds tokenizer files (``save_hf_tokenizer``; ``foxlm train`` writes them).
+Both score the same tokens: BOS, then the context and continuation (or a perplexity task's text, BOS once).
 From Python, ``import foxlm.eval.harness`` then ``lm_eval.simple_evaluate(model="foxlm", ...)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import os
@@ -165,15 +167,32 @@ class FoxLM(HFLM):
             return self.model.generate(input_ids=context, max_length=max_length, stopping_criteria=stopping,
                                        pad_token_id=self.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
 
-    def loglikelihood_rolling(self, requests: list, disable_tqdm: bool = False) -> list[float]:
-        """HFLM's, with each text encoded without the tokenizer's BOS: lm-eval opens the first window with
-        ``prefix_token_id`` (that same end-of-text token) already, so the tokenizer's BOS would be scored as the
-        text's first token, log p(BOS | BOS) counted into every perplexity."""
+
+
+def _rolling_once(rolling: Callable[..., list[float]]) -> Callable[..., list[float]]:
+    """HFLM's ``loglikelihood_rolling`` with each text encoded without the tokenizer's BOS, for ``--model foxlm`` and
+    for ``--model hf`` on a foxlm (``fox``) model: lm-eval opens the first window with ``prefix_token_id`` (that same
+    end-of-text token) already, so the BOS that foxlm's saved tokenizer adds (and lm-eval's add_bos_token=True asks
+    for) was scored as the text's first token behind it, log p(BOS | BOS) counted into every perplexity. Scored once,
+    as in every other request: BOS, then the text. Another library's model under ``--model hf`` keeps lm-eval's own
+    reading."""
+
+    @functools.wraps(rolling)
+    def loglikelihood_rolling(self: HFLM, requests: list, disable_tqdm: bool = False) -> list[float]:
+        if not isinstance(self, FoxLM) and getattr(self.config, "model_type", None) != "fox":
+            return rolling(self, requests, disable_tqdm=disable_tqdm)
         add_bos, self.add_bos_token = self.add_bos_token, False
         try:
-            return super().loglikelihood_rolling(requests, disable_tqdm=disable_tqdm)
+            return rolling(self, requests, disable_tqdm=disable_tqdm)
         finally:
             self.add_bos_token = add_bos
+
+    return loglikelihood_rolling
+
+
+# ``--model hf`` is lm-eval's HFLM itself (its registry refuses another class under that name): its rolling windows
+# are the one place it reads a foxlm folder differently from ``--model foxlm``
+HFLM.loglikelihood_rolling = _rolling_once(HFLM.loglikelihood_rolling)
 
 
 class _StopInText(transformers.StoppingCriteria):

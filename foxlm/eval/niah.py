@@ -7,11 +7,11 @@ the very words the prompt ends with, so the model need only copy (their config-p
 Each cell is scored by (1) whether the answer phrase appears in the greedy completion and (2) log p(answer | prompt).
 
 Where this differs from their eval/niah on purpose: the haystack is the held-out split rather than Paul Graham's
-essays; a prompt is exactly ``context_length`` tokens of the pieces' own tokens (theirs keeps 200 spare and
-re-tokenizes the joined text); the "." before the depth is searched for up to 256 tokens back, the depth kept where
-there is none (theirs search back to the start); and the score is the answer phrase in a short greedy completion,
-not a GPT-4o rating from 1 to 10. Their grid, for models trained at 16k: depths 0, 0.1, ..., 1 and lengths 1000,
-4100, ..., 32000 (11 each; ``--depths`` and ``--lengths`` take it).
+essays; a prompt is exactly ``context_length`` tokens of the pieces' own tokens, each as the tokenizer writes it
+inside a text (theirs keeps 200 spare and re-tokenizes the joined text); the "." before the depth is searched for up
+to 256 tokens back, the depth kept where there is none (theirs search back to the start); and the score is the
+answer phrase in a short greedy completion, not a GPT-4o rating from 1 to 10. Their grid, for models trained at
+16k: depths 0, 0.1, ..., 1 and lengths 1000, 4100, ..., 32000 (11 each; ``--depths`` and ``--lengths`` take it).
 """
 
 from __future__ import annotations
@@ -44,7 +44,19 @@ _SPARE_TOKENS = 4  # generated past the answer's length: an answer that opens wi
 def completion_tokens(tokenizer) -> int:
     """Tokens of the greedy completion: the answer's, and a few spare. The model reads all but the last after the
     prompt (the scored answer, whose last token is only a target, is shorter)."""
-    return len(tokenizer.encode(" " + ANSWER)) + _SPARE_TOKENS
+    return len(in_text(tokenizer, ANSWER_PREFIX, " " + ANSWER)) + _SPARE_TOKENS
+
+
+def in_text(tokenizer, before: str, text: str) -> list[int]:
+    """The ids of ``text`` where it follows ``before`` in a whole text: ``encode(before + text)`` past
+    ``encode(before)``. Encoded alone, a SentencePiece-style tokenizer (Llama's, Mistral's) writes a text's first word
+    with its prefix space, "▁" ("." alone is "▁", "."), which a sentence's "." or a line inside a text does not have.
+    A ``ValueError`` where the tokenizer joins the two into one token (the pieces cannot be told apart)."""
+    head, whole = tokenizer.encode(before), tokenizer.encode(before + text)
+    if whole[:len(head)] != head:
+        raise ValueError(f"tokenizer: {tokenizer.name} encodes {before!r} followed by {text!r} with a token across "
+                         "the two; the needle prompt is built from such pieces")
+    return whole[len(head):]
 
 
 @dataclass
@@ -74,7 +86,7 @@ def answer_found(completion: str) -> bool:
 def haystack_tokens(tokenizer, documents: list[np.ndarray]) -> np.ndarray:
     """Held-out documents joined into one stream of plain text: BOS/EOT tokens become blank lines, so the
     haystack reads as one long text rather than as separate documents."""
-    sep = np.asarray(tokenizer.encode("\n\n"), dtype=np.int64)
+    sep = np.asarray(in_text(tokenizer, ".", "\n\n"), dtype=np.int64)
     parts = []
     for doc in documents:
         doc = np.asarray(doc, dtype=np.int64)
@@ -88,10 +100,12 @@ class PromptBuilder:
     def __init__(self, tokenizer, haystack: np.ndarray):
         self.tok = tokenizer
         self.haystack = haystack
-        self.needle = {mode: tokenizer.encode("\n" + text + "\n") for mode, text in NEEDLES.items()}
-        self.tail = tokenizer.encode("\n\n" + QUIZ + QUESTION + " " + ANSWER_PREFIX)
-        self.period = set(tokenizer.encode("."))
-        self.answer = tokenizer.encode(" " + ANSWER)
+        # each piece as the tokenizer writes it inside the prompt's text: the needle and the quiz after a sentence's
+        # ".", the "." after a line break (a letter before it may be joined with it), the answer after its first words
+        self.needle = {mode: in_text(tokenizer, ".", "\n" + text + "\n") for mode, text in NEEDLES.items()}
+        self.tail = in_text(tokenizer, ".", "\n\n" + QUIZ + QUESTION + " " + ANSWER_PREFIX)
+        self.period = set(in_text(tokenizer, "\n", "."))
+        self.answer = in_text(tokenizer, ANSWER_PREFIX, " " + ANSWER)
 
     def haystack_length(self, context_length: int, mode: str) -> int:
         """Haystack tokens in a prompt of ``context_length`` tokens."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextvars
+import json
 import math
 
 import transformers
@@ -19,7 +20,7 @@ from fastapi import HTTPException
 from transformers.cli.serve import Serve
 from transformers.cli.serving import chat_completion, completion
 from transformers.cli.serving.model_manager import ModelLoader
-from transformers.cli.serving.utils import prompt_length
+from transformers.cli.serving.utils import prompt_length, request_logger
 
 
 def register() -> None:
@@ -178,44 +179,67 @@ def _cutting_stops(engine, generation_kwargs: dict):
 _ASKED: contextvars.ContextVar[tuple[str, int] | None] = contextvars.ContextVar("foxlm_serve_asked", default=None)
 
 
+def asked_tokens(body: dict) -> tuple[str, int] | None:
+    """The answer length a completion or chat request asks for itself, as (its field, tokens), as transformers serve
+    reads them: chat's ``max_completion_tokens``, then ``max_tokens``, then the ``max_new_tokens`` of the request's
+    ``generation_config`` (a JSON object, transformers serve's own field); None where it leaves it to the server."""
+    field = next((f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None)
+    if field is not None:
+        return field, body[field]
+    try:  # transformers serve refuses a generation_config it cannot read, later and in its own words
+        settings = json.loads(body["generation_config"]) if isinstance(body.get("generation_config"), str) else None
+    except ValueError:
+        return None
+    tokens = settings.get("max_new_tokens") if isinstance(settings, dict) else None
+    if not isinstance(tokens, int) or isinstance(tokens, bool):  # none, or one for generate to refuse
+        return None
+    return "generation_config.max_new_tokens", tokens
+
+
 class _Answers:
     """A handler whose answers end before their stop string (``_StopCutEngine``) and fit the context the server
     takes (``--max-model-len``, else the model's), prompt and answer: transformers serve checks the prompt only, so
-    an answer ran past it (with its default of at least 1024 new tokens, or any ``max_tokens``). An answer left to the
-    server's default is cut to the room the prompt leaves; a request asking for more than that room is refused (HTTP
-    400 naming the field and the numbers, as vLLM and OpenAI refuse it), not silently given less."""
+    an answer ran past it (with its default of at least 1024 new tokens, or any ``max_tokens``). As vLLM does, an
+    answer left to the server's default (the model's generation_config.json ``max_new_tokens``, at least 1024) is cut
+    to the room the prompt leaves, said in the request log (``--enable-log-requests``: its line above shows the
+    default), while a request asking for more than that room itself (``asked_tokens``) is refused (HTTP 400 naming
+    the field and the numbers, as vLLM and OpenAI refuse it), not silently given less."""
 
     async def handle_request(self, body: dict, request_id: str):
-        # chat's max_completion_tokens before its deprecated max_tokens, as transformers serve reads them
-        field = next((f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None), None)
-        token = _ASKED.set(None if field is None else (field, body[field]))
+        token = _ASKED.set(asked_tokens(body))
         try:
             return await super().handle_request(body, request_id)
         finally:
             _ASKED.reset(token)
 
-    def _fitted(self, engine, inputs: dict, generation_kwargs: dict) -> dict:
+    def _fitted(self, request_id: str, engine, inputs: dict, generation_kwargs: dict) -> dict:
         limit = self.generation_state.context_length(engine.model_config)
         if limit is None:
             return generation_kwargs
         length = prompt_length(inputs)
         room = limit - length  # at least 1: a longer prompt was refused
+        whose = "--max-model-len" if self.generation_state.max_model_len is not None else "the model's"
         asked = _ASKED.get()
         if asked is not None and asked[1] > room:
             (field, tokens) = asked
-            whose = "--max-model-len" if self.generation_state.max_model_len is not None else "the model's"
             raise HTTPException(status_code=400, detail=f"{field}: {tokens} tokens asked for, but the context is "
                                                         f"{limit} tokens ({whose}), prompt and answer, and the prompt "
                                                         f"has {length}: at most {room}")
-        return {**generation_kwargs, "max_new_tokens": min(generation_kwargs["max_new_tokens"], room)}
+        default = generation_kwargs["max_new_tokens"]
+        if default <= room:
+            return generation_kwargs
+        request_logger.info("Request %s: max_new_tokens %d (the server's default) cut to %d, the room its %d-token "
+                            "prompt leaves in the %d-token context (%s)", request_id, default, room, length, limit,
+                            whose)
+        return {**generation_kwargs, "max_new_tokens": room}
 
     def _streaming(self, request_id, engine, inputs, generation_kwargs, *args, **kwargs):
-        generation_kwargs = self._fitted(engine, inputs, generation_kwargs)
+        generation_kwargs = self._fitted(request_id, engine, inputs, generation_kwargs)
         return super()._streaming(request_id, _cutting_stops(engine, generation_kwargs), inputs, generation_kwargs,
                                   *args, **kwargs)
 
     async def _non_streaming(self, request_id, engine, inputs, generation_kwargs, *args, **kwargs):
-        generation_kwargs = self._fitted(engine, inputs, generation_kwargs)
+        generation_kwargs = self._fitted(request_id, engine, inputs, generation_kwargs)
         return await super()._non_streaming(request_id, _cutting_stops(engine, generation_kwargs), inputs,
                                             generation_kwargs, *args, **kwargs)
 

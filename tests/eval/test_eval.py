@@ -584,6 +584,33 @@ def test_prompt_builder_places_needle_at_sentence_boundaries(corpus):
         builder.build(700, 1.5, "easy", 0)
 
 
+@pytest.mark.parametrize("legacy", [True, False])
+def test_needle_prompt_pieces_are_the_tokenizers_own_in_a_whole_text(tmp_path, legacy):
+    """With a SentencePiece-style tokenizer (Llama 2's "▁" before every text encoded, or Metaspace's before the first
+    word), the "." that ends a sentence, the needle, the quiz and the answer are the ids the tokenizer gives them
+    inside a whole text: encoded alone they began with "▁" (the period set held the "▁" piece, the needle and quiz
+    opened with a stray space, the answer with "▁", "▁eat" where the text has "▁eat")."""
+    from tokenizer_folders import sentencepiece_style_tokenizer
+
+    story = " ".join(f"Day {i} was long and the rain did not stop until the end of it." for i in range(60))
+    texts = [story, niah.NEEDLES["easy"], niah.QUIZ + niah.QUESTION + " " + niah.ANSWER_PREFIX + " " + niah.ANSWER]
+    tok = get_tokenizer(str(sentencepiece_style_tokenizer(tmp_path / "tok", texts * 4, legacy=legacy)))
+    builder = niah.PromptBuilder(tok, niah.haystack_tokens(tok, [np.array(tok.encode(story))]))
+    assert builder.period and all(tok.decode([p]) == "." for p in builder.period)
+    for mode in niah.MODES:
+        for depth in (0.3, 0.6):
+            ids, pos = builder.build(400, depth, mode, offset=0)
+            before = tok.decode(ids[1:pos])
+            assert before.endswith(".") and pos > 1
+            needle_end = pos + len(builder.needle[mode])
+            assert ids[1:needle_end] == tok.encode(before + "\n" + niah.NEEDLES[mode] + "\n"), (mode, depth)
+    question = "\n\n" + niah.QUIZ + niah.QUESTION + " " + niah.ANSWER_PREFIX
+    whole = tok.encode("It rained." + question + " " + niah.ANSWER)
+    assert whole[-len(builder.tail) - len(builder.answer):] == builder.tail + builder.answer
+    assert tok.decode(builder.tail) == question
+    assert niah.completion_tokens(tok) == len(builder.answer) + niah._SPARE_TOKENS
+
+
 def test_prompts_are_the_fox_authors():
     """The prompt text is the one the authors' eval/niah/prompt.py builds from their config-prompt-easy.yaml and
     config-prompt-standard.yaml, the expectation written here from their strings and rules: the haystack's first
@@ -946,6 +973,36 @@ def test_harness_rolling_loglikelihood_scores_each_token_once(tmp_path):
     model = utils.load_model(path, torch.device("cpu"))
     direct = float(utils.next_token_logprobs(model, torch.tensor([[50256] + ids])).sum())
     assert got == pytest.approx(direct, abs=1e-3)
+
+
+@pytest.mark.parametrize("add_bos_token", [None, True])
+def test_harness_hf_and_foxlm_score_the_same_tokens(tmp_path, add_bos_token):
+    """``--model hf`` (lm-eval's own HFLM, as its registry resolves the name) and ``--model foxlm`` on a foxlm folder
+    give the same log-likelihoods: a continuation after BOS and its context, and a text's rolling log-likelihood after
+    lm-eval's one end-of-text prefix. HFLM's rolling windows encoded the text with the saved tokenizer's BOS, behind
+    that prefix: a double BOS, log p(BOS | BOS) counted into every perplexity. With lm-eval's add_bos_token=True (the
+    FoX authors' setting) too."""
+    pytest.importorskip("lm_eval")
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    from foxlm.eval.harness import FoxLM, hf_tokenizer
+
+    path = _gpt2_model(tmp_path / "m")
+    args = {} if add_bos_token is None else {"add_bos_token": add_bos_token}
+    ours = FoxLM(pretrained=str(path), device="cpu", **args)
+    theirs = get_model("hf")(pretrained=str(path), device="cpu", **args)
+    reqs = [Instance("loglikelihood", {}, ("The capital of France is", " Paris"), 0),
+            Instance("loglikelihood", {}, ("", "To be, or not to be"), 1)]
+    assert ours.loglikelihood(reqs, disable_tqdm=True) == theirs.loglikelihood(reqs, disable_tqdm=True)
+    text = "To be, or not to be, that is the question"
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
+    (got,) = theirs.loglikelihood_rolling(rolling, disable_tqdm=True)
+    assert ours.loglikelihood_rolling(rolling, disable_tqdm=True) == [got]
+    model = utils.load_model(path, torch.device("cpu"))
+    ids = [50256] + hf_tokenizer()(text, add_special_tokens=False)["input_ids"]
+    assert got == pytest.approx(float(utils.next_token_logprobs(model, torch.tensor([ids])).sum()), abs=1e-3)
+    assert theirs.add_bos_token is add_bos_token  # lm-eval's own setting, as it was
 
 
 @pytest.mark.parametrize("key", ["bach_size", "backend"])

@@ -58,9 +58,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _serving(model: str, *options: str, env: dict | None = None) -> Iterator[str]:
+def _serving(model: str, *options: str, env: dict | None = None, log: list[str] | None = None) -> Iterator[str]:
     """``foxlm serve MODEL OPTIONS`` on 127.0.0.1, ready (its /health answers), at the URL given; stopped with Ctrl-C
-    as a user stops it."""
+    as a user stops it, its output then appended to ``log``."""
     port = _free_port()
     child_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
     child_env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
@@ -89,6 +89,8 @@ def _serving(model: str, *options: str, env: dict | None = None) -> Iterator[str
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        if log is not None:
+            log.append(proc.stdout.read())
 
 
 @pytest.fixture(scope="module")
@@ -297,6 +299,37 @@ def test_answers_fit_the_context_with_their_prompt(model_folder, local):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == done.choices[0].text
         assert chunks[-1].choices[0].finish_reason == "length"
         _asking_past_the_context_is_refused(url, model_folder, local, limit)
+
+
+def test_a_default_answer_length_past_the_context_is_cut_and_logged(model_folder, local, tmp_path):
+    """A model whose generation_config.json asks for more new tokens than the context leaves (transformers serve's
+    default answer length): as vLLM, the answer is cut to the room left after the prompt (finish_reason "length"),
+    not refused, and the request log (--enable-log-requests) says so (it was cut silently, the log showing the default
+    only). The request's own generation_config field asking for more is the request's ask, refused as max_tokens is
+    (it was cut silently too)."""
+    from transformers import GenerationConfig
+
+    folder = tmp_path / "fox"
+    shutil.copytree(model_folder, folder)
+    GenerationConfig(max_new_tokens=5000, do_sample=False).save_pretrained(folder)
+    prompt, limit = "To be, or not to be", 16
+    ids = local[1](prompt)["input_ids"]
+    room = limit - len(ids)
+    log: list[str] = []
+    with _serving(str(folder), "--max-model-len", str(limit), "--log-level", "info", "--enable-log-requests",
+                  log=log) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        asking = {"model": str(folder), "prompt": prompt, "generation_config": json.dumps({"max_new_tokens": room + 1})}
+        for stream in (False, True):
+            status, answer = _post(f"{url}/v1/completions", {**asking, "stream": stream})
+            assert (status, answer.get("detail")) == (400, (
+                f"generation_config.max_new_tokens: {room + 1} tokens asked for, but the context is {limit} tokens "
+                f"(--max-model-len), prompt and answer, and the prompt has {len(ids)}: at most {room}")), stream
+        done = client.completions.create(model=str(folder), prompt=prompt)
+    assert done.usage.completion_tokens == room and done.choices[0].finish_reason == "length"
+    assert done.choices[0].text == _greedy(local, ids, room)
+    assert (f"max_new_tokens 5000 (the server's default) cut to {room}, the room its {len(ids)}-token prompt leaves in "
+            f"the {limit}-token context (--max-model-len)") in log[0], log[0]
 
 
 def _asking_past_the_context_is_refused(url, model_folder, local, limit):
