@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -233,8 +234,10 @@ def convert(
         raise ValueError(f"dtype: expected 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
     raw, weights = read_folder(src)
     found = FORMATS.get(raw.get("model_type"))
+    remote = raw.get("auto_map")  # classes in SRC's own .py files: remote code, which convert never runs
     if found is None:
-        raise ValueError(f"src: model_type {raw.get('model_type')!r} is none of {sorted(FORMATS)}")
+        raise ValueError(f"src: model_type {raw.get('model_type')!r} is none of {sorted(FORMATS)}"
+                         + ("; its auto_map names remote code, which convert never runs" if remote else ""))
     if src_format not in ("auto", found):
         raise ValueError(f"src_format: {src} holds a {found!r} model (model_type {raw['model_type']!r}), "
                          f"not {src_format!r}")
@@ -242,6 +245,10 @@ def convert(
     if found not in wanted:
         raise ValueError(f"src: a {found!r} model converts to {to!r} only from {' or '.join(wanted)}")
     _prepare_dst(dst, src, overwrite)
+    if remote:  # as from_pretrained without trust_remote_code where the model_type's classes are installed
+        names = ", ".join(sorted(remote)) if isinstance(remote, dict) else str(remote)
+        print(f"src: ignored {src / 'config.json'}'s auto_map ({names}): remote code is never run; read as "
+              f"{found}'s model_type {raw['model_type']!r}", file=sys.stderr)
     target = _dtype_of(weights) if dtype == "auto" else DTYPES[dtype]
 
     if to == "foxlm":

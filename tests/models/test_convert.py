@@ -890,6 +890,36 @@ def test_json_gpt2_tokenizer_round_trips_and_escapes_like_the_authors():
     assert tok.decode(cut) in ("é", "")
 
 
+
+def test_remote_code_an_auto_map_names_is_never_run_and_said_to_be_ignored(tmp_path, capsys):
+    """A config.json whose auto_map names remote code (a hub copy of a model with its own .py files): as
+    from_pretrained without trust_remote_code, a model_type foxlm knows converts with foxlm's own mapping, that code
+    never run, and one stderr line says the auto_map was ignored (it was dropped without a word); an unknown
+    model_type is refused, the error saying its remote code is never run."""
+    gen = torch.Generator().manual_seed(10)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-pro"])
+    sd = authors_weights(cfg, gen)
+    auto_map = {"AutoConfig": "configuration_fox.RemoteConfig", "AutoModelForCausalLM": "modeling_fox.RemoteFox"}
+    ran = tmp_path / "ran"
+    for name, model_type in (("src", cfg["model_type"]), ("unknown", "remote_fox")):
+        _write(tmp_path / name, {**cfg, "model_type": model_type, "auto_map": auto_map}, sd)
+        for file in ("configuration_fox.py", "modeling_fox.py"):
+            (tmp_path / name / file).write_text(f"open({str(ran)!r}, 'w').close()\n")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("src: ignored")]
+    assert said == [f"src: ignored {tmp_path / 'src' / 'config.json'}'s auto_map (AutoConfig, AutoModelForCausalLM): "
+                    f"remote code is never run; read as fox-authors's model_type {cfg['model_type']!r}"]
+    ids = torch.randint(0, V, (2, T), generator=gen)
+    with torch.no_grad():
+        logits = FoxForCausalLM.from_pretrained(tmp_path / "dst").eval()(ids).logits
+    assert _rel(logits, authors_forward(sd, cfg, ids)) < RTOL
+    with pytest.raises(ValueError, match=r"src: model_type 'remote_fox' is none of \[.*\]; its auto_map names remote "
+                                         "code, which convert never runs"):
+        convert(tmp_path / "unknown", tmp_path / "dst2")
+    assert not ran.exists() and not (tmp_path / "dst2").exists()
+
+
 # ---------------------------------------------------------------------------- a trained model, there and back
 def test_trained_model_exported_and_converted_back_gives_the_same_per_token_losses(tmp_path):
     data = tmp_path / "bytes"
