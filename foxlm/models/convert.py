@@ -147,40 +147,46 @@ def _in_manifest_of(dst: Path) -> Path | None:
 
 
 def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> Tokenizer | None:
-    """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given; else what SRC records (foxlm's
-    key, found in SRC's copy first); else the authors' JSON GPT-2 where its tokenizer_config.json names it; else the
-    tokenizer SRC's own files hold (a ``tokenizer.json``, as ``save_pretrained`` writes it, or GPT-2's files): fla's
-    checkpoints carry their tokenizer so; else GPT-2 where tokenizer_config.json names a GPT-2 class (and any
-    vocab.json / merges.txt beside it are GPT-2's); else the authors' JSON GPT-2 for their format; else none."""
+    """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given, else SRC's (``_src_tokenizer``)."""
+    from ..data.tokenizer import get_tokenizer
+
+    return get_tokenizer(tokenizer) if tokenizer is not None else _src_tokenizer(src, raw, fmt)
+
+
+def _src_tokenizer(src: Path, raw: dict, fmt: str) -> Tokenizer | None:
+    """The tokenizer SRC names: what SRC records (foxlm's key, found in SRC's copy first); else the authors' JSON
+    GPT-2 where its tokenizer_config.json names it; else the tokenizer SRC's own files hold (a ``tokenizer.json``, as
+    ``save_pretrained`` writes it, or GPT-2's files): fla's checkpoints carry their tokenizer so; else GPT-2 where
+    tokenizer_config.json names a GPT-2 class (and any vocab.json / merges.txt beside it are GPT-2's); else the
+    authors' JSON GPT-2 for their format; else none. An authors' model with GPT-2's tokenizer is their JSON GPT-2
+    whatever class saved it: GPT-2 BPE saw their data (LongCrawl64) only JSON-escaped, and raw text would give it ids
+    in an order it never saw."""
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
-    if tokenizer is None:
-        if (record := raw.get("foxlm_tokenizer")) is not None:  # SRC's own copy first: the recorded folder may move
-            if not isinstance(record, dict) or not isinstance(record.get("name"), str):
-                raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
-                                 "tokenizer record (a mapping with a name); pass --tokenizer")
-            return tokenizer_from_spec(record, [src])
-        has_config = (src / "tokenizer_config.json").is_file()
-        cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class") if has_config \
-            else None
-        if cls == "JSONGPT2Tokenizer":
-            tokenizer = "json-gpt2"
-        elif (src / "tokenizer.json").is_file() or (src / "encoder.json").is_file():
-            # the files, not the class name: a GPT2TokenizerFast of another vocabulary is no GPT-2 (a folder that
-            # gives GPT-2's ids is named "gpt2")
-            try:
-                tok = get_tokenizer(str(src))
-            except ValueError as e:
-                raise ValueError(f"src: {e}; pass --tokenizer") from e
-            return tok
-        elif cls in ("GPT2Tokenizer", "GPT2TokenizerFast"):
-            if (different := _not_gpt2_files(src)) is not None:
-                raise ValueError(f"src: {src / different} is not GPT-2's, though tokenizer_config.json names {cls}; "
-                                 "pass --tokenizer")
-            tokenizer = "gpt2"
-        elif fmt == "fox-authors" and not has_config:
-            tokenizer = "json-gpt2"
-    return None if tokenizer is None else get_tokenizer(tokenizer)
+    if (record := raw.get("foxlm_tokenizer")) is not None:  # SRC's own copy first: the recorded folder may move
+        if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+            raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
+                             "tokenizer record (a mapping with a name); pass --tokenizer")
+        return tokenizer_from_spec(record, [src])
+    has_config = (src / "tokenizer_config.json").is_file()
+    cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class") if has_config else None
+    if cls == "JSONGPT2Tokenizer":
+        return get_tokenizer("json-gpt2")
+    if (src / "tokenizer.json").is_file() or (src / "encoder.json").is_file():
+        # the files, not the class name: a GPT2TokenizerFast of another vocabulary is no GPT-2 (a folder that
+        # gives GPT-2's ids is named "gpt2")
+        try:
+            tok = get_tokenizer(str(src))
+        except ValueError as e:
+            raise ValueError(f"src: {e}; pass --tokenizer") from e
+    elif cls in ("GPT2Tokenizer", "GPT2TokenizerFast"):
+        if (different := _not_gpt2_files(src)) is not None:
+            raise ValueError(f"src: {src / different} is not GPT-2's, though tokenizer_config.json names {cls}; "
+                             "pass --tokenizer")
+        tok = get_tokenizer("gpt2")
+    else:
+        return get_tokenizer("json-gpt2") if fmt == "fox-authors" and not has_config else None
+    return get_tokenizer("json-gpt2") if fmt == "fox-authors" and tok.name == "gpt2" else tok
 
 
 def _not_gpt2_files(src: Path) -> str | None:
@@ -217,9 +223,9 @@ def convert(
         ``to="fox-authors"``). to: "foxlm" (a folder ``AutoModelForCausalLM`` loads after ``import foxlm``) or
         "fox-authors" (the authors' classes' format). dtype: "auto" (the source weights': float32 where they mix
         dtypes) or float32 / bfloat16 / float16.
-    tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records; the authors' models: their
-        JSON-escaped GPT-2, "json-gpt2"); ``dst`` carries a copy of its files, as a run's model folder does, and so
-        does an authors' ``dst`` of the copy ``src`` carries.
+    tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records or carries; the authors'
+        models: their JSON-escaped GPT-2, "json-gpt2", also where ``src`` carries GPT-2's files). ``dst`` carries a
+        copy of its files, as a run's model folder does, and so does an authors' ``dst`` of the copy ``src`` carries.
     overwrite: replace an existing foxlm / authors model folder at ``dst``.
     """
     from .modeling_fox import FoxForCausalLM

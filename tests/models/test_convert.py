@@ -890,6 +890,70 @@ def test_json_gpt2_tokenizer_round_trips_and_escapes_like_the_authors():
     assert tok.decode(cut) in ("é", "")
 
 
+def _gpt2_tokenizer_folders(root: Path) -> dict[str, Path]:
+    """GPT-2's tokenizer as the authors' folders may carry it, from GPT-2's own files: "authors", as their
+    save_model.py writes it (transformers 4.44 saving their slow JSONGPT2Tokenizer: GPT-2's vocab.json and merges.txt,
+    tokenizer_config.json naming their class); "slow", the same files saved through GPT2Tokenizer; "fast", GPT-2 as
+    transformers 5 saves it (a tokenizer.json, tokenizer_config.json naming GPT2Tokenizer)."""
+    import transformers
+
+    from foxlm.data.assets import gpt2_files
+
+    encoder, bpe = gpt2_files()
+    folders = {name: root / name for name in ("authors", "slow", "fast")}
+    settings = {"add_bos_token": True, "add_prefix_space": False, "bos_token": "<|endoftext|>",
+                "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
+                "model_max_length": 16384, "pad_token": None, "unk_token": "<|endoftext|>"}
+    for name, cls in (("authors", "JSONGPT2Tokenizer"), ("slow", "GPT2Tokenizer")):
+        folders[name].mkdir(parents=True)
+        shutil.copyfile(encoder, folders[name] / "vocab.json")
+        shutil.copyfile(bpe, folders[name] / "merges.txt")
+        (folders[name] / "special_tokens_map.json").write_text(json.dumps(
+            {k: "<|endoftext|>" for k in ("bos_token", "eos_token", "unk_token")}))
+        (folders[name] / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": cls}))
+    transformers.AutoTokenizer.from_pretrained(folders["slow"]).save_pretrained(folders["fast"])
+    assert (folders["fast"] / "tokenizer.json").is_file()
+    return folders
+
+
+def _with_files_of(src: Path, folder: Path) -> Path:
+    for file in folder.iterdir():
+        shutil.copyfile(file, src / file.name)
+    return src
+
+
+def test_an_authors_folder_carrying_gpt2_tokenizer_files_records_json_gpt2(tmp_path):
+    """The authors' models saw GPT-2 BPE of JSON-escaped text only (LongCrawl64): an authors' folder carrying GPT-2's
+    tokenizer files records json-gpt2 whatever class saved them, so `foxlm eval` and `generate` encode a text as the
+    authors' tokenizer does; --tokenizer still says otherwise, and a tokenizer of another vocabulary (their SlimPajama
+    runs saved another one) is recorded as it is. (Saved through GPT2Tokenizer, or as a tokenizer.json, they recorded
+    GPT-2 on raw text: a newline or quote became other ids than the model was trained on.)"""
+    from tokenizer_folders import llama_style_tokenizer
+
+    from foxlm.data.tokenizer import model_tokenizer
+
+    gen = torch.Generator().manual_seed(8)
+    cfg = authors_config(**{**AUTHORS_ARCHS["fox-llama"], "vocab_size": 50304, "num_hidden_layers": 1})
+    sd = {k: v for k, v in authors_weights({**cfg, "num_hidden_layers": L}, gen).items() if "layers.1." not in k}
+    sd["model.embeddings.weight"], sd["lm_head.weight"] = (torch.randn(50304, C, generator=gen) for _ in range(2))
+    text = 'She said "café"\n\tand left'
+    escaped = get_tokenizer("gpt2").encode(json.dumps(text)[1:-1])
+    assert escaped != get_tokenizer("gpt2").encode(text)
+    for name, folder in _gpt2_tokenizer_folders(tmp_path / "tokenizers").items():
+        _write(tmp_path / name, cfg, sd)
+        convert(_with_files_of(tmp_path / name, folder), tmp_path / f"{name}-dst")
+        config = FoxConfig.from_pretrained(tmp_path / f"{name}-dst")
+        assert config.foxlm_tokenizer["name"] == "json-gpt2", name
+        assert model_tokenizer(config).encode(text) == escaped, name
+    assert main(["convert", str(tmp_path / "fast"), str(tmp_path / "raw"), "--tokenizer", "gpt2"]) == 0
+    assert FoxConfig.from_pretrained(tmp_path / "raw").foxlm_tokenizer["name"] == "gpt2"
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    other = llama_style_tokenizer(tmp_path / "llama-tok", [p.read_text() for p in plays], vocab_size=300)
+    _write(tmp_path / "llama", cfg, sd)
+    convert(_with_files_of(tmp_path / "llama", other), tmp_path / "llama-dst")
+    config = FoxConfig.from_pretrained(tmp_path / "llama-dst")
+    assert model_tokenizer(config).encode(text) == get_tokenizer(str(other)).encode(text)
+
 
 def test_remote_code_an_auto_map_names_is_never_run_and_said_to_be_ignored(tmp_path, capsys):
     """A config.json whose auto_map names remote code (a hub copy of a model with its own .py files): as
