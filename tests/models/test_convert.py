@@ -276,7 +276,9 @@ def test_authors_architectures_convert_with_equal_logits_and_greedy_tokens(arch,
     _write(tmp_path / "src", cfg, sd)
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
-    assert isinstance(model, FoxForCausalLM) and model.config.foxlm_tokenizer["name"] == "json-gpt2"
+    assert isinstance(model, FoxForCausalLM)
+    # the authors' JSON GPT-2 (50257 ids), their default, does not fit V rows: none recorded
+    assert getattr(model.config, "foxlm_tokenizer", None) is None
     ids = torch.randint(0, V, (2, T), generator=gen)
     with torch.no_grad():
         want = authors_forward(sd, cfg, ids)
@@ -415,12 +417,13 @@ def test_a_damaged_index_shard_or_tokenizer_config_is_an_error_naming_the_file(t
         with pytest.raises(ValueError, match=message):
             convert(src, tmp_path / "dst")
         assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
-    _write(tmp_path / "tok", cfg, sd)
+    byte_rows = {k: torch.randn(257, C, generator=gen) for k in ("model.embeddings.weight", "lm_head.weight")}
+    _write(tmp_path / "tok", {**cfg, "vocab_size": 257}, {**sd, **byte_rows})  # rows for the byte tokenizer's ids
     for text, message in (("{bad", "not valid JSON"), ("[1]", "expected a JSON object, found a list")):
         (tmp_path / "tok" / "tokenizer_config.json").write_text(text)
         with pytest.raises(ValueError, match=f"tokenizer_config.json: {re.escape(message)}.*; pass --tokenizer"):
             convert(tmp_path / "tok", tmp_path / "dst")
-    convert(tmp_path / "tok", tmp_path / "dst", tokenizer="json-gpt2")  # not read when --tokenizer names one
+    convert(tmp_path / "tok", tmp_path / "dst", tokenizer="byte")  # not read when --tokenizer names one
 
 
 def test_auto_dtype_is_the_weights_never_a_narrower_label(tmp_path):
@@ -690,14 +693,16 @@ def test_a_damaged_tokenizer_record_is_an_error_naming_the_field(tmp_path):
     gen = torch.Generator().manual_seed(0)
     cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
     sd = authors_weights(cfg, gen)
+    cfg["vocab_size"] = 257  # rows for the byte tokenizer's ids
+    sd.update({k: torch.randn(257, C, generator=gen) for k in ("model.embeddings.weight", "lm_head.weight")})
     for i, record in enumerate(({}, {"name": 3}, "gpt2")):
         _write(tmp_path / f"src{i}", {**cfg, "foxlm_tokenizer": record}, sd)
         with pytest.raises(ValueError, match=f"src: .*config.json records foxlm_tokenizer={re.escape(repr(record))}, "
                                              "expected a tokenizer record .*; pass --tokenizer"):
             convert(tmp_path / f"src{i}", tmp_path / "dst")
         assert main(["convert", str(tmp_path / f"src{i}"), str(tmp_path / "dst")]) == 2
-    convert(tmp_path / "src0", tmp_path / "dst", tokenizer="gpt2")  # not read when --tokenizer names one
-    assert FoxForCausalLM.from_pretrained(tmp_path / "dst").config.foxlm_tokenizer["name"] == "gpt2"
+    convert(tmp_path / "src0", tmp_path / "dst", tokenizer="byte")  # not read when --tokenizer names one
+    assert FoxForCausalLM.from_pretrained(tmp_path / "dst").config.foxlm_tokenizer["name"] == "byte"
 
 
 # --------------------------------------------------------------------------------------------------------- fla
@@ -953,6 +958,41 @@ def test_an_authors_folder_carrying_gpt2_tokenizer_files_records_json_gpt2(tmp_p
     convert(_with_files_of(tmp_path / "llama", other), tmp_path / "llama-dst")
     config = FoxConfig.from_pretrained(tmp_path / "llama-dst")
     assert model_tokenizer(config).encode(text) == get_tokenizer(str(other)).encode(text)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_has_rows_is_refused(tmp_path, capsys):
+    """A tokenizer whose ids pass the model's embedding rows, named by --tokenizer, recorded in SRC or carried in its
+    files: refused in one line naming --tokenizer, DST not written (it was recorded, and its ids indexed past the
+    embedding later). The authors' default, guessed for a folder that names no tokenizer, is left unrecorded instead,
+    saying so: such a model was not trained on their data."""
+    gen = torch.Generator().manual_seed(9)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(cfg, gen)
+    _write(tmp_path / "src", cfg, sd)
+    too_many = f"tokenizer: gpt2 (--tokenizer) has 50257 ids, more than the model's vocabulary of {V}; pass --tokenizer"
+    with pytest.raises(ValueError, match=re.escape(too_many)):
+        convert(tmp_path / "src", tmp_path / "dst", tokenizer="gpt2")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--tokenizer", "gpt2"]) == 2
+    assert capsys.readouterr().err == f"foxlm convert: error: {too_many} naming the tokenizer it was trained with\n"
+    _write(tmp_path / "recorded", {**cfg, "foxlm_tokenizer": get_tokenizer("byte").spec()}, sd)
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer: byte ({tmp_path / 'recorded'}'s tokenizer) has 257 "
+                                                   f"ids, more than the model's vocabulary of {V}; pass --tokenizer")):
+        convert(tmp_path / "recorded", tmp_path / "dst")
+    _write(tmp_path / "files", cfg, sd)
+    _with_files_of(tmp_path / "files", _gpt2_tokenizer_folders(tmp_path / "tokenizers")["authors"])
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer: json-gpt2 ({tmp_path / 'files'}'s tokenizer) has "
+                                                   f"50257 ids, more than the model's vocabulary of {V}")):
+        convert(tmp_path / "files", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    capsys.readouterr()
+    # no tokenizer named: the authors' json-gpt2 guessed, and not fitting
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("src: ")]
+    assert said == [f"src: {tmp_path / 'src'} names no tokenizer, and the FoX authors' json-gpt2 (50257 ids) does not "
+                    f"fit its vocabulary of {V}: none recorded (pass --tokenizer to record the one it was trained "
+                    "with)"]
+    assert getattr(FoxConfig.from_pretrained(tmp_path / "dst"), "foxlm_tokenizer", None) is None
 
 
 def test_remote_code_an_auto_map_names_is_never_run_and_said_to_be_ignored(tmp_path, capsys):
