@@ -252,6 +252,9 @@ def convert(
         raise ValueError(f"to: expected 'foxlm' or 'fox-authors', got {to!r}")
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype: expected 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    if tokenizer is not None and to != "foxlm":  # it was dropped: the authors' format keeps what SRC records
+        raise ValueError(f"tokenizer: --to {to} carries the tokenizer SRC records; --tokenizer names the one to record "
+                         "converting to foxlm")
     raw, weights = read_folder(src)
     found = FORMATS.get(raw.get("model_type"))
     remote = raw.get("auto_map")  # classes in SRC's own .py files: remote code, which convert never runs

@@ -349,6 +349,20 @@ def test_a_foxlm_config_with_a_number_field_of_another_type_is_named(tmp_path, c
     assert not (tmp_path / "authors").exists()
 
 
+def test_a_tokenizer_named_for_the_authors_format_is_refused(tmp_path, capsys):
+    """--tokenizer with --to fox-authors: one line naming it (it was dropped without a word, DST carrying what SRC
+    records instead)."""
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=300)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="tokenizer: --to fox-authors carries the tokenizer SRC records; --tokenizer "
+                                         "names the one to record converting to foxlm"):
+        convert(tmp_path / "m", tmp_path / "authors", to="fox-authors", tokenizer="byte")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "authors"), "--to", "fox-authors", "--tokenizer",
+                 "byte"]) == 2
+    assert capsys.readouterr().err.startswith("foxlm convert: error: tokenizer: --to fox-authors")
+    assert not (tmp_path / "authors").exists()
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(qk_norm_eps=None), r"their QK-norm epsilon is 1e-05 \(fixed in their code\); this model's is 1e-06: a "
                              r"model trained with model.qk_norm_eps=1.0e-5 \(the fox-pro and transformer-pro "
