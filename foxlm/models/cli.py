@@ -22,7 +22,8 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weights' dtype in DST (default auto: the source's)")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenizer to record in DST (default: SRC's; the authors' models: json-gpt2)")
+                   help="tokenizer to record in a foxlm DST, its ids within the model's vocabulary (default: "
+                        "SRC's; the authors' models: json-gpt2, also where SRC carries GPT-2's files)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it is a foxlm or FoX-authors model folder")
     p.set_defaults(func=run)
 

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -145,41 +146,60 @@ def _in_manifest_of(dst: Path) -> Path | None:
     return dst.parent if isinstance(files, dict) and any(str(name).startswith(prefix) for name in files) else None
 
 
-def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None) -> Tokenizer | None:
-    """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given; else what SRC records (foxlm's
-    key, found in SRC's copy first); else the authors' JSON GPT-2 where its tokenizer_config.json names it; else the
+def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None, vocab_size: int) -> Tokenizer | None:
+    """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given, else SRC's (``_src_tokenizer``).
+    Its ids must fit the model's ``vocab_size`` embedding rows (more would index past them later), or this raises
+    naming --tokenizer; only the authors' default, guessed where SRC says nothing, is then left unrecorded instead (a
+    model of fewer rows was not trained on their data)."""
+    from ..data.tokenizer import get_tokenizer
+
+    tok, guessed = (get_tokenizer(tokenizer), False) if tokenizer is not None else _src_tokenizer(src, raw, fmt)
+    if tok is None or tok.vocab_size <= vocab_size:
+        return tok
+    if guessed:
+        print(f"src: {src} names no tokenizer, and the FoX authors' {tok.name} ({tok.vocab_size} ids) does not fit its "
+              f"vocabulary of {vocab_size}: none recorded (pass --tokenizer to record the one it was trained with)",
+              file=sys.stderr)
+        return None
+    where = "--tokenizer" if tokenizer is not None else f"{src}'s tokenizer"
+    raise ValueError(f"tokenizer: {tok.name} ({where}) has {tok.vocab_size} ids, more than the model's vocabulary of "
+                     f"{vocab_size}; pass --tokenizer naming the tokenizer it was trained with")
+
+
+def _src_tokenizer(src: Path, raw: dict, fmt: str) -> tuple[Tokenizer | None, bool]:
+    """(The tokenizer SRC names, whether it is only the authors' format's default): what SRC records (foxlm's key,
+    found in SRC's copy first); else the authors' JSON GPT-2 where its tokenizer_config.json names it; else the
     tokenizer SRC's own files hold (a ``tokenizer.json``, as ``save_pretrained`` writes it, or GPT-2's files): fla's
     checkpoints carry their tokenizer so; else GPT-2 where tokenizer_config.json names a GPT-2 class (and any
-    vocab.json / merges.txt beside it are GPT-2's); else the authors' JSON GPT-2 for their format; else none."""
+    vocab.json / merges.txt beside it are GPT-2's); else the authors' JSON GPT-2 for their format (the default, a
+    guess); else none. An authors' model with GPT-2's tokenizer is their JSON GPT-2 whatever class saved it: GPT-2 BPE
+    saw their data (LongCrawl64) only JSON-escaped, and raw text would give it ids in an order it never saw."""
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
-    if tokenizer is None:
-        if (record := raw.get("foxlm_tokenizer")) is not None:  # SRC's own copy first: the recorded folder may move
-            if not isinstance(record, dict) or not isinstance(record.get("name"), str):
-                raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
-                                 "tokenizer record (a mapping with a name); pass --tokenizer")
-            return tokenizer_from_spec(record, [src])
-        has_config = (src / "tokenizer_config.json").is_file()
-        cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class") if has_config \
-            else None
-        if cls == "JSONGPT2Tokenizer":
-            tokenizer = "json-gpt2"
-        elif (src / "tokenizer.json").is_file() or (src / "encoder.json").is_file():
-            # the files, not the class name: a GPT2TokenizerFast of another vocabulary is no GPT-2 (a folder that
-            # gives GPT-2's ids is named "gpt2")
-            try:
-                tok = get_tokenizer(str(src))
-            except ValueError as e:
-                raise ValueError(f"src: {e}; pass --tokenizer") from e
-            return tok
-        elif cls in ("GPT2Tokenizer", "GPT2TokenizerFast"):
-            if (different := _not_gpt2_files(src)) is not None:
-                raise ValueError(f"src: {src / different} is not GPT-2's, though tokenizer_config.json names {cls}; "
-                                 "pass --tokenizer")
-            tokenizer = "gpt2"
-        elif fmt == "fox-authors" and not has_config:
-            tokenizer = "json-gpt2"
-    return None if tokenizer is None else get_tokenizer(tokenizer)
+    if (record := raw.get("foxlm_tokenizer")) is not None:  # SRC's own copy first: the recorded folder may move
+        if not isinstance(record, dict) or not isinstance(record.get("name"), str):
+            raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
+                             "tokenizer record (a mapping with a name); pass --tokenizer")
+        return tokenizer_from_spec(record, [src]), False
+    has_config = (src / "tokenizer_config.json").is_file()
+    cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class") if has_config else None
+    if cls == "JSONGPT2Tokenizer":
+        return get_tokenizer("json-gpt2"), False
+    if (src / "tokenizer.json").is_file() or (src / "encoder.json").is_file():
+        # the files, not the class name: a GPT2TokenizerFast of another vocabulary is no GPT-2 (a folder that
+        # gives GPT-2's ids is named "gpt2")
+        try:
+            tok = get_tokenizer(str(src))
+        except ValueError as e:
+            raise ValueError(f"src: {e}; pass --tokenizer") from e
+    elif cls in ("GPT2Tokenizer", "GPT2TokenizerFast"):
+        if (different := _not_gpt2_files(src)) is not None:
+            raise ValueError(f"src: {src / different} is not GPT-2's, though tokenizer_config.json names {cls}; "
+                             "pass --tokenizer")
+        tok = get_tokenizer("gpt2")
+    else:
+        return (get_tokenizer("json-gpt2"), True) if fmt == "fox-authors" and not has_config else (None, False)
+    return (get_tokenizer("json-gpt2") if fmt == "fox-authors" and tok.name == "gpt2" else tok), False
 
 
 def _not_gpt2_files(src: Path) -> str | None:
@@ -216,9 +236,10 @@ def convert(
         ``to="fox-authors"``). to: "foxlm" (a folder ``AutoModelForCausalLM`` loads after ``import foxlm``) or
         "fox-authors" (the authors' classes' format). dtype: "auto" (the source weights': float32 where they mix
         dtypes) or float32 / bfloat16 / float16.
-    tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records; the authors' models: their
-        JSON-escaped GPT-2, "json-gpt2"); ``dst`` carries a copy of its files, as a run's model folder does, and so
-        does an authors' ``dst`` of the copy ``src`` carries.
+    tokenizer: the tokenizer to record in a foxlm ``dst`` (default: what ``src`` records or carries; the authors'
+        models: their JSON-escaped GPT-2, "json-gpt2", also where ``src`` carries GPT-2's files); its ids must fit
+        the model's vocabulary. ``dst`` carries a copy of its files, as a run's model folder does, and so does an
+        authors' ``dst`` of the copy ``src`` carries.
     overwrite: replace an existing foxlm / authors model folder at ``dst``.
     """
     from .modeling_fox import FoxForCausalLM
@@ -231,10 +252,15 @@ def convert(
         raise ValueError(f"to: expected 'foxlm' or 'fox-authors', got {to!r}")
     if dtype != "auto" and dtype not in DTYPES:
         raise ValueError(f"dtype: expected 'auto' or one of {sorted(DTYPES)}, got {dtype!r}")
+    if tokenizer is not None and to != "foxlm":  # it was dropped: the authors' format keeps what SRC records
+        raise ValueError(f"tokenizer: --to {to} carries the tokenizer SRC records; --tokenizer names the one to record "
+                         "converting to foxlm")
     raw, weights = read_folder(src)
     found = FORMATS.get(raw.get("model_type"))
+    remote = raw.get("auto_map")  # classes in SRC's own .py files: remote code, which convert never runs
     if found is None:
-        raise ValueError(f"src: model_type {raw.get('model_type')!r} is none of {sorted(FORMATS)}")
+        raise ValueError(f"src: model_type {raw.get('model_type')!r} is none of {sorted(FORMATS)}"
+                         + ("; its auto_map names remote code, which convert never runs" if remote else ""))
     if src_format not in ("auto", found):
         raise ValueError(f"src_format: {src} holds a {found!r} model (model_type {raw['model_type']!r}), "
                          f"not {src_format!r}")
@@ -242,11 +268,15 @@ def convert(
     if found not in wanted:
         raise ValueError(f"src: a {found!r} model converts to {to!r} only from {' or '.join(wanted)}")
     _prepare_dst(dst, src, overwrite)
+    if remote:  # as from_pretrained without trust_remote_code where the model_type's classes are installed
+        names = ", ".join(sorted(remote)) if isinstance(remote, dict) else str(remote)
+        print(f"src: ignored {src / 'config.json'}'s auto_map ({names}): remote code is never run; read as "
+              f"{found}'s model_type {raw['model_type']!r}", file=sys.stderr)
     target = _dtype_of(weights) if dtype == "auto" else DTYPES[dtype]
 
     if to == "foxlm":
         fields = authors_config(raw, weights) if found == "fox-authors" else fla_config(raw, weights)
-        tok = _tokenizer(src, raw, found, tokenizer)
+        tok = _tokenizer(src, raw, found, tokenizer, fields["vocab_size"])
         cfg = FoxConfig(**fields, **({} if tok is None else {"foxlm_tokenizer": tok.spec()}))
         state = peer_to_foxlm(weights, cfg, found)
     else:

@@ -276,7 +276,9 @@ def test_authors_architectures_convert_with_equal_logits_and_greedy_tokens(arch,
     _write(tmp_path / "src", cfg, sd)
     assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "dst").eval()
-    assert isinstance(model, FoxForCausalLM) and model.config.foxlm_tokenizer["name"] == "json-gpt2"
+    assert isinstance(model, FoxForCausalLM)
+    # the authors' JSON GPT-2 (50257 ids), their default, does not fit V rows: none recorded
+    assert getattr(model.config, "foxlm_tokenizer", None) is None
     ids = torch.randint(0, V, (2, T), generator=gen)
     with torch.no_grad():
         want = authors_forward(sd, cfg, ids)
@@ -344,6 +346,20 @@ def test_a_foxlm_config_with_a_number_field_of_another_type_is_named(tmp_path, c
         capsys.readouterr()
         assert main(["convert", str(tmp_path / "m"), str(tmp_path / "authors"), "--to", "fox-authors"]) == 2
         assert f"error: {field}: expected {want}, got {value!r}" in capsys.readouterr().err
+    assert not (tmp_path / "authors").exists()
+
+
+def test_a_tokenizer_named_for_the_authors_format_is_refused(tmp_path, capsys):
+    """--tokenizer with --to fox-authors: one line naming it (it was dropped without a word, DST carrying what SRC
+    records instead)."""
+    FoxForCausalLM(FoxConfig.preset("fox-pro", "tiny", vocab_size=300)).save_pretrained(tmp_path / "m")
+    with pytest.raises(ValueError, match="tokenizer: --to fox-authors carries the tokenizer SRC records; --tokenizer "
+                                         "names the one to record converting to foxlm"):
+        convert(tmp_path / "m", tmp_path / "authors", to="fox-authors", tokenizer="byte")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "m"), str(tmp_path / "authors"), "--to", "fox-authors", "--tokenizer",
+                 "byte"]) == 2
+    assert capsys.readouterr().err.startswith("foxlm convert: error: tokenizer: --to fox-authors")
     assert not (tmp_path / "authors").exists()
 
 
@@ -415,12 +431,13 @@ def test_a_damaged_index_shard_or_tokenizer_config_is_an_error_naming_the_file(t
         with pytest.raises(ValueError, match=message):
             convert(src, tmp_path / "dst")
         assert main(["convert", str(src), str(tmp_path / "dst")]) == 2
-    _write(tmp_path / "tok", cfg, sd)
+    byte_rows = {k: torch.randn(257, C, generator=gen) for k in ("model.embeddings.weight", "lm_head.weight")}
+    _write(tmp_path / "tok", {**cfg, "vocab_size": 257}, {**sd, **byte_rows})  # rows for the byte tokenizer's ids
     for text, message in (("{bad", "not valid JSON"), ("[1]", "expected a JSON object, found a list")):
         (tmp_path / "tok" / "tokenizer_config.json").write_text(text)
         with pytest.raises(ValueError, match=f"tokenizer_config.json: {re.escape(message)}.*; pass --tokenizer"):
             convert(tmp_path / "tok", tmp_path / "dst")
-    convert(tmp_path / "tok", tmp_path / "dst", tokenizer="json-gpt2")  # not read when --tokenizer names one
+    convert(tmp_path / "tok", tmp_path / "dst", tokenizer="byte")  # not read when --tokenizer names one
 
 
 def test_auto_dtype_is_the_weights_never_a_narrower_label(tmp_path):
@@ -690,14 +707,16 @@ def test_a_damaged_tokenizer_record_is_an_error_naming_the_field(tmp_path):
     gen = torch.Generator().manual_seed(0)
     cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
     sd = authors_weights(cfg, gen)
+    cfg["vocab_size"] = 257  # rows for the byte tokenizer's ids
+    sd.update({k: torch.randn(257, C, generator=gen) for k in ("model.embeddings.weight", "lm_head.weight")})
     for i, record in enumerate(({}, {"name": 3}, "gpt2")):
         _write(tmp_path / f"src{i}", {**cfg, "foxlm_tokenizer": record}, sd)
         with pytest.raises(ValueError, match=f"src: .*config.json records foxlm_tokenizer={re.escape(repr(record))}, "
                                              "expected a tokenizer record .*; pass --tokenizer"):
             convert(tmp_path / f"src{i}", tmp_path / "dst")
         assert main(["convert", str(tmp_path / f"src{i}"), str(tmp_path / "dst")]) == 2
-    convert(tmp_path / "src0", tmp_path / "dst", tokenizer="gpt2")  # not read when --tokenizer names one
-    assert FoxForCausalLM.from_pretrained(tmp_path / "dst").config.foxlm_tokenizer["name"] == "gpt2"
+    convert(tmp_path / "src0", tmp_path / "dst", tokenizer="byte")  # not read when --tokenizer names one
+    assert FoxForCausalLM.from_pretrained(tmp_path / "dst").config.foxlm_tokenizer["name"] == "byte"
 
 
 # --------------------------------------------------------------------------------------------------------- fla
@@ -888,6 +907,135 @@ def test_json_gpt2_tokenizer_round_trips_and_escapes_like_the_authors():
     assert tok.spec()["name"] == "json-gpt2" and tok.spec()["fingerprint"] == gpt2.spec()["fingerprint"]
     cut = tok.encode("é!")[:-1]  # decoding stops inside an escape: whatever is whole comes back
     assert tok.decode(cut) in ("é", "")
+
+
+def _gpt2_tokenizer_folders(root: Path) -> dict[str, Path]:
+    """GPT-2's tokenizer as the authors' folders may carry it, from GPT-2's own files: "authors", as their
+    save_model.py writes it (transformers 4.44 saving their slow JSONGPT2Tokenizer: GPT-2's vocab.json and merges.txt,
+    tokenizer_config.json naming their class); "slow", the same files saved through GPT2Tokenizer; "fast", GPT-2 as
+    transformers 5 saves it (a tokenizer.json, tokenizer_config.json naming GPT2Tokenizer)."""
+    import transformers
+
+    from foxlm.data.assets import gpt2_files
+
+    encoder, bpe = gpt2_files()
+    folders = {name: root / name for name in ("authors", "slow", "fast")}
+    settings = {"add_bos_token": True, "add_prefix_space": False, "bos_token": "<|endoftext|>",
+                "clean_up_tokenization_spaces": False, "eos_token": "<|endoftext|>", "errors": "replace",
+                "model_max_length": 16384, "pad_token": None, "unk_token": "<|endoftext|>"}
+    for name, cls in (("authors", "JSONGPT2Tokenizer"), ("slow", "GPT2Tokenizer")):
+        folders[name].mkdir(parents=True)
+        shutil.copyfile(encoder, folders[name] / "vocab.json")
+        shutil.copyfile(bpe, folders[name] / "merges.txt")
+        (folders[name] / "special_tokens_map.json").write_text(json.dumps(
+            {k: "<|endoftext|>" for k in ("bos_token", "eos_token", "unk_token")}))
+        (folders[name] / "tokenizer_config.json").write_text(json.dumps({**settings, "tokenizer_class": cls}))
+    transformers.AutoTokenizer.from_pretrained(folders["slow"]).save_pretrained(folders["fast"])
+    assert (folders["fast"] / "tokenizer.json").is_file()
+    return folders
+
+
+def _with_files_of(src: Path, folder: Path) -> Path:
+    for file in folder.iterdir():
+        shutil.copyfile(file, src / file.name)
+    return src
+
+
+def test_an_authors_folder_carrying_gpt2_tokenizer_files_records_json_gpt2(tmp_path):
+    """The authors' models saw GPT-2 BPE of JSON-escaped text only (LongCrawl64): an authors' folder carrying GPT-2's
+    tokenizer files records json-gpt2 whatever class saved them, so `foxlm eval` and `generate` encode a text as the
+    authors' tokenizer does; --tokenizer still says otherwise, and a tokenizer of another vocabulary (their SlimPajama
+    runs saved another one) is recorded as it is. (Saved through GPT2Tokenizer, or as a tokenizer.json, they recorded
+    GPT-2 on raw text: a newline or quote became other ids than the model was trained on.)"""
+    from tokenizer_folders import llama_style_tokenizer
+
+    from foxlm.data.tokenizer import model_tokenizer
+
+    gen = torch.Generator().manual_seed(8)
+    cfg = authors_config(**{**AUTHORS_ARCHS["fox-llama"], "vocab_size": 50304, "num_hidden_layers": 1})
+    sd = {k: v for k, v in authors_weights({**cfg, "num_hidden_layers": L}, gen).items() if "layers.1." not in k}
+    sd["model.embeddings.weight"], sd["lm_head.weight"] = (torch.randn(50304, C, generator=gen) for _ in range(2))
+    text = 'She said "café"\n\tand left'
+    escaped = get_tokenizer("gpt2").encode(json.dumps(text)[1:-1])
+    assert escaped != get_tokenizer("gpt2").encode(text)
+    for name, folder in _gpt2_tokenizer_folders(tmp_path / "tokenizers").items():
+        _write(tmp_path / name, cfg, sd)
+        convert(_with_files_of(tmp_path / name, folder), tmp_path / f"{name}-dst")
+        config = FoxConfig.from_pretrained(tmp_path / f"{name}-dst")
+        assert config.foxlm_tokenizer["name"] == "json-gpt2", name
+        assert model_tokenizer(config).encode(text) == escaped, name
+    assert main(["convert", str(tmp_path / "fast"), str(tmp_path / "raw"), "--tokenizer", "gpt2"]) == 0
+    assert FoxConfig.from_pretrained(tmp_path / "raw").foxlm_tokenizer["name"] == "gpt2"
+    plays = random.Random(0).sample(shakespeare_plays(), 2)
+    other = llama_style_tokenizer(tmp_path / "llama-tok", [p.read_text() for p in plays], vocab_size=300)
+    _write(tmp_path / "llama", cfg, sd)
+    convert(_with_files_of(tmp_path / "llama", other), tmp_path / "llama-dst")
+    config = FoxConfig.from_pretrained(tmp_path / "llama-dst")
+    assert model_tokenizer(config).encode(text) == get_tokenizer(str(other)).encode(text)
+
+
+def test_a_tokenizer_with_more_ids_than_the_model_has_rows_is_refused(tmp_path, capsys):
+    """A tokenizer whose ids pass the model's embedding rows, named by --tokenizer, recorded in SRC or carried in its
+    files: refused in one line naming --tokenizer, DST not written (it was recorded, and its ids indexed past the
+    embedding later). The authors' default, guessed for a folder that names no tokenizer, is left unrecorded instead,
+    saying so: such a model was not trained on their data."""
+    gen = torch.Generator().manual_seed(9)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(cfg, gen)
+    _write(tmp_path / "src", cfg, sd)
+    too_many = f"tokenizer: gpt2 (--tokenizer) has 50257 ids, more than the model's vocabulary of {V}; pass --tokenizer"
+    with pytest.raises(ValueError, match=re.escape(too_many)):
+        convert(tmp_path / "src", tmp_path / "dst", tokenizer="gpt2")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--tokenizer", "gpt2"]) == 2
+    assert capsys.readouterr().err == f"foxlm convert: error: {too_many} naming the tokenizer it was trained with\n"
+    _write(tmp_path / "recorded", {**cfg, "foxlm_tokenizer": get_tokenizer("byte").spec()}, sd)
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer: byte ({tmp_path / 'recorded'}'s tokenizer) has 257 "
+                                                   f"ids, more than the model's vocabulary of {V}; pass --tokenizer")):
+        convert(tmp_path / "recorded", tmp_path / "dst")
+    _write(tmp_path / "files", cfg, sd)
+    _with_files_of(tmp_path / "files", _gpt2_tokenizer_folders(tmp_path / "tokenizers")["authors"])
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer: json-gpt2 ({tmp_path / 'files'}'s tokenizer) has "
+                                                   f"50257 ids, more than the model's vocabulary of {V}")):
+        convert(tmp_path / "files", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+    capsys.readouterr()
+    # no tokenizer named: the authors' json-gpt2 guessed, and not fitting
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("src: ")]
+    assert said == [f"src: {tmp_path / 'src'} names no tokenizer, and the FoX authors' json-gpt2 (50257 ids) does not "
+                    f"fit its vocabulary of {V}: none recorded (pass --tokenizer to record the one it was trained "
+                    "with)"]
+    assert getattr(FoxConfig.from_pretrained(tmp_path / "dst"), "foxlm_tokenizer", None) is None
+
+
+def test_remote_code_an_auto_map_names_is_never_run_and_said_to_be_ignored(tmp_path, capsys):
+    """A config.json whose auto_map names remote code (a hub copy of a model with its own .py files): as
+    from_pretrained without trust_remote_code, a model_type foxlm knows converts with foxlm's own mapping, that code
+    never run, and one stderr line says the auto_map was ignored (it was dropped without a word); an unknown
+    model_type is refused, the error saying its remote code is never run."""
+    gen = torch.Generator().manual_seed(10)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-pro"])
+    sd = authors_weights(cfg, gen)
+    auto_map = {"AutoConfig": "configuration_fox.RemoteConfig", "AutoModelForCausalLM": "modeling_fox.RemoteFox"}
+    ran = tmp_path / "ran"
+    for name, model_type in (("src", cfg["model_type"]), ("unknown", "remote_fox")):
+        _write(tmp_path / name, {**cfg, "model_type": model_type, "auto_map": auto_map}, sd)
+        for file in ("configuration_fox.py", "modeling_fox.py"):
+            (tmp_path / name / file).write_text(f"open({str(ran)!r}, 'w').close()\n")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "dst")]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("src: ignored")]
+    assert said == [f"src: ignored {tmp_path / 'src' / 'config.json'}'s auto_map (AutoConfig, AutoModelForCausalLM): "
+                    f"remote code is never run; read as fox-authors's model_type {cfg['model_type']!r}"]
+    ids = torch.randint(0, V, (2, T), generator=gen)
+    with torch.no_grad():
+        logits = FoxForCausalLM.from_pretrained(tmp_path / "dst").eval()(ids).logits
+    assert _rel(logits, authors_forward(sd, cfg, ids)) < RTOL
+    with pytest.raises(ValueError, match=r"src: model_type 'remote_fox' is none of \[.*\]; its auto_map names remote "
+                                         "code, which convert never runs"):
+        convert(tmp_path / "unknown", tmp_path / "dst2")
+    assert not ran.exists() and not (tmp_path / "dst2").exists()
 
 
 # ---------------------------------------------------------------------------- a trained model, there and back
