@@ -153,6 +153,35 @@ def test_model_with_attention_mask_exports(preset, tmp_path):
     assert scores == 4 * cfg.num_attention_heads * 30 * 30
 
 
+class _PositionedLogits(_Logits):
+    def forward(self, input_ids, position_ids):
+        return self.model(input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("preset", ["fox-pro", "transformer-llama"])
+def test_model_with_packed_position_ids_exports(preset, tmp_path):
+    """Documents packed in a row, told by position_ids that restart (DataCollatorWithFlattening's), exported with a
+    dynamic batch and length, give eager's logits on other packings and shapes, and plain positions too (one
+    document). The export failed: the model asked the host whether any position restarts (a data-dependent guard)."""
+    torch.manual_seed(0)
+    cfg = FoxConfig.preset(preset, "tiny", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, bos_token_id=96, eos_token_id=96)
+    model = FoxForCausalLM(cfg).eval()
+
+    def packed(*rows):
+        return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+    session = _export(_PositionedLogits(model), (torch.randint(0, 97, (2, 21)), packed((8, 13), (21,))),
+                      tmp_path / "model.onnx", dynamic_shapes=({0: "batch", 1: "length"}, {0: "batch", 1: "length"}))
+    for positions in (packed((5, 15, 1, 9)), packed((1, 10, 6), (17,), (4, 4, 9))):
+        ids = torch.randint(0, 97, positions.shape)
+        got = session.run(None, {session.get_inputs()[0].name: ids.numpy(),
+                                 session.get_inputs()[1].name: positions.numpy()})[0]
+        with torch.no_grad():
+            want = model(ids, position_ids=positions, use_cache=False).logits.numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 class _Call(torch.nn.Module):
     def __init__(self, fn):
         super().__init__()
