@@ -629,13 +629,27 @@ def _carry_over_padding(x: torch.Tensor, valid: torch.Tensor, before: torch.Tens
 
 def _packed_starts(position_ids: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
     """[B, T] bool, True where a position does not follow the one before (a document of a padding-free batch
-    starts there, as transformers' ``find_packed_sequence_indices`` reads position_ids), or None where none does."""
+    starts there, as transformers' ``find_packed_sequence_indices`` reads position_ids), or None where none does
+    (under export always the starts, all False where none does)."""
     if position_ids is None or T < 2 or position_ids.dim() != 2 or position_ids.shape[0] not in (1, B) \
             or position_ids.shape[1] != T:
         return None
     starts = torch.cat([torch.zeros_like(position_ids[:, :1], dtype=torch.bool),
                         position_ids[:, 1:] - position_ids[:, :-1] != 1], dim=1).expand(B, T)
+    if torch.compiler.is_exporting():  # no host sync to look: a graph for every packing (none: one document a row)
+        return starts
     return starts if bool(starts.any()) else None
+
+
+def _offsets_of_starts(starts: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``Segments.from_starts``' offsets without a host sync (export): cu_seqlens [B*T + 1] int32, a sequence per
+    token, the one at t from its document's start to t + 1 where t ends a document, else empty; and T, a bound on
+    the longest."""
+    B, T = starts.shape
+    t = torch.arange(T, device=starts.device)
+    first = torch.where(starts, t, 0).cummax(1).values  # the document start at or before t (column 0 starts one)
+    row = torch.arange(B, device=starts.device)[:, None] * T
+    return torch.cat([(row + first).flatten(), first.new_full((1,), B * T)]).to(torch.int32), T
 
 
 def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, window=None, packed=None):
@@ -672,7 +686,7 @@ def _layout(B, T, device, cu_seqlens, attention_mask, position_ids, cache, windo
     elif attention_mask is not None and not bool(_check_mask(attention_mask, B, T).all()):
         segments = Segments.from_mask(attention_mask)
     elif packed is not None:
-        segments = Segments.from_starts(packed)
+        segments = Segments.from_starts(packed, _offsets_of_starts(packed) if torch.compiler.is_exporting() else None)
     if segments is not None:
         reset = segments.starts
         if position_ids is None:

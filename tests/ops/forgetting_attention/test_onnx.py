@@ -81,14 +81,16 @@ def test_op_exports_with_window_query_offset_acp_and_fp64(case, tmp_path):
 
 
 @pytest.mark.parametrize("window", [None, 4])
-def test_packed_sequences_export(window, tmp_path):
+@pytest.mark.parametrize("offsets", [[0, 0, 6, 6, 13, 20, 20], [0, 0, 6, 10, 13, 20, 20]])
+def test_packed_sequences_export(window, offsets, tmp_path):
     """Packed sequences (cu_seqlens with empty ones, as a model's padding layout has them; with a window too) export
-    and give the op's o and lse: they were refused at export."""
+    and give the op's o and lse: they were refused at export. The second offsets are a padding layout (three
+    sequences a row of 10), which the ONNX graph attends row by row; the first cross such rows."""
     g = torch.Generator().manual_seed(2)
     q = torch.randn(1, 20, 4, 16, generator=g)
     k, v = (torch.randn(1, 20, 2, 16, generator=g) for _ in range(2))
     log_fgate = F.logsigmoid(torch.randn(1, 20, 4, generator=g) + 1)
-    cu = torch.tensor([0, 0, 6, 6, 13, 20, 20], dtype=torch.int32)
+    cu = torch.tensor(offsets, dtype=torch.int32)
 
     class Packed(torch.nn.Module):
         def forward(self, q, k, v, log_fgate, cu_seqlens):
@@ -109,18 +111,33 @@ class _MaskedLogits(_Logits):
         return self.model(input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
+def _with_intermediates(path) -> "ort.InferenceSession":
+    """The saved model with every intermediate the exporter typed as an output too, to read their sizes."""
+    onnx = pytest.importorskip("onnx")
+    model = onnx.load(str(path))
+    typed = {v.name: v for v in model.graph.value_info}
+    outputs = {o.name for o in model.graph.output}
+    model.graph.output.extend(typed[name] for node in model.graph.node for name in node.output
+                              if name in typed and name not in outputs)
+    onnx.save(model, str(path))
+    return ort.InferenceSession(str(path))
+
+
 @pytest.mark.parametrize("preset", ["fox-pro", "transformer-llama"])
 def test_model_with_attention_mask_exports(preset, tmp_path):
     """A model exported with an attention_mask (dynamic batch and length) gives eager's logits on padded batches of
     other shapes: left, right and inner padding, a row of padding only. The export failed: ONNX has no stable sort
-    or running maximum (the model's padding layout), and the attention refused the padding's segments."""
+    or running maximum (the model's padding layout), and the attention refused the padding's segments. Its
+    attention is row by row: no intermediate outgrows a [B, H, T, T] score tensor (the flattened batch's
+    [1, H, B*T, B*T] did)."""
     torch.manual_seed(0)
     cfg = FoxConfig.preset(preset, "tiny", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=128, bos_token_id=96, eos_token_id=96)
     model = FoxForCausalLM(cfg).eval()
     ids = torch.randint(0, 97, (2, 21))
-    session = _export(_MaskedLogits(model), (ids, torch.ones_like(ids)), tmp_path / "model.onnx",
-                      dynamic_shapes=({0: "batch", 1: "length"}, {0: "batch", 1: "length"}))
+    _export(_MaskedLogits(model), (ids, torch.ones_like(ids)), tmp_path / "model.onnx",
+            dynamic_shapes=({0: "batch", 1: "length"}, {0: "batch", 1: "length"}))
+    session = _with_intermediates(tmp_path / "model.onnx")
     ids = torch.randint(0, 97, (4, 30))
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
@@ -131,6 +148,38 @@ def test_model_with_attention_mask_exports(preset, tmp_path):
     with torch.no_grad():
         want = model(ids, attention_mask=mask, use_cache=False).logits.numpy()
     np.testing.assert_allclose(got[0], want, rtol=1e-4, atol=1e-5)
+    assert len(got) > 100  # the intermediates are there to measure
+    scores = max(x.size for x in got if x.ndim == 4)  # the attention's tensors are the 4-D ones
+    assert scores == 4 * cfg.num_attention_heads * 30 * 30
+
+
+class _PositionedLogits(_Logits):
+    def forward(self, input_ids, position_ids):
+        return self.model(input_ids, position_ids=position_ids, use_cache=False).logits
+
+
+@pytest.mark.parametrize("preset", ["fox-pro", "transformer-llama"])
+def test_model_with_packed_position_ids_exports(preset, tmp_path):
+    """Documents packed in a row, told by position_ids that restart (DataCollatorWithFlattening's), exported with a
+    dynamic batch and length, give eager's logits on other packings and shapes, and plain positions too (one
+    document). The export failed: the model asked the host whether any position restarts (a data-dependent guard)."""
+    torch.manual_seed(0)
+    cfg = FoxConfig.preset(preset, "tiny", vocab_size=97, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, bos_token_id=96, eos_token_id=96)
+    model = FoxForCausalLM(cfg).eval()
+
+    def packed(*rows):
+        return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+    session = _export(_PositionedLogits(model), (torch.randint(0, 97, (2, 21)), packed((8, 13), (21,))),
+                      tmp_path / "model.onnx", dynamic_shapes=({0: "batch", 1: "length"}, {0: "batch", 1: "length"}))
+    for positions in (packed((5, 15, 1, 9)), packed((1, 10, 6), (17,), (4, 4, 9))):
+        ids = torch.randint(0, 97, positions.shape)
+        got = session.run(None, {session.get_inputs()[0].name: ids.numpy(),
+                                 session.get_inputs()[1].name: positions.numpy()})[0]
+        with torch.no_grad():
+            want = model(ids, position_ids=positions, use_cache=False).logits.numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 class _Call(torch.nn.Module):
