@@ -673,22 +673,29 @@ def test_a_datasets_folder_inside_an_input_folder_is_read_as_a_dataset(tmp_path,
     assert f"skipped {tmp_path / 'src' / 'saved'}: a datasets folder" in capsys.readouterr().err
 
 
-def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
-    """A DatasetDict (save_to_disk) and a streamed dataset folder (hub:PATH, as ``load_dataset(NAME, streaming=True)``
-    reads a Hub dataset) with train and validation splits keep them, whatever val_fraction; a test split is not
-    read; a streamed dataset with a train split only is split by val_fraction like any input."""
+def _split_sources(tmp_path: Path, texts: dict[str, list[str]]) -> list:
+    """The splits ``texts`` ({split: documents}) as a DatasetDict folder (save_to_disk) and as a streamed dataset
+    folder of one JSON-lines file a split (``hub:PATH``): the two inputs of a dataset with its own splits."""
     datasets = pytest.importorskip("datasets")
-    rng = random.Random()
-    texts = {name: [_random_text(rng, plays, rng.randrange(100, 600)) for _ in range(n)]
-             for name, n in (("train", 5), ("validation", 2), ("test", 1))}
     datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": t}) for name, t in texts.items()}).save_to_disk(
         str(tmp_path / "saved"))
     hub = tmp_path / "hub"
     hub.mkdir()
     for name, t in texts.items():
         (hub / f"{name}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in t))
+    return [tmp_path / "saved", f"hub:{hub}"]
+
+
+def test_a_datasets_own_splits_are_kept(tmp_path, gpt2, plays):
+    """A DatasetDict (save_to_disk) and a streamed dataset folder (hub:PATH, as ``load_dataset(NAME, streaming=True)``
+    reads a Hub dataset) with train and validation splits keep them, whatever val_fraction; a test split is not
+    read; a streamed dataset with a train split only is split by val_fraction like any input."""
+    rng = random.Random()
+    texts = {name: [_random_text(rng, plays, rng.randrange(100, 600)) for _ in range(n)]
+             for name, n in (("train", 5), ("validation", 2), ("test", 1))}
+    hub = tmp_path / "hub"
     expected = {"train": [gpt2.encode(t) for t in texts["train"]], "val": [gpt2.encode(t) for t in texts["validation"]]}
-    for i, source in enumerate([tmp_path / "saved", f"hub:{hub}"]):
+    for i, source in enumerate(_split_sources(tmp_path, texts)):
         meta = prepare([source], tmp_path / f"out{i}", val_fraction=0.5, workers=0, progress=False)
         assert _split_docs(tmp_path / f"out{i}") == expected
         assert [(r["split"], r["to"], r["documents"]) for r in meta["sources"]] == [("train", "train", 5),
@@ -710,14 +717,8 @@ def test_a_datasets_test_split_is_never_trained_on(tmp_path, gpt2, capsys):
     chance), so a later evaluation on it measured memorized text. A dataset of a test split alone is read."""
     datasets = pytest.importorskip("datasets")
     texts = {"train": [f"training row {i} of the corpus" for i in range(5)], "test": ["a test row", "another one"]}
-    datasets.DatasetDict({name: datasets.Dataset.from_dict({"text": t}) for name, t in texts.items()}).save_to_disk(
-        str(tmp_path / "saved"))
-    hub = tmp_path / "hub"
-    hub.mkdir()
-    for name, t in texts.items():
-        (hub / f"{name}.jsonl").write_text("".join(json.dumps({"text": x}) + "\n" for x in t))
     train = [gpt2.encode(t) for t in texts["train"]]
-    for i, source in enumerate([tmp_path / "saved", f"hub:{hub}"]):
+    for i, source in enumerate(_split_sources(tmp_path, texts)):
         capsys.readouterr()
         meta = prepare([source], tmp_path / f"out{i}", val_fraction=0.4, workers=0, progress=False)
         assert _split_docs(tmp_path / f"out{i}") == {"train": [train[0], train[1], train[3]],
