@@ -168,7 +168,6 @@ class FoxLM(HFLM):
                                        pad_token_id=self.tokenizer.pad_token_id, use_cache=True, **generation_kwargs)
 
 
-
 def _rolling_once(rolling: Callable[..., list[float]]) -> Callable[..., list[float]]:
     """HFLM's ``loglikelihood_rolling`` with each text encoded without the tokenizer's BOS, for ``--model foxlm`` and
     for ``--model hf`` on a foxlm (``fox``) model: lm-eval opens the first window with ``prefix_token_id`` (that same

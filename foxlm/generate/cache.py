@@ -233,16 +233,12 @@ class PagedFoxCache:
         valid: [B, T] bool, False at padding (before and/or after a row's real tokens). Returns o: [B, T, Hq, Dv]
         (zeros at padding).
         """
-        B, T, Hq, _ = q.shape
-        if B != self.batch_size or Hq != self.num_heads or k.shape[2] != self.num_kv_heads:
-            raise ValueError(f"q, k: expected B={self.batch_size}, Hq={self.num_heads}, Hk={self.num_kv_heads}, "
-                             f"got {tuple(q.shape)} and {tuple(k.shape)}")
         self._check_new(q, k, v, log_fgate)  # before begin(): a refused call changes nothing
         if layer_idx == 0:
             if not self._begun:
-                self.begin(T, valid)
+                self.begin(q.shape[1], valid)
             self.end_step()  # this forward takes the booking
-        self.store(layer_idx, k, v, log_fgate, valid)
+        self._write(layer_idx, k, v, log_fgate, valid)
         return forgetting_attention_with_kvcache(
             q, self.k_pool, self.v_pool, self.c_pool, k=k, v=v, log_fgate=log_fgate, cache_seqlens=self._len_before,
             scale=scale, window=window, prune=prune, valid=valid, seqlens_new=self._len - self._len_before,
@@ -257,6 +253,11 @@ class PagedFoxCache:
         k: [B, T, Hk, D], v: [B, T, Hk, Dv], log_fgate: [B, T, Hq] or None. Returns c [B, T, Hq] fp64.
         """
         self._check_new(None, k, v, log_fgate)
+        return self._write(layer, k, v, log_fgate, valid)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, log_fgate: torch.Tensor | None,
+               valid: torch.Tensor | None) -> torch.Tensor:
+        """``store`` of checked tensors."""
         B, T, Hk, D = k.shape
         offset = torch.arange(T, device=k.device) if valid is None else valid.long().cumsum(1) - 1
         c = continue_cumsum(self.c_last[layer], log_fgate, T, valid)
