@@ -10,6 +10,7 @@ FoxCache, the default implementation, is a contiguous per-layer cache.
 
 from __future__ import annotations
 
+import operator
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -282,7 +283,12 @@ class FoxCache(Cache):
         >= 5.24 passes only these, and 0 for nothing), a positive value keeps that many (earlier versions).
         In a model with token shift, at most ``SHIFT_HISTORY - 1`` tokens can go, any number while the cache records
         its past (``activate_past_recording``). The kept last real output goes (None until the next call): padding
-        before the next call's first real token has a meaningless output."""
+        before the next call's first real token has a meaningless output. ``max_length`` may be a 0-d integer
+        tensor: transformers 5.17's assisted decoding passes ``-(candidates - matches)`` as one."""
+        try:
+            max_length = operator.index(max_length)
+        except TypeError:
+            raise TypeError(f"max_length: expected an int (or a 0-d integer tensor), got {max_length!r}") from None
         length = self.get_seq_length()
         keep = length + max_length if max_length < 0 else max_length if max_length > 0 else length
         if keep <= 0:

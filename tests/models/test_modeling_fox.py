@@ -107,9 +107,12 @@ def test_crop_then_decode_equals_full_forward():
     ids, other = _ids(2, 12), _ids(2, 5, seed=7)
     cache = FoxCache()
     model(ids, cache=cache, use_cache=True)
-    cache.crop(-4)  # drop the last 4 (HF's negative form), then 3 more by length
+    cache.crop(torch.tensor(-2))  # drop the last 2 as transformers 5.17's assisted decoding does, a 0-d tensor
+    cache.crop(-2)  # the last 2 more (HF's negative form), then 3 more by length
     cache.crop(5)
     assert cache.get_seq_length() == 5
+    with pytest.raises(TypeError, match="max_length: expected an int"):
+        cache.crop(2.0)
     got = model(other, cache=cache, use_cache=True).logits
     want = model(torch.cat([ids[:, :5], other], 1)).logits[:, 5:]
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
