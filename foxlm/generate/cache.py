@@ -103,13 +103,26 @@ class PagedFoxCache:
         self.num_splits = default_num_splits(B, Hk, max_length, self.device)
 
     @classmethod
-    def from_model(cls, model, batch_size: int, max_length: int, **kwargs) -> "PagedFoxCache":
+    def from_model(cls, model, batch_size: int, max_length: int, *, compute_dtype: torch.dtype | None = None,
+                   **kwargs) -> "PagedFoxCache":
         """A cache shaped for ``model`` (a ``FoxForCausalLM``, or a PEFT model around one), with its layers' QK-norm
-        logit bounds."""
+        logit bounds.
+
+        compute_dtype: the dtype q and k reach attention in, whose rounding the bounds allow for. Default: autocast's
+        where autocast is on for the model's device at this call (it casts the projections of any params but fp64
+        ones, and the norm keeps their dtype), else the params'. The keys and values are kept in the params' dtype.
+        """
+        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
+                                              and compute_dtype.is_floating_point):
+            raise ValueError(f"compute_dtype: expected a floating-point torch.dtype or None, got {compute_dtype!r}")
         cfg = model.config
         param = next(model.parameters())
+        if compute_dtype is None:
+            # an fp32 model under bf16 autocast gives bf16 q and k: the fp32 margin was too small for their rounding
+            autocast = param.dtype != torch.float64 and torch.is_autocast_enabled(param.device.type)
+            compute_dtype = torch.get_autocast_dtype(param.device.type) if autocast else param.dtype
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's: its adapters injected
-        bounds = [block.attn.logit_bound(param.dtype) for block in base.model.layers]
+        bounds = [block.attn.logit_bound(compute_dtype) for block in base.model.layers]
         return cls(
             num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, batch_size=batch_size,

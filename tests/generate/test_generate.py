@@ -267,6 +267,31 @@ def _fast_forgetting_model():
     return model
 
 
+def test_paged_cache_bounds_the_logits_in_the_dtype_autocast_gives_q_and_k():
+    """An fp32 QK-norm model under CPU autocast(bfloat16) gives attention bf16 q and k (the projections run in bf16, the
+    norm keeps their dtype): from_model's eviction bounds allow for bf16 rounding, as the layer's own ACP bound does.
+    They allowed for fp32's, 0.8% smaller here: eviction could free keys still above the tolerance. An fp64 model
+    (which autocast does not cast), no autocast, and an explicit compute_dtype keep the dtype they give."""
+    model = _model("fox-pro", dtype=torch.float32)
+    attn = model.model.layers[0].attn
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(1, 3, model.config.hidden_size)
+        assert attn.q_norm(attn.q_proj(x).view(1, 3, attn.num_heads, attn.head_dim)).dtype == torch.bfloat16
+        under = PagedFoxCache.from_model(model, 1, 16)
+        fp64 = PagedFoxCache.from_model(_model("fox-pro"), 1, 16)
+    for bounds, dtype in ((under.logit_bounds, torch.bfloat16),
+                          (PagedFoxCache.from_model(model, 1, 16).logit_bounds, torch.float32),
+                          (fp64.logit_bounds, torch.float64),
+                          (PagedFoxCache.from_model(model, 1, 16, compute_dtype=torch.float16).logit_bounds,
+                           torch.float16)):
+        for block, bound in zip(model.model.layers, bounds):
+            torch.testing.assert_close(bound, block.attn.logit_bound(dtype), rtol=0, atol=0)
+    assert (under.logit_bounds[0] > attn.logit_bound(torch.float32)).all()
+    assert under.dtype == torch.float32  # the keys are kept as the model's
+    with pytest.raises(ValueError, match="compute_dtype: expected a floating-point torch.dtype or None, got 'bf16'"):
+        PagedFoxCache.from_model(model, 1, 16, compute_dtype="bf16")
+
+
 def test_eviction_matches_full_cache():
     """Eviction frees pages, and decoding with the evicted cache stays within the bound of full decoding."""
     model = _fast_forgetting_model()
