@@ -14,8 +14,13 @@ flash-decoding kernel for decode steps; prefill row by row). The cache stores an
 attention math. A decode step is free of host syncs and fixed in shape, so ``foxlm.generate`` captures it in a
 CUDA graph.
 
-Eviction (``evict()``): with the per-head logit bound U of a QK-norm model, pages whose keys have decayed
-below delta = -(2U + log N) + log(tolerance) for all their query heads are freed (``evictable_pages``).
+Two things free pages, both by moving ``cache_start`` (its host mirror and the device tensor, in ``_release``):
+- eviction (``evict()``): with the per-head logit bound U of a QK-norm model, pages whose keys have decayed below
+  delta = -(2U + log N) + log(tolerance) for all their query heads are freed (``evictable_pages``);
+- the sliding window (``window``): query i sees keys j > i - window, and queries only move forward, so ``begin``
+  frees the pages whose keys are all <= length - window before it books the new tokens' pages, which reuse them (the
+  pool stays at ceil(window / page_size) + 1 pages a head while decoding). It runs on the host mirrors, as the
+  booking does, before a captured step is replayed: the step itself stays free of host syncs and fixed in shape.
 """
 
 from __future__ import annotations
@@ -40,9 +45,12 @@ class PagedFoxCache:
         batch_size: rows B; max_length: the most tokens any row will hold (N of the eviction bound).
         page_size: tokens per page (the eviction granularity).
         num_pages: initial pool size (default: every page of every row at ``max_length``, i.e. a static
-            cache; with eviction a smaller pool grows on demand, which bumps ``version``).
+            cache, or with ``window`` the pages a decode step reads; a smaller pool grows on demand, which bumps
+            ``version``).
         logit_bounds: per layer, U [Hq] fp32 (``ForgettingAttention.logit_bound()``), needed by ``evict``.
         tolerance: attention mass an evicted key may still carry (epsilon of the bound).
+        window: the model's sliding window (``attend``'s): the pages no later query can see are freed. None: keep
+            every page (``attend`` then takes any window).
     """
 
     def __init__(
@@ -60,6 +68,7 @@ class PagedFoxCache:
         num_pages: int | None = None,
         logit_bounds: list[torch.Tensor | None] | None = None,
         tolerance: float = math.exp(-10),
+        window: int | None = None,
     ):
         # sizes of the pool and the tables: another type or 0 failed inside torch.zeros, or made a cache of nothing
         for name, n in (("num_layers", num_layers), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
@@ -68,6 +77,8 @@ class PagedFoxCache:
             if (n is not None or name != "num_pages") and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
                 raise ValueError(f"{name}: expected a positive int{' or None' if name == 'num_pages' else ''}, "
                                  f"got {n!r}")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window: expected a positive int or None, got {window!r}")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
         if not dtype.is_floating_point:
@@ -78,12 +89,14 @@ class PagedFoxCache:
         self.num_layers, self.batch_size, self.max_length = num_layers, batch_size, max_length
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.page_size, self.tolerance = page_size, tolerance
+        self.page_size, self.tolerance, self.window = page_size, tolerance, window
         self.device, self.dtype = torch.device(device), dtype
         self.logit_bounds = logit_bounds
         self.max_pages = math.ceil(max_length / page_size)
         L, B, Hk = num_layers, batch_size, num_kv_heads
-        full = 1 + L * B * Hk * self.max_pages
+        # with a window, what a decode step reads: the pages of keys j > length - window, the new token's included
+        per_head = self.max_pages if window is None else min(self.max_pages, -(-window // page_size) + 1)
+        full = 1 + L * B * Hk * per_head
         self.version = 0  # bumped whenever the pool tensors are reallocated (a captured graph is stale then)
         self._alloc_pool(full if num_pages is None else max(2, num_pages))
         self.page_table = torch.zeros(L, B, Hk, self.max_pages, dtype=torch.int32, device=self.device)
@@ -103,18 +116,32 @@ class PagedFoxCache:
         self.num_splits = default_num_splits(B, Hk, max_length, self.device)
 
     @classmethod
-    def from_model(cls, model, batch_size: int, max_length: int, **kwargs) -> "PagedFoxCache":
+    def from_model(cls, model, batch_size: int, max_length: int, *, compute_dtype: torch.dtype | None = None,
+                   **kwargs) -> "PagedFoxCache":
         """A cache shaped for ``model`` (a ``FoxForCausalLM``, or a PEFT model around one), with its layers' QK-norm
-        logit bounds."""
+        logit bounds.
+
+        compute_dtype: the dtype q and k reach attention in, whose rounding the bounds allow for. Default: autocast's
+        where autocast is on for the model's device at this call (it casts the projections of any params but fp64
+        ones, and the norm keeps their dtype), else the params'. The keys and values are kept in the params' dtype.
+        """
+        if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype)
+                                              and compute_dtype.is_floating_point):
+            raise ValueError(f"compute_dtype: expected a floating-point torch.dtype or None, got {compute_dtype!r}")
         cfg = model.config
         param = next(model.parameters())
+        if compute_dtype is None:
+            # an fp32 model under bf16 autocast gives bf16 q and k: the fp32 margin was too small for their rounding
+            autocast = param.dtype != torch.float64 and torch.is_autocast_enabled(param.device.type)
+            compute_dtype = torch.get_autocast_dtype(param.device.type) if autocast else param.dtype
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT's: its adapters injected
-        bounds = [block.attn.logit_bound(param.dtype) for block in base.model.layers]
+        bounds = [block.attn.logit_bound(compute_dtype) for block in base.model.layers]
         return cls(
             num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, batch_size=batch_size,
             max_length=max_length, device=param.device, dtype=param.dtype,
-            logit_bounds=None if any(b is None for b in bounds) else bounds, **kwargs,
+            logit_bounds=None if any(b is None for b in bounds) else bounds,
+            **{"window": getattr(cfg, "window", None), **kwargs},
         )
 
     # ----------------------------------------------------------------------------------- pool and pages
@@ -155,6 +182,11 @@ class PagedFoxCache:
             raise ValueError(f"max_length: a row would hold {int(new_len.max())} tokens, "
                              f"the cache was made for {self.max_length}")
         ps = self.page_size
+        if self.window is not None:
+            # this forward's first query sits at the row's length: keys j <= length - window are out of every later
+            # window. The page of a row's newest key stays (evictable_pages reads its c; a row may get no token now).
+            gone = np.minimum(np.maximum(self._len - self.window + 1, 0) // ps, np.maximum(self._len - 1, 0) // ps)
+            self._release(np.maximum(self._start, gone[None, :, None]))
         idx = []
         for b in range(self.batch_size):
             first, last = -(-int(self._len[b]) // ps), -(-int(new_len[b]) // ps)
@@ -191,14 +223,19 @@ class PagedFoxCache:
                             self.logit_bounds[layer].to(self.device), self.max_length, self.tolerance)
             for layer in range(self.num_layers)
         ])
-        new = starts.cpu().numpy().astype(np.int64)
+        return self._release(starts.cpu().numpy().astype(np.int64))
+
+    def _release(self, start: np.ndarray) -> int:
+        """Give the pool the pages before ``start`` [L, B, Hk] (host, >= the current first live pages) and move
+        ``cache_start`` there. Returns the number of pages freed."""
         freed = 0
-        for layer, b, h in zip(*np.nonzero(new > self._start)):
-            pages = self._table[layer, b, h, self._start[layer, b, h]:new[layer, b, h]]
+        for layer, b, h in zip(*np.nonzero(start > self._start)):
+            pages = self._table[layer, b, h, self._start[layer, b, h]:start[layer, b, h]]
             self._free.extend(int(p) for p in pages[::-1])
             freed += len(pages)
-        self._start = new
-        self.cache_start.copy_(starts)
+        if freed:
+            self._start = start
+            self.cache_start.copy_(torch.from_numpy(start))
         return freed
 
     def stats(self) -> dict:
@@ -234,6 +271,9 @@ class PagedFoxCache:
         (zeros at padding).
         """
         self._check_new(q, k, v, log_fgate)  # before begin(): a refused call changes nothing
+        if self.window is not None and (window is None or window > self.window):
+            raise ValueError(f"window: this cache frees the keys outside window={self.window}, got {window} (which "
+                             f"would read them); make it with window={window}")
         if layer_idx == 0:
             if not self._begun:
                 self.begin(q.shape[1], valid)

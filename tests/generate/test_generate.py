@@ -180,6 +180,8 @@ _PAGED = dict(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, batch_size=
     ({"num_pages": 2.5}, "num_pages: expected a positive int or None, got 2.5"),
     ({"dtype": torch.int32}, "dtype: expected a floating-point dtype for the keys and values, got torch.int32"),
     ({"logit_bounds": [torch.ones(2)] * 2}, r"logit_bounds: expected one per layer \(1\) or None, got 2"),
+    ({"window": 0}, "window: expected a positive int or None, got 0"),
+    ({"window": 2.5}, "window: expected a positive int or None, got 2.5"),
 ])
 def test_paged_cache_mistakes_name_the_argument(change, message):
     """PagedFoxCache's shape and pool arguments: a one-line error naming the argument. They were TypeErrors of
@@ -258,6 +260,75 @@ def test_hf_generate_refuses_a_paged_cache():
         assert cache.get_seq_length() == 0  # refused before any forward
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+def test_paged_cache_frees_pages_outside_the_sliding_window(backend):
+    """A cache made for a sliding window frees the pages no later query can read (query i sees keys j > i - window,
+    and queries only move forward): over 40 decode steps (pages of 4, window 6: a page boundary of the window at
+    every residue) each (row, kv head) keeps at most ceil(window / page) + 1 pages, the default pool holds them
+    without growing, and every output equals the fp64 reference with the window. Every page was kept before."""
+    from foxlm.ops.forgetting_attention.reference import forgetting_attention_reference
+
+    B, Hq, Hk, D, page, window, steps = 2, 4, 2, 8, 4, 6, 40
+    prompts = (5, 13)
+    dtype, atol = (torch.float64, 1e-10) if backend == "torch" else (torch.float32, 1e-5)
+    gen = torch.Generator().manual_seed(5)
+    n = max(prompts) + steps
+    q, k, v = (torch.randn(B, n, h, D, generator=gen, dtype=torch.float64) for h in (Hq, Hk, Hk))
+    log_f = torch.nn.functional.logsigmoid(2 + torch.randn(B, n, Hq, generator=gen, dtype=torch.float64))
+    # row b's tokens are its first prompts[b] + steps columns: the prompt left-padded to the widest one
+    width = max(prompts)
+    valid = torch.arange(width)[None, :] >= width - torch.tensor(prompts)[:, None]
+    shifted = [torch.stack([t[b].roll(width - p, 0) for b, p in enumerate(prompts)]) for t in (q, k, v, log_f)]
+    cache = PagedFoxCache(num_layers=1, num_heads=Hq, num_kv_heads=Hk, head_dim=D, batch_size=B,
+                          max_length=max(prompts) + steps, device="cpu", dtype=dtype, page_size=page, window=window)
+    pool = cache.stats()["pool_pages"]
+    per_head = -(-window // page) + 1
+    with use_backend(backend):
+        cache.attend(0, *(t[:, :width].to(dtype) for t in shifted[:3]), shifted[3][:, :width].float(), scale=0.3,
+                     valid=valid, window=window)
+        for s in range(steps):
+            cols = [p + s for p in prompts]
+            new = [torch.stack([t[b, c] for b, c in enumerate(cols)])[:, None] for t in (q, k, v, log_f)]
+            o = cache.attend(0, *(t.to(dtype) for t in new[:3]), new[3].float(), scale=0.3, window=window)
+            for b, c in enumerate(cols):
+                want = forgetting_attention_reference(q[b:b + 1, :c + 1], k[b:b + 1, :c + 1], v[b:b + 1, :c + 1],
+                                                      log_f[b:b + 1, :c + 1].float().double(), scale=0.3,
+                                                      window=window)[:, -1:]
+                torch.testing.assert_close(o[b:b + 1].double(), want, rtol=0, atol=atol)
+            live = -(-cache.lengths.long() // page)[:, None] - cache.cache_start.long()[0]  # [B, Hk]
+            assert int(live.max()) <= per_head, (s, live)
+    stats = cache.stats()
+    assert stats["live_pages"] <= B * Hk * per_head < stats["full_pages"] // 2
+    assert stats["pool_pages"] == pool <= 1 + B * Hk * per_head and cache.version == 0
+
+
+def test_paged_cache_refuses_a_window_wider_than_its_own():
+    """A cache that frees the keys outside its window refuses a call that would read them (a wider window, or none):
+    a one-line error naming the window, before anything is stored; a narrower window reads only kept keys."""
+    cache = PagedFoxCache(**{**_PAGED, "page_size": 2}, window=3)
+    args = (torch.randn(1, 2, 2, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), -torch.rand(1, 2, 2))
+    for window in (None, 4):
+        with pytest.raises(ValueError, match=f"window: this cache frees the keys outside window=3, got {window}"):
+            cache.attend(0, *args, scale=0.5, window=window)
+    assert cache.lengths.tolist() == [0]
+    cache.attend(0, *args, scale=0.5, window=2)
+    assert cache.lengths.tolist() == [2]
+
+
+def test_generate_with_a_sliding_window_equals_hf_generate_and_frees_pages():
+    """generate() with a sliding-window model (fox-llama, window 6, pages of 4): HF generate's tokens over 40 steps of
+    a left-padded batch, and the cache ends with the pages of the window only (it kept every page before)."""
+    model = _model("fox-llama", window=6)
+    prompts = _prompts(torch.Generator().manual_seed(7), (5, 19, 11))
+    ids, mask = _left_pad(prompts)
+    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
+    out = generate(model, prompts, 40, page_size=4)
+    assert out.sequences == hf[:, ids.shape[1]:].tolist()
+    layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
+    assert out.cache["live_pages"] <= layers * len(prompts) * heads * (-(-6 // 4) + 1) < out.cache["full_pages"] // 3
+
+
 def _fast_forgetting_model():
     """fox-pro whose heads forget at very different speeds (gate biases -1 .. 6): most pages can go."""
     model = _model("fox-pro", seed=3)
@@ -265,6 +336,31 @@ def _fast_forgetting_model():
         for block in model.model.layers:
             block.attn.fgate_proj.bias.copy_(torch.tensor([-1.0, 0.0, 1.0, 6.0]))
     return model
+
+
+def test_paged_cache_bounds_the_logits_in_the_dtype_autocast_gives_q_and_k():
+    """An fp32 QK-norm model under CPU autocast(bfloat16) gives attention bf16 q and k (the projections run in bf16, the
+    norm keeps their dtype): from_model's eviction bounds allow for bf16 rounding, as the layer's own ACP bound does.
+    They allowed for fp32's, 0.8% smaller here: eviction could free keys still above the tolerance. An fp64 model
+    (which autocast does not cast), no autocast, and an explicit compute_dtype keep the dtype they give."""
+    model = _model("fox-pro", dtype=torch.float32)
+    attn = model.model.layers[0].attn
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(1, 3, model.config.hidden_size)
+        assert attn.q_norm(attn.q_proj(x).view(1, 3, attn.num_heads, attn.head_dim)).dtype == torch.bfloat16
+        under = PagedFoxCache.from_model(model, 1, 16)
+        fp64 = PagedFoxCache.from_model(_model("fox-pro"), 1, 16)
+    for bounds, dtype in ((under.logit_bounds, torch.bfloat16),
+                          (PagedFoxCache.from_model(model, 1, 16).logit_bounds, torch.float32),
+                          (fp64.logit_bounds, torch.float64),
+                          (PagedFoxCache.from_model(model, 1, 16, compute_dtype=torch.float16).logit_bounds,
+                           torch.float16)):
+        for block, bound in zip(model.model.layers, bounds):
+            torch.testing.assert_close(bound, block.attn.logit_bound(dtype), rtol=0, atol=0)
+    assert (under.logit_bounds[0] > attn.logit_bound(torch.float32)).all()
+    assert under.dtype == torch.float32  # the keys are kept as the model's
+    with pytest.raises(ValueError, match="compute_dtype: expected a floating-point torch.dtype or None, got 'bf16'"):
+        PagedFoxCache.from_model(model, 1, 16, compute_dtype="bf16")
 
 
 def test_eviction_matches_full_cache():

@@ -389,7 +389,7 @@ def forgetting_attention_decode(
         return_lse: also return the natural-log row log-sum-exp [B, Hq, Tq] fp32.
 
     Returns:
-        o: [B, Tq, Hq, Dv] in q's dtype (and lse).
+        o: [B, Tq, Hq, Dv] in q's dtype (and lse); empty at once for Tq = 0.
 
     On the CPU, lengths outside [Tq, max_pages * page_size], a cache_start past the page of a row's first new token
     and live page-table entries outside the pool raise a ValueError. On a GPU they are not checked (a check would
@@ -406,6 +406,10 @@ def forgetting_attention_decode(
             raise ValueError(f"num_splits: expected a positive int or None, got {num_splits!r}")
         num_splits = int(num_splits)  # a NumPy int too: the launch grid takes an int
     check_scale(scale)
+    B, Tq, Hq, _ = q.shape
+    if Tq == 0:  # nothing to attend, as torch SDPA and flash_attn answer it: the kernel's rows divide by Tq
+        o = q.new_empty(B, 0, Hq, v_cache.shape[2])
+        return (o, torch.empty(B, Hq, 0, dtype=torch.float32, device=q.device)) if return_lse else o
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     args = (q, k_cache, v_cache, c_cache, page_table, cache_start, lengths, scale, window)
     if use_triton(q):

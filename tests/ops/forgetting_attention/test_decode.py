@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -418,3 +419,36 @@ def test_with_kvcache_contiguous_cache_of_another_shape_names_it(change, match):
     assert (call(k, v, c).double() - ref).abs().max() < 1e-5
     with pytest.raises(ValueError, match=match):
         call(*change(k, v, c))
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_with_kvcache_no_new_queries_return_an_empty_output(backend, layout):
+    """Tq = 0 new tokens ([B, 0, Hq, D]): an empty output [B, 0, Hq, Dv] in q's dtype at once, as torch SDPA and
+    flash_attn give for empty inputs, on either layout and path. The decode kernel took its query rows as
+    r // Tq, r % Tq: a division by zero (a RuntimeWarning in the interpreter, made an error here)."""
+    call, _ = _kvcache_problem(layout, T=0)
+    with use_backend(backend), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o = call(10 if layout == "contiguous" else [10, 10])
+    assert o.shape == (2, 0, 4, 8) and o.dtype == torch.float32
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors take the kernel only in Triton's interpreter"))])
+def test_decode_no_new_queries_return_empty_outputs(backend):
+    """forgetting_attention_decode with Tq = 0: o [B, 0, Hq, Dv] in q's dtype and lse [B, Hq, 0] fp32, without a
+    launch that divides by Tq; its arguments are still checked."""
+    q = torch.randn(2, 0, 4, 8, dtype=torch.bfloat16)
+    kc, vc = torch.randn(5, 4, 8, dtype=torch.bfloat16), torch.randn(5, 4, 6, dtype=torch.bfloat16)
+    cc = torch.zeros(5, 4, 2, dtype=torch.float64)
+    pt = torch.zeros(2, 2, 3, dtype=torch.int32)
+    start, lengths = torch.zeros(2, 2, dtype=torch.int32), torch.tensor([3, 1], dtype=torch.int32)
+    with use_backend(backend), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        o, lse = forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, return_lse=True)
+        assert o.shape == (2, 0, 4, 6) and o.dtype == torch.bfloat16
+        assert lse.shape == (2, 4, 0) and lse.dtype == torch.float32
+        with pytest.raises(ValueError, match="num_splits: expected a positive int"):
+            forgetting_attention_decode(q, kc, vc, cc, pt, start, lengths, num_splits=0)
