@@ -316,14 +316,17 @@ def test_paged_cache_refuses_a_window_wider_than_its_own():
     assert cache.lengths.tolist() == [2]
 
 
-def test_generate_with_a_sliding_window_equals_hf_generate_and_frees_pages():
+def test_generate_with_a_sliding_window_equals_hf_generate_and_frees_pages(device):
     """generate() with a sliding-window model (fox-llama, window 6, pages of 4): HF generate's tokens over 40 steps of
-    a left-padded batch, and the cache ends with the pages of the window only (it kept every page before)."""
-    model = _model("fox-llama", window=6)
+    a left-padded batch, and the cache ends with the pages of the window only (it kept every page before). On the GPU
+    the steps take the Triton kernel in a CUDA graph, whose first live pages move between replays."""
+    model = _model("fox-llama", window=6, dtype=torch.float64 if device == "cpu" else torch.float32).to(device)
     prompts = _prompts(torch.Generator().manual_seed(7), (5, 19, 11))
     ids, mask = _left_pad(prompts)
-    hf = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=40, do_sample=False, pad_token_id=0)
-    out = generate(model, prompts, 40, page_size=4)
+    hf = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=40, do_sample=False,
+                        pad_token_id=0)
+    with use_backend("auto" if device == "cuda" else "torch"):
+        out = generate(model, prompts, 40, page_size=4)
     assert out.sequences == hf[:, ids.shape[1]:].tolist()
     layers, heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     assert out.cache["live_pages"] <= layers * len(prompts) * heads * (-(-6 // 4) + 1) < out.cache["full_pages"] // 3
