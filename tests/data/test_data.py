@@ -731,6 +731,37 @@ def test_a_datasets_test_split_is_never_trained_on(tmp_path, gpt2, capsys):
     assert _split_docs(tmp_path / "out-test")["train"] == [gpt2.encode(t) for t in texts["test"]]
 
 
+def test_a_datasets_split_folder_named_beside_it_is_read_once(tmp_path, capsys):
+    """A DatasetDict folder (save_to_disk: NAME/dataset_dict.json, NAME/train/, ...) named with one of its split
+    folders (``prepare saved saved/train``, ``prepare corpus saved/train``), in either order: each row is read once,
+    and the dataset's own splits are kept. Its train split was read twice, through the DatasetDict and as a folder of
+    its own, so its documents were trained on twice (and could land in both splits); a validation split named as a
+    folder went to train/val by val_fraction."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"train": [f"training row {i} of the corpus" for i in range(5)], "validation": ["a held-out row"]}
+    one_pass = {split: sum(1 + len(t) for t in texts) for split, texts in rows.items()}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": rows["train"]})}).save_to_disk(
+        str(tmp_path / "corpus" / "saved"))
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()}).save_to_disk(
+        str(tmp_path / "with-val"))
+    saved, with_val = tmp_path / "corpus" / "saved", tmp_path / "with-val"
+    for i, (inputs, train, val) in enumerate([
+        ([saved, saved / "train"], one_pass["train"], 0),
+        ([saved / "train", saved], one_pass["train"], 0),
+        ([tmp_path / "corpus", saved / "train"], one_pass["train"], 0),
+        ([with_val / "validation", with_val / "train", with_val], one_pass["train"], one_pass["validation"]),
+    ]):
+        capsys.readouterr()
+        meta = prepare(inputs, tmp_path / f"out{i}", tokenizer="byte", val_fraction=0.0, workers=0, progress=False)
+        assert (meta["splits"]["train"]["num_tokens"], meta["splits"]["val"]["num_tokens"]) == (train, val), inputs
+        folders = [(saved, "train")] if i < 3 else [(with_val, "train"), (with_val, "validation")]
+        assert capsys.readouterr().err.splitlines()[-len(folders):] == [
+            f"{d / split}: named by more than one input (the {split!r} split of {d}); read once"
+            for d, split in folders]
+    assert _split_docs(tmp_path / "out3") == {split: [list(t.encode()) for t in rows[name]]
+                                              for split, name in (("train", "train"), ("val", "validation"))}
+
+
 def test_a_hub_dataset_the_hub_cannot_serve_is_one_line(tmp_path):
     """`hub:NAME` where the Hugging Face hub cannot be reached (offline mode set, or nothing answering at
     HF_ENDPOINT, which one request finds out, with no retries) is one line naming the input and what to pass
