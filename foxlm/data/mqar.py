@@ -174,7 +174,9 @@ def write_dataset(
     Alone (``tokens``): at least ``tokens`` training tokens of MQAR, and ``val_fraction`` of that (at least one
     document) held out. Mixed (``mix``, a prepared folder, and ``mix_fraction`` in (0, 1)): every document of
     ``mix``'s splits, with MQAR documents interleaved so that they make ``mix_fraction`` of each split's tokens; the
-    tokenizer is ``mix``'s. Training and validation documents come from separate streams of ``seed``.
+    tokenizer is ``mix``'s. Training and validation documents come from separate streams of ``seed``. The folder is
+    written as ``prepare`` writes one (``out_folder``, ``writing_dataset``): ``overwrite`` replaces only a previous
+    dataset, and a killed run leaves the one there whole.
     """
     if (tokens is None) == (mix is None):
         raise ValueError("tokens, mix: expected exactly one: tokens (MQAR alone) or mix (a dataset to mix into)")
