@@ -21,16 +21,15 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import numpy as np
 
-from ..checkpoint.files import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
+from ..checkpoint.files import sha256_file
 from .dataset import TokenDataset
-from .prepare import _SplitWriter, check_out_dir, token_dtype
+from .prepare import _SplitWriter, out_folder, token_dtype, writing_dataset
 from .sources import FORMAT
 from .tokenizer import Tokenizer, get_tokenizer
 
@@ -175,7 +174,9 @@ def write_dataset(
     Alone (``tokens``): at least ``tokens`` training tokens of MQAR, and ``val_fraction`` of that (at least one
     document) held out. Mixed (``mix``, a prepared folder, and ``mix_fraction`` in (0, 1)): every document of
     ``mix``'s splits, with MQAR documents interleaved so that they make ``mix_fraction`` of each split's tokens; the
-    tokenizer is ``mix``'s. Training and validation documents come from separate streams of ``seed``.
+    tokenizer is ``mix``'s. Training and validation documents come from separate streams of ``seed``. The folder is
+    written as ``prepare`` writes one (``out_folder``, ``writing_dataset``): ``overwrite`` replaces only a previous
+    dataset, and a killed run leaves the one there whole.
     """
     if (tokens is None) == (mix is None):
         raise ValueError("tokens, mix: expected exactly one: tokens (MQAR alone) or mix (a dataset to mix into)")
@@ -210,14 +211,10 @@ def write_dataset(
     else:
         budgets = {"train": tokens, "val": max(1, round(val_fraction * tokens)) if val_fraction > 0 else 0}
 
-    out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))
-    remove_stale_temporaries(out_dir)  # first: a killed swap's set-aside dataset is put back, then checked
-    check_out_dir(out_dir, [mix] if mix is not None else [], overwrite)
+    inputs = [mix] if mix is not None else []
+    out_dir = out_folder(out_dir, inputs, overwrite)
     dtype = token_dtype(tok.vocab_size)
-    tmp = temporary_path(out_dir, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with writing_dataset(out_dir, inputs, overwrite, tok) as tmp:
         synthetic, splits = {}, {}
         for split in ("train", "val"):
             writer = _SplitWriter(tmp, split, dtype, tok.eot_id, shard_tokens)
@@ -239,10 +236,6 @@ def write_dataset(
                 "skipped": {"count": 0, "by_reason": {}, "examples": []}, "synthetic": record,
                 "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    replace_folder(tmp, out_dir)
     return meta
 
 

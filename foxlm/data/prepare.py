@@ -20,6 +20,7 @@ folder is written under a temporary name and renamed when complete: an interrupt
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import multiprocessing as mp
@@ -176,6 +177,39 @@ def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: boo
                               "; --overwrite replaces only a folder that holds nothing but a dataset")
 
 
+def out_folder(out_dir: str | os.PathLike, inputs: list[str | os.PathLike], overwrite: bool) -> Path:
+    """The folder a dataset is written to: ``out_dir`` made absolute (a link's target: the dataset goes where it
+    points and the link stays, where a swap would move it), with what killed runs left beside it removed, checked by
+    ``check_out_dir``. Then ``writing_dataset`` writes it."""
+    out = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
+    if out.is_symlink():
+        out = out.resolve()
+    remove_stale_temporaries(out)  # first: a killed swap's set-aside dataset is put back, then checked
+    check_out_dir(out, inputs, overwrite)
+    return out
+
+
+@contextlib.contextmanager
+def writing_dataset(out_dir: Path, inputs: list[str | os.PathLike], overwrite: bool, tok: Tokenizer
+                    ) -> Iterator[Path]:
+    """A temporary folder beside ``out_dir`` (``out_folder``'s) to write a dataset into, holding a copy of ``tok``'s
+    files (``copy_files``) so the data keeps its tokenizer when that folder moves. When the block ends ``out_dir`` is
+    checked again, then the folder is swapped in (``replace_folder``: a kill at any point leaves a whole dataset
+    there, the old or the new); on an error or Ctrl-C it is deleted and ``out_dir`` left as it was."""
+    tmp = temporary_path(out_dir, "tmp")
+    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's, whose PID this process has now
+    tmp.mkdir(parents=True)
+    try:
+        copy_files(tok, tmp / TOKENIZER_DIR)
+        yield tmp
+        # again: a folder made there while the dataset was written (another job's) would be swapped out and deleted
+        check_out_dir(out_dir, inputs, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    replace_folder(tmp, out_dir)
+
+
 def _is_tokenizer_copy(folder: Path) -> bool:
     """Whether ``folder`` holds nothing but the tokenizer files ``copy_files`` copies into a dataset."""
     return folder.is_dir() and not folder.is_symlink() and all(
@@ -312,11 +346,7 @@ def prepare(
     if isinstance(inputs, (str, os.PathLike)):  # one input: a str is no list of its characters
         inputs = [inputs]
     cpus = os.cpu_count() or 1
-    out_dir = Path(os.path.abspath(Path(out_dir).expanduser()))  # "." and ".." name their folder
-    if out_dir.is_symlink():  # the dataset goes where the link points, and the link stays (a swap would move it)
-        out_dir = out_dir.resolve()
-    remove_stale_temporaries(out_dir)  # first: a killed swap's set-aside dataset is put back, then checked
-    check_out_dir(out_dir, inputs, overwrite)
+    out_dir = out_folder(out_dir, inputs, overwrite)
     tok = get_tokenizer(tokenizer)
     sources = find_sources(inputs, pattern)
     if not sources:
@@ -324,10 +354,7 @@ def prepare(
     dtype = token_dtype(tok.vocab_size)
     workers = cpus if workers is None else workers
 
-    tmp = temporary_path(out_dir, "tmp")
-    shutil.rmtree(tmp, ignore_errors=True)  # a killed run's, whose PID this process has now
-    tmp.mkdir(parents=True)
-    try:
+    with writing_dataset(out_dir, inputs, overwrite, tok) as tmp:
         writers = {s: _SplitWriter(tmp, s, dtype, tok.eot_id, shard_tokens) for s in ("train", "val")}
         docs = _Documents(sources, writers, val_fraction)
         _tokenize(sources, docs, tokenizer, dtype, text_key, workers, Cuts(piece_chars, tok.cut_spaces), progress)
@@ -336,19 +363,12 @@ def prepare(
             first = [f"; the first: {e['source']}: {e['detail']}" for e in meta["skipped"]["examples"][:1]]
             raise ValueError(f"inputs: no usable document ({meta['skipped']['count']} skipped: "
                              f"{meta['skipped']['by_reason']}{''.join(first)})")  # the error alone says what to fix
-        copy_files(tok, tmp / TOKENIZER_DIR)
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        # again: a folder made there while the inputs were read (another job's) would be swapped out and deleted
-        check_out_dir(out_dir, inputs, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     if docs.skipped:
         print(f"skipped {sum(docs.skipped.values())} documents: {dict(docs.skipped)}", file=sys.stderr)
     if val_fraction > 0 and meta["splits"]["val"]["num_docs"] == 0:
         print(f"no document held out: val_fraction={val_fraction} of {meta['num_docs']} documents rounds to none, so "
               f"training reports no validation loss (raise --val-fraction)", file=sys.stderr)
-    replace_folder(tmp, out_dir)
     return meta
 
 

@@ -219,16 +219,39 @@ def find_sources(inputs: list[str | os.PathLike], pattern: str = "*") -> list[So
 
 def _unique(sources: list[Source]) -> list[Source]:
     """``sources`` with each file (or dataset split) once, where inputs overlap (a folder and a file or subfolder
-    in it, one named twice): read twice, its documents would be trained on twice and could land in both splits."""
-    seen, unique = set(), []
-    for src in sources:
-        key = (src.kind, src.path if src.kind == "hub" else src.path.resolve(), src.split)
-        if key in seen:
-            print(f"{src.path}: named by more than one input; read once", file=sys.stderr)
+    in it, one named twice, a DatasetDict and its split's folder): read twice, its documents would be trained on twice
+    and could land in both splits. Of one split read twice, the dataset's own (its ``to``: train or val) is kept."""
+    keys = [_identity(src) for src in sources]
+    whole = {(kind, path) for kind, path, split in keys if split is None}
+    unique: dict[tuple, Source] = {}
+    for src, key in zip(sources, keys):
+        kind, path, split = key
+        covered = split is not None and (kind, path) in whole  # read with its whole dataset
+        if not covered and key not in unique:
+            unique[key] = src
             continue
-        seen.add(key)
-        unique.append(src)
-    return unique
+        dropped = src
+        if not covered and src.to is not None and unique[key].to is None:
+            dropped, unique[key] = unique[key], src  # in the place of the first
+        of = f" (the {split!r} split of {path})" if split is not None and dropped.split is None else ""
+        print(f"{dropped.path}: named by more than one input{of}; read once", file=sys.stderr)
+    return list(unique.values())
+
+
+def _identity(src: Source) -> tuple:
+    """What ``src`` reads: (kind, real path, split). A DatasetDict's split folder (save_to_disk's ``NAME/train``)
+    named itself is that split of ``NAME``."""
+    if src.kind == "hub":
+        return src.kind, src.path, src.split
+    path = src.path.resolve()
+    if src.kind == "hf" and src.split is None and (path.parent / "dataset_dict.json").is_file():
+        try:
+            splits = json.loads((path.parent / "dataset_dict.json").read_text(encoding="utf-8")).get("splits")
+        except (OSError, ValueError, AttributeError):  # no split list: the folder is read as a dataset of its own
+            splits = None
+        if isinstance(splits, list) and path.name in splits:
+            return src.kind, path.parent, path.name
+    return src.kind, path, src.split
 
 
 def _hf_folder_sources(path: Path) -> list[Source]:

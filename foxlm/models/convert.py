@@ -150,41 +150,46 @@ def _tokenizer(src: Path, raw: dict, fmt: str, tokenizer: str | None, vocab_size
     """The tokenizer to record (a ``foxlm.data`` tokenizer): ``tokenizer`` if given, else SRC's (``_src_tokenizer``).
     Its ids must fit the model's ``vocab_size`` embedding rows (more would index past them later), or this raises
     naming --tokenizer; only the authors' default, guessed where SRC says nothing, is then left unrecorded instead (a
-    model of fewer rows was not trained on their data)."""
+    model of fewer rows was not trained on their data). Where SRC's tokenizer is left unrecorded, as that guess or as
+    one SRC names but foxlm cannot read, one stderr line says so and names --tokenizer."""
     from ..data.tokenizer import get_tokenizer
 
-    tok, guessed = (get_tokenizer(tokenizer), False) if tokenizer is not None else _src_tokenizer(src, raw, fmt)
-    if tok is None or tok.vocab_size <= vocab_size:
+    tok, unsure = (get_tokenizer(tokenizer), None) if tokenizer is not None else _src_tokenizer(src, raw, fmt)
+    if tok is not None and tok.vocab_size <= vocab_size:
         return tok
-    if guessed:
-        print(f"src: {src} names no tokenizer, and the FoX authors' {tok.name} ({tok.vocab_size} ids) does not fit its "
-              f"vocabulary of {vocab_size}: none recorded (pass --tokenizer to record the one it was trained with)",
+    if tok is not None and unsure is None:
+        where = "--tokenizer" if tokenizer is not None else f"{src}'s tokenizer"
+        raise ValueError(f"tokenizer: {tok.name} ({where}) has {tok.vocab_size} ids, more than the model's vocabulary "
+                         f"of {vocab_size}; pass --tokenizer naming the tokenizer it was trained with")
+    if unsure is not None:
+        guess = "" if tok is None else (f", and the FoX authors' {tok.name} ({tok.vocab_size} ids) does not fit its "
+                                        f"vocabulary of {vocab_size}")
+        print(f"src: {unsure}{guess}: none recorded (pass --tokenizer to record the one it was trained with)",
               file=sys.stderr)
-        return None
-    where = "--tokenizer" if tokenizer is not None else f"{src}'s tokenizer"
-    raise ValueError(f"tokenizer: {tok.name} ({where}) has {tok.vocab_size} ids, more than the model's vocabulary of "
-                     f"{vocab_size}; pass --tokenizer naming the tokenizer it was trained with")
+    return None
 
 
-def _src_tokenizer(src: Path, raw: dict, fmt: str) -> tuple[Tokenizer | None, bool]:
-    """(The tokenizer SRC names, whether it is only the authors' format's default): what SRC records (foxlm's key,
-    found in SRC's copy first); else the authors' JSON GPT-2 where its tokenizer_config.json names it; else the
-    tokenizer SRC's own files hold (a ``tokenizer.json``, as ``save_pretrained`` writes it, or GPT-2's files): fla's
-    checkpoints carry their tokenizer so; else GPT-2 where tokenizer_config.json names a GPT-2 class (and any
-    vocab.json / merges.txt beside it are GPT-2's); else the authors' JSON GPT-2 for their format (the default, a
-    guess); else none. An authors' model with GPT-2's tokenizer is their JSON GPT-2 whatever class saved it: GPT-2 BPE
-    saw their data (LongCrawl64) only JSON-escaped, and raw text would give it ids in an order it never saw."""
+def _src_tokenizer(src: Path, raw: dict, fmt: str) -> tuple[Tokenizer | None, str | None]:
+    """(The tokenizer SRC names or None, and None or why that is unsure: the line said where none is recorded): what SRC
+    records (foxlm's key, found in SRC's copy first); else the authors' JSON GPT-2 where its tokenizer_config.json names
+    it; else the tokenizer SRC's own files hold (a ``tokenizer.json``, as ``save_pretrained`` writes it, or GPT-2's
+    files): fla's checkpoints carry their tokenizer so; else GPT-2 where tokenizer_config.json names a GPT-2 class (and
+    any vocab.json / merges.txt beside it are GPT-2's); else none where tokenizer_config.json names another tokenizer
+    (or none), whose files foxlm cannot read (unsure); else the authors' JSON GPT-2 for their format (the default, a
+    guess: unsure); else none. An authors' model with GPT-2's tokenizer is their JSON GPT-2 whatever class saved it:
+    GPT-2 BPE saw their data (LongCrawl64) only JSON-escaped, and raw text would give it ids in an order it never
+    saw."""
     from ..data.tokenizer import get_tokenizer, tokenizer_from_spec
 
     if (record := raw.get("foxlm_tokenizer")) is not None:  # SRC's own copy first: the recorded folder may move
         if not isinstance(record, dict) or not isinstance(record.get("name"), str):
             raise ValueError(f"src: {src / 'config.json'} records foxlm_tokenizer={record!r}, expected a "
                              "tokenizer record (a mapping with a name); pass --tokenizer")
-        return tokenizer_from_spec(record, [src]), False
+        return tokenizer_from_spec(record, [src]), None
     has_config = (src / "tokenizer_config.json").is_file()
     cls = read_json(src / "tokenizer_config.json", "pass --tokenizer").get("tokenizer_class") if has_config else None
     if cls == "JSONGPT2Tokenizer":
-        return get_tokenizer("json-gpt2"), False
+        return get_tokenizer("json-gpt2"), None
     if (src / "tokenizer.json").is_file() or (src / "encoder.json").is_file():
         # the files, not the class name: a GPT2TokenizerFast of another vocabulary is no GPT-2 (a folder that
         # gives GPT-2's ids is named "gpt2")
@@ -197,9 +202,13 @@ def _src_tokenizer(src: Path, raw: dict, fmt: str) -> tuple[Tokenizer | None, bo
             raise ValueError(f"src: {src / different} is not GPT-2's, though tokenizer_config.json names {cls}; "
                              "pass --tokenizer")
         tok = get_tokenizer("gpt2")
+    elif has_config:
+        named = f", and its tokenizer_config.json names {cls}" if isinstance(cls, str) and cls else ""
+        return None, (f"{src} holds no tokenizer files foxlm reads (a tokenizer.json, or encoder.json and vocab.bpe)"
+                      f"{named}")
     else:
-        return (get_tokenizer("json-gpt2"), True) if fmt == "fox-authors" and not has_config else (None, False)
-    return (get_tokenizer("json-gpt2") if fmt == "fox-authors" and tok.name == "gpt2" else tok), False
+        return (get_tokenizer("json-gpt2"), f"{src} names no tokenizer") if fmt == "fox-authors" else (None, None)
+    return (get_tokenizer("json-gpt2") if fmt == "fox-authors" and tok.name == "gpt2" else tok), None
 
 
 def _not_gpt2_files(src: Path) -> str | None:

@@ -731,6 +731,37 @@ def test_a_datasets_test_split_is_never_trained_on(tmp_path, gpt2, capsys):
     assert _split_docs(tmp_path / "out-test")["train"] == [gpt2.encode(t) for t in texts["test"]]
 
 
+def test_a_datasets_split_folder_named_beside_it_is_read_once(tmp_path, capsys):
+    """A DatasetDict folder (save_to_disk: NAME/dataset_dict.json, NAME/train/, ...) named with one of its split
+    folders (``prepare saved saved/train``, ``prepare corpus saved/train``), in either order: each row is read once,
+    and the dataset's own splits are kept. Its train split was read twice, through the DatasetDict and as a folder of
+    its own, so its documents were trained on twice (and could land in both splits); a validation split named as a
+    folder went to train/val by val_fraction."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"train": [f"training row {i} of the corpus" for i in range(5)], "validation": ["a held-out row"]}
+    one_pass = {split: sum(1 + len(t) for t in texts) for split, texts in rows.items()}
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": rows["train"]})}).save_to_disk(
+        str(tmp_path / "corpus" / "saved"))
+    datasets.DatasetDict({k: datasets.Dataset.from_dict({"text": v}) for k, v in rows.items()}).save_to_disk(
+        str(tmp_path / "with-val"))
+    saved, with_val = tmp_path / "corpus" / "saved", tmp_path / "with-val"
+    for i, (inputs, train, val) in enumerate([
+        ([saved, saved / "train"], one_pass["train"], 0),
+        ([saved / "train", saved], one_pass["train"], 0),
+        ([tmp_path / "corpus", saved / "train"], one_pass["train"], 0),
+        ([with_val / "validation", with_val / "train", with_val], one_pass["train"], one_pass["validation"]),
+    ]):
+        capsys.readouterr()
+        meta = prepare(inputs, tmp_path / f"out{i}", tokenizer="byte", val_fraction=0.0, workers=0, progress=False)
+        assert (meta["splits"]["train"]["num_tokens"], meta["splits"]["val"]["num_tokens"]) == (train, val), inputs
+        folders = [(saved, "train")] if i < 3 else [(with_val, "train"), (with_val, "validation")]
+        assert capsys.readouterr().err.splitlines()[-len(folders):] == [
+            f"{d / split}: named by more than one input (the {split!r} split of {d}); read once"
+            for d, split in folders]
+    assert _split_docs(tmp_path / "out3") == {split: [list(t.encode()) for t in rows[name]]
+                                              for split, name in (("train", "train"), ("val", "validation"))}
+
+
 def test_a_hub_dataset_the_hub_cannot_serve_is_one_line(tmp_path):
     """`hub:NAME` where the Hugging Face hub cannot be reached (offline mode set, or nothing answering at
     HF_ENDPOINT, which one request finds out, with no retries) is one line naming the input and what to pass
@@ -1195,3 +1226,98 @@ def test_default_corpus_follows_a_tokenizer_folder_changed_since(tmp_path, monke
         data = TokenDataset(path)
         assert data.meta["tokenizer"]["vocab_size"] == vocab_size == data.tokenizer().vocab_size
     assert ensure_default_corpus(f"hf:{folder}", local=local.parent, progress=False) == path
+
+
+# ---------------------------------------------------------------- recipes/mqar.py: the same output safety as prepare
+_MQAR = Path(__file__).parents[2] / "recipes" / "mqar.py"
+_MQAR_TASK = ("--tokenizer", "byte", "--vocab", "0:48", "--pairs", "2,3", "--length", "16:32")
+
+
+def _mqar(*args, tokens: int = 2000) -> subprocess.Popen:
+    """``python recipes/mqar.py --tokens TOKENS ARGS`` as a user runs it: a child process writing MQAR documents."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
+    return subprocess.Popen([sys.executable, str(_MQAR), "--tokens", str(tokens), *_MQAR_TASK, *map(str, args)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _mid_write(proc: subprocess.Popen, out: Path) -> None:
+    """Stop ``proc`` (SIGSTOP) once it writes its dataset beside ``out``: after its first look at ``out``, before the
+    swap."""
+    deadline = time.monotonic() + 120
+    while not list(out.parent.glob(f".{out.name}.foxlm-tmp-*")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the recipe wrote nothing"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGSTOP)
+    assert proc.poll() is None, "finished before it was stopped: give it more tokens"
+
+
+def _dataset_files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_mqar_never_replaces_a_user_folder_and_a_killed_write_keeps_the_old_dataset(tmp_path):
+    """recipes/mqar.py writes as `foxlm data prepare` does: a folder of a user's files at --out is refused naming
+    --out (with --overwrite too), and a write killed midway leaves the dataset there whole; the next run removes what
+    the killed one left and finds that dataset (kept without --overwrite)."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    for overwrite in ((), ("--overwrite",)):
+        _, err = _mqar("--out", mine, *overwrite).communicate(timeout=120)
+        assert err.splitlines() == [f"mqar.py: error: out_dir (--out): {mine} holds files and is not a foxlm dataset; "
+                                    "choose a new or empty folder"]
+    assert _dataset_files(mine) == {"notes.txt": b"mine"}
+    out = tmp_path / "out"
+    assert _mqar("--out", out).wait(120) == 0
+    before = _dataset_files(out)
+    proc = _mqar("--out", out, "--seed", "1", "--overwrite", tokens=2_000_000)
+    _mid_write(proc, out)
+    proc.kill()
+    proc.wait()
+    assert _dataset_files(out) == before and [p.name for p in tmp_path.glob(".out.*")]  # the killed run's folder
+    _, err = _mqar("--out", out, "--seed", "1").communicate(timeout=120)
+    assert err.splitlines() == [f"mqar.py: error: out_dir (--out): {out} already holds a dataset; pass "
+                                "overwrite=True / --overwrite to replace it"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "out"]
+    TokenDataset(out).verify()
+
+
+def test_a_folder_made_at_mqar_out_while_it_writes_is_kept(tmp_path):
+    """--out is checked again before the MQAR dataset moves in, as prepare checks it: a folder made there while the
+    documents were written (another job's results) was renamed aside and deleted with its files."""
+    out = tmp_path / "out"
+    proc = _mqar("--out", out, tokens=2_000_000)
+    _mid_write(proc, out)
+    out.mkdir()
+    (out / "results.csv").write_text("another job's results")
+    proc.send_signal(signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and err.splitlines() == [
+        f"mqar.py: error: out_dir (--out): {out} holds files and is not a foxlm dataset; choose a new or empty folder"]
+    assert _dataset_files(out) == {"results.csv": b"another job's results"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # and no temporary folder left
+
+
+def test_mqar_out_through_a_symlink_writes_its_target_and_keeps_the_link(tmp_path):
+    """--out a link to a folder (``ln -s /big/disk/mqar data/mqar``): the dataset goes where it points and the link
+    stays, as with prepare; the swap used to move the link aside, put a folder in its place and fail deleting the
+    link ("Cannot call rmtree on a symbolic link"), with a traceback."""
+    (tmp_path / "disk").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "disk")
+    for args in ((), ("--seed", "1", "--overwrite")):  # into the empty folder, then over its dataset
+        proc = _mqar("--out", tmp_path / "link", *args)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        assert (tmp_path / "link").is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == ["disk", "link"]
+        assert TokenDataset(tmp_path / "disk").meta["synthetic"]["seed"] == int(args[1] if args else 0)
+
+
+def test_mqar_carries_its_tokenizer_folder_as_prepare_does(tmp_path, plays):
+    """A dataset written with a tokenizer folder carries a copy in tokenizer/ (as prepare's does), so it keeps its
+    tokenizer when that folder moves; it recorded the folder's path only."""
+    folder = llama_style_tokenizer(tmp_path / "tok", [p.read_text() for p in plays[:2]], vocab_size=300)
+    args = ("--out", tmp_path / "out", "--tokens", "500", "--vocab", "10:100", "--tokenizer", folder)
+    proc = subprocess.run([sys.executable, str(_MQAR), *map(str, args)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    shutil.move(folder, tmp_path / "moved")
+    assert TokenDataset(tmp_path / "out").tokenizer().vocab_size == 300

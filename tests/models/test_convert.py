@@ -1009,6 +1009,36 @@ def test_a_tokenizer_with_more_ids_than_the_model_has_rows_is_refused(tmp_path, 
     assert getattr(FoxConfig.from_pretrained(tmp_path / "dst"), "foxlm_tokenizer", None) is None
 
 
+def test_a_tokenizer_src_names_but_foxlm_cannot_read_is_said_to_be_unrecorded(tmp_path, capsys):
+    """An authors' folder whose tokenizer_config.json names a tokenizer with no files foxlm reads (a SentencePiece
+    tokenizer.model, as a Llama tokenizer is saved), or names no class: DST records no tokenizer, and convert says so
+    in one stderr line naming --tokenizer, as it does for their default that does not fit the vocabulary. It said
+    nothing, and `foxlm eval` / `generate` then took GPT-2 BPE for the model's tokenizer. --tokenizer records one."""
+    gen = torch.Generator().manual_seed(10)
+    cfg = authors_config(**AUTHORS_ARCHS["fox-llama"])
+    sd = authors_weights(cfg, gen)
+    for name, settings, extra in [("llama", {"tokenizer_class": "LlamaTokenizer"}, ", and its tokenizer_config.json "
+                                   "names LlamaTokenizer"), ("unnamed", {"model_max_length": 2048}, "")]:
+        _write(tmp_path / name, cfg, sd)
+        (tmp_path / name / "tokenizer_config.json").write_text(json.dumps(settings))
+        (tmp_path / name / "tokenizer.model").write_bytes(bytes(range(64)))  # SentencePiece's: not read by foxlm
+        capsys.readouterr()
+        assert main(["convert", str(tmp_path / name), str(tmp_path / f"{name}-dst")]) == 0
+        said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("src: ")]
+        assert said == [f"src: {tmp_path / name} holds no tokenizer files foxlm reads (a tokenizer.json, or "
+                        f"encoder.json and vocab.bpe){extra}: none recorded (pass --tokenizer to record the one it "
+                        "was trained with)"]
+        assert getattr(FoxConfig.from_pretrained(tmp_path / f"{name}-dst"), "foxlm_tokenizer", None) is None
+    cfg["vocab_size"] = 257  # rows for the byte tokenizer's ids
+    _write(tmp_path / "byte", cfg, {**sd, **{k: torch.randn(257, C, generator=gen) for k in
+                                             ("model.embeddings.weight", "lm_head.weight")}})
+    shutil.copy(tmp_path / "llama" / "tokenizer_config.json", tmp_path / "byte")
+    capsys.readouterr()
+    assert main(["convert", str(tmp_path / "byte"), str(tmp_path / "byte-dst"), "--tokenizer", "byte"]) == 0
+    assert not [line for line in capsys.readouterr().err.splitlines() if line.startswith("src: ")]
+    assert FoxConfig.from_pretrained(tmp_path / "byte-dst").foxlm_tokenizer["name"] == "byte"
+
+
 def test_remote_code_an_auto_map_names_is_never_run_and_said_to_be_ignored(tmp_path, capsys):
     """A config.json whose auto_map names remote code (a hub copy of a model with its own .py files): as
     from_pretrained without trust_remote_code, a model_type foxlm knows converts with foxlm's own mapping, that code
