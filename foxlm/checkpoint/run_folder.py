@@ -22,7 +22,7 @@ from typing import IO
 
 import yaml
 
-from .files import remove_stale_temporaries
+from .files import check_parents, remove_stale_temporaries
 from .manifest import MANIFEST, verify_checkpoint
 
 try:
@@ -134,6 +134,7 @@ def check_run_folder(run_dir: Path) -> None:
     ``lock_run``), and one holding checkpoints (a run's from before the mark; ``check_out_dir`` says whether this run
     may continue them)."""
     if not run_dir.exists():
+        check_parents(run_dir, "out_dir")
         return
     if not run_dir.is_dir():
         raise NotADirectoryError(f"out_dir: {run_dir} is a file; expected a folder for the run")

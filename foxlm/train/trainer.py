@@ -291,7 +291,8 @@ class Trainer:
                 self.metrics.exclude(time.perf_counter() - started)
             if cfg.export_dir is not None and "stopped" not in summary:
                 if self.d.main:
-                    log.write(f"exported {export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir)}")
+                    exported = export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir, "export_dir")
+                    log.write(f"exported {exported}")
                 self.d.barrier()
         except Preempted as e:  # SIGTERM cut a step or validation short
             self.optimizer.zero_grad(set_to_none=self.graphed is None)  # the given-up step's partial gradients
