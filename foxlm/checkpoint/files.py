@@ -107,7 +107,12 @@ def fsync_tree(folder: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` into ``path`` through a temporary file renamed over it: readers see the old or the new text."""
+    """Write ``text`` into ``path`` through a temporary file renamed over it: readers see the old or the new text, and
+    a write that fails (a full disk) leaves the old one, and no temporary file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
