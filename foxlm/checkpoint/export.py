@@ -11,16 +11,16 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..models.card import write_model_card
 from .dcp import load_shards
-from .files import fsync_tree, remove_stale_temporaries, temporary_path
+from .files import check_parents, fsync_tree, remove_stale_temporaries, temporary_path
 from .manifest import verify_checkpoint, write_manifest
 from .run_folder import SHARDS, is_sharded, latest_valid_checkpoint
 
 
-def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+def export_model(src: str | os.PathLike, dst: str | os.PathLike, dst_arg: str = "dst") -> Path:
     """Write the model of ``src`` (a run folder: its latest valid checkpoint, or a checkpoint folder, sharded or not)
     as a ``save_pretrained`` folder ``dst`` (safetensors, with the tokenizer where the checkpoint has one), for
     ``AutoModelForCausalLM.from_pretrained``. One process; a sharded checkpoint's weights are read whole into it.
-    ``dst`` must not exist; it appears complete or not at all."""
+    ``dst`` must not exist; it appears complete or not at all. Errors about ``dst`` name it ``dst_arg``."""
     src, dst = Path(src).expanduser(), Path(dst).expanduser()
     if (src / "config.json").is_file():  # an export's manifest would pass it for a checkpoint
         raise ValueError(f"src: {src} is a save_pretrained folder already; export reads a run or checkpoint folder")
@@ -35,8 +35,9 @@ def export_model(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     # killed exports' half-written copies (each a model's size); first, as a killed swap's model is put back at dst
     remove_stale_temporaries(dst)
     if dst.exists() or dst.is_symlink():  # a dangling link too: the final rename could not replace it
-        raise FileExistsError(f"dst: {dst} exists{' (a link to a missing path)' if not dst.exists() else ''}; "
+        raise FileExistsError(f"{dst_arg}: {dst} exists{' (a link to a missing path)' if not dst.exists() else ''}; "
                               f"export into a new folder")
+    check_parents(dst, dst_arg)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = temporary_path(dst, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # a killed export's, whose PID this process has now

@@ -34,6 +34,17 @@ def read_json(path: str | os.PathLike, fix: str) -> dict:
     return value
 
 
+def check_parents(path: Path, arg: str) -> None:
+    """Refuse (``NotADirectoryError`` naming the argument ``arg``) a ``path`` that cannot be made a folder because one
+    of its parents is a file: ``mkdir`` would say "[Errno 17] File exists" or "[Errno 20] Not a directory", naming
+    no argument."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise NotADirectoryError(f"{arg}: {path}: {parent} is a file, not a folder")
+            return
+
+
 def temporary_path(dest: Path, kind: str) -> Path:
     """``.NAME.foxlm-KIND-PID`` beside ``dest``: this process's temporary folder of ``kind`` ("tmp": being written,
     "old": being replaced). foxlm's own prefix keeps a user's folder (``.NAME.old-2024``) from ever being taken for
@@ -96,7 +107,12 @@ def fsync_tree(folder: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` into ``path`` through a temporary file renamed over it: readers see the old or the new text."""
+    """Write ``text`` into ``path`` through a temporary file renamed over it: readers see the old or the new text, and
+    a write that fails (a full disk) leaves the old one, and no temporary file."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

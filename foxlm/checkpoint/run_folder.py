@@ -22,7 +22,7 @@ from typing import IO
 
 import yaml
 
-from .files import remove_stale_temporaries
+from .files import check_parents, remove_stale_temporaries, write_atomic
 from .manifest import MANIFEST, verify_checkpoint
 
 try:
@@ -134,6 +134,7 @@ def check_run_folder(run_dir: Path) -> None:
     ``lock_run``), and one holding checkpoints (a run's from before the mark; ``check_out_dir`` says whether this run
     may continue them)."""
     if not run_dir.exists():
+        check_parents(run_dir, "out_dir")
         return
     if not run_dir.is_dir():
         raise NotADirectoryError(f"out_dir: {run_dir} is a file; expected a folder for the run")
@@ -192,8 +193,8 @@ def lock_holder(run_dir: str | os.PathLike) -> str:
 
 
 def write_train_config(run_dir: str | os.PathLike, config: dict) -> None:
-    """Record the run's training config (``train_config.yaml``), in its keys' order."""
-    (Path(run_dir) / TRAIN_CONFIG).write_text(yaml.safe_dump(config, sort_keys=False))
+    """Record the run's training config (``train_config.yaml``, replaced whole), in its keys' order."""
+    write_atomic(Path(run_dir) / TRAIN_CONFIG, yaml.safe_dump(config, sort_keys=False))
 
 
 def read_train_config(path: str | os.PathLike, up: int = 3) -> dict | None:

@@ -23,6 +23,7 @@ from ..checkpoint.checkpointer import (
     write_checkpoint,
 )
 from ..checkpoint.dcp import full_state_dicts, sharded_state_dicts
+from ..checkpoint.files import check_parents
 from ..checkpoint.run_folder import (
     LOCK_FILE,
     RUN_MARKER,
@@ -190,11 +191,14 @@ class Checkpointer:
 
     def resume(self) -> tuple[dict | None, list[str]]:
         """Resume the run as ``resume`` says, else initialize its model from ``init_from`` (if set), after refusing
-        an out_dir with checkpoints the run does not continue, or an existing ``export_dir``. Returns the resumed
-        trainer state (its counters; None: a new run) and what was done, for the log."""
+        an out_dir with checkpoints the run does not continue, or an ``export_dir`` that exists or cannot be made (a
+        parent is a file). Returns the resumed trainer state (its counters; None: a new run) and what was done, for
+        the log."""
         export = self.cfg.export_dir
         if export is not None and Path(export).expanduser().exists():
             raise ValueError(f"export_dir: {export} exists; the run exports its model into a new folder")
+        if export is not None:  # else found once the run has trained
+            check_parents(Path(export).expanduser(), "export_dir")
         ckpt = resume_point(self.run_dir, self.cfg.resume)
         check_out_dir(self.run_dir, ckpt, self.cfg.resume)
         if ckpt is not None:

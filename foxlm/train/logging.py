@@ -14,6 +14,8 @@ import os
 import sys
 from pathlib import Path
 
+from ..checkpoint.files import write_atomic
+
 
 def read_log(path: Path) -> list[dict]:
     """The records of a ``log.jsonl``. A torn last line (a write cut off by a full disk or a power loss) is dropped;
@@ -51,7 +53,8 @@ class RunLog:
         kept = []
         if start_step > 0 and log_path.exists():  # resuming: drop what the killed run logged after the checkpoint
             kept = [record for record in read_log(log_path) if record.get("step", 0) <= start_step]
-        log_path.write_text("".join(json.dumps(record) + "\n" for record in kept))
+        # replaced whole: a write cut off in place (a full disk) lost the records past the bytes it had written
+        write_atomic(log_path, "".join(json.dumps(record) + "\n" for record in kept))
         self.file = open(log_path, "a")
         if tensorboard:
             try:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["restore_rng_states", "rng_state", "seed_process"]
+__all__ = ["restore_rng_states", "rng_state", "seed_process", "set_rng_state"]
 
 
 def seed_process(seed: int, rank: int) -> None:
@@ -30,6 +30,13 @@ def rng_state(device: torch.device) -> dict:
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
+def set_rng_state(state: dict, device: torch.device) -> None:
+    """Set this process's generators to ``state`` (``rng_state``'s; a GPU's, where it holds one, on ``device``)."""
+    torch.set_rng_state(state["cpu"])
+    if state["cuda"] is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
 def restore_rng_states(saved: list[dict] | dict, saved_world: int, rank: int, world: int,
                        device: torch.device, seed: int) -> str | None:
     """Restore the state of this process's ``rank`` from a checkpoint's ``saved`` states (one per process of the
@@ -42,9 +49,7 @@ def restore_rng_states(saved: list[dict] | dict, saved_world: int, rank: int, wo
         index = device.index if device.type == "cuda" else None
         saved = [{"cpu": saved["cpu"], "cuda": gpus[index] if index is not None and index < len(gpus) else None}]
     if rank < len(saved):
-        torch.set_rng_state(saved[rank]["cpu"])
-        if saved[rank]["cuda"] is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(saved[rank]["cuda"], device)
+        set_rng_state(saved[rank], device)
     if len(saved) == saved_world == world:
         return None
     restored = min(len(saved), world)

@@ -43,7 +43,7 @@ from .metrics import Metrics, cpu_warning, pace
 from .model import build_model, causal_lm_loss, model_config
 from .optim import build_optimizer, clip_gradients, lr_at, set_lr
 from .preemption import Preempted, Preemption
-from .rng import seed_process
+from .rng import rng_state, seed_process, set_rng_state
 
 
 class Trainer:
@@ -124,16 +124,23 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer step (or a skipped one); returns the step's record. SIGTERM may cut the forward and backward
-        short (``Preempted``): the model, optimizer and counters then hold the last whole step. A non-finite loss or
-        gradient skips the update and counts as a bad step (``max_bad_steps``); a global batch without a single
-        target (every label ignored) skips it too, with no ``loss`` in the record, and is not a bad step: the step
-        counter, the schedule and the data go on."""
+        short (``Preempted``): the model, optimizer, counters and random generators then hold the last whole step. A
+        non-finite loss or gradient skips the update and counts as a bad step (``max_bad_steps``); a global batch
+        without a single target (every label ignored) skips it too, with no ``loss`` in the record, and is not a bad
+        step: the step counter, the schedule and the data go on."""
         lr = lr_at(self.step, self.cfg)
         set_lr(self.optimizer, lr)
         micro = self.loader.batch(self.step)
-        # a CUDA graph's capture must not be cut short; GPU steps are short anyway
-        with self.preemption.interruptible() if self.graphed is None else contextlib.nullcontext():
-            loss = self._forward_backward(micro)
+        # a step given up has drawn random numbers (dropout) for the micro-batches it ran: the last whole step's
+        # generator state is put back, so that its checkpoint resumes the draws of an uninterrupted run
+        rng = rng_state(self.device)
+        try:
+            # a CUDA graph's capture must not be cut short; GPU steps are short anyway
+            with self.preemption.interruptible() if self.graphed is None else contextlib.nullcontext():
+                loss = self._forward_backward(micro)
+        except Preempted:  # outside the block: a second SIGTERM cannot cut this short
+            set_rng_state(rng, self.device)
+            raise
         self.tokens_seen += sum(b.input_ids.numel() for b in micro) * self.d.world  # whole sequences
         self.step += 1
         record = {"step": self.step, "lr": lr, "tokens": self.tokens_seen}
@@ -284,7 +291,8 @@ class Trainer:
                 self.metrics.exclude(time.perf_counter() - started)
             if cfg.export_dir is not None and "stopped" not in summary:
                 if self.d.main:
-                    log.write(f"exported {export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir)}")
+                    exported = export_model(list_checkpoints(self.run_dir)[-1], cfg.export_dir, "export_dir")
+                    log.write(f"exported {exported}")
                 self.d.barrier()
         except Preempted as e:  # SIGTERM cut a step or validation short
             self.optimizer.zero_grad(set_to_none=self.graphed is None)  # the given-up step's partial gradients

@@ -39,7 +39,7 @@ def test_the_folders_the_readme_hands_to_transformers_load(byte_data, tmp_path):
 def test_a_checkpoint_copied_under_another_name_exports(byte_data, tmp_path, capsys):
     """A checkpoint folder the user copied and renamed ("best") is still a checkpoint: its manifest records its
     step (this was refused as "not a step_NNNNNNN folder", an error naming no argument). A destination that is a
-    dangling link is refused up front, in one line."""
+    dangling link, or one under a file, is refused up front, in one line."""
     import shutil
 
     from foxlm.cli import main
@@ -53,6 +53,10 @@ def test_a_checkpoint_copied_under_another_name_exports(byte_data, tmp_path, cap
     err = capsys.readouterr().err
     assert "Traceback" not in err and f"dst: {tmp_path / 'link'} exists (a link to a missing path)" in err, err
     assert (tmp_path / "link").is_symlink() and not (tmp_path / "missing").exists()
+    (tmp_path / "notes.txt").write_text("mine")  # a DST under a file: was "[Errno 17] File exists", naming no argument
+    assert main(["export", str(tmp_path / "best"), str(tmp_path / "notes.txt" / "export")]) == 2
+    err = capsys.readouterr().err
+    assert f"dst: {tmp_path / 'notes.txt' / 'export'}: {tmp_path / 'notes.txt'} is a file, not a folder" in err, err
     assert main(["export", str(tmp_path / "best"), str(tmp_path / "export")]) == 0
     assert "from step 2 of" in (tmp_path / "export" / "README.md").read_text()
     exported = load_checkpoint_model(tmp_path / "export")

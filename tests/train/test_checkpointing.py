@@ -399,6 +399,29 @@ def test_a_refused_run_leaves_out_dir_as_it_was(byte_data, tmp_path):
     assert not (tmp_path / "new" / "run").exists()
 
 
+def test_folders_a_run_cannot_make_are_refused_naming_their_key(byte_data, tmp_path):
+    """An out_dir or export_dir whose path runs through a file (a typo's) is refused before anything is written,
+    naming its key: export_dir's was found only after the whole run had trained, as "[Errno 17] File exists" naming
+    the file, and out_dir's named no key. An export_dir something else makes while the run trains is refused naming
+    export_dir, not foxlm export's `dst`, the run's last checkpoint kept."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    for key, run, export in (("out_dir", notes / "run", None), ("export_dir", tmp_path / "run", notes / "model")):
+        extra = ["max_steps=2", "eval_every=0"] + ([f"export_dir={export}"] if export else [])
+        with pytest.raises(NotADirectoryError, match=f"^{key}: {export or run}: {notes} is a file, not a folder"):
+            train(tiny_config(byte_data, run, *extra))
+        assert not (tmp_path / "run").exists() and notes.read_text() == "mine"
+
+    export = tmp_path / "export"
+    trainer = Trainer(tiny_config(byte_data, tmp_path / "run", "max_steps=2", "eval_every=0",
+                                  f"export_dir={export}"))
+    trainer.start()
+    export.mkdir()
+    with pytest.raises(FileExistsError, match=f"^export_dir: {export} exists"):
+        train(trainer)
+    assert latest_valid_checkpoint(tmp_path / "run").name == "step_0000002" and not any(export.iterdir())
+
+
 def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeypatch):
     """Where flock fails (ENOLCK on some network or FUSE mounts; simulated here) training goes on, with a warning."""
     import errno

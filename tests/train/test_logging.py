@@ -25,6 +25,32 @@ def test_resume_tolerates_a_torn_last_log_line(byte_data, tmp_path):
         train(tiny_config(byte_data, run, "max_steps=4", "eval_every=0"))
 
 
+def test_a_resume_that_cannot_write_leaves_the_runs_log_and_config_whole(byte_data, tmp_path):
+    """A resume on a disk that fills up as it starts (here a file size limit: the same write cut off) rewrote
+    train_config.yaml and log.jsonl in place: the cut-off write kept their first bytes, and the records of the steps
+    after them were lost for good. Each is now replaced whole, or left as it was."""
+    import subprocess
+    import sys
+
+    from train.runs import TINY, subprocess_env
+
+    run = tmp_path / "run"
+    extra = ["max_steps=20", "eval_every=0", "save_every=10"]
+    train(tiny_config(byte_data, run, *extra))
+    before = {name: (run / name).read_bytes() for name in ("train_config.yaml", "log.jsonl")}
+    assert len(before["train_config.yaml"]) > 400 and len(before["log.jsonl"]) > 2000
+    child = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[1]),) * 2); from foxlm.cli import main; "
+             "sys.exit(main(['train', *sys.argv[2:]]))")
+    for limit in (400, 1500):  # train_config.yaml's write fails, then log.jsonl's
+        done = subprocess.run([sys.executable, "-c", child, str(limit), *TINY, f"data={byte_data}", f"out_dir={run}",
+                               *extra], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+        assert done.returncode != 0 and "File too large" in done.stderr, done.stderr
+        assert {name: (run / name).read_bytes() for name in before} == before, limit
+        assert sorted(p.name for p in run.iterdir()) == [".foxlm-run", ".lock", "checkpoints", *sorted(before)]
+    assert sorted(logged_losses(run)) == list(range(1, 21))
+
+
 def test_tensorboard_after_resume_holds_each_step_once_in_one_tag_scheme(tmp_path):
     """A killed run logged steps 1-4 (checkpoint at 2); the resumed run logs from step 3 with log_every=2, so its
     first event (4) does not go back in steps: only purge_step keeps the reader from holding step 4 twice."""

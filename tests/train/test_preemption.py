@@ -93,6 +93,42 @@ def test_a_validation_a_stop_left_out_runs_first_when_resumed(byte_data, tmp_pat
         assert logged_losses(tmp_path / run) == logged_losses(tmp_path / "ref"), run
 
 
+def test_sigterm_inside_a_step_saves_the_random_draws_of_the_last_whole_step(byte_data, tmp_path):
+    """hf:gpt2 draws dropout in each micro-batch. SIGTERM in step 3's second micro-batch, after the first drew its
+    dropout: the run saves step 2 with the generator state step 2 ended with, not one the given-up micro-batch moved
+    on, so that resumed it trains the losses of an uninterrupted run exactly."""
+    import os
+
+    from foxlm.train import load_config
+    from foxlm.train.trainer import Trainer
+
+    gpt2 = [t for t in TINY if not t.startswith("model.")] + [
+        "arch=hf:gpt2", "model.n_embd=32", "model.n_layer=1", "model.n_head=2", "eval_every=0", "save_every=0",
+        "micro_batch_size=2", "max_steps=4"]
+
+    def config(run):
+        return load_config(None, [*gpt2, f"data={byte_data}", f"out_dir={run}"])
+
+    train(config(tmp_path / "ref"))
+    run = tmp_path / "run"
+    trainer = Trainer(config(run))
+    loss, calls = trainer._loss, []
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        out = loss(*args, **kwargs)
+        if len(calls) == 6:  # step 3's second micro-batch
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    trainer._loss = signalled
+    summary = train(trainer)
+    assert summary["stopped"] == "SIGTERM" and summary["step"] == 2
+    assert latest_valid_checkpoint(run).name == "step_0000002"
+    assert train(config(run))["step"] == 4
+    assert logged_losses(run) == logged_losses(tmp_path / "ref") and len(logged_losses(run)) == 4
+
+
 def test_sigterm_stops_inside_a_long_step(byte_data, tmp_path):
     """A step of many micro-batches (a CPU step can take minutes): the first SIGTERM stops the run inside it, saving
     the last whole step, which resumes exactly."""
