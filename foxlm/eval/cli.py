@@ -7,6 +7,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -312,6 +313,25 @@ def _train_length(args, checkpoint: str, model) -> int | None:
     return args.train_length or getattr(model.config, "train_length", None) or run_train_length(checkpoint)
 
 
+def _default_labels(checkpoints: list[str]) -> list[str]:
+    """Each checkpoint's folder name, with as many folders above it as tell the checkpoints apart (runs/fox/model and
+    runs/tf/model are labelled fox/model and tf/model): a label names a curve, CSV columns and a summary row."""
+    parts = [Path(os.path.abspath(Path(c).expanduser())).parts for c in checkpoints]
+    for k in range(1, max(map(len, parts)) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [p[-1] for p in parts]  # one folder given twice: refused by _check_distinct
+
+
+def _check_distinct(labels: list[str], what: str) -> None:
+    """Refuse a label that names two of ``what``: their curves, CSV columns and summary rows could not be told
+    apart, and results kept per label (--acp both's loss change) kept only the last."""
+    twice = next((lab for i, lab in enumerate(labels) if lab in labels[:i]), None)
+    if twice is not None:
+        raise ValueError(f"--labels: {twice!r} labels two {what}; expected a distinct label per checkpoint")
+
+
 def _windows(docs: list[np.ndarray], length: int, every: bool) -> list[np.ndarray]:
     if not every:
         return [d[:length] for d in docs]
@@ -322,8 +342,6 @@ def _context_parallel(args):
     """For ``--cp N``: this process's part in splitting sequences over the N torchrun processes (the process
     group, created here unless the caller made it, and this process's GPU); None for ``--cp 1``. Returns
     (ContextParallel or None, whether this call created the process group)."""
-    import os
-
     import torch
     import torch.distributed as dist
 
@@ -368,11 +386,14 @@ def _run_loss(args, cp) -> int:
 
     _check_exist(args.checkpoints)
     main = cp is None or dist.get_rank() == 0  # under --cp every process computes every curve; one writes them
-    labels = args.labels.split(",") if args.labels else [Path(c).name for c in args.checkpoints]
+    labels = args.labels.split(",") if args.labels else _default_labels(args.checkpoints)
     if len(labels) != len(args.checkpoints):
         raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
     if not all(lab.strip() for lab in labels):  # an empty label is a curve the legend cannot name
         raise ValueError(f"--labels: expected a non-empty label per checkpoint, got {args.labels!r}")
+    _check_distinct(labels, "checkpoints")
+    # --acp both adds a curve "LABEL + ACP" per checkpoint, which another label may already be
+    _check_distinct([lab + s for lab in labels for s in {"both": ("", " + ACP")}.get(args.acp, ("",))], "curves")
     if args.eval_length is not None and args.eval_length < 1:
         raise ValueError(f"--eval-length: expected a positive number of tokens, got {args.eval_length}")
     if args.max_sequences is not None and args.max_sequences < 1:

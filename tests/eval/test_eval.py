@@ -203,6 +203,29 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert json.loads((out / "loss.json").read_text())["train_length"] == TRAIN_LENGTH
 
 
+def test_loss_cli_labels_tell_the_checkpoints_apart(untrained, corpus, tmp_path, capsys):
+    """Two checkpoints in folders of one name (runs/fox/model, runs/tf/model; a step_NNNNNNN of two runs) are
+    labelled by as many folders as tell them apart: both were labelled "model", two curves, CSV columns and summary
+    rows that could not be told apart (and --acp both's change per label kept one of the two). Labels given twice are
+    refused by name."""
+    import shutil
+
+    for run in ("fox", "tf"):
+        shutil.copytree(untrained, tmp_path / run / "model")
+    argv = ["eval", "loss", str(tmp_path / "fox" / "model"), str(tmp_path / "tf" / "model"), "--data", str(corpus),
+            "--train-length", "32", "--max-sequences", "1", "--acp", "both", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert _read_csv(tmp_path / "out" / "per_token_loss.csv")[0][1:] == [
+        f"{lab} {k}" for lab in ("fox/model", "fox/model + ACP", "tf/model", "tf/model + ACP") for k in "LP"]
+    assert sorted(json.loads((tmp_path / "out" / "loss.json").read_text())["acp_max_abs_loss_change"]) == [
+        "fox/model", "tf/model"]
+    _refused(capsys, "--labels: 'x' labels two checkpoints; expected a distinct label per checkpoint",
+             [*argv, "--labels", "x,x", "--out", str(tmp_path / "refused")])
+    _refused(capsys, "--labels: 'x \\+ ACP' labels two curves",  # --acp both adds " + ACP" to each label
+             [*argv, "--labels", "x,x + ACP", "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+
+
 def test_loss_cli_reads_the_training_length_an_export_records(corpus, tmp_path):
     """An export (outside its run) records train_length in its config.json: `eval loss` needs no --train-length."""
     run, export = tmp_path / "run", tmp_path / "export"
