@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -188,6 +189,10 @@ def _setup(args, checkpoints: list[str]):
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
+    # loss, niah and gates draw figures: said now, not at the first figure, after the computation with some of the
+    # results written and the rest lost (the CLI names the extra that installs it)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
     out = _out_folder(args)
     with _flag_errors(device="--device"):
         device = resolve_device(args.device)
@@ -506,8 +511,6 @@ def _vocab_range(text: str) -> tuple[int, int]:
 
 
 def run_recall(args) -> int:
-    import importlib.util
-
     from foxlm.data import matches_spec, model_tokenizer
     from foxlm.data.mqar import MQARSpec, recorded_task
     from foxlm.device import resolve_device

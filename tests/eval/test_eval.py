@@ -395,6 +395,24 @@ def test_results_replace_files_in_out_only_with_overwrite(untrained, corpus, tmp
     assert (out / theirs).read_bytes() != b"mine" and (out / "notes.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("command,argv", [
+    ("loss", ["--train-length", "32", "--max-sequences", "1"]),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"]),
+    ("gates", ["--length", "64", "--num-sequences", "1"]),
+])
+def test_missing_matplotlib_is_said_before_anything_is_computed(untrained, corpus, tmp_path, capsys, monkeypatch,
+                                                                 command, argv):
+    """Without matplotlib (the [plot] extra) a command that draws figures is refused before its models load: it was
+    refused at its first figure, after the whole computation, with some of its files written (loss: the CSVs and
+    summary but not loss.json; niah: niah.csv; gates: an empty --out) and the rest lost, and a rerun then needed
+    --overwrite."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as an install without the extra: import fails
+    out = tmp_path / "out"
+    _refused(capsys, re.escape("this needs matplotlib, which is not installed: pip install 'foxlm[plot]'"),
+             ["eval", command, str(untrained), "--data", str(corpus), *argv, "--out", str(out), "--no-progress"])
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("command,argv,length", [
     ("loss", ["--train-length", "32", "--eval-length", "63"], "--eval-length: 63 tokens"),
     ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"], r"--lengths: 600 tokens and \d+ generated "
