@@ -489,12 +489,28 @@ def run_niah(args) -> int:
     (model,), data, tok, out = _setup(args, [args.checkpoint])
     check_positions(model, max(args.lengths), "--lengths", extra=niah.completion_tokens(tok) - 1)
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
-    results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
-                            batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
-    _made(out)
-    niah.write_csv(results, out / "niah.csv")
-    niah.plot(results, out / "niah.png", train_length=_train_length(args, args.checkpoint, model))
-    _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay)})
+    prompts = len(modes) * len(args.lengths) * len(args.depths) * args.trials
+    results: list[niah.NeedleResult] = []
+
+    def write() -> None:
+        _made(out)
+        niah.write_csv(results, out / "niah.csv")
+        part = "" if len(results) == prompts else f": {len(results)} of {prompts} prompts, interrupted"
+        niah.plot(results, out / "niah.png", train_length=_train_length(args, args.checkpoint, model),
+                  title=f"Needle in a haystack (greedy decoding){part}")
+        _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay), "prompts": prompts,
+                                              "prompts_done": len(results)})
+
+    try:
+        niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
+                      batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress, results=results)
+    except KeyboardInterrupt:  # a grid takes hours at the paper's lengths: the prompts scored so far are kept
+        if results:
+            write()
+            print(f"interrupted after {len(results)} of {prompts} prompts: wrote them to {out}/niah.csv, niah.png",
+                  file=sys.stderr)
+        raise
+    write()
     for mode in modes:
         lengths, _, g = niah.grid(results, mode, "found")
         print(f"{mode}: answer found in {np.nanmean(g):.0%} of {g.size} cells (lengths {lengths})")

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -720,6 +721,39 @@ def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
     res = niah.run_niah(utils.load_model(untrained, torch.device("cpu")), tok, hay, [520], [0.5],
                         modes=("standard",), show_progress=False)
     assert len(res) == 1 and not res[0].found and res[0].answer_logprob_per_token < -4
+
+
+def test_niah_ctrl_c_writes_the_prompts_it_finished(untrained, corpus, tmp_path):
+    """Ctrl-C during a grid (hours of generation at the paper's lengths) writes the prompts already scored, in order,
+    and niah.json says how many of how many, before the command exits 130 as interrupted: every one was lost."""
+    from foxlm_cli import ctrl_c_reaches_it
+
+    out = tmp_path / "out"
+    depths = [i / 20 for i in range(21)]
+    cells = [(m, n, d) for m in niah.MODES for n in (600, 700) for d in depths]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "foxlm.cli", "eval", "niah", str(untrained), "--data", str(corpus), "--lengths",
+         "600,700", "--depths", ",".join(map(str, depths)), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=ctrl_c_reaches_it)
+    err = b""
+    while not re.search(rb"\| *[1-9]\d*/%d \[" % len(cells), err):  # the progress bar: a cell is done
+        chunk = os.read(child.stderr.fileno(), 4096)
+        assert chunk, err.decode()
+        err += chunk
+    child.send_signal(signal.SIGINT)
+    _, rest = child.communicate(timeout=120)
+    err = (err + rest).decode()
+    assert child.returncode == 130 and err.rstrip().endswith("foxlm eval niah: interrupted"), err
+    with open(out / "niah.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert 1 <= len(rows) < len(cells)
+    assert [(r["mode"], int(r["context_length"]), float(r["depth"])) for r in rows] == cells[:len(rows)]
+    meta = json.loads((out / "niah.json").read_text())
+    assert (meta["prompts_done"], meta["prompts"]) == (len(rows), len(cells))
+    assert f"interrupted after {len(rows)} of {len(cells)} prompts" in err
+    _nontrivial_png(out / "niah.png")
 
 
 def test_greedy_completion_stays_in_tokenizer_vocabulary():
