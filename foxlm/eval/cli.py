@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -187,6 +189,10 @@ def _setup(args, checkpoints: list[str]):
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
+    # loss, niah and gates draw figures: said now, not at the first figure, after the computation with some of the
+    # results written and the rest lost (the CLI names the extra that installs it)
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
     out = _out_folder(args)
     with _flag_errors(device="--device"):
         device = resolve_device(args.device)
@@ -312,6 +318,25 @@ def _train_length(args, checkpoint: str, model) -> int | None:
     return args.train_length or getattr(model.config, "train_length", None) or run_train_length(checkpoint)
 
 
+def _default_labels(checkpoints: list[str]) -> list[str]:
+    """Each checkpoint's folder name, with as many folders above it as tell the checkpoints apart (runs/fox/model and
+    runs/tf/model are labelled fox/model and tf/model): a label names a curve, CSV columns and a summary row."""
+    parts = [Path(os.path.abspath(Path(c).expanduser())).parts for c in checkpoints]
+    for k in range(1, max(map(len, parts)) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [p[-1] for p in parts]  # one folder given twice: refused by _check_distinct
+
+
+def _check_distinct(labels: list[str], what: str) -> None:
+    """Refuse a label that names two of ``what``: their curves, CSV columns and summary rows could not be told
+    apart, and results kept per label (--acp both's loss change) kept only the last."""
+    twice = next((lab for i, lab in enumerate(labels) if lab in labels[:i]), None)
+    if twice is not None:
+        raise ValueError(f"--labels: {twice!r} labels two {what}; expected a distinct label per checkpoint")
+
+
 def _windows(docs: list[np.ndarray], length: int, every: bool) -> list[np.ndarray]:
     if not every:
         return [d[:length] for d in docs]
@@ -322,8 +347,6 @@ def _context_parallel(args):
     """For ``--cp N``: this process's part in splitting sequences over the N torchrun processes (the process
     group, created here unless the caller made it, and this process's GPU); None for ``--cp 1``. Returns
     (ContextParallel or None, whether this call created the process group)."""
-    import os
-
     import torch
     import torch.distributed as dist
 
@@ -368,11 +391,14 @@ def _run_loss(args, cp) -> int:
 
     _check_exist(args.checkpoints)
     main = cp is None or dist.get_rank() == 0  # under --cp every process computes every curve; one writes them
-    labels = args.labels.split(",") if args.labels else [Path(c).name for c in args.checkpoints]
+    labels = args.labels.split(",") if args.labels else _default_labels(args.checkpoints)
     if len(labels) != len(args.checkpoints):
         raise ValueError(f"--labels: {len(labels)} labels for {len(args.checkpoints)} checkpoints")
     if not all(lab.strip() for lab in labels):  # an empty label is a curve the legend cannot name
         raise ValueError(f"--labels: expected a non-empty label per checkpoint, got {args.labels!r}")
+    _check_distinct(labels, "checkpoints")
+    # --acp both adds a curve "LABEL + ACP" per checkpoint, which another label may already be
+    _check_distinct([lab + s for lab in labels for s in {"both": ("", " + ACP")}.get(args.acp, ("",))], "curves")
     if args.eval_length is not None and args.eval_length < 1:
         raise ValueError(f"--eval-length: expected a positive number of tokens, got {args.eval_length}")
     if args.max_sequences is not None and args.max_sequences < 1:
@@ -463,12 +489,28 @@ def run_niah(args) -> int:
     (model,), data, tok, out = _setup(args, [args.checkpoint])
     check_positions(model, max(args.lengths), "--lengths", extra=niah.completion_tokens(tok) - 1)
     hay = niah.haystack_tokens(tok, heldout_documents(data, args.split, 2, None))
-    results = niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
-                            batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress)
-    _made(out)
-    niah.write_csv(results, out / "niah.csv")
-    niah.plot(results, out / "niah.png", train_length=_train_length(args, args.checkpoint, model))
-    _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay)})
+    prompts = len(modes) * len(args.lengths) * len(args.depths) * args.trials
+    results: list[niah.NeedleResult] = []
+
+    def write() -> None:
+        _made(out)
+        niah.write_csv(results, out / "niah.csv")
+        part = "" if len(results) == prompts else f": {len(results)} of {prompts} prompts, interrupted"
+        niah.plot(results, out / "niah.png", train_length=_train_length(args, args.checkpoint, model),
+                  title=f"Needle in a haystack (greedy decoding){part}")
+        _write_json(out / "niah.json", args, {"data": str(data), "haystack_tokens": len(hay), "prompts": prompts,
+                                              "prompts_done": len(results)})
+
+    try:
+        niah.run_niah(model, tok, hay, args.lengths, args.depths, modes=modes, trials=args.trials,
+                      batch_size=args.batch_size, dtype=args.dtype, show_progress=args.progress, results=results)
+    except KeyboardInterrupt:  # a grid takes hours at the paper's lengths: the prompts scored so far are kept
+        if results:
+            write()
+            print(f"interrupted after {len(results)} of {prompts} prompts: wrote them to {out}/niah.csv, niah.png",
+                  file=sys.stderr)
+        raise
+    write()
     for mode in modes:
         lengths, _, g = niah.grid(results, mode, "found")
         print(f"{mode}: answer found in {np.nanmean(g):.0%} of {g.size} cells (lengths {lengths})")
@@ -485,8 +527,6 @@ def _vocab_range(text: str) -> tuple[int, int]:
 
 
 def run_recall(args) -> int:
-    import importlib.util
-
     from foxlm.data import matches_spec, model_tokenizer
     from foxlm.data.mqar import MQARSpec, recorded_task
     from foxlm.device import resolve_device

@@ -182,10 +182,14 @@ def run_niah(
     batch_size: int = 1,
     dtype: str = "auto",
     show_progress: bool = True,
+    results: list[NeedleResult] | None = None,
 ) -> list[NeedleResult]:
-    """Score every (mode, context length, depth, trial); trials read different stretches of the haystack.
+    """Score every (mode, context length, depth, trial), in that order; trials read different stretches of the
+    haystack.
 
     Prompts of one (mode, length) are batched ``batch_size`` at a time: they have equal lengths, so no padding.
+    ``results``: the list each cell is appended to as its batch finishes, and returned (a new one by default); what it
+    holds when a Ctrl-C stops the grid is the cells finished before it.
     """
     if trials < 1 or batch_size < 1:
         raise ValueError(f"trials, batch_size: expected >= 1, got {trials} and {batch_size}")
@@ -202,7 +206,7 @@ def run_niah(
         for n in context_lengths:
             cells = [(d, t) for d in depths for t in range(trials)]
             batches += [(m, n, cells[a:a + batch_size]) for a in range(0, len(cells), batch_size)]
-    results = []
+    results = [] if results is None else results
     for mode, n, cells in progress(batches, desc="needle", enabled=show_progress):
         built = [builder.build(n, d, mode, offsets[t]) for d, t in cells]
         ids = torch.tensor([p for p, _ in built], device=device)
@@ -226,7 +230,8 @@ def write_csv(results: list[NeedleResult], path: str | os.PathLike) -> None:
 
 
 def grid(results: list[NeedleResult], mode: str, field: str) -> tuple[list[int], list[float], np.ndarray]:
-    """Mean of ``field`` over trials as [depth, context length], with the axes' values."""
+    """Mean of ``field`` over trials as [depth, context length] (NaN for a cell without results), with the axes'
+    values."""
     rs = [r for r in results if r.mode == mode]
     lengths = sorted({r.context_length for r in rs})
     depths = sorted({r.depth for r in rs})
@@ -234,7 +239,8 @@ def grid(results: list[NeedleResult], mode: str, field: str) -> tuple[list[int],
     for i, d in enumerate(depths):
         for j, n in enumerate(lengths):
             vals = [float(getattr(r, field)) for r in rs if r.depth == d and r.context_length == n]
-            g[i, j] = np.mean(vals)
+            if vals:  # a cell an interrupted grid did not reach stays NaN
+                g[i, j] = np.mean(vals)
     return lengths, depths, g
 
 

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -203,6 +204,29 @@ def test_loss_cli_overlays_checkpoints(trained, untrained, corpus, tmp_path):
     assert json.loads((out / "loss.json").read_text())["train_length"] == TRAIN_LENGTH
 
 
+def test_loss_cli_labels_tell_the_checkpoints_apart(untrained, corpus, tmp_path, capsys):
+    """Two checkpoints in folders of one name (runs/fox/model, runs/tf/model; a step_NNNNNNN of two runs) are
+    labelled by as many folders as tell them apart: both were labelled "model", two curves, CSV columns and summary
+    rows that could not be told apart (and --acp both's change per label kept one of the two). Labels given twice are
+    refused by name."""
+    import shutil
+
+    for run in ("fox", "tf"):
+        shutil.copytree(untrained, tmp_path / run / "model")
+    argv = ["eval", "loss", str(tmp_path / "fox" / "model"), str(tmp_path / "tf" / "model"), "--data", str(corpus),
+            "--train-length", "32", "--max-sequences", "1", "--acp", "both", "--no-progress"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    assert _read_csv(tmp_path / "out" / "per_token_loss.csv")[0][1:] == [
+        f"{lab} {k}" for lab in ("fox/model", "fox/model + ACP", "tf/model", "tf/model + ACP") for k in "LP"]
+    assert sorted(json.loads((tmp_path / "out" / "loss.json").read_text())["acp_max_abs_loss_change"]) == [
+        "fox/model", "tf/model"]
+    _refused(capsys, "--labels: 'x' labels two checkpoints; expected a distinct label per checkpoint",
+             [*argv, "--labels", "x,x", "--out", str(tmp_path / "refused")])
+    _refused(capsys, "--labels: 'x \\+ ACP' labels two curves",  # --acp both adds " + ACP" to each label
+             [*argv, "--labels", "x,x + ACP", "--out", str(tmp_path / "refused")])
+    assert not (tmp_path / "refused").exists()
+
+
 def test_loss_cli_reads_the_training_length_an_export_records(corpus, tmp_path):
     """An export (outside its run) records train_length in its config.json: `eval loss` needs no --train-length."""
     run, export = tmp_path / "run", tmp_path / "export"
@@ -370,6 +394,24 @@ def test_results_replace_files_in_out_only_with_overwrite(untrained, corpus, tmp
     assert (out / theirs).read_text() == "mine"
     assert main([*run, "--overwrite"]) == 0
     assert (out / theirs).read_bytes() != b"mine" and (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("command,argv", [
+    ("loss", ["--train-length", "32", "--max-sequences", "1"]),
+    ("niah", ["--lengths", "600", "--depths", "0.5", "--modes", "easy"]),
+    ("gates", ["--length", "64", "--num-sequences", "1"]),
+])
+def test_missing_matplotlib_is_said_before_anything_is_computed(untrained, corpus, tmp_path, capsys, monkeypatch,
+                                                                 command, argv):
+    """Without matplotlib (the [plot] extra) a command that draws figures is refused before its models load: it was
+    refused at its first figure, after the whole computation, with some of its files written (loss: the CSVs and
+    summary but not loss.json; niah: niah.csv; gates: an empty --out) and the rest lost, and a rerun then needed
+    --overwrite."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as an install without the extra: import fails
+    out = tmp_path / "out"
+    _refused(capsys, re.escape("this needs matplotlib, which is not installed: pip install 'foxlm[plot]'"),
+             ["eval", command, str(untrained), "--data", str(corpus), *argv, "--out", str(out), "--no-progress"])
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("command,argv,length", [
@@ -679,6 +721,39 @@ def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
     res = niah.run_niah(utils.load_model(untrained, torch.device("cpu")), tok, hay, [520], [0.5],
                         modes=("standard",), show_progress=False)
     assert len(res) == 1 and not res[0].found and res[0].answer_logprob_per_token < -4
+
+
+def test_niah_ctrl_c_writes_the_prompts_it_finished(untrained, corpus, tmp_path):
+    """Ctrl-C during a grid (hours of generation at the paper's lengths) writes the prompts already scored, in order,
+    and niah.json says how many of how many, before the command exits 130 as interrupted: every one was lost."""
+    from foxlm_cli import ctrl_c_reaches_it
+
+    out = tmp_path / "out"
+    depths = [i / 20 for i in range(21)]
+    cells = [(m, n, d) for m in niah.MODES for n in (600, 700) for d in depths]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "foxlm.cli", "eval", "niah", str(untrained), "--data", str(corpus), "--lengths",
+         "600,700", "--depths", ",".join(map(str, depths)), "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=ctrl_c_reaches_it)
+    err = b""
+    while not re.search(rb"\| *[1-9]\d*/%d \[" % len(cells), err):  # the progress bar: a cell is done
+        chunk = os.read(child.stderr.fileno(), 4096)
+        assert chunk, err.decode()
+        err += chunk
+    child.send_signal(signal.SIGINT)
+    _, rest = child.communicate(timeout=120)
+    err = (err + rest).decode()
+    assert child.returncode == 130 and err.rstrip().endswith("foxlm eval niah: interrupted"), err
+    with open(out / "niah.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert 1 <= len(rows) < len(cells)
+    assert [(r["mode"], int(r["context_length"]), float(r["depth"])) for r in rows] == cells[:len(rows)]
+    meta = json.loads((out / "niah.json").read_text())
+    assert (meta["prompts_done"], meta["prompts"]) == (len(rows), len(cells))
+    assert f"interrupted after {len(rows)} of {len(cells)} prompts" in err
+    _nontrivial_png(out / "niah.png")
 
 
 def test_greedy_completion_stays_in_tokenizer_vocabulary():
