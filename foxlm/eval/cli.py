@@ -639,6 +639,9 @@ def run_gates(args) -> int:
                          f"or attention maps to analyse; foxlm eval gates needs a foxlm model (model_type 'fox')")
     docs = heldout_documents(data, args.split, args.length, None, what="--length")
     seqs = _windows(docs, args.length, every=True)[:args.num_sequences]
+    if len(seqs) < args.num_sequences:  # the figures are over fewer sequences than asked for: said, not only recorded
+        print(f"--num-sequences: the {args.split} split gives {len(seqs)} sequences of --length {args.length}, "
+              f"fewer than {args.num_sequences}; using those", file=sys.stderr)
     decay, attn = gates.sample_maps(model, seqs[0][:args.map_length], args.dtype)
     if decay is not None:  # computed before anything is written: a failure here leaves no half-filled --out
         log_fgates, report = gates.collect(model, seqs, block_m=args.block_m, block_n=args.block_n,

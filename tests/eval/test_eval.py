@@ -845,6 +845,19 @@ def test_gates_default_map_length_fits_a_shorter_length(untrained, corpus, tmp_p
                  "--out", str(out), "--no-progress"]) == 0
     assert json.loads((out / "gates.json").read_text())["map_length"] == 64
 
+
+def test_gates_says_when_the_split_gives_fewer_sequences_than_asked(untrained, corpus, tmp_path, capsys):
+    """--num-sequences more than the held-out split's windows of --length: the decay times and ACP report are over
+    the ones there, as gates.json records, and stderr says so (it was silent)."""
+    out = tmp_path / "gates"
+    assert main(["eval", "gates", str(untrained), "--data", str(corpus), "--length", "8192", "--num-sequences",
+                 "1000", "--map-length", "64", "--out", str(out), "--no-progress"]) == 0
+    used = json.loads((out / "gates.json").read_text())["sequences"]
+    assert 0 < used < 1000
+    assert (f"--num-sequences: the val split gives {used} sequences of --length 8192, fewer than 1000; using those"
+            in capsys.readouterr().err)
+
+
 def test_gates_overwrite_removes_its_own_earlier_files_only(untrained, corpus, tmp_path, capsys):
     """--overwrite over an earlier run of a deeper gated model: its maps of the layers the new model lacks were left
     (maps_layer02.png drawn for another model), as were its decay times and ACP report after a model without gates.
