@@ -447,26 +447,39 @@ def _run_loss(args, cp) -> int:
         print(f"warning: only {len(seqs)} sequences of {eval_length + 1} tokens: L(l) and P(l) are noisy (more "
               "held-out text, or a shorter --eval-length)", file=sys.stderr)
     curves = []
-    for m, lab, acp in runs:
-        if acp is not None:
-            m.set_acp(acp, tolerance=args.acp_tolerance)
-        curves.append(loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
-                                          show_progress=args.progress and main, context_parallel=cp))
+
+    def write() -> str:
+        _made(out)
+        loss.write_csv(curves, out / "per_token_loss.csv")
+        md = loss.write_summary(curves, train_length, out / "summary.csv", out / "summary.md")
+        loss.plot(curves, train_length, out / "per_token_loss.png")
+        extra = {"train_length": train_length, "eval_length": eval_length, "sequences": len(seqs), "data": str(data)}
+        if len(curves) < len(runs):
+            extra["curves_done"] = [c.label for c in curves]
+        if args.acp == "both":  # per checkpoint: the largest change ACP makes to any position's mean loss
+            extra["acp_max_abs_loss_change"] = {
+                lab: float(np.abs(with_acp.loss - without.loss).max())
+                for lab, without, with_acp in zip(labels, curves[::2], curves[1::2])}
+            md += "\n" + "".join(f"ACP changes {lab}'s per-token loss by at most {d:.2e} nats.\n"
+                                 for lab, d in extra["acp_max_abs_loss_change"].items())
+            (out / "summary.md").write_text(md)
+        _write_json(out / "loss.json", args, extra)
+        return md
+
+    try:
+        for m, lab, acp in runs:
+            if acp is not None:
+                m.set_acp(acp, tolerance=args.acp_tolerance)
+            curves.append(loss.per_token_loss(m, seqs, label=lab, batch_size=args.batch_size, dtype=args.dtype,
+                                              show_progress=args.progress and main, context_parallel=cp))
+    except KeyboardInterrupt:  # each curve takes a pass over the data: the finished ones are kept
+        if main and curves:
+            write()
+            print(f"interrupted after {len(curves)} of {len(runs)} curves: wrote them to {out}", file=sys.stderr)
+        raise
     if not main:
         return 0
-    _made(out)
-    loss.write_csv(curves, out / "per_token_loss.csv")
-    md = loss.write_summary(curves, train_length, out / "summary.csv", out / "summary.md")
-    loss.plot(curves, train_length, out / "per_token_loss.png")
-    extra = {"train_length": train_length, "eval_length": eval_length, "sequences": len(seqs), "data": str(data)}
-    if args.acp == "both":  # per checkpoint: the largest change ACP makes to any position's mean loss
-        extra["acp_max_abs_loss_change"] = {
-            lab: float(np.abs(with_acp.loss - without.loss).max())
-            for lab, without, with_acp in zip(labels, curves[::2], curves[1::2])}
-        md += "\n" + "".join(f"ACP changes {lab}'s per-token loss by at most {d:.2e} nats.\n"
-                             for lab, d in extra["acp_max_abs_loss_change"].items())
-        (out / "summary.md").write_text(md)
-    _write_json(out / "loss.json", args, extra)
+    md = write()
     print(md, end="")
     print(f"wrote {out}/per_token_loss.csv, summary.csv, summary.md, per_token_loss.png")
     return 0

@@ -756,6 +756,35 @@ def test_niah_ctrl_c_writes_the_prompts_it_finished(untrained, corpus, tmp_path)
     _nontrivial_png(out / "niah.png")
 
 
+def test_loss_ctrl_c_writes_the_curves_it_finished(untrained, corpus, tmp_path):
+    """Ctrl-C during eval loss (a pass over the data per curve) writes the curves already finished, and loss.json
+    names them, before the command exits 130 as interrupted: every one was lost."""
+    from foxlm_cli import ctrl_c_reaches_it
+
+    out, labels = tmp_path / "out", ["a", "b", "c"]
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    child = subprocess.Popen(
+        [sys.executable, "-m", "foxlm.cli", "eval", "loss", *[str(untrained)] * 3, "--labels", ",".join(labels),
+         "--data", str(corpus), "--train-length", "64", "--eval-length", "256", "--batch-size", "1", "--device", "cpu",
+         "--out", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=ctrl_c_reaches_it)
+    err = b""
+    while b"loss b @" not in err:  # curve a is done
+        chunk = os.read(child.stderr.fileno(), 4096)
+        assert chunk, err.decode()
+        err += chunk
+    child.send_signal(signal.SIGINT)
+    _, rest = child.communicate(timeout=120)
+    err = (err + rest).decode()
+    assert child.returncode == 130 and err.rstrip().endswith("foxlm eval loss: interrupted"), err
+    done = json.loads((out / "loss.json").read_text())["curves_done"]
+    assert 1 <= len(done) < 3 and done == labels[:len(done)]
+    assert _read_csv(out / "per_token_loss.csv")[0] == ["position"] + [f"{lab} {k}" for lab in done for k in "LP"]
+    assert f"interrupted after {len(done)} of 3 curves" in err
+    _nontrivial_png(out / "per_token_loss.png")
+
+
 def test_greedy_completion_stays_in_tokenizer_vocabulary():
     """GPT-2 BPE has 50,257 ids, the model's vocabulary is padded to 50,304: padding ids are never generated."""
     tok = get_tokenizer("gpt2")
