@@ -47,7 +47,9 @@ class PagedFoxCache:
         num_pages: initial pool size (default: every page of every row at ``max_length``, i.e. a static
             cache, or with ``window`` the pages a decode step reads; a smaller pool grows on demand, which bumps
             ``version``).
-        logit_bounds: per layer, U [Hq] fp32 (``ForgettingAttention.logit_bound()``), needed by ``evict``.
+        logit_bounds: per layer, U [Hq] fp32 (``ForgettingAttention.logit_bound(bound_dtype)``), needed by ``evict``.
+        bound_dtype: the dtype of q and k whose rounding ``logit_bounds`` allow for (default ``dtype``): ``evict``
+            refuses to act on queries of a coarser one (their logits may pass the bound).
         tolerance: attention mass an evicted key may still carry (epsilon of the bound).
         window: the model's sliding window (``attend``'s): the pages no later query can see are freed. None: keep
             every page (``attend`` then takes any window).
@@ -69,6 +71,7 @@ class PagedFoxCache:
         logit_bounds: list[torch.Tensor | None] | None = None,
         tolerance: float = math.exp(-10),
         window: int | None = None,
+        bound_dtype: torch.dtype | None = None,
     ):
         # sizes of the pool and the tables: another type or 0 failed inside torch.zeros, or made a cache of nothing
         for name, n in (("num_layers", num_layers), ("num_heads", num_heads), ("num_kv_heads", num_kv_heads),
@@ -83,6 +86,8 @@ class PagedFoxCache:
             raise ValueError(f"num_kv_heads: must divide num_heads={num_heads}, got {num_kv_heads}")
         if not dtype.is_floating_point:
             raise ValueError(f"dtype: expected a floating-point dtype for the keys and values, got {dtype}")
+        if bound_dtype is not None and not (isinstance(bound_dtype, torch.dtype) and bound_dtype.is_floating_point):
+            raise ValueError(f"bound_dtype: expected a floating-point torch.dtype or None, got {bound_dtype!r}")
         if logit_bounds is not None and len(logit_bounds) != num_layers:
             raise ValueError(f"logit_bounds: expected one per layer ({num_layers}) or None, got {len(logit_bounds)}")
         ACP(tolerance)  # the eviction bound's epsilon, validated as ACP's
@@ -92,6 +97,8 @@ class PagedFoxCache:
         self.page_size, self.tolerance, self.window = page_size, tolerance, window
         self.device, self.dtype = torch.device(device), dtype
         self.logit_bounds = logit_bounds
+        self.bound_dtype = dtype if bound_dtype is None else bound_dtype
+        self._coarsest_q = self.bound_dtype  # of the queries attended so far, checked by evict
         self.max_pages = math.ceil(max_length / page_size)
         L, B, Hk = num_layers, batch_size, num_kv_heads
         # with a window, what a decode step reads: the pages of keys j > length - window, the new token's included
@@ -140,7 +147,7 @@ class PagedFoxCache:
             num_layers=cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, batch_size=batch_size,
             max_length=max_length, device=param.device, dtype=param.dtype,
-            logit_bounds=None if any(b is None for b in bounds) else bounds,
+            logit_bounds=None if any(b is None for b in bounds) else bounds, bound_dtype=compute_dtype,
             **{"window": getattr(cfg, "window", None), **kwargs},
         )
 
@@ -218,6 +225,10 @@ class PagedFoxCache:
         if self.logit_bounds is None:
             raise ValueError("evict: needs a logit bound for every layer, which only QK-norm models give "
                              "(qk_norm=True)")
+        if self._coarsest_q != self.bound_dtype:  # e.g. a cache made outside autocast, attended under it
+            raise ValueError(f"evict: the queries came in {self._coarsest_q}, but the logit bounds allow for "
+                             f"{self.bound_dtype}'s rounding only, and could free keys above the tolerance; make the "
+                             f"cache with PagedFoxCache.from_model(..., compute_dtype={self._coarsest_q})")
         starts = torch.stack([
             evictable_pages(self.c_pool, self.page_table[layer], self.cache_start[layer], self.lengths,
                             self.logit_bounds[layer].to(self.device), self.max_length, self.tolerance)
@@ -274,6 +285,8 @@ class PagedFoxCache:
         if self.window is not None and (window is None or window > self.window):
             raise ValueError(f"window: this cache frees the keys outside window={self.window}, got {window} (which "
                              f"would read them); make it with window={window}")
+        if torch.finfo(q.dtype).eps > torch.finfo(self._coarsest_q).eps:
+            self._coarsest_q = q.dtype
         if layer_idx == 0:
             if not self._begun:
                 self.begin(q.shape[1], valid)

@@ -366,6 +366,26 @@ def test_paged_cache_bounds_the_logits_in_the_dtype_autocast_gives_q_and_k():
         PagedFoxCache.from_model(model, 1, 16, compute_dtype="bf16")
 
 
+def test_eviction_refuses_queries_coarser_than_its_bounds_allow_for():
+    """A cache made outside autocast (bounds for fp32's rounding) and attended under bf16 autocast: evict refuses,
+    naming compute_dtype, where it would have freed pages by a bound bf16 logits may pass. Made under autocast (or
+    given compute_dtype) it evicts."""
+    model = _fast_forgetting_model().float()
+    prompts = _prompts(torch.Generator().manual_seed(2), (60, 100))
+    outside = PagedFoxCache.from_model(model, 2, 120, page_size=8)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        _prefill(model, outside, prompts, 128)
+        with pytest.raises(ValueError, match=r"evict: the queries came in torch\.bfloat16, but the logit bounds allow "
+                                             r"for torch\.float32's rounding only.*compute_dtype=torch\.bfloat16\)"):
+            outside.evict()
+        for cache in (PagedFoxCache.from_model(model, 2, 120, page_size=8),
+                      PagedFoxCache.from_model(model, 2, 120, page_size=8, compute_dtype=torch.bfloat16)):
+            _prefill(model, cache, prompts, 128)
+            assert cache.evict() > 0
+    with pytest.raises(ValueError, match="bound_dtype: expected a floating-point torch.dtype or None, got 'bf16'"):
+        PagedFoxCache(**_PAGED, bound_dtype="bf16")
+
+
 def test_eviction_matches_full_cache():
     """Eviction frees pages, and decoding with the evicted cache stays within the bound of full decoding."""
     model = _fast_forgetting_model()
