@@ -6,6 +6,8 @@ causal work; ``contiguous`` gives rank r the r-th of P equal chunks.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +58,10 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, fields: dict) -> None:
     """Refuse, on every rank alike, arguments that differ between the ranks of ``group``: ``fields`` maps what the
-    message names to a shape (a tuple of ints), a dtype, a layout or a bool. A collective (one all-gather of a few
-    integers, read on the host): without it, shards of different shapes abort one process inside the
-    communication library and let another return a wrong result."""
+    message names to a shape (a tuple of ints), a dtype, a layout, a bool, or a setting that is a float, a tensor or
+    None (a tensor compared by its shape and values). A collective (one all-gather of a few integers, read on the
+    host): without it, shards of different shapes abort one process inside the communication library and let
+    another return a wrong result."""
     rank, world = _world(group)
     if world == 1:
         return
@@ -76,6 +79,10 @@ def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, f
         start += len(code)
 
 
+def _is_setting(value) -> bool:
+    return value is None or isinstance(value, (float, torch.Tensor))
+
+
 def _encode(value) -> tuple[int, ...]:
     if isinstance(value, torch.dtype):
         return (_ALL_DTYPES.index(value),)
@@ -83,6 +90,14 @@ def _encode(value) -> tuple[int, ...]:
         return (LAYOUTS.index(value),)
     if isinstance(value, bool):
         return (int(value),)
+    if _is_setting(value):  # (kind, payload), as long for every kind: the ranks' codes must line up
+        if value is None:
+            return (0, 0)
+        if isinstance(value, float):
+            return (1, struct.unpack("<q", struct.pack("<d", value))[0])
+        values = value.detach().to("cpu", torch.float64).contiguous()
+        digest = hashlib.blake2b(repr(tuple(values.shape)).encode() + values.numpy().tobytes(), digest_size=7)
+        return (2, int.from_bytes(digest.digest(), "little"))
     return tuple(int(d) for d in value)
 
 
@@ -93,6 +108,13 @@ def _decode(like, code: tuple[int, ...]):
         return repr(LAYOUTS[code[0]])
     if isinstance(like, bool):
         return bool(code[0])
+    if _is_setting(like):  # another rank's may be of another kind
+        kind, payload = code
+        if kind == 0:
+            return None
+        if kind == 1:
+            return struct.unpack("<d", struct.pack("<q", payload))[0]
+        return f"a tensor #{payload:014x}"
     return code
 
 

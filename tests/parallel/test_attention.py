@@ -286,6 +286,29 @@ def _double_backward(rank, world):
             (prev.sum() + dx.square().sum()).backward()
 
 
+def _acp_settings_differ(rank, world):
+    """ACP's settings that differ between the ranks (a logit bound each rank takes from its own shard, a tolerance or a
+    scale): each rank planned the chunk pairs it skips from its own threshold, so a rank waited for keys that their
+    owner had pruned (3 contiguous ranks: rank 2 wanted chunk 0, rank 0 did not send it) and hung, while the others
+    returned. An error naming the setting on every rank; the same bound on every rank runs."""
+    from foxlm.parallel import cp_forgetting_attention, shard_sequence
+
+    q, k, v, log_f, _ = _inputs(1, 16 * world, 2, 2, 8, 8, torch.float64, seed=0, gate_bias=(-4.0,))
+    local = [shard_sequence(t, dim=1, layout="contiguous") for t in (q, k, v, log_f)]
+    own = 0.5 * local[0].norm(dim=-1).amax() * local[1].norm(dim=-1).amax()  # U from this rank's shard alone
+    same = "expected the same on every rank of the context-parallel group, got rank 0: "
+    for kwargs, match in (({"logit_bound": 0.0 if rank == 0 else 50.0}, rf"logit_bound: {same}0\.0, rank 1: 50\.0, "
+                                                                         rf"rank 2: 50\.0$"),
+                          ({"logit_bound": own}, f"logit_bound: {same}a tensor"),
+                          ({"tolerance": 0.1 if rank == 0 else 0.01}, rf"tolerance: {same}0\.1, rank 1: 0\.01"),
+                          ({"scale": 0.5 if rank == 0 else 0.25}, rf"scale: {same}0\.5, rank 1: 0\.25")):
+        with pytest.raises(ValueError, match=f"^{match}"):
+            cp_forgetting_attention(*local, layout="contiguous", prune=True, **kwargs)
+    bound = torch.tensor(own.item())
+    dist.broadcast(bound, 0)  # one bound for all: runs
+    assert cp_forgetting_attention(*local, layout="contiguous", prune=True, logit_bound=bound).isfinite().all()
+
+
 def _errors(rank, world):
     from foxlm.parallel import (
         cp_forgetting_attention,
@@ -613,6 +636,10 @@ def test_four_processes_token_shift_and_positions(tmp_path):
 
 def test_errors_are_named(tmp_path):
     _spawn(tmp_path, 2, "_errors")
+
+
+def test_three_processes_acp_settings_that_differ_are_named(tmp_path):
+    _spawn(tmp_path, 3, "_acp_settings_differ")
 
 
 
