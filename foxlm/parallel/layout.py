@@ -140,16 +140,17 @@ def gather_sequence(
     """The whole sequence on every rank from the ranks' shards of it (the inverse of ``shard_sequence``).
 
     Not differentiable: it is for outputs and evaluation, and a gradient through it would depend on whether
-    the ranks then compute the same loss or different ones. The ranks compare the shards' shapes and dtypes first
-    (a collective of a few integers): shards that differ aborted one process in gloo and gave another a wrong
-    sequence.
+    the ranks then compute the same loss or different ones. The ranks compare the shards' shapes and dtypes and the
+    layout first (a collective of a few integers): shards that differ aborted one process in gloo and gave another a
+    wrong sequence, and layouts that differ gave each rank another sequence.
     """
     rank, world = _world(group)
     if torch.is_grad_enabled() and x_local.requires_grad:
         raise ValueError("x_local: gather_sequence is not differentiable; call it under torch.no_grad() or on a "
                          "detached tensor")
     per = chunks_per_rank(layout)
-    check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape), "x_local.dtype": x_local.dtype})
+    check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape), "x_local.dtype": x_local.dtype,
+                                                "layout": layout})
     if x_local.shape[dim] % per:
         raise ValueError(f"x_local: its length {x_local.shape[dim]} along dim {dim} must be a multiple of {per} "
                          f"({layout} layout)")
@@ -176,13 +177,15 @@ class ContextParallel:
         chunks_per_rank(self.layout)
 
     def check_shard(self, name: str, shape: tuple[int, int], device: torch.device, fields: dict | None = None) -> None:
-        """Refuse a model input ``name`` of ``shape`` [B, T/P] that is no shard of this layout, or whose shape (or
-        any of ``fields``, as ``check_same_on_ranks`` takes them) differs between the ranks (a collective: ranks
-        passing shards of different lengths would otherwise abort in the communication library or compute with each
-        other's wrong tokens). The comparison comes first, so that a bad shard on one rank is an error on all."""
+        """Refuse a model input ``name`` of ``shape`` [B, T/P] that is no shard of this layout, or whose shape, the
+        layout (or any of ``fields``, as ``check_same_on_ranks`` takes them) differs between the ranks (a collective:
+        ranks passing shards of different lengths would otherwise abort in the communication library or compute with
+        each other's wrong tokens, and ranks of different layouts wait in the token shift's exchange for a token no
+        rank sends). The comparison comes first, so that a bad shard on one rank is an error on all."""
         _, world = _world(self.group)
         per = chunks_per_rank(self.layout)
-        check_same_on_ranks(self.group, device, {f"{name}.shape": tuple(shape), **(fields or {})})
+        check_same_on_ranks(self.group, device, {f"{name}.shape": tuple(shape), "layout": self.layout,
+                                                 **(fields or {})})
         if shape[1] == 0 or shape[1] % per:
             raise ValueError(f"{name}: a {self.layout} shard holds {per} equal chunks, so its length {shape[1]} must "
                              f"be a positive multiple of {per} (the whole sequence a multiple of {per * world}: "
