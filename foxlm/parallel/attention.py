@@ -380,7 +380,7 @@ def _reverse_cumsum(dc: torch.Tensor, plan: _Plan) -> torch.Tensor:
     return (reverse_cumsum(dc4, dim=2) + carry[:, :, None]).reshape(B, -1, Hq)
 
 
-def _validate(q, k, v, log_fgate, layout, group, acp: ACP | None) -> None:
+def _validate(q, k, v, log_fgate, layout, group, acp: ACP | None, scale: float) -> None:
     check_qkv(q, k, v, what="a 4-D shard [B, T/P, H, D]")
     B, Tl, Hq, D = q.shape
     if tuple(k.shape[:2]) != (B, Tl):
@@ -394,11 +394,15 @@ def _validate(q, k, v, log_fgate, layout, group, acp: ACP | None) -> None:
                          f"{log_fgate.device}")
     per = chunks_per_rank(layout)
     gate_ok = not bool((~(log_fgate <= 0) | log_fgate.isinf()).any())
-    data_bound = acp is not None and acp.logit_bound is None  # then the ranks all-reduce their norms
-    # what may hold on one rank only is compared first, so that every rank raises and none waits in a collective
+    bound = None if acp is None else acp.logit_bound
+    # what may hold on one rank only is compared first, so that every rank raises and none waits in a collective.
+    # ACP's settings too: each rank plans the chunk pairs it skips from its own threshold, and a rank whose plan
+    # keeps a pair that the keys' owner prunes waits for keys that never come
     check_same_on_ranks(group, q.device, {"q.shape": q.shape, "k.shape": k.shape, "v.shape": v.shape,
                                           "q.dtype": q.dtype, "layout": layout, "prune": acp is not None,
-                                          "logit_bound is None": data_bound,
+                                          "scale": scale, "tolerance": None if acp is None else float(acp.tolerance),
+                                          "logit_bound": bound if bound is None or isinstance(bound, torch.Tensor)
+                                          else float(bound),
                                           "log_fgate finite and <= 0": gate_ok})
     if Tl % per:
         raise ValueError(f"q: a {layout} shard holds {per} equal chunks, so T/P={Tl} must be a multiple of {per} "
@@ -427,16 +431,17 @@ def cp_forgetting_attention(
     ``shard_sequence(x, dim=1, group=group, layout=layout)`` makes it; every rank of ``group`` calls this with
     shards of the same shape. prune (an ``ACP`` or a bool with tolerance and logit_bound): ACP as in
     ``forgetting_attention``, with N the whole length T and U all-reduced over the group (a logit bound must be the
-    same on every rank). check: compare the shards' shapes, dtype and settings between the ranks and check the gates'
-    values (a collective and a host sync); False for a caller that vouches for them, as a foxlm model's layers do
-    (the model compares its input shards once a forward and its gates are logsigmoids), so that a layer syncs with
-    the host only where ACP plans its blocks.
+    same on every rank). check: compare the shards' shapes and dtype and the settings (layout, scale, prune,
+    tolerance, logit_bound) between the ranks and check the gates' values (a collective and a host sync); False for
+    a caller that vouches for them, as a foxlm model's layers do (the model compares its input shards once a forward,
+    its settings are its config's and its gates are logsigmoids), so that a layer syncs with the host only where ACP
+    plans its blocks.
     Returns o: [B, T/P, Hq, Dv] in q's dtype. Differentiable in q, k, v and log_fgate.
     """
     acp = ACP.of(prune, tolerance, logit_bound)
-    if check:
-        _validate(q, k, v, log_fgate, layout, group, acp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if check:
+        _validate(q, k, v, log_fgate, layout, group, acp, scale)
     plan = _Plan(q, k, log_fgate, group, layout, scale, acp)
     return _CPForgettingAttention.apply(q, k, v, log_fgate, plan, scale)
 
@@ -459,8 +464,8 @@ def cp_acp_tile_stats(
     process reports for the same sequence whatever P and the layout. The op itself skips chunk pairs, a coarser
     unit (``cp_acp_stats``)."""
     acp = ACP(tolerance, logit_bound)
-    _validate(q, k, k, log_fgate, layout, group, acp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    _validate(q, k, k, log_fgate, layout, group, acp, scale)
     threshold = _threshold(q, k, scale, acp, q.shape[1] * dist.get_world_size(group), group)
     with torch.no_grad():
         whole = gather_sequence(log_fgate.detach(), dim=1, group=group, layout=layout)
@@ -485,8 +490,9 @@ def cp_acp_stats(
     default D. Blocks are (chunk of queries x chunk of keys) per head, the op's unit of skipping.
     """
     acp = ACP(tolerance, logit_bound)
-    _validate(q, k, k if value_dim is None else k.new_empty(*k.shape[:3], value_dim), log_fgate, layout, group, acp)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    _validate(q, k, k if value_dim is None else k.new_empty(*k.shape[:3], value_dim), log_fgate, layout, group, acp,
+              scale)
     plan = _Plan(q, k, log_fgate, group, layout, scale, acp)
     B, _, Hq, D = q.shape
     Dv = D if value_dim is None else value_dim

@@ -95,12 +95,13 @@ def previous_tokens(
 
     x_local: [B, T/P, ...] as ``shard_sequence(x, dim=1)`` makes it -> [chunks per rank, B, ...] (one chunk for
     ``contiguous``, two for ``zigzag``), e.g. ``token_shift``'s ``prev`` for each chunk. Differentiable: the
-    gradient goes back to the rank that holds the token. check: compare the shards' shapes between the ranks first (a
-    collective; shards of different lengths exchanged the wrong tokens without an error); False for a caller that
-    vouches for them, as a foxlm model's layers do (the model compares its input shards once a forward).
+    gradient goes back to the rank that holds the token. check: compare the shards' shapes and the layout between the
+    ranks first (a collective; shards of different lengths exchanged the wrong tokens without an error, and ranks of
+    different layouts waited for a token no rank sent); False for a caller that vouches for them, as a foxlm model's
+    layers do (the model compares its input shards and the layout once a forward).
     """
     if check:
-        check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape)})
+        check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape), "layout": layout})
     per = chunks_per_rank(layout)
     if x_local.dim() < 2 or x_local.shape[1] % per or x_local.shape[1] == 0:
         raise ValueError(f"x_local: expected [B, T/P, ...] with T/P a positive multiple of {per} ({layout} layout), "

@@ -6,6 +6,8 @@ causal work; ``contiguous`` gives rank r the r-th of P equal chunks.
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +58,10 @@ def _world(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, fields: dict) -> None:
     """Refuse, on every rank alike, arguments that differ between the ranks of ``group``: ``fields`` maps what the
-    message names to a shape (a tuple of ints), a dtype, a layout or a bool. A collective (one all-gather of a few
-    integers, read on the host): without it, shards of different shapes abort one process inside the
-    communication library and let another return a wrong result."""
+    message names to a shape (a tuple of ints), a dtype, a layout, a bool, or a setting that is a float, a tensor or
+    None (a tensor compared by its shape and values). A collective (one all-gather of a few integers, read on the
+    host): without it, shards of different shapes abort one process inside the communication library and let
+    another return a wrong result."""
     rank, world = _world(group)
     if world == 1:
         return
@@ -76,6 +79,10 @@ def check_same_on_ranks(group: dist.ProcessGroup | None, device: torch.device, f
         start += len(code)
 
 
+def _is_setting(value) -> bool:
+    return value is None or isinstance(value, (float, torch.Tensor))
+
+
 def _encode(value) -> tuple[int, ...]:
     if isinstance(value, torch.dtype):
         return (_ALL_DTYPES.index(value),)
@@ -83,6 +90,14 @@ def _encode(value) -> tuple[int, ...]:
         return (LAYOUTS.index(value),)
     if isinstance(value, bool):
         return (int(value),)
+    if _is_setting(value):  # (kind, payload), as long for every kind: the ranks' codes must line up
+        if value is None:
+            return (0, 0)
+        if isinstance(value, float):
+            return (1, struct.unpack("<q", struct.pack("<d", value))[0])
+        values = value.detach().to("cpu", torch.float64).contiguous()
+        digest = hashlib.blake2b(repr(tuple(values.shape)).encode() + values.numpy().tobytes(), digest_size=7)
+        return (2, int.from_bytes(digest.digest(), "little"))
     return tuple(int(d) for d in value)
 
 
@@ -93,6 +108,13 @@ def _decode(like, code: tuple[int, ...]):
         return repr(LAYOUTS[code[0]])
     if isinstance(like, bool):
         return bool(code[0])
+    if _is_setting(like):  # another rank's may be of another kind
+        kind, payload = code
+        if kind == 0:
+            return None
+        if kind == 1:
+            return struct.unpack("<d", struct.pack("<q", payload))[0]
+        return f"a tensor #{payload:014x}"
     return code
 
 
@@ -118,16 +140,17 @@ def gather_sequence(
     """The whole sequence on every rank from the ranks' shards of it (the inverse of ``shard_sequence``).
 
     Not differentiable: it is for outputs and evaluation, and a gradient through it would depend on whether
-    the ranks then compute the same loss or different ones. The ranks compare the shards' shapes and dtypes first
-    (a collective of a few integers): shards that differ aborted one process in gloo and gave another a wrong
-    sequence.
+    the ranks then compute the same loss or different ones. The ranks compare the shards' shapes and dtypes and the
+    layout first (a collective of a few integers): shards that differ aborted one process in gloo and gave another a
+    wrong sequence, and layouts that differ gave each rank another sequence.
     """
     rank, world = _world(group)
     if torch.is_grad_enabled() and x_local.requires_grad:
         raise ValueError("x_local: gather_sequence is not differentiable; call it under torch.no_grad() or on a "
                          "detached tensor")
     per = chunks_per_rank(layout)
-    check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape), "x_local.dtype": x_local.dtype})
+    check_same_on_ranks(group, x_local.device, {"x_local.shape": tuple(x_local.shape), "x_local.dtype": x_local.dtype,
+                                                "layout": layout})
     if x_local.shape[dim] % per:
         raise ValueError(f"x_local: its length {x_local.shape[dim]} along dim {dim} must be a multiple of {per} "
                          f"({layout} layout)")
@@ -154,13 +177,15 @@ class ContextParallel:
         chunks_per_rank(self.layout)
 
     def check_shard(self, name: str, shape: tuple[int, int], device: torch.device, fields: dict | None = None) -> None:
-        """Refuse a model input ``name`` of ``shape`` [B, T/P] that is no shard of this layout, or whose shape (or
-        any of ``fields``, as ``check_same_on_ranks`` takes them) differs between the ranks (a collective: ranks
-        passing shards of different lengths would otherwise abort in the communication library or compute with each
-        other's wrong tokens). The comparison comes first, so that a bad shard on one rank is an error on all."""
+        """Refuse a model input ``name`` of ``shape`` [B, T/P] that is no shard of this layout, or whose shape, the
+        layout (or any of ``fields``, as ``check_same_on_ranks`` takes them) differs between the ranks (a collective:
+        ranks passing shards of different lengths would otherwise abort in the communication library or compute with
+        each other's wrong tokens, and ranks of different layouts wait in the token shift's exchange for a token no
+        rank sends). The comparison comes first, so that a bad shard on one rank is an error on all."""
         _, world = _world(self.group)
         per = chunks_per_rank(self.layout)
-        check_same_on_ranks(self.group, device, {f"{name}.shape": tuple(shape), **(fields or {})})
+        check_same_on_ranks(self.group, device, {f"{name}.shape": tuple(shape), "layout": self.layout,
+                                                 **(fields or {})})
         if shape[1] == 0 or shape[1] % per:
             raise ValueError(f"{name}: a {self.layout} shard holds {per} equal chunks, so its length {shape[1]} must "
                              f"be a positive multiple of {per} (the whole sequence a multiple of {per * world}: "

@@ -286,6 +286,52 @@ def _double_backward(rank, world):
             (prev.sum() + dx.square().sum()).backward()
 
 
+def _acp_settings_differ(rank, world):
+    """ACP's settings that differ between the ranks (a logit bound each rank takes from its own shard, a tolerance or a
+    scale): each rank planned the chunk pairs it skips from its own threshold, so a rank waited for keys that their
+    owner had pruned (3 contiguous ranks: rank 2 wanted chunk 0, rank 0 did not send it) and hung, while the others
+    returned. An error naming the setting on every rank; the same bound on every rank runs."""
+    from foxlm.parallel import cp_forgetting_attention, shard_sequence
+
+    q, k, v, log_f, _ = _inputs(1, 16 * world, 2, 2, 8, 8, torch.float64, seed=0, gate_bias=(-4.0,))
+    local = [shard_sequence(t, dim=1, layout="contiguous") for t in (q, k, v, log_f)]
+    own = 0.5 * local[0].norm(dim=-1).amax() * local[1].norm(dim=-1).amax()  # U from this rank's shard alone
+    same = "expected the same on every rank of the context-parallel group, got rank 0: "
+    for kwargs, match in (({"logit_bound": 0.0 if rank == 0 else 50.0}, rf"logit_bound: {same}0\.0, rank 1: 50\.0, "
+                                                                         rf"rank 2: 50\.0$"),
+                          ({"logit_bound": own}, f"logit_bound: {same}a tensor"),
+                          ({"tolerance": 0.1 if rank == 0 else 0.01}, rf"tolerance: {same}0\.1, rank 1: 0\.01"),
+                          ({"scale": 0.5 if rank == 0 else 0.25}, rf"scale: {same}0\.5, rank 1: 0\.25")):
+        with pytest.raises(ValueError, match=f"^{match}"):
+            cp_forgetting_attention(*local, layout="contiguous", prune=True, **kwargs)
+    bound = torch.tensor(own.item())
+    dist.broadcast(bound, 0)  # one bound for all: runs
+    assert cp_forgetting_attention(*local, layout="contiguous", prune=True, logit_bound=bound).isfinite().all()
+
+
+def _layouts_differ(rank, world):
+    """Ranks that disagree on the layout (one zigzag, one contiguous), each a shard of the same length: the token
+    shift's exchange waited for a token no rank sent (a hang, previous_tokens' own check and a model's alike), and
+    gather_sequence gave each rank another whole sequence. An error naming the layout on every rank."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.parallel import apply_context_parallel, gather_sequence, previous_tokens
+
+    layout = "zigzag" if rank == 0 else "contiguous"
+    match = "^layout: expected the same on every rank of the context-parallel group, got rank 0: 'zigzag', " \
+            "rank 1: 'contiguous'$"
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    with pytest.raises(ValueError, match=match):
+        previous_tokens(x, layout=layout)
+    with pytest.raises(ValueError, match=match):
+        gather_sequence(x, dim=1, layout=layout)
+    torch.manual_seed(0)
+    config = FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=64)
+    model = apply_context_parallel(FoxForCausalLM(config).double(), layout=layout)
+    with pytest.raises(ValueError, match=match):
+        model(torch.zeros(2, 4, dtype=torch.long))
+
+
 def _errors(rank, world):
     from foxlm.parallel import (
         cp_forgetting_attention,
@@ -466,7 +512,7 @@ def _model(rank, world):
         model(shard_sequence(ids, dim=1), labels=None)
     finally:
         layout_module.check_same_on_ranks = attention_module.check_same_on_ranks = counted.__defaults__[0]
-    assert compared == [["cu_seqlens / attention_mask with padding", "input_ids.shape",
+    assert compared == [["cu_seqlens / attention_mask with padding", "input_ids.shape", "layout",
                          "position_ids are the shard's"]], compared
     backends = [block.attn.attention_backend for block in model.model.layers]
     assert all(isinstance(b, ContextParallelAttention) for b in backends)
@@ -613,6 +659,14 @@ def test_four_processes_token_shift_and_positions(tmp_path):
 
 def test_errors_are_named(tmp_path):
     _spawn(tmp_path, 2, "_errors")
+
+
+def test_two_processes_layouts_that_differ_are_named(tmp_path):
+    _spawn(tmp_path, 2, "_layouts_differ")
+
+
+def test_three_processes_acp_settings_that_differ_are_named(tmp_path):
+    _spawn(tmp_path, 3, "_acp_settings_differ")
 
 
 
