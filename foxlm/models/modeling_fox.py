@@ -27,7 +27,7 @@ from ..ops.cross_entropy import check_label_values, linear_cross_entropy
 from ..ops.forgetting_attention.acp import check_tolerance
 from ..ops.forgetting_attention.gate import first_and_end
 from ..parallel import ContextParallel, sequence_positions
-from ..parallel.layout import chunks_per_rank
+from ..parallel.layout import check_same_on_ranks, chunks_per_rank
 from .cache import FoxCache, KVCache
 from .configuration_fox import FoxConfig
 
@@ -245,6 +245,8 @@ class FoxModel(FoxPreTrainedModel):
             output_hidden_states = self.config.output_hidden_states
         _check_inputs(input_ids, inputs_embeds, position_ids, self.config.hidden_size,
                       sharded=self.context_parallel is not None)
+        if self.context_parallel is not None and inputs_embeds is None:
+            _agree_in_range(self.context_parallel, "input_ids", input_ids, self.embed_tokens.num_embeddings)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         B, T = x.shape[:2]
         cache = cache if cache is not None else past_key_values
@@ -483,6 +485,8 @@ class FoxForCausalLM(FoxPreTrainedModel, GenerationMixin):
         cp = self.model.context_parallel
         reduction = "mean" if num_items_in_batch is None and cp is None else "sum"
         if targets is not None:  # F.cross_entropy's own errors name no argument (on CUDA: a bare device assert)
+            if cp is not None:
+                _agree_in_range(cp, name, targets, self.lm_head.out_features, ignore_index=-100)
             check_label_values(targets, self.lm_head.out_features, name=name)
         if targets is not None and self.training and self.config.fuse_cross_entropy and not return_per_token_loss:
             loss = linear_cross_entropy(h[:, :targets.shape[1]].flatten(0, 1), self.lm_head.weight, targets.flatten(),
@@ -714,6 +718,20 @@ def _check_gaps(mask: torch.Tensor, T: int, window: int | None) -> None:
             torch._assert_async(~bad.any(), message)
         elif bool(bad.any()):
             raise ValueError(message)
+
+
+def _agree_in_range(cp: ContextParallel, name: str, values: torch.Tensor, size: int,
+                    ignore_index: int | None = None) -> None:
+    """Under context parallelism off CUDA, refuse on every rank (a collective) ``values`` outside [0, size) (other
+    than ``ignore_index``) in one rank's shard only: that rank's own error (the embedding's, the labels' check) left
+    the others waiting in the next collective. Where every shard's are out of range, each rank's own error follows.
+    On CUDA an out-of-range index is a device assertion, which ends every rank's job."""
+    if values.is_cuda:
+        return
+    ok = (values >= 0) & (values < size)
+    if ignore_index is not None:
+        ok |= values == ignore_index
+    check_same_on_ranks(cp.group, values.device, {f"{name} within [0, {size})": bool(ok.all())})
 
 
 def _check_inputs(input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor | None,

@@ -332,6 +332,31 @@ def _layouts_differ(rank, world):
         model(torch.zeros(2, 4, dtype=torch.long))
 
 
+def _values_out_of_range_on_one_rank(rank, world):
+    """An id or a target outside the vocabulary in one rank's shard only: that rank raised (the embedding's IndexError,
+    the labels' check) and the others waited in the next collective, a hang. An error naming it on every rank; where
+    every shard's are out of range, each rank's own error."""
+    from foxlm.models import FoxConfig, FoxForCausalLM
+    from foxlm.parallel import apply_context_parallel
+
+    torch.manual_seed(0)
+    config = FoxConfig.preset("fox-pro", "tiny", vocab_size=97, hidden_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, intermediate_size=64)
+    model = apply_context_parallel(FoxForCausalLM(config).double())
+    ids = torch.randint(0, 97, (2, 4))
+    with pytest.raises(ValueError, match=r"^input_ids within \[0, 97\): expected the same on every rank of the "
+                                         r"context-parallel group, got rank 0: True, rank 1: False$"):
+        model(ids if rank == 0 else torch.full_like(ids, 97))
+    bad = ids.clone()
+    bad[0, 1] = 200 if rank == 0 else -100  # -100 is ignored: in range
+    with pytest.raises(ValueError, match=r"^shift_labels within \[0, 97\): expected the same on every rank .*, got "
+                                         r"rank 0: False, rank 1: True$"):
+        model(ids, shift_labels=bad)
+    with pytest.raises(ValueError, match=r"^shift_labels: expected values in \[0, 97\)"):
+        model(ids, shift_labels=ids + 200)
+    assert model(ids, shift_labels=bad if rank == 1 else ids).loss.isfinite()
+
+
 def _errors(rank, world):
     from foxlm.parallel import (
         cp_forgetting_attention,
@@ -668,6 +693,9 @@ def test_two_processes_layouts_that_differ_are_named(tmp_path):
 def test_three_processes_acp_settings_that_differ_are_named(tmp_path):
     _spawn(tmp_path, 3, "_acp_settings_differ")
 
+
+def test_two_processes_values_out_of_range_on_one_rank_are_named(tmp_path):
+    _spawn(tmp_path, 2, "_values_out_of_range_on_one_rank")
 
 
 def test_two_processes_double_backward_raises(tmp_path):
