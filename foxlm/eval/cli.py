@@ -410,6 +410,13 @@ def _run_loss(args, cp) -> int:
         raise ValueError(f"--train-length: {args.checkpoints[0]} records no training length (no train_length in its "
                          "config.json, and not inside a `foxlm train` run); pass --train-length N (the seq_len it was "
                          "trained at)")
+    if args.train_length is None:  # one length marks every curve: said where the checkpoints record others
+        recorded = {lab: _train_length(args, c, m) for lab, c, m in zip(labels, args.checkpoints, models)}
+        if len(set(recorded.values())) > 1:
+            shown = ", ".join(f"{lab}: {n}" for lab, n in recorded.items())
+            print(f"--train-length: the checkpoints record different training lengths ({shown}); the summary's "
+                  f"milestones, the figure's mark and the default --eval-length take the first's, {train_length} "
+                  f"(pass --train-length to choose)", file=sys.stderr)
     eval_length = args.eval_length if args.eval_length is not None else 4 * train_length
     if cp is not None and eval_length % (2 * args.cp):
         raise ValueError(f"--eval-length: {eval_length} must be a multiple of 2 x --cp = {2 * args.cp} (each process "

@@ -756,6 +756,22 @@ def test_niah_ctrl_c_writes_the_prompts_it_finished(untrained, corpus, tmp_path)
     _nontrivial_png(out / "niah.png")
 
 
+def test_loss_says_which_training_length_marks_checkpoints_that_record_others(tmp_path, corpus, capsys):
+    """Checkpoints trained at different lengths, overlaid: the summary's milestones and the figure's mark are the
+    first's; stderr says so, naming each one's (it was silent), and --train-length chooses without a word."""
+    for name, n in (("short", 64), ("long", 128)):
+        torch.manual_seed(0)
+        FoxForCausalLM(_config(train_length=n)).save_pretrained(tmp_path / name)
+    run = ["eval", "loss", str(tmp_path / "short"), str(tmp_path / "long"), "--data", str(corpus), "--max-sequences",
+           "2", "--device", "cpu", "--no-progress"]
+    assert main([*run, "--out", str(tmp_path / "a")]) == 0
+    said = capsys.readouterr().err
+    assert ("--train-length: the checkpoints record different training lengths (short: 64, long: 128); the summary's "
+            "milestones, the figure's mark and the default --eval-length take the first's, 64") in said
+    assert main([*run, "--train-length", "128", "--out", str(tmp_path / "b")]) == 0
+    assert "--train-length:" not in capsys.readouterr().err
+
+
 def test_loss_ctrl_c_writes_the_curves_it_finished(untrained, corpus, tmp_path):
     """Ctrl-C during eval loss (a pass over the data per curve) writes the curves already finished, and loss.json
     names them, before the command exits 130 as interrupted: every one was lost."""
