@@ -53,12 +53,13 @@ def take_run_folder(run_dir: Path, d: parallel.Dist, device: torch.device) -> tu
     if d.main:
         try:
             check_run_folder(run_dir)  # before anything is written there
-        except (ValueError, NotADirectoryError) as e:
-            refused = e
-        else:
             created = [p for p in (run_dir, run_dir / RUN_MARKER, run_dir / LOCK_FILE) if not p.exists()]
             run_dir.mkdir(parents=True, exist_ok=True)
             lock = lock_run(run_dir)
+        except (ValueError, NotADirectoryError) as e:
+            refused = e
+        except OSError as e:  # a name too long, a read-only disk: said as the other refusals, on every process
+            refused = ValueError(f"out_dir: {run_dir} cannot be made a run folder: {e.strerror or e}")
     try:
         if d.any(refused is not None, device):
             raise refused or ValueError(f"out_dir: {run_dir} is refused (the main process says why)")

@@ -422,6 +422,16 @@ def test_folders_a_run_cannot_make_are_refused_naming_their_key(byte_data, tmp_p
     assert latest_valid_checkpoint(tmp_path / "run").name == "step_0000002" and not any(export.iterdir())
 
 
+def test_an_out_dir_the_filesystem_cannot_make_is_refused_naming_it(byte_data, tmp_path):
+    """An out_dir the filesystem refuses to make (a name past its 255 bytes here; a read-only disk alike): one error
+    naming out_dir and why, nothing left behind. It was an OSError traceback naming no key (and on several processes
+    the others waited for the main one's answer)."""
+    run = tmp_path / ("a" * 300) / "run"
+    with pytest.raises(ValueError, match=f"^out_dir: {run} cannot be made a run folder: File name too long$"):
+        train(tiny_config(byte_data, run, "max_steps=1", "eval_every=0"))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_filesystem_without_flock_trains_unlocked(byte_data, tmp_path, monkeypatch):
     """Where flock fails (ENOLCK on some network or FUSE mounts; simulated here) training goes on, with a warning."""
     import errno
