@@ -723,29 +723,36 @@ def test_niah_cli_finds_memorised_needle(trained, untrained, corpus, tmp_path):
     assert len(res) == 1 and not res[0].found and res[0].answer_logprob_per_token < -4
 
 
-def test_niah_ctrl_c_writes_the_prompts_it_finished(untrained, corpus, tmp_path):
-    """Ctrl-C during a grid (hours of generation at the paper's lengths) writes the prompts already scored, in order,
-    and niah.json says how many of how many, before the command exits 130 as interrupted: every one was lost."""
+def _ctrl_c(argv: list[str], until: bytes) -> str:
+    """Run ``foxlm eval ARGV`` in a child process, press Ctrl-C once its stderr matches ``until``; the command must
+    exit 130 as interrupted. Returns its stderr."""
     from foxlm_cli import ctrl_c_reaches_it
 
-    out = tmp_path / "out"
-    depths = [i / 20 for i in range(21)]
-    cells = [(m, n, d) for m in niah.MODES for n in (600, 700) for d in depths]
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    child = subprocess.Popen(
-        [sys.executable, "-m", "foxlm.cli", "eval", "niah", str(untrained), "--data", str(corpus), "--lengths",
-         "600,700", "--depths", ",".join(map(str, depths)), "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=ctrl_c_reaches_it)
+    child = subprocess.Popen([sys.executable, "-m", "foxlm.cli", "eval", *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env, preexec_fn=ctrl_c_reaches_it)
     err = b""
-    while not re.search(rb"\| *[1-9]\d*/%d \[" % len(cells), err):  # the progress bar: a cell is done
+    while not re.search(until, err):
         chunk = os.read(child.stderr.fileno(), 4096)
         assert chunk, err.decode()
         err += chunk
     child.send_signal(signal.SIGINT)
     _, rest = child.communicate(timeout=120)
     err = (err + rest).decode()
-    assert child.returncode == 130 and err.rstrip().endswith("foxlm eval niah: interrupted"), err
+    assert child.returncode == 130 and err.rstrip().endswith(f"foxlm eval {argv[0]}: interrupted"), err
+    return err
+
+
+def test_niah_ctrl_c_writes_the_prompts_it_finished(untrained, corpus, tmp_path):
+    """Ctrl-C during a grid (hours of generation at the paper's lengths) writes the prompts already scored, in order,
+    and niah.json says how many of how many, before the command exits 130 as interrupted: every one was lost."""
+    out = tmp_path / "out"
+    depths = [i / 20 for i in range(21)]
+    cells = [(m, n, d) for m in niah.MODES for n in (600, 700) for d in depths]
+    err = _ctrl_c(["niah", str(untrained), "--data", str(corpus), "--lengths", "600,700", "--depths",
+                   ",".join(map(str, depths)), "--out", str(out)],
+                  rb"\| *[1-9]\d*/%d \[" % len(cells))  # the progress bar: a cell is done
     with open(out / "niah.csv") as f:
         rows = list(csv.DictReader(f))
     assert 1 <= len(rows) < len(cells)
@@ -775,25 +782,10 @@ def test_loss_says_which_training_length_marks_checkpoints_that_record_others(tm
 def test_loss_ctrl_c_writes_the_curves_it_finished(untrained, corpus, tmp_path):
     """Ctrl-C during eval loss (a pass over the data per curve) writes the curves already finished, and loss.json
     names them, before the command exits 130 as interrupted: every one was lost."""
-    from foxlm_cli import ctrl_c_reaches_it
-
     out, labels = tmp_path / "out", ["a", "b", "c"]
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FOXLM_DEBUG")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    child = subprocess.Popen(
-        [sys.executable, "-m", "foxlm.cli", "eval", "loss", *[str(untrained)] * 3, "--labels", ",".join(labels),
-         "--data", str(corpus), "--train-length", "64", "--eval-length", "256", "--batch-size", "1", "--device", "cpu",
-         "--out", str(out)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, preexec_fn=ctrl_c_reaches_it)
-    err = b""
-    while b"loss b @" not in err:  # curve a is done
-        chunk = os.read(child.stderr.fileno(), 4096)
-        assert chunk, err.decode()
-        err += chunk
-    child.send_signal(signal.SIGINT)
-    _, rest = child.communicate(timeout=120)
-    err = (err + rest).decode()
-    assert child.returncode == 130 and err.rstrip().endswith("foxlm eval loss: interrupted"), err
+    err = _ctrl_c(["loss", *[str(untrained)] * 3, "--labels", ",".join(labels), "--data", str(corpus),
+                   "--train-length", "64", "--eval-length", "256", "--batch-size", "1", "--device", "cpu", "--out",
+                   str(out)], rb"loss b @")  # curve a is done
     done = json.loads((out / "loss.json").read_text())["curves_done"]
     assert 1 <= len(done) < 3 and done == labels[:len(done)]
     assert _read_csv(out / "per_token_loss.csv")[0] == ["position"] + [f"{lab} {k}" for lab in done for k in "LP"]
