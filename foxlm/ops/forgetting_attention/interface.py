@@ -19,7 +19,7 @@ from .sdpa import attention_from_cumsum, sdpa_scale
 def _checking_values(x: torch.Tensor) -> bool:
     """Value checks (gate sign, cu_seqlens order) need a host sync: skip them while compiling or capturing. Only a
     CUDA tensor asks CUDA about capture: a CPU process forked from one that used CUDA cannot initialize it."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or x.is_meta:  # a meta tensor has no values to check
         return False
     return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 

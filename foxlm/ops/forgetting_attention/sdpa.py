@@ -873,7 +873,7 @@ def attention_from_cumsum_wide_lse(
 def _attention(q, k, v, c_q, c_k, scale, q_offset, window, threshold, cu_seqlens):
     """(o in q's dtype, lse in q's dtype promoted to fp32, the row starts or None) of checked arguments."""
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, c_q, c_k))
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or q.is_meta:  # the ops' fakes give meta tensors their shapes
         o, lse, row_start = _forward_op(q, k, v, c_q, c_k, threshold, cu_seqlens, scale, q_offset, window, grad)
         o = o[..., :v.shape[-1]].to(q.dtype).contiguous()
         return o, lse, None if row_start.dim() == 1 else row_start

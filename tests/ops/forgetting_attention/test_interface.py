@@ -584,6 +584,27 @@ def test_differing_devices_raise():
         forgetting_attention(q, meta_k, v, log_f)
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"window": 3, "prune": True}, {"cu": [0, 0, 1, 7, 9]}],
+                         ids=["plain", "window-acp", "varlen"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_meta_inputs_give_the_shapes_and_dtypes_of_a_real_call(dtype, kwargs):
+    """Meta tensors (a model traced without memory) have no values to check or plan chunks from: the op still
+    answers with o, lse and every gradient shaped and typed as on the CPU."""
+    kwargs = dict(kwargs)
+    cu = kwargs.pop("cu", None)
+    results = []
+    for device in ("cpu", "meta"):
+        inputs = [t.to(device, dtype if t.dim() == 4 else torch.float32).requires_grad_()
+                  for t in _inputs(1, 9, 9, 4, 2, 8, Dv=6)]
+        if cu is not None:
+            kwargs["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
+        o, lse = forgetting_attention(*inputs, return_lse=True, **kwargs)
+        grads = torch.autograd.grad(o.float().sum() + lse.sum(), inputs)
+        results.append([(tuple(t.shape), t.dtype, t.device.type) for t in (o, lse, *grads)])
+    assert [(s, d) for s, d, _ in results[1]] == [(s, d) for s, d, _ in results[0]]
+    assert {dev for _, _, dev in results[1]} == {"meta"}
+
+
 def test_acp_threshold_tightens_with_a_window():
     """A row sees at most `window` keys, so N = window in delta: a higher threshold, still within tolerance."""
     from foxlm.ops import acp_threshold
