@@ -18,7 +18,6 @@ SIGTERM (``preemption.py``). This module builds them from the config and runs th
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import time
@@ -131,16 +130,18 @@ class Trainer:
         lr = lr_at(self.step, self.cfg)
         set_lr(self.optimizer, lr)
         micro = self.loader.batch(self.step)
-        # a step given up has drawn random numbers (dropout) for the micro-batches it ran: the last whole step's
-        # generator state is put back, so that its checkpoint resumes the draws of an uninterrupted run
-        rng = rng_state(self.device)
-        try:
-            # a CUDA graph's capture must not be cut short; GPU steps are short anyway
-            with self.preemption.interruptible() if self.graphed is None else contextlib.nullcontext():
-                loss = self._forward_backward(micro)
-        except Preempted:  # outside the block: a second SIGTERM cannot cut this short
-            set_rng_state(rng, self.device)
-            raise
+        if self.graphed is not None:  # a CUDA graph's capture must not be cut short; GPU steps are short anyway
+            loss = self._forward_backward(micro)
+        else:
+            # a step given up has drawn random numbers (dropout) for the micro-batches it ran: the last whole step's
+            # generator state is put back, so that its checkpoint resumes the draws of an uninterrupted run
+            rng = rng_state(self.device)
+            try:
+                with self.preemption.interruptible():
+                    loss = self._forward_backward(micro)
+            except Preempted:  # outside the block: a second SIGTERM cannot cut this short
+                set_rng_state(rng, self.device)
+                raise
         self.tokens_seen += sum(b.input_ids.numel() for b in micro) * self.d.world  # whole sequences
         self.step += 1
         record = {"step": self.step, "lr": lr, "tokens": self.tokens_seen}
