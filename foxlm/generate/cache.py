@@ -285,9 +285,9 @@ class PagedFoxCache:
         if self.window is not None and (window is None or window > self.window):
             raise ValueError(f"window: this cache frees the keys outside window={self.window}, got {window} (which "
                              f"would read them); make it with window={window}")
-        if torch.finfo(q.dtype).eps > torch.finfo(self._coarsest_q).eps:
-            self._coarsest_q = q.dtype
         if layer_idx == 0:
+            if torch.finfo(q.dtype).eps > torch.finfo(self._coarsest_q).eps:  # one dtype a forward
+                self._coarsest_q = q.dtype
             if not self._begun:
                 self.begin(q.shape[1], valid)
             self.end_step()  # this forward takes the booking
