@@ -189,10 +189,9 @@ def _setup(args, checkpoints: list[str]):
 
     if args.batch_size < 1:
         raise ValueError(f"--batch-size: expected >= 1, got {args.batch_size}")
-    # loss, niah and gates draw figures: said now, not at the first figure, after the computation with some of the
-    # results written and the rest lost (the CLI names the extra that installs it)
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ModuleNotFoundError("No module named 'matplotlib'", name="matplotlib")
+    # loss, niah and gates draw figures: a missing matplotlib is said now, not at the first figure, after the
+    # computation with some of the results written and the rest lost (the CLI names the extra that installs it)
+    import matplotlib  # noqa: F401
     out = _out_folder(args)
     with _flag_errors(device="--device"):
         device = resolve_device(args.device)
