@@ -34,15 +34,17 @@ def read_json(path: str | os.PathLike, fix: str) -> dict:
     return value
 
 
+def file_above(path: Path) -> Path | None:
+    """The nearest existing path above ``path`` where it is a file (then ``path`` cannot be made: ``mkdir`` says only
+    "[Errno 17] File exists" or "[Errno 20] Not a directory", naming no argument), else None."""
+    above = next((p for p in path.parents if p.exists()), None)
+    return above if above is not None and not above.is_dir() else None
+
+
 def check_parents(path: Path, arg: str) -> None:
-    """Refuse (``NotADirectoryError`` naming the argument ``arg``) a ``path`` that cannot be made a folder because one
-    of its parents is a file: ``mkdir`` would say "[Errno 17] File exists" or "[Errno 20] Not a directory", naming
-    no argument."""
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise NotADirectoryError(f"{arg}: {path}: {parent} is a file, not a folder")
-            return
+    """Refuse (``NotADirectoryError`` naming the argument ``arg``) a ``path`` under a file (``file_above``)."""
+    if (blocked := file_above(path)) is not None:
+        raise NotADirectoryError(f"{arg}: {path}: {blocked} is a file, not a folder")
 
 
 def temporary_path(dest: Path, kind: str) -> Path:

@@ -34,7 +34,7 @@ from typing import Iterator
 
 import numpy as np
 
-from ..checkpoint.files import remove_stale_temporaries, replace_folder, sha256_file, temporary_path
+from ..checkpoint.files import file_above, remove_stale_temporaries, replace_folder, sha256_file, temporary_path
 from .sources import FORMAT, PIECE_CHARS, Cuts, Source, find_sources, is_token_dataset, source_events, source_size
 from .tokenizer import TOKENIZER_DIR, Tokenizer, copy_files, get_tokenizer
 
@@ -154,9 +154,8 @@ def check_out_dir(out_dir: Path, inputs: list[str | os.PathLike], overwrite: boo
             raise ValueError(f"out_dir (--out): {out_dir} is or lies inside the input {raw}; write the dataset to a "
                              "folder outside the inputs")
     if not out_dir.exists():
-        # the nearest existing folder above it: a file there fails only at the first mkdir, naming a temporary folder
-        above = next(p for p in out_dir.parents if p.exists())
-        if not above.is_dir():
+        # a file above it fails only at the first mkdir, naming a temporary folder
+        if (above := file_above(out_dir)) is not None:
             raise NotADirectoryError(f"out_dir (--out): {out_dir} lies under the file {above}; expected a folder")
         return
     if not out_dir.is_dir():

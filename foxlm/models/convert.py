@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..checkpoint.files import read_json, remove_stale_temporaries, replace_folder, temporary_path
+from ..checkpoint.files import file_above, read_json, remove_stale_temporaries, replace_folder, temporary_path
 from ..checkpoint.manifest import MANIFEST, verify_model_folder, write_manifest
 from ..checkpoint.weights import DAMAGED_MODEL, add_shard, index_shards, reading_weights, resolve_model_dir
 from .card import write_model_card
@@ -114,7 +114,7 @@ def _prepare_dst(dst: Path, src: Path, overwrite: bool) -> None:
     if (holder := _in_manifest_of(dst)) is not None:
         raise ValueError(f"dst: {dst} is part of the checkpoint {holder}; convert into a folder of its own")
     if not dst.exists() or (dst.is_dir() and not any(dst.iterdir())):
-        if (parent := next((p for p in dst.parents if p.exists()), None)) is not None and not parent.is_dir():
+        if (parent := file_above(dst)) is not None:
             raise ValueError(f"dst: {parent} is a file, not a folder to write {dst} in")
         return
     model_type = None
